@@ -1,0 +1,3 @@
+from mlx_prefix.launcher import main
+
+main()

@@ -1,0 +1,70 @@
+"""What callers hand the engine and what they get back: requests, sampling, events.
+
+These records cross the thread boundary between HTTP handlers / the CLI and the
+engine thread: they hold plain Python values, never MLX arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CachePreference:
+    """The per-request `prefix_cache` body object."""
+
+    enabled: bool = True  # False: neither read nor write the prefix cache
+    scope: str | None = None  # disk policy override: off | full | auto[:N] | N
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """Exactly one of `messages` (chat) or `text` (raw completion)."""
+
+    messages: tuple[dict[str, Any], ...] | None = None
+    text: str | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens restored from the prefix cache, not computed
+    ttft_s: float  # submit -> first token
+    prefill_tokens_per_s: float  # over the tokens actually computed
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    text: str  # detokenized text delta (may be "" while a multi-byte char is incomplete)
+    token: int
+    logprob: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    message: str
+    type: str = "server_error"
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
