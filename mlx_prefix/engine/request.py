@@ -51,7 +51,7 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     text: str  # detokenized text delta (may be "" while a multi-byte char is incomplete)
-    token: int
+    token: int | None  # None for a final flush of held-back text
     logprob: float | None = None
 
 

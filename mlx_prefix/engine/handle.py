@@ -1,0 +1,64 @@
+"""RequestHandle: the caller's end of one request, safe to use from any thread or event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+from mlx_prefix.engine.request import DoneEvent, ErrorEvent, Event
+
+
+class RequestHandle:
+    """Events flow engine thread -> caller through a thread-safe queue.
+
+    An async consumer gets them through an asyncio.Queue fed with call_soon_threadsafe,
+    so no thread-pool thread is parked per streaming request.
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.cancelled = threading.Event()
+        self._queue: queue.Queue[Event] = queue.Queue()
+        self._lock = threading.Lock()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        self._backlog: list[Event] = []
+
+    # -- engine side -------------------------------------------------------------
+    def emit(self, event: Event) -> None:
+        with self._lock:
+            if self._async is None:
+                self._queue.put(event)
+                return
+            loop, aqueue = self._async
+        try:
+            loop.call_soon_threadsafe(aqueue.put_nowait, event)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            self.cancelled.set()
+
+    # -- caller side -------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; idempotent. A DoneEvent('cancelled') follows."""
+        self.cancelled.set()
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Blocking iterator; ends after a DoneEvent or ErrorEvent."""
+        while True:
+            event = self._queue.get(timeout=timeout)
+            yield event
+            if isinstance(event, (DoneEvent, ErrorEvent)):
+                return
+
+    async def aevents(self) -> AsyncIterator[Event]:
+        aqueue: asyncio.Queue[Event] = asyncio.Queue()
+        with self._lock:
+            while not self._queue.empty():
+                aqueue.put_nowait(self._queue.get_nowait())
+            self._async = (asyncio.get_running_loop(), aqueue)
+        while True:
+            event = await aqueue.get()
+            yield event
+            if isinstance(event, (DoneEvent, ErrorEvent)):
+                return

@@ -1,0 +1,149 @@
+"""Load a model + tokenizer through mlx-lm and compute its cache identity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_prefix.errors import InvalidRequest, ModelNotFound
+from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
+from mlx_prefix.models.resolve import resolve_model, resolve_model_path
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+__all__ = [
+    "LoadedModel",
+    "ModelIdentity",
+    "choose_dtype",
+    "load_model",
+    "resolve_model_path",
+]
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    identity: ModelIdentity
+    name: str  # id served in /v1/models: folder basename or repo id
+    path: Path
+    context_length: int | None  # from config; None if the config does not say
+
+
+def choose_dtype(device: mx.Device, checkpoint_dtype: str) -> str:
+    """The dtype to hold floating weights in on `device`.
+
+    On CPU, float16/bfloat16 matmuls are 50-100x slower than float32, so half-precision
+    checkpoints are upcast; on GPU the checkpoint's own dtype is kept.
+    """
+    if device == mx.cpu and checkpoint_dtype in ("float16", "bfloat16"):
+        return "float32"
+    return checkpoint_dtype
+
+
+def load_model(
+    spec: str | None = None, *, adapter: str | None = None, dtype: str | None = None
+) -> LoadedModel:
+    """Resolve `spec` (see `resolve_model`), load it with mlx-lm, cast, fingerprint.
+
+    `dtype` overrides `choose_dtype`. Quantized layers stay quantized; only their
+    floating parameters (scales, biases, norms, embeddings) are cast.
+    """
+    from mlx_lm.utils import load as mlx_lm_load
+
+    if dtype is not None and dtype not in _DTYPES:
+        raise InvalidRequest(
+            f"dtype '{dtype}' is not supported (choose from {', '.join(_DTYPES)})", param="dtype"
+        )
+    resolved = resolve_model(spec)
+    adapter_path = _resolve_adapter(adapter)
+    label = spec if spec is not None else resolved.name
+    try:
+        model, tokenizer, config = mlx_lm_load(
+            str(resolved.path),
+            adapter_path=str(adapter_path) if adapter_path else None,
+            return_config=True,
+        )
+    except (FileNotFoundError, ValueError, KeyError, ImportError) as e:
+        raise ModelNotFound(f"model '{label}' could not be loaded: {e}", param="model") from e
+
+    target = dtype or choose_dtype(mx.default_device(), _dominant_dtype(model))
+    _cast_floating(model, _DTYPES[target])
+
+    weight_files = [resolved.path / "config.json", *resolved.path.glob("model*.safetensors")]
+    if adapter_path is not None:
+        weight_files += [p for p in adapter_path.iterdir() if p.suffix in (".json", ".safetensors")]
+    identity = ModelIdentity(
+        source=resolved.source,
+        adapter=str(adapter_path) if adapter_path else None,
+        dtype=target,
+        weights_fingerprint=fingerprint_files(weight_files),
+        chat_template_hash=chat_template_hash(getattr(tokenizer, "chat_template", None)),
+    )
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        identity=identity,
+        name=resolved.name,
+        path=resolved.path,
+        context_length=_context_length(config),
+    )
+
+
+def _resolve_adapter(adapter: str | None) -> Path | None:
+    if adapter is None:
+        return None
+    path = Path(adapter).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise ModelNotFound(
+            f"adapter '{adapter}' not found: no adapter_config.json in that folder",
+            param="adapter",
+        )
+    return path.resolve()
+
+
+def _dominant_dtype(model: nn.Module) -> str:
+    """The floating dtype holding most parameter elements (packed quantized ints excluded)."""
+    sizes: dict[str, int] = {}
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            name = str(p.dtype).removeprefix("mlx.core.")
+            sizes[name] = sizes.get(name, 0) + p.size
+    return max(sizes, key=sizes.__getitem__) if sizes else "float32"
+
+
+def _cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
+    # Some models keep parameters such as SSM A_log in float32 on purpose.
+    keep = getattr(model, "cast_predicate", None) or (lambda _: True)
+    updates = [
+        (k, p.astype(dtype))
+        for k, p in tree_flatten(model.parameters())
+        if mx.issubdtype(p.dtype, mx.floating) and p.dtype != dtype and keep(k)
+    ]
+    if updates:
+        model.load_weights(updates, strict=False)
+        mx.eval(model.parameters())
+
+
+def _context_length(config: dict[str, Any]) -> int | None:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(value := cfg.get(key), int) and value > 0:
+                return value
+    return None

@@ -1,0 +1,116 @@
+"""Turn a model spec (None, a local folder, or a Hugging Face repo id) into a local folder.
+
+Every failure is a one-line `ModelNotFound("model 'X' not found: <reason>")`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_prefix.errors import ModelNotFound
+from mlx_prefix.models.default import DEFAULT_MODEL_NAME, ensure_default_model
+
+# What a model folder needs from a hub snapshot; mirrors mlx_lm.utils' allow list.
+_ALLOW_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_TRUE = {"1", "on", "yes", "true"}
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    path: Path  # local folder holding config.json
+    name: str  # id served in /v1/models: folder basename or repo id
+    source: str  # resolved local path, or "org/repo@<commit sha>"
+
+
+def resolve_model_path(spec: str | None) -> Path:
+    return resolve_model(spec).path
+
+
+def resolve_model(spec: str | None) -> ResolvedModel:
+    """None or DEFAULT_MODEL_NAME -> the bundled default; a folder; else a hub repo id.
+
+    A repo id may pin a revision as `org/repo@rev`. Honors `HF_HUB_OFFLINE` at call
+    time (huggingface_hub reads it only at import): offline, only the local hub cache
+    is consulted.
+    """
+    if spec is None:
+        return _local(ensure_default_model(), name=DEFAULT_MODEL_NAME)
+    local = Path(spec).expanduser()
+    if local.exists():
+        return _local(local, name=local.resolve().name, spec=spec)
+    if spec == DEFAULT_MODEL_NAME:
+        return _local(ensure_default_model(), name=DEFAULT_MODEL_NAME)
+    repo_id, _, revision = spec.partition("@")
+    if spec.startswith((".", "/", "~")) or not _REPO_ID.fullmatch(repo_id):
+        raise ModelNotFound(f"model '{spec}' not found: no such folder", param="model")
+    return _from_hub(spec, repo_id, revision or None)
+
+
+def _local(path: Path, *, name: str, spec: str | None = None) -> ResolvedModel:
+    label = spec if spec is not None else name
+    if not path.is_dir():
+        raise ModelNotFound(f"model '{label}' not found: not a folder", param="model")
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(f"model '{label}' not found: no config.json in {path}", param="model")
+    resolved = path.resolve()
+    return ResolvedModel(path=resolved, name=name, source=str(resolved))
+
+
+def _from_hub(spec: str, repo_id: str, revision: str | None) -> ResolvedModel:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=_ALLOW_PATTERNS,
+            local_files_only=offline,
+        )
+    except GatedRepoError:
+        reason = "the repo is gated (accept its terms and log in with `hf auth login`)"
+    except RepositoryNotFoundError:
+        reason = "no such repo on the Hugging Face Hub"
+    except RevisionNotFoundError:
+        reason = f"no revision '{revision}' in the repo"
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        reason = (
+            "not a local folder, not in the local Hugging Face cache, "
+            "and the Hub is offline or unreachable"
+        )
+    except HFValidationError:
+        reason = "not a local folder nor a valid Hugging Face repo id"
+    except Exception as e:  # noqa: BLE001
+        # HTTP client errors differ across huggingface_hub versions (requests, httpx,
+        # httpx2); whatever the transport raised, the caller gets a one-line ModelNotFound.
+        reason = f"cannot reach the Hugging Face Hub ({type(e).__name__})"
+    else:
+        path = Path(folder)
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"model '{spec}' not found: the repo has no config.json",
+                                param="model")
+        # Snapshot folders are named by commit sha: the source pins the exact weights.
+        return ResolvedModel(path=path, name=repo_id, source=f"{repo_id}@{path.name}")
+    raise ModelNotFound(f"model '{spec}' not found: {reason}", param="model")

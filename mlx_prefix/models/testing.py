@@ -1,0 +1,225 @@
+"""Tiny random-weight model folders of real mlx-lm architectures, for tests.
+
+No hybrid or sliding-window checkpoints are reachable offline, so tests build their own:
+mlx-lm's own model classes at tiny sizes, random float32 weights from a fixed seed, the
+default model's SmolLM2 tokenizer, saved as an ordinary model folder and loaded back
+through `load_model` like any real checkpoint.
+
+| kind         | mlx-lm model   | layers                             | prompt cache            |
+|--------------|----------------|------------------------------------|-------------------------|
+| `dense`      | llama          | 2 attention                        | KVCache x2              |
+| `qwen3_5`    | qwen3_5        | linear, full, linear, full         | ArraysCache + KVCache   |
+| `nemotron_h` | nemotron_h     | Mamba2, attention, MLP, Mamba2     | ArraysCache + KVCache   |
+| `sliding`    | gemma3_text    | sliding, global, sliding, global   | RotatingKVCache + KVCache |
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from tokenizers import AddedToken, Tokenizer
+
+from mlx_prefix.models.default import ensure_default_model
+
+TEST_MODEL_KINDS: tuple[str, ...] = ("dense", "qwen3_5", "nemotron_h", "sliding")
+
+SLIDING_WINDOW = 32  # small, so a few hundred prompt tokens wrap the rotating cache
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_BOS, _EOS = 1, 2  # <|im_start|>, <|im_end|>
+_THINK_TOKENS = ("<think>", "</think>")
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 0,  # set to the tokenizer's vocab size
+    "max_position_embeddings": 4096,
+}
+
+_CONFIGS: dict[str, dict[str, Any]] = {
+    "dense": {
+        "model_type": "llama",
+        **_COMMON,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    # VL-style: mlx-lm's qwen3_5 Model wraps a text model configured by text_config.
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "qwen3_5_text",
+            **_COMMON,
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,  # layers 1 and 3 are full attention
+            "rms_norm_eps": 1e-6,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+            },
+        },
+    },
+    "nemotron_h": {
+        "model_type": "nemotron_h",
+        **_COMMON,
+        "hybrid_override_pattern": "M*-M",
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+    },
+    "sliding": {
+        "model_type": "gemma3_text",
+        **_COMMON,
+        "num_hidden_layers": 4,
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_window_pattern": 2,  # every 2nd layer is global
+        "query_pre_attn_scalar": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_local_base_freq": 10000.0,
+    },
+}
+
+
+def make_test_model(kind: str, dest: Path, *, think_template: bool = False, seed: int = 0) -> Path:
+    """Write a loadable model folder of `kind` into `dest` (created if missing); return it.
+
+    The same `kind` and `seed` always give the same weights.
+    """
+    if kind not in _CONFIGS:
+        raise ValueError(f"unknown test model kind {kind!r}; choose from {TEST_MODEL_KINDS}")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    vocab_size = _write_tokenizer(dest, think_template=think_template)
+
+    config = json.loads(json.dumps(_CONFIGS[kind]))  # deep copy
+    config.update({"bos_token_id": _BOS, "eos_token_id": _EOS, "torch_dtype": "float32"})
+    for cfg in (config, config.get("text_config", {})):
+        if "vocab_size" in cfg:
+            cfg["vocab_size"] = vocab_size
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    if kind == "sliding":
+        # gemma3_text ties lm_head to the embeddings when the checkpoint omits it.
+        weights.pop("lm_head.weight")
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dest
+
+
+def _write_tokenizer(dest: Path, *, think_template: bool) -> int:
+    """Copy the SmolLM2 tokenizer into `dest`; return its vocab size (added tokens included).
+
+    With `think_template`, `<think>` and `</think>` become single tokens (non-special, as in
+    Qwen3) so mlx-lm's TokenizerWrapper sees a thinking model (`has_thinking`).
+    """
+    source = ensure_default_model()
+    for name in _TOKENIZER_FILES:
+        shutil.copyfile(source / name, dest / name)
+    if not think_template:
+        return Tokenizer.from_file(str(dest / "tokenizer.json")).get_vocab_size()
+
+    tok = Tokenizer.from_file(str(dest / "tokenizer.json"))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _THINK_TOKENS])
+    tok.save(str(dest / "tokenizer.json"))
+    tok_config_path = dest / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["chat_template"] = THINK_CHAT_TEMPLATE
+    tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    return tok.get_vocab_size()
+
+
+_cache_root: Path | None = None
+_cached: dict[tuple[str, bool], Path] = {}
+
+
+def cached_test_model(kind: str, think_template: bool = False) -> Path:
+    """`make_test_model(kind, ...)` written once per process under a temp dir (seed 0)."""
+    global _cache_root
+    key = (kind, think_template)
+    if key not in _cached:
+        if _cache_root is None:
+            _cache_root = Path(tempfile.mkdtemp(prefix="mlx-prefix-test-models-"))
+            atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
+        name = f"tiny-{kind}" + ("-think" if think_template else "")
+        _cached[key] = make_test_model(kind, _cache_root / name, think_template=think_template)
+    return _cached[key]
+
+
+# Qwen3's template, trimmed to ChatML without tools: an assistant message keeps its
+# <think> block only after the last user query (the turn being continued); earlier
+# turns are re-rendered without reasoning, so a conversation's rendered prefix changes
+# from one request to the next.
+THINK_CHAT_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if not ns.found and message.role == 'user' %}
+        {%- set ns.found = true %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""

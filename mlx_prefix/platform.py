@@ -1,0 +1,108 @@
+"""Where MLX runs and how fast: device, fast BLAS on Linux, dtype choice.
+
+The `mlx[cpu]` wheel bundles a reference BLAS that makes float32 matmul ~65x slower
+than OpenBLAS or MKL (DESIGN.md, platform facts). A BLAS can only replace those
+symbols if it is preloaded before the process starts, so `find_fast_blas()` is used
+by the launcher, which re-executes the command with LD_PRELOAD set. macOS uses
+Accelerate/Metal and is never touched.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+BLAS_ENV = "MLX_PREFIX_BLAS"  # auto (default) | openblas | mkl | none | /path/to/lib.so
+PRELOADED_ENV = "MLX_PREFIX_BLAS_PRELOADED"  # set by the launcher after re-exec
+
+
+@dataclass(frozen=True, slots=True)
+class BlasLibrary:
+    name: str  # "openblas" | "mkl"
+    path: str
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+
+def _openblas_candidates() -> list[str]:
+    found = []
+    try:
+        out = subprocess.run(
+            ["ldconfig", "-p"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if "libopenblas.so.0" in line and "=>" in line:
+            found.append(line.split("=>", 1)[1].strip())
+    found += glob.glob("/usr/lib/*/libopenblas.so.0")
+    return [p for p in dict.fromkeys(found) if os.path.exists(p)]
+
+
+def _mkl_candidates() -> list[str]:
+    return sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so.*")))
+
+
+def find_fast_blas(preference: str | None = None) -> BlasLibrary | None:
+    """The BLAS to preload on Linux, or None (macOS, none installed, or disabled)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    preference = (preference or os.environ.get(BLAS_ENV) or "auto").strip()
+    if preference == "none":
+        return None
+    if preference.startswith("/"):
+        name = "mkl" if "mkl" in Path(preference).name else "openblas"
+        return _with_env(BlasLibrary(name, preference))
+    if preference in ("auto", "openblas"):
+        for path in _openblas_candidates():
+            return BlasLibrary("openblas", path)
+    if preference in ("auto", "mkl"):
+        for path in _mkl_candidates():
+            return _with_env(BlasLibrary("mkl", path))
+    return None
+
+
+def _with_env(lib: BlasLibrary) -> BlasLibrary:
+    if lib.name == "mkl":
+        # MKL defaults to Intel's OpenMP, which clashes with the GNU one already loaded.
+        return BlasLibrary(lib.name, lib.path, (("MKL_THREADING_LAYER", "GNU"),))
+    return lib
+
+
+def loaded_blas() -> str:
+    """Which BLAS this process has mapped: 'openblas', 'mkl', 'accelerate' or 'reference'."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    if "libopenblas" in maps:
+        return "openblas"
+    if "libmkl" in maps:
+        return "mkl"
+    return "reference"
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    device = mx.default_device()
+    if device.type == mx.gpu:
+        return "gpu (Metal)" if sys.platform == "darwin" else "gpu"
+    return "cpu"
+
+
+def startup_line() -> str:
+    """One line for stderr at startup: device and BLAS in use."""
+    blas = loaded_blas()
+    line = f"mlx-prefix: device={device_name()} blas={blas}"
+    if blas == "reference":
+        line += (
+            " (slow reference BLAS: install Debian's libopenblas0-pthread or `pip install mkl`"
+            f", or set {BLAS_ENV})"
+        )
+    return line

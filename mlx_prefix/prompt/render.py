@@ -1,0 +1,142 @@
+"""Chat messages (or raw text) to token ids, deterministically.
+
+The same conversation must always render to the same tokens, whoever sends it:
+content as a string or as an array of text parts renders identically, and tool
+definitions and tool-call arguments are serialized with a stable key order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_prefix.engine.request import PromptInput
+from mlx_prefix.errors import InvalidRequest
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def content_text(content: Any, *, param: str = "messages") -> str:
+    """A message's content as one string; an array of text parts is concatenated."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+                if not isinstance(part.get("text"), str):
+                    raise InvalidRequest("a text content part needs a string 'text'", param=param)
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequest(f"unsupported content part type: {kind!r}", param=param)
+        return "".join(parts)
+    raise InvalidRequest("message content must be a string or an array of parts", param=param)
+
+
+def _sorted_json(value: Any) -> Any:
+    """Recursively rebuild dicts with sorted keys so templates' tojson is order-stable."""
+    if isinstance(value, dict):
+        return {k: _sorted_json(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_json(v) for v in value]
+    return value
+
+
+def _normalize_tool_call(call: Any) -> dict[str, Any]:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise InvalidRequest("tool_calls entries need a 'function' object", param="messages")
+    function = dict(call["function"])
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass  # keep the client's string as sent
+    # Templates differ (some print a dict, some a string); a dict with sorted keys is the
+    # canonical form both kinds render deterministically.
+    function["arguments"] = _sorted_json(arguments)
+    out = {"type": call.get("type", "function"), "function": function}
+    if "id" in call:
+        out["id"] = call["id"]
+    return out
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Validate messages and bring them to the one form the chat template sees."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}",
+                param="messages",
+            )
+        normalized: dict[str, Any] = {
+            "role": role,
+            "content": content_text(message.get("content"), param=f"messages[{i}].content"),
+        }
+        if message.get("tool_calls"):
+            normalized["tool_calls"] = [_normalize_tool_call(c) for c in message["tool_calls"]]
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if isinstance(message.get(key), str):
+                normalized[key] = message[key]
+        if role != "assistant" and "content" not in message:
+            raise InvalidRequest(f"messages[{i}] has no content", param="messages")
+        out.append(normalized)
+    return out
+
+
+class ChatRenderer:
+    """Renders prompts with one tokenizer's chat template. Holds no MLX state."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def render_text(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        if not self.has_template:
+            raise InvalidRequest("this model has no chat template: use /v1/completions")
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = [_sorted_json(t) for t in tools]
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except InvalidRequest:
+            raise
+        except Exception as e:  # jinja raise_exception() and template errors
+            raise InvalidRequest(f"chat template failed: {e}", param="messages") from None
+
+    def encode_chat(self, text: str) -> list[int]:
+        # The template already wrote any BOS it wants; don't let the tokenizer add another.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_completion(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def messages_tokens(self, prompt: PromptInput, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = self.render_text(
+            messages, tools=prompt.tools, template_kwargs=prompt.chat_template_kwargs
+        )
+        return self.encode_chat(text)

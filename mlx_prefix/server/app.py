@@ -1,0 +1,97 @@
+"""The Starlette app around an engine, and `serve`, which runs it under uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+
+from .errors import EXCEPTION_HANDLERS
+from .metrics import ServerMetrics
+from .middleware import ApiKeyAuth, RequestCounter, cors
+from .protocol import Limits
+from .routes import ROUTES, ServerState
+from .settings import ServerSettings
+
+log = logging.getLogger("mlx_prefix.server")
+
+
+def create_app(engine: Any, settings: ServerSettings) -> Starlette:
+    """An app serving `engine`. It never shuts the engine down: whoever made it owns it."""
+    return _build(engine, settings, on_shutdown=None)
+
+
+def serve(engine: Any, settings: ServerSettings) -> None:
+    """Serves until SIGINT/SIGTERM, then: stop accepting connections, give in-flight
+    requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engine down."""
+    logging.getLogger("mlx_prefix").setLevel(settings.log_level.upper())
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    shut_down = False
+
+    def shutdown_engine() -> None:
+        nonlocal shut_down
+        if not shut_down:
+            shut_down = True
+            engine.shutdown(timeout=settings.shutdown_grace_s)
+
+    app = _build(engine, settings, on_shutdown=shutdown_engine)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        log_config=None,  # keep the host's logging setup
+        access_log=False,  # we write one richer line per request
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        lifespan="on",
+    )
+    try:
+        # uvicorn re-raises the captured signal after its shutdown; the engine is shut
+        # down in the app's lifespan before that, and here when startup failed.
+        uvicorn.Server(config).run()
+    finally:
+        shutdown_engine()
+
+
+def _build(
+    engine: Any, settings: ServerSettings, on_shutdown: Callable[[], None] | None
+) -> Starlette:
+    context_length = engine.model.context_length
+    limits = Limits(
+        default_max_tokens=settings.default_max_tokens,
+        max_tokens=min(settings.max_tokens_limit, context_length or settings.max_tokens_limit),
+    )
+    metrics = ServerMetrics(engine.cache_stats)
+    middleware = [
+        Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
+        cors(settings.allowed_origins),
+    ]
+    if settings.api_key:
+        middleware.append(Middleware(ApiKeyAuth, api_key=settings.api_key))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        log.info("serving %s on http://%s:%d", engine.model.name, settings.host, settings.port)
+        yield
+        if on_shutdown is not None:
+            log.info("shutting down the engine")
+            await run_in_threadpool(on_shutdown)
+
+    app = Starlette(
+        routes=ROUTES,
+        middleware=middleware,
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    app.state.server = ServerState(
+        engine=engine, settings=settings, metrics=metrics, limits=limits, started=int(time.time())
+    )
+    return app

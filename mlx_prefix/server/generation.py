@@ -1,0 +1,243 @@
+"""One engine request's events -> an OpenAI response: an SSE stream or one JSON body.
+
+Whatever way a request ends (done, engine error, client gone, server shutdown), the
+`finally` blocks cancel the engine handle (idempotent) and write the request's one
+log line, so an abandoned request never keeps the engine decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+
+from mlx_prefix.engine.request import DoneEvent, ErrorEvent, TokenEvent, Usage
+from mlx_prefix.errors import MlxPrefixError
+
+from . import responses as R
+from .errors import CancelledByServer, GenerationFailed, body_for
+from .metrics import ServerMetrics
+from .protocol import GenerationRequest
+from .tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
+
+log = logging.getLogger("mlx_prefix.server")
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    tool_calls: list[dict[str, Any]]
+    logprobs: list[R.TokenLogprob]
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.tool_calls or self.logprobs)
+
+
+@dataclass
+class Assembler:
+    """Turns token events into text / tool-call deltas (tool markup never leaks as text)."""
+
+    logprobs: bool
+    splitter: ToolCallSplitter | None = None
+    formatter: ToolCallFormatter | None = None
+    made_tool_call: bool = False
+
+    @classmethod
+    def for_request(cls, req: GenerationRequest, tokenizer: Any, streaming: bool) -> Assembler:
+        syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
+        if syntax is None:
+            return cls(logprobs=req.sampling.logprobs)
+        return cls(
+            logprobs=req.sampling.logprobs,
+            splitter=ToolCallSplitter(syntax),
+            formatter=ToolCallFormatter(syntax, req.prompt.tools, streaming),
+        )
+
+    def feed(self, event: TokenEvent) -> Delta:
+        lps = []
+        if self.logprobs and event.logprob is not None:
+            lps.append(R.TokenLogprob(event.text, event.logprob))
+        if self.splitter is None:
+            return Delta(event.text, [], lps)
+        return self._split(self.splitter.feed(event.text), lps)
+
+    def finish(self) -> Delta:
+        if self.splitter is None:
+            return Delta("", [], [])
+        return self._split(self.splitter.finish(), [])
+
+    def finish_reason(self, done: DoneEvent) -> str:
+        if done.finish_reason == "stop" and self.made_tool_call:
+            return "tool_calls"
+        return done.finish_reason
+
+    def _split(self, split: Any, lps: list[R.TokenLogprob]) -> Delta:
+        assert self.formatter is not None
+        calls, failed = self.formatter.format(split.calls) if split.calls else ([], "")
+        self.made_tool_call |= bool(calls)
+        return Delta(split.text + failed, calls, lps)
+
+
+@dataclass
+class RequestLog:
+    """The per-request log line and token metrics, written exactly once."""
+
+    request_id: str
+    endpoint: str
+    metrics: ServerMetrics
+    prompt_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    _written: bool = False
+
+    def write(self, status: str, usage: Usage | None = None, finish: str | None = None) -> None:
+        if self._written:
+            return
+        self._written = True
+        if usage is not None:
+            self.metrics.observe_generation(usage)
+            log.info(
+                "%s %s prompt=%d cached=%d completion=%d ttft=%.1fms decode=%.1ftok/s "
+                "finish=%s status=%s total=%.0fms",
+                self.request_id, self.endpoint, usage.prompt_tokens, usage.cached_tokens,
+                usage.completion_tokens, usage.ttft_s * 1000, usage.decode_tokens_per_s,
+                finish, status, (time.perf_counter() - self.started) * 1000,
+            )  # fmt: skip
+        else:
+            log.info(
+                "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms",
+                self.request_id, self.endpoint, self.prompt_tokens, status,
+                (time.perf_counter() - self.started) * 1000,
+            )  # fmt: skip
+
+
+async def stream_events(
+    handle: Any,
+    req: GenerationRequest,
+    meta: R.ResponseMeta,
+    assembler: Assembler,
+    record: RequestLog,
+) -> AsyncIterator[bytes]:
+    status = "client_disconnected"  # stays so if the response task is cancelled mid-stream
+    usage = finish = None
+    try:
+        if meta.kind == "chat":
+            yield R.sse(R.chunk(meta, role=True, text="", include_usage=req.include_usage))
+        try:
+            async for event in handle.aevents():
+                if isinstance(event, TokenEvent):
+                    delta = assembler.feed(event)
+                    if delta:
+                        yield R.sse(_delta_chunk(meta, delta, req))
+                elif isinstance(event, DoneEvent):
+                    if event.finish_reason == "cancelled":
+                        status = "cancelled"
+                        yield R.sse(
+                            body_for(CancelledByServer("the server cancelled this request"))
+                        )
+                        return
+                    delta = assembler.finish()
+                    if delta:
+                        yield R.sse(_delta_chunk(meta, delta, req))
+                    usage, finish = event.usage, assembler.finish_reason(event)
+                    yield R.sse(
+                        R.chunk(meta, finish_reason=finish, include_usage=req.include_usage)
+                    )
+                    if req.include_usage:
+                        yield R.sse(R.usage_chunk(meta, event.usage))
+                    yield R.SSE_DONE
+                    status = "200"
+                    return
+                elif isinstance(event, ErrorEvent):
+                    status = "error"
+                    log.error("%s generation failed: %s", record.request_id, event.message)
+                    yield R.sse(_error_event(event))
+                    return
+            status = "error"
+            yield R.sse(body_for(GenerationFailed("the engine ended the stream without a result")))
+        except (MlxPrefixError, RuntimeError, ValueError, OSError) as e:
+            status = "error"
+            log.exception("%s generation failed", record.request_id)
+            yield R.sse(body_for(_as_error(e)))
+    finally:
+        handle.cancel()
+        record.write(status, usage, finish)
+
+
+@dataclass(frozen=True)
+class Collected:
+    text: str
+    tool_calls: list[dict[str, Any]]
+    logprobs: list[R.TokenLogprob]
+    done: DoneEvent
+
+
+async def collect(handle: Any, assembler: Assembler, request: Request) -> Collected:
+    """Runs a non-streaming request to its end; cancels it if the client goes away."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    lps: list[R.TokenLogprob] = []
+    result: DoneEvent | ErrorEvent | None = None
+
+    async def watch_disconnect() -> None:
+        # The body was read already, so the next message is the disconnect (uvicorn
+        # delivers it when the socket closes, or after the response is sent).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_disconnect)
+        try:
+            async for event in handle.aevents():
+                if isinstance(event, TokenEvent):
+                    _add(assembler.feed(event), texts, calls, lps)
+                else:
+                    result = event
+                    break
+        finally:
+            tg.cancel_scope.cancel()
+            handle.cancel()
+    if isinstance(result, ErrorEvent):
+        raise _as_error(result)
+    if result is None:
+        raise GenerationFailed("the engine ended the request without a result")
+    if result.finish_reason == "cancelled":
+        raise CancelledByServer("the request was cancelled before it finished")
+    _add(assembler.finish(), texts, calls, lps)
+    return Collected("".join(texts), calls, lps, result)
+
+
+def _add(delta: Delta, texts: list[str], calls: list[dict[str, Any]], lps: list[Any]) -> None:
+    texts.append(delta.text)
+    calls.extend(delta.tool_calls)
+    lps.extend(delta.logprobs)
+
+
+def _delta_chunk(meta: R.ResponseMeta, delta: Delta, req: GenerationRequest) -> dict[str, Any]:
+    return R.chunk(
+        meta,
+        text=delta.text if delta.text or not delta.tool_calls else None,
+        tool_calls=delta.tool_calls,
+        logprobs=delta.logprobs,
+        include_usage=req.include_usage,
+    )
+
+
+def _error_event(event: ErrorEvent) -> dict[str, Any]:
+    err = _as_error(event)
+    return body_for(err)
+
+
+def _as_error(source: ErrorEvent | Exception) -> MlxPrefixError:
+    if isinstance(source, MlxPrefixError):
+        return source
+    if isinstance(source, ErrorEvent):
+        err = GenerationFailed(source.message)
+        err.type = source.type
+        return err
+    return GenerationFailed(f"generation failed: {type(source).__name__}: {source}")

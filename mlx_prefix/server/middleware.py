@@ -1,0 +1,98 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from
+streaming responses): CORS policy, API-key check, request counting."""
+
+from __future__ import annotations
+
+import hmac
+import re
+from collections.abc import Collection
+
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import Unauthorized, error_response
+from .metrics import ServerMetrics
+
+# Pages served from this machine on any port, and browser extensions. Other web origins
+# are refused unless configured: a page on the open web must not drive a local model.
+DEFAULT_ORIGIN_REGEX = (
+    r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?"
+    r"|(chrome-extension|moz-extension|safari-web-extension)://[A-Za-z0-9._-]+"
+)
+
+
+def cors(allowed_origins: Collection[str]) -> Middleware:
+    return Middleware(
+        CORSMiddleware,
+        allow_origins=tuple(o.rstrip("/") for o in allowed_origins),
+        allow_origin_regex=DEFAULT_ORIGIN_REGEX,
+        allow_methods=("GET", "POST", "DELETE", "OPTIONS"),
+        allow_headers=("*",),
+        # Chrome asks before a page reaches a loopback address (Private Network
+        # Access); only origins that passed the check above get the grant.
+        allow_private_network=True,
+        max_age=600,
+    )
+
+
+class ApiKeyAuth:
+    """Requires `Authorization: Bearer <key>` on /v1/*; /health, /metrics and CORS
+    preflights stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/v1/")
+            and scope["method"] != "OPTIONS"
+        ):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self._expected):
+                message = "missing API key" if not given else "invalid API key"
+                err = Unauthorized(f"{message}: send 'Authorization: Bearer <key>'")
+                response = error_response(err, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestCounter:
+    """Counts responses by endpoint and HTTP status. Unknown paths share one label so a
+    scanner cannot blow up the metric's cardinality."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, endpoints: Collection[str]):
+        self.app = app
+        self._metrics = metrics
+        self._endpoints = [(p, re.compile(_path_regex(p))) for p in endpoints]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self._metrics.requests.labels(self._label(scope), str(status)).inc()
+
+    def _label(self, scope: Scope) -> str:
+        if scope["method"] == "OPTIONS":
+            return "preflight"
+        path = scope["path"]
+        return next((p for p, rx in self._endpoints if rx.fullmatch(path)), "other")
+
+
+def _path_regex(path: str) -> str:
+    return re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(path))

@@ -1,0 +1,136 @@
+"""OpenAI response bodies and SSE chunks, built from plain values. No I/O here."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mlx_prefix.engine.request import Usage
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body and chunk of one response repeats."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def new(cls, kind: Literal["chat", "completion"], model: str) -> ResponseMeta:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return cls(kind=kind, model=model, id=f"{prefix}-{uuid.uuid4().hex}")
+
+    def head(self, streaming: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            obj = "chat.completion.chunk" if streaming else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def logprobs_body(kind: str, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+    if not logprobs:
+        return None
+    if kind == "chat":
+        content = [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": list(lp.token.encode()),
+                "top_logprobs": [],
+            }
+            for lp in logprobs
+        ]
+        return {"content": content}
+    offsets, offset = [], 0
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def completion_body(
+    meta: ResponseMeta,
+    *,
+    text: str,
+    tool_calls: list[dict[str, Any]],
+    finish_reason: str,
+    usage: Usage,
+    logprobs: list[TokenLogprob] | None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    if meta.kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice["message"] = message
+    else:
+        choice["text"] = text
+    choice["logprobs"] = logprobs_body(meta.kind, logprobs) if logprobs is not None else None
+    return {**meta.head(False), "choices": [choice], "usage": usage_body(usage)}
+
+
+def chunk(
+    meta: ResponseMeta,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
+    finish_reason: str | None = None,
+    logprobs: list[TokenLogprob] | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0}
+    if meta.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    choice["logprobs"] = logprobs_body(meta.kind, logprobs) if logprobs else None
+    choice["finish_reason"] = finish_reason
+    body = {**meta.head(True), "choices": [choice]}
+    if include_usage:
+        # OpenAI sends usage: null on every chunk but the last when include_usage is on.
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
+    return {**meta.head(True), "choices": [], "usage": usage_body(usage)}

@@ -1,0 +1,412 @@
+"""A fake engine with the real engine's interface, and a live uvicorn server for tests.
+
+The fake "tokenizes" into words, "generates" a scripted reply word by word on its own
+thread (like the real engine thread), and reports cached_tokens as the longest common
+word prefix with earlier prompts. Directives in the prompt steer one request:
+  [[reply:TEXT]]   reply with TEXT instead of the engine's default reply
+  [[delay:S]]      sleep S seconds before each token
+  [[fail_after:N]] emit N tokens, then an ErrorEvent
+  [[busy]]         raise EngineBusy at submit
+  [[crash]]        raise RuntimeError at submit (an engine bug)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from mlx_prefix.engine.request import (
+    CachePreference,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    PromptInput,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
+from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
+
+_NO_PREFERENCE = CachePreference()
+DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
+_DIRECTIVE = re.compile(r"\[\[(reply|delay|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
+
+
+@dataclass
+class FakeTokenizer:
+    has_tool_calling: bool = False
+    tool_call_start: str | None = None
+    tool_call_end: str | None = None
+    tool_parser: Callable[[str, Any], Any] | None = None
+
+    @classmethod
+    def with_json_tools(cls) -> FakeTokenizer:
+        """The `json_tools` syntax of mlx-lm (Qwen-style <tool_call>{json}</tool_call>)."""
+        from mlx_lm.tool_parsers import json_tools
+
+        return cls(
+            has_tool_calling=True,
+            tool_call_start=json_tools.tool_call_start,
+            tool_call_end=json_tools.tool_call_end,
+            tool_parser=json_tools.parse_tool_call,
+        )
+
+
+@dataclass
+class FakeModel:
+    name: str = "fake-model"
+    path: Path = Path("/models/org/fake-model")
+    identity: str = "fake-model@test"
+    context_length: int | None = 4096
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    prompt_tokens: int
+    cached_tokens: int
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class Submission:
+    prompt: PromptInput
+    sampling: SamplingParams
+    cache: CachePreference
+    request_id: str | None
+
+
+def render(prompt: PromptInput) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    assert prompt.messages is not None
+    parts = [f"<{m['role']}> {m['content']}" for m in prompt.messages]
+    if prompt.tools:
+        parts.insert(0, f"<tools> {json.dumps(prompt.tools)}")
+    return " ".join(parts) + " <assistant>"
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\s*\S+", text) or [""]
+
+
+class FakeHandle:
+    def __init__(self, request_id: str, prompt_tokens: int):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.cancelled = threading.Event()
+        self._events: list[Event] = []
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.thread: threading.Thread | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    @property
+    def finished(self) -> bool:
+        with self._cond:
+            return bool(self._events) and not isinstance(self._events[-1], TokenEvent)
+
+    def push(self, event: Event) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, flag in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(flag.set)
+
+    def events(self) -> Iterator[Event]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._events):
+                    self._cond.wait()
+                event = self._events[i]
+            i += 1
+            yield event
+            if not isinstance(event, TokenEvent):
+                return
+
+    async def aevents(self) -> AsyncIterator[Event]:
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._cond:
+            self._waiters.append(waiter)
+        i = 0
+        try:
+            while True:
+                with self._cond:
+                    ready = self._events[i:]
+                    if not ready:
+                        waiter[1].clear()
+                if not ready:
+                    await waiter[1].wait()
+                    continue
+                for event in ready:
+                    i += 1
+                    yield event
+                    if not isinstance(event, TokenEvent):
+                        return
+        finally:
+            with self._cond:
+                self._waiters.remove(waiter)
+
+
+class FakeEngine:
+    def __init__(self, model: FakeModel | None = None, reply: str = DEFAULT_REPLY):
+        self.model = model or FakeModel()
+        self.reply = reply
+        self.submissions: list[Submission] = []
+        self.handles: list[FakeHandle] = []
+        self.shutdown_calls = 0
+        self._lock = threading.Lock()
+        self._stored: dict[tuple[str, ...], dict[str, Any]] = {}
+        self._stats = {"hits": 0, "misses": 0, "tokens_reused": 0, "evictions": 0}
+        self._closed = False
+        self._ids = 0
+
+    # The engine interface
+
+    def submit(
+        self,
+        prompt: PromptInput,
+        sampling: SamplingParams,
+        cache: CachePreference = _NO_PREFERENCE,
+        request_id: str | None = None,
+    ) -> FakeHandle:
+        if self._closed:
+            raise EngineBusy("the engine is shutting down")
+        if (prompt.messages is None) == (prompt.text is None):
+            raise InvalidRequest("exactly one of messages or text")
+        text = render(prompt)
+        directives = {m.group(1): m.group(2) for m in _DIRECTIVE.finditer(text)}
+        if "busy" in directives:
+            raise EngineBusy("the engine queue is full")
+        if "crash" in directives:
+            raise RuntimeError("fake engine crashed at submit")
+        tokens = tuple(words(text))
+        if self.model.context_length and len(tokens) > self.model.context_length:
+            raise ContextLengthExceeded(
+                f"prompt is {len(tokens)} tokens; the context is {self.model.context_length}",
+                param="messages" if prompt.messages is not None else "prompt",
+            )
+        cached = self._lookup(tokens, store=cache.enabled) if cache.enabled else 0
+        with self._lock:
+            self._ids += 1
+            handle = FakeHandle(request_id or f"fake-{self._ids}", len(tokens))
+            self.submissions.append(Submission(prompt, sampling, cache, request_id))
+            self.handles.append(handle)
+        handle.thread = threading.Thread(
+            target=self._generate,
+            args=(handle, directives, sampling, len(tokens), cached),
+            daemon=True,
+        )
+        handle.thread.start()
+        return handle
+
+    def warm(self, prompt: PromptInput, pin: bool = False) -> WarmResult:
+        tokens = tuple(words(render(prompt)))
+        cached = self._lookup(tokens, store=True)
+        if pin:
+            with self._lock:
+                self._stored[tokens]["pinned"] = True
+        return WarmResult(prompt_tokens=len(tokens), cached_tokens=cached, pinned=pin)
+
+    def cache_stats(self) -> dict[str, Any]:
+        with self._lock:
+            nbytes = sum(len(t) * 1000 for t in self._stored)
+            lookups = self._stats["hits"] + self._stats["misses"]
+            return {
+                **self._stats,
+                "entries": len(self._stored),
+                "bytes": nbytes,
+                "bytes_by_kind": {"kv": nbytes},
+                "active_bytes": 0,
+                "budget_bytes": 1 << 30,
+                "hit_ratio": self._stats["hits"] / lookups if lookups else 0.0,
+            }
+
+    def cache_entries(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        with self._lock:
+            return [
+                {
+                    "tokens": len(t),
+                    "bytes": len(t) * 1000,
+                    "kind": "kv",
+                    "hits": e["hits"],
+                    "age_s": now - e["created"],
+                    "pinned": e["pinned"],
+                }
+                for t, e in self._stored.items()
+            ]
+
+    def flush_cache(self) -> int:
+        with self._lock:
+            removed = len(self._stored)
+            self._stored.clear()
+            return removed
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.shutdown_calls += 1
+        self._closed = True
+        for handle in list(self.handles):
+            handle.cancel()
+        for handle in list(self.handles):
+            if handle.thread is not None:
+                handle.thread.join(timeout)
+
+    # Internals
+
+    def _lookup(self, tokens: tuple[str, ...], store: bool) -> int:
+        with self._lock:
+            best, best_key = 0, None
+            for key in self._stored:
+                n = 0
+                for a, b in zip(key, tokens, strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                if n > best:
+                    best, best_key = n, key
+            best = min(best, len(tokens) - 1)  # at least one token is always computed
+            if best > 0 and best_key is not None:
+                self._stats["hits"] += 1
+                self._stats["tokens_reused"] += best
+                self._stored[best_key]["hits"] += 1
+            else:
+                self._stats["misses"] += 1
+            if store and tokens not in self._stored:
+                self._stored[tokens] = {"hits": 0, "created": time.monotonic(), "pinned": False}
+            return max(best, 0)
+
+    def _generate(
+        self,
+        handle: FakeHandle,
+        directives: dict[str, str | None],
+        sampling: SamplingParams,
+        prompt_tokens: int,
+        cached: int,
+    ) -> None:
+        reply = directives.get("reply") or self.reply
+        delay = float(directives.get("delay") or 0)
+        fail_after = directives.get("fail_after")
+        start = time.perf_counter()
+        first = None
+        emitted, text = 0, ""
+
+        def usage() -> Usage:
+            now = time.perf_counter()
+            ttft = (first or now) - start
+            decode_s = now - (first or now)
+            return Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=emitted,
+                cached_tokens=cached,
+                ttft_s=ttft,
+                prefill_tokens_per_s=(prompt_tokens - cached) / max(ttft, 1e-6),
+                decode_tokens_per_s=(emitted - 1) / decode_s if emitted > 1 and decode_s else 0.0,
+            )
+
+        for token_id, piece in enumerate(words(reply)):
+            if delay:
+                handle.cancelled.wait(delay)
+            if handle.cancelled.is_set():
+                handle.push(DoneEvent("cancelled", usage()))
+                return
+            if fail_after is not None and emitted >= int(fail_after):
+                handle.push(ErrorEvent("fake engine failed mid-stream"))
+                return
+            if emitted >= sampling.max_tokens:
+                handle.push(DoneEvent("length", usage()))
+                return
+            before, text = text, text + piece
+            hits = [text.find(s, max(0, len(before) - len(s) + 1)) for s in sampling.stop]
+            hits = [h for h in hits if h >= 0]
+            first = first or time.perf_counter()
+            emitted += 1
+            logprob = -0.25 if sampling.logprobs else None
+            if hits:
+                cut = min(hits)
+                if cut > len(before):
+                    handle.push(TokenEvent(text[len(before) : cut], 1000 + token_id, logprob))
+                handle.push(DoneEvent("stop", usage()))
+                return
+            handle.push(TokenEvent(piece, 1000 + token_id, logprob))
+        handle.push(DoneEvent("stop", usage()))
+
+
+class LiveServer:
+    """uvicorn on 127.0.0.1 with a free port, in a background thread."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.port = 0
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LiveServer:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._server is not None and self._thread is not None
+        self._server.should_exit = True
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "uvicorn did not stop"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@contextlib.contextmanager
+def serving(engine: FakeEngine | None = None, **settings: Any) -> Iterator[tuple[str, FakeEngine]]:
+    """A live server for `engine` (a fresh FakeEngine by default): yields (base URL, engine)."""
+    from mlx_prefix.server import ServerSettings, create_app
+
+    engine = engine or FakeEngine()
+    with LiveServer(create_app(engine, ServerSettings(**settings))) as server:
+        yield server.url, engine
+    engine.shutdown(timeout=5)

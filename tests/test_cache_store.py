@@ -1,0 +1,398 @@
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from mlx_prefix.cache.store import CacheMatch, CheckpointKind, PromptCache
+
+K = CheckpointKind
+M = "model-a"
+
+
+@dataclass(frozen=True, slots=True)
+class FakeSnapshot:
+    length: int
+    trimmable: bool = True
+    nbytes: int = 10
+
+
+def snap(tokens, trimmable=True, nbytes=10) -> FakeSnapshot:
+    return FakeSnapshot(len(tokens), trimmable, nbytes)
+
+
+def every(n: int):
+    return lambda x: x
+
+
+def grid(step: int):
+    return lambda x: x // step * step
+
+
+ident = every(1)
+seq = list(range(100, 140))  # 40 distinct tokens
+
+
+def test_miss_on_empty_and_on_other_model():
+    c = PromptCache(1000)
+    assert c.match(M, seq, ident) == CacheMatch(None, 0, 0, 0)
+    assert c.insert(M, seq[:20], snap(seq[:20]), K.HISTORY)
+    m = c.match("model-b", seq, ident)
+    assert m.entry_id is None and m.reuse_tokens == 0
+    assert c.match(M, seq, ident).entry_id is not None
+    s = c.stats()
+    assert (s.hits, s.misses) == (1, 2)
+    c.check_integrity()
+
+
+def test_trimmable_partial_reuse_trims_the_tail():
+    c = PromptCache(1000)
+    stored = seq[:30]
+    c.insert(M, stored, snap(stored), K.HISTORY)
+    query = seq[:25] + [1, 2, 3]
+    m = c.match(M, query, ident)
+    assert m.entry_id is not None
+    assert (m.reuse_tokens, m.trim, m.matched_tokens) == (25, 5, 25)
+    assert c.acquire(m.entry_id).length == 30
+    c.release(m.entry_id)
+    c.check_integrity()
+
+
+def test_alignment_applied_to_trimmable_reuse():
+    c = PromptCache(1000)
+    c.insert(M, seq[:30], snap(seq[:30]), K.HISTORY)
+    m = c.match(M, seq[:23] + [7, 7], grid(8))
+    assert (m.reuse_tokens, m.trim, m.matched_tokens) == (16, 14, 23)
+    m = c.match(M, seq[:5] + [7], grid(8))  # aligns to 0: a miss
+    assert m.entry_id is None and m.matched_tokens == 5
+    c.check_integrity()
+
+
+def test_exact_full_hit_leaves_one_token_to_compute():
+    c = PromptCache(1000)
+    c.insert(M, seq[:20], snap(seq[:20]), K.HISTORY)
+    m = c.match(M, seq[:20], ident)
+    assert (m.reuse_tokens, m.trim) == (19, 1)
+    # Non-trimmable: the entry equal to the prompt is unusable, a shorter one is.
+    c2 = PromptCache(1000)
+    c2.insert(M, seq[:20], snap(seq[:20], trimmable=False), K.HISTORY)
+    assert c2.match(M, seq[:20], ident).entry_id is None
+    c2.insert(M, seq[:12], snap(seq[:12], trimmable=False), K.SYSTEM)
+    m = c2.match(M, seq[:20], ident)
+    assert (m.reuse_tokens, m.trim) == (12, 0)
+    assert c.match(M, seq[:1], ident).entry_id is None  # one token: nothing to reuse
+    c.check_integrity()
+    c2.check_integrity()
+
+
+def test_non_trimmable_exact_prefix_only_with_longest_shorter_fallback():
+    c = PromptCache(1000)
+    for n in (8, 16, 24):
+        assert c.insert(M, seq[:n], snap(seq[:n], trimmable=False), K.PERIODIC)
+    # Diverges at 20: the 24-token checkpoint is not a prefix, fall back to 16.
+    m = c.match(M, seq[:20] + [1, 2, 3], grid(8))
+    assert (m.reuse_tokens, m.trim, m.matched_tokens) == (16, 0, 20)
+    assert c.acquire(m.entry_id).length == 16
+    c.release(m.entry_id)
+    # Extends past 24: the 24 checkpoint wins.
+    m = c.match(M, seq[:30], grid(8))
+    assert (m.reuse_tokens, m.trim) == (24, 0)
+    # Diverges before 8: a miss even though 5 tokens match.
+    m = c.match(M, seq[:5] + [1, 2, 3], grid(8))
+    assert m.entry_id is None and m.matched_tokens == 5
+    # A checkpoint off the grid is never used.
+    c.insert(M, seq[:27], snap(seq[:27], trimmable=False), K.PERIODIC)
+    assert c.match(M, seq[:30], grid(8)).reuse_tokens == 24
+    c.check_integrity()
+
+
+def test_largest_reuse_wins_between_kinds_of_entry():
+    c = PromptCache(1000)
+    c.insert(M, seq[:16], snap(seq[:16], trimmable=False), K.SYSTEM)
+    c.insert(M, [*seq[:22], 5, 5], snap(seq[:24], trimmable=True), K.HISTORY)
+    m = c.match(M, seq[:30], ident)
+    assert (m.reuse_tokens, m.trim) == (22, 2)
+    m = c.match(M, seq[:30], grid(16))  # the trimmable aligns down to 16: tie, no trim wins
+    assert (m.reuse_tokens, m.trim) == (16, 0)
+    assert c.acquire(m.entry_id).trimmable is False
+    c.release(m.entry_id)
+    c.check_integrity()
+
+
+def test_recency_refresh_changes_the_eviction_victim():
+    c = PromptCache(30)
+    a, b, d = [1] * 5, [2] * 5, [3] * 5
+    c.insert(M, a, snap(a), K.HISTORY)
+    c.insert(M, b, snap(b), K.HISTORY)
+    c.insert(M, d, snap(d), K.HISTORY)
+    m = c.match(M, [*a, 9], ident)
+    c.acquire(m.entry_id)
+    c.release(m.entry_id)  # a is now the most recent; b is the LRU
+    c.insert(M, [4] * 5, snap([4] * 5), K.HISTORY)
+    assert c.match(M, [*b, 9], ident).entry_id is None
+    assert c.match(M, [*a, 9], ident).entry_id is not None
+    assert c.stats().evictions == 1
+    c.check_integrity()
+
+
+def test_eviction_order_by_kind_then_lru():
+    c = PromptCache(40)
+    c.insert(M, [1] * 4, snap([1] * 4), K.SYSTEM)
+    c.insert(M, [2] * 4, snap([2] * 4), K.GENERATED)
+    c.insert(M, [3] * 4, snap([3] * 4), K.LAST_MESSAGE)
+    c.insert(M, [4] * 4, snap([4] * 4), K.GENERATED)
+    order = [e.tokens for e in c.entries()]
+    assert [e.kind for e in c.entries()] == [K.GENERATED, K.GENERATED, K.LAST_MESSAGE, K.SYSTEM]
+    assert order == [4, 4, 4, 4]
+    c.insert(M, [5] * 4, snap([5] * 4), K.HISTORY)  # evicts [2]*4 (oldest GENERATED)
+    c.insert(M, [6] * 4, snap([6] * 4), K.HISTORY)  # then [4]*4
+    c.insert(M, [7] * 4, snap([7] * 4), K.HISTORY)  # then the oldest HISTORY, [5]*4
+    left = {(e.kind, e.entry_id) for e in c.entries()}
+    assert {k for k, _ in left} == {K.SYSTEM, K.LAST_MESSAGE, K.HISTORY}
+    for gone in ([2] * 4, [4] * 4, [5] * 4):
+        assert c.match(M, [*gone, 0], ident).entry_id is None
+    for kept in ([1] * 4, [3] * 4, [6] * 4, [7] * 4):
+        assert c.match(M, [*kept, 0], ident).entry_id is not None
+    assert c.stats().evictions == 3
+    c.check_integrity()
+
+
+def test_budget_counts_active_request_bytes():
+    c = PromptCache(100)
+    for i in range(5):
+        c.insert(M, [i] * 3, snap([i] * 3, nbytes=20), K.HISTORY)
+    assert c.stats().bytes == 100
+    c.set_active_bytes("r1", 45)  # needs 3 evictions: 60 + 45 > 100 until 40 + 45
+    s = c.stats()
+    assert (s.bytes, s.active_bytes, s.entries, s.evictions) == (40, 45, 2, 3)
+    c.check_integrity()
+    c.set_active_bytes("r1", 25)  # shrinking frees nothing back, evicts nothing
+    assert c.stats().entries == 2
+    c.set_active_bytes("r2", 40)
+    assert c.stats().bytes + c.stats().active_bytes <= 100
+    c.drop_active("r1")
+    c.drop_active("r2")
+    c.drop_active("never-seen")
+    assert c.stats().active_bytes == 0 and c.stats().active_requests == 0
+    assert c.insert(M, [9] * 3, snap([9] * 3, nbytes=101), K.SYSTEM) is False  # > budget
+    c.check_integrity()
+
+
+def test_pinned_entries_never_evicted():
+    c = PromptCache(30)
+    sys_prompt = [7] * 6
+    assert c.pin(M, sys_prompt) is False  # a pin may precede the entry
+    c.insert(M, sys_prompt, snap(sys_prompt), K.GENERATED)
+    assert c.pin(M, sys_prompt) is True
+    for i in range(10):
+        c.insert(M, [i] * 2, snap([i] * 2), K.SYSTEM)
+        c.check_integrity()
+    assert c.match(M, [*sys_prompt, 1], ident).reuse_tokens == 6
+    c.set_active_bytes("r", 1000)  # everything else goes; the pin stays, over budget
+    assert [e.pinned for e in c.entries()] == [True]
+    c.check_integrity()  # over budget is fine when only pinned entries are left
+    c.drop_active("r")
+    assert c.unpin(M, sys_prompt) is True and c.unpin(M, sys_prompt) is False
+    c.set_active_bytes("r", 1000)
+    assert c.stats().entries == 0
+    c.check_integrity()
+
+
+def test_locked_entries_never_evicted():
+    c = PromptCache(30)
+    c.insert(M, [1] * 4, snap([1] * 4), K.GENERATED)
+    m = c.match(M, [1] * 5, ident)
+    payload = c.acquire(m.entry_id)
+    assert payload.length == 4
+    for i in range(2, 6):
+        c.insert(M, [i] * 4, snap([i] * 4), K.SYSTEM)
+    assert c.stats().locked == 1
+    assert c.match(M, [1] * 5, ident).entry_id == m.entry_id
+    c.set_active_bytes("r", 1000)
+    assert [e.entry_id for e in c.entries()] == [m.entry_id]
+    c.check_integrity()
+    assert c.clear() == 0  # locked entries survive a flush
+    c.release(m.entry_id)  # over budget: the release lets it go
+    assert c.stats().entries == 0
+    c.check_integrity()
+    with pytest.raises(AssertionError):
+        c.release(m.entry_id)
+
+
+def test_insert_larger_than_everything_evictable_is_refused():
+    c = PromptCache(30)
+    c.insert(M, [1] * 2, snap([1] * 2, nbytes=20), K.SYSTEM)
+    c.pin(M, [1] * 2)
+    assert c.insert(M, [2] * 2, snap([2] * 2, nbytes=20), K.SYSTEM) is False
+    assert c.stats().entries == 1
+    c.check_integrity()
+
+
+def test_trimmable_redundancy():
+    c = PromptCache(1000)
+    assert c.insert(M, seq[:10], snap(seq[:10]), K.HISTORY)
+    assert c.insert(M, seq[:20], snap(seq[:20]), K.HISTORY)  # drops the 10 prefix
+    assert [e.tokens for e in c.entries()] == [20]
+    assert c.insert(M, seq[:15], snap(seq[:15]), K.GENERATED) is False  # redundant
+    # A higher-kind prefix is kept: it outlives the lower-kind extension.
+    assert c.insert(M, seq[:12], snap(seq[:12]), K.SYSTEM) is True
+    assert c.insert(M, seq[:25], snap(seq[:25]), K.GENERATED) is True  # lower kind: 20 stays
+    assert sorted(e.tokens for e in c.entries()) == [12, 20, 25]
+    assert c.insert(M, seq[:30], snap(seq[:30]), K.HISTORY) is True
+    assert sorted(e.tokens for e in c.entries()) == [12, 30]  # 20 and 25 went, 12 stayed
+    # Pinned and locked prefixes stay.
+    c.pin(M, seq[:5])
+    assert c.insert(M, seq[:5], snap(seq[:5]), K.GENERATED) is True
+    m = c.match(M, [*seq[:12], 0], ident)
+    c.acquire(m.entry_id)
+    assert c.insert(M, seq[:35], snap(seq[:35]), K.SYSTEM) is True
+    assert sorted(e.tokens for e in c.entries()) == [5, 12, 35]
+    c.release(m.entry_id)
+    # Non-trimmable prefixes are never redundant.
+    c.insert(M, [1, 2], snap([1, 2], trimmable=False), K.PERIODIC)
+    c.insert(M, [1, 2, 3, 4], snap([1, 2, 3, 4], trimmable=False), K.PERIODIC)
+    assert c.stats().entries == 5
+    c.check_integrity()
+
+
+def test_duplicate_insert_refreshes():
+    c = PromptCache(30)
+    first = snap([1] * 3)
+    c.insert(M, [1] * 3, first, K.GENERATED)
+    c.insert(M, [2] * 3, snap([2] * 3), K.GENERATED)
+    assert c.insert(M, [1] * 3, snap([1] * 3), K.HISTORY) is True  # refresh + kind upgrade
+    assert c.stats().entries == 2 and c.stats().bytes == 20
+    info = {e.tokens: e for e in c.entries() if e.tokens == 3}
+    assert info[3].kind == K.HISTORY
+    c.insert(M, [3] * 3, snap([3] * 3), K.GENERATED)
+    c.insert(M, [4] * 3, snap([4] * 3), K.GENERATED)  # evicts [2]*3, not the refreshed one
+    m = c.match(M, [1] * 4, ident)
+    assert c.acquire(m.entry_id) is first
+    c.release(m.entry_id)
+    assert c.match(M, [2] * 4, ident).entry_id is None
+    c.check_integrity()
+
+
+def test_max_entries():
+    c = PromptCache(10_000, max_entries=3)
+    for i in range(5):
+        c.insert(M, [i] * 2, snap([i] * 2), K.HISTORY)
+    assert [e.tokens for e in c.entries()] == [2, 2, 2]
+    assert c.match(M, [0] * 3, ident).entry_id is None
+    assert c.match(M, [4] * 3, ident).entry_id is not None
+    c.check_integrity()
+
+
+def test_clear_one_model_or_all():
+    c = PromptCache(1000)
+    c.insert(M, [1] * 3, snap([1] * 3), K.SYSTEM)
+    c.pin(M, [1] * 3)
+    c.insert(M, [2] * 3, snap([2] * 3), K.SYSTEM)
+    c.insert("b", [1] * 3, snap([1] * 3), K.SYSTEM)
+    assert c.clear(M) == 2
+    assert c.match(M, [1] * 4, ident).entry_id is None
+    assert c.match("b", [1] * 4, ident).entry_id is not None
+    assert c.stats().pinned == 0
+    assert c.clear() == 1
+    assert c.stats().entries == 0 and c.stats().bytes == 0
+    c.check_integrity()
+
+
+def test_stats_counters_and_entry_info():
+    now = [100.0]
+    c = PromptCache(1000, clock=lambda: now[0])
+    c.insert(M, seq[:10], snap(seq[:10], nbytes=7), K.SYSTEM)
+    c.insert(M, [1] * 4, snap([1] * 4, trimmable=False, nbytes=5), K.PERIODIC)
+    now[0] = 103.0
+    m = c.match(M, seq[:14], ident)
+    c.acquire(m.entry_id)
+    now[0] = 104.5
+    c.match(M, [9, 9], ident)
+    s = c.stats()
+    assert (s.hits, s.misses, s.tokens_reused) == (1, 1, 10)
+    assert (s.entries, s.bytes, s.locked, s.budget_bytes) == (2, 12, 1, 1000)
+    assert s.bytes_by_kind["SYSTEM"] == 7 and s.bytes_by_kind["PERIODIC"] == 5
+    assert s.entries_by_kind["GENERATED"] == 0
+    info = {e.kind: e for e in c.entries()}
+    sys_e = info[K.SYSTEM]
+    assert (sys_e.tokens, sys_e.nbytes, sys_e.hits, sys_e.refs, sys_e.model_key) == (10, 7, 1, 1, M)
+    assert sys_e.age_s == pytest.approx(4.5) and sys_e.idle_s == pytest.approx(1.5)
+    assert info[K.PERIODIC].trimmable is False and info[K.PERIODIC].hits == 0
+    c.release(m.entry_id)
+    c.check_integrity()
+
+
+def test_acquire_after_concurrent_clear_is_a_miss():
+    c = PromptCache(1000)
+    c.insert(M, [1] * 3, snap([1] * 3), K.SYSTEM)
+    m = c.match(M, [1] * 4, ident)
+    c.clear()
+    assert c.acquire(m.entry_id) is None
+
+
+def test_payload_length_must_match_tokens():
+    c = PromptCache(1000)
+    with pytest.raises(ValueError):
+        c.insert(M, [1, 2, 3], FakeSnapshot(2), K.SYSTEM)
+
+
+def test_random_operations_keep_integrity_and_reuse_rules():
+    rng = random.Random(1)
+    c = PromptCache(400, max_entries=12)
+    locked: list[int] = []
+    align = grid(2)
+    for _ in range(2000):
+        model = rng.choice(["a", "b"])
+        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        op = rng.random()
+        if op < 0.45:
+            c.insert(
+                model,
+                toks,
+                snap(toks, trimmable=rng.random() < 0.5, nbytes=rng.randrange(1, 60)),
+                K(rng.randrange(5)),
+            )
+        elif op < 0.8:
+            m = c.match(model, toks, align)
+            if m.entry_id is not None:
+                assert 0 < m.reuse_tokens <= len(toks) - 1
+                assert align(m.reuse_tokens) == m.reuse_tokens
+                p = c.acquire(m.entry_id)
+                assert p.length - m.trim == m.reuse_tokens
+                assert m.trim == 0 or p.trimmable
+                locked.append(m.entry_id)
+        elif op < 0.9 and locked:
+            c.release(locked.pop(rng.randrange(len(locked))))
+        elif op < 0.95:
+            c.set_active_bytes(rng.choice("xyz"), rng.randrange(0, 200))
+        elif op < 0.97:
+            c.pin(model, toks)
+        else:
+            c.unpin(model, toks)
+        c.check_integrity()
+    for i in locked:
+        c.release(i)
+    c.check_integrity()
+
+
+def test_threads_share_one_store():
+    c = PromptCache(10_000)
+
+    def worker(k: int) -> None:
+        for i in range(200):
+            t = [k, i % 7, i % 5]
+            c.insert(M, t, snap(t), K.HISTORY)
+            m = c.match(M, [*t, 0], ident)
+            if m.entry_id is not None and c.acquire(m.entry_id) is not None:
+                c.release(m.entry_id)
+            c.stats()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    c.check_integrity()
+    assert c.stats().hits > 0

@@ -1,0 +1,36 @@
+from mlx_prefix.prompt.grid import ChunkGrid
+
+START, A, NL = 1, 7, 8  # a message-start token, "assistant", "\n"
+
+
+def grid() -> ChunkGrid:
+    return ChunkGrid(4, segment_tokens=frozenset([START]), generation_suffix=(START, A, NL))
+
+
+def test_points_are_multiples_segment_starts_and_generation_prompt_ends():
+    tokens = [START, 5, 5, 5, 5, 5, START, A, NL]
+    assert grid().points(tokens) == [1, 4, 7, 8, 9]
+
+
+def test_grid_point_depends_only_on_the_prefix():
+    g = grid()
+    a = [START, 5, 5, 9, 9, 9, 9, START, 3, 3, 3, 3, 3, 3]
+    b = [START, 5, 5, 9, 9, 9, 9, START, A, NL, 2]
+    shared = 8
+    assert [p for p in g.points(a) if p <= shared] == [p for p in g.points(b) if p <= shared]
+
+
+def test_align_and_chunk_ends_resume_like_a_cold_run():
+    g = grid()
+    tokens = [9] * 3 + [START] + [9] * 9 + [START, A, NL]
+    cold = g.chunk_ends(tokens, 0)
+    assert cold == [4, 8, 12, 14, 16]
+    for checkpoint in cold[:-1]:
+        warm = g.chunk_ends(tokens, checkpoint)
+        assert warm == [e for e in cold if e > checkpoint]
+    assert g.align(tokens, 11) == 8
+    assert g.align(tokens, 3) == 0
+
+
+def test_last_chunk_ends_at_the_prompt_end_even_off_grid():
+    assert ChunkGrid(4).chunk_ends([9] * 10, 4) == [8, 10]
