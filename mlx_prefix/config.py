@@ -43,6 +43,9 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_queued: int = 64  # waiting requests beyond this get a busy error
+    # In-flight sharing: a waiting request sharing at least this many prompt tokens with
+    # the one being prefilled gets a checkpoint there, so the shared prefix is computed once.
+    share_min_tokens: int = 32
     max_tokens_default: int = 512
 
 

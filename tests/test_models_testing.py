@@ -104,7 +104,8 @@ def test_think_template_strips_earlier_reasoning_only() -> None:
     # The same turn, once a new user query follows it, renders without its reasoning:
     # the rendered conversation is not an extension of the previous render.
     followup = tok.apply_chat_template(
-        [*messages, {"role": "user", "content": "q3"}], tokenize=False,
+        [*messages, {"role": "user", "content": "q3"}],
+        tokenize=False,
         add_generation_prompt=True,
     )
     assert "latest reasoning" not in followup

@@ -42,7 +42,7 @@ from mlx_prefix.engine.runner import always_trimmable, decode, prefill
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt, common_prefix_length
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -230,9 +230,16 @@ class Engine:
         planned = {cp.position: cp.kind for cp in job.prompt.checkpoints if cp.position > reuse}
         keep_every_checkpoint = not always_trimmable(cache)
 
+        shared = _SharedPrefixes(self, job) if use_cache and keep_every_checkpoint else None
+
         def on_boundary(position: int) -> None:
             if not use_cache:
                 return
+            if shared is not None:
+                for p in shared.positions():
+                    if p >= position:
+                        planned[p] = max(planned.get(p, CheckpointKind.LAST_MESSAGE),
+                                         CheckpointKind.LAST_MESSAGE)
             kind = planned.get(position)
             at_end = position == len(tokens)
             if at_end and kind is None:
@@ -299,6 +306,35 @@ class Engine:
         decode_tps = (count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0
         ttft = first_at - job.submitted_at
         handle.emit(DoneEvent(finish, _usage(job, reuse, count, ttft, prefill_tps, decode_tps)))
+
+
+class _SharedPrefixes:
+    """In-flight sharing for caches that can only resume from exact checkpoints.
+
+    While a request prefills, requests waiting in the queue that share a long prefix
+    with it get a checkpoint at that prefix's end (aligned down to the grid), so they
+    restore from it instead of computing it again. Trimmable caches need none of this:
+    their end-of-prompt snapshot already serves every shared prefix.
+    """
+
+    def __init__(self, engine: Engine, job: _Job):
+        self.engine = engine
+        self.tokens = job.prompt.tokens
+        self.job = job
+        self.seen: dict[int, int] = {}  # id(waiting job) -> aligned shared position (0: none)
+
+    def positions(self) -> set[int]:
+        engine, tokens = self.engine, self.tokens
+        with engine._jobs.mutex:
+            waiting = [j for j in engine._jobs.queue if j is not None and j is not self.job]
+        for other in waiting:
+            if id(other) in self.seen or not other.cache_pref.enabled:
+                continue
+            shared = common_prefix_length(tokens, other.prompt.tokens)
+            limit = min(shared, len(tokens) - 1, len(other.prompt.tokens) - 1)
+            aligned = engine.planner.grid.align(tokens, limit)
+            self.seen[id(other)] = aligned if aligned >= engine.config.share_min_tokens else 0
+        return {p for p in self.seen.values() if p}
 
 
 def _usage(job: _Job, reuse: int, count: int, ttft: float, prefill_tps: float, decode_tps: float):

@@ -48,6 +48,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         convert_gguf(gguf, tmp, desc=f"Converting {DEFAULT_MODEL_NAME}")
         # The marker is written last: a folder without it is never trusted.
         (tmp / _MARKER).write_text(json.dumps(expected) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only
         _install(tmp, target, expected)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -55,8 +55,9 @@ def convert_gguf(gguf_path: Path, dest: Path, *, desc: str | None = None) -> Non
 
     converted: dict[str, mx.array] = {}
     bases = sorted({k.rsplit(".", 1)[0] for k in weights})
-    for base in tqdm(bases, desc=desc or f"Converting {gguf_path.name}", unit="tensor",
-                     file=sys.stderr):
+    for base in tqdm(
+        bases, desc=desc or f"Converting {gguf_path.name}", unit="tensor", file=sys.stderr
+    ):
         name, tensor = _convert_tensor(base, weights, config)
         mx.eval(tensor)
         converted[name] = tensor
@@ -88,8 +89,11 @@ def _llama_config(md: Mapping[str, Any], *, has_output: bool) -> dict[str, Any]:
         "tie_word_embeddings": not has_output,
         "torch_dtype": "float32",
     }
-    for key, field in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
-                       ("padding", "pad_token_id")):
+    for key, field in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("padding", "pad_token_id"),
+    ):
         if (value := md.get(f"tokenizer.ggml.{key}_token_id")) is not None:
             config[field] = int(value.item())
     return config
@@ -137,8 +141,4 @@ def _unpermute(w: mx.array, n_head: int) -> mx.array:
     interleaves them pairwise. Rows: [n_head, head_dim/2, 2] -> [n_head, 2, head_dim/2].
     """
     rows = w.shape[0]
-    return (
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

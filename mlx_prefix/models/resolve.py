@@ -109,8 +109,9 @@ def _from_hub(spec: str, repo_id: str, revision: str | None) -> ResolvedModel:
     else:
         path = Path(folder)
         if not (path / "config.json").is_file():
-            raise ModelNotFound(f"model '{spec}' not found: the repo has no config.json",
-                                param="model")
+            raise ModelNotFound(
+                f"model '{spec}' not found: the repo has no config.json", param="model"
+            )
         # Snapshot folders are named by commit sha: the source pins the exact weights.
         return ResolvedModel(path=path, name=repo_id, source=f"{repo_id}@{path.name}")
     raise ModelNotFound(f"model '{spec}' not found: {reason}", param="model")

@@ -203,17 +203,20 @@ THINK_CHAT_TEMPLATE = """\
         {%- if message.reasoning_content is string %}
             {%- set reasoning = message.reasoning_content %}
         {%- elif '</think>' in content %}
-            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n')
+                .split('<think>')[-1].lstrip('\\n') %}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
         {%- endif %}
         {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
-            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n')
+                + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content }}
         {%- endif %}
         {{- '<|im_end|>\\n' }}
     {%- elif message.role == 'tool' %}
-        {{- '<|im_start|>user\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + content
+            + '\\n</tool_response><|im_end|>\\n' }}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}

@@ -18,3 +18,17 @@ class ServerSettings:
     default_max_tokens: int = 512  # when a request names neither max_tokens form
     max_tokens_limit: int = 1_000_000  # hard cap when the model's context length is unknown
     shutdown_grace_s: float = 10.0  # in-flight requests get this long, then are cancelled
+
+    def __post_init__(self) -> None:
+        origins = self.allowed_origins
+        if isinstance(origins, str):  # "a,b" from an env var or a config file
+            origins = tuple(o.strip() for o in origins.split(",") if o.strip())
+        object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in origins))
+        for origin in self.allowed_origins:
+            if origin != "*" and "://" not in origin:
+                raise ValueError(
+                    f"allowed_origins: {origin!r} is not an origin such as "
+                    "'https://app.example.com' (or '*')"
+                )
+        if self.max_body_bytes < 1 or self.default_max_tokens < 1 or self.shutdown_grace_s < 0:
+            raise ValueError("max_body_bytes and default_max_tokens must be positive")

@@ -1,0 +1,150 @@
+"""/v1/cache (stats + entries), warm and pin, flush, and Prometheus /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_fakes import serving
+
+SYSTEM = {"role": "system", "content": "You are the shared system prompt of an extension. " * 4}
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    with serving() as (url, _engine), httpx.Client(base_url=url, timeout=10) as c:
+        yield c
+
+
+def metrics(http: httpx.Client) -> dict[tuple[str, tuple], float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def chat(http: httpx.Client, text: str) -> dict:
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "default", "messages": [SYSTEM, {"role": "user", "content": text}]},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def test_cache_info_starts_empty(http):
+    body = http.get("/v1/cache").json()
+    assert body["entries"] == []
+    assert body["stats"]["entries"] == 0 and body["stats"]["hits"] == 0
+    assert {"bytes", "bytes_by_kind", "budget_bytes", "hit_ratio", "evictions"} <= set(
+        body["stats"]
+    )
+
+
+def test_warm_pin_then_hit(http):
+    r = http.post("/v1/cache/warm", json={"messages": [SYSTEM], "pin": True})
+    assert r.status_code == 200, r.text
+    warm = r.json()
+    assert warm["prompt_tokens"] > 0 and warm["cached_tokens"] == 0 and warm["pinned"] is True
+    (entry,) = http.get("/v1/cache").json()["entries"]
+    assert entry["pinned"] is True and entry["tokens"] == warm["prompt_tokens"]
+
+    usage = chat(http, "what now?")
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= warm["prompt_tokens"] - 1  # the warmed system prompt was reused
+    assert http.get("/v1/cache").json()["stats"]["hits"] == 1
+
+
+def test_warm_with_prompt_and_repeat(http):
+    first = http.post("/v1/cache/warm", json={"prompt": "a raw completion prefix"}).json()
+    again = http.post("/v1/cache/warm", json={"prompt": "a raw completion prefix"}).json()
+    assert first == {"prompt_tokens": 4, "cached_tokens": 0, "pinned": False}
+    assert again["cached_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, None),
+        ({"prompt": "a", "messages": [SYSTEM]}, None),
+        ({"messages": []}, "messages"),
+        ({"prompt": "a", "pin": "yes"}, "pin"),
+        ({"prompt": "a", "model": "other"}, "model"),
+    ],
+)
+def test_warm_bad_body(http, body, param):
+    r = http.post("/v1/cache/warm", json=body)
+    assert r.status_code in (400, 404)
+    assert r.json()["error"]["param"] == param
+
+
+def test_flush(http):
+    chat(http, "one")
+    chat(http, "two")
+    assert len(http.get("/v1/cache").json()["entries"]) == 2
+    r = http.delete("/v1/cache")
+    assert r.status_code == 200 and r.json() == {"removed": 2}
+    assert http.get("/v1/cache").json()["entries"] == []
+    assert http.delete("/v1/cache").json() == {"removed": 0}
+
+
+def test_metrics_change_after_requests(http):
+    chat_ok = (
+        "mlx_prefix_requests_total",
+        (("endpoint", "/v1/chat/completions"), ("status", "200")),
+    )
+    before = metrics(http)
+    for name in (
+        "mlx_prefix_cache_bytes",
+        "mlx_prefix_cache_entries",
+        "mlx_prefix_cache_hit_ratio",
+        "mlx_prefix_cache_evictions_total",
+        "mlx_prefix_prompt_tokens_total",
+        "mlx_prefix_cached_tokens_total",
+        "mlx_prefix_completion_tokens_total",
+        "mlx_prefix_time_to_first_token_seconds_count",
+    ):
+        assert (name, ()) in before, name
+    assert before[("mlx_prefix_cache_entries", ())] == 0
+
+    first = chat(http, "first")
+    second = chat(http, "second")
+    http.post("/v1/chat/completions", json={"messages": "bad"})
+    after = metrics(http)
+
+    assert after.get(chat_ok, 0) - before.get(chat_ok, 0) == 2
+    bad = ("mlx_prefix_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "400")))
+    assert after[bad] == 1
+    prompt = first["prompt_tokens"] + second["prompt_tokens"]
+    assert after[("mlx_prefix_prompt_tokens_total", ())] == prompt
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert after[("mlx_prefix_cached_tokens_total", ())] == cached
+    completion = first["completion_tokens"] + second["completion_tokens"]
+    assert after[("mlx_prefix_completion_tokens_total", ())] == completion
+    assert after[("mlx_prefix_time_to_first_token_seconds_count", ())] == 2
+    assert after[("mlx_prefix_cache_entries", ())] == 2
+    assert after[("mlx_prefix_cache_bytes", ())] > 0
+    assert after[("mlx_prefix_cache_hit_ratio", ())] == 0.5
+    assert after[("mlx_prefix_cache_hits_total", ())] == 1
+
+
+def test_unknown_paths_share_one_metric_label(http):
+    for path in ("/a", "/b", "/c"):
+        http.get(path)
+    other = ("mlx_prefix_requests_total", (("endpoint", "other"), ("status", "404")))
+    assert metrics(http)[other] == 3
+
+
+def test_two_apps_have_separate_registries():
+    with serving() as (url_a, _), serving() as (url_b, _):
+        with httpx.Client(base_url=url_a) as a, httpx.Client(base_url=url_b) as b:
+            chat(a, "only on a")
+            key = ("mlx_prefix_completion_tokens_total", ())
+            assert metrics(a)[key] > 0
+            assert metrics(b)[key] == 0

@@ -1,0 +1,284 @@
+"""The official `openai` client against a live server backed by the fake engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
+
+from mlx_prefix.engine.request import CachePreference
+
+TOOL_REPLY = (
+    'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def live():
+    model = FakeModel(
+        path=Path("/models/org/SmolLM-fake"), tokenizer=FakeTokenizer.with_json_tools()
+    )
+    with serving(FakeEngine(model)) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture
+def client(live):
+    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def engine(live) -> FakeEngine:
+    return live[1]
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model="fake-model", messages=user("chat non-stream"))
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == DEFAULT_REPLY
+    assert choice.finish_reason == "stop"
+    assert r.model == "fake-model" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.completion_tokens == len(DEFAULT_REPLY.split())
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_streaming(client):
+    with client.chat.completions.create(
+        model="fake-model", messages=user("chat stream"), stream=True
+    ) as stream:
+        chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == DEFAULT_REPLY
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+    assert all(c.usage is None for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions(client):
+    r = client.completions.create(model="fake-model", prompt="Once upon a time")
+    assert r.choices[0].text == DEFAULT_REPLY
+    assert r.usage.prompt_tokens == 4
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    with client.completions.create(
+        model="fake-model", prompt=["Twice upon a time"], stream=True
+    ) as stream:
+        chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == DEFAULT_REPLY
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_cached_tokens_reported_on_repeat(client):
+    messages = [
+        {"role": "system", "content": "A long shared instruction prompt. " * 5},
+        {"role": "user", "content": "first question"},
+    ]
+    first = client.chat.completions.create(model="fake-model", messages=messages)
+    second = client.chat.completions.create(model="fake-model", messages=messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # the fake always leaves one prompt token to compute, like the real engine
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    messages[1]["content"] = "second question"
+    third = client.chat.completions.create(model="fake-model", messages=messages)
+    assert 0 < third.usage.prompt_tokens_details.cached_tokens < third.usage.prompt_tokens - 1
+
+
+def test_include_usage_chunk(client):
+    messages = user("usage chunk please")
+    client.chat.completions.create(model="fake-model", messages=messages)
+    with client.chat.completions.create(
+        model="fake-model",
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+    ) as stream:
+        chunks = list(stream)
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage.completion_tokens == len(DEFAULT_REPLY.split())
+    assert last.usage.prompt_tokens_details.cached_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "stop"
+
+
+def test_stop_and_sampling_passthrough(client, engine):
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=user("stop early"),
+        stop=[" fake", "never"],
+        seed=7,
+        temperature=0.7,
+        top_p=0.9,
+        max_completion_tokens=50,
+    )
+    assert r.choices[0].message.content == "Hello from the"
+    assert r.choices[0].finish_reason == "stop"
+    sampling = engine.submissions[-1].sampling
+    assert sampling.stop == (" fake", "never")
+    assert (sampling.seed, sampling.temperature, sampling.top_p) == (7, 0.7, 0.9)
+    assert sampling.max_tokens == 50
+    r = client.completions.create(model="fake-model", prompt="stop as string", stop="engine")
+    assert r.choices[0].text == "Hello from the fake "
+    assert engine.submissions[-1].sampling.stop == ("engine",)
+
+
+def test_max_tokens_gives_length(client, engine):
+    r = client.chat.completions.create(model="fake-model", messages=user("short"), max_tokens=3)
+    assert r.choices[0].message.content == "Hello from the"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+    assert engine.submissions[-1].sampling.max_tokens == 3
+
+
+def test_default_max_tokens(client, engine):
+    client.completions.create(model="fake-model", prompt="defaults")
+    assert engine.submissions[-1].sampling.max_tokens == 512
+
+
+@pytest.mark.parametrize(
+    "alias", ["fake-model", "/models/org/SmolLM-fake", "SmolLM-fake", "default"]
+)
+def test_model_aliases(client, alias):
+    r = client.chat.completions.create(model=alias, messages=user(f"alias {alias}"))
+    assert r.model == "fake-model"
+    assert r.choices[0].message.content == DEFAULT_REPLY
+
+
+def test_unknown_model_lists_served_models(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=user("hi"))
+    error = err.value.body
+    assert err.value.status_code == 404
+    assert error["code"] == "model_not_found"
+    assert "gpt-4o" in error["message"] and "fake-model" in error["message"]
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+    assert client.models.retrieve("fake-model").id == "fake-model"
+
+
+def test_content_parts_render_like_strings(client, engine):
+    parts = [{"type": "text", "text": "split "}, {"type": "text", "text": "into parts"}]
+    client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": parts}]
+    )
+    from_parts = engine.submissions[-1].prompt
+    second = client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "split into parts"}]
+    )
+    assert engine.submissions[-1].prompt == from_parts
+    assert from_parts.messages[0]["content"] == "split into parts"
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+
+
+def test_prefix_cache_extension_and_template_kwargs(client, engine):
+    messages = user("no caching for this one")
+    for _ in range(2):
+        r = client.chat.completions.create(
+            model="fake-model",
+            messages=messages,
+            extra_body={
+                "prefix_cache": {"enabled": False, "scope": "off"},
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        )
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+    submission = engine.submissions[-1]
+    assert submission.cache == CachePreference(enabled=False, scope="off")
+    assert submission.prompt.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_logprobs(client, engine):
+    r = client.chat.completions.create(model="fake-model", messages=user("lp"), logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == DEFAULT_REPLY
+    assert {t.logprob for t in content} == {-0.25}
+    assert engine.submissions[-1].sampling.logprobs is True
+    r = client.chat.completions.create(model="fake-model", messages=user("no lp"))
+    assert r.choices[0].logprobs is None
+
+
+def test_tool_calls_non_streaming(client, engine):
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=user(f"weather? [[reply:{TOOL_REPLY}]]"),
+        tools=[WEATHER_TOOL],
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check. "
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert engine.submissions[-1].prompt.tools == (WEATHER_TOOL,)
+
+
+def test_tool_calls_streaming(client):
+    with client.chat.completions.create(
+        model="fake-model",
+        messages=user(f"weather? [[reply:{TOOL_REPLY}]]"),
+        tools=[WEATHER_TOOL],
+        stream=True,
+    ) as stream:
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert text == "Let me check. "  # no markup leaks into content
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_keeps_markup_as_text(client, engine):
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=user(f"weather? [[reply:{TOOL_REPLY}]]"),
+        tools=[WEATHER_TOOL],
+        tool_choice="none",
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == TOOL_REPLY
+    assert engine.submissions[-1].prompt.tools is None
+
+
+def test_assistant_tool_call_history_is_accepted(client, engine):
+    messages = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = client.chat.completions.create(model="fake-model", messages=messages, tools=[WEATHER_TOOL])
+    assert r.choices[0].message.content == DEFAULT_REPLY
+    sent = engine.submissions[-1].prompt.messages
+    assert sent[1]["content"] == ""
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
