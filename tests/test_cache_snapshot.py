@@ -69,7 +69,9 @@ def _snapshot_arrays(s: Snapshot) -> list[np.ndarray]:
 
 
 def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a, b))
+    if len(a) != len(b):
+        return False
+    return all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a, b, strict=True))
 
 
 # name -> (factory for one model's cache list, prefill chunks, trimmable after prefill)
@@ -82,7 +84,11 @@ CASES: dict[str, tuple[Callable[[], list[Any]], list[int], bool]] = {
     "rotating_unwrapped": (lambda: [RotatingKVCache(max_size=32, keep=2)], [10, 1, 1, 5], True),
     "rotating_in_place": (lambda: [RotatingKVCache(max_size=32)], [1] * 12, True),
     "rotating_wrapped_concat": (lambda: [RotatingKVCache(max_size=16, keep=2)], [12, 9], False),
-    "rotating_wrapped_ring": (lambda: [RotatingKVCache(max_size=16, keep=2)], [10] + [1] * 9, False),
+    "rotating_wrapped_ring": (
+        lambda: [RotatingKVCache(max_size=16, keep=2)],
+        [10] + [1] * 9,
+        False,
+    ),
     "arrays": (lambda: [ArraysCache(size=2), ArraysCache(size=2)], [4, 4], False),
     "cachelist_kv": (lambda: [CacheList(KVCache(), KVCache())], [6, 3], True),
     "cachelist_hybrid": (lambda: [CacheList(KVCache(), ArraysCache(size=2))], [6, 3], False),

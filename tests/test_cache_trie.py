@@ -34,7 +34,7 @@ def test_match_reports_common_prefix_and_ancestors():
     t.insert([1, 9], "other")
     m = t.match([1, 2, 3, 7])
     assert m.matched == 3  # diverges inside the [3, 4, 5] edge
-    assert [(e.tokens, e.value) for e in m.ancestors] == [((1, 2), "short")]
+    assert [(e.length, e.value) for e in m.ancestors] == [(2, "short")]
     m = t.match([1, 2, 3, 4, 5, 6])
     assert m.matched == 5
     assert [e.value for e in m.ancestors] == ["short", "long"]
@@ -105,9 +105,10 @@ def test_random_operations_agree_with_a_dict():
         q = tuple(rng.randrange(3) for _ in range(rng.randrange(0, 10)))
         m = t.match(q)
         assert m.matched == max((_lcp(q, k) for k in ref), default=0)
-        assert [e.tokens for e in m.ancestors] == sorted(
+        assert [q[: e.length] for e in m.ancestors] == sorted(
             (k for k in ref if q[: len(k)] == k), key=len
         )
+        assert all(ref[q[: e.length]] == e.value for e in m.ancestors)
         odd = t.nearest(q, lambda v: v % 2 == 1)
         want = max((_lcp(q, k) for k, v in ref.items() if v % 2 == 1), default=None)
         if want is None:

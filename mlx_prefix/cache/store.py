@@ -235,7 +235,7 @@ class PromptCache:
                 for anc in trie.match(key).ancestors:
                     other = self._entries[anc.value]
                     if (
-                        len(anc.tokens) < len(key)
+                        anc.length < len(key)
                         and other.trimmable
                         and other.kind <= kind
                         and other.refs == 0
@@ -391,7 +391,7 @@ class PromptCache:
 
         for anc in m.ancestors:
             e = self._entries[anc.value]
-            n = len(anc.tokens)
+            n = anc.length
             if not e.trimmable and n <= limit and align(n) == n:
                 offer(_Candidate(e.entry_id, n, 0))
         near = trie.nearest(tokens, lambda i: self._entries[i].trimmable)

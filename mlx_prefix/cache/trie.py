@@ -28,10 +28,15 @@ class TrieEntry(Generic[V]):
 
 
 @dataclass(frozen=True, slots=True)
+class TriePrefix(Generic[V]):
+    length: int  # the stored sequence is query[:length]
+    value: V
+
+
+@dataclass(frozen=True, slots=True)
 class TrieMatch(Generic[V]):
     matched: int  # longest common prefix of the query with any stored sequence
-    # stored sequences that are prefixes of the query, shortest first
-    ancestors: tuple[TrieEntry[V], ...]
+    ancestors: tuple[TriePrefix[V], ...]  # stored prefixes of the query, shortest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,11 @@ def _common(a: Sequence[int], start: int, edge: tuple[int, ...]) -> int:
     """Length of the common prefix of a[start:] and edge."""
     n = min(len(edge), len(a) - start)
     i = 0
+    # Compare blocks at C speed (edges run to tens of thousands of tokens), then
+    # find the divergence inside the first differing block.
+    block = 512
+    while i + block <= n and tuple(a[start + i : start + i + block]) == edge[i : i + block]:
+        i += block
     while i < n and a[start + i] == edge[i]:
         i += 1
     return i
@@ -146,7 +156,7 @@ class TokenTrie(Generic[V]):
         of `tokens` along the way. Does not mutate."""
         walk = self._walk(tokens)
         ancestors = tuple(
-            TrieEntry(tuple(tokens[:d]), n.value)  # type: ignore[arg-type]
+            TriePrefix(d, n.value)  # type: ignore[arg-type]
             for n, d in zip(walk.nodes, walk.depths, strict=True)
             if n.value is not _MISSING
         )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -14,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 
 from .errors import EXCEPTION_HANDLERS
+from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
 from .protocol import Limits
@@ -50,15 +53,40 @@ def serve(engine: Any, settings: ServerSettings) -> None:
         log_level=settings.log_level.lower(),
         log_config=None,  # keep the host's logging setup
         access_log=False,  # we write one richer line per request
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        # A backstop only: _GracefulServer cancels at the grace period through the
+        # engine, so clients get an error event / 503 rather than a cut connection.
+        timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
         lifespan="on",
     )
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
-        uvicorn.Server(config).run()
+        _GracefulServer(config, app.state.server.inflight, settings.shutdown_grace_s).run()
     finally:
         shutdown_engine()
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's shutdown (stop accepting, wait for open requests), plus: requests still
+    running after `grace_s` are cancelled in the engine and end with an error event."""
+
+    def __init__(self, config: uvicorn.Config, inflight: InFlight, grace_s: float):
+        super().__init__(config)
+        self._inflight = inflight
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._inflight:
+            log.info("waiting up to %.0fs for %d request(s)", self._grace_s, len(self._inflight))
+        timer = asyncio.get_running_loop().call_later(self._grace_s, self._cancel_inflight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _cancel_inflight(self) -> None:
+        if n := self._inflight.cancel_all():
+            log.warning("grace period over: cancelled %d request(s)", n)
 
 
 def _build(
@@ -92,6 +120,11 @@ def _build(
         lifespan=lifespan,
     )
     app.state.server = ServerState(
-        engine=engine, settings=settings, metrics=metrics, limits=limits, started=int(time.time())
+        engine=engine,
+        settings=settings,
+        metrics=metrics,
+        limits=limits,
+        inflight=InFlight(),
+        started=int(time.time()),
     )
     return app

@@ -83,6 +83,29 @@ class Assembler:
         return Delta(split.text + failed, calls, lps)
 
 
+class InFlight:
+    """Handles of the requests being served, so that a shutdown can cancel those still
+    running when the grace period ends. Touched only from the event loop's thread."""
+
+    def __init__(self) -> None:
+        self._handles: set[Any] = set()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def add(self, handle: Any) -> None:
+        self._handles.add(handle)
+
+    def discard(self, handle: Any) -> None:
+        self._handles.discard(handle)
+
+    def cancel_all(self) -> int:
+        handles = list(self._handles)
+        for handle in handles:
+            handle.cancel()
+        return len(handles)
+
+
 @dataclass
 class RequestLog:
     """The per-request log line and token metrics, written exactly once."""

@@ -26,7 +26,7 @@ DEFAULT_ORIGIN_REGEX = (
 def cors(allowed_origins: Collection[str]) -> Middleware:
     return Middleware(
         CORSMiddleware,
-        allow_origins=tuple(o.rstrip("/") for o in allowed_origins),
+        allow_origins=tuple(allowed_origins),
         allow_origin_regex=DEFAULT_ORIGIN_REGEX,
         allow_methods=("GET", "POST", "DELETE", "OPTIONS"),
         allow_headers=("*",),

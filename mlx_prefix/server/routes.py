@@ -21,7 +21,7 @@ from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 
 from . import responses as R
 from .errors import PayloadTooLarge, error_body, error_response
-from .generation import Assembler, RequestLog, collect, stream_events
+from .generation import Assembler, InFlight, RequestLog, collect, stream_events
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     Limits,
@@ -41,6 +41,7 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     limits: Limits
+    inflight: InFlight
     started: int  # unix time, reported as the model's `created`
 
 
@@ -128,11 +129,13 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         record.write(str(e.status))
         raise
     record.prompt_tokens = handle.prompt_tokens
+    st.inflight.add(handle)
     assembler = Assembler.for_request(req, st.engine.model.tokenizer, req.stream)
     if req.stream:
 
         def on_close() -> None:
             handle.cancel()
+            st.inflight.discard(handle)
             record.write("client_disconnected")
 
         return SSEResponse(stream_events(handle, req, meta, assembler, record), on_close)
@@ -146,6 +149,7 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         raise
     finally:
         handle.cancel()
+        st.inflight.discard(handle)
     finish = assembler.finish_reason(result.done)
     record.write("200", result.done.usage, finish)
     body = R.completion_body(

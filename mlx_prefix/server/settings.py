@@ -30,5 +30,7 @@ class ServerSettings:
                     f"allowed_origins: {origin!r} is not an origin such as "
                     "'https://app.example.com' (or '*')"
                 )
-        if self.max_body_bytes < 1 or self.default_max_tokens < 1 or self.shutdown_grace_s < 0:
-            raise ValueError("max_body_bytes and default_max_tokens must be positive")
+        if min(self.max_body_bytes, self.default_max_tokens, self.max_tokens_limit) < 1:
+            raise ValueError("max_body_bytes and the max_tokens settings must be positive")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown_grace_s must not be negative")
