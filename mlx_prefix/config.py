@@ -51,13 +51,18 @@ class EngineConfig:
 
 def _parse(value: str, annotation: Any) -> Any:
     if isinstance(annotation, str):
-        annotation = eval(annotation, {"int": int, "str": str, "bool": bool, "float": float})  # noqa: S307
+        annotation = eval(  # noqa: S307 - field annotations of our own dataclasses
+            annotation, {"int": int, "str": str, "bool": bool, "float": float, "tuple": tuple}
+        )
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value.lower() in ("", "none"):
             return None
         return _parse(value, args[0])
+    if origin is tuple:
+        item = typing.get_args(annotation)[0] if typing.get_args(annotation) else str
+        return tuple(_parse(v.strip(), item) for v in value.split(",") if v.strip())
     if annotation is bool:
         if value.lower() in ("1", "true", "yes", "on"):
             return True

@@ -362,7 +362,9 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LiveServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP, or asyncio skips TCP_NODELAY on accepted connections and
+        # every keep-alive request waits ~40 ms on Nagle + delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -109,6 +109,8 @@ BAD_COMPLETION_BODIES = {
     "prompt token ids": ({"prompt": [1, 2, 3]}, "prompt"),
     "prompt two strings": ({"prompt": ["a", "b"]}, "prompt"),
     "logprobs out of range": ({"prompt": "a", "logprobs": 9}, "logprobs"),
+    "echo": ({"prompt": "a", "echo": True}, "echo"),
+    "best_of": ({"prompt": "a", "best_of": 3}, "best_of"),
 }
 
 
@@ -233,6 +235,9 @@ def test_client_disconnect_while_waiting_non_streaming_cancels(live, engine):
         time.sleep(0.1)
     handle = engine.handles[-1]
     assert wait_until(handle.cancelled.is_set, timeout=3), "disconnect did not cancel the request"
+    with httpx.Client(base_url=live[0]) as c:
+        text = c.get("/metrics").text
+    assert 'mlx_prefix_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0' in text
 
 
 def test_server_survives_everything(http):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import openai
@@ -282,3 +284,18 @@ def test_assistant_tool_call_history_is_accepted(client, engine):
     sent = engine.submissions[-1].prompt.messages
     assert sent[1]["content"] == ""
     assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_one_log_line_per_request(client, caplog):
+    caplog.set_level(logging.INFO, logger="mlx_prefix.server")
+    messages = user("log me")
+    client.chat.completions.create(model="fake-model", messages=messages)
+    r = client.chat.completions.create(model="fake-model", messages=messages)
+    lines = [rec.getMessage() for rec in caplog.records if r.id in rec.getMessage()]
+    assert len(lines) == 1, caplog.text
+    fields = dict(re.findall(r"(\w+)=(\S+)", lines[0]))
+    assert lines[0].startswith(f"{r.id} /v1/chat/completions ")
+    assert int(fields["prompt"]) == r.usage.prompt_tokens
+    assert int(fields["cached"]) == r.usage.prompt_tokens_details.cached_tokens > 0
+    assert fields["status"] == "200"
+    assert fields["ttft"].endswith("ms") and fields["decode"].endswith("tok/s")

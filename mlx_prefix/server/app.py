@@ -58,6 +58,7 @@ def serve(engine: Any, settings: ServerSettings) -> None:
         timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
         lifespan="on",
     )
+    log.info("serving %s on http://%s:%d", engine.model.name, settings.host, settings.port)
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
@@ -107,7 +108,6 @@ def _build(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        log.info("serving %s on http://%s:%d", engine.model.name, settings.host, settings.port)
         yield
         if on_shutdown is not None:
             log.info("shutting down the engine")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ from .protocol import GenerationRequest
 from .tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 log = logging.getLogger("mlx_prefix.server")
+
+_CANCELLED = "the server cancelled this request before it finished (shutting down)"
 
 
 @dataclass(frozen=True)
@@ -117,25 +120,32 @@ class RequestLog:
     started: float = field(default_factory=time.perf_counter)
     _written: bool = False
 
-    def write(self, status: str, usage: Usage | None = None, finish: str | None = None) -> None:
+    def write(
+        self,
+        status: str,
+        usage: Usage | None = None,
+        finish: str | None = None,
+        error: str | None = None,
+    ) -> None:
         if self._written:
             return
         self._written = True
-        if usage is not None:
-            self.metrics.observe_generation(usage)
+        total_ms = (time.perf_counter() - self.started) * 1000
+        if usage is None:
             log.info(
-                "%s %s prompt=%d cached=%d completion=%d ttft=%.1fms decode=%.1ftok/s "
-                "finish=%s status=%s total=%.0fms",
-                self.request_id, self.endpoint, usage.prompt_tokens, usage.cached_tokens,
-                usage.completion_tokens, usage.ttft_s * 1000, usage.decode_tokens_per_s,
-                finish, status, (time.perf_counter() - self.started) * 1000,
+                "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms%s",
+                self.request_id, self.endpoint, self.prompt_tokens, status, total_ms,
+                f" error={error!r}" if error else "",
             )  # fmt: skip
-        else:
-            log.info(
-                "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms",
-                self.request_id, self.endpoint, self.prompt_tokens, status,
-                (time.perf_counter() - self.started) * 1000,
-            )  # fmt: skip
+            return
+        self.metrics.observe_generation(usage)
+        log.info(
+            "%s %s prompt=%d cached=%d completion=%d ttft=%.1fms decode=%.1ftok/s "
+            "finish=%s status=%s total=%.0fms",
+            self.request_id, self.endpoint, usage.prompt_tokens, usage.cached_tokens,
+            usage.completion_tokens, usage.ttft_s * 1000, usage.decode_tokens_per_s,
+            finish, status, total_ms,
+        )  # fmt: skip
 
 
 async def stream_events(
@@ -151,44 +161,47 @@ async def stream_events(
         if meta.kind == "chat":
             yield R.sse(R.chunk(meta, role=True, text="", include_usage=req.include_usage))
         try:
-            async for event in handle.aevents():
-                if isinstance(event, TokenEvent):
-                    delta = assembler.feed(event)
-                    if delta:
-                        yield R.sse(_delta_chunk(meta, delta, req))
-                elif isinstance(event, DoneEvent):
-                    if event.finish_reason == "cancelled":
-                        status = "cancelled"
+            async with aclosing(handle.aevents()) as events:
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        delta = assembler.feed(event)
+                        if delta:
+                            yield R.sse(_delta_chunk(meta, delta, req))
+                    elif isinstance(event, DoneEvent):
+                        if event.finish_reason == "cancelled":
+                            status = "cancelled"
+                            yield R.sse(body_for(CancelledByServer(_CANCELLED)))
+                            return
+                        delta = assembler.finish()
+                        if delta:
+                            yield R.sse(_delta_chunk(meta, delta, req))
+                        usage, finish = event.usage, assembler.finish_reason(event)
                         yield R.sse(
-                            body_for(CancelledByServer("the server cancelled this request"))
+                            R.chunk(meta, finish_reason=finish, include_usage=req.include_usage)
                         )
+                        if req.include_usage:
+                            yield R.sse(R.usage_chunk(meta, event.usage))
+                        yield R.SSE_DONE
+                        status = "200"
                         return
-                    delta = assembler.finish()
-                    if delta:
-                        yield R.sse(_delta_chunk(meta, delta, req))
-                    usage, finish = event.usage, assembler.finish_reason(event)
-                    yield R.sse(
-                        R.chunk(meta, finish_reason=finish, include_usage=req.include_usage)
-                    )
-                    if req.include_usage:
-                        yield R.sse(R.usage_chunk(meta, event.usage))
-                    yield R.SSE_DONE
-                    status = "200"
-                    return
-                elif isinstance(event, ErrorEvent):
-                    status = "error"
-                    log.error("%s generation failed: %s", record.request_id, event.message)
-                    yield R.sse(_error_event(event))
-                    return
+                    elif isinstance(event, ErrorEvent):
+                        status = "error"
+                        log.error("%s generation failed: %s", record.request_id, event.message)
+                        yield R.sse(body_for(_as_error(event)))
+                        return
             status = "error"
             yield R.sse(body_for(GenerationFailed("the engine ended the stream without a result")))
-        except (MlxPrefixError, RuntimeError, ValueError, OSError) as e:
+        except Exception as e:  # the stream is the edge: report, never cut the connection
             status = "error"
             log.exception("%s generation failed", record.request_id)
             yield R.sse(body_for(_as_error(e)))
     finally:
         handle.cancel()
         record.write(status, usage, finish)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its non-streaming answer was ready."""
 
 
 @dataclass(frozen=True)
@@ -205,32 +218,38 @@ async def collect(handle: Any, assembler: Assembler, request: Request) -> Collec
     calls: list[dict[str, Any]] = []
     lps: list[R.TokenLogprob] = []
     result: DoneEvent | ErrorEvent | None = None
+    gone = False
 
     async def watch_disconnect() -> None:
         # The body was read already, so the next message is the disconnect (uvicorn
         # delivers it when the socket closes, or after the response is sent).
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
         handle.cancel()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch_disconnect)
         try:
-            async for event in handle.aevents():
-                if isinstance(event, TokenEvent):
-                    _add(assembler.feed(event), texts, calls, lps)
-                else:
-                    result = event
-                    break
+            async with aclosing(handle.aevents()) as events:
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        _add(assembler.feed(event), texts, calls, lps)
+                    else:
+                        result = event
+                        break
         finally:
             tg.cancel_scope.cancel()
             handle.cancel()
+    if gone:
+        raise ClientGone()
     if isinstance(result, ErrorEvent):
         raise _as_error(result)
     if result is None:
         raise GenerationFailed("the engine ended the request without a result")
     if result.finish_reason == "cancelled":
-        raise CancelledByServer("the request was cancelled before it finished")
+        raise CancelledByServer(_CANCELLED)
     _add(assembler.finish(), texts, calls, lps)
     return Collected("".join(texts), calls, lps, result)
 
@@ -249,11 +268,6 @@ def _delta_chunk(meta: R.ResponseMeta, delta: Delta, req: GenerationRequest) -> 
         logprobs=delta.logprobs,
         include_usage=req.include_usage,
     )
-
-
-def _error_event(event: ErrorEvent) -> dict[str, Any]:
-    err = _as_error(event)
-    return body_for(err)
 
 
 def _as_error(source: ErrorEvent | Exception) -> MlxPrefixError:

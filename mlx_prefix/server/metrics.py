@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,32 +73,36 @@ class CacheCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is shutting down
             log.exception("cache_stats() failed during a /metrics scrape")
             return
-        gauges = {
-            "bytes": "Bytes held by stored prefix-cache snapshots",
-            "active_bytes": "Bytes held by running requests' caches",
-            "budget_bytes": "Byte budget shared by stored and active caches",
-            "entries": "Stored prefix-cache entries",
-            "hit_ratio": "Cache hits / lookups since start",
-        }
-        for key, doc in gauges.items():
-            if isinstance(stats.get(key), (int, float)):
-                yield GaugeMetricFamily(f"mlx_prefix_cache_{key}", doc, value=stats[key])
-        by_kind = stats.get("bytes_by_kind")
-        if isinstance(by_kind, dict):
-            family = GaugeMetricFamily(
-                "mlx_prefix_cache_bytes_by_kind",
-                "Stored cache bytes by cache kind",
-                labels=["kind"],
-            )
-            for kind, value in sorted(by_kind.items()):
-                family.add_metric([str(kind)], value)
-            yield family
-        counters = {
-            "evictions": "Entries evicted to stay within the byte budget",
-            "hits": "Prefix-cache lookups that reused tokens",
-            "misses": "Prefix-cache lookups that reused nothing",
-            "tokens_reused": "Prompt tokens restored from the cache",
-        }
-        for key, doc in counters.items():
-            if isinstance(stats.get(key), (int, float)):
-                yield CounterMetricFamily(f"mlx_prefix_cache_{key}", doc, value=stats[key])
+        for key, value in sorted(stats.items()):
+            name = f"mlx_prefix_cache_{key}"
+            doc = _DOCS.get(key, f"Prefix cache {key.replace('_', ' ')}")
+            if not _NAME.fullmatch(key) or isinstance(value, bool):
+                continue
+            if not isinstance(value, (int, float, dict)):
+                continue
+            if isinstance(value, dict):  # e.g. bytes_by_kind: {"SYSTEM": 123, ...}
+                family = GaugeMetricFamily(name, doc, labels=["kind"])
+                for kind, v in sorted(value.items()):
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        family.add_metric([str(kind)], v)
+                yield family
+            elif key in _COUNTERS:
+                yield CounterMetricFamily(name, doc, value=value)
+            else:
+                yield GaugeMetricFamily(name, doc, value=value)
+
+
+_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# Monotonic statistics; every other number in cache_stats() is a gauge.
+_COUNTERS = frozenset({"hits", "misses", "tokens_reused", "evictions"})
+_DOCS = {
+    "bytes": "Bytes held by stored prefix-cache snapshots",
+    "active_bytes": "Bytes held by running requests' caches",
+    "budget_bytes": "Byte budget shared by stored and active caches",
+    "entries": "Stored prefix-cache entries",
+    "hit_ratio": "Cache hits / lookups since start",
+    "evictions": "Entries evicted to stay within the byte budget",
+    "hits": "Prefix-cache lookups that reused tokens",
+    "misses": "Prefix-cache lookups that reused nothing",
+    "tokens_reused": "Prompt tokens restored from the cache",
+}

@@ -75,6 +75,12 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
 
 def parse_completion(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     prompt = PromptInput(text=_prompt_text(body.get("prompt", _MISSING)))
+    if _field(body, "echo", bool, False):
+        raise InvalidRequest("echo is not supported", param="echo")
+    if _field(body, "suffix", str, ""):
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    if _int(body, "best_of", 1, lo=1, hi=None) != 1:
+        raise InvalidRequest("only best_of=1 is supported", param="best_of")
     logprobs = _field(body, "logprobs", (bool, int), None)
     if isinstance(logprobs, int) and not isinstance(logprobs, bool) and not 0 <= logprobs <= 5:
         raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")
@@ -121,6 +127,9 @@ def _message(message: Any, i: int) -> dict[str, Any]:
             f"{param}.role {role!r} is not one of {', '.join(sorted(ROLES))}", param=f"{param}.role"
         )
     out = dict(message)
+    if role == "developer":
+        # OpenAI's newer name for the system role; chat templates only know "system".
+        out["role"] = "system"
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):

@@ -22,17 +22,16 @@ class ResponseMeta:
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    @classmethod
-    def new(cls, kind: Literal["chat", "completion"], model: str) -> ResponseMeta:
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return cls(kind=kind, model=model, id=f"{prefix}-{uuid.uuid4().hex}")
-
     def head(self, streaming: bool) -> dict[str, Any]:
         if self.kind == "chat":
             obj = "chat.completion.chunk" if streaming else "chat.completion"
         else:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def new_request_id(kind: Literal["chat", "completion"]) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 
 from . import responses as R
 from .errors import PayloadTooLarge, error_body, error_response
-from .generation import Assembler, InFlight, RequestLog, collect, stream_events
+from .generation import Assembler, ClientGone, InFlight, RequestLog, collect, stream_events
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     Limits,
@@ -114,11 +114,11 @@ async def completions(request: Request) -> Response:
 
 async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
     st = state(request)
-    body = await read_json(request)
-    req = parse_chat(body, st.limits) if kind == "chat" else parse_completion(body, st.limits)
-    meta = R.ResponseMeta.new(kind, resolve_model(st.engine, req.model))
-    record = RequestLog(meta.id, request.url.path, st.metrics)
+    record = RequestLog(R.new_request_id(kind), request.url.path, st.metrics)
     try:
+        body = await read_json(request)
+        req = parse_chat(body, st.limits) if kind == "chat" else parse_completion(body, st.limits)
+        meta = R.ResponseMeta(kind, resolve_model(st.engine, req.model), record.request_id)
         # Shielded: a handle created while the caller was being cancelled must still be
         # returned here, or nobody would cancel it and the engine would decode for no one.
         with anyio.CancelScope(shield=True):
@@ -126,7 +126,7 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
                 st.engine.submit, req.prompt, req.sampling, req.cache, meta.id
             )
     except MlxPrefixError as e:
-        record.write(str(e.status))
+        record.write(str(e.status), error=e.message)
         raise
     record.prompt_tokens = handle.prompt_tokens
     st.inflight.add(handle)
@@ -142,8 +142,11 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
     try:
         result = await collect(handle, assembler, request)
     except MlxPrefixError as e:
-        record.write(str(e.status))
+        record.write(str(e.status), error=e.message)
         raise
+    except ClientGone:
+        record.write("client_disconnected")
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     except BaseException:
         record.write("client_disconnected")
         raise

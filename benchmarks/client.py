@@ -1,0 +1,105 @@
+"""One streamed, greedy request over HTTP, timed client-side."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass(slots=True)
+class Reply:
+    text: str  # content + reasoning + tool-call arguments, in stream order
+    prompt_tokens: int | None
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, if reported
+    completion_tokens: int | None
+    ttft_s: float | None  # request sent -> first chunk carrying output
+    total_s: float  # request sent -> stream closed
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """A chat (messages) or raw-completion (prompt) request, server-independent."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int = 8
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def body(self, *, cold: bool = False) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **self.extra,
+        }
+        if self.messages is not None:
+            path, body["messages"] = "/v1/chat/completions", self.messages
+            if self.tools:
+                body["tools"] = self.tools
+        else:
+            path, body["prompt"] = "/v1/completions", self.prompt
+        if cold:
+            body["prefix_cache"] = {"enabled": False}  # mlx-prefix only
+        return path, body
+
+
+def _delta_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    if delta is None:  # /v1/completions chunks
+        return choice.get("text") or ""
+    parts = [delta.get(k) or "" for k in ("reasoning_content", "reasoning", "content")]
+    for call in delta.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        parts.append((fn.get("name") or "") + (fn.get("arguments") or ""))
+    return "".join(p for p in parts if isinstance(p, str))
+
+
+async def send(
+    client: httpx.AsyncClient, base_url: str, request: Request, *, cold: bool = False
+) -> Reply:
+    path, body = request.body(cold=cold)
+    texts: list[str] = []
+    usage: dict[str, Any] = {}
+    finish = None
+    ttft = None
+    start = time.perf_counter()
+    async with client.stream("POST", base_url + path, json=body, timeout=None) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")[:500]
+            raise RuntimeError(f"{base_url}{path}: HTTP {resp.status_code}: {detail}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators and ': keepalive' comments
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"{base_url}{path}: {chunk['error']}")
+            for choice in chunk.get("choices") or ():
+                text = _delta_text(choice)
+                if text:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    texts.append(text)
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    total = time.perf_counter() - start
+    details = usage.get("prompt_tokens_details") or {}
+    return Reply(
+        text="".join(texts),
+        prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=details.get("cached_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        ttft_s=ttft,
+        total_s=total,
+        finish_reason=finish,
+    )

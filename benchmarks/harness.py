@@ -1,0 +1,189 @@
+"""What every workload shares: result records, reuse accounting, cold-run checks.
+
+A workload is a module with `NAME`, `TITLE`, and either
+  `async def run(ctx, server) -> ServerResult`  (run once per server, shared servers), or
+  `def run_standalone(ctx) -> dict[str, ServerResult]`  (starts its own processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from .client import Reply, Request, send
+from .models import BenchModel, Tokens
+from .profiles import Profile
+from .servers import OURS, PEER, Server, ServerSpec
+
+
+@dataclass(slots=True)
+class Sample:
+    """One measured request."""
+
+    label: str  # "turn 3", "burst warm #2", ...
+    prompt_tokens: int | None
+    cached_tokens: int | None  # as the server reported it (None: not reported)
+    novel_tokens: int | None  # prompt tokens no earlier request to this server computed
+    completion_tokens: int | None
+    ttft_s: float | None
+    total_s: float
+    text: str  # greedy output, for the warm/cold comparison
+    group: str = ""  # requests measured together (a burst) share a group
+
+
+@dataclass(slots=True)
+class Check:
+    """A warm request's output against the same request computed cold."""
+
+    label: str
+    match: bool
+    warm: str
+    cold: str
+    how: str  # "prefix_cache disabled" | "fresh process, no prompt cache"
+
+
+@dataclass(slots=True)
+class ServerResult:
+    server: str
+    samples: list[Sample] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    wall_s: float = 0.0  # the workload's measured requests, end to end
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # workload-specific series
+
+    def reuse(self) -> dict[str, Any]:
+        """Prefilled vs novel tokens. efficiency = novel / prefilled (1.0: nothing
+        recomputed; 0.25: four times the necessary prefill)."""
+        rows = [s for s in self.samples if s.prompt_tokens is not None and s.novel_tokens]
+        novel = sum(s.novel_tokens or 0 for s in rows)
+        if not rows or any(s.cached_tokens is None for s in rows):
+            return {"prefilled": None, "novel": novel or None, "efficiency": None}
+        prefilled = sum((s.prompt_tokens or 0) - (s.cached_tokens or 0) for s in rows)
+        eff = min(1.0, novel / prefilled) if prefilled else None
+        return {"prefilled": prefilled, "novel": novel, "efficiency": eff}
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["reuse"] = self.reuse()
+        out["checks_matched"] = sum(c.match for c in self.checks)
+        return out
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    workload: str
+    title: str
+    model: str
+    servers: dict[str, ServerResult]
+    skipped: str | None = None  # why, when the workload could not run
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "title": self.title,
+            "model": self.model,
+            "skipped": self.skipped,
+            "servers": {k: v.to_json() for k, v in self.servers.items()},
+        }
+
+
+class Ledger:
+    """Token sequences a server has computed (prompts plus generated replies), to count
+    the tokens of a new prompt that no earlier request computed."""
+
+    def __init__(self) -> None:
+        self._seqs: list[np.ndarray] = []
+
+    def novel(self, tokens: list[int]) -> int:
+        a = np.asarray(tokens, dtype=np.int64)
+        best = 0
+        for s in self._seqs:
+            n = min(len(a), len(s))
+            diff = np.flatnonzero(a[:n] != s[:n])
+            best = max(best, int(diff[0]) if len(diff) else n)
+        return max(1, len(a) - best)  # at least one token is always computed
+
+    def add(self, tokens: list[int]) -> None:
+        self._seqs.append(np.asarray(tokens, dtype=np.int64))
+
+
+@dataclass
+class Context:
+    """One model's run: its servers, the profile, and the helpers workloads call."""
+
+    profile: Profile
+    model: BenchModel
+    tokens: Tokens
+    out_dir: Path
+    servers: dict[str, Server]  # OURS, PEER: started with default cache settings
+    ledgers: dict[str, Ledger] = field(default_factory=dict)
+    _peer_cold: Server | None = None
+    log: Callable[[str], None] = print
+
+    def ledger(self, server: str) -> Ledger:
+        return self.ledgers.setdefault(server, Ledger())
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        if request.messages is not None:
+            return self.tokens.chat(request.messages, request.tools)
+        return self.tokens.text(request.prompt or "")
+
+    def account(self, server: str, label: str, request: Request, reply: Reply,
+                group: str = "", ledger: Ledger | None = None) -> Sample:
+        """Turn a reply into a Sample, counting its novel tokens against `ledger`
+        (default: the server's run-wide ledger), then record what it computed."""
+        ledger = ledger or self.ledger(server)
+        ids = self.prompt_ids(request)
+        novel = ledger.novel(ids)
+        ledger.add(ids + self.tokens.text(reply.text))
+        return Sample(label, reply.prompt_tokens, reply.cached_tokens, novel,
+                      reply.completion_tokens, reply.ttft_s, reply.total_s, reply.text, group)
+
+    def peer_cold(self) -> Server:
+        """An mlx_lm.server that keeps no prompt cache: every request runs cold."""
+        if self._peer_cold is None:
+            spec = ServerSpec(PEER, self.model.path, ("--prompt-cache-size", "0"), "peer-cold")
+            self._peer_cold = Server(spec, self.out_dir / "logs").start()
+        return self._peer_cold
+
+    async def cold(self, client: httpx.AsyncClient, server: Server, request: Request) -> Reply:
+        if server.name == OURS:
+            return await send(client, server.url, request, cold=True)
+        return await send(client, self.peer_cold().url, request)
+
+    async def check(self, client: httpx.AsyncClient, server: Server, result: ServerResult,
+                    label: str, request: Request, warm: Reply) -> None:
+        cold = await self.cold(client, server, request)
+        how = "prefix_cache disabled" if server.name == OURS else "fresh process, no prompt cache"
+        result.checks.append(Check(label, warm.text == cold.text, warm.text, cold.text, how))
+
+    def should_check(self, index: int, count: int) -> bool:
+        """Which warm requests get a cold twin: all (full) or the last `check_last`."""
+        return self.profile.check_last is None or index >= count - self.profile.check_last
+
+    def close(self) -> None:
+        if self._peer_cold is not None:
+            self._peer_cold.stop()
+            self._peer_cold = None
+
+
+async def timed(coro_fn: Callable[[], Any]) -> tuple[Any, float]:
+    t = time.perf_counter()
+    out = await coro_fn()
+    return out, time.perf_counter() - t
+
+
+def run_async(fn: Callable[[httpx.AsyncClient], Any]) -> Any:
+    async def main() -> Any:
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+        async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+            return await fn(client)
+
+    return asyncio.run(main())

@@ -1,0 +1,162 @@
+"""Server subprocesses: mlx-prefix and mlx_lm.server on free loopback ports.
+
+Both are spawned through `python -m mlx_prefix.blas_exec`, which execs the server with
+the fast BLAS preloaded (LD_PRELOAD on Linux), so the PID we hold is the server's own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+OURS = "mlx-prefix"
+PEER = "mlx_lm.server"
+SERVERS = (OURS, PEER)
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str  # OURS or PEER (a peer-cold reference is PEER with no cache)
+    model: Path
+    extra_args: tuple[str, ...] = ()
+    label: str = ""  # for logs: "ours", "peer", "peer-cold"
+
+    def argv(self, port: int) -> list[str]:
+        py = sys.executable
+        if self.name == OURS:
+            cmd = [py, "-m", "mlx_prefix", "serve", "--model", str(self.model)]
+        else:
+            cmd = [py, "-m", "mlx_lm.server", "--model", str(self.model), "--log-level", "WARNING"]
+        return [py, "-m", "mlx_prefix.blas_exec", *cmd, "--port", str(port), *self.extra_args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One running server process. `start` blocks until /health answers."""
+
+    spec: ServerSpec
+    log_dir: Path
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def launch(self) -> Server:
+        self.port = free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        label = self.spec.label or self.spec.name
+        self._log = open(self.log_dir / f"{label}-{self.port}.log", "wb")  # noqa: SIM115
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            self.spec.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> Server:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"{self.spec.label or self.name} exited ({self.proc.returncode});"
+                                   f" see {self._log.name}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    self._warm_up()
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise ServerFailed(f"{self.spec.label or self.name} not ready after {timeout_s:.0f}s")
+
+    def _warm_up(self) -> None:
+        # The first request pays one-time costs (lazy init, kernel set-up); keep it out of
+        # every workload. A raw completion shares no chat-template prefix with workloads.
+        body = {"prompt": "Warm up.", "max_tokens": 1, "temperature": 0.0}
+        httpx.post(self.url + "/v1/completions", json=body, timeout=300.0).raise_for_status()
+
+    def start(self) -> Server:
+        return self.launch().wait_ready()
+
+    def rss_bytes(self) -> int | None:
+        """Resident set size of the server process (Linux /proc; psutil elsewhere)."""
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            import psutil  # type: ignore[import-not-found]
+
+            return psutil.Process(self.pid).memory_info().rss
+        except Exception:
+            return None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+            self._log = None
+
+    def restart(self) -> Server:
+        self.stop()
+        return self.start()
+
+
+def start_all(specs: list[ServerSpec], log_dir: Path) -> list[Server]:
+    """Launch every server at once (their model loads overlap), then wait for each."""
+    servers = [Server(s, log_dir).launch() for s in specs]
+    try:
+        for s in servers:
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def ours_help() -> str:
+    """`mlx-prefix serve --help`, to detect flags other engineers are still adding."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_prefix", "serve", "--help"],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, MLX_PREFIX_BLAS="none"),
+    )  # fmt: skip
+    return out.stdout

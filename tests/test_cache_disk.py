@@ -1,0 +1,663 @@
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import loaded_test_model
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from mlx_prefix.cache import disk_format
+from mlx_prefix.cache.disk import DiskCache
+from mlx_prefix.cache.snapshot import Snapshot, capture, restore
+from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.engine.request import SamplingParams
+from mlx_prefix.engine.runner import decode, prefill
+from mlx_prefix.models.testing import cached_test_model
+from mlx_prefix.prompt.grid import ChunkGrid
+
+REPO = Path(__file__).resolve().parents[1]
+GRID = ChunkGrid(32)
+TEXT = "In the beginning God created the heaven and the earth. And the earth was without form. "
+HISTORY = CheckpointKind.HISTORY
+LOGGER = "mlx_prefix.cache.disk"
+
+
+def _tokens(model, n: int, offset: int = 0) -> list[int]:
+    ids = model.tokenizer.encode(TEXT * 40)[offset : offset + n]
+    assert len(ids) == n
+    return ids
+
+
+def _align(tokens):
+    return lambda n: GRID.align(tokens, n)
+
+
+def _prefill(model, tokens, *, cache=None, start=0, capture_at=()):
+    """Grid-chunked prefill; returns (cache, last logits, {position: snapshot})."""
+    cache = cache if cache is not None else make_prompt_cache(model.model)
+    snaps: dict[int, Snapshot] = {}
+
+    def on_boundary(p: int) -> None:
+        if p in capture_at:
+            snaps[p] = capture(cache, p)
+
+    logits = prefill(model.model, cache, tokens, start, GRID, on_boundary)
+    return cache, logits, snaps
+
+
+def _greedy(model, cache, logits, k: int = 8) -> list[int]:
+    out = []
+    for s in decode(model.model, cache, logits, SamplingParams(temperature=0.0)):
+        out.append(s.token)
+        if len(out) == k:
+            return out
+    raise AssertionError("unreachable")
+
+
+def _flat(snapshot: Snapshot) -> list[tuple[str, Any]]:
+    """Every class, scalar and array of a snapshot in order, arrays as numpy."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(layers, path):
+        for i, layer in enumerate(layers):
+            out.append((f"{path}{i}.cls", layer.cls))
+            for k, v in tree_flatten(list(layer.state)) or []:
+                if isinstance(v, mx.array):
+                    out.append((f"{path}{i}.{k}", (str(v.dtype), np.array(v.view(mx.uint8)))))
+                else:
+                    out.append((f"{path}{i}.{k}", (type(v).__name__, v)))
+            out.append((f"{path}{i}.shape", _structure(layer.state)))
+            walk(layer.children, f"{path}{i}/")
+
+    walk(snapshot.layers, "")
+    return out
+
+
+def _structure(x: Any) -> Any:
+    if isinstance(x, mx.array):
+        return ("array", tuple(x.shape))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, [_structure(v) for v in x])
+    return type(x).__name__
+
+
+def _assert_same(a: Snapshot, b: Snapshot) -> None:
+    assert (a.length, a.trimmable, a.nbytes) == (b.length, b.trimmable, b.nbytes)
+    fa, fb = _flat(a), _flat(b)
+    assert [k for k, _ in fa] == [k for k, _ in fb]
+    for (k, x), (_, y) in zip(fa, fb, strict=True):
+        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], np.ndarray):
+            assert x[0] == y[0] and np.array_equal(x[1], y[1]), k
+        else:
+            assert x == y, k
+
+
+def _cache_states(cache: list) -> list[np.ndarray]:
+    arrays = []
+    for c in cache:
+        for x in c.caches if isinstance(c, CacheList) else [c]:
+            arrays += [
+                np.array(a.view(mx.uint8))
+                for _, a in tree_flatten(x.state)
+                if isinstance(a, mx.array)
+            ]
+    return arrays
+
+
+def _files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= 30]
+
+
+# -- real snapshots from the tiny test models ------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "sliding", "nemotron_h"])
+def test_save_scan_load_restore_is_bit_identical(tmp_path: Path, kind: str):
+    model = loaded_test_model(kind)
+    key = model.identity.key()
+    prompt = _tokens(model, 96)
+    request = prompt + _tokens(model, 20, offset=200)
+    _, _, snaps = _prefill(model, prompt, capture_at=(64, 96))
+    saver = DiskCache(tmp_path)
+    assert saver.save(key, prompt[:64], snaps[64], CheckpointKind.PERIODIC)
+    assert saver.save(key, prompt, snaps[96], HISTORY)  # the end of prefill
+
+    disk = DiskCache(tmp_path)  # a fresh index, rebuilt by scan
+    match = disk.match(key, request, _align(request))
+    assert match is not None and (match.reuse_tokens, match.trim) == (96, 0)
+    loaded = disk.load(match)
+    assert loaded is not None and disk.stats().hits == 1
+    _assert_same(loaded, snaps[96])
+    assert _same_arrays(_cache_states(restore(loaded)), _cache_states(restore(snaps[96])))
+
+    # The restored request computes the same chunks as a cold run: identical logits.
+    cold_cache, cold_logits, _ = _prefill(model, request)
+    warm_cache, warm_logits, _ = _prefill(model, request, cache=restore(loaded), start=96)
+    assert np.array_equal(np.array(cold_logits), np.array(warm_logits))
+    assert _greedy(model, warm_cache, warm_logits) == _greedy(model, cold_cache, cold_logits)
+    disk.check_integrity()
+
+
+def _same_arrays(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_trimmable_match_trims_the_loaded_snapshot(tmp_path: Path):
+    model = loaded_test_model("dense")
+    key = model.identity.key()
+    prompt = _tokens(model, 96)
+    _, _, snaps = _prefill(model, prompt, capture_at=(96,))
+    DiskCache(tmp_path).save(key, prompt, snaps[96], HISTORY)
+    request = prompt[:70] + _tokens(model, 30, offset=300)  # diverges at 70
+    disk = DiskCache(tmp_path)
+    match = disk.match(key, request, _align(request))
+    assert match is not None and (match.reuse_tokens, match.trim) == (64, 32)
+    loaded = disk.load(match)
+    assert loaded is not None
+    cold_cache, cold_logits, _ = _prefill(model, request)
+    warm_cache, warm_logits, _ = _prefill(model, request, cache=restore(loaded, 32), start=64)
+    assert np.array_equal(np.array(cold_logits), np.array(warm_logits))
+
+
+def _synthetic_caches() -> dict[str, list[Any]]:
+    def kv(n, d=16, seed=0):
+        return (
+            mx.random.normal((1, 2, n, d), key=mx.random.key(seed)),
+            mx.random.normal((1, 2, n, d), key=mx.random.key(seed + 1)),
+        )
+
+    out: dict[str, list[Any]] = {}
+    c = KVCache()
+    c.update_and_fetch(*kv(10))
+    out["kv_bf16"] = [c]
+    c.keys, c.values = c.keys.astype(mx.bfloat16), c.values.astype(mx.bfloat16)
+    q = QuantizedKVCache(group_size=32, bits=8)
+    q.update_and_fetch(*kv(10, 32))
+    out["quantized"] = [q]
+    ch = ChunkedKVCache(chunk_size=64)
+    ch.update_and_fetch(*kv(12))
+    out["chunked"] = [ch]
+    r = RotatingKVCache(max_size=16, keep=2)
+    r.update_and_fetch(*kv(12))
+    r.update_and_fetch(*kv(9, seed=5))  # wrapped
+    out["rotating_wrapped"] = [r]
+    a = ArraysCache(size=3)
+    a[0] = mx.random.normal((1, 3, 16))
+    a[2] = mx.arange(6, dtype=mx.int32)
+    k2 = KVCache()
+    k2.update_and_fetch(*kv(21))
+    out["mixed_with_cachelist"] = [CacheList(KVCache(), ArraysCache(size=2)), a, k2]
+    out["mixed_with_cachelist"][0].caches[0].update_and_fetch(*kv(21, seed=9))
+    out["mixed_with_cachelist"][0].caches[1][1] = mx.ones((1, 4))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_synthetic_caches()))
+def test_every_cache_class_round_trips(tmp_path: Path, name: str):
+    cache = _synthetic_caches()[name]
+    length = {"kv_bf16": 10, "quantized": 10, "chunked": 12, "rotating_wrapped": 21}.get(name, 21)
+    snap = capture(cache, length)
+    tokens = list(range(100, 100 + length))
+    assert DiskCache(tmp_path).save("m", tokens, snap, HISTORY)
+    disk = DiskCache(tmp_path)
+    match = disk.match("m", tokens + [1], lambda n: n)
+    assert match is not None and match.reuse_tokens == length
+    loaded = disk.load(match)
+    assert loaded is not None
+    _assert_same(loaded, snap)
+    assert _same_arrays(_cache_states(restore(loaded)), _cache_states(restore(snap)))
+
+
+def _child_env() -> dict[str, str]:
+    """This environment (the preloaded BLAS included) with the checkout importable."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.snapshot import restore
+    from mlx_prefix.engine.request import SamplingParams
+    from mlx_prefix.engine.runner import decode, prefill
+    from mlx_prefix.models.load import load_model
+    from mlx_prefix.prompt.grid import ChunkGrid
+
+    model_path, directory, tokens_json = sys.argv[1:4]
+    tokens = json.loads(tokens_json)
+    model = load_model(model_path)
+    grid = ChunkGrid(32)
+    disk = DiskCache(directory)
+    match = disk.match(model.identity.key(), tokens, lambda n: grid.align(tokens, n))
+    snapshot = disk.load(match) if match is not None else None
+    cache = restore(snapshot, match.trim) if snapshot is not None else None
+    reuse = match.reuse_tokens if snapshot is not None else 0
+    if cache is None:
+        from mlx_lm.models.cache import make_prompt_cache
+        cache = make_prompt_cache(model.model)
+    logits = prefill(model.model, cache, tokens, reuse, grid, lambda p: None)
+    out = []
+    for s in decode(model.model, cache, logits, SamplingParams(temperature=0.0)):
+        out.append(s.token)
+        if len(out) == 8:
+            break
+    print(json.dumps({"reuse": reuse, "tokens": out, "hits": disk.stats().hits}))
+    """
+)
+
+
+def test_restart_in_a_new_process_hits_and_answers_like_a_cold_run(tmp_path: Path):
+    kind = "qwen3_5"
+    model = loaded_test_model(kind)
+    prompt = _tokens(model, 96)
+    request = prompt + _tokens(model, 20, offset=200)
+    _, _, snaps = _prefill(model, prompt, capture_at=(96,))
+    assert DiskCache(tmp_path).save(model.identity.key(), prompt, snaps[96], HISTORY)
+    cold_cache, cold_logits, _ = _prefill(model, request)
+    cold = _greedy(model, cold_cache, cold_logits)
+
+    env = _child_env()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(cached_test_model(kind)),
+            str(tmp_path),
+            json.dumps(request),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["reuse"] == 96 and result["hits"] == 1, "the new process missed the disk"
+    assert result["tokens"] == cold
+
+
+# -- damaged, stale and foreign files --------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path: Path):
+    """One stored dense checkpoint: (dir, model key, tokens, path)."""
+    model = loaded_test_model("dense")
+    key = model.identity.key()
+    prompt = _tokens(model, 64)
+    _, _, snaps = _prefill(model, prompt, capture_at=(64,))
+    assert DiskCache(tmp_path).save(key, prompt, snaps[64], HISTORY)
+    (path,) = tmp_path.iterdir()
+    return tmp_path, key, prompt, path
+
+
+def _rewrite_meta(path: Path, **changes: str) -> None:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"].update(changes)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _request(tokens: list[int]) -> list[int]:
+    return tokens + [7, 8, 9]
+
+
+def test_flipped_tensor_bytes_are_caught_at_load(saved, caplog):
+    d, key, tokens, path = saved
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    disk = DiskCache(d)  # the header is intact: indexed
+    req = _request(tokens)
+    match = disk.match(key, req, _align(req))
+    assert match is not None
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert disk.load(match) is None
+    assert any("digest" in m for m in _warnings(caplog))
+    assert not path.exists() and disk.match(key, req, _align(req)) is None
+    assert disk.stats().load_failures == 1 and disk.stats().hits == 0
+    disk.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:-100]), "header describes"),  # truncated
+        (lambda p: p.write_bytes(p.read_bytes()[:5]), "truncated"),
+        (lambda p: p.write_bytes(b"\xff" * 8 + p.read_bytes()[8:]), "header length"),
+        (lambda p: p.write_bytes(p.read_bytes()[:8] + b"x" + p.read_bytes()[9:]), "unreadable"),
+        (lambda p: _rewrite_meta(p, version="99"), "format version 99"),
+        (lambda p: _rewrite_meta(p, format="something-else"), "not an mlx-prefix"),
+        (lambda p: _rewrite_meta(p, tokens_digest="0" * 64), "digest"),
+        (lambda p: _rewrite_meta(p, length="3"), "length"),
+    ],
+    ids=["truncated", "stub", "bad_length", "bad_json", "version", "format", "digest", "count"],
+)
+def test_bad_files_are_removed_by_scan(saved, caplog, damage, message):
+    d, key, tokens, path = saved
+    damage(path)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        disk = DiskCache(d)
+    assert any(message in m and path.name in m for m in _warnings(caplog)), _warnings(caplog)
+    assert not path.exists()
+    assert disk.stats().files == 0 and disk.stats().removed == 1
+    assert disk.match(key, _request(tokens), _align(_request(tokens))) is None
+
+
+def test_tokens_not_matching_the_name_are_removed(saved, caplog):
+    d, key, tokens, path = saved
+    import base64
+    import hashlib
+
+    other = disk_format.token_bytes([t + 1 for t in tokens])
+    _rewrite_meta(
+        path,
+        tokens=base64.b64encode(other).decode(),
+        tokens_digest=hashlib.blake2b(other, digest_size=32).hexdigest(),
+    )
+    with caplog.at_level(logging.WARNING, LOGGER):
+        disk = DiskCache(d)
+    assert any("do not match the file name" in m for m in _warnings(caplog))
+    assert not path.exists() and disk.stats().files == 0
+
+
+def test_a_file_swapped_after_the_scan_is_not_served(saved, tmp_path_factory, caplog):
+    d, key, tokens, path = saved
+    disk = DiskCache(d)
+    req = _request(tokens)
+    match = disk.match(key, req, _align(req))
+    assert match is not None
+    other_dir = tmp_path_factory.mktemp("other")
+    model = loaded_test_model("dense")
+    other = _tokens(model, 64, offset=100)
+    _, _, snaps = _prefill(model, other, capture_at=(64,))
+    DiskCache(other_dir).save(key, other, snaps[64], HISTORY)
+    (other_path,) = other_dir.iterdir()
+    os.replace(other_path, path)  # a valid checkpoint, but not of these tokens
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert disk.load(match) is None
+    assert any("differ from the index" in m for m in _warnings(caplog))
+    assert not path.exists()
+
+
+def test_files_of_another_model_are_kept_but_never_matched(saved, caplog):
+    d, key, tokens, path = saved
+    snap = DiskCache(d).load(DiskCache(d).match(key, _request(tokens), _align(_request(tokens))))
+    assert snap is not None
+    assert DiskCache(d).save("another-model", tokens, snap, HISTORY)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        disk = DiskCache(d)
+    assert not _warnings(caplog)
+    assert disk.stats().files == 2 and len(disk.entries("another-model")) == 1
+    foreign = disk.entries("another-model")[0].name
+    req = _request(tokens)
+    match = disk.match(key, req, _align(req))
+    assert match is not None and match.name == path.name  # our own file, never the other
+    disk.clear(key)
+    assert disk.match(key, req, _align(req)) is None
+    assert (d / foreign).exists()
+    assert disk.match("another-model", req, _align(req)) is not None
+
+
+def test_files_of_another_mlx_lm_version_are_kept_but_never_matched(saved):
+    d, key, tokens, path = saved
+    _rewrite_meta(path, runtime="mlx-lm 0.0.1")
+    disk = DiskCache(d)
+    assert disk.stats().files == 1 and path.exists()
+    assert disk.match(key, _request(tokens), _align(_request(tokens))) is None
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftover_temp_files_are_removed_and_other_files_left_alone(saved, caplog):
+    d, key, tokens, path = saved
+    dead = d / f"{path.name}.tmp-{_dead_pid()}-0a1b2c3d"
+    dead.write_bytes(path.read_bytes()[:1000])
+    live = d / f"{path.name}.tmp-{os.getpid()}-0a1b2c3d"  # a write in progress here
+    live.write_bytes(b"x")
+    unrelated = d / "notes.txt"
+    unrelated.write_text("mine")
+    with caplog.at_level(logging.WARNING, LOGGER):
+        disk = DiskCache(d)
+    assert any("unfinished write" in m and dead.name in m for m in _warnings(caplog))
+    assert not dead.exists() and live.exists() and unrelated.exists()
+    assert disk.stats().files == 1
+
+
+_KILLED_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from mlx_prefix.cache import disk_format
+    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.snapshot import capture
+    from mlx_prefix.cache.store import CheckpointKind
+
+    stage, directory = sys.argv[1:3]
+    cache = [KVCache() for _ in range(4)]
+    for c in cache:  # 4 layers x 2 x 4 MiB
+        c.update_and_fetch(mx.random.normal((1, 8, 1024, 128)), mx.random.normal((1, 8, 1024, 128)))
+    snapshot = capture(cache, 1024)
+    if stage == "data":
+        write_array, written = disk_format.write_array, []
+        def stall(f, a, h):
+            write_array(f, a, h)
+            written.append(a)
+            if len(written) == 3:
+                f.flush()
+                print("stalled", flush=True)
+                time.sleep(600)
+        disk_format.write_array = stall
+    else:
+        def stall(src, dst):
+            print("stalled", flush=True)
+            time.sleep(600)
+        os.replace = stall
+    DiskCache(directory).save("m", list(range(1024)), snapshot, CheckpointKind.HISTORY)
+    """
+)
+
+
+@pytest.mark.parametrize("stage", ["data", "replace"])
+def test_kill_9_during_a_write_leaves_nothing_servable(tmp_path: Path, caplog, stage: str):
+    env = _child_env()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_CHILD, stage, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "stalled"
+        (temp,) = tmp_path.iterdir()
+        assert ".tmp-" in temp.name and temp.stat().st_size > 1 << 20
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    with caplog.at_level(logging.WARNING, LOGGER):
+        disk = DiskCache(tmp_path)
+    assert disk.stats().files == 0 and _files(tmp_path) == []
+    assert any("unfinished write" in m for m in _warnings(caplog))
+    assert disk.match("m", list(range(2000)), lambda n: n) is None
+
+
+# -- budget and failures ------------------------------------------------------------
+
+
+def _kv_snapshot(n: int, seed: int) -> Snapshot:
+    c = KVCache()
+    c.update_and_fetch(
+        mx.random.normal((1, 2, n, 16), key=mx.random.key(seed)),
+        mx.random.normal((1, 2, n, 16), key=mx.random.key(seed + 1)),
+    )
+    return capture([c], n)
+
+
+def _seq(first: int, n: int = 32) -> list[int]:
+    return [first] + list(range(1000, 1000 + n - 1))  # distinct first tokens: no prefixes
+
+
+def test_budget_evicts_least_recently_accessed(tmp_path: Path):
+    probe = DiskCache(tmp_path / "probe")
+    assert probe.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)
+    size = probe.stats().bytes  # every file below has this size
+    disk = DiskCache(tmp_path / "c", budget_bytes=int(2.5 * size))
+    a, b, c = _seq(1), _seq(2), _seq(3)
+    assert disk.save("m", a, _kv_snapshot(32, 1), HISTORY)
+    assert disk.save("m", b, _kv_snapshot(32, 2), HISTORY)
+    match = disk.match("m", a + [5], lambda n: n)
+    assert match is not None and disk.load(match) is not None  # a is now the most recent
+    assert disk.save("m", c, _kv_snapshot(32, 3), HISTORY)
+    assert disk.stats().evictions == 1 and disk.stats().bytes <= disk.budget_bytes
+    assert disk.match("m", b + [5], lambda n: n) is None
+    assert disk.match("m", a + [5], lambda n: n) is not None
+    assert disk.match("m", c + [5], lambda n: n) is not None
+    disk.check_integrity()
+
+    # Recency survives a restart (file mtimes): c was used last, so a goes first.
+    smaller = DiskCache(tmp_path / "c", budget_bytes=int(1.5 * size))
+    assert [e.tokens for e in smaller.entries()] == [32]
+    assert smaller.match("m", c + [5], lambda n: n) is not None
+    assert len(list((tmp_path / "c").iterdir())) == 1
+
+
+def test_a_checkpoint_larger_than_the_budget_is_not_saved(tmp_path: Path):
+    disk = DiskCache(tmp_path, budget_bytes=1000)
+    assert not disk.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)
+    assert _files(tmp_path) == [] and disk.stats().save_failures == 1
+
+
+def test_saves_are_deduplicated_and_trimmable_prefixes_dropped(tmp_path: Path):
+    disk = DiskCache(tmp_path)
+    long = _seq(1, 48)
+    full = _kv_snapshot(48, 0)
+    short_snap = capture(restore(full, trim=16), 32)
+    assert disk.save("m", long[:32], short_snap, HISTORY)
+    assert disk.save("m", long, full, HISTORY)  # serves the 32-token prefix by trimming
+    assert [e.tokens for e in disk.entries()] == [48] and len(_files(tmp_path)) == 1
+    assert disk.save("m", long[:32], short_snap, HISTORY)  # covered: nothing written
+    assert disk.save("m", long, full, HISTORY)  # duplicate: nothing written
+    assert disk.stats().saves == 2 and len(_files(tmp_path)) == 1
+    disk.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "target, err",
+    [
+        ("open", errno.EROFS),
+        ("open", errno.EACCES),
+        ("fsync", errno.ENOSPC),
+        ("replace", errno.ENOSPC),
+    ],
+)
+def test_an_unwritable_directory_fails_softly(tmp_path: Path, monkeypatch, caplog, target, err):
+    real = {"open": os.open, "fsync": os.fsync, "replace": os.replace}[target]
+
+    def failing(*args, **kwargs):
+        if target != "open" or ".tmp-" in str(args[0]):
+            raise OSError(err, os.strerror(err))
+        return real(*args, **kwargs)
+
+    disk = DiskCache(tmp_path)
+    monkeypatch.setattr(os, target, failing)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert disk.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY) is False
+        assert disk.save("m", _seq(2), _kv_snapshot(32, 1), HISTORY) is False
+    assert len(_warnings(caplog)) == 1, "one warning, not one per save"
+    assert os.strerror(err) in _warnings(caplog)[0]
+    assert _files(tmp_path) == [], "a partial file was left behind"
+    assert disk.stats().save_failures == 2 and disk.stats().files == 0
+    monkeypatch.undo()
+    assert disk.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_a_read_only_directory_fails_softly(tmp_path: Path, caplog):
+    disk = DiskCache(tmp_path)
+    tmp_path.chmod(0o555)
+    try:
+        with caplog.at_level(logging.WARNING, LOGGER):
+            assert not disk.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)
+        assert _warnings(caplog)
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_entries_clear_and_stats(tmp_path: Path):
+    disk = DiskCache(tmp_path)
+    assert disk.save("a", _seq(1), _kv_snapshot(32, 0), HISTORY)
+    assert disk.save("a", _seq(2), _kv_snapshot(32, 1), CheckpointKind.SYSTEM)
+    assert disk.save("b", _seq(1), _kv_snapshot(32, 2), HISTORY)
+    assert {e.kind for e in disk.entries("a")} == {"HISTORY", "SYSTEM"}
+    assert all(e.trimmable and e.tokens == 32 for e in disk.entries())
+    stats = disk.stats()
+    assert (
+        stats.files == 3
+        and stats.saves == 3
+        and stats.bytes == sum(p.stat().st_size for p in tmp_path.iterdir())
+    )
+    assert disk.clear("a") == 2 and disk.stats().files == 1
+    assert disk.clear() == 1 and _files(tmp_path) == []
+    assert disk.match("b", _seq(1) + [1], lambda n: n) is None
+    assert disk.stats().misses == 1
+    disk.check_integrity()
+
+
+def test_non_trimmable_entries_match_only_exact_grid_prefixes(tmp_path: Path):
+    model = loaded_test_model("qwen3_5")
+    key = model.identity.key()
+    prompt = _tokens(model, 100)
+    _, _, snaps = _prefill(model, prompt, capture_at=(32, 64, 100))
+    disk = DiskCache(tmp_path)
+    for p, s in snaps.items():
+        assert not s.trimmable
+        assert disk.save(key, prompt[:p], s, HISTORY)
+    # 100 is not on the grid: the longest usable one is 64.
+    match = disk.match(key, prompt + [5], _align(prompt + [5]))
+    assert match is not None and (match.reuse_tokens, match.trim) == (64, 0)
+    # Never the whole prompt: at least one token is left to compute.
+    match = disk.match(key, prompt[:64], _align(prompt[:64]))
+    assert match is not None and match.reuse_tokens == 32
+    # Diverging inside an entry: fall back to the longest stored prefix.
+    diverged = prompt[:50] + [9] * 30
+    match = disk.match(key, diverged, _align(diverged))
+    assert match is not None and match.reuse_tokens == 32

@@ -1,0 +1,25 @@
+import pytest
+
+from mlx_prefix.config import CacheConfig, from_env
+from mlx_prefix.server.settings import ServerSettings
+
+
+def test_env_vars_fill_fields_and_flags_override_them(monkeypatch):
+    monkeypatch.setenv("MLX_PREFIX_CACHE_BUDGET_BYTES", "1000")
+    monkeypatch.setenv("MLX_PREFIX_CACHE_ENABLED", "off")
+    monkeypatch.setenv("MLX_PREFIX_CACHE_MAX_ENTRIES", "none")
+    config = from_env(CacheConfig, "CACHE", {"budget_bytes": 5, "prefill_chunk": None})
+    assert (config.budget_bytes, config.enabled, config.max_entries) == (5, False, None)
+    assert config.prefill_chunk == 512
+
+
+def test_tuple_fields_split_on_commas(monkeypatch):
+    monkeypatch.setenv("MLX_PREFIX_SERVER_ALLOWED_ORIGINS", "https://a.example, https://b.example")
+    settings = from_env(ServerSettings, "SERVER")
+    assert settings.allowed_origins == ("https://a.example", "https://b.example")
+
+
+def test_bad_env_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("MLX_PREFIX_CACHE_PREFILL_CHUNK", "lots")
+    with pytest.raises(ValueError, match="MLX_PREFIX_CACHE_PREFILL_CHUNK"):
+        from_env(CacheConfig, "CACHE")

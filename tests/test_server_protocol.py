@@ -1,0 +1,148 @@
+"""Pure pieces of the server: request parsing, tool-call splitting, chunk shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from server_fakes import FakeTokenizer
+
+from mlx_prefix.engine.request import Usage
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.server import ServerSettings
+from mlx_prefix.server import responses as R
+from mlx_prefix.server.protocol import Limits, parse_chat, parse_completion, parse_messages
+from mlx_prefix.server.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
+
+LIMITS = Limits(default_max_tokens=64, max_tokens=1000)
+CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+
+
+def syntax() -> ToolSyntax:
+    found = ToolSyntax.of(FakeTokenizer.with_json_tools())
+    assert found is not None
+    return found
+
+
+def split_all(deltas: list[str]) -> tuple[str, list[str]]:
+    splitter = ToolCallSplitter(syntax())
+    text, calls = [], []
+    for d in deltas:
+        part = splitter.feed(d)
+        text.append(part.text)
+        calls.extend(part.calls)
+    part = splitter.finish()
+    return "".join(text) + part.text, calls + part.calls
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_splitter_any_delta_boundaries(step):
+    reply = f"before {CALL} between <tool{CALL}after <tool_"
+    deltas = [reply[i : i + step] for i in range(0, len(reply), step)]
+    text, calls = split_all(deltas)
+    assert text == "before  between <toolafter <tool_"
+    assert calls == ['{"name": "f", "arguments": {"x": 1}}'] * 2
+
+
+def test_splitter_never_leaks_a_marker_prefix_early():
+    splitter = ToolCallSplitter(syntax())
+    assert splitter.feed("Hi <tool_ca").text == "Hi "
+    assert splitter.feed('ll>{"name"').text == ""
+    assert splitter.feed(': "f"}</tool_call> ok').calls == ['{"name": "f"}']
+
+
+def test_unterminated_call_is_offered_to_the_parser():
+    text, calls = split_all(['<tool_call>{"name": "f", "arguments": {}}'])
+    assert (text, calls) == ("", ['{"name": "f", "arguments": {}}'])
+
+
+def test_formatter_openai_shape_and_bad_calls_as_text():
+    fmt = ToolCallFormatter(syntax(), tools=None, streaming=True)
+    calls, failed = fmt.format(['{"name": "f", "arguments": {"x": 1}}', "{oops", '{"name": "g"}'])
+    assert [c["index"] for c in calls] == [0, 1]
+    assert calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert failed == "<tool_call>{oops</tool_call>"
+
+
+def test_no_tool_syntax_without_tool_calling():
+    assert ToolSyntax.of(FakeTokenizer()) is None
+
+
+def test_messages_normalized():
+    (m,) = parse_messages(
+        [{"role": "user", "content": [{"type": "text", "text": "a"}], "name": "n"}]
+    )
+    assert m == {"role": "user", "content": "a", "name": "n"}
+
+
+def test_developer_role_renders_as_system():
+    (m,) = parse_messages([{"role": "developer", "content": "rules"}])
+    assert m == {"role": "system", "content": "rules"}
+
+
+def test_parse_chat_defaults_and_overrides():
+    req = parse_chat({"messages": [{"role": "user", "content": "x"}]}, LIMITS)
+    assert req.sampling.max_tokens == 64 and req.sampling.temperature == 0.0
+    assert req.model is None and not req.stream and not req.include_usage
+    req = parse_chat(
+        {
+            "messages": [{"role": "developer", "content": "x"}],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "top_logprobs": 2,
+        },
+        LIMITS,
+    )
+    assert req.sampling.max_tokens == 7  # the newer name wins
+    assert req.include_usage and req.sampling.logprobs
+
+
+def test_include_usage_needs_stream():
+    body = {"prompt": "x", "stream_options": {"include_usage": True}}
+    assert parse_completion(body, LIMITS).include_usage is False
+
+
+def test_completion_logprobs_int():
+    assert parse_completion({"prompt": "x", "logprobs": 2}, LIMITS).sampling.logprobs
+    assert not parse_completion({"prompt": "x", "logprobs": 0}, LIMITS).sampling.logprobs
+    with pytest.raises(InvalidRequest):
+        parse_completion({"prompt": "x", "logprobs": "2"}, LIMITS)
+
+
+def test_chunks_and_usage_shapes():
+    meta = R.ResponseMeta("chat", "m", R.new_request_id("chat"))
+    usage = Usage(3, 2, 1, 0.1, 10.0, 5.0)
+    body = R.completion_body(
+        meta, text="", tool_calls=[], finish_reason="stop", usage=usage, logprobs=None
+    )
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": None}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+    raw = R.sse(R.usage_chunk(meta, usage))
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    assert json.loads(raw[6:])["choices"] == []
+    lp = R.logprobs_body("completion", [R.TokenLogprob("a", -1.0), R.TokenLogprob("bc", -2.0)])
+    assert lp == {
+        "tokens": ["a", "bc"],
+        "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": None,
+        "text_offset": [0, 1],
+    }
+
+
+def test_settings_validate_origins():
+    assert ServerSettings(
+        allowed_origins="https://a.example, https://b.example/"
+    ).allowed_origins == (
+        "https://a.example",
+        "https://b.example",
+    )
+    with pytest.raises(ValueError, match="not an origin"):
+        ServerSettings(allowed_origins=tuple("https://a.example"))
