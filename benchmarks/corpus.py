@@ -41,7 +41,7 @@ def passage(start: int, n_tokens: int, count: Callable[[str], int]) -> str:
     chars_per_token = 4.0
     while True:
         # Grow in estimated steps, then check the real count (tokenizing is not free).
-        need = max(1, int((n_tokens - count(" ".join(out)) if out else n_tokens)))
+        need = max(1, n_tokens - count(" ".join(out)) if out else n_tokens)
         want_chars = need * chars_per_token
         got = 0
         while got < want_chars:

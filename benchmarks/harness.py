@@ -135,16 +135,32 @@ class Context:
             return self.tokens.chat(request.messages, request.tools)
         return self.tokens.text(request.prompt or "")
 
-    def account(self, server: str, label: str, request: Request, reply: Reply,
-                group: str = "", ledger: Ledger | None = None) -> Sample:
+    def account(
+        self,
+        server: str,
+        label: str,
+        request: Request,
+        reply: Reply,
+        group: str = "",
+        ledger: Ledger | None = None,
+    ) -> Sample:
         """Turn a reply into a Sample, counting its novel tokens against `ledger`
         (default: the server's run-wide ledger), then record what it computed."""
         ledger = ledger or self.ledger(server)
         ids = self.prompt_ids(request)
         novel = ledger.novel(ids)
         ledger.add(ids + self.tokens.text(reply.text))
-        return Sample(label, reply.prompt_tokens, reply.cached_tokens, novel,
-                      reply.completion_tokens, reply.ttft_s, reply.total_s, reply.text, group)
+        return Sample(
+            label,
+            reply.prompt_tokens,
+            reply.cached_tokens,
+            novel,
+            reply.completion_tokens,
+            reply.ttft_s,
+            reply.total_s,
+            reply.text,
+            group,
+        )
 
     def peer_cold(self) -> Server:
         """An mlx_lm.server that keeps no prompt cache: every request runs cold."""
@@ -158,8 +174,15 @@ class Context:
             return await send(client, server.url, request, cold=True)
         return await send(client, self.peer_cold().url, request)
 
-    async def check(self, client: httpx.AsyncClient, server: Server, result: ServerResult,
-                    label: str, request: Request, warm: Reply) -> None:
+    async def check(
+        self,
+        client: httpx.AsyncClient,
+        server: Server,
+        result: ServerResult,
+        label: str,
+        request: Request,
+        warm: Reply,
+    ) -> None:
         cold = await self.cold(client, server, request)
         how = "prefix_cache disabled" if server.name == OURS else "fresh process, no prompt cache"
         result.checks.append(Check(label, warm.text == cold.text, warm.text, cold.text, how))

@@ -72,8 +72,10 @@ def hybrid_model() -> BenchModel:
     if not (dest / "model.safetensors").is_file():
         _build_hybrid(dest)
     t = HYBRID_CONFIG["text_config"]
-    desc = (f"random qwen3_5 (hybrid), hidden {t['hidden_size']}, {t['num_hidden_layers']} "
-            f"layers ({t['num_hidden_layers'] // t['full_attention_interval']} full attention)")
+    desc = (
+        f"random qwen3_5 (hybrid), hidden {t['hidden_size']}, {t['num_hidden_layers']} "
+        f"layers ({t['num_hidden_layers'] // t['full_attention_interval']} full attention)"
+    )
     return BenchModel("hybrid", dest, desc)
 
 

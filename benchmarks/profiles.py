@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+MiB = 1 << 20
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -35,7 +37,7 @@ class Profile:
     # memory
     memory_requests: int = 12
     memory_prompt_tokens: int = 150
-    memory_cap: str = "32MiB"
+    memory_cap: int = 32 * MiB  # bytes; both servers take a plain integer
     # restore micro-benchmark
     restore_tokens: tuple[int, ...] = (1024, 8192, 32768)
     restore_repeat: int = 3
@@ -73,7 +75,7 @@ PROFILES = {
         restart_system_tokens=4000,
         memory_requests=200,
         memory_prompt_tokens=400,
-        memory_cap="256MiB",
+        memory_cap=256 * MiB,
         restore_repeat=20,
     ),
     # For the smoke test: a tiny model and the smallest sizes that still exercise reuse.
@@ -98,7 +100,7 @@ PROFILES = {
         restart_system_tokens=80,
         memory_requests=3,
         memory_prompt_tokens=30,
-        memory_cap="4MiB",
+        memory_cap=4 * MiB,
         restore_tokens=(256,),
         restore_repeat=1,
     ),

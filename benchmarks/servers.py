@@ -86,8 +86,10 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerFailed(f"{self.spec.label or self.name} exited ({self.proc.returncode});"
-                                   f" see {self._log.name}")  # type: ignore[union-attr]
+                raise ServerFailed(
+                    f"{self.spec.label or self.name} exited ({self.proc.returncode});"
+                    f" see {self._log.name}"
+                )  # type: ignore[union-attr]
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     self._warm_up()

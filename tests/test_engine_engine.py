@@ -36,13 +36,16 @@ def test_cancel_stops_the_request_and_frees_its_cache(make_engine):
 
 
 def test_queue_limit_gives_a_busy_error():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(max_queued=1))
+    config = EngineConfig(max_running=1, max_queued=1)
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
     try:
-        first = engine.submit(PROMPT, SamplingParams(max_tokens=300))
+        running = engine.submit(PROMPT, SamplingParams(max_tokens=300))
+        waiting = engine.submit(PROMPT, SamplingParams(max_tokens=300))
         with pytest.raises(EngineBusy):
             engine.submit(PROMPT, SamplingParams(max_tokens=5))
-        first.cancel()
-        list(first.events(timeout=60))
+        for handle in (running, waiting):
+            handle.cancel()
+            assert list(handle.events(timeout=60))[-1].finish_reason == "cancelled"
     finally:
         engine.shutdown()
 

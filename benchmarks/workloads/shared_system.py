@@ -28,8 +28,10 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
     start = time.perf_counter()
     for i in range(1, p.shared_users + 1):
         user = f"Question {i}: who is meant in the verse '{sentence(_OFFSET + 900 + 17 * i)}'?"
-        req = Request(messages=[{"role": "system", "content": system},
-                                {"role": "user", "content": user}], max_tokens=p.max_tokens)
+        req = Request(
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+            max_tokens=p.max_tokens,
+        )
         reply = await send(client, server.url, req)
         res.samples.append(ctx.account(server.name, f"user {i}", req, reply))
         sent.append((f"user {i}", req, reply))

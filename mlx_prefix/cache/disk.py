@@ -50,6 +50,7 @@ log = logging.getLogger("mlx_prefix.cache.disk")
 
 GiB = 1 << 30
 DEFAULT_DISK_BUDGET = 16 * GiB
+HISTORY = CheckpointKind.HISTORY
 STALE_TEMP_S = 3600.0  # a temp file this old is removed even if its pid is alive (reused)
 
 
@@ -62,6 +63,7 @@ class DiskMatch:
     trim: int  # tokens to drop from the loaded snapshot's end: restore(s, trim=trim)
     matched_tokens: int  # longest common prefix with any stored sequence (diagnostic)
     nbytes: int  # file size
+    kind: CheckpointKind  # as saved (e.g. to promote the loaded snapshot into memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,7 @@ class DiskStats:
     directory: str
     files: int  # indexed checkpoint files (every model key)
     bytes: int  # their total size
-    budget_bytes: int
+    budget_bytes: int | None  # None: unlimited
     hits: int  # successful loads
     misses: int  # match() calls without a usable entry, plus failed loads
     saves: int  # files written
@@ -118,15 +120,16 @@ class DiskCache:
     def __init__(
         self,
         directory: Path | str,
-        budget_bytes: int = DEFAULT_DISK_BUDGET,
+        budget_bytes: int | None = DEFAULT_DISK_BUDGET,
         *,
         runtime: str | None = None,
         scan: bool = True,
     ) -> None:
         """Open (creating it if needed) the cache directory and, unless `scan=False`,
-        index the files already there. A directory that cannot be created is logged;
-        every save then fails softly."""
-        assert budget_bytes >= 0
+        index the files already there (evicting down to the budget). `budget_bytes=None`
+        never evicts (e.g. a CLI listing the directory). A directory that cannot be
+        created is logged; every save then fails softly."""
+        assert budget_bytes is None or budget_bytes >= 0
         self.directory = Path(directory).expanduser()
         self.budget_bytes = budget_bytes
         self.runtime = runtime or fmt.runtime_tag()
@@ -173,6 +176,7 @@ class DiskCache:
                 header = fmt.read_header(path)
                 if fmt.entry_name(header.model_key, header.tokens) != item.name:
                     raise fmt.DiskFormatError("token ids do not match the file name")
+                mtime = item.stat().st_mtime
             except fmt.DiskFormatError as e:
                 removed += self._remove_file(item.name, str(e))
                 continue
@@ -188,7 +192,7 @@ class DiskCache:
                     header.kind,
                     header.trimmable,
                     header.size,
-                    item.stat().st_mtime,
+                    mtime,
                 )
             )
         found.sort(key=lambda e: e.last_access)
@@ -250,11 +254,10 @@ class DiskCache:
             with self._lock:
                 self._counters.load_failures += 1
                 self._counters.misses += 1
+                self._drop(match.name)
                 if isinstance(e, FileNotFoundError):
                     log.warning("disk cache: %s vanished; dropped from the index", match.name)
-                    self._drop(match.name)
                 else:
-                    self._drop(match.name)
                     self._counters.removed += self._remove_file(
                         match.name, f"cannot load: {type(e).__name__}: {e}"
                     )
@@ -292,7 +295,7 @@ class DiskCache:
             enc = fmt.encode(snapshot, model_key, tokens, kind.name, self.runtime)
         except ValueError as e:
             return self._save_failed(f"cannot store this cache: {e}", None)
-        if enc.size > self.budget_bytes:
+        if self.budget_bytes is not None and enc.size > self.budget_bytes:
             log.info(
                 "disk cache: %d-byte checkpoint exceeds the %d-byte budget; not saved",
                 enc.size,
@@ -341,9 +344,9 @@ class DiskCache:
                 self._unlink_entry(e)
             return len(victims)
 
-    def set_budget(self, budget_bytes: int) -> None:
-        """Change the budget (mutates); evicts down to it."""
-        assert budget_bytes >= 0
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """Change the budget (None: unlimited; mutates); evicts down to it."""
+        assert budget_bytes is None or budget_bytes >= 0
         with self._lock:
             self.budget_bytes = budget_bytes
             self._evict(keep=None)
@@ -392,7 +395,8 @@ class DiskCache:
         """Assert the index's invariants. Does not mutate."""
         with self._lock:
             assert self._bytes == sum(e.nbytes for e in self._entries.values()), "byte total"
-            assert self._bytes <= self.budget_bytes or len(self._entries) <= 1, "over budget"
+            limit = self.budget_bytes
+            assert limit is None or self._bytes <= limit or len(self._entries) <= 1, "budget"
             count = 0
             for (model_key, runtime), trie in self._tries.items():
                 trie.check_integrity()
@@ -432,7 +436,8 @@ class DiskCache:
         if best is None:
             return None
         reuse, trim, e = best
-        return DiskMatch(e.name, e.model_key, e.tokens, reuse, trim, m.matched, e.nbytes)
+        kind = CheckpointKind[e.kind] if e.kind in CheckpointKind.__members__ else HISTORY
+        return DiskMatch(e.name, e.model_key, e.tokens, reuse, trim, m.matched, e.nbytes, kind)
 
     def _covered(self, name: str, model_key: str, tokens: tuple[int, ...], trimmable: bool) -> bool:
         """Whether a save of `tokens` is redundant; refreshes what covers it."""
@@ -472,7 +477,7 @@ class DiskCache:
             pass
 
     def _evict(self, keep: str | None) -> None:
-        while self._bytes > self.budget_bytes:
+        while self.budget_bytes is not None and self._bytes > self.budget_bytes:
             victim = next((e for e in self._entries.values() if e.name != keep), None)
             if victim is None:
                 return

@@ -144,7 +144,12 @@ class PromptCache:
     # -- lookup ------------------------------------------------------------
 
     def match(
-        self, model_key: str, tokens: Sequence[int], align: Callable[[int], int]
+        self,
+        model_key: str,
+        tokens: Sequence[int],
+        align: Callable[[int], int],
+        *,
+        record: bool = True,
     ) -> CacheMatch:
         """Find the entry giving the longest reuse for `tokens` (DESIGN 3).
 
@@ -152,15 +157,16 @@ class PromptCache:
         common prefix with `tokens`, aligned and capped at len(tokens) - 1;
         non-trimmable entries only when their whole sequence is a prefix of
         `tokens`, at most len(tokens) - 1 long, and on the grid. Counts a hit or a
-        miss; does not lock or refresh the entry (`acquire` does).
+        miss unless `record` is False (a scheduler's peek); does not lock or refresh
+        the entry (`acquire` does).
         """
         with self._lock:
             found, matched = self._best(model_key, tokens, align)
             if found is None:
-                self._counters.misses += 1
+                self._counters.misses += record
                 return CacheMatch(None, 0, 0, matched)
-            self._counters.hits += 1
-            self._counters.tokens_reused += found.reuse
+            self._counters.hits += record
+            self._counters.tokens_reused += found.reuse if record else 0
             return CacheMatch(found.entry_id, found.reuse, found.trim, matched)
 
     def acquire(self, entry_id: int) -> Any | None:

@@ -5,22 +5,25 @@ validates the prompt in the caller's thread and queues a job; the engine thread 
 jobs and reports typed events through each request's handle. Cache statistics are
 read straight from the thread-safe store.
 
-One request's path: match the longest usable cached prefix -> restore it (shared
-arrays) -> prefill the rest chunk by chunk on the grid, capturing checkpoints at the
-planned positions -> decode, streaming text deltas -> release the snapshot lease and
-the request's active bytes.
+Each turn of the loop reads as three steps: `_schedule` (take new jobs, drop cancelled
+ones, start the next prefill), `_prefill_step` (one grid chunk of the request being
+prefilled) and `_decode_step` (one token for every running request). A request's
+path: match the longest usable cached prefix -> restore it (shared arrays) -> prefill
+the rest chunk by chunk on the grid, capturing checkpoints at planned positions and
+at prefixes shared with waiting requests -> join the decode batch -> stream tokens
+-> leave the batch.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
+from collections.abc import Generator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -28,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_prefix.cache.snapshot import cache_nbytes, capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.engine.batch import DecodeBatch, batchable
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.request import (
     CachePreference,
@@ -38,7 +42,9 @@ from mlx_prefix.engine.request import (
     TokenEvent,
     Usage,
 )
-from mlx_prefix.engine.runner import always_trimmable, decode, prefill
+from mlx_prefix.engine.runner import always_trimmable, prefill_steps
+from mlx_prefix.engine.sampling import TokenSampler, normalize
+from mlx_prefix.engine.scheduler import pick_next
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
@@ -46,7 +52,8 @@ from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt, common_p
 
 log = logging.getLogger("mlx_prefix.engine")
 
-ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the request's resident bytes
+BATCH_BYTES_KEY = "decode-batch"  # the running batch's resident bytes in the store
+ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,33 @@ class _Job:
     submitted_at: float
     warm: Future | None = None  # set for warm-only jobs (prefill, no decode)
     pin: bool = False
-    checkpoints_stored: list[int] = field(default_factory=list)
+    passovers: int = 0
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """The one request being prefilled."""
+
+    job: _Job
+    cache: list
+    reuse: int  # prompt tokens restored from the cache
+    lease: int | None  # store entry locked while its arrays may still be shared
+    steps: Generator[int, None, mx.array]
+    started_at: float
+    stored: list[int] = field(default_factory=list)  # checkpoint positions inserted
+
+
+@dataclass(slots=True)
+class _Running:
+    """A request in the decode batch."""
+
+    job: _Job
+    stream: TextStream
+    limit: int  # completion tokens allowed
+    reuse: int
+    prefill_tps: float
+    first_at: float
+    count: int = 0
 
 
 class Engine:
@@ -84,11 +117,16 @@ class Engine:
             self.cache_config.budget_bytes, self.cache_config.max_entries
         )
         self.model_key = model.identity.key()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._pending = 0
+        self.batchable = batchable(make_prompt_cache(model.model))
+        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._waiting: list[_Job] = []  # engine thread only
+        self._prefilling: _Prefill | None = None
+        self._batch = DecodeBatch(model.model)
+        self._steps = 0
+        self._pending = 0  # submitted and not finished; guarded by _pending_lock
         self._pending_lock = threading.Lock()
         self._accepting = True
-        self._ids = itertools.count(1)
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="mlx-prefix-engine", daemon=True)
         self._thread.start()
 
@@ -120,11 +158,13 @@ class Engine:
         self._enqueue(_Job(handle, rendered, sampling, cache, time.perf_counter()))
         return handle
 
-    def warm(self, prompt: PromptInput, pin: bool = False, timeout: float | None = None) -> WarmResult:
+    def warm(
+        self, prompt: PromptInput, pin: bool = False, timeout: float | None = None
+    ) -> WarmResult:
         """Prefill a prompt into the cache (optionally pinned) without generating. Blocks."""
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
-        handle = RequestHandle(f"warm-{next(self._ids)}", len(rendered.tokens))
+        handle = RequestHandle(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
         job = _Job(handle, rendered, SamplingParams(max_tokens=1), CachePreference(),
                    time.perf_counter(), warm=future, pin=pin)
         self._enqueue(job)
@@ -134,102 +174,119 @@ class Engine:
         with self._pending_lock:
             if not self._accepting:
                 raise EngineBusy("the server is shutting down")
-            if self._pending >= self.config.max_queued:
-                raise EngineBusy(
-                    f"too many requests waiting ({self._pending}); try again shortly"
-                )
+            waiting = self._pending - self.config.max_running
+            if waiting >= self.config.max_queued:
+                raise EngineBusy(f"too many requests waiting ({waiting}); try again shortly")
             self._pending += 1
-        self._jobs.put(job)
+        self._inbox.put(job)
 
     def cache_stats(self) -> dict:
-        from dataclasses import asdict
-
         stats = asdict(self.store.stats())
-        lookups = stats.get("hits", 0) + stats.get("misses", 0)
-        stats["hit_ratio"] = stats.get("hits", 0) / lookups if lookups else 0.0
+        lookups = stats["hits"] + stats["misses"]
+        stats["hit_ratio"] = stats["hits"] / lookups if lookups else 0.0
         return stats
 
     def cache_entries(self) -> list[dict]:
-        from dataclasses import asdict
-
         return [asdict(e) for e in self.store.entries()]
 
     def flush_cache(self) -> int:
         return self.store.clear(self.model_key)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop accepting; cancel what waits; let the running request end; join."""
+        """Stop accepting; cancel what waits; let running requests finish until
+        `timeout`, then cancel them too; join the engine thread."""
         with self._pending_lock:
             self._accepting = False
-        self._jobs.put(None)
+        self._inbox.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._stopping = True
+            self._thread.join(5)
 
     # -- engine thread -------------------------------------------------------------
     def _loop(self) -> None:
+        closing = False
         while True:
-            job = self._jobs.get()
-            if job is None:
-                self._drain_cancelled()
+            idle = not (self._waiting or self._prefilling or len(self._batch))
+            if closing and idle:
                 return
+            closing |= self._take_inbox(block=idle and not closing)
+            if closing:
+                for job in self._waiting:
+                    job.handle.cancel()
             try:
-                if not self._accepting and job.warm is None:
-                    job.handle.cancel()  # shutting down: queued requests end at once
-                self._run(job)
-            except Exception as e:  # one bad request must not stop the engine
-                log.exception("request %s failed", job.handle.request_id)
-                message = e.message if isinstance(e, MlxPrefixError) else f"{type(e).__name__}: {e}"
-                job.handle.emit(ErrorEvent(message))
-                if job.warm is not None and not job.warm.done():
-                    job.warm.set_exception(e)
-            finally:
-                with self._pending_lock:
-                    self._pending -= 1
+                self._schedule()
+                if self._prefilling is not None:
+                    self._prefill_step()
+                if len(self._batch):
+                    self._decode_step()
+            except Exception as e:  # a bug in one request must not stop the engine
+                log.exception("engine step failed")
+                self._fail_all(e)
 
-    def _drain_cancelled(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is None:
-                continue
-            job.handle.emit(DoneEvent("cancelled", _usage(job, 0, 0, 0.0, 0.0, 0.0)))
-            if job.warm is not None:
-                job.warm.set_exception(EngineBusy("the server is shutting down"))
+    def _take_inbox(self, block: bool) -> bool:
+        """Move submitted jobs into the waiting list; True once shutdown was asked."""
+        closing = False
+        try:
+            job = self._inbox.get(timeout=None) if block else self._inbox.get_nowait()
+            while True:
+                if job is None:
+                    closing = True
+                else:
+                    self._waiting.append(job)
+                job = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return closing
 
-    def _run(self, job: _Job) -> None:
-        tokens = job.prompt.tokens
-        handle = job.handle
-        if handle.cancelled.is_set() and job.warm is None:
-            handle.emit(DoneEvent("cancelled", _usage(job, 0, 0, 0.0, 0.0, 0.0)))
+    def _finished(self, job: _Job) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+    def _schedule(self) -> None:
+        for job in [j for j in self._waiting if j.handle.cancelled.is_set() or self._stopping]:
+            self._waiting.remove(job)
+            self._end(job, DoneEvent("cancelled", _usage(job, 0, 0, 0.0, 0.0, 0.0)))
+        if self._prefilling is not None or not self._waiting:
             return
+        capacity = self.config.max_running if self.batchable else 1
+        if len(self._batch) >= capacity:
+            return
+        job = pick_next(self._waiting, self._peek_reuse, self.config.max_passovers)
+        self._waiting.remove(job)
+        self._start_prefill(job)
+
+    def _peek_reuse(self, job: _Job) -> int:
+        if not (self.cache_config.enabled and job.cache_pref.enabled):
+            return 0
+        tokens = job.prompt.tokens
+        match = self.store.match(
+            self.model_key, tokens, lambda n: self.planner.grid.align(tokens, n), record=False
+        )
+        return match.reuse_tokens
+
+    def _start_prefill(self, job: _Job) -> None:
+        tokens = job.prompt.tokens
         use_cache = self.cache_config.enabled and job.cache_pref.enabled
-        lease = None
-        cache = None
-        reuse = 0
+        cache, reuse, lease = None, 0, None
         if use_cache:
             match = self.store.match(
                 self.model_key, tokens, lambda n: self.planner.grid.align(tokens, n)
             )
             snapshot = self.store.acquire(match.entry_id) if match.entry_id is not None else None
             if snapshot is not None:
-                lease = match.entry_id
-                cache = restore(snapshot, trim=match.trim)
-                reuse = match.reuse_tokens
+                cache, reuse, lease = restore(snapshot, trim=match.trim), match.reuse_tokens, match.entry_id
         if cache is None:
             cache = make_prompt_cache(self.model.model)
-        try:
-            self._prefill_and_decode(job, cache, reuse, use_cache)
-        finally:
-            if lease is not None:
-                self.store.release(lease)
-            self.store.drop_active(handle.request_id)
+        on_boundary = self._checkpointer(job, cache, reuse, use_cache)
+        steps = prefill_steps(self.model.model, cache, tokens, reuse, self.planner.grid, on_boundary)
+        self._prefilling = _Prefill(job, cache, reuse, lease, steps, time.perf_counter())
 
-    def _prefill_and_decode(self, job: _Job, cache: list, reuse: int, use_cache: bool) -> None:
-        tokens, handle = job.prompt.tokens, job.handle
+    def _checkpointer(self, job: _Job, cache: list, reuse: int, use_cache: bool):
+        """The on_boundary callback: capture and store the planned checkpoints."""
+        tokens = job.prompt.tokens
         planned = {cp.position: cp.kind for cp in job.prompt.checkpoints if cp.position > reuse}
         keep_every_checkpoint = not always_trimmable(cache)
-
         shared = _SharedPrefixes(self, job) if use_cache and keep_every_checkpoint else None
 
         def on_boundary(position: int) -> None:
@@ -247,72 +304,132 @@ class Engine:
             if kind is None or (not keep_every_checkpoint and not at_end):
                 return
             snapshot = capture(cache, position)
+            # An off-grid end (raw completions) is only reusable by trimming back.
             if not at_end or snapshot.trimmable or position in planned:
                 if self.store.insert(self.model_key, tokens[:position], snapshot, kind):
-                    job.checkpoints_stored.append(position)
+                    assert self._prefilling is not None
+                    self._prefilling.stored.append(position)
 
-        started = time.perf_counter()
-        logits = prefill(self.model.model, cache, tokens, reuse, self.planner.grid, on_boundary,
-                         handle.cancelled.is_set)
-        prefill_s = time.perf_counter() - started
-        computed = len(tokens) - reuse
-        self.store.set_active_bytes(handle.request_id, cache_nbytes(cache))
+        return on_boundary
+
+    def _prefill_step(self) -> None:
+        task = self._prefilling
+        assert task is not None
+        job = task.job
+        if job.handle.cancelled.is_set() or self._stopping:
+            self._close_prefill()
+            self._end(job, DoneEvent("cancelled", _usage(job, task.reuse, 0, 0.0, 0.0, 0.0)))
+            return
+        try:
+            next(task.steps)
+            return
+        except StopIteration as done:
+            logits = done.value
+        self._close_prefill()
+        tokens = job.prompt.tokens
+        prefill_tps = (len(tokens) - task.reuse) / max(time.perf_counter() - task.started_at, 1e-9)
         if job.warm is not None:
             if job.pin:
-                for position in job.checkpoints_stored:
+                for position in task.stored:
                     self.store.pin(self.model_key, tokens[:position])
-            job.warm.set_result(WarmResult(len(tokens), reuse, job.pin))
+            job.warm.set_result(WarmResult(len(tokens), task.reuse, job.pin))
+            self._finished(job)
             return
-        if logits is None:
-            handle.emit(DoneEvent("cancelled", _usage(job, reuse, 0, 0.0, 0.0, 0.0)))
-            return
-        self._decode(job, cache, logits, reuse, computed / max(prefill_s, 1e-9))
-
-    def _decode(self, job: _Job, cache: list, logits: mx.array, reuse: int, prefill_tps: float):
-        handle, sampling = job.handle, job.sampling
-        limit = sampling.max_tokens
+        sampler = TokenSampler(job.sampling)
+        first = sampler(normalize(logits))  # [1]
+        limit = job.sampling.max_tokens
         if self.model.context_length is not None:
-            limit = min(limit, self.model.context_length - len(job.prompt.tokens))
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-        stream = TextStream(self.model.tokenizer, sampling.stop)
-        eos = self.model.tokenizer.eos_token_ids
-        finish = "length"
-        count = 0
-        first_at = decode_start = time.perf_counter()
-        for sampled in decode(self.model.model, cache, logits, sampling):
-            if count == 0:
-                first_at = decode_start = time.perf_counter()
-            if sampled.token in eos:
-                finish = "stop"
-                break
-            count += 1
-            delta = stream.add(sampled.token)
-            handle.emit(TokenEvent(delta, sampled.token, sampled.logprob))
-            if stream.stopped:
-                finish = "stop"
-                break
-            if handle.cancelled.is_set():
-                finish = "cancelled"
-                break
-            if count >= limit:
-                break
-            if count % ACTIVE_BYTES_EVERY == 0:
-                self.store.set_active_bytes(handle.request_id, cache_nbytes(cache))
-        tail = stream.finish()
+            limit = min(limit, self.model.context_length - len(tokens))
+        running = _Running(job, TextStream(self.model.tokenizer, job.sampling.stop), limit,
+                           task.reuse, prefill_tps, time.perf_counter())
+        logprob = None
+        if job.sampling.logprobs:
+            logprob = normalize(logits)[0, first[0]].item()
+        token = int(first.item())
+        running.first_at = time.perf_counter()
+        if not self._accept_token(running, token, logprob):
+            self._batch.add(running, task.cache, sampler, token)
+        self.store.set_active_bytes(BATCH_BYTES_KEY, self._batch.nbytes())
+
+    def _close_prefill(self) -> None:
+        task = self._prefilling
+        assert task is not None
+        self._prefilling = None
+        task.steps.close()
+        if task.lease is not None:
+            # The request's cache no longer shares the snapshot's arrays once prefill
+            # has written into it (and merging into the batch copies them anyway).
+            self.store.release(task.lease)
+
+    def _decode_step(self) -> None:
+        for running in [r for r in self._batch.members if r.job.handle.cancelled.is_set()
+                        or self._stopping]:
+            self._finish(running, "cancelled")
+        if not len(self._batch):
+            return
+        want_logprobs = any(r.job.sampling.logprobs for r in self._batch.members)
+        members = list(self._batch.members)
+        for running, (token, logprob) in zip(members, self._batch.step(want_logprobs)):
+            self._accept_token(running, token, logprob if running.job.sampling.logprobs else None)
+        self._steps += 1
+        if self._steps % ACTIVE_BYTES_EVERY == 0:
+            self.store.set_active_bytes(BATCH_BYTES_KEY, self._batch.nbytes())
+
+    def _accept_token(self, running: _Running, token: int, logprob: float | None) -> bool:
+        """Hand a sampled token to its request; True if the request ended with it."""
+        if token in self.model.tokenizer.eos_token_ids:
+            self._finish(running, "stop")
+            return True
+        running.count += 1
+        delta = running.stream.add(token)
+        running.job.handle.emit(TokenEvent(delta, token, logprob))
+        if running.stream.stopped:
+            self._finish(running, "stop")
+        elif running.count >= running.limit:
+            self._finish(running, "length")
+        else:
+            return False
+        return True
+
+    def _finish(self, running: _Running, reason: str) -> None:
+        job = running.job
+        tail = running.stream.finish()
         if tail:
-            handle.emit(TokenEvent(tail, None, None))
-        decode_s = time.perf_counter() - decode_start
-        decode_tps = (count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0
-        ttft = first_at - job.submitted_at
-        handle.emit(DoneEvent(finish, _usage(job, reuse, count, ttft, prefill_tps, decode_tps)))
+            job.handle.emit(TokenEvent(tail, None, None))
+        self._batch.remove([running])
+        self.store.set_active_bytes(BATCH_BYTES_KEY, self._batch.nbytes())
+        decode_s = time.perf_counter() - running.first_at
+        decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
+        usage = _usage(job, running.reuse, running.count, running.first_at - job.submitted_at,
+                       running.prefill_tps, decode_tps)
+        self._end(job, DoneEvent(reason, usage))  # type: ignore[arg-type]
+
+    def _end(self, job: _Job, event: DoneEvent | ErrorEvent) -> None:
+        job.handle.emit(event)
+        if job.warm is not None and not job.warm.done():
+            job.warm.set_exception(EngineBusy("the warm-up was cancelled")
+                                   if isinstance(event, DoneEvent) else MlxPrefixError(event.message))
+        self._finished(job)
+
+    def _fail_all(self, error: Exception) -> None:
+        """After an unexpected error, end every request in flight with an error event:
+        their state may be inconsistent. Waiting requests are unaffected."""
+        message = error.message if isinstance(error, MlxPrefixError) else f"{type(error).__name__}: {error}"
+        if self._prefilling is not None:
+            job = self._prefilling.job
+            self._close_prefill()
+            self._end(job, ErrorEvent(message))
+        for running in list(self._batch.members):
+            self._end(running.job, ErrorEvent(message))
+        self._batch = DecodeBatch(self.model.model)
+        self.store.drop_active(BATCH_BYTES_KEY)
 
 
 class _SharedPrefixes:
     """In-flight sharing for caches that can only resume from exact checkpoints.
 
-    While a request prefills, requests waiting in the queue that share a long prefix
-    with it get a checkpoint at that prefix's end (aligned down to the grid), so they
+    While a request prefills, requests waiting to start that share a long prefix with
+    it get a checkpoint at that prefix's end (aligned down to the grid), so they
     restore from it instead of computing it again. Trimmable caches need none of this:
     their end-of-prompt snapshot already serves every shared prefix.
     """
@@ -320,14 +437,11 @@ class _SharedPrefixes:
     def __init__(self, engine: Engine, job: _Job):
         self.engine = engine
         self.tokens = job.prompt.tokens
-        self.job = job
         self.seen: dict[int, int] = {}  # id(waiting job) -> aligned shared position (0: none)
 
     def positions(self) -> set[int]:
         engine, tokens = self.engine, self.tokens
-        with engine._jobs.mutex:
-            waiting = [j for j in engine._jobs.queue if j is not None and j is not self.job]
-        for other in waiting:
+        for other in engine._waiting:
             if id(other) in self.seen or not other.cache_pref.enabled:
                 continue
             shared = common_prefix_length(tokens, other.prompt.tokens)

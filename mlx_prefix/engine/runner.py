@@ -1,19 +1,15 @@
-"""MLX work for one sequence: grid-chunked prefill with checkpoints, then decode.
+"""MLX work for one sequence's prefill: grid-chunked, with a callback at each boundary.
 
 Runs only on the engine thread (MLX streams are thread-local).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
-from mlx_lm.sample_utils import make_sampler
-
-from mlx_prefix.engine.request import SamplingParams
 from mlx_prefix.prompt.grid import ChunkGrid
 
 # Layers whose state can always be trimmed back to any earlier position.
@@ -26,31 +22,20 @@ def always_trimmable(cache: list) -> bool:
     return all(type(c) in _ALWAYS_TRIMMABLE for c in cache)
 
 
-def _eval_cache(cache: list) -> None:
-    mx.eval([c.state for c in cache])
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token: int
-    logprob: float | None
-
-
-def prefill(
+def prefill_steps(
     model: nn.Module,
     cache: list,
     tokens: Sequence[int],
     start: int,
     grid: ChunkGrid,
     on_boundary: Callable[[int], None],
-    cancelled: Callable[[], bool] = lambda: False,
-) -> mx.array | None:
-    """Compute tokens[start:] into `cache` chunk by chunk on the grid.
+) -> Generator[int, None, mx.array]:
+    """Compute tokens[start:] into `cache` one grid chunk per step; yields each chunk's
+    end position and returns the last position's logits [1, V].
 
     Calls on_boundary(p) after each chunk ending at p (the cache then holds exactly
-    tokens[:p]). Returns the last position's logits [1, V], or None if cancelled.
-    Intermediate chunks never evaluate the LM head: only the cache states are
-    evaluated, and MLX computes nothing else.
+    tokens[:p]). Intermediate chunks never evaluate the LM head: only the cache states
+    are evaluated, and MLX computes nothing else.
     """
     position = start
     logits = None
@@ -61,36 +46,26 @@ def prefill(
             logits = out[:, -1, :]
             mx.eval(logits, [c.state for c in cache])
         else:
-            _eval_cache(cache)
+            mx.eval([c.state for c in cache])
         position = end
         on_boundary(end)
-        if cancelled():
-            return None
+        yield end
+    assert logits is not None
     return logits
 
 
-def decode(
+def prefill(
     model: nn.Module,
     cache: list,
-    first_logits: mx.array,
-    sampling: SamplingParams,
-) -> Iterator[SampledToken]:
-    """Yield sampled tokens forever; the caller stops iterating. The next step is
-    dispatched (async_eval) before the current token is handed out, so the model
-    computes while the caller detokenizes and streams."""
-    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p)
-
-    def sample(logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [1, V]
-        token = sampler(logprobs)  # [1]
-        chosen = logprobs[0, token[0]] if sampling.logprobs else None
-        return token, chosen
-
-    token, logprob = sample(first_logits)
-    mx.async_eval(*[x for x in (token, logprob) if x is not None])
+    tokens: Sequence[int],
+    start: int,
+    grid: ChunkGrid,
+    on_boundary: Callable[[int], None],
+) -> mx.array:
+    """All of prefill_steps at once; returns the last position's logits [1, V]."""
+    steps = prefill_steps(model, cache, tokens, start, grid, on_boundary)
     while True:
-        logits = model(token[:, None], cache=cache)[:, -1, :]  # [1, V]
-        next_token, next_logprob = sample(logits)
-        mx.async_eval(*[x for x in (next_token, next_logprob) if x is not None])
-        yield SampledToken(int(token.item()), None if logprob is None else float(logprob.item()))
-        token, logprob = next_token, next_logprob
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

@@ -1,0 +1,162 @@
+"""`python -m benchmarks`: mlx-prefix and mlx_lm.server side by side, same model, same
+machine, same run. Writes <out>/<timestamp>.json, <report-dir>/RESULTS.md and PNG plots
+in <report-dir>/results/.
+
+Run it under `python -m mlx_prefix.blas_exec` (as `make bench` does) so the in-process
+restore benchmark gets the fast BLAS too; the servers always get it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import profiles, report
+from .harness import Context, ServerResult, WorkloadResult, run_async
+from .models import Tokens, resolve
+from .servers import OURS, PEER, SERVERS, ServerSpec, start_all
+from .workloads import WORKLOADS
+from .workloads.restart import Skip
+
+HERE = Path(__file__).resolve().parent
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--profile", choices=sorted(profiles.PROFILES), default="quick")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="model folder, or 'dense' / 'hybrid' (repeatable; default: the "
+        "profile's models: dense, then hybrid)",
+    )
+    p.add_argument("--workloads", help="comma-separated subset of: " + ",".join(WORKLOADS))
+    p.add_argument("--out", type=Path, default=HERE / "out", help="raw JSON and server logs")
+    p.add_argument(
+        "--report-dir",
+        type=Path,
+        default=HERE,
+        help="where RESULTS.md and results/*.png go (default: benchmarks/)",
+    )
+    p.add_argument("--max-tokens", type=int, help="override the profile's reply length")
+    return p.parse_args(argv)
+
+
+def run_model(ctx: Context, names: list[str]) -> list[WorkloadResult]:
+    results = []
+    servers = list(ctx.servers.values())
+    for i, name in enumerate(names):
+        mod = WORKLOADS[name]
+        log(f"{ctx.model.key}: {name}")
+        wr = WorkloadResult(name, mod.TITLE, ctx.model.key, {})
+        try:
+            if hasattr(mod, "run_standalone"):
+                wr.servers = mod.run_standalone(ctx)
+            else:
+                # Alternate which server goes first, so neither always runs on a cooler box.
+                for server in servers if i % 2 == 0 else servers[::-1]:
+                    try:
+                        wr.servers[server.name] = run_async(
+                            lambda c, s=server, m=mod: m.run(ctx, s, c)
+                        )
+                    except Exception as e:
+                        log(f"  {server.name} failed: {e}")
+                        failed = ServerResult(server.name, notes=[f"error: {e}"])
+                        wr.servers[server.name] = failed
+                        traceback.print_exc()
+        except Skip as e:
+            wr.skipped = str(e)
+            log(f"  skipped: {e}")
+        except Exception as e:
+            traceback.print_exc()
+            wr.servers = {s: ServerResult(s, notes=[f"error: {e}"]) for s in SERVERS}
+        for name_, res in sorted(wr.servers.items()):
+            log(
+                f"  {name_}: wall {res.wall_s:.1f}s reuse {res.reuse()} "
+                f"checks {sum(c.match for c in res.checks)}/{len(res.checks)}"
+            )
+        results.append(wr)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    prof = profiles.get(args.profile, max_tokens=args.max_tokens)
+    selected = args.workloads.split(",") if args.workloads else list(prof.workloads)
+    unknown = [w for w in selected if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    model_keys = args.model or list(prof.models)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results: list[WorkloadResult] = []
+    models = {}
+
+    for i, key in enumerate(model_keys):
+        names = [
+            w
+            for w in selected
+            if w != "restore" and (i == 0 or args.workloads or w in prof.other_model_workloads)
+        ]
+        if not names:
+            continue
+        model = resolve(key)
+        models[model.key] = {"path": str(model.path), "description": model.description}
+        log(f"model {model.key}: {model.description} ({model.path})")
+        specs = [ServerSpec(OURS, model.path, (), "ours"), ServerSpec(PEER, model.path, (), "peer")]
+        t = time.perf_counter()
+        servers = start_all(specs, args.out / "logs")
+        log(f"servers up in {time.perf_counter() - t:.1f}s")
+        ctx = Context(
+            prof, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log
+        )
+        try:
+            results += run_model(ctx, names)
+        finally:
+            ctx.close()
+            for s in servers:
+                s.stop()
+
+    if "restore" in selected:
+        log("restore (in-process)")
+        wr = WorkloadResult("restore", WORKLOADS["restore"].TITLE, "synthetic KV", {})
+        wr.servers = WORKLOADS["restore"].run_standalone(
+            None, prof.restore_tokens, prof.restore_repeat
+        )
+        results.append(wr)
+
+    doc = {
+        "profile": prof.name,
+        "timestamp": stamp,
+        "elapsed_s": time.perf_counter() - started,
+        "machine": report.machine_info(),
+        "versions": report.versions(),
+        "models": models,
+        "servers": list(SERVERS),
+        "settings": {
+            "max_tokens": prof.max_tokens,
+            "temperature": 0.0,
+            "check_last": prof.check_last,
+        },
+        "workloads": [r.to_json() for r in results],
+    }
+    json_path = args.out / f"{stamp}.json"
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    md_path = report.write(doc, args.report_dir)
+    log(f"wrote {json_path}, {md_path} ({doc['elapsed_s']:.0f}s)")
+    return 0

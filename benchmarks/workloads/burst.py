@@ -1,0 +1,65 @@
+"""A burst of parallel requests sharing one ~500-token instruction (a browser extension
+processing several page snippets at once): a cold burst, then a warm one with new
+snippets. mlx-prefix serves them one at a time, computing the shared prefix once
+(in-flight sharing); mlx_lm.server batches them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from ..client import Request, send
+from ..corpus import passage
+from ..harness import Context, ServerResult
+from ..servers import Server
+
+NAME = "burst"
+TITLE = "Parallel burst, shared instruction"
+_OFFSET = 10000
+
+
+def _instruction(ctx: Context) -> str:
+    head = (
+        "You are a browser extension's summarizer. For the snippet after the rules, reply "
+        "with one plain sentence under twenty words. Rules, with an example of the style "
+        "to imitate:\n\n"
+    )
+    return head + passage(_OFFSET, ctx.profile.burst_instruction_tokens, ctx.tokens.count)
+
+
+async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
+    p = ctx.profile
+    res = ServerResult(server.name)
+    instruction = _instruction(ctx)
+    bursts = []
+    start = time.perf_counter()
+    for phase, base in (("cold", 1000), ("warm", 2000)):
+        reqs = [
+            Request(
+                messages=[
+                    {"role": "system", "content": instruction},
+                    {
+                        "role": "user",
+                        "content": "Snippet: "
+                        + passage(_OFFSET + base + 60 * i, p.burst_item_tokens, ctx.tokens.count),
+                    },
+                ],
+                max_tokens=p.max_tokens,
+            )
+            for i in range(p.burst_size)
+        ]
+        t = time.perf_counter()
+        replies = await asyncio.gather(*(send(client, server.url, r) for r in reqs))
+        res.extra[f"{phase}_wall_s"] = time.perf_counter() - t
+        for i, (req, reply) in enumerate(zip(reqs, replies, strict=True)):
+            label = f"{phase} #{i + 1}"
+            res.samples.append(ctx.account(server.name, label, req, reply, group=phase))
+            bursts.append((phase, label, req, reply))
+    res.wall_s = time.perf_counter() - start
+    warm = [b for b in bursts if b[0] == "warm"]
+    for i, (_, label, req, reply) in enumerate(warm):
+        if ctx.should_check(i, len(warm)):
+            await ctx.check(client, server, res, label, req, reply)
+    return res

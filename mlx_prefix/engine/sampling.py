@@ -1,0 +1,36 @@
+"""Per-request token sampling that does not depend on what else is in the batch.
+
+Each request owns its PRNG key chain (from its seed, or a random one), so a seeded
+request samples the same tokens whether it decodes alone or next to others.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_p
+
+from mlx_prefix.engine.request import SamplingParams
+
+
+class TokenSampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.greedy = params.temperature <= 0
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self._key = mx.random.key(seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """logprobs [1, V] (normalized) -> token [1] (lazy)."""
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        self._key, key = mx.random.split(self._key)
+        if 0 < self.params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.params.top_p)
+        return mx.random.categorical(logprobs * (1 / self.params.temperature), key=key)
+
+
+def normalize(logits: mx.array) -> mx.array:
+    """logits [B, V] -> log-probabilities [B, V]."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
