@@ -27,8 +27,12 @@ from mlx_prefix.prompt.grid import ChunkGrid
 def agent_conversation(turns: int) -> PromptInput:
     messages = [{"role": "system", "content": "You are a coding agent with shell tools. " * 20}]
     for i in range(turns):
-        messages.append({"role": "user", "content": f"Step {i}: list the files and fix test {i}. " * 4})
-        messages.append({"role": "assistant", "content": f"Running the tests for step {i} now. " * 5})
+        messages.append(
+            {"role": "user", "content": f"Step {i}: list the files and fix test {i}. " * 4}
+        )
+        messages.append(
+            {"role": "assistant", "content": f"Running the tests for step {i} now. " * 5}
+        )
     messages.append({"role": "user", "content": "Summarize what you changed."})
     return PromptInput(messages=tuple(messages))
 
@@ -71,7 +75,9 @@ def main() -> None:
     for name, row in rows.items():
         print(f"{name:<24}{row['chunks']:>8}{row['seconds']:>10.3f}{row['tokens_per_s']:>10.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": loaded.name, "tokens": len(tokens), "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps({"model": loaded.name, "tokens": len(tokens), "rows": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":

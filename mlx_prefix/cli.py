@@ -19,9 +19,22 @@ from typing import Any
 from mlx_prefix import __version__
 from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -33,23 +46,47 @@ def parse_bytes(text: str) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="local model folder or Hugging Face repo id "
-                   "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "-m",
+        "--model",
+        help="local model folder or Hugging Face repo id "
+        "(default: the bundled SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--adapter", help="LoRA adapter folder")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                   help="weights dtype (default: float32 on CPU, the checkpoint's on GPU)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights dtype (default: float32 on CPU, the checkpoint's on GPU)",
+    )
 
 
 def _cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache-budget", type=parse_bytes, dest="budget_bytes",
-                   help="bytes for cached snapshots plus running requests (default 4GiB)")
+    p.add_argument(
+        "--cache-budget",
+        type=parse_bytes,
+        dest="budget_bytes",
+        help="bytes for cached snapshots plus running requests (default 4GiB)",
+    )
     p.add_argument("--cache-max-entries", type=int, dest="max_entries")
-    p.add_argument("--prefill-chunk", type=int, dest="prefill_chunk",
-                   help="prefill chunk size; chunk boundaries fall on its multiples (512)")
-    p.add_argument("--checkpoint-interval", type=int, dest="checkpoint_interval",
-                   help="periodic checkpoint every N tokens of long prompts (2048)")
-    p.add_argument("--no-cache", action="store_false", dest="enabled", default=None,
-                   help="disable the prefix cache")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        dest="prefill_chunk",
+        help="prefill chunk size; chunk boundaries fall on its multiples (512)",
+    )
+    p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        dest="checkpoint_interval",
+        help="periodic checkpoint every N tokens of long prompts (2048)",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_false",
+        dest="enabled",
+        default=None,
+        help="disable the prefix cache",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_args(serve)
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8080)")
-    serve.add_argument("--allowed-origins", nargs="*", default=None,
-                       help="extra CORS origins beyond localhost pages and browser extensions")
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=None,
+        help="extra CORS origins beyond localhost pages and browser extensions",
+    )
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
 
     gen = sub.add_parser("generate", help="generate one reply and exit")
@@ -96,8 +137,9 @@ def _load(args: argparse.Namespace):
     from mlx_prefix.config import ModelConfig, from_env
     from mlx_prefix.models.load import load_model
 
-    cfg = from_env(ModelConfig, "MODEL", {"model": args.model, "adapter": args.adapter,
-                                          "dtype": args.dtype})
+    cfg = from_env(
+        ModelConfig, "MODEL", {"model": args.model, "adapter": args.adapter, "dtype": args.dtype}
+    )
     return load_model(cfg.model, adapter=cfg.adapter, dtype=cfg.dtype)
 
 
@@ -127,8 +169,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         messages = _read_messages(args.messages) if args.messages else None
         prompt = chat_prompt(prompt_text, system=args.system, messages=messages)
-    sampling = SamplingParams(args.max_tokens, args.temp, args.top_p, args.seed,
-                              tuple(args.stop))
+    sampling = SamplingParams(args.max_tokens, args.temp, args.top_p, args.seed, tuple(args.stop))
     with PrefixCacheSession(_load(args), cache_config=_cache_config(args)) as session:
         parts = []
         for event in session.stream(prompt, sampling):
@@ -140,8 +181,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             elif isinstance(event, DoneEvent):
                 u = event.usage
                 if args.json:
-                    print(json.dumps({"text": "".join(parts), "finish_reason": event.finish_reason,
-                                      "usage": dataclasses.asdict(u)}))
+                    print(
+                        json.dumps(
+                            {
+                                "text": "".join(parts),
+                                "finish_reason": event.finish_reason,
+                                "usage": dataclasses.asdict(u),
+                            }
+                        )
+                    )
                 else:
                     sys.stdout.write("\n")
                 print(
@@ -158,9 +206,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mlx_prefix.engine.engine import Engine
     from mlx_prefix.server.app import ServerSettings, serve
 
-    settings_overrides = {"host": args.host, "port": args.port, "api_key": args.api_key,
-                          "allowed_origins": tuple(args.allowed_origins)
-                          if args.allowed_origins is not None else None}
+    settings_overrides = {
+        "host": args.host,
+        "port": args.port,
+        "api_key": args.api_key,
+        "allowed_origins": tuple(args.allowed_origins)
+        if args.allowed_origins is not None
+        else None,
+    }
     from mlx_prefix.config import from_env
 
     settings = from_env(ServerSettings, "SERVER", settings_overrides)
@@ -191,3 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        import mlx.core as mx
+
+        mx.clear_streams()  # the model was loaded on this thread: see Engine._loop

@@ -31,8 +31,7 @@ from mlx_prefix.cache import disk_format
 from mlx_prefix.cache.disk import DiskCache
 from mlx_prefix.cache.snapshot import Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.engine.request import SamplingParams
-from mlx_prefix.engine.runner import decode, prefill
+from mlx_prefix.engine.runner import greedy_continue, prefill
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.grid import ChunkGrid
 
@@ -67,12 +66,7 @@ def _prefill(model, tokens, *, cache=None, start=0, capture_at=()):
 
 
 def _greedy(model, cache, logits, k: int = 8) -> list[int]:
-    out = []
-    for s in decode(model.model, cache, logits, SamplingParams(temperature=0.0)):
-        out.append(s.token)
-        if len(out) == k:
-            return out
-    raise AssertionError("unreachable")
+    return greedy_continue(model.model, cache, logits, k)
 
 
 def _flat(snapshot: Snapshot) -> list[tuple[str, Any]]:
@@ -245,8 +239,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     from mlx_prefix.cache.disk import DiskCache
     from mlx_prefix.cache.snapshot import restore
-    from mlx_prefix.engine.request import SamplingParams
-    from mlx_prefix.engine.runner import decode, prefill
+    from mlx_prefix.engine.runner import greedy_continue, prefill
     from mlx_prefix.models.load import load_model
     from mlx_prefix.prompt.grid import ChunkGrid
 
@@ -263,11 +256,7 @@ _CHILD = textwrap.dedent(
         from mlx_lm.models.cache import make_prompt_cache
         cache = make_prompt_cache(model.model)
     logits = prefill(model.model, cache, tokens, reuse, grid, lambda p: None)
-    out = []
-    for s in decode(model.model, cache, logits, SamplingParams(temperature=0.0)):
-        out.append(s.token)
-        if len(out) == 8:
-            break
+    out = greedy_continue(model.model, cache, logits, 8)
     print(json.dumps({"reuse": reuse, "tokens": out, "hits": disk.stats().hits}))
     """
 )

@@ -19,8 +19,7 @@ from mlx_prefix.cache.disk_policy import (
 )
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.engine.request import SamplingParams
-from mlx_prefix.engine.runner import always_trimmable, decode, prefill
+from mlx_prefix.engine.runner import always_trimmable, greedy_continue, prefill
 from mlx_prefix.prompt.boundaries import PromptPlanner
 
 # -- parsing ------------------------------------------------------------------------
@@ -164,10 +163,6 @@ def test_trimmable_keeps_only_the_largest_position():
 # -- with the engine's real prompt planner, prefill and a real cache ---------------------
 
 
-def _first(tokens, k: int = 6) -> list[int]:
-    return [s.token for s, _ in zip(tokens, range(k), strict=False)]
-
-
 @pytest.mark.parametrize("kind", ["qwen3_5", "dense"])
 def test_the_end_of_prefill_checkpoint_is_really_saved(tmp_path: Path, kind: str):
     """Seed 004: a scoped save exactly at the end of prefill silently did nothing."""
@@ -219,9 +214,8 @@ def test_the_end_of_prefill_checkpoint_is_really_saved(tmp_path: Path, kind: str
     cold_cache = make_prompt_cache(model.model)
     cold = prefill(model.model, cold_cache, second.tokens, 0, planner.grid, lambda p: None)
     assert np.array_equal(np.array(warm), np.array(cold))
-    greedy = SamplingParams(temperature=0.0)
-    assert _first(decode(model.model, warm_cache, warm, greedy)) == _first(
-        decode(model.model, cold_cache, cold, greedy)
+    assert greedy_continue(model.model, warm_cache, warm, 6) == greedy_continue(
+        model.model, cold_cache, cold, 6
     )
 
 

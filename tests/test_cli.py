@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -51,11 +50,23 @@ def test_generate_streams_text_and_prints_one_stats_line():
 def test_messages_file_and_json_output(tmp_path):
     model = cached_test_model("qwen3_5")
     messages = tmp_path / "chat.json"
-    messages.write_text(json.dumps([
-        {"role": "system", "content": "You are a poet."},
-        {"role": "user", "content": [{"type": "text", "text": "A haiku, "}, {"type": "text", "text": "please."}]},
-    ]))
-    result = cli("generate", "--model", str(model), "--messages", str(messages), "-n", "4", "--json")
+    messages.write_text(
+        json.dumps(
+            [
+                {"role": "system", "content": "You are a poet."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "A haiku, "},
+                        {"type": "text", "text": "please."},
+                    ],
+                },
+            ]
+        )
+    )
+    result = cli(
+        "generate", "--model", str(model), "--messages", str(messages), "-n", "4", "--json"
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["usage"]["completion_tokens"] == 4 and out["finish_reason"] == "length"

@@ -95,7 +95,7 @@ def test_long_document_diverging_in_the_middle_reuses_up_to_a_periodic_checkpoin
     run(engine, PromptInput(text=original))
     tokens_a = engine.plan(PromptInput(text=original)).tokens
     tokens_b = engine.plan(PromptInput(text=edited)).tokens
-    diverge = next(i for i, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b)
+    diverge = next(i for i, (a, b) in enumerate(zip(tokens_a, tokens_b, strict=True)) if a != b)
     interval = engine.cache_config.checkpoint_interval
     assert diverge > 2 * interval
     result = warm_equals_cold(engine, PromptInput(text=edited))

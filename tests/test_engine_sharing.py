@@ -34,11 +34,11 @@ def test_burst_sharing_one_instruction_prefills_it_once(make_engine, kind):
         results.append((tokens, usage))
     first = engine.plan(prompts[0]).tokens
     assert results[0][1].cached_tokens == 0
-    for (tokens, usage), prompt in zip(results[1:], prompts[1:]):
+    for (_, usage), prompt in zip(results[1:], prompts[1:], strict=True):
         mine = engine.plan(prompt).tokens
         shared = engine.planner.grid.align(mine, common_prefix_length(first, mine))
         assert shared >= 2 * engine.cache_config.prefill_chunk
         assert usage.cached_tokens >= shared, "the shared instruction was computed again"
-    for (tokens, _), prompt in zip(results, prompts):
+    for (tokens, _), prompt in zip(results, prompts, strict=True):
         assert tokens == run(engine, prompt, cache=False).tokens
     engine.store.check_integrity()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 import html
-import re
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Iterator

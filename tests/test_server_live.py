@@ -37,8 +37,9 @@ def test_repeat_reports_cached_tokens_and_the_same_answer_as_a_cold_run(live):
     with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
         ask(client, "Where are the atlases?")
         warm = ask(client, "When does the library close?")
-        cold = ask(client, "When does the library close?",
-                   extra_body={"prefix_cache": {"enabled": False}})
+        cold = ask(
+            client, "When does the library close?", extra_body={"prefix_cache": {"enabled": False}}
+        )
     assert warm.usage.prompt_tokens_details.cached_tokens > 40
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
@@ -49,8 +50,9 @@ def test_streaming_with_usage_through_the_real_engine(live):
     url, _ = live
     with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
         whole = ask(client, "Can I renew online?")
-        stream = ask(client, "Can I renew online?", stream=True,
-                     stream_options={"include_usage": True})
+        stream = ask(
+            client, "Can I renew online?", stream=True, stream_options={"include_usage": True}
+        )
         chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -63,8 +65,9 @@ def test_cache_endpoint_and_metrics_reflect_real_hits(live):
     assert body["stats"]["hits"] >= 1 and body["stats"]["tokens_reused"] > 40
     assert body["entries"] and all(e["tokens"] > 0 for e in body["entries"])
     metrics = httpx.get(f"{url}/metrics").text
-    cached = [line for line in metrics.splitlines()
-              if line.startswith("mlx_prefix_cached_tokens_total")]
+    cached = [
+        line for line in metrics.splitlines() if line.startswith("mlx_prefix_cached_tokens_total")
+    ]
     assert cached and float(cached[0].split()[-1]) > 40
 
 
@@ -74,8 +77,10 @@ def test_a_prompt_longer_than_the_context_is_a_400_and_the_server_goes_on(live):
     original = engine.model
     engine.model = dataclasses.replace(original, context_length=1024)
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json={
-            "model": "default", "messages": [{"role": "user", "content": huge}]})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "default", "messages": [{"role": "user", "content": huge}]},
+        )
     finally:
         engine.model = original
     assert r.status_code == 400

@@ -51,7 +51,7 @@ class DecodeBatch:
         if not self.cache:
             self.cache = single
         else:
-            for batched, new in zip(self.cache, single):
+            for batched, new in zip(self.cache, single, strict=True):
                 batched.extend(new)
         self.members.append(member)
         self._samplers.append(sampler)
@@ -78,12 +78,14 @@ class DecodeBatch:
         tokens = mx.concatenate(
             [s(logprobs[i : i + 1]) for i, s in enumerate(self._samplers)]
         )  # [B]
-        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0] if want_logprobs else None
+        chosen = (
+            mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0] if want_logprobs else None
+        )
         mx.eval(tokens, *([chosen] if chosen is not None else []))
         token_list = tokens.tolist()
         lp_list = chosen.tolist() if chosen is not None else [None] * len(token_list)
         self._inputs = list(token_list)
-        return list(zip(token_list, lp_list))
+        return list(zip(token_list, lp_list, strict=True))
 
     def nbytes(self) -> int:
         return cache_nbytes(self.cache) if self.cache else 0

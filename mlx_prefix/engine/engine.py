@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.snapshot import cache_nbytes, capture, restore
+from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.batch import DecodeBatch, batchable
@@ -123,6 +123,7 @@ class Engine:
         self._prefilling: _Prefill | None = None
         self._batch = DecodeBatch(model.model)
         self._steps = 0
+        self.peak_batch = 0  # most requests ever decoded together (observability, tests)
         self._pending = 0  # submitted and not finished; guarded by _pending_lock
         self._pending_lock = threading.Lock()
         self._accepting = True
@@ -165,8 +166,15 @@ class Engine:
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = RequestHandle(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
-        job = _Job(handle, rendered, SamplingParams(max_tokens=1), CachePreference(),
-                   time.perf_counter(), warm=future, pin=pin)
+        job = _Job(
+            handle,
+            rendered,
+            SamplingParams(max_tokens=1),
+            CachePreference(),
+            time.perf_counter(),
+            warm=future,
+            pin=pin,
+        )
         self._enqueue(job)
         return future.result(timeout)
 
@@ -205,6 +213,14 @@ class Engine:
 
     # -- engine thread -------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run_until_closed()
+        finally:
+            # MLX requires each thread to destroy its own streams before it exits, or
+            # the process may abort at exit ("terminate called without an active exception").
+            mx.clear_streams()
+
+    def _run_until_closed(self) -> None:
         closing = False
         while True:
             idle = not (self._waiting or self._prefilling or len(self._batch))
@@ -275,11 +291,17 @@ class Engine:
             )
             snapshot = self.store.acquire(match.entry_id) if match.entry_id is not None else None
             if snapshot is not None:
-                cache, reuse, lease = restore(snapshot, trim=match.trim), match.reuse_tokens, match.entry_id
+                cache, reuse, lease = (
+                    restore(snapshot, trim=match.trim),
+                    match.reuse_tokens,
+                    match.entry_id,
+                )
         if cache is None:
             cache = make_prompt_cache(self.model.model)
         on_boundary = self._checkpointer(job, cache, reuse, use_cache)
-        steps = prefill_steps(self.model.model, cache, tokens, reuse, self.planner.grid, on_boundary)
+        steps = prefill_steps(
+            self.model.model, cache, tokens, reuse, self.planner.grid, on_boundary
+        )
         self._prefilling = _Prefill(job, cache, reuse, lease, steps, time.perf_counter())
 
     def _checkpointer(self, job: _Job, cache: list, reuse: int, use_cache: bool):
@@ -295,8 +317,9 @@ class Engine:
             if shared is not None:
                 for p in shared.positions():
                     if p >= position:
-                        planned[p] = max(planned.get(p, CheckpointKind.LAST_MESSAGE),
-                                         CheckpointKind.LAST_MESSAGE)
+                        planned[p] = max(
+                            planned.get(p, CheckpointKind.LAST_MESSAGE), CheckpointKind.LAST_MESSAGE
+                        )
             kind = planned.get(position)
             at_end = position == len(tokens)
             if at_end and kind is None:
@@ -340,8 +363,14 @@ class Engine:
         limit = job.sampling.max_tokens
         if self.model.context_length is not None:
             limit = min(limit, self.model.context_length - len(tokens))
-        running = _Running(job, TextStream(self.model.tokenizer, job.sampling.stop), limit,
-                           task.reuse, prefill_tps, time.perf_counter())
+        running = _Running(
+            job,
+            TextStream(self.model.tokenizer, job.sampling.stop),
+            limit,
+            task.reuse,
+            prefill_tps,
+            time.perf_counter(),
+        )
         logprob = None
         if job.sampling.logprobs:
             logprob = normalize(logits)[0, first[0]].item()
@@ -362,14 +391,17 @@ class Engine:
             self.store.release(task.lease)
 
     def _decode_step(self) -> None:
-        for running in [r for r in self._batch.members if r.job.handle.cancelled.is_set()
-                        or self._stopping]:
+        for running in [
+            r for r in self._batch.members if r.job.handle.cancelled.is_set() or self._stopping
+        ]:
             self._finish(running, "cancelled")
         if not len(self._batch):
             return
+        self.peak_batch = max(self.peak_batch, len(self._batch))
         want_logprobs = any(r.job.sampling.logprobs for r in self._batch.members)
         members = list(self._batch.members)
-        for running, (token, logprob) in zip(members, self._batch.step(want_logprobs)):
+        sampled = self._batch.step(want_logprobs)
+        for running, (token, logprob) in zip(members, sampled, strict=True):
             self._accept_token(running, token, logprob if running.job.sampling.logprobs else None)
         self._steps += 1
         if self._steps % ACTIVE_BYTES_EVERY == 0:
@@ -400,21 +432,34 @@ class Engine:
         self.store.set_active_bytes(BATCH_BYTES_KEY, self._batch.nbytes())
         decode_s = time.perf_counter() - running.first_at
         decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
-        usage = _usage(job, running.reuse, running.count, running.first_at - job.submitted_at,
-                       running.prefill_tps, decode_tps)
+        usage = _usage(
+            job,
+            running.reuse,
+            running.count,
+            running.first_at - job.submitted_at,
+            running.prefill_tps,
+            decode_tps,
+        )
         self._end(job, DoneEvent(reason, usage))  # type: ignore[arg-type]
 
     def _end(self, job: _Job, event: DoneEvent | ErrorEvent) -> None:
         job.handle.emit(event)
         if job.warm is not None and not job.warm.done():
-            job.warm.set_exception(EngineBusy("the warm-up was cancelled")
-                                   if isinstance(event, DoneEvent) else MlxPrefixError(event.message))
+            job.warm.set_exception(
+                EngineBusy("the warm-up was cancelled")
+                if isinstance(event, DoneEvent)
+                else MlxPrefixError(event.message)
+            )
         self._finished(job)
 
     def _fail_all(self, error: Exception) -> None:
         """After an unexpected error, end every request in flight with an error event:
         their state may be inconsistent. Waiting requests are unaffected."""
-        message = error.message if isinstance(error, MlxPrefixError) else f"{type(error).__name__}: {error}"
+        message = (
+            error.message
+            if isinstance(error, MlxPrefixError)
+            else f"{type(error).__name__}: {error}"
+        )
         if self._prefilling is not None:
             job = self._prefilling.job
             self._close_prefill()

@@ -10,6 +10,7 @@ from collections.abc import Callable, Generator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
+
 from mlx_prefix.prompt.grid import ChunkGrid
 
 # Layers whose state can always be trimmed back to any earlier position.
@@ -69,3 +70,15 @@ def prefill(
             next(steps)
         except StopIteration as done:
             return done.value
+
+
+def greedy_continue(model: nn.Module, cache: list, logits: mx.array, n: int) -> list[int]:
+    """The next `n` greedy tokens after `logits` [1, V] (extends `cache`). For checks and
+    benchmarks that compare a warm continuation with a cold one."""
+    out: list[int] = []
+    token = mx.argmax(logits, axis=-1)  # [1]
+    while True:
+        out.append(int(token.item()))
+        if len(out) == n:
+            return out
+        token = mx.argmax(model(token[:, None], cache=cache)[:, -1, :], axis=-1)

@@ -1,10 +1,10 @@
 """Library API: generate with prefix reuse from a script, no server needed.
 
-    from mlx_prefix import PrefixCacheSession
-    with PrefixCacheSession() as session:            # bundled default model
-        r = session.generate("Summarize ...", system=LONG_SYSTEM_PROMPT)
-        r = session.generate("And now ...", system=LONG_SYSTEM_PROMPT)
-        print(r.text, r.usage.cached_tokens)         # the system prompt was reused
+from mlx_prefix import PrefixCacheSession
+with PrefixCacheSession() as session:            # bundled default model
+    r = session.generate("Summarize ...", system=LONG_SYSTEM_PROMPT)
+    r = session.generate("And now ...", system=LONG_SYSTEM_PROMPT)
+    print(r.text, r.usage.cached_tokens)         # the system prompt was reused
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ class PrefixCacheSession:
                 if event.token is not None:
                     tokens.append(event.token)
             else:
-                return GenerationResult("".join(parts), tuple(tokens), event.finish_reason, event.usage)
+                return GenerationResult(
+                    "".join(parts), tuple(tokens), event.finish_reason, event.usage
+                )
         raise MlxPrefixError("the engine ended the request without a result")
 
     def warm(self, prompt: str | PromptInput, *, system: str | None = None, pin: bool = False):

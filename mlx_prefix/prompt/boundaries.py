@@ -142,8 +142,10 @@ class PromptPlanner:
         else:
             add(n - 1, CheckpointKind.HISTORY)
         if len(messages) > 1:
-            add(self._sentinel_start(prompt, messages, len(messages) - 1, tokens),
-                CheckpointKind.LAST_MESSAGE)
+            add(
+                self._sentinel_start(prompt, messages, len(messages) - 1, tokens),
+                CheckpointKind.LAST_MESSAGE,
+            )
         if messages[0]["role"] in ("system", "developer") and len(messages) > 1:
             add(self._sentinel_start(prompt, messages, 1, tokens), CheckpointKind.SYSTEM)
         return tuple(Checkpoint(p, found[p]) for p in sorted(found))

@@ -1,0 +1,151 @@
+"""Batched serving (issue 5): concurrent requests decode together, each output equal to
+the same request served alone, each request checkpointing at its own offsets."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from engine_helpers import chat, run
+
+from mlx_prefix.config import CacheConfig
+from mlx_prefix.engine.request import (
+    CachePreference,
+    DoneEvent,
+    ErrorEvent,
+    PromptInput,
+    SamplingParams,
+    TokenEvent,
+)
+from mlx_prefix.prompt.boundaries import common_prefix_length
+
+WORDS = (
+    "river",
+    "lamp",
+    "orchard",
+    "copper",
+    "signal",
+    "meadow",
+    "ledger",
+    "harbor",
+    "velvet",
+    "quarry",
+    "tunnel",
+    "pepper",
+)
+INSTRUCTION = (
+    "Rewrite the text below in simple English, keeping every name and number. "
+    + " ".join(WORDS[i % len(WORDS)] for i in range(300))
+)
+TEXTS = [
+    f"Passage {i}: " + " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(4 + 9 * i))
+    for i in range(6)
+]
+SAMPLING = SamplingParams(max_tokens=10)
+NO_PERIODIC = CacheConfig(budget_bytes=1 << 30, prefill_chunk=64, checkpoint_interval=1 << 16)
+
+
+def collect(handle):
+    tokens, done = [], None
+    for event in handle.events(timeout=300):
+        if isinstance(event, TokenEvent) and event.token is not None:
+            tokens.append(event.token)
+        elif isinstance(event, ErrorEvent):
+            raise AssertionError(event.message)
+        elif isinstance(event, DoneEvent):
+            done = event
+    return tokens, done
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "sliding"])
+def test_six_concurrent_requests_sharing_an_instruction_sent_twice(make_engine, kind):
+    engine = make_engine(kind, cache_config=NO_PERIODIC)
+    prompts = [chat(("user", INSTRUCTION + "\n\n" + text)) for text in TEXTS]
+    alone = [run(engine, p, cache=False, sampling=SAMPLING).tokens for p in prompts]
+    first_tokens = engine.plan(prompts[0]).tokens
+    for burst in range(2):
+        handles = [engine.submit(p, SAMPLING, CachePreference()) for p in prompts]
+        results = [collect(h) for h in handles]
+        for (tokens, _done), expected in zip(results, alone, strict=True):
+            assert tokens == expected, "batching changed an answer"
+        cached = [done.usage.cached_tokens for _, done in results]
+        if burst == 0:
+            # The instruction is computed once: every other request restores it.
+            computed_it = sum(1 for c in cached if c == 0)
+            assert computed_it == 1
+            for prompt, c in zip(prompts, cached, strict=True):
+                if c:
+                    mine = engine.plan(prompt).tokens
+                    shared = engine.planner.grid.align(
+                        mine, common_prefix_length(first_tokens, mine)
+                    )
+                    assert c >= shared > 300
+        else:
+            assert all(c >= len(first_tokens) // 2 for c in cached)
+    if kind == "sliding":
+        assert engine.peak_batch == 1  # rotating caches decode alone, by design
+    else:
+        assert engine.peak_batch >= 4
+    engine.store.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["dense", "nemotron_h"])
+def test_soak_of_mixed_requests_with_cancellations(make_engine, kind):
+    budget = 3_000_000
+    engine = make_engine(
+        kind,
+        cache_config=CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64),
+    )
+    rng = random.Random(7)
+    systems = ["You are a librarian. " * 6, "You are a chef who answers briefly. " * 9]
+    prompts: list[PromptInput] = []
+    for i in range(50):
+        if i % 5 == 4:
+            prompts.append(PromptInput(text="Once upon a time " * rng.randint(2, 30)))
+        else:
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+            prompts.append(chat(("system", rng.choice(systems)), ("user", question)))
+    samplings = [SamplingParams(max_tokens=rng.randint(1, 14)) for _ in prompts]
+    cancel_after = {i: rng.randint(1, 3) for i in rng.sample(range(50), 8)}
+    serial = {
+        i: run(engine, p, cache=False, sampling=s).tokens
+        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
+        if i not in cancel_after
+    }
+    engine.flush_cache()
+
+    outcomes: dict[int, tuple] = {}
+
+    def client(i: int) -> None:
+        handle = engine.submit(prompts[i], samplings[i], CachePreference())
+        tokens, done = [], None
+        for event in handle.events(timeout=300):
+            if isinstance(event, TokenEvent) and event.token is not None:
+                tokens.append(event.token)
+                if i in cancel_after and len(tokens) >= cancel_after[i]:
+                    handle.cancel()
+            elif isinstance(event, ErrorEvent):
+                outcomes[i] = ("error", event.message)
+                return
+            elif isinstance(event, DoneEvent):
+                done = event
+        outcomes[i] = (tokens, done)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(outcomes) == 50
+    for i, (tokens, done) in outcomes.items():
+        assert tokens != "error", done
+        if i in cancel_after:
+            assert done.finish_reason in ("cancelled", "stop", "length")
+        else:
+            assert tokens == serial[i], f"request {i} differs from its serial run"
+    stats = engine.store.stats()
+    assert stats.bytes <= budget and stats.active_bytes == 0
+    assert stats.hits > 10
+    assert engine.peak_batch > 1
+    engine.store.check_integrity()
