@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -89,6 +90,29 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _disk_args(p: argparse.ArgumentParser, default_scope: str) -> None:
+    p.add_argument(
+        "--disk-cache",
+        dest="scope",
+        default=None,
+        help=f"what to persist: off | full | auto[:N] | N (default {default_scope})",
+    )
+    p.add_argument(
+        "--cache-dir",
+        dest="directory",
+        default=None,
+        help="disk cache folder (default: <user cache dir>/mlx-prefix/prompt-cache)",
+    )
+    p.add_argument(
+        "--disk-budget",
+        type=parse_bytes,
+        dest="disk_budget_bytes",
+        default=None,
+        help="bytes of disk for cached checkpoints (default 16GiB)",
+    )
+    p.set_defaults(default_scope=default_scope)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-prefix", description="Prompt-caching LLM server and CLI for MLX"
@@ -100,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _model_args(serve)
     _cache_args(serve)
+    _disk_args(serve, "auto")
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8080)")
     serve.add_argument(
@@ -114,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the user message (or - for stdin)")
     _model_args(gen)
     _cache_args(gen)
+    # One request per process: `auto` would have no earlier request to compare with, so
+    # generate persists every checkpoint and a second run with the same --system hits.
+    _disk_args(gen, "full")
     gen.add_argument("-s", "--system", help="system prompt")
     gen.add_argument("--messages", type=Path, help="OpenAI messages JSON file (array)")
     gen.add_argument("-n", "--max-tokens", type=int, default=256)
@@ -123,7 +151,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="complete PROMPT as raw text, no template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    cache = sub.add_parser("cache", help="inspect or clear the disk cache")
+    cache.add_argument("action", choices=["ls", "clear"])
+    cache.add_argument("--cache-dir", dest="directory", default=None)
+    cache.add_argument("--json", action="store_true", help="ls: one JSON object per line")
     return parser
+
+
+def _disk_config(args: argparse.Namespace):
+    from mlx_prefix.config import DiskConfig, from_env
+
+    overrides = {
+        "scope": args.scope,
+        "directory": args.directory,
+        "budget_bytes": args.disk_budget_bytes,
+    }
+    config = from_env(DiskConfig, "DISK", overrides)
+    if args.scope is None and "MLX_PREFIX_DISK_SCOPE" not in os.environ:
+        config = dataclasses.replace(config, scope=args.default_scope)
+    return config
 
 
 def _cache_config(args: argparse.Namespace):
@@ -170,7 +217,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         messages = _read_messages(args.messages) if args.messages else None
         prompt = chat_prompt(prompt_text, system=args.system, messages=messages)
     sampling = SamplingParams(args.max_tokens, args.temp, args.top_p, args.seed, tuple(args.stop))
-    with PrefixCacheSession(_load(args), cache_config=_cache_config(args)) as session:
+    session = PrefixCacheSession(
+        _load(args), cache_config=_cache_config(args), disk_config=_disk_config(args)
+    )
+    with session:
         parts = []
         for event in session.stream(prompt, sampling):
             if isinstance(event, TokenEvent):
@@ -217,8 +267,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mlx_prefix.config import from_env
 
     settings = from_env(ServerSettings, "SERVER", settings_overrides)
-    engine = Engine(_load(args), _cache_config(args))
+    engine = Engine(_load(args), _cache_config(args), disk_config=_disk_config(args))
     serve(engine, settings)
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.config import DiskConfig, from_env
+
+    config = from_env(DiskConfig, "DISK", {"directory": args.directory})
+    # No budget: a scan with a smaller budget than the server's would delete its files.
+    disk = DiskCache(config.path(), budget_bytes=None)
+    if args.action == "clear":
+        print(f"removed {disk.clear()} cached checkpoints from {config.path()}")
+        return 0
+    entries = disk.entries()
+    for e in entries:
+        if args.json:
+            print(json.dumps(dataclasses.asdict(e)))
+        else:
+            print(
+                f"{e.model_key}  {e.tokens:>7} tokens  {e.nbytes / 2**20:>9.1f} MiB  "
+                f"{e.kind:<12} idle {e.idle_s:,.0f}s"
+            )
+    total = sum(e.nbytes for e in entries)
+    print(
+        f"{len(entries)} checkpoints, {total / 2**20:.1f} MiB in {config.path()}", file=sys.stderr
+    )
     return 0
 
 
@@ -235,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "cache":
+            return cmd_cache(args)
         return cmd_serve(args)
     except ModelNotFound as e:
         print(f"mlx-prefix: error: {e.message}", file=sys.stderr)

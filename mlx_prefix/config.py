@@ -11,6 +11,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -38,6 +39,28 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.checkpoint_interval % self.prefill_chunk:
             raise ValueError("checkpoint_interval must be a positive multiple of prefill_chunk")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskConfig:
+    """The disk tier: checkpoints persisted so the cache survives restarts."""
+
+    scope: str = "auto"  # off | full | auto[:N] | N (see cache/disk_policy.py)
+    directory: str | None = None  # None = <user cache dir>/mlx-prefix/prompt-cache
+    budget_bytes: int = 16 * GiB
+    min_tokens: int = 64  # shorter prefixes are cheaper to recompute than to read
+
+    def __post_init__(self) -> None:
+        from mlx_prefix.cache.disk_policy import DiskScope
+
+        DiskScope.parse(self.scope)  # ValueError names the accepted forms
+
+    def path(self) -> Path:
+        if self.directory:
+            return Path(self.directory).expanduser()
+        from mlx_prefix.models.default import default_models_dir
+
+        return default_models_dir().parent / "prompt-cache"
 
 
 @dataclass(frozen=True, slots=True)

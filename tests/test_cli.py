@@ -14,6 +14,14 @@ from mlx_prefix.models.testing import cached_test_model
 CLI = [sys.executable, "-m", "mlx_prefix"]
 
 
+@pytest.fixture(autouse=True)
+def disk_cache_dir(tmp_path, monkeypatch):
+    """Keep the disk tier of every CLI run in this test's own folder."""
+    directory = tmp_path / "prompt-cache"
+    monkeypatch.setenv("MLX_PREFIX_DISK_DIRECTORY", str(directory))
+    return directory
+
+
 def cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(
@@ -84,3 +92,23 @@ def test_default_model_answers_paris():
     result = cli("generate", "--max-tokens", "16", "What is the capital of France?", timeout=600)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_second_generate_with_the_same_system_prompt_reuses_the_disk_cache(disk_cache_dir):
+    model = str(cached_test_model("qwen3_5"))
+    system = "You write release notes for a small open-source tool, plainly. " * 6
+    first = cli("generate", "--model", model, "-n", "6", "--system", system, "First change")
+    second = cli("generate", "--model", model, "-n", "6", "--system", system, "First change")
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    assert stats(first.stderr)["cached_tokens"] == "0"
+    assert int(stats(second.stderr)["cached_tokens"]) > 60
+    assert second.stdout == first.stdout
+
+    listing = cli("cache", "ls")
+    assert listing.returncode == 0 and "tokens" in listing.stdout
+    assert len(listing.stdout.strip().splitlines()) >= 2
+    cleared = cli("cache", "clear")
+    assert cleared.returncode == 0 and "removed" in cleared.stdout
+    assert not list(disk_cache_dir.glob("*.safetensors"))
+    third = cli("generate", "--model", model, "-n", "6", "--system", system, "First change")
+    assert stats(third.stderr)["cached_tokens"] == "0"

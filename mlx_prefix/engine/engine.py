@@ -30,8 +30,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
-from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.batch import DecodeBatch, batchable
+from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.request import (
     CachePreference,
@@ -108,7 +109,9 @@ class Engine:
         cache_config: CacheConfig | None = None,
         engine_config: EngineConfig | None = None,
         store: PromptCache | None = None,
+        disk_config: DiskConfig | None = None,
     ):
+        """`disk_config` None: no disk tier (memory only)."""
         self.model = model
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
@@ -117,7 +120,13 @@ class Engine:
             self.cache_config.budget_bytes, self.cache_config.max_entries
         )
         self.model_key = model.identity.key()
-        self.batchable = batchable(make_prompt_cache(model.model))
+        fresh_cache = make_prompt_cache(model.model)
+        self.batchable = batchable(fresh_cache)
+        self.disk = (
+            DiskTier(disk_config, self.model_key, always_trimmable(fresh_cache))
+            if disk_config is not None and self.cache_config.enabled
+            else None
+        )
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: list[_Job] = []  # engine thread only
         self._prefilling: _Prefill | None = None
@@ -154,6 +163,7 @@ class Engine:
         ContextLengthExceeded or EngineBusy in the caller's thread."""
         if sampling.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        DiskTier.parse_scope(cache.scope)
         rendered = self.plan(prompt)
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
         self._enqueue(_Job(handle, rendered, sampling, cache, time.perf_counter()))
@@ -166,11 +176,12 @@ class Engine:
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = RequestHandle(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
+        # A pinned warm-up is meant to last: persist all of its checkpoints to disk too.
         job = _Job(
             handle,
             rendered,
             SamplingParams(max_tokens=1),
-            CachePreference(),
+            CachePreference(scope="full" if pin else None),
             time.perf_counter(),
             warm=future,
             pin=pin,
@@ -192,13 +203,22 @@ class Engine:
         stats = asdict(self.store.stats())
         lookups = stats["hits"] + stats["misses"]
         stats["hit_ratio"] = stats["hits"] / lookups if lookups else 0.0
+        if self.disk is not None:
+            disk = asdict(self.disk.cache.stats())
+            disk["directory"] = str(disk["directory"])
+            disk["pending_saves"] = self.disk.pending
+            stats["disk"] = disk
         return stats
 
     def cache_entries(self) -> list[dict]:
         return [asdict(e) for e in self.store.entries()]
 
     def flush_cache(self) -> int:
-        return self.store.clear(self.model_key)
+        """Drop this model's entries from memory and disk; returns how many."""
+        removed = self.store.clear(self.model_key)
+        if self.disk is not None:
+            removed += self.disk.cache.clear(self.model_key)
+        return removed
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting; cancel what waits; let running requests finish until
@@ -224,6 +244,8 @@ class Engine:
         closing = False
         while True:
             idle = not (self._waiting or self._prefilling or len(self._batch))
+            if self.disk is not None and self.disk.pending:
+                self.disk.write_pending(busy=not idle)  # off the requests' critical path
             if closing and idle:
                 return
             closing |= self._take_inbox(block=idle and not closing)
@@ -286,9 +308,7 @@ class Engine:
         use_cache = self.cache_config.enabled and job.cache_pref.enabled
         cache, reuse, lease = None, 0, None
         if use_cache:
-            match = self.store.match(
-                self.model_key, tokens, lambda n: self.planner.grid.align(tokens, n)
-            )
+            match = self.store.match(self.model_key, tokens, self._align(tokens))
             snapshot = self.store.acquire(match.entry_id) if match.entry_id is not None else None
             if snapshot is not None:
                 cache, reuse, lease = (
@@ -296,6 +316,18 @@ class Engine:
                     match.reuse_tokens,
                     match.entry_id,
                 )
+            if self._disk_on(job):
+                found = self.disk.lookup(tokens, self._align(tokens), better_than=reuse)
+                if found is not None:  # a memory miss (or shorter hit) served from disk
+                    disk_match, disk_snapshot = found
+                    if lease is not None:
+                        self.store.release(lease)
+                        lease = None
+                    cache = restore(disk_snapshot, trim=disk_match.trim)
+                    reuse = disk_match.reuse_tokens
+                    self.store.insert(
+                        self.model_key, disk_match.tokens, disk_snapshot, disk_match.kind
+                    )
         if cache is None:
             cache = make_prompt_cache(self.model.model)
         on_boundary = self._checkpointer(job, cache, reuse, use_cache)
@@ -304,12 +336,28 @@ class Engine:
         )
         self._prefilling = _Prefill(job, cache, reuse, lease, steps, time.perf_counter())
 
+    def _align(self, tokens):
+        return lambda n: self.planner.grid.align(tokens, n)
+
+    def _disk_on(self, job: _Job) -> bool:
+        return self.disk is not None and not self.disk.is_off(job.cache_pref.scope)
+
     def _checkpointer(self, job: _Job, cache: list, reuse: int, use_cache: bool):
-        """The on_boundary callback: capture and store the planned checkpoints."""
+        """The on_boundary callback: capture and store the planned checkpoints, and queue
+        the disk policy's positions for saving (the end of prefill included: seed 004)."""
         tokens = job.prompt.tokens
         planned = {cp.position: cp.kind for cp in job.prompt.checkpoints if cp.position > reuse}
         keep_every_checkpoint = not always_trimmable(cache)
         shared = _SharedPrefixes(self, job) if use_cache and keep_every_checkpoint else None
+        to_disk: set[int] = set()
+        if use_cache and self._disk_on(job):
+            positions = self.disk.positions(job.prompt, self._align(tokens), job.cache_pref.scope)
+            to_disk = {p for p in positions if p > reuse}
+            if reuse in positions:
+                # Restored from memory exactly there: persist the restored state itself.
+                kinds = {cp.position: cp.kind for cp in job.prompt.checkpoints}
+                kind = kinds.get(reuse, CheckpointKind.PERIODIC)
+                self.disk.defer(tokens[:reuse], capture(cache, reuse), kind)
 
         def on_boundary(position: int) -> None:
             if not use_cache:
@@ -324,14 +372,18 @@ class Engine:
             at_end = position == len(tokens)
             if at_end and kind is None:
                 kind = CheckpointKind.HISTORY
-            if kind is None or (not keep_every_checkpoint and not at_end):
+            in_memory = kind is not None and (keep_every_checkpoint or at_end)
+            if not in_memory and position not in to_disk:
                 return
             snapshot = capture(cache, position)
+            kind = kind if kind is not None else CheckpointKind.PERIODIC
             # An off-grid end (raw completions) is only reusable by trimming back.
-            if not at_end or snapshot.trimmable or position in planned:
+            if in_memory and (not at_end or snapshot.trimmable or position in planned):
                 if self.store.insert(self.model_key, tokens[:position], snapshot, kind):
                     assert self._prefilling is not None
                     self._prefilling.stored.append(position)
+            if position in to_disk:
+                self.disk.defer(tokens[:position], snapshot, kind)
 
         return on_boundary
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.request import (
@@ -62,9 +62,11 @@ class PrefixCacheSession:
         *,
         cache_config: CacheConfig | None = None,
         engine_config: EngineConfig | None = None,
+        disk_config: DiskConfig | None = None,
     ):
+        """`disk_config`: persist checkpoints across processes (None: memory only)."""
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
-        self.engine = Engine(loaded, cache_config, engine_config)
+        self.engine = Engine(loaded, cache_config, engine_config, disk_config=disk_config)
 
     def __enter__(self) -> PrefixCacheSession:
         return self

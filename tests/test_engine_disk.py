@@ -1,0 +1,79 @@
+"""The disk tier through the engine: restarts hit, policies decide what is written."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import chat, run
+
+from mlx_prefix.config import DiskConfig
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.request import CachePreference, SamplingParams
+from mlx_prefix.errors import InvalidRequest
+
+SYSTEM = "You are the front desk of a hotel. Answer guests kindly and in one sentence. " * 5
+
+
+def engine_on(kind: str, directory, scope: str) -> Engine:
+    disk = DiskConfig(scope=scope, directory=str(directory), min_tokens=16)
+    return Engine(loaded_test_model(kind), TEST_CACHE, disk_config=disk)
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_restart_hits_the_disk_and_gives_the_cold_answer(tmp_path, kind):
+    prompt = chat(("system", SYSTEM), ("user", "Is breakfast included?"))
+    first = engine_on(kind, tmp_path, "full")
+    cold = run(first, prompt, cache=False)
+    run(first, prompt)
+    first.shutdown()  # writes what is still queued
+    assert list(tmp_path.glob("*.safetensors"))
+
+    second = engine_on(kind, tmp_path, "full")
+    try:
+        warm = run(second, chat(("system", SYSTEM), ("user", "Is breakfast included?")))
+        assert warm.usage.cached_tokens >= warm.usage.prompt_tokens - 3
+        assert warm.tokens == cold.tokens
+        assert second.cache_stats()["disk"]["hits"] == 1
+    finally:
+        second.shutdown()
+
+
+def test_auto_persists_the_prefix_shared_by_recent_requests(tmp_path):
+    engine = engine_on("qwen3_5", tmp_path, "auto")
+    run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
+    engine.shutdown()
+    assert not list(tmp_path.glob("*.safetensors")), "nothing was shared yet"
+
+    engine = engine_on("qwen3_5", tmp_path, "auto")
+    run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
+    run(engine, chat(("system", SYSTEM), ("user", "When is checkout?")))
+    engine.shutdown()
+    files = list(tmp_path.glob("*.safetensors"))
+    assert len(files) == 1
+
+    engine = engine_on("qwen3_5", tmp_path, "auto")
+    try:
+        third = chat(("system", SYSTEM), ("user", "Can I get a late checkout?"))
+        result = run(engine, third)
+        system_end = max(
+            c.position for c in engine.plan(third).checkpoints if c.kind.name == "SYSTEM"
+        )
+        assert result.usage.cached_tokens >= system_end
+    finally:
+        engine.shutdown()
+
+
+def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_path):
+    engine = engine_on("dense", tmp_path, "full")
+    try:
+        handle = engine.submit(
+            chat(("system", SYSTEM), ("user", "Hi")),
+            SamplingParams(max_tokens=3),
+            CachePreference(scope="off"),
+        )
+        list(handle.events(timeout=60))
+        with pytest.raises(InvalidRequest):
+            engine.submit(chat(("user", "Hi")), SamplingParams(), CachePreference(scope="most"))
+    finally:
+        engine.shutdown()
+    assert not list(tmp_path.glob("*.safetensors"))
