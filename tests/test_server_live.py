@@ -86,3 +86,17 @@ def test_a_prompt_longer_than_the_context_is_a_400_and_the_server_goes_on(live):
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_disk_tier_shows_in_cache_stats_and_metrics(tmp_path):
+    from mlx_prefix.config import DiskConfig
+
+    disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, disk_config=disk)
+    with serving(engine) as (url, _):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            ask(client, "Is there wifi?")
+        body = httpx.get(f"{url}/v1/cache").json()
+        assert body["stats"]["disk"]["directory"] == str(tmp_path)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "mlx_prefix_disk_files" in metrics and "mlx_prefix_disk_budget_bytes" in metrics

@@ -73,6 +73,15 @@ class CacheCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is shutting down
             log.exception("cache_stats() failed during a /metrics scrape")
             return
+        disk = stats.pop("disk", None)
+        if isinstance(disk, dict):
+            for key, value in sorted(disk.items()):
+                if _NAME.fullmatch(key) and _is_number(value):
+                    yield GaugeMetricFamily(
+                        f"mlx_prefix_disk_{key}",
+                        f"Disk prompt cache {key.replace('_', ' ')}",
+                        value=value,
+                    )
         for key, value in sorted(stats.items()):
             name = f"mlx_prefix_cache_{key}"
             doc = _DOCS.get(key, f"Prefix cache {key.replace('_', ' ')}")
@@ -93,6 +102,12 @@ class CacheCollector(Collector):
 
 
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 # Monotonic statistics; every other number in cache_stats() is a gauge.
 _COUNTERS = frozenset({"hits", "misses", "tokens_reused", "evictions"})
 _DOCS = {
