@@ -1,0 +1,74 @@
+"""Prefill speed with and without the fast BLAS the `mlx-prefix` launcher preloads.
+
+Runs the same cold prefill (bundled SmolLM2-135M, float32) in two child processes, one
+with MLX's bundled reference BLAS and one with the preloaded OpenBLAS/MKL, and prints
+tokens/s for each: `python benchmarks/bench_blas.py [--tokens 512]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mlx_prefix.blas_exec import fast_blas_env
+from mlx_prefix.platform import PRELOADED_ENV
+
+CHILD = r"""
+import json, sys, time
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_prefix.models.load import load_model
+from mlx_prefix.platform import loaded_blas
+from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.engine.runner import prefill
+
+n = int(sys.argv[1])
+loaded = load_model(None)
+tokens = [(i * 7919) % 40000 + 100 for i in range(n)]
+prefill(loaded.model, make_prompt_cache(loaded.model), tokens[:64], 0, ChunkGrid(512), lambda p: 0)
+start = time.perf_counter()
+mx.eval(prefill(loaded.model, make_prompt_cache(loaded.model), tokens, 0, ChunkGrid(512), lambda p: 0))
+seconds = time.perf_counter() - start
+print(json.dumps({"blas": loaded_blas(), "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds}))
+"""
+
+
+def run(env: dict[str, str], tokens: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tokens)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=3600,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/blas.json"))
+    args = parser.parse_args()
+    plain = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", PRELOADED_ENV)}
+    rows = [run(plain, args.tokens)]
+    fast = fast_blas_env(plain)
+    if PRELOADED_ENV in fast:
+        rows.append(run(fast, args.tokens))
+    else:
+        print("no fast BLAS found to preload (macOS, or none installed)", file=sys.stderr)
+    for row in rows:
+        print(
+            f"{row['blas']:<10} {row['tokens']} tokens  {row['seconds']:8.2f} s  "
+            f"{row['tokens_per_s']:8.1f} tok/s"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
