@@ -104,7 +104,11 @@ def _cached(res: dict[str, Any]) -> str:
 
 
 def _label(w: dict[str, Any]) -> str:
-    return f"{w['workload']} ({w['model']})"
+    return f"{w['title']} ({w['model']})"
+
+
+def _short(label: str) -> str:
+    return label if len(label) <= 14 else label[:13] + "…"
 
 
 # ---------------------------------------------------------------- markdown
@@ -299,6 +303,7 @@ def plots(doc: dict[str, Any], folder: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     folder.mkdir(parents=True, exist_ok=True)
     out = []
@@ -315,13 +320,19 @@ def plots(doc: dict[str, Any], folder: Path) -> list[Path]:
         rows = -(-len(seq) // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
         for ax, w in zip(axes.flat, seq, strict=False):
+            labels: list[str] = []
             for name in SERVERS:
                 samples = w["servers"].get(name, {}).get("samples", [])
-                pts = [(i + 1, s["ttft_s"]) for i, s in enumerate(samples) if s["ttft_s"]]
+                labels = labels or [s["label"] for s in samples]
+                pts = [(i, s["ttft_s"]) for i, s in enumerate(samples) if s["ttft_s"]]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker="o", label=name, color=_COLORS[name])
-            ax.set_title(_label(w), fontsize=10)
-            ax.set_xlabel("request #")
+            ax.set_title(f"{w['title']} ({w['model']})", fontsize=10)
+            step = max(1, -(-len(labels) // 8))
+            ticks = list(range(0, len(labels), step))
+            ax.set_xticks(
+                ticks, [_short(labels[i]) for i in ticks], fontsize=7, rotation=30, ha="right"
+            )
             ax.set_ylabel("TTFT (s)")
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
@@ -375,23 +386,25 @@ def plots(doc: dict[str, Any], folder: Path) -> list[Path]:
 
     restore = next((w for w in workloads if w["workload"] == "restore"), None)
     if restore:
-        fig, ax = plt.subplots(figsize=(6, 3.8))
-        for name in SERVERS:
-            series = restore["servers"][name]["extra"]["series"]
-            ax.plot(
-                [s["tokens"] for s in series],
-                [s["restore_ms"] for s in series],
-                marker="o",
-                label=name,
-                color=_COLORS[name],
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("cached prefix (tokens)")
-        ax.set_ylabel("restore (ms, log)")
-        ax.set_title("Cache restore cost", fontsize=11)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        panels = (
+            ("restore_ms", "lookup + restore (ms)"),
+            ("first_write_ms", "first decode write after restore (ms)"),
+        )
+        for ax, (key, ylabel) in zip(axes, panels, strict=True):
+            for name in SERVERS:
+                series = restore["servers"][name]["extra"]["series"]
+                xs = [s["tokens"] for s in series]
+                ax.plot(xs, [s[key] for s in series], marker="o", label=name, color=_COLORS[name])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 else str(x) for x in xs])
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.set_xlabel("cached prefix (tokens)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=8)
+        fig.suptitle("Cache restore cost (KV shaped like the dense model, float32)", fontsize=11)
         fig.tight_layout()
         out.append(_save(fig, folder / "restore_cost.png"))
     return out

@@ -23,15 +23,16 @@ import time
 import uuid
 from collections.abc import Generator
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.snapshot import capture, restore
-from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.cache.snapshot import restore
+from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.batch import DecodeBatch, batchable
+from mlx_prefix.engine.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.request import (
@@ -49,7 +50,7 @@ from mlx_prefix.engine.scheduler import pick_next
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt, common_prefix_length
+from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -86,7 +87,7 @@ class _Prefill:
     lease: int | None  # store entry locked while its arrays may still be shared
     steps: Generator[int, None, mx.array]
     started_at: float
-    stored: list[int] = field(default_factory=list)  # checkpoint positions inserted
+    checkpointer: Checkpointer | None  # None: this request bypasses the cache
 
 
 @dataclass(slots=True)
@@ -330,11 +331,13 @@ class Engine:
                     )
         if cache is None:
             cache = make_prompt_cache(self.model.model)
-        on_boundary = self._checkpointer(job, cache, reuse, use_cache)
+        checkpointer = self._checkpointer(job, cache, reuse) if use_cache else None
         steps = prefill_steps(
-            self.model.model, cache, tokens, reuse, self.planner.grid, on_boundary
+            self.model.model, cache, tokens, reuse, self.planner.grid, checkpointer or _ignore
         )
-        self._prefilling = _Prefill(job, cache, reuse, lease, steps, time.perf_counter())
+        self._prefilling = _Prefill(
+            job, cache, reuse, lease, steps, time.perf_counter(), checkpointer
+        )
 
     def _align(self, tokens):
         return lambda n: self.planner.grid.align(tokens, n)
@@ -342,50 +345,29 @@ class Engine:
     def _disk_on(self, job: _Job) -> bool:
         return self.disk is not None and not self.disk.is_off(job.cache_pref.scope)
 
-    def _checkpointer(self, job: _Job, cache: list, reuse: int, use_cache: bool):
-        """The on_boundary callback: capture and store the planned checkpoints, and queue
-        the disk policy's positions for saving (the end of prefill included: seed 004)."""
+    def _checkpointer(self, job: _Job, cache: list, reuse: int) -> Checkpointer:
         tokens = job.prompt.tokens
-        planned = {cp.position: cp.kind for cp in job.prompt.checkpoints if cp.position > reuse}
-        keep_every_checkpoint = not always_trimmable(cache)
-        shared = _SharedPrefixes(self, job) if use_cache and keep_every_checkpoint else None
-        to_disk: set[int] = set()
-        if use_cache and self._disk_on(job):
-            positions = self.disk.positions(job.prompt, self._align(tokens), job.cache_pref.scope)
-            to_disk = {p for p in positions if p > reuse}
-            if reuse in positions:
-                # Restored from memory exactly there: persist the restored state itself.
-                kinds = {cp.position: cp.kind for cp in job.prompt.checkpoints}
-                kind = kinds.get(reuse, CheckpointKind.PERIODIC)
-                self.disk.defer(tokens[:reuse], capture(cache, reuse), kind)
+        shared = None
+        if not always_trimmable(cache):
 
-        def on_boundary(position: int) -> None:
-            if not use_cache:
-                return
-            if shared is not None:
-                for p in shared.positions():
-                    if p >= position:
-                        planned[p] = max(
-                            planned.get(p, CheckpointKind.LAST_MESSAGE), CheckpointKind.LAST_MESSAGE
-                        )
-            kind = planned.get(position)
-            at_end = position == len(tokens)
-            if at_end and kind is None:
-                kind = CheckpointKind.HISTORY
-            in_memory = kind is not None and (keep_every_checkpoint or at_end)
-            if not in_memory and position not in to_disk:
-                return
-            snapshot = capture(cache, position)
-            kind = kind if kind is not None else CheckpointKind.PERIODIC
-            # An off-grid end (raw completions) is only reusable by trimming back.
-            if in_memory and (not at_end or snapshot.trimmable or position in planned):
-                if self.store.insert(self.model_key, tokens[:position], snapshot, kind):
-                    assert self._prefilling is not None
-                    self._prefilling.stored.append(position)
-            if position in to_disk:
-                self.disk.defer(tokens[:position], snapshot, kind)
+            def waiting() -> list[WaitingPrompt]:
+                return [
+                    WaitingPrompt(id(j), j.prompt.tokens)
+                    for j in self._waiting
+                    if j.cache_pref.enabled
+                ]
 
-        return on_boundary
+            shared = SharedPrefixes(
+                tokens, self.planner.grid, waiting, self.config.share_min_tokens
+            )
+        disk_positions: frozenset[int] = frozenset()
+        if self._disk_on(job):
+            disk_positions = frozenset(
+                self.disk.positions(job.prompt, self._align(tokens), job.cache_pref.scope)
+            )
+        return Checkpointer(
+            job.prompt, cache, reuse, self.store, self.model_key, shared, self.disk, disk_positions
+        )
 
     def _prefill_step(self) -> None:
         task = self._prefilling
@@ -404,8 +386,8 @@ class Engine:
         tokens = job.prompt.tokens
         prefill_tps = (len(tokens) - task.reuse) / max(time.perf_counter() - task.started_at, 1e-9)
         if job.warm is not None:
-            if job.pin:
-                for position in task.stored:
+            if job.pin and task.checkpointer is not None:
+                for position in task.checkpointer.stored:
                     self.store.pin(self.model_key, tokens[:position])
             job.warm.set_result(WarmResult(len(tokens), task.reuse, job.pin))
             self._finished(job)
@@ -522,30 +504,8 @@ class Engine:
         self.store.drop_active(BATCH_BYTES_KEY)
 
 
-class _SharedPrefixes:
-    """In-flight sharing for caches that can only resume from exact checkpoints.
-
-    While a request prefills, requests waiting to start that share a long prefix with
-    it get a checkpoint at that prefix's end (aligned down to the grid), so they
-    restore from it instead of computing it again. Trimmable caches need none of this:
-    their end-of-prompt snapshot already serves every shared prefix.
-    """
-
-    def __init__(self, engine: Engine, job: _Job):
-        self.engine = engine
-        self.tokens = job.prompt.tokens
-        self.seen: dict[int, int] = {}  # id(waiting job) -> aligned shared position (0: none)
-
-    def positions(self) -> set[int]:
-        engine, tokens = self.engine, self.tokens
-        for other in engine._waiting:
-            if id(other) in self.seen or not other.cache_pref.enabled:
-                continue
-            shared = common_prefix_length(tokens, other.prompt.tokens)
-            limit = min(shared, len(tokens) - 1, len(other.prompt.tokens) - 1)
-            aligned = engine.planner.grid.align(tokens, limit)
-            self.seen[id(other)] = aligned if aligned >= engine.config.share_min_tokens else 0
-        return {p for p in self.seen.values() if p}
+def _ignore(position: int) -> None:
+    pass
 
 
 def _usage(job: _Job, reuse: int, count: int, ttft: float, prefill_tps: float, decode_tps: float):

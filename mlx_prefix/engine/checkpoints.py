@@ -1,0 +1,108 @@
+"""What one request's prefill leaves behind: the snapshots captured at its boundaries.
+
+At each grid boundary the Checkpointer decides whether to capture the cache and where
+the snapshot goes: into the memory store (planned checkpoints, prefixes shared with
+waiting requests) and/or the disk queue (positions the disk policy chose, the end of
+prefill included: seed 004's bug was a save there that silently never fired).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from mlx_prefix.cache.snapshot import capture
+from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.engine.disk_tier import DiskTier
+from mlx_prefix.engine.runner import always_trimmable
+from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
+from mlx_prefix.prompt.grid import ChunkGrid
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingPrompt:
+    key: int  # identifies the waiting request
+    tokens: tuple[int, ...]
+
+
+class SharedPrefixes:
+    """In-flight sharing for caches that can only resume from exact checkpoints.
+
+    While a request prefills, requests waiting to start that share a long prefix with
+    it get a checkpoint at that prefix's end (aligned down to the grid), so they
+    restore from it instead of computing it again. Trimmable caches need none of this:
+    their end-of-prompt snapshot already serves every shared prefix.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        grid: ChunkGrid,
+        waiting: Callable[[], Iterable[WaitingPrompt]],
+        min_tokens: int,
+    ):
+        self.tokens, self.grid, self.waiting, self.min_tokens = tokens, grid, waiting, min_tokens
+        self.seen: dict[int, int] = {}  # waiting key -> aligned shared position (0: none)
+
+    def positions(self) -> set[int]:
+        for other in self.waiting():
+            if other.key in self.seen:
+                continue
+            shared = common_prefix_length(self.tokens, other.tokens)
+            limit = min(shared, len(self.tokens) - 1, len(other.tokens) - 1)
+            aligned = self.grid.align(self.tokens, limit)
+            self.seen[other.key] = aligned if aligned >= self.min_tokens else 0
+        return {p for p in self.seen.values() if p}
+
+
+@dataclass
+class Checkpointer:
+    """The on_boundary callback of one request's prefill (engine thread only)."""
+
+    prompt: RenderedPrompt
+    cache: list
+    reuse: int  # prefill starts here
+    store: PromptCache
+    model_key: str
+    shared: SharedPrefixes | None
+    disk: DiskTier | None = None
+    disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
+    stored: list[int] = field(default_factory=list)  # positions inserted in memory
+
+    def __post_init__(self) -> None:
+        self.planned = {
+            c.position: c.kind for c in self.prompt.checkpoints if c.position > self.reuse
+        }
+        # An all-KV cache needs only its end-of-prompt snapshot: trimming serves the rest.
+        self.keep_every_checkpoint = not always_trimmable(self.cache)
+        if self.disk is not None and self.reuse in self.disk_positions:
+            # Restored from memory exactly there: persist the restored state itself.
+            kinds = {c.position: c.kind for c in self.prompt.checkpoints}
+            kind = kinds.get(self.reuse, CheckpointKind.PERIODIC)
+            self.disk.defer(self.prompt.tokens[: self.reuse], capture(self.cache, self.reuse), kind)
+
+    def __call__(self, position: int) -> None:
+        tokens = self.prompt.tokens
+        if self.shared is not None:
+            for p in self.shared.positions():
+                if p >= position:
+                    self.planned[p] = max(
+                        self.planned.get(p, CheckpointKind.LAST_MESSAGE),
+                        CheckpointKind.LAST_MESSAGE,
+                    )
+        kind = self.planned.get(position)
+        at_end = position == len(tokens)
+        if at_end and kind is None:
+            kind = CheckpointKind.HISTORY
+        in_memory = kind is not None and (self.keep_every_checkpoint or at_end)
+        to_disk = self.disk is not None and position in self.disk_positions
+        if not in_memory and not to_disk:
+            return
+        snapshot = capture(self.cache, position)
+        kind = kind if kind is not None else CheckpointKind.PERIODIC
+        # An off-grid end (raw completions) is only reusable by trimming back.
+        if in_memory and (not at_end or snapshot.trimmable or position in self.planned):
+            if self.store.insert(self.model_key, tokens[:position], snapshot, kind):
+                self.stored.append(position)
+        if to_disk:
+            self.disk.defer(tokens[:position], snapshot, kind)
