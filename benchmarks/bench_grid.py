@@ -9,6 +9,7 @@ BLAS: `python -m mlx_prefix.blas_exec python benchmarks/bench_grid.py`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -37,6 +38,18 @@ def agent_conversation(turns: int) -> PromptInput:
     return PromptInput(messages=tuple(messages))
 
 
+def document_question(words: int) -> PromptInput:
+    text = " ".join(
+        f"clause {i} of the agreement covers delivery and payment." for i in range(words // 8)
+    )
+    return PromptInput(
+        messages=(
+            {"role": "system", "content": "You answer questions about contracts."},
+            {"role": "user", "content": text + "\n\nWhat does clause 12 cover?"},
+        )
+    )
+
+
 def time_prefill(model, tokens, grid: ChunkGrid, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -51,16 +64,22 @@ def time_prefill(model, tokens, grid: ChunkGrid, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
-    parser.add_argument("--turns", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=24)
+    parser.add_argument(
+        "--document", type=int, default=0, help="words: a one-question document instead"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/grid.json"))
     args = parser.parse_args()
 
     loaded = load_model(args.model)
     planner = PromptPlanner(loaded.tokenizer, CacheConfig())
-    tokens = planner.plan(agent_conversation(args.turns)).tokens
+    prompt = document_question(args.document) if args.document else agent_conversation(args.turns)
+    tokens = planner.plan(prompt).tokens
     grids = {
-        "canonical grid (ours)": planner.grid,
+        "ours, C=256": dataclasses.replace(planner.grid, chunk_size=256),
+        "ours, C=512": dataclasses.replace(planner.grid, chunk_size=512),
+        "plain 256 chunks": ChunkGrid(256),
         "plain 512 chunks": ChunkGrid(512),
         "plain 2048 chunks": ChunkGrid(2048),
     }

@@ -43,15 +43,23 @@ class Profile:
     restore_repeat: int = 3
 
 
-ALL_WORKLOADS = ("chat", "agent", "shared_system", "burst", "document", "restart", "memory",
-                 "restore")
+ALL_WORKLOADS = (
+    "chat",
+    "agent",
+    "shared_system",
+    "burst",
+    "document",
+    "restart",
+    "memory",
+    "restore",
+)
 
 PROFILES = {
     "quick": Profile(
         name="quick",
         models=("dense", "hybrid"),
         workloads=ALL_WORKLOADS,
-        other_model_workloads=("chat", "agent", "document"),
+        other_model_workloads=("chat", "agent", "document", "restart"),
         max_tokens=8,
         check_last=1,
     ),

@@ -73,7 +73,7 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         dest="prefill_chunk",
-        help="prefill chunk size; chunk boundaries fall on its multiples (512)",
+        help="prefill chunk size; chunk boundaries fall on its multiples (256)",
     )
     p.add_argument(
         "--checkpoint-interval",

@@ -32,7 +32,7 @@ class CacheConfig:
     budget_bytes: int = 4 * GiB  # stored snapshots + running requests' caches
     max_entries: int | None = None
     # Prefill chunk size C: chunk boundaries include every multiple of C.
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
     # Periodic checkpoints inside long prompts, every N tokens (a multiple of prefill_chunk).
     checkpoint_interval: int = 2048
 

@@ -123,6 +123,7 @@ class Engine:
         self.model_key = model.identity.key()
         fresh_cache = make_prompt_cache(model.model)
         self.batchable = batchable(fresh_cache)
+        self.capacity = self.config.max_running if self.batchable else 1  # decoding at once
         self.disk = (
             DiskTier(disk_config, self.model_key, always_trimmable(fresh_cache))
             if disk_config is not None and self.cache_config.enabled
@@ -194,7 +195,7 @@ class Engine:
         with self._pending_lock:
             if not self._accepting:
                 raise EngineBusy("the server is shutting down")
-            waiting = self._pending - self.config.max_running
+            waiting = self._pending - self.capacity
             if waiting >= self.config.max_queued:
                 raise EngineBusy(f"too many requests waiting ({waiting}); try again shortly")
             self._pending += 1
@@ -288,8 +289,7 @@ class Engine:
             self._end(job, DoneEvent("cancelled", _usage(job, 0, 0, 0.0, 0.0, 0.0)))
         if self._prefilling is not None or not self._waiting:
             return
-        capacity = self.config.max_running if self.batchable else 1
-        if len(self._batch) >= capacity:
+        if len(self._batch) >= self.capacity:
             return
         job = pick_next(self._waiting, self._peek_reuse, self.config.max_passovers)
         self._waiting.remove(job)
