@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE as QWEN3_TOOLS_TEMPLATE
+
 HYBRID_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_5",
     "tie_word_embeddings": True,
@@ -142,75 +144,3 @@ class Tokens:
 
     def count(self, text: str) -> int:
         return len(self.text(text))
-
-
-# Qwen3's chat template in short: tools in the system turn, tool calls as <tool_call>
-# JSON, consecutive tool results grouped into one user turn, and <think> reasoning kept
-# only for assistant turns after the last real user query.
-QWEN3_TOOLS_TEMPLATE = """\
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
-    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'
-        + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
-    {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and '
-        + 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
-        + '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if not ns.found and message.role == 'user' and message.content is string
-        and not message.content.startswith('<tool_response>') %}
-        {%- set ns.found = true %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- set content = message.content if message.content is string else '' %}
-    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {%- set reasoning = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning = message.reasoning_content %}
-        {%- elif '</think>' in content %}
-            {%- set reasoning = content.split('</think>')[0].rstrip('\\n')
-                .split('<think>')[-1].lstrip('\\n') %}
-            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
-            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n')
-                + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
-        {%- else %}
-            {{- '<|im_start|>assistant\\n' + content }}
-        {%- endif %}
-        {%- for call in message.tool_calls or [] %}
-            {%- set fn = call.function if call.function else call %}
-            {%- if loop.first and content or not loop.first %}{{- '\\n' }}{%- endif %}
-            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
-            {%- if fn.arguments is string %}{{- fn.arguments }}
-            {%- else %}{{- fn.arguments | tojson }}{%- endif %}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-{%- endif %}
-"""

@@ -10,7 +10,7 @@ def test_env_vars_fill_fields_and_flags_override_them(monkeypatch):
     monkeypatch.setenv("MLX_PREFIX_CACHE_MAX_ENTRIES", "none")
     config = from_env(CacheConfig, "CACHE", {"budget_bytes": 5, "prefill_chunk": None})
     assert (config.budget_bytes, config.enabled, config.max_entries) == (5, False, None)
-    assert config.prefill_chunk == 512
+    assert config.prefill_chunk == CacheConfig().prefill_chunk
 
 
 def test_tuple_fields_split_on_commas(monkeypatch):

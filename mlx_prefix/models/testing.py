@@ -178,18 +178,28 @@ def cached_test_model(kind: str, think_template: bool = False) -> Path:
     return _cached[key]
 
 
-# Qwen3's template, trimmed to ChatML without tools: an assistant message keeps its
-# <think> block only after the last user query (the turn being continued); earlier
-# turns are re-rendered without reasoning, so a conversation's rendered prefix changes
-# from one request to the next.
+# Qwen3's chat template in short: tools in the system turn, tool calls as <tool_call>
+# JSON, consecutive tool results grouped into one user turn, and <think> reasoning kept
+# only for assistant turns after the last real user query: earlier turns are re-rendered
+# without it, so a conversation's rendered prefix changes from one request to the next.
 THINK_CHAT_TEMPLATE = """\
-{%- if messages[0].role == 'system' %}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'
+        + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and '
+        + 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
+        + '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
 {%- endif %}
 {%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}
 {%- for message in messages[::-1] %}
     {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if not ns.found and message.role == 'user' %}
+    {%- if not ns.found and message.role == 'user' and message.content is string
+        and not message.content.startswith('<tool_response>') %}
         {%- set ns.found = true %}
         {%- set ns.last_query_index = index %}
     {%- endif %}
@@ -213,10 +223,23 @@ THINK_CHAT_TEMPLATE = """\
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content }}
         {%- endif %}
+        {%- for call in message.tool_calls or [] %}
+            {%- set fn = call.function if call.function else call %}
+            {%- if loop.first and content or not loop.first %}{{- '\\n' }}{%- endif %}
+            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+            {%- if fn.arguments is string %}{{- fn.arguments }}
+            {%- else %}{{- fn.arguments | tojson }}{%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
         {{- '<|im_end|>\\n' }}
     {%- elif message.role == 'tool' %}
-        {{- '<|im_start|>user\\n<tool_response>\\n' + content
-            + '\\n</tool_response><|im_end|>\\n' }}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
