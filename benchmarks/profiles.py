@@ -30,6 +30,10 @@ class Profile:
     burst_size: int = 6
     burst_instruction_tokens: int = 500
     burst_item_tokens: int = 40
+    # concurrency (requests/s)
+    concurrency_clients: tuple[int, ...] = (1, 4, 8)
+    concurrency_requests_per_client: int = 2
+    concurrency_system_tokens: int = 200
     # document
     document_tokens: int = 1200
     # restart (disk tier)
@@ -48,6 +52,7 @@ ALL_WORKLOADS = (
     "agent",
     "shared_system",
     "burst",
+    "concurrency",
     "document",
     "restart",
     "memory",
@@ -59,7 +64,7 @@ PROFILES = {
         name="quick",
         models=("dense", "hybrid"),
         workloads=ALL_WORKLOADS,
-        other_model_workloads=("chat", "agent", "document", "restart"),
+        other_model_workloads=("chat", "agent", "concurrency", "document", "restart"),
         max_tokens=8,
         check_last=1,
     ),
@@ -79,6 +84,8 @@ PROFILES = {
         shared_users=8,
         burst_instruction_tokens=500,
         burst_item_tokens=120,
+        concurrency_requests_per_client=6,
+        concurrency_system_tokens=600,
         document_tokens=6000,
         restart_system_tokens=4000,
         memory_requests=200,
@@ -90,7 +97,7 @@ PROFILES = {
     "smoke": Profile(
         name="smoke",
         models=("dense",),
-        workloads=("chat", "burst", "document", "memory", "restore"),
+        workloads=("chat", "burst", "concurrency", "document", "memory", "restore"),
         other_model_workloads=(),
         max_tokens=3,
         check_last=1,
@@ -104,6 +111,9 @@ PROFILES = {
         burst_size=3,
         burst_instruction_tokens=60,
         burst_item_tokens=10,
+        concurrency_clients=(1, 2),
+        concurrency_requests_per_client=1,
+        concurrency_system_tokens=30,
         document_tokens=150,
         restart_system_tokens=80,
         memory_requests=3,

@@ -168,7 +168,8 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
                 f"{_s(first)} | {_s(rest)} | {_cached(res)} | "
                 f"{_pct(res['reuse']['efficiency'])} | {_checks(res)}{' ' + err if err else ''} |"
             )
-    lines += _burst_lines(doc) + _memory_lines(doc) + _restore_lines(doc)
+    lines += _burst_lines(doc) + _concurrency_lines(doc) + _memory_lines(doc)
+    lines += _restore_lines(doc)
     lines += _per_request_lines(doc)
     if skipped:
         lines += ["", "## Skipped", "", *skipped]
@@ -198,6 +199,31 @@ def _burst_lines(doc: dict[str, Any]) -> list[str]:
         "",
         "| model | server | cold burst wall s | warm burst wall s |",
         "|---|---|---:|---:|",
+        *rows,
+    ]
+
+
+def _concurrency_lines(doc: dict[str, Any]) -> list[str]:
+    rows, levels = [], []
+    for w in doc["workloads"]:
+        if w["workload"] != "concurrency" or w["skipped"]:
+            continue
+        for name in SERVERS:
+            e = w["servers"].get(name, {}).get("extra", {})
+            found = sorted(int(k[4:]) for k in e if k.startswith("rps_"))
+            levels = levels or found
+            if found:
+                cells = " | ".join(_s(e.get(f"rps_{n}"), 2) for n in levels)
+                rows.append(f"| {w['model']} | {name} | {cells} |")
+    if not rows:
+        return []
+    head = " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in levels)
+    return [
+        "",
+        "## Requests per second",
+        "",
+        f"| model | server | {head} |",
+        "|---|---|" + "---:|" * len(levels),
         *rows,
     ]
 

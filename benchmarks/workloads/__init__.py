@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import agent, burst, chat, document, memory, restart, restore, shared_system
+from . import (
+    agent,
+    burst,
+    chat,
+    concurrency,
+    document,
+    memory,
+    restart,
+    restore,
+    shared_system,
+)
 
 WORKLOADS: dict[str, ModuleType] = {
-    m.NAME: m for m in (chat, agent, shared_system, burst, document, restart, memory, restore)
+    m.NAME: m
+    for m in (chat, agent, shared_system, burst, concurrency, document, restart, memory, restore)
 }

@@ -1,7 +1,8 @@
 """A burst of parallel requests sharing one ~500-token instruction (a browser extension
 processing several page snippets at once): a cold burst, then a warm one with new
-snippets. mlx-prefix serves them one at a time, computing the shared prefix once
-(in-flight sharing); mlx_lm.server batches them."""
+snippets. mlx-prefix prefills them one at a time on its chunk grid, computing the
+shared prefix once (in-flight sharing), and decodes them as a batch; mlx_lm.server
+batches prefill and decode."""
 
 from __future__ import annotations
 

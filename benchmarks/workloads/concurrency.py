@@ -1,0 +1,57 @@
+"""Throughput: requests/s with 1, 4 and 8 concurrent clients, each sending short chats
+that share a system prompt (a typical editor or extension load). Both servers batch
+decoding; mlx-prefix also reuses the system prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from ..client import Request, send
+from ..corpus import passage
+from ..harness import Context, ServerResult
+from ..servers import Server
+
+NAME = "concurrency"
+TITLE = "Requests/s at 1, 4 and 8 clients"
+_OFFSET = 30000
+
+
+async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
+    p = ctx.profile
+    res = ServerResult(server.name)
+    system = "You answer questions about the text you are given, briefly. " + passage(
+        _OFFSET, p.concurrency_system_tokens, ctx.tokens.count
+    )
+    start = time.perf_counter()
+    serial = 0
+    last: list = []
+    for clients in p.concurrency_clients:
+
+        async def one_client(c: int, clients: int = clients) -> None:
+            nonlocal serial
+            for k in range(p.concurrency_requests_per_client):
+                serial += 1
+                question = passage(_OFFSET + 500 + 37 * serial, 24, ctx.tokens.count)
+                req = Request(
+                    messages=[
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"Client {c}, question {k}: {question}"},
+                    ],
+                    max_tokens=p.max_tokens,
+                )
+                reply = await send(client, server.url, req)
+                label = f"{clients} clients"
+                res.samples.append(ctx.account(server.name, label, req, reply, group=str(clients)))
+                last[:] = [label, req, reply]
+
+        t = time.perf_counter()
+        await asyncio.gather(*(one_client(c) for c in range(clients)))
+        total = clients * p.concurrency_requests_per_client
+        res.extra[f"rps_{clients}"] = total / (time.perf_counter() - t)
+    res.wall_s = time.perf_counter() - start
+    if last:  # a batched reply against the same request served cold
+        await ctx.check(client, server, res, *last)
+    return res
