@@ -299,10 +299,9 @@ class Engine:
         if not (self.cache_config.enabled and job.cache_pref.enabled):
             return 0
         tokens = job.prompt.tokens
-        match = self.store.match(
-            self.model_key, tokens, lambda n: self.planner.grid.align(tokens, n), record=False
-        )
-        return match.reuse_tokens
+        return self.store.match(
+            self.model_key, tokens, self._align(tokens), record=False
+        ).reuse_tokens
 
     def _start_prefill(self, job: _Job) -> None:
         tokens = job.prompt.tokens
