@@ -149,3 +149,21 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind):
     assert stats.hits > 10
     assert engine.peak_batch > 1
     engine.store.check_integrity()
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(make_engine):
+    engine = make_engine("dense")
+    prompt = chat(("user", "Tell me a story about a lighthouse."))
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    alone = run(engine, prompt, sampling=seeded).tokens
+    assert run(engine, prompt, sampling=seeded).tokens == alone
+    others = [
+        engine.submit(chat(("user", f"Other {i}")), SamplingParams(max_tokens=12)) for i in range(3)
+    ]
+    batched = engine.submit(prompt, seeded, CachePreference())
+    assert collect(batched)[0] == alone
+    for handle in others:
+        collect(handle)
+    assert engine.peak_batch > 1
+    other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99)
+    assert run(engine, prompt, sampling=other_seed).tokens != alone
