@@ -36,6 +36,9 @@ class ServerSpec:
         py = sys.executable
         if self.name == OURS:
             cmd = [py, "-m", "mlx_prefix", "serve", "--model", str(self.model)]
+            if "--cache-dir" not in self.extra_args:
+                # Memory only, like the peer, and never a hit from an earlier run's files.
+                cmd += ["--disk-cache", "off"]
         else:
             cmd = [py, "-m", "mlx_lm.server", "--model", str(self.model), "--log-level", "WARNING"]
         return [py, "-m", "mlx_prefix.blas_exec", *cmd, "--port", str(port), *self.extra_args]

@@ -95,7 +95,7 @@ def _disk_args(p: argparse.ArgumentParser, default_scope: str) -> None:
         "--disk-cache",
         dest="scope",
         default=None,
-        help=f"what to persist: off | full | auto[:N] | N (default {default_scope})",
+        help=f"what to persist: off (no disk tier) | full | auto[:N] | N (default {default_scope})",
     )
     p.add_argument(
         "--cache-dir",

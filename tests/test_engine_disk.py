@@ -77,3 +77,16 @@ def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_pat
     finally:
         engine.shutdown()
     assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_a_few_shared_tokens_are_not_worth_reading_a_file(tmp_path):
+    engine = engine_on("dense", tmp_path, "full")
+    run(engine, chat(("system", SYSTEM), ("user", "Is breakfast included?")))
+    engine.shutdown()
+    engine = engine_on("dense", tmp_path, "full")
+    try:
+        other = run(engine, chat(("system", "A different prompt."), ("user", "Hello")))
+        assert other.usage.cached_tokens == 0
+        assert engine.cache_stats()["disk"]["hits"] == 0
+    finally:
+        engine.shutdown()

@@ -63,8 +63,8 @@ class DiskTier:
     ) -> tuple[DiskMatch, Snapshot] | None:
         """A disk checkpoint reusing more than `better_than` tokens, loaded and verified."""
         match = self.cache.match(self.model_key, tokens, align)
-        if match is None or match.reuse_tokens <= better_than:
-            return None
+        if match is None or match.reuse_tokens <= max(better_than, self.config.min_tokens - 1):
+            return None  # not worth reading a file for
         snapshot = self.cache.load(match)
         return (match, snapshot) if snapshot is not None else None
 

@@ -112,7 +112,7 @@ class Engine:
         store: PromptCache | None = None,
         disk_config: DiskConfig | None = None,
     ):
-        """`disk_config` None: no disk tier (memory only)."""
+        """`disk_config` None or scope "off": no disk tier (memory only)."""
         self.model = model
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
@@ -124,9 +124,11 @@ class Engine:
         fresh_cache = make_prompt_cache(model.model)
         self.batchable = batchable(fresh_cache)
         self.capacity = self.config.max_running if self.batchable else 1  # decoding at once
+        # A server-wide scope of "off" disables the tier: no folder, no files, and no
+        # per-request scope can turn it back on.
         self.disk = (
             DiskTier(disk_config, self.model_key, always_trimmable(fresh_cache))
-            if disk_config is not None and self.cache_config.enabled
+            if disk_config is not None and disk_config.scope != "off" and self.cache_config.enabled
             else None
         )
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
