@@ -90,6 +90,22 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-running", type=int, help="requests decoding together in one batch (default 8)"
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        help="waiting requests beyond this get a 429 busy error (default 64)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-step",
+        type=int,
+        help="prefill tokens computed between two decode steps (default 256)",
+    )
+
+
 def _disk_args(p: argparse.ArgumentParser, default_scope: str) -> None:
     p.add_argument(
         "--disk-cache",
@@ -125,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(serve)
     _cache_args(serve)
     _disk_args(serve, "auto")
+    _engine_args(serve)
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8080)")
     serve.add_argument(
@@ -178,6 +195,13 @@ def _cache_config(args: argparse.Namespace):
 
     keys = ("enabled", "budget_bytes", "max_entries", "prefill_chunk", "checkpoint_interval")
     return from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
+
+
+def _engine_config(args: argparse.Namespace):
+    from mlx_prefix.config import EngineConfig, from_env
+
+    keys = ("max_running", "max_queued", "prefill_tokens_per_step")
+    return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
 
 
 def _load(args: argparse.Namespace):
@@ -267,7 +291,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mlx_prefix.config import from_env
 
     settings = from_env(ServerSettings, "SERVER", settings_overrides)
-    engine = Engine(_load(args), _cache_config(args), disk_config=_disk_config(args))
+    engine = Engine(
+        _load(args), _cache_config(args), _engine_config(args), disk_config=_disk_config(args)
+    )
     serve(engine, settings)
     return 0
 

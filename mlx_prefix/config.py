@@ -71,7 +71,14 @@ class EngineConfig:
     # In-flight sharing: a waiting request sharing at least this many prompt tokens with
     # the one being prefilled gets a checkpoint there, so the shared prefix is computed once.
     share_min_tokens: int = 32
-    max_tokens_default: int = 512
+    # Prefill work between two decode steps: grid chunks (of one request, then the next)
+    # until this many tokens, at least one chunk. Higher: more throughput when many short
+    # prompts arrive together; lower: steadier token pace for requests already decoding.
+    prefill_tokens_per_step: int = 256
+
+    def __post_init__(self) -> None:
+        if min(self.max_running, self.prefill_tokens_per_step) < 1 or self.max_queued < 0:
+            raise ValueError("max_running and prefill_tokens_per_step must be at least 1")
 
 
 def _parse(value: str, annotation: Any) -> Any:

@@ -24,20 +24,23 @@ class Result:
     tokens: list[int]
     usage: Usage
     finish_reason: str
+    logprobs: list[float]  # of each token, when the sampling asked for them
 
 
 def run(engine: Engine, prompt: PromptInput, *, cache: bool = True, sampling=GREEDY) -> Result:
     handle = engine.submit(prompt, sampling, CachePreference(enabled=cache))
-    text, tokens = [], []
+    text, tokens, logprobs = [], [], []
     for event in handle.events(timeout=120):
         if isinstance(event, TokenEvent):
             text.append(event.text)
             if event.token is not None:
                 tokens.append(event.token)
+            if event.logprob is not None:
+                logprobs.append(event.logprob)
         elif isinstance(event, ErrorEvent):
             raise AssertionError(f"engine error: {event.message}")
         elif isinstance(event, DoneEvent):
-            return Result("".join(text), tokens, event.usage, event.finish_reason)
+            return Result("".join(text), tokens, event.usage, event.finish_reason, logprobs)
     raise AssertionError("no DoneEvent")
 
 
@@ -47,10 +50,17 @@ def chat(*messages: tuple[str, str], **kwargs) -> PromptInput:
     )
 
 
+EXACT = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
+
+
 def warm_equals_cold(engine: Engine, prompt: PromptInput) -> Result:
-    """Serve `prompt` with the cache, then again without it; the answers must match."""
-    warm = run(engine, prompt)
-    cold = run(engine, prompt, cache=False)
+    """Serve `prompt` with the cache, then again without it; the answers must match,
+    down to the bits of every token's logprob (greedy tokens alone would hide a drift of
+    1e-6 that, some day, flips a token)."""
+    warm = run(engine, prompt, sampling=EXACT)
+    cold = run(engine, prompt, cache=False, sampling=EXACT)
     assert cold.usage.cached_tokens == 0
     assert warm.tokens == cold.tokens, "a cache hit changed the answer"
+    assert warm.logprobs == cold.logprobs, "a cache hit changed the numbers"
+    assert len(warm.logprobs) == len(warm.tokens)
     return warm

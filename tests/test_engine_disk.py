@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import chat, run
@@ -90,3 +92,22 @@ def test_a_few_shared_tokens_are_not_worth_reading_a_file(tmp_path):
         assert engine.cache_stats()["disk"]["hits"] == 0
     finally:
         engine.shutdown()
+
+
+def test_files_from_another_chunk_grid_are_never_served(tmp_path):
+    # A checkpoint computed on another grid would not reproduce this engine's cold run.
+    prompt = chat(("system", SYSTEM), ("user", "Is breakfast included?"))
+    first = engine_on("dense", tmp_path, "full")
+    run(first, prompt)
+    first.shutdown()
+    assert list(tmp_path.glob("*.safetensors"))
+
+    disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
+    other_grid = dataclasses.replace(TEST_CACHE, prefill_chunk=16)
+    second = Engine(loaded_test_model("dense"), other_grid, disk_config=disk)
+    try:
+        assert second.model_key != first.model_key
+        assert run(second, prompt).usage.cached_tokens == 0
+        assert second.cache_stats()["disk"]["hits"] == 0
+    finally:
+        second.shutdown()

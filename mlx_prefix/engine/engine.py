@@ -16,6 +16,7 @@ at prefixes shared with waiting requests -> join the decode batch -> stream toke
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.snapshot import restore
+from mlx_prefix.cache.snapshot import cache_nbytes, restore
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.batch import DecodeBatch, batchable
@@ -49,12 +50,14 @@ from mlx_prefix.engine.sampling import TokenSampler, normalize
 from mlx_prefix.engine.scheduler import pick_next
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest, MlxPrefixError
+from mlx_prefix.models.identity import ModelIdentity
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.platform import device_name, loaded_blas
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.grid import ChunkGrid
 
 log = logging.getLogger("mlx_prefix.engine")
 
-BATCH_BYTES_KEY = "decode-batch"  # the running batch's resident bytes in the store
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
 
 
@@ -75,6 +78,7 @@ class _Job:
     warm: Future | None = None  # set for warm-only jobs (prefill, no decode)
     pin: bool = False
     passovers: int = 0
+    ended: bool = False  # its last event was sent; nothing more may follow
 
 
 @dataclass(slots=True)
@@ -84,6 +88,7 @@ class _Prefill:
     job: _Job
     cache: list
     reuse: int  # prompt tokens restored from the cache
+    position: int  # prompt tokens in `cache` so far
     lease: int | None  # store entry locked while its arrays may still be shared
     steps: Generator[int, None, mx.array]
     started_at: float
@@ -120,7 +125,7 @@ class Engine:
         self.store = store or PromptCache(
             self.cache_config.budget_bytes, self.cache_config.max_entries
         )
-        self.model_key = model.identity.key()
+        self.model_key = cache_key(model.identity, self.planner.grid)
         fresh_cache = make_prompt_cache(model.model)
         self.batchable = batchable(fresh_cache)
         self.capacity = self.config.max_running if self.batchable else 1  # decoding at once
@@ -135,12 +140,17 @@ class Engine:
         self._waiting: list[_Job] = []  # engine thread only
         self._prefilling: _Prefill | None = None
         self._batch = DecodeBatch(model.model)
+        # Keys of this engine's running caches in the store's byte budget (DESIGN 6); the
+        # store may be shared with other engines.
+        self._prefill_bytes_key = f"engine-{id(self):x}-prefill"
+        self._batch_bytes_key = f"engine-{id(self):x}-batch"
         self._steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
         self._pending = 0  # submitted and not finished; guarded by _pending_lock
         self._pending_lock = threading.Lock()
         self._accepting = True
-        self._stopping = False
+        self._closing = False  # the engine thread saw the shutdown marker
+        self._stopping = False  # the grace period is over: cancel running requests too
         self._thread = threading.Thread(target=self._loop, name="mlx-prefix-engine", daemon=True)
         self._thread.start()
 
@@ -201,7 +211,9 @@ class Engine:
             if waiting >= self.config.max_queued:
                 raise EngineBusy(f"too many requests waiting ({waiting}); try again shortly")
             self._pending += 1
-        self._inbox.put(job)
+            # Under the lock: once shutdown() stops accepting, no job can land behind the
+            # engine's last look at its inbox.
+            self._inbox.put(job)
 
     def cache_stats(self) -> dict:
         stats = asdict(self.store.stats())
@@ -240,50 +252,59 @@ class Engine:
         try:
             self._run_until_closed()
         finally:
+            # Normally nothing is left; if the loop itself died, no request may wait forever.
+            with self._pending_lock:
+                self._accepting = False
+            self._take_inbox(block=False)
+            self._fail_all(MlxPrefixError("the engine stopped"), waiting_too=True)
             # MLX requires each thread to destroy its own streams before it exits, or
             # the process may abort at exit ("terminate called without an active exception").
             mx.clear_streams()
 
     def _run_until_closed(self) -> None:
-        closing = False
         while True:
             idle = not (self._waiting or self._prefilling or len(self._batch))
-            if self.disk is not None and self.disk.pending:
-                self.disk.write_pending(busy=not idle)  # off the requests' critical path
-            if closing and idle:
+            if self._closing and idle:
                 return
-            closing |= self._take_inbox(block=idle and not closing)
-            if closing:
-                for job in self._waiting:
-                    job.handle.cancel()
             try:
-                self._schedule()
-                if self._prefilling is not None:
-                    self._prefill_step()
-                if len(self._batch):
-                    self._decode_step()
+                if self.disk is not None and self.disk.pending:
+                    self.disk.write_pending(busy=not idle)  # off the requests' critical path
+                self._take_inbox(block=idle and not self._closing)
+                self._step()
             except Exception as e:  # a bug in one request must not stop the engine
                 log.exception("engine step failed")
                 self._fail_all(e)
 
-    def _take_inbox(self, block: bool) -> bool:
-        """Move submitted jobs into the waiting list; True once shutdown was asked."""
-        closing = False
+    def _step(self) -> None:
+        """Prefill up to `prefill_tokens_per_step` tokens (one request after another,
+        each on its own grid), then one decode step for every running request."""
+        self._schedule()
+        budget = self.config.prefill_tokens_per_step
+        while self._prefilling is not None and budget > 0:
+            budget -= self._prefill_step()
+            # Requests that arrived meanwhile are visible to in-flight sharing at the
+            # next chunk boundary, and can start right after this prefill.
+            self._take_inbox(block=False)
+            self._schedule()
+        if len(self._batch):
+            self._decode_step()
+
+    def _take_inbox(self, block: bool) -> None:
+        """Move submitted jobs into the waiting list; after the shutdown marker, cancel
+        what waits."""
         try:
             job = self._inbox.get(timeout=None) if block else self._inbox.get_nowait()
             while True:
                 if job is None:
-                    closing = True
+                    self._closing = True
                 else:
                     self._waiting.append(job)
                 job = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        return closing
-
-    def _finished(self, job: _Job) -> None:
-        with self._pending_lock:
-            self._pending -= 1
+        if self._closing:
+            for job in self._waiting:
+                job.handle.cancel()
 
     def _schedule(self) -> None:
         for job in [j for j in self._waiting if j.handle.cancelled.is_set() or self._stopping]:
@@ -295,7 +316,11 @@ class Engine:
             return
         job = pick_next(self._waiting, self._peek_reuse, self.config.max_passovers)
         self._waiting.remove(job)
-        self._start_prefill(job)
+        try:
+            self._start_prefill(job)
+        except Exception as e:
+            log.exception("%s: could not start", job.handle.request_id)
+            self._end(job, ErrorEvent(_message(e)))
 
     def _peek_reuse(self, job: _Job) -> int:
         if not (self.cache_config.enabled and job.cache_pref.enabled):
@@ -309,35 +334,38 @@ class Engine:
         tokens = job.prompt.tokens
         use_cache = self.cache_config.enabled and job.cache_pref.enabled
         cache, reuse, lease = None, 0, None
-        if use_cache:
-            match = self.store.match(self.model_key, tokens, self._align(tokens))
-            snapshot = self.store.acquire(match.entry_id) if match.entry_id is not None else None
-            if snapshot is not None:
-                cache, reuse, lease = (
-                    restore(snapshot, trim=match.trim),
-                    match.reuse_tokens,
-                    match.entry_id,
-                )
-            if self._disk_on(job):
-                found = self.disk.lookup(tokens, self._align(tokens), better_than=reuse)
-                if found is not None:  # a memory miss (or shorter hit) served from disk
-                    disk_match, disk_snapshot = found
-                    if lease is not None:
-                        self.store.release(lease)
-                        lease = None
-                    cache = restore(disk_snapshot, trim=disk_match.trim)
-                    reuse = disk_match.reuse_tokens
-                    self.store.insert(
-                        self.model_key, disk_match.tokens, disk_snapshot, disk_match.kind
-                    )
-        if cache is None:
-            cache = make_prompt_cache(self.model.model)
-        checkpointer = self._checkpointer(job, cache, reuse) if use_cache else None
-        steps = prefill_steps(
-            self.model.model, cache, tokens, reuse, self.planner.grid, checkpointer or _ignore
-        )
+        try:
+            if use_cache:
+                match = self.store.match(self.model_key, tokens, self._align(tokens))
+                if match.entry_id is not None:
+                    snapshot = self.store.acquire(match.entry_id)
+                    if snapshot is not None:
+                        lease = match.entry_id
+                        cache, reuse = restore(snapshot, trim=match.trim), match.reuse_tokens
+                if self._disk_on(job):
+                    found = self.disk.lookup(tokens, self._align(tokens), better_than=reuse)
+                    if found is not None:  # a memory miss (or shorter hit) served from disk
+                        disk_match, disk_snapshot = found
+                        if lease is not None:
+                            self.store.release(lease)
+                            lease = None
+                        cache = restore(disk_snapshot, trim=disk_match.trim)
+                        reuse = disk_match.reuse_tokens
+                        self.store.insert(
+                            self.model_key, disk_match.tokens, disk_snapshot, disk_match.kind
+                        )
+            if cache is None:
+                cache = make_prompt_cache(self.model.model)
+            checkpointer = self._checkpointer(job, cache, reuse) if use_cache else None
+            steps = prefill_steps(
+                self.model.model, cache, tokens, reuse, self.planner.grid, checkpointer or _ignore
+            )
+        except BaseException:
+            if lease is not None:
+                self.store.release(lease)
+            raise
         self._prefilling = _Prefill(
-            job, cache, reuse, lease, steps, time.perf_counter(), checkpointer
+            job, cache, reuse, reuse, lease, steps, time.perf_counter(), checkpointer
         )
 
     def _align(self, tokens):
@@ -370,56 +398,64 @@ class Engine:
             job.prompt, cache, reuse, self.store, self.model_key, shared, self.disk, disk_positions
         )
 
-    def _prefill_step(self) -> None:
+    def _prefill_step(self) -> int:
+        """Advance the prefilling request by one grid chunk; returns the tokens computed."""
         task = self._prefilling
         assert task is not None
         job = task.job
         if job.handle.cancelled.is_set() or self._stopping:
             self._close_prefill()
             self._end(job, DoneEvent("cancelled", _usage(job, task.reuse, 0, 0.0, 0.0, 0.0)))
-            return
+            return 0
         try:
-            next(task.steps)
-            return
+            end = next(task.steps)
         except StopIteration as done:
-            logits = done.value
-        self._close_prefill()
+            self._finish_prefill(task, done.value)
+            return 0
+        computed, task.position = end - task.position, end
+        self.store.set_active_bytes(self._prefill_bytes_key, cache_nbytes(task.cache))
+        return computed
+
+    def _finish_prefill(self, task: _Prefill, logits: mx.array) -> None:
+        """The prompt is in the cache: sample the first token and join the decode batch
+        (or complete a warm-up). The task stays `_prefilling` until the request is in the
+        batch, so an error on the way still reaches it (`_fail_all`)."""
+        job = task.job
         tokens = job.prompt.tokens
         prefill_tps = (len(tokens) - task.reuse) / max(time.perf_counter() - task.started_at, 1e-9)
         if job.warm is not None:
             if job.pin and task.checkpointer is not None:
                 for position in task.checkpointer.stored:
                     self.store.pin(self.model_key, tokens[:position])
+            self._close_prefill()
+            job.ended = True
             job.warm.set_result(WarmResult(len(tokens), task.reuse, job.pin))
             self._finished(job)
             return
         sampler = TokenSampler(job.sampling)
-        first = sampler(normalize(logits))  # [1]
+        logprobs = normalize(logits)  # [1, V]
+        first = sampler(logprobs)  # [1]
         limit = job.sampling.max_tokens
         if self.model.context_length is not None:
             limit = min(limit, self.model.context_length - len(tokens))
-        running = _Running(
-            job,
-            TextStream(self.model.tokenizer, job.sampling.stop),
-            limit,
-            task.reuse,
-            prefill_tps,
-            time.perf_counter(),
-        )
-        logprob = None
-        if job.sampling.logprobs:
-            logprob = normalize(logits)[0, first[0]].item()
         token = int(first.item())
-        running.first_at = time.perf_counter()
+        logprob = logprobs[0, token].item() if job.sampling.logprobs else None
+        now = time.perf_counter()
+        running = _Running(
+            job, TextStream(self.model.tokenizer, job.sampling.stop), limit, task.reuse,
+            prefill_tps, now,
+        )  # fmt: skip
         if not self._accept_token(running, token, logprob):
             self._batch.add(running, task.cache, sampler, token)
-        self.store.set_active_bytes(BATCH_BYTES_KEY, self._batch.nbytes())
+            self.store.set_active_bytes(self._batch_bytes_key, self._batch.nbytes())
+        self._close_prefill()
 
     def _close_prefill(self) -> None:
         task = self._prefilling
         assert task is not None
         self._prefilling = None
         task.steps.close()
+        self.store.drop_active(self._prefill_bytes_key)
         if task.lease is not None:
             # The request's cache no longer shares the snapshot's arrays once prefill
             # has written into it (and merging into the batch copies them anyway).
@@ -439,8 +475,8 @@ class Engine:
         for running, (token, logprob) in zip(members, sampled, strict=True):
             self._accept_token(running, token, logprob if running.job.sampling.logprobs else None)
         self._steps += 1
-        if self._steps % ACTIVE_BYTES_EVERY == 0:
-            self.store.set_active_bytes(BATCH_BYTES_KEY, self._batch.nbytes())
+        if self._steps % ACTIVE_BYTES_EVERY == 0 and len(self._batch):
+            self.store.set_active_bytes(self._batch_bytes_key, self._batch.nbytes())
 
     def _accept_token(self, running: _Running, token: int, logprob: float | None) -> bool:
         """Hand a sampled token to its request; True if the request ended with it."""
@@ -464,7 +500,10 @@ class Engine:
         if tail:
             job.handle.emit(TokenEvent(tail, None, None))
         self._batch.remove([running])
-        self.store.set_active_bytes(BATCH_BYTES_KEY, self._batch.nbytes())
+        if len(self._batch):
+            self.store.set_active_bytes(self._batch_bytes_key, self._batch.nbytes())
+        else:
+            self.store.drop_active(self._batch_bytes_key)
         decode_s = time.perf_counter() - running.first_at
         decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
         usage = _usage(
@@ -478,6 +517,10 @@ class Engine:
         self._end(job, DoneEvent(reason, usage))  # type: ignore[arg-type]
 
     def _end(self, job: _Job, event: DoneEvent | ErrorEvent) -> None:
+        """Send a job's last event (once: later calls are ignored)."""
+        if job.ended:
+            return
+        job.ended = True
         job.handle.emit(event)
         if job.warm is not None and not job.warm.done():
             job.warm.set_exception(
@@ -487,26 +530,46 @@ class Engine:
             )
         self._finished(job)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _finished(self, job: _Job) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+    def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
         """After an unexpected error, end every request in flight with an error event:
-        their state may be inconsistent. Waiting requests are unaffected."""
-        message = (
-            error.message
-            if isinstance(error, MlxPrefixError)
-            else f"{type(error).__name__}: {error}"
-        )
+        their state may be inconsistent. Waiting requests are unaffected unless
+        `waiting_too` (the engine is going away)."""
+        event = ErrorEvent(_message(error))
         if self._prefilling is not None:
             job = self._prefilling.job
             self._close_prefill()
-            self._end(job, ErrorEvent(message))
+            self._end(job, event)
         for running in list(self._batch.members):
-            self._end(running.job, ErrorEvent(message))
+            self._end(running.job, event)
         self._batch = DecodeBatch(self.model.model)
-        self.store.drop_active(BATCH_BYTES_KEY)
+        self.store.drop_active(self._batch_bytes_key)
+        if waiting_too:
+            for job in self._waiting:
+                self._end(job, event)
+            self._waiting.clear()
+
+
+def cache_key(identity: ModelIdentity, grid: ChunkGrid) -> str:
+    """The key of every cache entry this engine makes. An entry reproduces a cold run
+    only for the same weights (identity), the same chunk grid and the same kernels
+    (device, BLAS, MLX version), so all of them are in it (DESIGN 4 and 7); a server
+    restarted with another --prefill-chunk or BLAS never reads the old files."""
+    parts = [identity.key(), grid.signature(), device_name(), loaded_blas(), mx.__version__]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def _ignore(position: int) -> None:
     pass
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, MlxPrefixError):
+        return error.message
+    return f"{type(error).__name__}: {error}"
 
 
 def _usage(job: _Job, reuse: int, count: int, ttft: float, prefill_tps: float, decode_tps: float):

@@ -28,6 +28,13 @@ class ChunkGrid:
     segment_tokens: frozenset[int] = frozenset()  # a grid point falls right after these
     generation_suffix: tuple[int, ...] = ()  # ... and right after this token sequence
 
+    def signature(self) -> str:
+        """What decides where chunks end: part of every cache key (entries computed on
+        another grid would not reproduce a cold run's numbers)."""
+        specials = ",".join(map(str, sorted(self.segment_tokens)))
+        suffix = ",".join(map(str, self.generation_suffix))
+        return f"chunk={self.chunk_size};after={specials};gen={suffix}"
+
     def is_point(self, tokens: Sequence[int], b: int) -> bool:
         """Whether position b (0 < b <= len(tokens)) is on the grid of `tokens`."""
         if b <= 0 or b > len(tokens):
