@@ -396,3 +396,16 @@ def test_threads_share_one_store():
         t.join()
     c.check_integrity()
     assert c.stats().hits > 0
+
+
+def test_a_refused_insert_changes_nothing():
+    # The new entry cannot fit (the pinned entry and its own size fill the budget): the
+    # prefix it would have made redundant must stay, and nothing else is evicted for it.
+    c = PromptCache(100)
+    c.insert(M, [7] * 3, snap([7] * 3, nbytes=50), K.SYSTEM)
+    c.pin(M, [7] * 3)
+    assert c.insert(M, seq[:10], snap(seq[:10], nbytes=40), K.GENERATED)
+    assert c.insert(M, seq[:20], snap(seq[:20], nbytes=60), K.GENERATED) is False
+    assert c.match(M, seq[:15], ident).reuse_tokens == 10
+    assert c.stats().evictions == 0 and c.stats().entries == 2
+    c.check_integrity()

@@ -12,9 +12,10 @@ The only cache module that touches MLX. Why sharing is safe (DESIGN 2):
   `update_and_fetch` reallocates (concatenate) instead of writing in place, and a
   snapshot does not keep the step padding in its accounting.
 
-Memory: a snapshot view of a step-padded buffer keeps the whole buffer alive
-(up to `KVCache.step - 1` tokens per layer more than `nbytes` says) once the
-source request has moved on. Chunks that are multiples of the step have none.
+Memory: a view keeps its whole buffer alive, and a live KVCache's buffer is
+step-padded (up to `KVCache.step - 1` tokens per layer past its offset). So a
+snapshot's `nbytes` counts the buffers it keeps alive, not just the tokens it
+covers: the byte budget holds what is really resident (DESIGN 6).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def capture(cache: list[Any], length: int) -> Snapshot:
     return Snapshot(
         length=length,
         trimmable=is_trimmable(cache),
-        nbytes=sum(a.nbytes for a in arrays),
+        # The views keep the cache's whole (step-padded) buffers alive.
+        nbytes=max(sum(a.nbytes for a in arrays), cache_nbytes(cache)),
         layers=layers,
     )
 

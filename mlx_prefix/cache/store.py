@@ -169,6 +169,15 @@ class PromptCache:
             self._counters.tokens_reused += found.reuse if record else 0
             return CacheMatch(found.entry_id, found.reuse, found.trim, matched)
 
+    def get(self, model_key: str, tokens: Sequence[int]) -> Any | None:
+        """The payload stored under exactly `tokens`, or None. Does not mutate: no lock
+        against eviction, no recency refresh, no hit counted (payloads are immutable, so
+        a caller may keep it past an eviction)."""
+        with self._lock:
+            trie = self._tries.get(model_key)
+            entry_id = trie.get(tokens) if trie is not None else None
+            return self._entries[entry_id].payload if entry_id is not None else None
+
     def acquire(self, entry_id: int) -> Any | None:
         """Lock the entry against eviction and mark it most recently used (mutates).
 
@@ -199,11 +208,12 @@ class PromptCache:
     ) -> bool:
         """Store a checkpoint of `tokens` (mutates); evicts to stay within budget.
 
-        Returns False when it is not stored: larger than the whole budget, evicted
-        at once because everything else is pinned or locked, or redundant (a
-        trimmable entry that is a strict prefix of a trimmable entry of same or
-        higher kind). An exact duplicate refreshes the stored entry (its recency,
-        and its kind if `kind` is higher) and keeps the stored payload.
+        Returns False, changing nothing, when it is not stored: it would not fit even
+        after evicting every entry allowed to go before it (lower or same kind, not
+        pinned, not locked), or it is redundant (a trimmable entry that is a strict
+        prefix of a trimmable entry of same or higher kind). An exact duplicate
+        refreshes the stored entry (its recency, and its kind if `kind` is higher) and
+        keeps the stored payload.
         A trimmable insert drops stored trimmable strict prefixes of no higher kind
         that are neither pinned nor locked: trimming the new entry serves them.
         """
@@ -212,8 +222,6 @@ class PromptCache:
             raise ValueError(f"payload length {payload.length} != {len(key)} tokens")
         with self._lock:
             nbytes = int(payload.nbytes)
-            if nbytes > self.budget_bytes:
-                return False
             trie = self._tries.setdefault(model_key, TokenTrie())
             dup = trie.get(key)
             if dup is not None:
@@ -225,11 +233,29 @@ class PromptCache:
                 self._touch(e)
                 return True
             trimmable = bool(payload.trimmable)
+            redundant: list[_Entry] = []
             if trimmable and (model_key, key) not in self._pins:
                 for ext in trie.extensions(key):
                     other = self._entries[ext.value]
                     if other.trimmable and other.kind >= kind:
                         return False
+            if trimmable:
+                redundant = [
+                    other
+                    for anc in trie.match(key).ancestors
+                    if anc.length < len(key)
+                    for other in (self._entries[anc.value],)
+                    if other.trimmable
+                    and other.kind <= kind
+                    and other.refs == 0
+                    and not self._pinned(other)
+                ]
+            # Decide before changing anything: a refused insert must not have dropped the
+            # prefixes it would have made redundant, nor evicted entries to no avail.
+            if not self._fits(nbytes, kind, redundant):
+                if not len(trie):
+                    del self._tries[model_key]
+                return False
             now = self._clock()
             e = _Entry(self._next_id, model_key, key, payload, kind, nbytes, trimmable, now, now)
             self._next_id += 1
@@ -237,19 +263,11 @@ class PromptCache:
             self._entries[e.entry_id] = e
             self._lru[kind][e.entry_id] = e
             self._bytes += nbytes
-            if trimmable:
-                for anc in trie.match(key).ancestors:
-                    other = self._entries[anc.value]
-                    if (
-                        anc.length < len(key)
-                        and other.trimmable
-                        and other.kind <= kind
-                        and other.refs == 0
-                        and not self._pinned(other)
-                    ):
-                        self._remove(other)
+            for other in redundant:  # after the insert: the trie never empties on the way
+                self._remove(other)
             self._evict()
-            return e.entry_id in self._entries
+            assert e.entry_id in self._entries, "evicted an entry that fitted"
+            return True
 
     def pin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Never evict (or drop as redundant) the entry for exactly `tokens` (mutates).
@@ -419,6 +437,22 @@ class PromptCache:
         if self._bytes + self._active_bytes > self.budget_bytes:
             return True
         return self.max_entries is not None and len(self._entries) > self.max_entries
+
+    def _fits(self, nbytes: int, kind: CheckpointKind, leaving: list[_Entry]) -> bool:
+        """Whether a new entry of `nbytes` and `kind` would survive eviction once the
+        `leaving` entries are gone. It would be the most recent of its kind, so every
+        evictable entry of its kind or a lower one goes before it."""
+        gone = {e.entry_id for e in leaving}
+        kept_bytes = kept_count = 0
+        for e in self._entries.values():
+            if e.entry_id in gone:
+                continue
+            if e.kind > kind or e.refs > 0 or self._pinned(e):
+                kept_bytes += e.nbytes
+                kept_count += 1
+        if kept_bytes + self._active_bytes + nbytes > self.budget_bytes:
+            return False
+        return self.max_entries is None or kept_count + 1 <= self.max_entries
 
     def _victim(self) -> _Entry | None:
         for k in CheckpointKind:  # ascending: lower kinds go first
