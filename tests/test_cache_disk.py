@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from mlx_lm.models.cache import (
 
 from mlx_prefix.cache import disk_format
 from mlx_prefix.cache.disk import DiskCache
-from mlx_prefix.cache.snapshot import Snapshot, capture, restore
+from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.runner import greedy_continue, prefill
 from mlx_prefix.models.testing import cached_test_model
@@ -78,7 +79,8 @@ def _flat(snapshot: Snapshot) -> list[tuple[str, Any]]:
             out.append((f"{path}{i}.cls", layer.cls))
             for k, v in tree_flatten(list(layer.state)) or []:
                 if isinstance(v, mx.array):
-                    out.append((f"{path}{i}.{k}", (str(v.dtype), np.array(v.view(mx.uint8)))))
+                    raw = np.array(v.reshape(-1).view(mx.uint8))
+                    out.append((f"{path}{i}.{k}", (str(v.dtype), raw)))
                 else:
                     out.append((f"{path}{i}.{k}", (type(v).__name__, v)))
             out.append((f"{path}{i}.shape", _structure(layer.state)))
@@ -97,7 +99,10 @@ def _structure(x: Any) -> Any:
 
 
 def _assert_same(a: Snapshot, b: Snapshot) -> None:
-    assert (a.length, a.trimmable, a.nbytes) == (b.length, b.trimmable, b.nbytes)
+    """`a` (loaded) holds what `b` (captured) holds. A capture's nbytes also counts the
+    step padding its views keep alive; a loaded snapshot has none."""
+    assert (a.length, a.trimmable) == (b.length, b.trimmable)
+    assert a.nbytes <= b.nbytes
     fa, fb = _flat(a), _flat(b)
     assert [k for k, _ in fa] == [k for k, _ in fb]
     for (k, x), (_, y) in zip(fa, fb, strict=True):
@@ -309,35 +314,69 @@ def saved(tmp_path: Path):
     return tmp_path, key, prompt, path
 
 
-def _rewrite_meta(path: Path, **changes: str) -> None:
+def _rewrite_meta(path: Path, *, sign: bool = True, **changes: str | None) -> None:
+    """Change metadata fields (None: delete). Signed, the header gets a valid digest: a
+    file some writer produced that way; unsigned, the old digest stays: damage."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
-    header["__metadata__"].update(changes)
-    text = json.dumps(header).encode()
+    meta = header["__metadata__"]
+    meta.update(changes)
+    for k in [k for k, v in meta.items() if v is None]:
+        del meta[k]
+    if sign:
+        meta["header_digest"] = disk_format.HEADER_PLACEHOLDER
+    text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    blob = struct.pack("<Q", len(text)) + text
+    if sign:
+        digest = disk_format.header_digest(blob).encode()
+        blob = blob.replace(disk_format.HEADER_PLACEHOLDER.encode(), digest)
+    path.write_bytes(blob + raw[8 + n :])
+
+
+def _edit_header(path: Path, old: bytes, new: bytes) -> None:
+    """Replace `old` by `new` (same length) once in the header bytes: damage."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert len(old) == len(new) and old in raw[: 8 + n], old
+    path.write_bytes(raw.replace(old, new, 1))
+
+
+def _header(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n])
+
+
+def _swap_shape(path: Path) -> None:
+    """The reviewer's repro: [1, 2, 64, 16] -> [1, 64, 2, 16] (same size and bytes)."""
+    b, h, n, d = _header(path)["t0"]["shape"]
+    _edit_header(path, f'"shape":[{b},{h},{n},{d}]'.encode(), f'"shape":[{b},{n},{h},{d}]'.encode())
+
+
+def _write_v1(path: Path) -> None:
+    """Rewrite a checkpoint as format version 1 wrote it: token ids and data digested
+    (blake2b), nothing else."""
+    import base64
+    import hashlib
+
+    meta = _header(path)["__metadata__"]
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    tbytes = base64.b64decode(meta["tokens"])
+    _rewrite_meta(
+        path,
+        sign=False,
+        version="1",
+        header_digest=None,
+        tokens_digest=hashlib.blake2b(tbytes, digest_size=32).hexdigest(),
+        data_digest=hashlib.blake2b(raw[8 + n :], digest_size=32).hexdigest(),
+    )
 
 
 def _request(tokens: list[int]) -> list[int]:
     return tokens + [7, 8, 9]
-
-
-def test_flipped_tensor_bytes_are_caught_at_load(saved, caplog):
-    d, key, tokens, path = saved
-    raw = bytearray(path.read_bytes())
-    raw[-100] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    disk = DiskCache(d)  # the header is intact: indexed
-    req = _request(tokens)
-    match = disk.match(key, req, _align(req))
-    assert match is not None
-    with caplog.at_level(logging.WARNING, LOGGER):
-        assert disk.load(match) is None
-    assert any("digest" in m for m in _warnings(caplog))
-    assert not path.exists() and disk.match(key, req, _align(req)) is None
-    assert disk.stats().load_failures == 1 and disk.stats().hits == 0
-    disk.check_integrity()
 
 
 @pytest.mark.parametrize(
@@ -347,12 +386,39 @@ def test_flipped_tensor_bytes_are_caught_at_load(saved, caplog):
         (lambda p: p.write_bytes(p.read_bytes()[:5]), "truncated"),
         (lambda p: p.write_bytes(b"\xff" * 8 + p.read_bytes()[8:]), "header length"),
         (lambda p: p.write_bytes(p.read_bytes()[:8] + b"x" + p.read_bytes()[9:]), "unreadable"),
+        (lambda p: p.write_bytes(p.read_bytes() + b"\0" * 8), "header describes"),
         (lambda p: _rewrite_meta(p, version="99"), "format version 99"),
+        (_write_v1, "format version 1"),
         (lambda p: _rewrite_meta(p, format="something-else"), "not an mlx-prefix"),
-        (lambda p: _rewrite_meta(p, tokens_digest="0" * 64), "digest"),
         (lambda p: _rewrite_meta(p, length="3"), "length"),
+        (lambda p: _rewrite_meta(p, trimmable="yes"), "bad metadata"),
+        (lambda p: _rewrite_meta(p, sign=False, header_digest=None), "no header digest"),
+        (lambda p: _rewrite_meta(p, sign=False, data_digest="0" * 64), "header does not match"),
+        (_swap_shape, "header does not match its digest"),
+        (lambda p: _edit_header(p, b'"trimmable":"1"', b'"trimmable":"0"'), "header does not"),
+        (lambda p: _edit_header(p, b'"kind":"HISTORY",', b'"kind":"SYSTEM" ,'), "header does"),
+        (lambda p: _edit_header(p, b"},64]", b"},32]"), "header does not match"),  # KV offset
+        (lambda p: _edit_header(p, b'"F32"', b'"I32"'), "header does not match"),
     ],
-    ids=["truncated", "stub", "bad_length", "bad_json", "version", "format", "digest", "count"],
+    ids=[
+        "truncated",
+        "stub",
+        "bad_length",
+        "bad_json",
+        "appended",
+        "version",
+        "version_1",
+        "format",
+        "count",
+        "trimmable_value",
+        "no_header_digest",
+        "data_digest_changed",
+        "shape_swapped",
+        "trimmable_flipped",
+        "kind_changed",
+        "layer_offset_changed",
+        "dtype_changed",
+    ],
 )
 def test_bad_files_are_removed_by_scan(saved, caplog, damage, message):
     d, key, tokens, path = saved
@@ -368,37 +434,140 @@ def test_bad_files_are_removed_by_scan(saved, caplog, damage, message):
 def test_tokens_not_matching_the_name_are_removed(saved, caplog):
     d, key, tokens, path = saved
     import base64
-    import hashlib
 
     other = disk_format.token_bytes([t + 1 for t in tokens])
-    _rewrite_meta(
-        path,
-        tokens=base64.b64encode(other).decode(),
-        tokens_digest=hashlib.blake2b(other, digest_size=32).hexdigest(),
-    )
+    _rewrite_meta(path, tokens=base64.b64encode(other).decode())  # a valid header
     with caplog.at_level(logging.WARNING, LOGGER):
         disk = DiskCache(d)
     assert any("do not match the file name" in m for m in _warnings(caplog))
     assert not path.exists() and disk.stats().files == 0
 
 
-def test_a_file_swapped_after_the_scan_is_not_served(saved, tmp_path_factory, caplog):
+def _valid_file_of(d: Path, key: str, tokens: list[int]) -> Path:
+    """A valid checkpoint of (key, tokens) written into the folder `d`."""
+    model = loaded_test_model("dense")
+    _, _, snaps = _prefill(model, tokens, capture_at=(len(tokens),))
+    assert DiskCache(d).save(key, tokens, snaps[len(tokens)], HISTORY)
+    return d / disk_format.entry_name(key, tokens)
+
+
+def _swap_in(path: Path, source: Path) -> None:
+    os.replace(source, path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("other_tokens", "differ from the index"),
+        ("other_model", "differ from the index"),
+        ("other_runtime", "written by mlx-lm 0.0.1"),
+        ("version_1", "format version 1"),
+        ("shape_swapped", "header does not match its digest"),
+        ("offset_changed", "header does not match its digest"),
+        ("truncated", "header describes"),
+        ("data_flipped", "tensor data does not match its digest"),
+    ],
+)
+def test_a_file_changed_after_the_scan_is_not_served(
+    saved, tmp_path_factory, caplog, change, message
+):
     d, key, tokens, path = saved
     disk = DiskCache(d)
     req = _request(tokens)
     match = disk.match(key, req, _align(req))
     assert match is not None
     other_dir = tmp_path_factory.mktemp("other")
-    model = loaded_test_model("dense")
-    other = _tokens(model, 64, offset=100)
-    _, _, snaps = _prefill(model, other, capture_at=(64,))
-    DiskCache(other_dir).save(key, other, snaps[64], HISTORY)
-    (other_path,) = other_dir.iterdir()
-    os.replace(other_path, path)  # a valid checkpoint, but not of these tokens
+    if change == "other_tokens":  # a valid checkpoint, but not of these tokens
+        model = loaded_test_model("dense")
+        _swap_in(path, _valid_file_of(other_dir, key, _tokens(model, 64, offset=100)))
+    elif change == "other_model":  # the same tokens, another model
+        _swap_in(path, _valid_file_of(other_dir, "another-model", tokens))
+    elif change == "other_runtime":
+        _rewrite_meta(path, runtime="mlx-lm 0.0.1")
+    elif change == "version_1":
+        _write_v1(path)
+    elif change == "shape_swapped":
+        _swap_shape(path)
+    elif change == "offset_changed":
+        _edit_header(path, b"},64]", b"},32]")
+    elif change == "truncated":
+        path.write_bytes(path.read_bytes()[:-4])
+    else:
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0xFF
+        path.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING, LOGGER):
         assert disk.load(match) is None
-    assert any("differ from the index" in m for m in _warnings(caplog))
-    assert not path.exists()
+    assert any(message in m for m in _warnings(caplog)), _warnings(caplog)
+    assert not path.exists() and disk.match(key, req, _align(req)) is None
+    assert disk.stats().load_failures == 1 and disk.stats().hits == 0
+    disk.check_integrity()
+
+
+def test_load_reads_the_file_once(saved, monkeypatch):
+    d, key, tokens, path = saved
+    disk = DiskCache(d)
+    match = disk.match(key, _request(tokens), _align(_request(tokens)))
+    assert match is not None
+    opened: list[Any] = []
+
+    class Counting:
+        def __init__(self, f):
+            self.f, self.read_bytes = f, 0
+            opened.append(self)
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            self.read_bytes += len(data)
+            return data
+
+        def readinto(self, b):
+            n = self.f.readinto(b)
+            self.read_bytes += n or 0
+            return n
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def counting_open(*args, **kwargs):
+        return Counting(open(*args, **kwargs))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("mx.load reads the file a second time")
+
+    monkeypatch.setattr(disk_format, "open", counting_open, raising=False)
+    monkeypatch.setattr(mx, "load", no_load)
+    loaded = disk.load(match)
+    monkeypatch.undo()
+    assert loaded is not None and disk.stats().hits == 1
+    assert [f.read_bytes for f in opened] == [path.stat().st_size]
+    fresh = DiskCache(d).load(match)
+    assert fresh is not None
+    _assert_same(loaded, fresh)
+
+
+def test_every_dtype_and_empty_and_scalar_arrays_round_trip(tmp_path: Path):
+    values = np.arange(-6, 6).reshape(3, 4)
+    arrays = [mx.array(values).astype(dtype) for dtype in disk_format._DTYPES]
+    arrays += [mx.zeros((1, 0, 4)), mx.array(7, dtype=mx.int32), mx.array([1.5], mx.bfloat16)]
+    layer = LayerSnapshot(KVCache, tuple(arrays))
+    nbytes = sum(a.nbytes for a in arrays)
+    snap = Snapshot(length=3, trimmable=True, nbytes=nbytes, layers=(layer,))
+    assert DiskCache(tmp_path).save("m", [1, 2, 3], snap, HISTORY)
+    disk = DiskCache(tmp_path)
+    match = disk.match("m", [1, 2, 3, 4], lambda n: n)
+    assert match is not None
+    loaded = disk.load(match)
+    assert loaded is not None
+    _assert_same(loaded, snap)
+    assert loaded.nbytes == nbytes
+    assert [a.dtype for a in loaded.layers[0].state] == [a.dtype for a in arrays]
 
 
 def test_files_of_another_model_are_kept_but_never_matched(saved, caplog):
@@ -438,15 +607,29 @@ def test_leftover_temp_files_are_removed_and_other_files_left_alone(saved, caplo
     d, key, tokens, path = saved
     dead = d / f"{path.name}.tmp-{_dead_pid()}-0a1b2c3d"
     dead.write_bytes(path.read_bytes()[:1000])
-    live = d / f"{path.name}.tmp-{os.getpid()}-0a1b2c3d"  # a write in progress here
+    live = d / f"{path.name}.tmp-{_dead_pid()}-1a1b2c3d"  # being written: its lock is held
     live.write_bytes(b"x")
-    unrelated = d / "notes.txt"
-    unrelated.write_text("mine")
-    with caplog.at_level(logging.WARNING, LOGGER):
+    reused = d / f"{path.name}.tmp-{os.getpid()}-2a1b2c3d"  # a killed writer with our pid
+    reused.write_bytes(b"x")
+    opening = d / f"{path.name}.tmp-{os.getpid()}-3a1b2c3d"  # created, not locked yet
+    opening.write_bytes(b"")
+    lookalikes = [
+        d / "notes.txt",
+        d / f"{path.name}.tmp",
+        d / f"{path.name}.tmp-12-xyz",
+        d / f"{path.name[:-12]}.tmp-12-0a1b",
+    ]
+    for p in lookalikes:
+        p.write_text("mine")
+    with open(live, "rb") as held, caplog.at_level(logging.WARNING, LOGGER):
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         disk = DiskCache(d)
-    assert any("unfinished write" in m and dead.name in m for m in _warnings(caplog))
-    assert not dead.exists() and live.exists() and unrelated.exists()
-    assert disk.stats().files == 1
+    warned = _warnings(caplog)
+    assert any("unfinished write" in m and dead.name in m for m in warned)
+    assert any("unfinished write" in m and reused.name in m for m in warned)
+    assert not dead.exists() and not reused.exists()
+    assert live.exists() and opening.exists() and all(p.exists() for p in lookalikes)
+    assert disk.stats().files == 1 and disk.stats().removed == 2
 
 
 _KILLED_CHILD = textwrap.dedent(
@@ -513,13 +696,17 @@ def test_kill_9_during_a_write_leaves_nothing_servable(tmp_path: Path, caplog, s
 # -- budget and failures ------------------------------------------------------------
 
 
-def _kv_snapshot(n: int, seed: int) -> Snapshot:
+def _kv_cache(n: int, seed: int) -> KVCache:
     c = KVCache()
     c.update_and_fetch(
         mx.random.normal((1, 2, n, 16), key=mx.random.key(seed)),
         mx.random.normal((1, 2, n, 16), key=mx.random.key(seed + 1)),
     )
-    return capture([c], n)
+    return c
+
+
+def _kv_snapshot(n: int, seed: int) -> Snapshot:
+    return capture([_kv_cache(n, seed)], n)
 
 
 def _seq(first: int, n: int = 32) -> list[int]:
@@ -614,6 +801,34 @@ def test_a_read_only_directory_fails_softly(tmp_path: Path, caplog):
         tmp_path.chmod(0o755)
 
 
+@pytest.mark.parametrize(
+    "error", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), MemoryError("no room")]
+)
+def test_a_failure_while_writing_data_fails_softly(tmp_path: Path, monkeypatch, caplog, error):
+    real, calls = disk_format.write_array, []
+
+    def fail_second(f, a, h):  # the disk fills up after the first array
+        calls.append(a)
+        if len(calls) % 2 == 0:
+            raise error
+        real(f, a, h)
+
+    disk = DiskCache(tmp_path)
+    monkeypatch.setattr(disk_format, "write_array", fail_second)
+    snap = capture([_kv_cache(32, 0)], 32)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert disk.save("m", _seq(1), snap, HISTORY) is False
+        assert disk.save("m", _seq(2), snap, HISTORY) is False
+    warned = _warnings(caplog)
+    assert len(warned) == (1 if isinstance(error, OSError) else 2), warned
+    assert "disk full" in warned[0] or "MemoryError" in warned[0]
+    assert _files(tmp_path) == [], "a partial file was left behind"
+    assert disk.stats().save_failures == 2 and disk.stats().files == 0
+    monkeypatch.undo()
+    assert disk.save("m", _seq(1), snap, HISTORY)
+    assert disk.match("m", _seq(1) + [5], lambda n: n) is not None
+
+
 def test_entries_clear_and_stats(tmp_path: Path):
     disk = DiskCache(tmp_path)
     assert disk.save("a", _seq(1), _kv_snapshot(32, 0), HISTORY)
@@ -653,3 +868,57 @@ def test_non_trimmable_entries_match_only_exact_grid_prefixes(tmp_path: Path):
     diverged = prompt[:50] + [9] * 30
     match = disk.match(key, diverged, _align(diverged))
     assert match is not None and match.reuse_tokens == 32
+
+
+# -- read-only listing (mlx-prefix cache ls) ------------------------------------------
+
+
+def _tree_state(d: Path) -> dict[str, tuple[int, float]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime) for p in d.iterdir()}
+
+
+def test_listing_changes_nothing_and_reports_bad_files(saved, caplog):
+    d, key, tokens, path = saved
+    assert DiskCache(d).save("another-model", _seq(1), _kv_snapshot(32, 0), HISTORY)
+    damaged = d / disk_format.entry_name("m", _seq(2))
+    damaged.write_bytes(b"\0" * 40)
+    abandoned = d / f"{path.name}.tmp-{_dead_pid()}-0a1b2c3d"
+    abandoned.write_bytes(b"x")
+    (d / "notes.txt").write_text("mine")
+    os.utime(path, (1_000_000_000, 1_000_000_000))  # the oldest: listed first
+    before = _tree_state(d)
+    d.chmod(0o555)  # and, when not root, no write could succeed anyway
+    try:
+        with caplog.at_level(logging.WARNING, LOGGER):
+            listing = DiskCache.listing(d)
+    finally:
+        d.chmod(0o755)
+    assert _tree_state(d) == before, "listing changed the directory"
+    assert not _warnings(caplog)
+    assert listing.exists and listing.directory == str(d)
+    assert [(e.name, e.model_key, e.tokens) for e in listing.entries] == [
+        (path.name, key, 64),
+        (disk_format.entry_name("another-model", _seq(1)), "another-model", 32),
+    ]
+    assert listing.entries[0].idle_s > 1e8 and listing.entries[0].trimmable
+    assert (
+        sum(e.nbytes for e in listing.entries)
+        == path.stat().st_size + before[listing.entries[1].name][0]
+    )
+    bad = {b.name: b for b in listing.bad}
+    assert set(bad) == {damaged.name, abandoned.name}
+    assert "header length" in bad[damaged.name].reason and bad[damaged.name].nbytes == 40
+    assert "unfinished write" in bad[abandoned.name].reason
+    # What the listing calls bad is what the next scan removes.
+    disk = DiskCache(d)
+    assert disk.stats().removed == 2 and not damaged.exists() and not abandoned.exists()
+    assert [e.name for e in disk.entries()] == [e.name for e in listing.entries]
+
+
+def test_listing_of_a_missing_directory_creates_nothing(tmp_path: Path):
+    missing = tmp_path / "not" / "here"
+    listing = DiskCache.listing(missing)
+    assert not listing.exists and listing.entries == [] and listing.bad == []
+    assert not (tmp_path / "not").exists()
+    (tmp_path / "file").write_text("x")
+    assert not DiskCache.listing(tmp_path / "file").exists

@@ -6,13 +6,15 @@ headers alone; tensors are read only by `load`.
 
 Never serve a wrong file:
 - writes are atomic: a temp file `<name>.tmp-<pid>-<rand>` in the same directory,
-  flushed and fsynced, then `os.replace`d onto its name; a crash leaves at most a
-  temp file, which a later scan removes once its writer is gone;
-- a scan removes, with a warning, files that are truncated, corrupt, of another
-  format version, or whose token ids do not match their name;
-- `load` re-reads the header, checks it against the index (model key, token ids)
-  and the tensor data against its digest before building the Snapshot; any failure
-  removes the file (warning) and is a miss.
+  locked (flock) by its writer, flushed and fsynced, then `os.replace`d onto its name;
+  a crash leaves at most a temp file, which a later scan removes once nobody holds its
+  lock (the kernel drops the lock of a killed process; pids are reused, locks are not);
+- a scan removes, with a warning, files that are truncated, corrupt (the header is
+  digested whole), of another format version, or whose token ids do not match their
+  name; `listing` reports the same without touching the directory;
+- `load` reads the file once: its header verified and checked against the index
+  (model key, token ids, runtime), its tensor data against its digest, before the
+  Snapshot is returned; any failure removes the file (warning) and is a miss.
 Files of other model keys, or written under another mlx-lm version, are indexed and
 count against the byte budget, but never match this model (each has its own trie).
 
@@ -29,6 +31,7 @@ engine thread (DESIGN 1). File I/O runs outside the lock.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -38,8 +41,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import mlx.core as mx
 
 from mlx_prefix.cache import disk_format as fmt
 from mlx_prefix.cache.snapshot import Snapshot
@@ -51,7 +52,7 @@ log = logging.getLogger("mlx_prefix.cache.disk")
 GiB = 1 << 30
 DEFAULT_DISK_BUDGET = 16 * GiB
 HISTORY = CheckpointKind.HISTORY
-STALE_TEMP_S = 3600.0  # a temp file this old is removed even if its pid is alive (reused)
+STALE_TEMP_S = 3600.0  # an unlocked empty temp file this old is abandoned (see _temp_abandoned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,29 @@ class DiskStats:
     load_failures: int  # loads that found a missing, corrupt or mismatched file
     evictions: int  # files removed for the budget
     removed: int  # corrupt, stale or leftover files removed by scan/load
+
+
+@dataclass(frozen=True, slots=True)
+class BadFile:
+    name: str
+    reason: str  # why a scan removes it
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiskListing:
+    """A read-only view of a cache directory (`DiskCache.listing`)."""
+
+    directory: str
+    exists: bool  # False: no such directory (nothing was created)
+    entries: list[DiskEntryInfo]  # valid checkpoints of every model key, LRU first
+    bad: list[BadFile]  # files the next scan removes: damaged, stale, unfinished writes
+
+
+@dataclass(frozen=True, slots=True)
+class _Survey:
+    found: list[_Entry]  # valid checkpoints, least recently used first
+    bad: list[BadFile]
 
 
 @dataclass(slots=True, eq=False)
@@ -155,56 +179,42 @@ class DiskCache:
         format version, whose token ids do not match their name, and temp files whose
         writer is gone. Other files are left alone. Returns the number of files indexed.
         """
-        found: list[_Entry] = []
-        removed = 0
-        try:
-            listing = list(os.scandir(self.directory))
-        except OSError as e:
-            log.warning("disk cache: cannot list %s: %s", self.directory, e)
-            listing = []
-        for item in listing:
-            if not item.is_file(follow_symlinks=False):
-                continue
-            if fmt.TEMP_RE.match(item.name):
-                if self._abandoned_temp(item):
-                    removed += self._remove_file(item.name, "an unfinished write (temp file)")
-                continue
-            if not fmt.NAME_RE.match(item.name):
-                continue
-            path = Path(item.path)
-            try:
-                header = fmt.read_header(path)
-                if fmt.entry_name(header.model_key, header.tokens) != item.name:
-                    raise fmt.DiskFormatError("token ids do not match the file name")
-                mtime = item.stat().st_mtime
-            except fmt.DiskFormatError as e:
-                removed += self._remove_file(item.name, str(e))
-                continue
-            except OSError as e:
-                log.warning("disk cache: cannot read %s: %s", path, e)
-                continue
-            found.append(
-                _Entry(
-                    item.name,
-                    header.model_key,
-                    header.runtime,
-                    header.tokens,
-                    header.kind,
-                    header.trimmable,
-                    header.size,
-                    mtime,
-                )
-            )
-        found.sort(key=lambda e: e.last_access)
+        survey = _survey(self.directory)
+        removed = sum(self._remove_file(b.name, b.reason) for b in survey.bad)
         with self._lock:
             self._entries.clear()
             self._tries.clear()
             self._bytes = 0
             self._counters.removed += removed
-            for e in found:
+            for e in survey.found:
                 self._add(e)
             self._evict(keep=None)
             return len(self._entries)
+
+    @staticmethod
+    def listing(directory: Path | str) -> DiskListing:
+        """What a scan of `directory` would index and remove, without changing anything:
+        creates, removes and touches nothing (for `mlx-prefix cache ls`). Reads headers
+        only; every header is verified against its digest."""
+        directory = Path(directory).expanduser()
+        if not directory.is_dir():
+            return DiskListing(str(directory), False, [], [])
+        survey = _survey(directory)
+        now = time.time()
+        entries = [
+            DiskEntryInfo(
+                e.name,
+                e.model_key,
+                e.runtime,
+                len(e.tokens),
+                e.kind,
+                e.trimmable,
+                e.nbytes,
+                max(0.0, now - e.last_access),
+            )
+            for e in survey.found
+        ]
+        return DiskListing(str(directory), True, entries, survey.bad)
 
     # -- lookup -------------------------------------------------------------
 
@@ -227,12 +237,13 @@ class DiskCache:
             return best
 
     def load(self, match: DiskMatch) -> Snapshot | None:
-        """Read, verify and return the matched checkpoint (reads the whole file).
+        """Read, verify and return the matched checkpoint (reads the whole file, once).
 
-        Checks the file's model key and token ids against the match and its tensor data
-        against the stored digest. On any failure the file is removed (warning) and the
-        result is None, counted as a miss. Refreshes the entry's recency on success.
-        Call on the engine thread: it builds MLX arrays.
+        Checks the file's header against its digest, its model key, token ids and
+        runtime against the match, and its tensor data against the stored digest. On
+        any failure the file is removed (warning) and the result is None, counted as a
+        miss. Refreshes the entry's recency on success. Call on the engine thread: it
+        builds MLX arrays.
         """
         path = self.directory / match.name
         with self._lock:
@@ -240,16 +251,7 @@ class DiskCache:
                 self._counters.misses += 1
                 return None  # evicted or cleared since the match
         try:
-            header = fmt.read_header(path)
-            if header.model_key != match.model_key or header.tokens != match.tokens:
-                raise fmt.DiskFormatError("model key or token ids differ from the index")
-            if header.runtime != self.runtime:
-                raise fmt.DiskFormatError(f"written by {header.runtime}")
-            fmt.check_data(path, header)
-            arrays = mx.load(str(path))
-            assert isinstance(arrays, dict)
-            snapshot = fmt.decode(header, arrays)
-            mx.eval(list(arrays.values()))
+            snapshot = fmt.load(path, match.model_key, match.tokens, self.runtime)
         except Exception as e:  # whatever is wrong with the file, it must not be served
             with self._lock:
                 self._counters.load_failures += 1
@@ -279,8 +281,9 @@ class DiskCache:
         Returns True when the checkpoint is on disk afterwards: written now, already
         stored (refreshed), or covered by a stored trimmable extension. Returns False
         without raising when nothing could be written (disk full, read-only, permission,
-        any OSError; an unstorable state; larger than the whole budget); a warning says
-        why and no partial file is left behind. A trimmable save removes stored
+        any OSError or other error while writing; an unstorable state; larger than the
+        whole budget); a warning says why (once per errno until a save succeeds) and no
+        partial file is left behind. A trimmable save removes stored
         trimmable strict prefixes (restoring this one with a trim serves them).
         Synchronous; call on the engine thread between requests.
         """
@@ -308,6 +311,9 @@ class DiskCache:
             self._write_atomic(name, enc)
         except OSError as e:
             return self._save_failed(f"cannot write {self.directory / name}: {e}", e.errno)
+        except Exception as e:  # e.g. MemoryError: a disk tier failure never fails serving
+            why = f"cannot write {self.directory / name}: {type(e).__name__}: {e}"
+            return self._save_failed(why, None)
         with self._lock:
             self._warned_errnos.clear()
             self._counters.saves += 1
@@ -520,16 +526,20 @@ class DiskCache:
         return False
 
     def _write_atomic(self, name: str, enc: fmt.Encoded) -> None:
-        """Write `enc` under `name` via a synced temp file (no lock held). On failure the
-        temp file is removed and the OSError propagates."""
+        """Write `enc` under `name` via a synced temp file (no index lock held). On failure
+        the temp file is removed and the error propagates."""
         tmp = self.directory / f"{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             with os.fdopen(fd, "wb") as f:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed: see _temp_abandoned
+                except OSError:
+                    pass  # no flock here: scans fall back on the pid in the name
                 fmt.write(f, enc)
                 f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.directory / name)
+                os.fsync(fd)
+                os.replace(tmp, self.directory / name)  # still locked: never seen abandoned
         except BaseException:
             try:
                 tmp.unlink(missing_ok=True)
@@ -538,26 +548,102 @@ class DiskCache:
             raise
         _fsync_dir(self.directory)
 
-    @staticmethod
-    def _abandoned_temp(item: os.DirEntry) -> bool:
-        """Whether a temp file's writer is gone (or it is too old to be live)."""
-        m = fmt.TEMP_RE.match(item.name)
-        assert m is not None
-        pid = int(m.group(1))
+
+def _survey(directory: Path) -> _Survey:
+    """Classify the files of `directory` by their headers. Changes nothing on disk.
+
+    Files that are neither checkpoints nor our temp files are ignored; temp files still
+    being written are neither found nor bad.
+    """
+    found: list[_Entry] = []
+    bad: list[BadFile] = []
+    try:
+        items = list(os.scandir(directory))
+    except OSError as e:
+        log.warning("disk cache: cannot list %s: %s", directory, e)
+        items = []
+    for item in items:
         try:
-            if time.time() - item.stat().st_mtime > STALE_TEMP_S:
-                return True
-        except OSError:
-            return False
-        if pid == os.getpid():
-            return False  # a save in this process may be writing it now
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False  # exists, owned by someone else
+            if not item.is_file(follow_symlinks=False):
+                continue
+            if fmt.TEMP_RE.match(item.name):
+                if _temp_abandoned(item):
+                    reason = "an unfinished write (temp file)"
+                    bad.append(BadFile(item.name, reason, item.stat().st_size))
+                continue
+            if not fmt.NAME_RE.match(item.name):
+                continue
+            stat = item.stat()
+            try:
+                header = fmt.read_header(Path(item.path))
+                if fmt.entry_name(header.model_key, header.tokens) != item.name:
+                    raise fmt.DiskFormatError("token ids do not match the file name")
+            except fmt.DiskFormatError as e:
+                bad.append(BadFile(item.name, str(e), stat.st_size))
+                continue
+        except OSError as e:
+            log.warning("disk cache: cannot read %s: %s", item.path, e)
+            continue
+        found.append(
+            _Entry(
+                item.name,
+                header.model_key,
+                header.runtime,
+                header.tokens,
+                header.kind,
+                header.trimmable,
+                header.size,
+                stat.st_mtime,
+            )
+        )
+    found.sort(key=lambda e: e.last_access)
+    return _Survey(found, bad)
+
+
+def _temp_abandoned(item: os.DirEntry) -> bool:
+    """Whether a temp file's writer is gone. Changes nothing on disk.
+
+    A writer locks its temp file before writing a byte and holds the lock until the
+    file is renamed; the kernel releases it when the writer dies, even by SIGKILL. So
+    an unlocked temp file with data is abandoned; an unlocked empty one may belong to a
+    writer between its open and its lock, and is abandoned only once old. Where the
+    file system has no flock, the writer's pid (in the name) decides.
+    """
+    try:
+        fd = os.open(item.path, os.O_RDONLY)
+    except OSError:
         return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+        return st.st_size > 0 or time.time() - st.st_mtime > STALE_TEMP_S
+    except BlockingIOError:
+        return False  # being written
+    except OSError:
+        return _writer_gone(item)
+    finally:
+        os.close(fd)  # releases our lock, if taken
+
+
+def _writer_gone(item: os.DirEntry) -> bool:
+    """Without locks: the pid in the name is not running, or the file is old."""
+    m = fmt.TEMP_RE.match(item.name)
+    assert m is not None
+    pid = int(m.group(1))
+    try:
+        if time.time() - item.stat().st_mtime > STALE_TEMP_S:
+            return True
+    except OSError:
+        return False
+    if pid == os.getpid():
+        return False  # a save in this process may be writing it now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # exists, owned by someone else
+    return False
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -15,8 +15,10 @@ Metadata (all values are strings):
   length         number of tokens
   trimmable      "1" or "0"
   tokens         base64 of the token ids as int32 little-endian
-  tokens_digest  blake2b-256 hex of those bytes
-  data_digest    blake2b-256 hex of the whole tensor data section
+  data_digest    sha256 hex of the whole tensor data section
+  header_digest  sha256 hex of bytes [0, 8+N) with this field's value replaced by
+                 HEADER_PLACEHOLDER: covers every header byte (shapes, dtypes, offsets,
+                 layers, tokens, flags) and, through data_digest, the data
   layers         JSON, one object per model layer:
                  {"cls": "module:QualName", "state": TREE, "children": [LAYER, ...]}
                  TREE: {"@": tensor name} | {"tuple": [TREE...]} | [TREE...] |
@@ -26,7 +28,12 @@ File name: blake2b-256 hex of (model_key, 0x00, token bytes) + ".safetensors": e
 names mean equal model and tokens, so a save of a stored checkpoint is a no-op.
 
 Reading the header never reads tensor data (`read_header`): the index is rebuilt from
-headers alone. The data digest is checked when a checkpoint is loaded.
+headers alone, each verified against its digest. `load` reads a file once, start to
+end: header verified, then each tensor read into one buffer that is hashed and turned
+into an MLX array (peak memory: the arrays plus one tensor's bytes).
+
+Version history: 1 digested only the token ids and the data (a damaged shape or
+`layers` field was served); files of any version but this one are stale.
 """
 
 from __future__ import annotations
@@ -50,14 +57,16 @@ import numpy as np
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot
 
 FORMAT_NAME = "mlx-prefix-disk"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 256 << 20  # far above any real header (tokens are 4/3 * 4 bytes each)
 
 NAME_RE = re.compile(r"^([0-9a-f]{64})\.safetensors$")
 TEMP_RE = re.compile(r"^[0-9a-f]{64}\.safetensors\.tmp-(\d+)-[0-9a-f]+$")
 
-_DIGEST_PLACEHOLDER = "?" * 64  # same width as the hex digest; '?' is in no other field
+DATA_PLACEHOLDER = "?" * 64  # same width as a hex digest, filled in after the data
+HEADER_PLACEHOLDER = "!" * 64  # what header_digest's value reads as when it is computed
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _ALLOWED_MODULE_PREFIX = "mlx_lm.models."  # cache classes are only resolved from here
 
 _DTYPES: dict[Any, str] = {
@@ -75,10 +84,10 @@ _DTYPES: dict[Any, str] = {
     mx.float32: "F32",
     mx.float64: "F64",
 }
-_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
-}  # fmt: skip
+_FROM_NAME: dict[str, tuple[Any, int]] = {
+    name: (dtype, dtype.size) for dtype, name in _DTYPES.items()
+}  # safetensors name -> (MLX dtype, item size)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # arrays are built as these
 
 assert sys.byteorder == "little", "the disk format is little-endian"
 
@@ -92,8 +101,16 @@ class StaleFormat(DiskFormatError):
 
 
 @dataclass(frozen=True, slots=True)
+class TensorInfo:
+    dtype: str  # safetensors dtype name, e.g. "F32"
+    shape: tuple[int, ...]
+    begin: int  # [begin, end): byte range within the data section
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class FileHeader:
-    """What a checkpoint file says about itself, read without its tensor data."""
+    """What a checkpoint file says about itself, read (and verified) without its data."""
 
     version: int
     runtime: str
@@ -103,7 +120,7 @@ class FileHeader:
     trimmable: bool
     data_digest: str
     layers: list[Any]  # the decoded `layers` JSON
-    tensors: dict[str, tuple[int, int]]  # name -> (begin, end) within the data section
+    tensors: dict[str, TensorInfo]  # in data order, tiling the data section
     data_start: int  # file offset of the data section (8 + N)
     size: int  # total file size in bytes
 
@@ -112,9 +129,8 @@ class FileHeader:
 class Encoded:
     """A checkpoint ready to be written: header bytes plus the arrays in data order."""
 
-    header: bytes  # 8-byte length prefix + JSON, data digest still a placeholder
+    header: bytes  # 8-byte length prefix + JSON, both digests still placeholders
     arrays: tuple[mx.array, ...]
-    digest_at: int  # offset of the placeholder in `header`
     size: int  # the file's total size
 
 
@@ -136,8 +152,15 @@ def entry_name(model_key: str, tokens: Sequence[int]) -> str:
     return h.hexdigest() + SUFFIX
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
+def header_digest(header: bytes) -> str:
+    """The digest of a header (length prefix + JSON) whose header_digest value is
+    HEADER_PLACEHOLDER."""
+    return hashlib.sha256(header).hexdigest()
+
+
+def _field(name: str, value: str) -> bytes:
+    """How a metadata field is spelled in a header (compact JSON, as `encode` writes)."""
+    return f'"{name}":"{value}"'.encode()
 
 
 # -- writing --------------------------------------------------------------------
@@ -153,7 +176,6 @@ def encode(
     """
     arrays: list[mx.array] = []
     layers = [_encode_layer(layer, arrays) for layer in snapshot.layers]
-    tbytes = token_bytes(tokens)
     meta = {
         "format": FORMAT_NAME,
         "version": str(FORMAT_VERSION),
@@ -162,9 +184,9 @@ def encode(
         "kind": kind,
         "length": str(len(tokens)),
         "trimmable": "1" if snapshot.trimmable else "0",
-        "tokens": base64.b64encode(tbytes).decode(),
-        "tokens_digest": _digest(tbytes),
-        "data_digest": _DIGEST_PLACEHOLDER,
+        "tokens": base64.b64encode(token_bytes(tokens)).decode(),
+        "data_digest": DATA_PLACEHOLDER,
+        "header_digest": HEADER_PLACEHOLDER,
         "layers": json.dumps(layers, separators=(",", ":")),
     }
     header: dict[str, Any] = {"__metadata__": meta}
@@ -181,20 +203,23 @@ def encode(
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     blob = struct.pack("<Q", len(text)) + text
-    digest_at = blob.find(_DIGEST_PLACEHOLDER.encode())
-    if digest_at < 0 or blob.count(_DIGEST_PLACEHOLDER.encode()) != 1:
-        raise ValueError("metadata collides with the digest placeholder")
-    return Encoded(blob, tuple(arrays), digest_at, len(blob) + offset)
+    for name, value in (("data_digest", DATA_PLACEHOLDER), ("header_digest", HEADER_PLACEHOLDER)):
+        if blob.count(value.encode()) != 1 or blob.count(_field(name, value)) != 1:
+            raise ValueError("metadata collides with a digest placeholder")
+    return Encoded(blob, tuple(arrays), len(blob) + offset)
 
 
 def write(f: BinaryIO, enc: Encoded) -> None:
-    """Write `enc` to the binary file `f` (positioned at 0) and fill in the data digest."""
+    """Write `enc` to the binary file `f` (positioned at 0), then its header again with
+    both digests filled in."""
     f.write(enc.header)
-    h = hashlib.blake2b(digest_size=32)
+    h = hashlib.sha256()
     for a in enc.arrays:
         write_array(f, a, h)
-    f.seek(enc.digest_at)
-    f.write(h.hexdigest().encode())
+    header = enc.header.replace(DATA_PLACEHOLDER.encode(), h.hexdigest().encode())
+    header = header.replace(HEADER_PLACEHOLDER.encode(), header_digest(header).encode())
+    f.seek(0)
+    f.write(header)
     f.seek(0, 2)
 
 
@@ -235,21 +260,64 @@ def _encode_tree(x: Any, arrays: list[mx.array]) -> Any:
 
 
 def read_header(path: Path) -> FileHeader:
-    """Parse and check a checkpoint file's header without reading its tensor data.
+    """Parse and verify a checkpoint file's header without reading its tensor data.
 
     Raises DiskFormatError (StaleFormat for another version) for anything that is not
-    a complete checkpoint of this format, OSError if the file cannot be read.
+    a complete, intact checkpoint of this format, OSError if the file cannot be read.
     """
     with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise DiskFormatError(f"truncated: {size} bytes")
-        (n,) = struct.unpack("<Q", prefix)
-        if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
-            raise DiskFormatError(f"bad header length {n} for a {size}-byte file")
-        raw = f.read(n)
+        return _read_header(f)
+
+
+def load(path: Path, model_key: str, tokens: tuple[int, ...], runtime: str) -> Snapshot:
+    """Read the checkpoint of (`model_key`, `tokens`) written by `runtime`, verified.
+
+    Reads the file once: the header is verified and compared with the expected identity
+    before any tensor data is read; each tensor's bytes are hashed and become an MLX
+    array (evaluated). Raises DiskFormatError for a damaged, stale or different file,
+    OSError if it cannot be read. Does not mutate anything on disk.
+    """
+    with open(path, "rb") as f:
+        header = _read_header(f)
+        if header.model_key != model_key or header.tokens != tokens:
+            raise DiskFormatError("model key or token ids differ from the index")
+        if header.runtime != runtime:
+            raise DiskFormatError(f"written by {header.runtime}")
+        h = hashlib.sha256()
+        arrays: dict[str, mx.array] = {}
+        f.seek(header.data_start)
+        for name, t in header.tensors.items():  # data order: one sequential read
+            raw = np.empty(t.end - t.begin, dtype=np.uint8)
+            _read_exact(f, memoryview(raw))
+            h.update(raw)
+            mx_dtype, width = _FROM_NAME[t.dtype]
+            a = mx.array(raw.view(_UINT[width]).reshape(t.shape))  # copies
+            arrays[name] = a if a.dtype == mx_dtype else a.view(mx_dtype)
+    if h.hexdigest() != header.data_digest:
+        raise DiskFormatError("tensor data does not match its digest")
+    snapshot = decode(header, arrays)
+    mx.eval(list(arrays.values()))
+    return snapshot
+
+
+def _read_exact(f: BinaryIO, view: memoryview) -> None:
+    while view:
+        n = f.readinto(view)  # type: ignore[attr-defined]
+        if not n:
+            raise DiskFormatError("truncated while reading tensor data")
+        view = view[n:]
+
+
+def _read_header(f: BinaryIO) -> FileHeader:
+    size = f.seek(0, 2)
+    f.seek(0)
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise DiskFormatError(f"truncated: {size} bytes")
+    (n,) = struct.unpack("<Q", prefix)
+    if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+        raise DiskFormatError(f"bad header length {n} for a {size}-byte file")
+    raw = f.read(n)
     try:
         header = json.loads(raw)
         meta = header.pop("__metadata__")
@@ -261,24 +329,23 @@ def read_header(path: Path) -> FileHeader:
         version = int(meta["version"])
         if version != FORMAT_VERSION:
             raise StaleFormat(f"format version {version}, this build reads {FORMAT_VERSION}")
+        _verify_header(prefix + raw, meta.get("header_digest"))
         tbytes = base64.b64decode(meta["tokens"], validate=True)
-        if _digest(tbytes) != meta["tokens_digest"]:
-            raise DiskFormatError("token ids do not match their digest")
         if len(tbytes) % 4 or len(tbytes) // 4 != int(meta["length"]):
             raise DiskFormatError("token count does not match the stored length")
         tokens = tuple(np.frombuffer(tbytes, dtype="<i4").tolist())
-        layers = json.loads(meta["layers"])
-        tensors = _check_tensors(header)
+        if not _HEX64.match(meta["data_digest"]):
+            raise DiskFormatError("no data digest")
         result = FileHeader(
             version=version,
             runtime=str(meta["runtime"]),
             model_key=str(meta["model_key"]),
             kind=str(meta["kind"]),
             tokens=tokens,
-            trimmable=meta["trimmable"] == "1",
-            data_digest=str(meta["data_digest"]),
-            layers=layers,
-            tensors=tensors,
+            trimmable={"1": True, "0": False}[meta["trimmable"]],
+            data_digest=meta["data_digest"],
+            layers=json.loads(meta["layers"]),
+            tensors=_check_tensors(header),
             data_start=8 + n,
             size=size,
         )
@@ -286,38 +353,44 @@ def read_header(path: Path) -> FileHeader:
         raise
     except (KeyError, ValueError, TypeError) as e:
         raise DiskFormatError(f"bad metadata: {type(e).__name__}: {e}") from None
-    data_len = max((end for _, end in tensors.values()), default=0)
+    data_len = max((t.end for t in result.tensors.values()), default=0)
     if result.data_start + data_len != size:
         raise DiskFormatError(f"{size} bytes, header describes {result.data_start + data_len}")
     return result
 
 
-def _check_tensors(header: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """Tensor extents, checked to tile the data section exactly."""
-    extents: dict[str, tuple[int, int]] = {}
+def _verify_header(raw: bytes, digest: Any) -> None:
+    """Check the header bytes `raw` (length prefix + JSON) against their digest."""
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise DiskFormatError("no header digest")
+    field = _field("header_digest", digest)
+    if raw.count(field) != 1:
+        raise DiskFormatError("header digest field not where the format puts it")
+    if header_digest(raw.replace(field, _field("header_digest", HEADER_PLACEHOLDER))) != digest:
+        raise DiskFormatError("header does not match its digest")
+
+
+def _check_tensors(header: dict[str, Any]) -> dict[str, TensorInfo]:
+    """Tensor entries in data order, checked to tile the data section exactly."""
+    tensors: list[tuple[str, TensorInfo]] = []
     for name, info in header.items():
         dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        count = math.prod(int(d) for d in shape)
-        if dtype not in _ITEMSIZE or end - begin != count * _ITEMSIZE[dtype] or begin < 0:
+        if dtype not in _FROM_NAME or not all(_is_size(x) for x in (*shape, begin, end)):
             raise DiskFormatError(f"tensor {name!r}: bad dtype, shape or extent")
-        extents[name] = (int(begin), int(end))
+        if end - begin != math.prod(shape) * _FROM_NAME[dtype][1]:
+            raise DiskFormatError(f"tensor {name!r}: extent does not match its shape")
+        tensors.append((name, TensorInfo(dtype, tuple(shape), begin, end)))
+    tensors.sort(key=lambda x: (x[1].begin, x[1].end))
     position = 0
-    for begin, end in sorted(extents.values()):
-        if begin != position:
+    for _, t in tensors:
+        if t.begin != position:
             raise DiskFormatError("tensor data has gaps or overlaps")
-        position = end
-    return extents
+        position = t.end
+    return dict(tensors)
 
 
-def check_data(path: Path, header: FileHeader) -> None:
-    """Hash the file's tensor data and compare with the header's digest (reads it all)."""
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        f.seek(header.data_start)
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    if h.hexdigest() != header.data_digest:
-        raise DiskFormatError("tensor data does not match its digest")
+def _is_size(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def decode(header: FileHeader, arrays: dict[str, mx.array]) -> Snapshot:
