@@ -1,4 +1,4 @@
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.grid import GRID_RULES, ChunkGrid
 
 START, A, NL = 1, 7, 8  # a message-start token, "assistant", "\n"
 
@@ -8,8 +8,26 @@ def grid() -> ChunkGrid:
 
 
 def test_points_are_multiples_segment_starts_and_generation_prompt_ends():
-    tokens = [START, 5, 5, 5, 5, 5, START, A, NL]
-    assert grid().points(tokens) == [1, 4, 7, 8, 9]
+    tokens = [5, START, 5, 5, 5, 5, START, A, NL]
+    assert grid().points(tokens) == [2, 4, 7, 8, 9]
+
+
+def test_a_segment_token_opening_the_prompt_makes_no_one_token_chunk():
+    tokens = [START, 5, 5, 5, 5, START, A, NL]
+    assert grid().points(tokens) == [4, 6, 8]
+    assert grid().chunk_ends(tokens, 0)[0] == 4
+
+
+def test_signature_changes_with_everything_that_moves_a_chunk_end():
+    base = grid()
+    variants = [
+        ChunkGrid(8, segment_tokens=frozenset([START]), generation_suffix=(START, A, NL)),
+        ChunkGrid(4, segment_tokens=frozenset([START, 2]), generation_suffix=(START, A, NL)),
+        ChunkGrid(4, segment_tokens=frozenset([START]), generation_suffix=(START, A)),
+    ]
+    signatures = {base.signature(), *(v.signature() for v in variants)}
+    assert len(signatures) == 4
+    assert f"rules={GRID_RULES}" in base.signature()
 
 
 def test_grid_point_depends_only_on_the_prefix():

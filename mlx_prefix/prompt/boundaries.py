@@ -10,13 +10,23 @@ Checkpoint kinds (see cache.store.CheckpointKind for their eviction order):
 - HISTORY: the end of the history before the generation prompt, and the end of the
   prompt itself (the next turn's history starts with it);
 - PERIODIC: every N tokens, so a divergence deep inside a long document still restores
-  close to it.
+  close to it; and one tail checkpoint at the last multiple of the chunk size inside the
+  prompt, so "same document, new question at its end" restores next to the question.
 Every position is aligned down onto the grid, so a checkpoint is always a point where a
 cold prefill of the same tokens also ends a chunk.
+
+How close a boundary lands depends on the template's special tokens (detect_grid):
+ChatML, Llama 3, Phi-3 and DeepSeek put one before every message's content, so every
+message start is a grid point. Templates with none there (Mistral v1: `[INST]` is plain
+text) cut after the end-of-turn token `</s>` instead, one point per exchange. Templates
+that merge the system prompt into the first user turn as plain text (Gemma) have no
+special token at the system end: SYSTEM falls back to the turn's start or a multiple of
+the chunk size. Without any, every boundary falls back to multiples of the chunk size.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +38,13 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
 
+log = logging.getLogger("mlx_prefix.prompt")
+
 SENTINEL = "\u2063"  # invisible separator: short, and never merges across a message start
+
+# Conversations rendered once per model to find the template's segment tokens; the second
+# is for templates that refuse a system message (Mistral, Gemma 1).
+_PROBES = (("system", "user", "assistant", "user"), ("user", "assistant", "user"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,29 +76,84 @@ def _special_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+def _marker(i: int) -> str:
+    return f"zqprobe{i}content"  # plain text no template rewrites, unique in the render
+
+
+def _tokens_before_content(
+    renderer: ChatRenderer, text: str, messages: list[dict[str, Any]], specials: set[int]
+) -> set[int]:
+    """The last special token before each marked message's content in `text`, the render
+    of `messages` (the message-start token: `<|im_start|>`, `<|user|>`,
+    `<|end_header_id|>`; `</s>` where a turn starts with plain text)."""
+    found: set[int] = set()
+    previous_end = 0
+    for message in messages:
+        marker = message["content"]
+        if not marker or text.count(marker) != 1:
+            continue
+        start = text.index(marker)
+        if start >= previous_end:
+            gap = renderer.encode_chat(text[previous_end:start])
+            last = next((t for t in reversed(gap) if t in specials), None)
+            if last is not None:
+                found.add(last)
+        previous_end = max(previous_end, start + len(marker))
+    return found
+
+
 def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
-    """Find the template's message-start token and generation prompt from two renders."""
+    """The template's chunk grid, from renders of small probe conversations.
+
+    Segment tokens: for each role, the last special token before a message's content,
+    one per message start. Taking only that one keeps chunks few (a grid point is a chunk
+    boundary in every cold prefill: ChatML's `<|im_end|>` too would double them) and
+    still puts every message start on the grid. The generation suffix is what the
+    generation prompt appends; if none of its special tokens is a segment token, its
+    first special token becomes one, so the history-end checkpoint is a grid point.
+    """
     if not renderer.has_template:
         return ChunkGrid(chunk_size)
-    base = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    longer = [*base, {"role": "user", "content": "c"}]
-    try:
-        t_base = renderer.encode_chat(renderer.render_text(base, add_generation_prompt=False))
-        t_longer = renderer.encode_chat(renderer.render_text(longer, add_generation_prompt=False))
-        t_gen = renderer.encode_chat(renderer.render_text(longer, add_generation_prompt=True))
-    except InvalidRequest:
-        return ChunkGrid(chunk_size)
     specials = _special_ids(renderer.tokenizer)
-    added = t_longer[common_prefix_length(t_base, t_longer) :]
-    segment = next((t for t in added if t in specials), None)
+    segment: set[int] = set()
     suffix: tuple[int, ...] = ()
-    if t_gen[: len(t_longer)] == t_longer and len(t_gen) > len(t_longer):
-        suffix = tuple(t_gen[len(t_longer) :])
-    return ChunkGrid(
-        chunk_size,
-        segment_tokens=frozenset([segment]) if segment is not None else frozenset(),
-        generation_suffix=suffix,
-    )
+    for roles in _PROBES:
+        messages = [{"role": r, "content": _marker(i)} for i, r in enumerate(roles)]
+        try:
+            history = renderer.render_text(messages, add_generation_prompt=False)
+            generation = renderer.render_text(messages, add_generation_prompt=True)
+        except InvalidRequest:
+            continue
+        segment = _tokens_before_content(renderer, history, messages, specials)
+        t_history, t_gen = renderer.encode_chat(history), renderer.encode_chat(generation)
+        suffix = tuple(t_gen[common_prefix_length(t_history, t_gen) :])
+        break
+    tool_probe = [
+        {"role": "user", "content": _marker(0)},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "id": "call_0", "function": {"name": "f", "arguments": {}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_0", "name": "f", "content": _marker(2)},
+    ]
+    try:
+        text = renderer.render_text(tool_probe, add_generation_prompt=False)
+        segment |= _tokens_before_content(renderer, text, tool_probe, specials)
+    except InvalidRequest:
+        pass  # no tool role in this template
+    suffix_specials = [t for t in suffix if t in specials]
+    if suffix_specials and not segment.intersection(suffix_specials):
+        segment.add(suffix_specials[0])
+    if not segment:
+        log.warning(
+            "the chat template puts no special token before a message: chat boundaries "
+            "fall back to multiples of %d tokens, so hybrid models reuse less of a prompt",
+            chunk_size,
+        )
+    return ChunkGrid(chunk_size, segment_tokens=frozenset(segment), generation_suffix=suffix)
 
 
 class PromptPlanner:
@@ -100,7 +171,8 @@ class PromptPlanner:
             tokens = self.renderer.encode_completion(prompt.text)
             if not tokens:
                 raise InvalidRequest("the prompt is empty", param="prompt")
-            return RenderedPrompt(tuple(tokens), self._periodic(tokens), is_chat=False)
+            found = {cp.position: cp.kind for cp in self._periodic(tokens)}
+            return RenderedPrompt(tuple(tokens), self._with_tail(len(tokens), found), False)
         messages = normalize_messages(prompt.messages or ())
         tokens = self.renderer.messages_tokens(prompt, messages)
         return RenderedPrompt(tuple(tokens), self._chat_checkpoints(prompt, messages, tokens), True)
@@ -110,6 +182,19 @@ class PromptPlanner:
         return tuple(
             Checkpoint(p, CheckpointKind.PERIODIC) for p in range(step, len(tokens) + 1, step)
         )
+
+    def _with_tail(self, n: int, found: dict[int, CheckpointKind]) -> tuple[Checkpoint, ...]:
+        """`found` as checkpoints, plus the tail: the last multiple of the chunk size before
+        the prompt's end (always a grid point), when it lies after every checkpoint inside
+        the prompt and before the history-end ones (a new question after the same long
+        text then restores next to it, not at the text's start)."""
+        tail = (n - 1) // self.grid.chunk_size * self.grid.chunk_size
+        history = CheckpointKind.HISTORY
+        inside = max((p for p, k in found.items() if k != history), default=0)
+        end = min((p for p, k in found.items() if k == history), default=n)
+        if inside < tail < end:
+            found = {**found, tail: CheckpointKind.PERIODIC}
+        return tuple(Checkpoint(p, found[p]) for p in sorted(found))
 
     def _sentinel_start(
         self, prompt: PromptInput, messages: list[dict[str, Any]], index: int, tokens: list[int]
@@ -136,16 +221,21 @@ class PromptPlanner:
             add(n, CheckpointKind.HISTORY)
         suffix = grid.generation_suffix
         if suffix and tuple(tokens[n - len(suffix) :]) == suffix:
-            # Just after the generation prompt's first (special) token: survives a next
-            # turn whose template renders this reply differently (e.g. strips <think>).
-            add(n - len(suffix) + 1, CheckpointKind.HISTORY)
+            # Just after the generation prompt's last segment token: survives a next turn
+            # whose template renders this reply differently (e.g. strips <think>).
+            cuts = [i + 1 for i, t in enumerate(suffix) if t in grid.segment_tokens]
+            add(n - len(suffix) + (cuts[-1] if cuts else 0), CheckpointKind.HISTORY)
         else:
             add(n - 1, CheckpointKind.HISTORY)
+        starts: dict[int, int] = {}  # message index -> content start; one render each
+
+        def start(index: int) -> int:
+            if index not in starts:
+                starts[index] = self._sentinel_start(prompt, messages, index, tokens)
+            return starts[index]
+
         if len(messages) > 1:
-            add(
-                self._sentinel_start(prompt, messages, len(messages) - 1, tokens),
-                CheckpointKind.LAST_MESSAGE,
-            )
-        if messages[0]["role"] in ("system", "developer") and len(messages) > 1:
-            add(self._sentinel_start(prompt, messages, 1, tokens), CheckpointKind.SYSTEM)
-        return tuple(Checkpoint(p, found[p]) for p in sorted(found))
+            add(start(len(messages) - 1), CheckpointKind.LAST_MESSAGE)
+            if messages[0]["role"] in ("system", "developer"):
+                add(start(1), CheckpointKind.SYSTEM)
+        return self._with_tail(n, found)

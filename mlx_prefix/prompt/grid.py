@@ -4,7 +4,10 @@ Prefill numerics depend on how a prompt is cut into chunks (with a real BLAS a 5
 split and a 300|212|188 split give different logits). So chunk boundaries are a pure
 function of the token prefix: position b (0 < b) is on the grid iff
   - b is a multiple of `chunk_size`, or
-  - tokens[b-1] is a message-start special token (`<|im_start|>` in ChatML), or
+  - b >= 2 and tokens[b-1] is a segment token: the special token just before a
+    message's content (`<|im_start|>` in ChatML, `<|end_header_id|>` in Llama 3, or an
+    end-of-turn token like `</s>` for templates without one; see
+    boundaries.detect_grid), or
   - tokens[:b] ends with the template's generation prompt (`<|im_start|>assistant\\n`).
 Whether b is on the grid depends on tokens[:b] alone, so two prompts sharing a prefix
 agree on every grid point inside it. Checkpoints are taken only on grid points and
@@ -13,13 +16,19 @@ from any checkpoint then computes exactly the chunks a cold run computes.
 
 Special tokens are hard BPE segmentation points, so a cut just after one survives
 re-rendering; a cut after plain text (`...assistant\\n`) only counts when the whole
-generation prompt matches.
+generation prompt matches. A segment token at position 0 (a BOS, ChatML's first
+`<|im_start|>`) is no point: a one-token first chunk costs a forward pass and no
+checkpoint wants it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# Bump when the rules above change: entries cut by other rules (on disk, say) must not
+# match, so the version is part of `signature()` and thereby of every cache key.
+GRID_RULES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,13 +42,13 @@ class ChunkGrid:
         another grid would not reproduce a cold run's numbers)."""
         specials = ",".join(map(str, sorted(self.segment_tokens)))
         suffix = ",".join(map(str, self.generation_suffix))
-        return f"chunk={self.chunk_size};after={specials};gen={suffix}"
+        return f"rules={GRID_RULES};chunk={self.chunk_size};after={specials};gen={suffix}"
 
     def is_point(self, tokens: Sequence[int], b: int) -> bool:
         """Whether position b (0 < b <= len(tokens)) is on the grid of `tokens`."""
         if b <= 0 or b > len(tokens):
             return False
-        if b % self.chunk_size == 0 or tokens[b - 1] in self.segment_tokens:
+        if b % self.chunk_size == 0 or (b >= 2 and tokens[b - 1] in self.segment_tokens):
             return True
         k = len(self.generation_suffix)
         return k > 0 and b >= k and tuple(tokens[b - k : b]) == self.generation_suffix

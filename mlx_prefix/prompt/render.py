@@ -16,6 +16,16 @@ from mlx_prefix.errors import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
+# apply_chat_template arguments the renderer sets itself: in chat_template_kwargs they
+# would collide ("got multiple values for keyword argument") or change what is rendered.
+_RESERVED_KWARGS = {
+    "tools": "give tools in the request's 'tools' field",
+    "add_generation_prompt": "the server always adds the generation prompt",
+    "tokenize": "the server tokenizes the rendered prompt itself",
+    "conversation": "give the conversation in 'messages'",
+    "messages": "give the conversation in 'messages'",
+}
+
 
 def content_text(content: Any, *, param: str = "messages") -> str:
     """A message's content as one string; an array of text parts is concatenated."""
@@ -114,6 +124,11 @@ class ChatRenderer:
         if not self.has_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions")
         kwargs = dict(template_kwargs or {})
+        for key in sorted(kwargs.keys() & _RESERVED_KWARGS.keys()):
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {key!r}: {_RESERVED_KWARGS[key]}",
+                param="chat_template_kwargs",
+            )
         if tools:
             kwargs["tools"] = [_sorted_json(t) for t in tools]
         try:

@@ -1,0 +1,109 @@
+"""Rendering is canonical: equivalent requests give identical tokens, whoever sends them."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from transformers import AutoTokenizer
+
+from mlx_prefix.engine.request import PromptInput
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.models.testing import cached_test_model
+from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+
+
+@cache
+def renderer() -> ChatRenderer:
+    """SmolLM2's tokenizer with the Qwen3-style test template: renders tools, tool calls
+    (arguments as given: a string verbatim, a dict through tojson) and enable_thinking."""
+    path = cached_test_model("dense", think_template=True)
+    return ChatRenderer(TokenizerWrapper(AutoTokenizer.from_pretrained(str(path))))
+
+
+def tokens(*messages: dict, tools=None, template_kwargs: dict | None = None) -> list[int]:
+    prompt = PromptInput(
+        messages=tuple(messages), tools=tools, chat_template_kwargs=template_kwargs or {}
+    )
+    return renderer().messages_tokens(prompt, normalize_messages(prompt.messages))
+
+
+def text(token_ids: list[int]) -> str:
+    return renderer().tokenizer.decode(token_ids)
+
+
+SYSTEM = {"role": "system", "content": "You check the weather."}
+
+
+def test_content_as_a_string_or_as_text_parts_renders_the_same_tokens():
+    as_string = tokens(SYSTEM, {"role": "user", "content": "Is it raining in Paris?"})
+    parts = [{"type": "text", "text": "Is it raining "}, {"type": "text", "text": "in Paris?"}]
+    as_parts = tokens(SYSTEM, {"role": "user", "content": parts})
+    assert as_parts == as_string
+    assert "<|im_start|>user\nIs it raining in Paris?<|im_end|>" in text(as_string)
+
+
+def test_a_non_text_content_part_is_refused_by_name():
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(InvalidRequest, match="image_url") as e:
+        tokens({"role": "user", "content": image})
+    assert e.value.param == "messages[0].content"
+
+
+def _call(function: dict) -> dict:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "id": "c1", "function": function}],
+    }
+
+
+ASK = {"role": "user", "content": "Weather in Paris, in celsius?"}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "12 degrees"}
+
+
+def test_tool_calls_render_the_same_whatever_the_key_order_or_argument_form():
+    variants = [
+        {"name": "weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+        {"arguments": {"unit": "celsius", "city": "Paris"}, "name": "weather"},
+        {"name": "weather", "arguments": '{"unit": "celsius", "city": "Paris"}'},
+        {"name": "weather", "arguments": '{"city":"Paris","unit":"celsius"}'},
+    ]
+    rendered = [tokens(SYSTEM, ASK, _call(f), RESULT) for f in variants]
+    assert all(r == rendered[0] for r in rendered[1:])
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in text(rendered[0])
+
+
+def test_tool_definitions_render_the_same_whatever_the_key_order():
+    a = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    b = {
+        "function": {
+            "parameters": {"properties": {"city": {"type": "string"}}, "type": "object"},
+            "name": "weather",
+        },
+        "type": "function",
+    }
+    assert tokens(SYSTEM, ASK, tools=[a]) == tokens(SYSTEM, ASK, tools=[b])
+    assert '"name": "weather"' in text(tokens(SYSTEM, ASK, tools=[a]))
+
+
+def test_chat_template_kwargs_reach_the_template():
+    default = text(tokens(SYSTEM, ASK))
+    no_thinking = text(tokens(SYSTEM, ASK, template_kwargs={"enable_thinking": False}))
+    assert no_thinking == default + "<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize("key", ["tools", "add_generation_prompt"])
+def test_chat_template_kwargs_may_not_set_what_the_renderer_sets(key):
+    with pytest.raises(InvalidRequest) as e:
+        tokens(SYSTEM, ASK, template_kwargs={key: []})
+    assert e.value.param == "chat_template_kwargs"
+    assert repr(key) in e.value.message
+    assert "chat template failed" not in e.value.message
