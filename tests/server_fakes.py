@@ -4,7 +4,8 @@ The fake "tokenizes" into words, "generates" a scripted reply word by word on it
 thread (like the real engine thread), and reports cached_tokens as the longest common
 word prefix with earlier prompts. Directives in the prompt steer one request:
   [[reply:TEXT]]   reply with TEXT instead of the engine's default reply
-  [[delay:S]]      sleep S seconds before each token
+  [[delay:S]]      sleep S seconds before each token (a warm-up: S seconds in all)
+  [[hang:S]]       sleep S seconds before the first token, deaf to cancel (a long step)
   [[fail_after:N]] emit N tokens, then an ErrorEvent
   [[busy]]         raise EngineBusy at submit
   [[crash]]        raise RuntimeError at submit (an engine bug)
@@ -20,12 +21,14 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.request import (
     CachePreference,
     DoneEvent,
@@ -40,7 +43,7 @@ from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
 
 _NO_PREFERENCE = CachePreference()
 DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
-_DIRECTIVE = re.compile(r"\[\[(reply|delay|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
+_DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
 
 
 @dataclass
@@ -171,6 +174,7 @@ class FakeEngine:
         self.submissions: list[Submission] = []
         self.handles: list[FakeHandle] = []
         self.shutdown_calls = 0
+        self.warms_running = 0  # warm() calls blocked in their thread
         self._lock = threading.Lock()
         self._stored: dict[tuple[str, ...], dict[str, Any]] = {}
         self._stats = {"hits": 0, "misses": 0, "tokens_reused": 0, "evictions": 0}
@@ -185,6 +189,8 @@ class FakeEngine:
         sampling: SamplingParams,
         cache: CachePreference = _NO_PREFERENCE,
         request_id: str | None = None,
+        *,
+        fit_reply: bool = False,
     ) -> FakeHandle:
         if self._closed:
             raise EngineBusy("the engine is shutting down")
@@ -197,6 +203,14 @@ class FakeEngine:
         if "crash" in directives:
             raise RuntimeError("fake engine crashed at submit")
         tokens = tuple(words(text))
+        limit = self.model.context_length
+        if fit_reply and limit and len(tokens) + sampling.max_tokens > limit:
+            raise ContextLengthExceeded(  # the real engine's wording
+                f"this model's context is {limit} tokens, but {len(tokens) + sampling.max_tokens}"
+                f" were requested ({len(tokens)} in the prompt, {sampling.max_tokens} for the "
+                "completion); shorten the prompt or lower max_tokens",
+                param="messages" if prompt.messages is not None else "prompt",
+            )
         if self.model.context_length and len(tokens) > self.model.context_length:
             raise ContextLengthExceeded(
                 f"prompt is {len(tokens)} tokens; the context is {self.model.context_length}",
@@ -216,13 +230,39 @@ class FakeEngine:
         handle.thread.start()
         return handle
 
-    def warm(self, prompt: PromptInput, pin: bool = False) -> WarmResult:
-        tokens = tuple(words(render(prompt)))
-        cached = self._lookup(tokens, store=True)
-        if pin:
+    def start_warm(self, prompt: PromptInput, pin: bool = False) -> tuple[FakeHandle, Future]:
+        """Like Engine.start_warm: a cancellable warm-up whose future gives a WarmResult.
+        `[[delay:S]]` in the prompt makes it take S seconds (cancelling ends it early)."""
+        text = render(prompt)
+        delay = float(
+            next((m.group(2) for m in _DIRECTIVE.finditer(text) if m.group(1) == "delay"), 0)
+        )
+        handle = FakeHandle(f"warm-{len(self.handles)}", len(words(text)))
+        future: Future = Future()
+
+        def run() -> None:
             with self._lock:
-                self._stored[tokens]["pinned"] = True
-        return WarmResult(prompt_tokens=len(tokens), cached_tokens=cached, pinned=pin)
+                self.warms_running += 1
+            try:
+                if handle.cancelled.wait(delay):
+                    if not future.done():
+                        future.set_exception(EngineBusy("the warm-up was cancelled"))
+                    return
+                tokens = tuple(words(text))
+                cached = self._lookup(tokens, store=True)
+                if pin:
+                    with self._lock:
+                        self._stored[tokens]["pinned"] = True
+                if not future.done():
+                    future.set_result(
+                        WarmResult(prompt_tokens=len(tokens), cached_tokens=cached, pinned=pin)
+                    )
+            finally:
+                with self._lock:
+                    self.warms_running -= 1
+
+        threading.Thread(target=run, daemon=True).start()
+        return handle, future
 
     def cache_stats(self) -> dict[str, Any]:
         with self._lock:
@@ -245,7 +285,7 @@ class FakeEngine:
                 {
                     "tokens": len(t),
                     "bytes": len(t) * 1000,
-                    "kind": "kv",
+                    "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
                     "hits": e["hits"],
                     "age_s": now - e["created"],
                     "pinned": e["pinned"],
@@ -302,6 +342,7 @@ class FakeEngine:
     ) -> None:
         reply = directives.get("reply") or self.reply
         delay = float(directives.get("delay") or 0)
+        time.sleep(float(directives.get("hang") or 0))
         fail_after = directives.get("fail_after")
         start = time.perf_counter()
         first = None

@@ -33,16 +33,25 @@ def api(live) -> str:
     return live[0]
 
 
-def preflight(url: str, origin: str) -> httpx.Response:
+def preflight(url: str, origin: str, method: str = "POST") -> httpx.Response:
     with httpx.Client() as c:
         return c.options(
             url + CHAT,
             headers={
                 "Origin": origin,
-                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Method": method,
                 "Access-Control-Request-Headers": "content-type, authorization",
+                "Access-Control-Request-Private-Network": "true",
             },
         )
+
+
+def assert_refused(r: httpx.Response) -> None:
+    assert r.status_code == 403, r.text
+    assert r.json()["error"].keys() == {"message", "type", "param", "code"}
+    assert r.json()["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-private-network" not in r.headers
 
 
 @pytest.mark.parametrize(
@@ -63,6 +72,7 @@ def test_preflight_allowed(api, origin):
     r = preflight(api, origin)
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == origin
+    assert r.headers["access-control-allow-private-network"] == "true"
     assert "POST" in r.headers["access-control-allow-methods"]
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
 
@@ -80,9 +90,29 @@ def test_preflight_allowed(api, origin):
     ],
 )
 def test_preflight_refused(api, origin):
-    r = preflight(api, origin)
-    assert r.status_code == 400
-    assert "access-control-allow-origin" not in r.headers
+    assert_refused(preflight(api, origin))
+
+
+def test_preflight_for_a_method_not_served_is_refused(api):
+    r = preflight(api, "http://localhost:5173", method="PUT")
+    assert_refused(r)
+    assert "method" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/json"])
+def test_request_from_a_refused_origin_does_not_run(live, content_type):
+    # A text/plain POST is a "simple" request: browsers send it without a preflight.
+    api, engine = live
+    submitted = len(engine.submissions)
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    with httpx.Client(base_url=api) as c:
+        for origin in ("https://evil.example", "null"):
+            headers = {"Origin": origin, "Content-Type": content_type}
+            assert_refused(c.post(CHAT, content=body, headers=headers))
+        assert_refused(c.get("/v1/models", headers={"Origin": "https://evil.example"}))
+        ok = c.post(CHAT, content=body, headers={"Content-Type": content_type})  # no Origin
+        assert ok.status_code == (200 if content_type == "application/json" else 415)
+    assert len(engine.submissions) == submitted + (content_type == "application/json")
 
 
 def test_simple_request_headers(api):
@@ -90,11 +120,14 @@ def test_simple_request_headers(api):
         ok = c.get("/v1/models", headers={"Origin": "http://localhost:5173"})
         assert ok.headers["access-control-allow-origin"] == "http://localhost:5173"
         refused = c.get("/v1/models", headers={"Origin": "https://evil.example"})
-        assert "access-control-allow-origin" not in refused.headers
+        assert_refused(refused)
         # error responses carry the header too, so a page can read why it failed
         bad = c.post(CHAT, json={"messages": "no"}, headers={"Origin": "chrome-extension://abc"})
         assert bad.status_code == 400
         assert bad.headers["access-control-allow-origin"] == "chrome-extension://abc"
+        form = c.post(CHAT, data={"a": "b"}, headers={"Origin": "chrome-extension://abc"})
+        assert form.status_code == 415
+        assert form.headers["access-control-allow-origin"] == "chrome-extension://abc"
 
 
 def test_wildcard_setting_allows_any_origin():
@@ -162,21 +195,30 @@ def test_chromium_streams_from_an_allowed_origin(api, page_port, tmp_path):
     assert int(n_chunks) > 2  # it arrived as a stream of chunks, not one body
 
 
-def refused_preflights(api: str) -> float:
+def refused(api: str, endpoint: str = "preflight") -> float:
     with httpx.Client() as c:
         text = c.get(api + "/metrics").text
-    match = re.search(
-        r'^mlx_prefix_requests_total\{endpoint="preflight",status="400"\} (\S+)$', text, re.M
-    )
+    line = f'mlx_prefix_requests_total{{endpoint="{endpoint}",status="403"}} '
+    match = re.search(f"^{re.escape(line)}(\\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
 
 
 def test_chromium_page_from_a_refused_origin_cannot_read(live, page_port, tmp_path):
     api, engine = live
-    refused, submitted = refused_preflights(api), len(engine.submissions)
+    before, submitted = refused(api), len(engine.submissions)
     page = f"http://evil.test:{page_port}/stream_chat.html?api={api}"
     out = dump_dom(page, tmp_path)
     assert out == "FETCH_FAILED:TypeError", out
     # it failed because our CORS policy refused the preflight, and nothing ran
-    assert refused_preflights(api) == refused + 1
+    assert refused(api) == before + 1
+    assert len(engine.submissions) == submitted
+
+
+def test_chromium_simple_request_from_a_refused_origin_does_not_run(live, page_port, tmp_path):
+    api, engine = live
+    before, submitted = refused(api, CHAT), len(engine.submissions)
+    page = f"http://evil.test:{page_port}/simple_post.html?api={api}"
+    out = dump_dom(page, tmp_path)
+    assert out == "SENT:opaque", out  # the browser sent it: no preflight stopped it
+    assert refused(api, CHAT) == before + 1  # the server refused it by its Origin
     assert len(engine.submissions) == submitted

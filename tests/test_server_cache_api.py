@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_fakes import serving
+from server_fakes import serving, wait_until
+
+from mlx_prefix.server.metrics import ServerMetrics
 
 SYSTEM = {"role": "system", "content": "You are the shared system prompt of an extension. " * 4}
 
@@ -53,6 +58,7 @@ def test_warm_pin_then_hit(http):
     assert warm["prompt_tokens"] > 0 and warm["cached_tokens"] == 0 and warm["pinned"] is True
     (entry,) = http.get("/v1/cache").json()["entries"]
     assert entry["pinned"] is True and entry["tokens"] == warm["prompt_tokens"]
+    assert entry["kind"] == "LAST_MESSAGE"  # the kind's name, not the IntEnum's value 3
 
     usage = chat(http, "what now?")
     cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -81,6 +87,38 @@ def test_warm_bad_body(http, body, param):
     r = http.post("/v1/cache/warm", json=body)
     assert r.status_code in (400, 404)
     assert r.json()["error"]["param"] == param
+
+
+def test_warm_timeout_is_a_504():
+    with serving(warm_timeout_s=0.2) as (url, engine), httpx.Client(base_url=url) as c:
+        started = time.monotonic()
+        r = c.post("/v1/cache/warm", json={"prompt": "[[delay:30]] slow"}, timeout=10)
+        assert time.monotonic() - started < 5
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["code"] == "timeout" and error["type"] == "server_error"
+        assert "0.2s" in error["message"]
+        assert wait_until(lambda: engine.warms_running == 0)  # the warm-up was cancelled
+
+
+def test_warm_client_disconnect_ends_the_handler():
+    with serving() as (url, engine):
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": "[[delay:5]] slow"}).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                f"POST /v1/cache/warm HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert wait_until(lambda: engine.warms_running == 1)
+        closed = time.monotonic()
+        with httpx.Client(base_url=url) as c:
+            key = ("mlx_prefix_requests_total", (("endpoint", "/v1/cache/warm"), ("status", "499")))
+            assert wait_until(lambda: metrics(c).get(key) == 1, timeout=2)
+        assert time.monotonic() - closed < 2
+        # The client left: its warm-up was cancelled, not left running for the delay.
+        assert wait_until(lambda: engine.warms_running == 0, timeout=2)
 
 
 def test_flush(http):
@@ -132,6 +170,33 @@ def test_metrics_change_after_requests(http):
     assert after[("mlx_prefix_cache_bytes", ())] > 0
     assert after[("mlx_prefix_cache_hit_ratio", ())] == 0.5
     assert after[("mlx_prefix_cache_hits_total", ())] == 1
+
+
+def test_disk_totals_are_counters_and_sizes_gauges():
+    disk = {
+        "directory": "/tmp/x", "files": 3, "bytes": 300, "budget_bytes": None, "hits": 5,
+        "misses": 2, "saves": 7, "save_failures": 1, "load_failures": 0, "evictions": 4,
+        "removed": 1, "pending_saves": 2,
+    }  # fmt: skip
+    text = ServerMetrics(lambda: {"hits": 1, "disk": dict(disk)}).exposition().decode()
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    for key in (
+        "hits",
+        "misses",
+        "saves",
+        "save_failures",
+        "load_failures",
+        "evictions",
+        "removed",
+    ):
+        assert types[f"mlx_prefix_disk_{key}"] == "counter", key
+        assert samples[f"mlx_prefix_disk_{key}_total"] == disk[key]
+    for key in ("files", "bytes", "pending_saves"):
+        assert types[f"mlx_prefix_disk_{key}"] == "gauge", key
+        assert samples[f"mlx_prefix_disk_{key}"] == disk[key]
+    assert "mlx_prefix_disk_budget_bytes" not in types  # None: unlimited, nothing to export
+    assert types["mlx_prefix_cache_hits"] == "counter"
 
 
 def test_unknown_paths_share_one_metric_label(http):

@@ -84,6 +84,9 @@ BAD_CHAT_BODIES = {
     "stop not strings": (chat(stop=[1, 2]), "stop"),
     "stop too many": (chat(stop=[str(i) for i in range(17)]), "stop"),
     "seed a string": (chat(seed="x"), "seed"),
+    "seed negative": (chat(seed=-1), "seed"),
+    "seed 2**64": (chat(seed=2**64), "seed"),
+    "top_logprobs": (chat(logprobs=True, top_logprobs=3), "top_logprobs"),
     "tools not a list": (chat(tools={"type": "function"}), "tools"),
     "bad tool_choice": (chat(tool_choice="sometimes"), "tool_choice"),
     "bad prefix_cache scope": (chat(prefix_cache={"scope": "forever"}), "prefix_cache.scope"),
@@ -127,9 +130,79 @@ def test_malformed_json(http, raw):
     assert "JSON" in assert_error(r, 400)["message"]
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",  # under MAX_BODY
+        b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"7" * 5000 + b"}",
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+    ],
+    ids=["30k deep", "5000-digit integer", "NaN"],
+)
+def test_json_python_parses_badly_is_a_400(http, engine, raw):
+    before = len(engine.submissions)
+    r = http.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    message = assert_error(r, 400)["message"]
+    assert "not number" not in message
+    assert len(engine.submissions) == before
+
+
+@pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        (CHAT, rb'{"messages": [{"role": "user", "content": "hi \ud800"}]}', "messages[0].content"),
+        ("/v1/completions", rb'{"prompt": "\udc00 there"}', "prompt"),
+        ("/v1/cache/warm", rb'{"prompt": "\udc00 there"}', "prompt"),
+    ],
+)
+def test_lone_surrogate_is_a_400(http, engine, path, raw, param):
+    before = len(engine.submissions)
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert "surrogate" in assert_error(r, 400, param=param)["message"]
+    assert len(engine.submissions) == before
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/cache/warm"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_post_body_must_be_json(http, engine, path, content_type):
+    body = json.dumps({**chat(), "prompt": "hi"}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    before = len(engine.submissions)
+    r = http.post(path, content=body, headers=headers)
+    assert "application/json" in assert_error(r, 415, code="unsupported_media_type")["message"]
+    assert len(engine.submissions) == before
+
+
+def test_json_with_charset_is_json(http):
+    body = json.dumps(chat()).encode()
+    r = http.post(CHAT, content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
 def test_prompt_longer_than_context(http):
     r = http.post(CHAT, json=chat(messages=[{"role": "user", "content": "word " * (CONTEXT + 10)}]))
     assert_error(r, 400, code="context_length_exceeded")
+
+
+def test_prompt_plus_explicit_max_tokens_over_context(http, engine):
+    # The fake counts words: the prompt is about 1500 tokens of a 2000-token context.
+    long = [{"role": "user", "content": "word " * 1500}]
+    for name in ("max_tokens", "max_completion_tokens"):
+        queued = len(engine.handles)
+        r = http.post(CHAT, json=chat(messages=long, **{name: 600}))
+        error = assert_error(r, 400, code="context_length_exceeded", param="messages")
+        assert f"lower {name}" in error["message"] and "600 for the completion" in error["message"]
+        assert len(engine.handles) == queued  # refused before anything was queued
+    assert http.post(CHAT, json=chat(messages=long, max_tokens=400)).status_code == 200
+    # The default max_tokens (512 here) is clamped to the context, as OpenAI's default is.
+    assert (
+        http.post(
+            CHAT, json=chat(messages=[{"role": "user", "content": "word " * 1900}])
+        ).status_code
+        == 200
+    )
+    r = http.post("/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 600})
+    assert_error(r, 400, code="context_length_exceeded", param="prompt")
 
 
 def test_body_too_large_by_content_length(http):
@@ -238,6 +311,32 @@ def test_client_disconnect_while_waiting_non_streaming_cancels(live, engine):
     with httpx.Client(base_url=live[0]) as c:
         text = c.get("/metrics").text
     assert 'mlx_prefix_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0' in text
+
+
+def test_client_disconnect_ends_the_handler_even_if_the_engine_is_slow_to_stop(live, engine):
+    # [[hang:5]]: the engine is inside a long step and acknowledges the cancel after 5 s.
+    # The handler must not wait for that: it ends (499) as soon as the client is gone.
+    body = json.dumps(chat(messages=[{"role": "user", "content": "[[hang:5]]"}])).encode()
+    label = 'mlx_prefix_requests_total{endpoint="/v1/chat/completions",status="499"}'
+
+    def disconnects() -> float:
+        text = httpx.get(live[0] + "/metrics").text
+        return next((float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(label)), 0)
+
+    before, n_handles = disconnects(), len(engine.handles)
+    host, port = live[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert wait_until(lambda: len(engine.handles) > n_handles, timeout=3)
+    closed = time.monotonic()
+    handle = engine.handles[-1]
+    assert wait_until(lambda: disconnects() > before, timeout=2), "the handler outlived its client"
+    assert time.monotonic() - closed < 2
+    assert handle.cancelled.is_set() and not handle.finished  # the engine is still in its step
 
 
 def test_server_survives_everything(http):

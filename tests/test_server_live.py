@@ -10,6 +10,7 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import serving
 
+from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.engine import Engine
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
@@ -64,6 +65,7 @@ def test_cache_endpoint_and_metrics_reflect_real_hits(live):
     body = httpx.get(f"{url}/v1/cache").json()
     assert body["stats"]["hits"] >= 1 and body["stats"]["tokens_reused"] > 40
     assert body["entries"] and all(e["tokens"] > 0 for e in body["entries"])
+    assert all(e["kind"] in CheckpointKind.__members__ for e in body["entries"])
     metrics = httpx.get(f"{url}/metrics").text
     cached = [
         line for line in metrics.splitlines() if line.startswith("mlx_prefix_cached_tokens_total")
@@ -100,3 +102,5 @@ def test_disk_tier_shows_in_cache_stats_and_metrics(tmp_path):
         assert body["stats"]["disk"]["directory"] == str(tmp_path)
         metrics = httpx.get(f"{url}/metrics").text
         assert "mlx_prefix_disk_files" in metrics and "mlx_prefix_disk_budget_bytes" in metrics
+        assert "# TYPE mlx_prefix_disk_saves_total counter" in metrics
+        assert "# TYPE mlx_prefix_disk_files gauge" in metrics

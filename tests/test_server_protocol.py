@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import mlx.core as mx
 import pytest
 from server_fakes import FakeTokenizer
 
-from mlx_prefix.engine.request import Usage
+from mlx_prefix.engine.request import SamplingParams, Usage
+from mlx_prefix.engine.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.server import ServerSettings
 from mlx_prefix.server import responses as R
-from mlx_prefix.server.protocol import Limits, parse_chat, parse_completion, parse_messages
+from mlx_prefix.server.protocol import (
+    Limits,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+    parse_messages,
+)
 from mlx_prefix.server.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 LIMITS = Limits(default_max_tokens=64, max_tokens=1000)
@@ -92,12 +101,113 @@ def test_parse_chat_defaults_and_overrides():
             "max_completion_tokens": 7,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "top_logprobs": 2,
+            "logprobs": True,
+            "top_logprobs": 0,
         },
         LIMITS,
     )
     assert req.sampling.max_tokens == 7  # the newer name wins
+    assert req.max_tokens_param == "max_completion_tokens"
     assert req.include_usage and req.sampling.logprobs
+
+
+def test_top_logprobs_alternatives_are_refused():
+    body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
+    with pytest.raises(InvalidRequest, match="top_logprobs is not supported") as e:
+        parse_chat(body, LIMITS)
+    assert e.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("seed", [0, 2**63, 2**64 - 1])
+def test_seed_range_accepted_and_the_sampler_takes_it(seed):
+    body = {"messages": [{"role": "user", "content": "x"}], "seed": seed, "temperature": 1.0}
+    sampling = parse_chat(body, LIMITS).sampling
+    assert sampling.seed == seed
+    TokenSampler(sampling)  # mx.random.key takes it
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 10**30])
+def test_seed_out_of_range(seed):
+    with pytest.raises(InvalidRequest, match="'seed' must be between") as e:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "seed": seed}, LIMITS)
+    assert e.value.param == "seed"
+
+
+def test_top_p_zero_is_greedy():
+    # sampling.py is tested here: it decides what a top_p the protocol accepts means.
+    logits = mx.array([[0.0, 0.1, 0.2, 0.3, 0.25, 0.1, 0.0, 0.05]])  # [1, V], argmax 3
+    logprobs = normalize(logits)
+    for top_p, temperature in ((0.0, 1.0), (0.0, 2.0), (1.0, 0.0)):
+        params = parse_chat(
+            {"messages": [{"role": "user", "content": "x"}], "top_p": top_p,
+             "temperature": temperature},
+            LIMITS,
+        ).sampling  # fmt: skip
+        for seed in range(16):
+            sampler = TokenSampler(replace(params, seed=seed))
+            assert sampler.greedy and sampler(logprobs).item() == 3
+    sampled = {
+        TokenSampler(SamplingParams(temperature=1.0, seed=s))(logprobs).item() for s in range(16)
+    }
+    assert len(sampled) > 1  # the same logits do get sampled when top_p > 0
+
+
+def test_max_tokens_param_is_none_for_the_default():
+    req = parse_completion({"prompt": "x"}, LIMITS)
+    assert req.max_tokens_param is None and req.sampling.max_tokens == 64
+    assert (
+        parse_completion({"prompt": "x", "max_tokens": 3}, LIMITS).max_tokens_param == "max_tokens"
+    )
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_number_message(value):
+    raw = f'{{"prompt": "x", "temperature": {value}}}'.encode()
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion(parse_json_object(raw), LIMITS)
+    assert e.value.param == "temperature"
+    assert "must be a finite number, got" in e.value.message
+    assert "not number" not in e.value.message
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        (b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "nested too deeply"),
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+        (b'{"prompt": "x", "stop": [' + b"1" * 5000 + b"]}", "not valid JSON"),
+    ],
+    ids=["200k deep", "5000-digit seed", "5000-digit in a list"],
+)
+def test_json_the_parser_cannot_hold_is_invalid_request(raw, match):
+    with pytest.raises(InvalidRequest, match=match):
+        parse_json_object(raw)
+
+
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (rb'{"prompt": "a\ud800b"}', "prompt"),
+        (rb'{"messages": [{"role": "user", "content": "\udfff"}]}', "messages[0].content"),
+        (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\uDBFF"}]}]}',
+         "messages[0].content[0].text"),
+        (rb'{"prompt": "x", "\ud800": 1}', None),
+    ],
+)  # fmt: skip
+def test_lone_surrogate_is_rejected_at_parse_time(raw, param):
+    with pytest.raises(InvalidRequest, match="lone UTF-16 surrogate") as e:
+        parse_json_object(raw)
+    assert e.value.param == param
+
+
+def test_escaped_text_that_is_valid_unicode_passes():
+    body = parse_json_object(rb'{"prompt": "\ud83d\ude00 and \\ud800 and \u00e9"}')
+    assert body["prompt"] == "\U0001f600 and \\ud800 and \u00e9"
+    args = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (m,) = parse_messages(
+        [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}]
+    )
+    assert m["tool_calls"][0]["function"]["arguments"] == args  # kept as the string it was
 
 
 def test_include_usage_needs_stream():

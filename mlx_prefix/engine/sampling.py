@@ -17,7 +17,8 @@ from mlx_prefix.engine.request import SamplingParams
 class TokenSampler:
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.greedy = params.temperature <= 0
+        # top_p 0 keeps only the most likely token (OpenAI accepts 0 <= top_p <= 1).
+        self.greedy = params.temperature <= 0 or params.top_p <= 0
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._key = mx.random.key(seed)
 
@@ -26,7 +27,7 @@ class TokenSampler:
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
         self._key, key = mx.random.split(self._key)
-        if 0 < self.params.top_p < 1.0:
+        if self.params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.params.top_p)
         return mx.random.categorical(logprobs * (1 / self.params.temperature), key=key)
 

@@ -25,6 +25,26 @@ class Unauthorized(MlxPrefixError):
     code = "invalid_api_key"
 
 
+class OriginRefused(MlxPrefixError):
+    """A browser page from an origin outside the CORS policy."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "origin_not_allowed"
+
+
+class UnsupportedMediaType(MlxPrefixError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class WarmTimeout(MlxPrefixError):
+    status = 504
+    type = "server_error"
+    code = "timeout"
+
+
 class CancelledByServer(MlxPrefixError):
     """The engine cancelled a request the client still waits for (shutdown)."""
 

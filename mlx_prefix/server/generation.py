@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -28,6 +28,7 @@ from .tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 log = logging.getLogger("mlx_prefix.server")
 
+T = TypeVar("T")
 _CANCELLED = "the server cancelled this request before it finished (shutting down)"
 
 
@@ -213,37 +214,24 @@ class Collected:
 
 
 async def collect(handle: Any, assembler: Assembler, request: Request) -> Collected:
-    """Runs a non-streaming request to its end; cancels it if the client goes away."""
+    """Runs a non-streaming request to its end. If the client goes away it cancels the
+    request and returns at once (ClientGone), without waiting for the engine to stop."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     lps: list[R.TokenLogprob] = []
-    result: DoneEvent | ErrorEvent | None = None
-    gone = False
 
-    async def watch_disconnect() -> None:
-        # The body was read already, so the next message is the disconnect (uvicorn
-        # delivers it when the socket closes, or after the response is sent).
-        nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone = True
+    async def events() -> DoneEvent | ErrorEvent | None:
+        async with aclosing(handle.aevents()) as stream:
+            async for event in stream:
+                if not isinstance(event, TokenEvent):
+                    return event
+                _add(assembler.feed(event), texts, calls, lps)
+        return None
+
+    try:
+        result = await until_disconnect(request, events, on_gone=handle.cancel)
+    finally:
         handle.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch_disconnect)
-        try:
-            async with aclosing(handle.aevents()) as events:
-                async for event in events:
-                    if isinstance(event, TokenEvent):
-                        _add(assembler.feed(event), texts, calls, lps)
-                    else:
-                        result = event
-                        break
-        finally:
-            tg.cancel_scope.cancel()
-            handle.cancel()
-    if gone:
-        raise ClientGone()
     if isinstance(result, ErrorEvent):
         raise _as_error(result)
     if result is None:
@@ -252,6 +240,42 @@ async def collect(handle: Any, assembler: Assembler, request: Request) -> Collec
         raise CancelledByServer(_CANCELLED)
     _add(assembler.finish(), texts, calls, lps)
     return Collected("".join(texts), calls, lps, result)
+
+
+async def until_disconnect(
+    request: Request, work: Callable[[], Awaitable[T]], on_gone: Callable[[], None]
+) -> T:
+    """`await work()`, unless the client disconnects first: then `on_gone()`, stop
+    waiting (work is cancelled at its next await) and raise ClientGone, so no handler
+    outlives its client. For use once the request body has been read: the next ASGI
+    message is then the disconnect (uvicorn sends it when the socket closes, or after
+    the response is sent)."""
+    done: list[T] = []
+    failed: list[Exception] = []
+    gone = False
+
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            on_gone()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            done.append(await work())
+        except Exception as e:  # raised below: inside the group it would become a group
+            failed.append(e)
+        finally:
+            tg.cancel_scope.cancel()
+    if gone:
+        raise ClientGone()
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def _add(delta: Delta, texts: list[str], calls: list[dict[str, Any]], lps: list[Any]) -> None:

@@ -77,7 +77,8 @@ class CacheCollector(Collector):
         if isinstance(disk, dict):
             for key, value in sorted(disk.items()):
                 if _NAME.fullmatch(key) and _is_number(value):
-                    yield GaugeMetricFamily(
+                    family = CounterMetricFamily if key in _DISK_COUNTERS else GaugeMetricFamily
+                    yield family(
                         f"mlx_prefix_disk_{key}",
                         f"Disk prompt cache {key.replace('_', ' ')}",
                         value=value,
@@ -110,6 +111,10 @@ def _is_number(value: Any) -> bool:
 
 # Monotonic statistics; every other number in cache_stats() is a gauge.
 _COUNTERS = frozenset({"hits", "misses", "tokens_reused", "evictions"})
+# Monotonic totals of the disk tier (DiskStats); files, bytes and the rest are gauges.
+_DISK_COUNTERS = frozenset(
+    {"hits", "misses", "saves", "save_failures", "load_failures", "evictions", "removed"}
+)
 _DOCS = {
     "bytes": "Bytes held by stored prefix-cache snapshots",
     "active_bytes": "Bytes held by running requests' caches",

@@ -10,9 +10,10 @@ from collections.abc import Collection
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import Unauthorized, error_response
+from .errors import OriginRefused, Unauthorized, error_response
 from .metrics import ServerMetrics
 
 # Pages served from this machine on any port, and browser extensions. Other web origins
@@ -25,7 +26,7 @@ DEFAULT_ORIGIN_REGEX = (
 
 def cors(allowed_origins: Collection[str]) -> Middleware:
     return Middleware(
-        CORSMiddleware,
+        OriginPolicy,
         allow_origins=tuple(allowed_origins),
         allow_origin_regex=DEFAULT_ORIGIN_REGEX,
         allow_methods=("GET", "POST", "DELETE", "OPTIONS"),
@@ -35,6 +36,38 @@ def cors(allowed_origins: Collection[str]) -> Middleware:
         allow_private_network=True,
         max_age=600,
     )
+
+
+class OriginPolicy(CORSMiddleware):
+    """Starlette's CORS headers, plus: a request carrying a refused Origin is answered
+    403 and never reaches a handler. CORS alone only hides the answer from the page,
+    and a simple request (a POST with `Content-Type: text/plain`) needs no preflight,
+    so it would still run. Requests without an Origin (curl, SDKs) pass."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            origin = Headers(scope=scope).get("origin")
+            if origin is not None and not self.is_allowed_origin(origin):
+                await _refused(origin)(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        # An allowed origin asking for a method or header we do not serve; the refusal
+        # must not carry the private-network grant the parent puts on every preflight.
+        reason = bytes(response.body).decode()  # e.g. "Disallowed CORS method"
+        return error_response(OriginRefused(f"CORS preflight refused: {reason}"))
+
+
+def _refused(origin: str) -> Response:
+    err = OriginRefused(
+        f"origin {origin!r} is not allowed: pages on localhost and browser extensions are; "
+        "start the server with --allowed-origins to add others"
+    )
+    return error_response(err, headers={"Vary": "Origin"})
 
 
 class ApiKeyAuth:

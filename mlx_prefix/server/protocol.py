@@ -18,6 +18,10 @@ from mlx_prefix.errors import InvalidRequest
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 16
 _SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
+# A lone surrogate can only enter through a \uD800-\uDFFF escape: raw UTF-8 cannot
+# encode one. (An escaped backslash before "uD8.." matches too; the walk then finds none.)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 _MISSING = object()
 
 
@@ -35,6 +39,9 @@ class GenerationRequest:
     sampling: SamplingParams
     cache: CachePreference
     stream: bool
+    # The body field that set sampling.max_tokens; None: the server's default, which the
+    # engine clamps to the context left after the prompt (never an error).
+    max_tokens_param: str | None
     include_usage: bool  # stream_options.include_usage: a final chunk carrying usage
     parse_tools: bool  # tools were offered and tool_choice is not "none"
 
@@ -48,11 +55,42 @@ class WarmRequest:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise InvalidRequest("request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # bad JSON or UTF-8, or an integer past Python's digit limit
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, not {_json_type(body)}")
+    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(body)) is not None:
+        raise InvalidRequest(
+            f"{where or 'a key'} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+            "without its pair), which is not valid Unicode text",
+            param=where or None,
+        )
     return body
+
+
+def _lone_surrogate(body: dict[str, Any]) -> str | None:
+    """The path of the first string (or key: "") not encodable as UTF-8; None if none.
+    Iterative: the body may be nested as deep as the JSON parser allows."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return ""
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
 
 
 def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
@@ -68,8 +106,14 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
         tools=tools if offer_tools else None,
         chat_template_kwargs=_field(body, "chat_template_kwargs", dict, None) or {},
     )
-    top_logprobs = _int(body, "top_logprobs", None, lo=0, hi=20)
-    logprobs = bool(_field(body, "logprobs", bool, False)) or bool(top_logprobs)
+    # The engine reports the sampled token's logprob only, not its alternatives.
+    if _int(body, "top_logprobs", 0, lo=0, hi=20):
+        raise InvalidRequest(
+            "top_logprobs is not supported: only the sampled tokens' logprobs are returned "
+            "(send logprobs: true without top_logprobs, or top_logprobs: 0)",
+            param="top_logprobs",
+        )
+    logprobs = bool(_field(body, "logprobs", bool, False))
     return _generation("chat", body, prompt, limits, logprobs, parse_tools=offer_tools)
 
 
@@ -180,7 +224,7 @@ def _tool_call(tool_call: Any, param: str) -> Any:
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         try:
             arguments = json.loads(function["arguments"] or "{}")
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return tool_call
         return {**tool_call, "function": {**function, "arguments": arguments}}
     return tool_call
@@ -225,11 +269,12 @@ def _generation(
         raise InvalidRequest(
             "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
         )
+    max_tokens, max_tokens_param = _max_tokens(body, limits)
     sampling = SamplingParams(
-        max_tokens=_max_tokens(body, limits),
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, lo=0.0, hi=2.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        seed=_int(body, "seed", None, lo=None, hi=None),
+        seed=_int(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         stop=_stop(body),
         logprobs=logprobs,
     )
@@ -240,12 +285,13 @@ def _generation(
         sampling=sampling,
         cache=_cache_preference(body),
         stream=stream,
+        max_tokens_param=max_tokens_param,
         include_usage=stream and include_usage,
         parse_tools=parse_tools,
     )
 
 
-def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
+def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
     # max_completion_tokens is the newer name; when both are sent it wins.
     for name in ("max_completion_tokens", "max_tokens"):
         value = _int(body, name, None, lo=1, hi=None)
@@ -255,8 +301,8 @@ def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
             raise InvalidRequest(
                 f"{name} is {value}, more than this model allows ({limits.max_tokens})", param=name
             )
-        return value
-    return min(limits.default_max_tokens, limits.max_tokens)
+        return value, name
+    return min(limits.default_max_tokens, limits.max_tokens), None
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -318,8 +364,10 @@ def _number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: f
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequest(f"'{name}' must be a number, not {_json_type(value)}", param=name)
+    if not math.isfinite(value):  # NaN and Infinity: Python's JSON parser accepts them
+        raise InvalidRequest(f"'{name}' must be a finite number, got {value}", param=name)
     if not lo <= value <= hi:
         raise InvalidRequest(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", param=name)
     return float(value)

@@ -3,6 +3,8 @@ answer (responses / generation). Engine calls that may block go through the thre
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import functools
 import logging
 import time
@@ -11,19 +13,35 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
+import anyio.to_thread
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from mlx_prefix.errors import MlxPrefixError, ModelNotFound
+from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError, ModelNotFound
 
 from . import responses as R
-from .errors import PayloadTooLarge, error_body, error_response
-from .generation import Assembler, ClientGone, InFlight, RequestLog, collect, stream_events
+from .errors import (
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    WarmTimeout,
+    error_body,
+    error_response,
+)
+from .generation import (
+    Assembler,
+    ClientGone,
+    InFlight,
+    RequestLog,
+    collect,
+    stream_events,
+    until_disconnect,
+)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
+    GenerationRequest,
     Limits,
     parse_chat,
     parse_completion,
@@ -71,6 +89,14 @@ def api(handler: Handler) -> Handler:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
+    # Only JSON: a form or text/plain body is what a cross-site page can send without a
+    # preflight.
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType(
+            "send the request body as JSON with 'Content-Type: application/json'"
+            + (f" (got {content_type!r})" if content_type else " (none was sent)")
+        )
     limit = state(request).settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -122,9 +148,7 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         # Shielded: a handle created while the caller was being cancelled must still be
         # returned here, or nobody would cancel it and the engine would decode for no one.
         with anyio.CancelScope(shield=True):
-            handle = await run_in_threadpool(
-                st.engine.submit, req.prompt, req.sampling, req.cache, meta.id
-            )
+            handle = await run_in_threadpool(submit, st.engine, req, meta.id)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
@@ -164,6 +188,23 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         logprobs=result.logprobs if req.sampling.logprobs else None,
     )
     return JSONResponse(body)
+
+
+def submit(engine: Any, req: GenerationRequest, request_id: str) -> Any:
+    """engine.submit, with OpenAI's rule: a prompt and an explicit max_tokens that do not
+    fit the context together are a 400 (the default max_tokens is clamped instead)."""
+    try:
+        return engine.submit(
+            req.prompt,
+            req.sampling,
+            req.cache,
+            request_id,
+            fit_reply=req.max_tokens_param is not None,
+        )
+    except ContextLengthExceeded as e:
+        if req.max_tokens_param is not None and req.max_tokens_param != "max_tokens":
+            e.message = e.message.replace("max_tokens", req.max_tokens_param)
+        raise
 
 
 class SSEResponse(StreamingResponse):
@@ -227,6 +268,11 @@ async def cache_info(request: Request) -> Response:
     engine = state(request).engine
     stats = await run_in_threadpool(engine.cache_stats)
     entries = await run_in_threadpool(engine.cache_entries)
+    # The store's CheckpointKind is an IntEnum: show "HISTORY", not 2.
+    entries = [
+        {k: v.name if isinstance(v, enum.Enum) else v for k, v in entry.items()}
+        for entry in entries
+    ]
     return JSONResponse({"stats": stats, "entries": entries})
 
 
@@ -237,7 +283,25 @@ async def cache_warm(request: Request) -> Response:
     resolve_model(st.engine, body.get("model") if isinstance(body.get("model"), str) else None)
     warm = parse_warm(body)
     started = time.perf_counter()
-    result = await run_in_threadpool(st.engine.warm, warm.prompt, warm.pin)
+    timeout = st.settings.warm_timeout_s
+    handle, future = await run_in_threadpool(st.engine.start_warm, warm.prompt, warm.pin)
+
+    async def finished() -> Any:
+        with anyio.fail_after(timeout):
+            # Shielded: the engine owns the future; the handle is how to stop the job.
+            return await asyncio.shield(asyncio.wrap_future(future))
+
+    try:
+        result = await until_disconnect(request, finished, on_gone=handle.cancel)
+    except TimeoutError:
+        handle.cancel()
+        raise WarmTimeout(
+            f"the warm-up did not finish within {timeout:g}s (the server's warm_timeout_s); "
+            "it was cancelled"
+        ) from None
+    except ClientGone:
+        log.info("warm client_disconnected after %.0fms", (time.perf_counter() - started) * 1000)
+        return Response(status_code=499)
     log.info(
         "warm prompt=%d cached=%d pinned=%s took=%.0fms",
         result.prompt_tokens, result.cached_tokens, result.pinned,

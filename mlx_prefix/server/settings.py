@@ -18,6 +18,7 @@ class ServerSettings:
     default_max_tokens: int = 512  # when a request names neither max_tokens form
     max_tokens_limit: int = 1_000_000  # hard cap when the model's context length is unknown
     shutdown_grace_s: float = 10.0  # in-flight requests get this long, then are cancelled
+    warm_timeout_s: float = 600.0  # POST /v1/cache/warm answers 504 after this long
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
@@ -34,3 +35,5 @@ class ServerSettings:
             raise ValueError("max_body_bytes and the max_tokens settings must be positive")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must not be negative")
+        if not self.warm_timeout_s > 0:
+            raise ValueError("warm_timeout_s must be positive")
