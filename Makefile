@@ -7,7 +7,7 @@ HOST_OS := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null && echo "sudo -n"))
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps test-deps test serve lint format bench bench-full clean
+.PHONY: install system-deps python-venv test-deps test serve lint format bench bench-full clean
 
 # Linux: a fast BLAS for MLX's CPU backend (the mlx[cpu] wheel's own is ~65x slower).
 system-deps:
@@ -18,7 +18,19 @@ ifeq ($(HOST_OS),Linux)
 	  || echo "warning: could not install OpenBLAS; MLX will use its slow reference BLAS"; }
 endif
 
+# Debian/Ubuntu ship `venv` without ensurepip unless python3-venv is installed.
+python-venv:
+ifeq ($(HOST_OS),Linux)
+	@echo "installing python3-venv ($(PYTHON) has no ensurepip, so it cannot make a venv)"
+	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq \
+	  python$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv \
+	  || $(SUDO) apt-get install -y -qq python3-venv
+else
+	@echo "$(PYTHON) has no ensurepip; install a Python that can create a venv" && exit 1
+endif
+
 $(STAMP): pyproject.toml
+	@[ -x $(PY) ] || $(PYTHON) -c 'import ensurepip' 2>/dev/null || $(MAKE) --no-print-directory python-venv
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]"

@@ -1,8 +1,9 @@
 """mlx-prefix serve | generate.
 
-Text goes to stdout, diagnostics to stderr. Every flag has an MLX_PREFIX_* variable
-fallback (see config.py). Errors print one line and exit non-zero (2 for a model that
-cannot be found), never a traceback.
+Text goes to stdout, diagnostics to stderr. Model, cache, disk, engine and server flags
+have MLX_PREFIX_* variable fallbacks (see config.py); generate's per-request flags do not.
+Errors print one line and exit non-zero (2 for a model that cannot be found or loaded),
+a traceback only with --verbose.
 """
 
 from __future__ import annotations
@@ -12,38 +13,42 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from mlx_prefix import __version__
+from mlx_prefix.config import parse_bytes as config_parse_bytes
 from mlx_prefix.errors import MlxPrefixError, ModelNotFound
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
 
 
 def parse_bytes(text: str) -> int:
-    """'4GiB', '512MB', '1e9', '1024' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4GiB, 512MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'4GiB', '512MB', '1e9', '1024' -> bytes (argparse type)."""
+    try:
+        return config_parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _number_type(kind: type, *, lo: float, hi: float, what: str):
+    """An argparse type: a `kind` number in [lo, hi]."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not lo <= value <= hi:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
+        return value
+
+    return parse
+
+
+_max_tokens = _number_type(int, lo=1, hi=float("inf"), what="at least 1")
+_temperature = _number_type(float, lo=0.0, hi=2.0, what="0 (greedy) to 2")
+_top_p = _number_type(float, lo=0.0, hi=1.0, what="0 to 1")
+_seed = _number_type(int, lo=0, hi=2**64 - 1, what="0 to 2**64-1")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -129,10 +134,15 @@ def _disk_args(p: argparse.ArgumentParser, default_scope: str) -> None:
     p.set_defaults(default_scope=default_scope)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line like every other error; the usage itself is under --help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mlx-prefix", description="Prompt-caching LLM server and CLI for MLX"
-    )
+    parser = _Parser(prog="mlx-prefix", description="Prompt-caching LLM server and CLI for MLX")
     parser.add_argument("--version", action="version", version=f"mlx-prefix {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,10 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     _disk_args(gen, "full")
     gen.add_argument("-s", "--system", help="system prompt")
     gen.add_argument("--messages", type=Path, help="OpenAI messages JSON file (array)")
-    gen.add_argument("-n", "--max-tokens", type=int, default=256)
-    gen.add_argument("-t", "--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("-n", "--max-tokens", type=_max_tokens, default=256)
+    gen.add_argument(
+        "-t", "--temp", type=_temperature, default=0.0, help="temperature, 0 to 2 (0 = greedy)"
+    )
+    gen.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus mass, 0 to 1 (0 = greedy)")
+    gen.add_argument("--seed", type=_seed, default=None, help="sampling seed, 0 to 2**64-1")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="complete PROMPT as raw text, no template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -236,9 +248,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.raw:
         if prompt_text is None:
             raise MlxPrefixError("--raw needs a PROMPT")
+        if args.system is not None or args.messages is not None:
+            raise MlxPrefixError("--raw completes PROMPT alone: drop --system and --messages")
         prompt = PromptInput(text=prompt_text)
     else:
         messages = _read_messages(args.messages) if args.messages else None
+        first = messages[0] if messages else None
+        if args.system is not None and isinstance(first, dict) and first.get("role") == "system":
+            raise MlxPrefixError(
+                f"--system given, but {args.messages} already starts with a system message"
+            )
         prompt = chat_prompt(prompt_text, system=args.system, messages=messages)
     sampling = SamplingParams(args.max_tokens, args.temp, args.top_p, args.seed, tuple(args.stop))
     session = PrefixCacheSession(
@@ -303,13 +322,13 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from mlx_prefix.config import DiskConfig, from_env
 
     config = from_env(DiskConfig, "DISK", {"directory": args.directory})
-    # No budget: a scan with a smaller budget than the server's would delete its files.
-    disk = DiskCache(config.path(), budget_bytes=None)
     if args.action == "clear":
+        # No budget: a scan with a smaller budget than the server's would delete its files.
+        disk = DiskCache(config.path(), budget_bytes=None)
         print(f"removed {disk.clear()} cached checkpoints from {config.path()}")
         return 0
-    entries = disk.entries()
-    for e in entries:
+    listing = DiskCache.listing(config.path())  # reads headers; changes nothing
+    for e in listing.entries:
         if args.json:
             print(json.dumps(dataclasses.asdict(e)))
         else:
@@ -317,9 +336,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 f"{e.model_key}  {e.tokens:>7} tokens  {e.nbytes / 2**20:>9.1f} MiB  "
                 f"{e.kind:<12} idle {e.idle_s:,.0f}s"
             )
-    total = sum(e.nbytes for e in entries)
+    for bad in listing.bad:
+        print(f"bad: {bad.name}: {bad.reason} (removed at the next start)", file=sys.stderr)
+    total = sum(e.nbytes for e in listing.entries)
+    where = config.path() if listing.exists else f"{config.path()} (no such folder)"
     print(
-        f"{len(entries)} checkpoints, {total / 2**20:.1f} MiB in {config.path()}", file=sys.stderr
+        f"{len(listing.entries)} checkpoints, {total / 2**20:.1f} MiB in {where}", file=sys.stderr
     )
     return 0
 
@@ -341,14 +363,29 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_cache(args)
         return cmd_serve(args)
     except ModelNotFound as e:
-        print(f"mlx-prefix: error: {e.message}", file=sys.stderr)
-        return 2
+        return _error(e.message, 2, args.verbose)
     except (MlxPrefixError, ValueError) as e:
-        print(f"mlx-prefix: error: {getattr(e, 'message', e)}", file=sys.stderr)
-        return 1
+        return _error(getattr(e, "message", str(e)), 1, args.verbose)
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing left to say. Point stdout at devnull
+        # so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by it
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - last resort: one line, not a traceback
+        return _error(f"{type(e).__name__}: {e}", 1, args.verbose)
     finally:
         import mlx.core as mx
 
         mx.clear_streams()  # the model was loaded on this thread: see Engine._loop
+
+
+def _error(message: str, code: int, verbose: bool) -> int:
+    if verbose:
+        import traceback
+
+        traceback.print_exc()
+    print(f"mlx-prefix: error: {' '.join(message.split())}", file=sys.stderr)
+    return code

@@ -18,6 +18,7 @@ from pathlib import Path
 
 BLAS_ENV = "MLX_PREFIX_BLAS"  # auto (default) | openblas | mkl | none | /path/to/lib.so
 PRELOADED_ENV = "MLX_PREFIX_BLAS_PRELOADED"  # set by the launcher after re-exec
+_CHOICES = ("auto", "openblas", "mkl", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,22 +48,41 @@ def _mkl_candidates() -> list[str]:
 
 
 def find_fast_blas(preference: str | None = None) -> BlasLibrary | None:
-    """The BLAS to preload on Linux, or None (macOS, none installed, or disabled)."""
+    """The BLAS to preload on Linux, or None (macOS, none installed, or disabled).
+
+    `preference` (default: $MLX_PREFIX_BLAS): auto | openblas | mkl | none | a library
+    path. A path that is not a file, or an unknown value, is reported on stderr and
+    treated as auto.
+    """
     if not sys.platform.startswith("linux"):
         return None
-    preference = (preference or os.environ.get(BLAS_ENV) or "auto").strip()
-    if preference == "none":
+    raw = (preference or os.environ.get(BLAS_ENV) or "auto").strip()
+    choice = raw.lower()
+    if choice == "none":
         return None
-    if preference.startswith("/"):
-        name = "mkl" if "mkl" in Path(preference).name else "openblas"
-        return _with_env(BlasLibrary(name, preference))
-    if preference in ("auto", "openblas"):
-        for path in _openblas_candidates():
-            return BlasLibrary("openblas", path)
-    if preference in ("auto", "mkl"):
-        for path in _mkl_candidates():
-            return _with_env(BlasLibrary("mkl", path))
+    if "/" in raw or raw.startswith("~"):
+        path = Path(raw).expanduser()
+        if path.is_file():
+            name = "mkl" if "mkl" in path.name else "openblas"
+            return _with_env(BlasLibrary(name, str(path)))
+        _warn(f"{BLAS_ENV}={raw}: not a file; looking for an installed BLAS instead")
+        choice = "auto"
+    elif choice not in _CHOICES:
+        _warn(f"{BLAS_ENV}={raw} is not one of {' | '.join(_CHOICES)} | a path; using auto")
+        choice = "auto"
+    if choice in ("auto", "openblas") and (found := _openblas_candidates()):
+        return BlasLibrary("openblas", found[0])
+    if choice in ("auto", "mkl") and (found := _mkl_candidates()):
+        return _with_env(BlasLibrary("mkl", found[0]))
+    if choice != "auto":
+        _warn(f"{BLAS_ENV}={raw}: no {choice} library found; MLX keeps its reference BLAS")
     return None
+
+
+def _warn(message: str) -> None:
+    # Runs in the launcher before logging is set up, and once only: the re-executed
+    # process does not search again.
+    print(f"mlx-prefix: warning: {message}", file=sys.stderr)
 
 
 def _with_env(lib: BlasLibrary) -> BlasLibrary:
@@ -80,6 +100,11 @@ def loaded_blas() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
+    return blas_in_maps(maps)
+
+
+def blas_in_maps(maps: str) -> str:
+    """The fast BLAS named in a /proc/PID/maps listing, else 'reference'."""
     if "libopenblas" in maps:
         return "openblas"
     if "libmkl" in maps:

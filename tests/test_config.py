@@ -23,3 +23,11 @@ def test_bad_env_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("MLX_PREFIX_CACHE_PREFILL_CHUNK", "lots")
     with pytest.raises(ValueError, match="MLX_PREFIX_CACHE_PREFILL_CHUNK"):
         from_env(CacheConfig, "CACHE")
+
+
+def test_byte_sizes_take_units_in_variables_as_in_flags(monkeypatch):
+    monkeypatch.setenv("MLX_PREFIX_CACHE_BUDGET_BYTES", "4GiB")
+    assert from_env(CacheConfig, "CACHE").budget_bytes == 4 * 2**30
+    monkeypatch.setenv("MLX_PREFIX_CACHE_BUDGET_BYTES", "plenty")
+    with pytest.raises(ValueError, match="MLX_PREFIX_CACHE_BUDGET_BYTES"):
+        from_env(CacheConfig, "CACHE")

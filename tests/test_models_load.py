@@ -152,3 +152,49 @@ def test_repo_id_resolves_from_offline_hub_cache(
     assert lm.identity.source == f"tiny-org/tiny-dense@{sha}"
     assert lm.path == repo / "snapshots" / sha
     assert no_network == []
+
+
+def _damaged(tmp_path: Path, damage: str) -> Path:
+    folder = make_test_model("dense", tmp_path / damage)
+    if damage == "truncated-weights":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "no-tokenizer":
+        for path in folder.glob("tokenizer*"):
+            path.unlink()
+    elif damage == "bad-tokenizer":
+        (folder / "tokenizer.json").write_text("{}")
+    elif damage == "unknown-architecture":
+        (folder / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("truncated-weights", "incomplete download or corrupt file"),
+        ("no-tokenizer", "no tokenizer files"),
+        ("bad-tokenizer", "tokenizer: missing key"),
+        ("unknown-architecture", "not supported"),
+    ],
+)
+def test_unloadable_folder_raises_one_line_model_not_found(
+    tmp_path: Path, damage: str, reason: str
+) -> None:
+    folder = _damaged(tmp_path, damage)
+    with pytest.raises(ModelNotFound) as info:
+        load_model(str(folder))
+    message = info.value.message
+    assert message.startswith(f"model '{folder}' could not be loaded: ")
+    assert reason in message and "\n" not in message
+    assert info.value.param == "model"
+
+
+def test_unloadable_adapter_names_the_adapter(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelNotFound) as info:
+        load_model(str(cached_test_model("dense")), adapter=str(adapter))
+    assert "could not be loaded: adapter: " in info.value.message
+    assert info.value.param == "adapter"

@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 _CONTEXT_KEYS = (
     "max_position_embeddings",
     "max_sequence_length",
@@ -65,7 +66,8 @@ def load_model(
     `dtype` overrides `choose_dtype`. Quantized layers stay quantized; only their
     floating parameters (scales, biases, norms, embeddings) are cast.
     """
-    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import load_adapters, load_tokenizer
+    from mlx_lm.utils import load_model as mlx_lm_load_model
 
     if dtype is not None and dtype not in _DTYPES:
         raise InvalidRequest(
@@ -74,14 +76,23 @@ def load_model(
     resolved = resolve_model(spec)
     adapter_path = _resolve_adapter(adapter)
     label = spec if spec is not None else resolved.name
+    # mlx_lm.utils.load's three steps, taken one by one to say which part failed.
+    part = "model"
     try:
-        model, tokenizer, config = mlx_lm_load(
-            str(resolved.path),
-            adapter_path=str(adapter_path) if adapter_path else None,
-            return_config=True,
-        )
-    except (FileNotFoundError, ValueError, KeyError, ImportError) as e:
-        raise ModelNotFound(f"model '{label}' could not be loaded: {e}", param="model") from e
+        model, config = mlx_lm_load_model(resolved.path)
+        if adapter_path is not None:
+            part = "adapter"
+            model = load_adapters(model, str(adapter_path))
+            model.eval()
+        part = "tokenizer"
+        tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # noqa: BLE001
+        # A damaged, incomplete or unsupported folder fails in mlx-lm, safetensors,
+        # transformers or tokenizers with about any exception type (a truncated file:
+        # RuntimeError; bad JSON: ValueError; a config missing a field: TypeError).
+        reason = _load_failure(part, e, resolved.path)
+        message = f"model '{label}' could not be loaded: {reason}"
+        raise ModelNotFound(message, param="adapter" if part == "adapter" else "model") from e
 
     target = dtype or choose_dtype(mx.default_device(), _dominant_dtype(model))
     _cast_floating(model, _DTYPES[target])
@@ -104,6 +115,22 @@ def load_model(
         path=resolved.path,
         context_length=_context_length(config),
     )
+
+
+def _load_failure(part: str, error: Exception, path: Path) -> str:
+    """One line: which part failed and why (library messages can span several lines)."""
+    if part == "tokenizer" and not _has_tokenizer_files(path):
+        return f"no tokenizer files ({' or '.join(_TOKENIZER_FILES[:2])}) in {path}"
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, KeyError):
+        text = f"missing key {text}"
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return text if part == "model" else f"{part}: {text}"
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return any((path / name).is_file() for name in _TOKENIZER_FILES) or any(path.glob("*.tiktoken"))
 
 
 def _resolve_adapter(adapter: str | None) -> Path | None:
