@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -37,7 +38,10 @@ class CacheConfig:
     checkpoint_interval: int = 2048
 
     def __post_init__(self) -> None:
-        if self.prefill_chunk <= 0 or self.checkpoint_interval % self.prefill_chunk:
+        if (
+            min(self.prefill_chunk, self.checkpoint_interval) <= 0
+            or self.checkpoint_interval % self.prefill_chunk
+        ):
             raise ValueError("checkpoint_interval must be a positive multiple of prefill_chunk")
 
 
@@ -75,10 +79,43 @@ class EngineConfig:
     # until this many tokens, at least one chunk. Higher: more throughput when many short
     # prompts arrive together; lower: steadier token pace for requests already decoding.
     prefill_tokens_per_step: int = 256
+    # Next-turn prefetch (engine/prefetch.py): once idle this long after a reply, prefill
+    # that reply again on the chunk grid so the next turn restores the whole history.
+    prefetch_next_turn: bool = True
+    prefetch_delay_s: float = 0.5
 
     def __post_init__(self) -> None:
         if min(self.max_running, self.prefill_tokens_per_step) < 1 or self.max_queued < 0:
             raise ValueError("max_running and prefill_tokens_per_step must be at least 1")
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1e9', '1024' -> bytes; ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    try:
+        if m and m.group(2).lower() in _BYTE_UNITS:
+            return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    except ValueError:
+        pass
+    raise ValueError(f"not a byte size: {text!r} (e.g. 4GiB, 512MB)")
 
 
 def _parse(value: str, annotation: Any) -> Any:
@@ -114,7 +151,11 @@ def from_env(cls: type[T], prefix: str, overrides: dict[str, Any] | None = None)
         name = f"MLX_PREFIX_{prefix}_{field.name}".upper()
         if name in os.environ:
             try:
-                values[field.name] = _parse(os.environ[name], field.type)
+                raw = os.environ[name]
+                if field.name.endswith("bytes") and raw.strip().lower() not in ("", "none"):
+                    values[field.name] = parse_bytes(raw)  # sizes take units, like the flags
+                    continue
+                values[field.name] = _parse(raw, field.type)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
     for key, value in (overrides or {}).items():

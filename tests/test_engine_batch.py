@@ -90,9 +90,9 @@ def test_six_concurrent_requests_sharing_an_instruction_sent_twice(make_engine, 
     engine.store.check_integrity()
 
 
-@pytest.mark.parametrize("kind", ["dense", "nemotron_h"])
-def test_soak_of_mixed_requests_with_cancellations(make_engine, kind):
-    budget = 3_000_000
+@pytest.mark.parametrize(("kind", "budget"), [("dense", 1_500_000), ("nemotron_h", 3_000_000)])
+def test_soak_of_mixed_requests_with_cancellations(make_engine, kind, budget):
+    # A budget small enough that entries are evicted while requests run.
     engine = make_engine(
         kind,
         cache_config=CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64),
@@ -107,11 +107,13 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind):
             question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
             prompts.append(chat(("system", rng.choice(systems)), ("user", question)))
     samplings = [SamplingParams(max_tokens=rng.randint(1, 14)) for _ in prompts]
-    cancel_after = {i: rng.randint(1, 3) for i in rng.sample(range(50), 8)}
+    chosen = rng.sample(range(50), 12)
+    cancel_after = {i: rng.randint(1, 3) for i in chosen[:8]}  # midway through decoding
+    cancel_at_once = set(chosen[8:])  # before any token: queued or prefilling
     serial = {
         i: run(engine, p, cache=False, sampling=s).tokens
         for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
-        if i not in cancel_after
+        if i not in cancel_after and i not in cancel_at_once
     }
     engine.flush_cache()
 
@@ -119,6 +121,8 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind):
 
     def client(i: int) -> None:
         handle = engine.submit(prompts[i], samplings[i], CachePreference())
+        if i in cancel_at_once:
+            handle.cancel()
         tokens, done = [], None
         for event in handle.events(timeout=300):
             if isinstance(event, TokenEvent) and event.token is not None:
@@ -138,16 +142,22 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind):
     for t in threads:
         t.join(300)
     assert len(outcomes) == 50
+    cancelled = 0
     for i, (tokens, done) in outcomes.items():
         assert tokens != "error", done
-        if i in cancel_after:
+        if i in cancel_after or i in cancel_at_once:
             assert done.finish_reason in ("cancelled", "stop", "length")
+            cancelled += done.finish_reason == "cancelled"
+            if i in cancel_at_once:
+                assert done.finish_reason == "cancelled" and tokens == []
         else:
             assert tokens == serial[i], f"request {i} differs from its serial run"
+    assert cancelled >= len(cancel_at_once) + 2  # some cancellations landed midway too
     stats = engine.store.stats()
-    assert stats.bytes <= budget and stats.active_bytes == 0
-    assert stats.hits > 10
+    assert stats.bytes <= budget and stats.active_bytes == 0 and stats.active_requests == 0
+    assert stats.hits > 10 and stats.evictions > 0
     assert engine.peak_batch > 1
+    assert engine._pending == 0
     engine.store.check_integrity()
 
 

@@ -111,3 +111,37 @@ def test_files_from_another_chunk_grid_are_never_served(tmp_path):
         assert second.cache_stats()["disk"]["hits"] == 0
     finally:
         second.shutdown()
+
+
+def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_path):
+    # Seed 004's lesson, through memory: the second request restores the whole shared
+    # document from memory (past the chat boundary `auto` chose), and the boundary must
+    # still reach the disk.
+    config = dataclasses.replace(TEST_CACHE, checkpoint_interval=4096)
+    disk = DiskConfig(scope="auto", directory=str(tmp_path), min_tokens=16)
+    document = "The hotel has a pool, a gym, two restaurants and a garden. " * 12
+
+    def ask(engine, question):
+        # Long questions: no checkpoint of the prompt falls inside the shared document.
+        return run(engine, chat(("system", SYSTEM), ("user", document + question * 8)))
+
+    first = Engine(loaded_test_model("dense"), config, disk_config=disk)
+    ask(first, "Where is the pool? ")
+    second = ask(first, "When does the gym open? ")
+    first.shutdown()
+    # The user message's start (where the system prompt ends): the boundary auto keeps.
+    boundary = max(
+        c.position
+        for c in first.plan(chat(("system", SYSTEM), ("user", document + "x"))).checkpoints
+        if c.kind.name in ("SYSTEM", "LAST_MESSAGE")
+    )
+    assert second.usage.cached_tokens > boundary  # memory restored past the boundary
+    assert list(tmp_path.glob("*.safetensors")), "the chosen prefix never reached the disk"
+
+    restarted = Engine(loaded_test_model("dense"), config, disk_config=disk)
+    try:
+        third = ask(restarted, "Is there a garden? ")
+        assert third.usage.cached_tokens >= boundary
+        assert restarted.cache_stats()["disk"]["hits"] == 1
+    finally:
+        restarted.shutdown()

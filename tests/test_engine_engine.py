@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
@@ -30,8 +31,8 @@ def test_cancel_stops_the_request_and_frees_its_cache(make_engine):
             done = event
     assert done.finish_reason == "cancelled"
     assert tokens < 50
+    assert engine.store.stats().active_bytes == 0  # freed before the DoneEvent went out
     assert run(engine, PROMPT).finish_reason == "length"  # the engine goes on serving
-    assert engine.store.stats().active_bytes == 0
     engine.store.check_integrity()
 
 
@@ -65,17 +66,34 @@ def test_another_model_never_hits_the_first_models_entries():
         b.shutdown()
 
 
+class SpyStore(PromptCache):
+    """Checks the budget each time the engine reports a running request's bytes."""
+
+    def __init__(self, budget: int):
+        super().__init__(budget)
+        self.reported: dict[str, int] = {}  # key suffix -> largest bytes reported
+
+    def set_active_bytes(self, request_id: str, nbytes: int) -> None:
+        super().set_active_bytes(request_id, nbytes)
+        suffix = request_id.rsplit("-", 1)[-1]
+        self.reported[suffix] = max(self.reported.get(suffix, 0), nbytes)
+        self.check_integrity()  # includes: over budget only if nothing is evictable
+
+
 def test_byte_budget_holds_with_running_requests_counted():
     budget = 400_000
-    config = dataclasses.replace(TEST_CACHE, budget_bytes=budget)
-    engine = Engine(loaded_test_model("qwen3_5"), config)
+    store = SpyStore(budget)
+    engine = Engine(loaded_test_model("qwen3_5"), TEST_CACHE, store=store)
     try:
         for i in range(8):
             run(engine, chat(("system", f"Prompt {i}. " * 20), ("user", "Hello")))
-            stats = engine.store.stats()
-            assert stats.bytes + stats.active_bytes <= budget or stats.entries == 0
-            engine.store.check_integrity()
-        assert engine.store.stats().evictions > 0
+        # Both a prefilling request's cache and the decode batch were counted...
+        assert store.reported["prefill"] > 0 and store.reported["batch"] > 0
+        # ...and forgotten once the requests ended.
+        stats = store.stats()
+        assert stats.active_bytes == 0 and stats.active_requests == 0
+        assert stats.evictions > 0 and stats.bytes <= budget
+        store.check_integrity()
     finally:
         engine.shutdown()
 
@@ -110,7 +128,7 @@ def test_warm_then_pin_survives_eviction_pressure():
     engine = Engine(loaded_test_model("dense"), config)
     try:
         system = chat(("system", "Pinned instructions. " * 12))
-        engine.warm(system, pin=True)
+        assert engine.warm(system, pin=True).pinned
         for i in range(6):
             run(engine, chat(("system", f"Other {i}. " * 30), ("user", "Hi")))
         user = chat(("system", "Pinned instructions. " * 12), ("user", "Go"))
@@ -118,3 +136,85 @@ def test_warm_then_pin_survives_eviction_pressure():
         engine.store.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_warm_pins_what_an_earlier_request_already_cached(make_engine):
+    engine = make_engine("qwen3_5")
+    system = chat(("system", "Pinned instructions. " * 12))
+    run(engine, system)
+    assert engine.store.stats().pinned == 0
+    warmed = engine.warm(system, pin=True)
+    assert warmed.cached_tokens > 0  # nothing new was computed or stored...
+    assert warmed.pinned and engine.store.stats().pinned > 0  # ...yet the entries are pinned
+
+
+def test_warm_reports_no_pin_when_nothing_could_be_stored():
+    config = dataclasses.replace(TEST_CACHE, budget_bytes=1_000)  # smaller than any snapshot
+    engine = Engine(loaded_test_model("dense"), config)
+    try:
+        assert engine.warm(chat(("system", "Pinned instructions. " * 12)), pin=True).pinned is False
+        assert engine.store.stats().pinned == 0
+    finally:
+        engine.shutdown()
+
+
+def test_dense_system_prompt_outlives_conversation_ends_under_pressure(make_engine):
+    # An all-KV cache stores its system prompt as its own entry (kind SYSTEM), evicted
+    # after every conversation's end (HISTORY), so it survives a crowd of other prompts.
+    engine = make_engine("dense")
+    system = "You are the assistant of a public library. Answer in one sentence. " * 3
+    run(engine, chat(("system", system), ("user", "Do you open on Sundays?")))
+    kinds = {e.kind.name: e.nbytes for e in engine.store.entries()}
+    assert set(kinds) == {"SYSTEM", "HISTORY"}
+    engine.store.set_budget(kinds["SYSTEM"] + 3 * kinds["HISTORY"])
+    for i in range(6):
+        run(engine, chat(("user", f"Unrelated question number {i} about the weather " * 3)))
+    assert engine.store.stats().evictions > 0
+    assert "SYSTEM" in {e.kind.name for e in engine.store.entries()}
+    later = chat(("system", system), ("user", "Can I renew a loan online?"))
+    system_end = max(c.position for c in engine.plan(later).checkpoints if c.kind.name == "SYSTEM")
+    assert run(engine, later).usage.cached_tokens >= system_end
+    engine.store.check_integrity()
+
+
+def test_no_more_than_max_running_requests_decode_together():
+    config = EngineConfig(max_running=2)
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
+    try:
+        handles = [
+            engine.submit(chat(("user", f"Tell me about the number {i}.")), SamplingParams(8))
+            for i in range(5)
+        ]
+        for handle in handles:
+            assert list(handle.events(timeout=60))[-1].finish_reason in ("stop", "length")
+        assert engine.peak_batch == 2
+    finally:
+        engine.shutdown()
+
+
+def test_seed_range_and_reply_fit_are_checked_before_queueing(make_engine):
+    engine = make_engine("dense")
+    with pytest.raises(InvalidRequest):
+        engine.submit(PROMPT, SamplingParams(seed=-1))
+    with pytest.raises(InvalidRequest):
+        engine.submit(PROMPT, SamplingParams(seed=2**64))
+    engine.model = dataclasses.replace(
+        engine.model, context_length=len(engine.plan(PROMPT).tokens) + 4
+    )
+    with pytest.raises(ContextLengthExceeded):
+        engine.submit(PROMPT, SamplingParams(max_tokens=5), fit_reply=True)
+    assert engine._pending == 0
+    # Without fit_reply the reply is cut at the context's end instead.
+    result = run(engine, PROMPT, sampling=SamplingParams(max_tokens=50))
+    assert result.usage.completion_tokens <= 4
+
+
+def test_a_warm_up_that_times_out_is_cancelled(make_engine):
+    engine = make_engine("dense")
+    with pytest.raises(TimeoutError):
+        engine.warm(chat(("system", "Warm me. " * 200)), timeout=0)
+    deadline = time.monotonic() + 30
+    while engine._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._pending == 0
+    assert run(engine, PROMPT).finish_reason in ("stop", "length")  # still serving

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import time
+
 from conftest import TEST_CACHE, loaded_test_model
 
-from mlx_prefix.engine.session import PrefixCacheSession
+from mlx_prefix.engine.request import SamplingParams, TokenEvent
+from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
 
+long_reply = SamplingParams(max_tokens=400)
 SYSTEM = "You summarize shipping notices for a warehouse team, in one line each. " * 5
 
 
@@ -15,3 +19,18 @@ def test_library_session_reuses_the_system_prompt_and_matches_a_cold_run():
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens > 50
     assert cold.usage.cached_tokens == 0 and second.tokens == cold.tokens
+
+
+def test_a_consumer_that_stops_early_cancels_its_request():
+    with PrefixCacheSession(loaded_test_model("dense"), cache_config=TEST_CACHE) as session:
+        engine = session.engine
+        for event in session.stream(chat_prompt("Count to a thousand."), long_reply):
+            if isinstance(event, TokenEvent):
+                break  # the caller loses interest after one token
+        deadline = time.monotonic() + 60
+        while engine._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine._pending == 0
+        # Cancelled within a few steps, not run to its 400 tokens.
+        assert engine._steps < 50
+        assert engine.store.stats().active_bytes == 0

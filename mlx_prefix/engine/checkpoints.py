@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from mlx_prefix.cache.snapshot import capture
+from mlx_prefix.cache.snapshot import Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.runner import always_trimmable
@@ -75,11 +75,25 @@ class Checkpointer:
         }
         # An all-KV cache needs only its end-of-prompt snapshot: trimming serves the rest.
         self.keep_every_checkpoint = not always_trimmable(self.cache)
-        if self.disk is not None and self.reuse in self.disk_positions:
-            # Restored from memory exactly there: persist the restored state itself.
+        if self.disk is not None:
+            # Positions the policy chose that prefill will not reach (restored from memory
+            # past them) are persisted from what memory holds (seed 004: a chosen save
+            # must happen, whatever served the request).
             kinds = {c.position: c.kind for c in self.prompt.checkpoints}
-            kind = kinds.get(self.reuse, CheckpointKind.PERIODIC)
-            self.disk.defer(self.prompt.tokens[: self.reuse], capture(self.cache, self.reuse), kind)
+            for position in sorted(p for p in self.disk_positions if p <= self.reuse):
+                snapshot = self._restored_prefix(position)
+                if snapshot is not None:
+                    kind = kinds.get(position, CheckpointKind.PERIODIC)
+                    self.disk.defer(self.prompt.tokens[:position], snapshot, kind)
+
+    def _restored_prefix(self, position: int) -> Snapshot | None:
+        """A snapshot of the first `position` (<= reuse) prompt tokens, without compute."""
+        if position == self.reuse:
+            return capture(self.cache, position)
+        if self.keep_every_checkpoint:  # exact states only: the one memory holds, if any
+            return self.store.get(self.model_key, self.prompt.tokens[:position])
+        restored = capture(self.cache, self.reuse)  # views: trim them back to `position`
+        return capture(restore(restored, trim=self.reuse - position), position)
 
     def __call__(self, position: int) -> None:
         tokens = self.prompt.tokens
@@ -94,7 +108,11 @@ class Checkpointer:
         at_end = position == len(tokens)
         if at_end and kind is None:
             kind = CheckpointKind.HISTORY
-        in_memory = kind is not None and (self.keep_every_checkpoint or at_end)
+        # An all-KV cache keeps its end (trimming serves every shorter prefix) and its
+        # system prompt, which then outlives the conversations' ends under pressure.
+        in_memory = kind is not None and (
+            self.keep_every_checkpoint or at_end or kind is CheckpointKind.SYSTEM
+        )
         to_disk = self.disk is not None and position in self.disk_positions
         if not in_memory and not to_disk:
             return

@@ -63,8 +63,8 @@ class DiskTier:
     ) -> tuple[DiskMatch, Snapshot] | None:
         """A disk checkpoint reusing more than `better_than` tokens, loaded and verified."""
         match = self.cache.match(self.model_key, tokens, align)
-        if match is None or match.reuse_tokens <= max(better_than, self.config.min_tokens - 1):
-            return None  # not worth reading a file for
+        if match is None or match.reuse_tokens < better_than + self.config.min_tokens:
+            return None  # not worth reading a file for what memory (nearly) gives
         snapshot = self.cache.load(match)
         return (match, snapshot) if snapshot is not None else None
 
@@ -80,15 +80,15 @@ class DiskTier:
         self._pending.append(_PendingSave(tuple(tokens), snapshot, kind, time.monotonic()))
 
     def write_pending(self, busy: bool) -> None:
-        """Write queued saves: all of them when idle, only overdue ones when busy."""
-        now = time.monotonic()
-        while self._pending:
-            if busy and now - self._pending[0].queued_at < MAX_SAVE_DELAY_S:
-                return
-            item = self._pending.popleft()
-            self.cache.save(self.model_key, item.tokens, item.snapshot, item.kind)
-            if busy:
-                return  # one write per engine step while requests are running
+        """Write one queued save: the oldest when idle, only an overdue one when busy.
+        One per engine turn, so a request that arrives meanwhile waits for one file at
+        most."""
+        if not self._pending:
+            return
+        if busy and time.monotonic() - self._pending[0].queued_at < MAX_SAVE_DELAY_S:
+            return
+        item = self._pending.popleft()
+        self.cache.save(self.model_key, item.tokens, item.snapshot, item.kind)
 
     @property
     def pending(self) -> int:

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Generator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ from mlx_prefix.engine.batch import DecodeBatch, batchable
 from mlx_prefix.engine.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
+from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
 from mlx_prefix.engine.request import (
     CachePreference,
     DoneEvent,
@@ -47,7 +49,7 @@ from mlx_prefix.engine.request import (
 )
 from mlx_prefix.engine.runner import always_trimmable, prefill_steps
 from mlx_prefix.engine.sampling import TokenSampler, normalize
-from mlx_prefix.engine.scheduler import pick_next
+from mlx_prefix.engine.scheduler import extends, pick_next
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest, MlxPrefixError
 from mlx_prefix.models.identity import ModelIdentity
@@ -69,14 +71,27 @@ class WarmResult:
 
 
 @dataclass(slots=True)
+class PrefetchStats:
+    """Next-turn prefetch (engine/prefetch.py): background prefills and their tokens."""
+
+    started: int = 0
+    completed: int = 0
+    cancelled: int = 0  # dropped for a request that could not use them
+    tokens: int = 0  # prompt tokens computed in the background
+
+
+@dataclass(slots=True)
 class _Job:
     handle: RequestHandle
     prompt: RenderedPrompt
     sampling: SamplingParams
     cache_pref: CachePreference
     submitted_at: float
+    source: PromptInput | None = None  # what the caller sent (None: background job)
     warm: Future | None = None  # set for warm-only jobs (prefill, no decode)
     pin: bool = False
+    background: bool = False  # a next-turn prefetch: prefill only, when nothing waits
+    not_before: float = 0.0  # monotonic time a background job may start
     passovers: int = 0
     ended: bool = False  # its last event was sent; nothing more may follow
 
@@ -145,6 +160,12 @@ class Engine:
         self._prefill_bytes_key = f"engine-{id(self):x}-prefill"
         self._batch_bytes_key = f"engine-{id(self):x}-batch"
         self._steps = 0
+        self.prefetch = PrefetchStats()
+        self._prefetcher = (
+            Prefetcher(self.planner, self._enqueue_prefetch)
+            if self.config.prefetch_next_turn and self.cache_config.enabled
+            else None
+        )
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
         self._pending = 0  # submitted and not finished; guarded by _pending_lock
         self._pending_lock = threading.Lock()
@@ -172,21 +193,50 @@ class Engine:
         sampling: SamplingParams,
         cache: CachePreference = CachePreference(),
         request_id: str | None = None,
+        *,
+        fit_reply: bool = False,
     ) -> RequestHandle:
         """Render, validate and queue a request. Raises InvalidRequest,
-        ContextLengthExceeded or EngineBusy in the caller's thread."""
+        ContextLengthExceeded or EngineBusy in the caller's thread.
+
+        `fit_reply`: refuse a prompt that leaves less than `max_tokens` of the context
+        for the reply (OpenAI's rule for an explicit max_tokens); otherwise the reply is
+        cut at the context's end."""
         if sampling.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
+            raise InvalidRequest("seed must be between 0 and 2**64 - 1", param="seed")
         DiskTier.parse_scope(cache.scope)
         rendered = self.plan(prompt)
+        limit = self.model.context_length
+        wanted = len(rendered.tokens) + sampling.max_tokens
+        if fit_reply and limit is not None and wanted > limit:
+            raise ContextLengthExceeded(
+                f"this model's context is {limit} tokens, but {wanted} were requested "
+                f"({len(rendered.tokens)} in the prompt, {sampling.max_tokens} for the "
+                "completion); shorten the prompt or lower max_tokens",
+                param="messages" if prompt.messages is not None else "prompt",
+            )
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
-        self._enqueue(_Job(handle, rendered, sampling, cache, time.perf_counter()))
+        self._enqueue(_Job(handle, rendered, sampling, cache, time.perf_counter(), prompt))
         return handle
 
     def warm(
         self, prompt: PromptInput, pin: bool = False, timeout: float | None = None
     ) -> WarmResult:
-        """Prefill a prompt into the cache (optionally pinned) without generating. Blocks."""
+        """Prefill a prompt into the cache (optionally pinned) without generating. Blocks;
+        on `timeout` the warm-up is cancelled and TimeoutError raised."""
+        handle, future = self.start_warm(prompt, pin)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:  # the builtin TimeoutError from Python 3.11
+            handle.cancel()
+            raise
+
+    def start_warm(
+        self, prompt: PromptInput, pin: bool = False
+    ) -> tuple[RequestHandle, Future[WarmResult]]:
+        """Queue a warm-up; its future gives the WarmResult (cancel it with the handle)."""
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = RequestHandle(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
@@ -201,7 +251,7 @@ class Engine:
             pin=pin,
         )
         self._enqueue(job)
-        return future.result(timeout)
+        return handle, future
 
     def _enqueue(self, job: _Job) -> None:
         with self._pending_lock:
@@ -215,10 +265,28 @@ class Engine:
             # engine's last look at its inbox.
             self._inbox.put(job)
 
+    def _enqueue_prefetch(self, prompt: RenderedPrompt) -> None:
+        """Queue a next-turn prefetch (from the prefetcher's thread). Background jobs are
+        not counted against `max_queued`: they never keep a request out."""
+        handle = RequestHandle(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
+        job = _Job(
+            handle,
+            prompt,
+            SamplingParams(max_tokens=1),
+            CachePreference(),
+            time.perf_counter(),
+            background=True,
+            not_before=time.monotonic() + self.config.prefetch_delay_s,
+        )
+        with self._pending_lock:
+            if self._accepting:
+                self._inbox.put(job)
+
     def cache_stats(self) -> dict:
         stats = asdict(self.store.stats())
         lookups = stats["hits"] + stats["misses"]
         stats["hit_ratio"] = stats["hits"] / lookups if lookups else 0.0
+        stats["prefetch"] = asdict(self.prefetch)
         if self.disk is not None:
             disk = asdict(self.disk.cache.stats())
             disk["directory"] = str(disk["directory"])
@@ -241,6 +309,8 @@ class Engine:
         `timeout`, then cancel them too; join the engine thread."""
         with self._pending_lock:
             self._accepting = False
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         self._inbox.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -263,13 +333,16 @@ class Engine:
 
     def _run_until_closed(self) -> None:
         while True:
-            idle = not (self._waiting or self._prefilling or len(self._batch))
-            if self._closing and idle:
-                return
+            requests_waiting = any(not j.background for j in self._waiting)
+            idle = not (requests_waiting or self._prefilling or len(self._batch))
+            saving = self.disk is not None and self.disk.pending > 0
+            if self._closing and idle and not saving:
+                return  # queued saves are written first: a shutdown keeps what disk should
             try:
-                if self.disk is not None and self.disk.pending:
+                if saving:
                     self.disk.write_pending(busy=not idle)  # off the requests' critical path
-                self._take_inbox(block=idle and not self._closing)
+                block = idle and not self._closing and not saving
+                self._take_inbox(block, timeout=self._background_wait() if block else None)
                 self._step()
             except Exception as e:  # a bug in one request must not stop the engine
                 log.exception("engine step failed")
@@ -289,11 +362,16 @@ class Engine:
         if len(self._batch):
             self._decode_step()
 
-    def _take_inbox(self, block: bool) -> None:
-        """Move submitted jobs into the waiting list; after the shutdown marker, cancel
-        what waits."""
+    def _background_wait(self) -> float | None:
+        """Seconds until the next background job may start (None: none waits)."""
+        times = [j.not_before for j in self._waiting if j.background]
+        return max(0.0, min(times) - time.monotonic()) if times else None
+
+    def _take_inbox(self, block: bool, timeout: float | None = None) -> None:
+        """Move submitted jobs into the waiting list (waiting up to `timeout` for one
+        when `block`); after the shutdown marker, cancel what waits."""
         try:
-            job = self._inbox.get(timeout=None) if block else self._inbox.get_nowait()
+            job = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
             while True:
                 if job is None:
                     self._closing = True
@@ -310,17 +388,55 @@ class Engine:
         for job in [j for j in self._waiting if j.handle.cancelled.is_set() or self._stopping]:
             self._waiting.remove(job)
             self._end(job, DoneEvent("cancelled", _usage(job, 0, 0, 0.0, 0.0, 0.0)))
-        if self._prefilling is not None or not self._waiting:
+        if self._prefilling is not None:
+            self._preempt_background()
             return
-        if len(self._batch) >= self.capacity:
+        if not self._waiting or len(self._batch) >= self.capacity:
             return
-        job = pick_next(self._waiting, self._peek_reuse, self.config.max_passovers)
+        requests = [j for j in self._waiting if not j.background]
+        if requests:
+            job = pick_next(requests, self._peek_reuse, self.config.max_passovers)
+            # Prefetches this request covers would only recompute what it computes.
+            for bg in [j for j in self._waiting if j.background]:
+                if extends(job.prompt.tokens, bg.prompt.tokens):
+                    self._waiting.remove(bg)
+                    self._end(bg, DoneEvent("cancelled", _usage(bg, 0, 0, 0.0, 0.0, 0.0)))
+        else:
+            job = self._ready_background()
+            if job is None:
+                return
+            self.prefetch.started += 1
         self._waiting.remove(job)
         try:
             self._start_prefill(job)
         except Exception as e:
             log.exception("%s: could not start", job.handle.request_id)
             self._end(job, ErrorEvent(_message(e)))
+
+    def _ready_background(self) -> _Job | None:
+        """The oldest background job allowed to start: only on an engine with nothing to
+        decode, after its delay (a client that sends its next request at once gets the
+        engine to itself)."""
+        if len(self._batch):
+            return None
+        now = time.monotonic()
+        return next((j for j in self._waiting if j.background and j.not_before <= now), None)
+
+    def _preempt_background(self) -> None:
+        """A background prefill gives way to any waiting request that does not extend its
+        prompt; one that does will restore from it, so it goes on."""
+        task = self._prefilling
+        assert task is not None
+        if not task.job.background:
+            return
+        mine = task.job.prompt.tokens
+        if self._closing or any(
+            not j.background and not extends(j.prompt.tokens, mine) for j in self._waiting
+        ):
+            self.prefetch.cancelled += 1
+            self.prefetch.tokens += task.position - task.reuse
+            self._close_prefill()
+            self._end(task.job, DoneEvent("cancelled", _usage(task.job, 0, 0, 0.0, 0.0, 0.0)))
 
     def _peek_reuse(self, job: _Job) -> int:
         if not (self.cache_config.enabled and job.cache_pref.enabled):
@@ -423,13 +539,18 @@ class Engine:
         job = task.job
         tokens = job.prompt.tokens
         prefill_tps = (len(tokens) - task.reuse) / max(time.perf_counter() - task.started_at, 1e-9)
-        if job.warm is not None:
-            if job.pin and task.checkpointer is not None:
-                for position in task.checkpointer.stored:
-                    self.store.pin(self.model_key, tokens[:position])
+        if job.background:
+            self.prefetch.completed += 1
+            self.prefetch.tokens += len(tokens) - task.reuse
             self._close_prefill()
             job.ended = True
-            job.warm.set_result(WarmResult(len(tokens), task.reuse, job.pin))
+            return
+        if job.warm is not None:
+            pinned = self._pin_checkpoints(job.prompt) if job.pin else False
+            self._close_prefill()
+            job.ended = True
+            if not job.warm.done():  # a caller may have cancelled the future itself
+                job.warm.set_result(WarmResult(len(tokens), task.reuse, pinned))
             self._finished(job)
             return
         sampler = TokenSampler(job.sampling)
@@ -449,6 +570,19 @@ class Engine:
             self._batch.add(running, task.cache, sampler, token)
             self.store.set_active_bytes(self._batch_bytes_key, self._batch.nbytes())
         self._close_prefill()
+
+    def _pin_checkpoints(self, prompt: RenderedPrompt) -> bool:
+        """Pin the stored entries at this prompt's checkpoints and its end, whether this
+        warm-up stored them or an earlier request did. True if any is pinned."""
+        positions = {c.position for c in prompt.checkpoints} | {len(prompt.tokens)}
+        pinned = False
+        for position in sorted(positions):
+            key = prompt.tokens[:position]
+            if self.store.pin(self.model_key, key):
+                pinned = True
+            else:
+                self.store.unpin(self.model_key, key)  # nothing there: leave no stray pin
+        return pinned
 
     def _close_prefill(self) -> None:
         task = self._prefilling
@@ -515,6 +649,15 @@ class Engine:
             decode_tps,
         )
         self._end(job, DoneEvent(reason, usage))  # type: ignore[arg-type]
+        if reason != "cancelled":
+            self._maybe_prefetch(job, running.stream.text)
+
+    def _maybe_prefetch(self, job: _Job, reply: str) -> None:
+        if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
+            return
+        tool_start = getattr(self.model.tokenizer, "tool_call_start", None)
+        if wants_prefetch(job.source, reply, tool_start):
+            self._prefetcher.submit(job.source, reply, len(job.prompt.tokens))
 
     def _end(self, job: _Job, event: DoneEvent | ErrorEvent) -> None:
         """Send a job's last event (once: later calls are ignored)."""
@@ -531,6 +674,8 @@ class Engine:
         self._finished(job)
 
     def _finished(self, job: _Job) -> None:
+        if job.background:
+            return  # never counted in _pending
         with self._pending_lock:
             self._pending -= 1
 

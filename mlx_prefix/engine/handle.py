@@ -44,21 +44,31 @@ class RequestHandle:
         self.cancelled.set()
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Blocking iterator; ends after a DoneEvent or ErrorEvent."""
-        while True:
-            event = self._queue.get(timeout=timeout)
-            yield event
-            if isinstance(event, (DoneEvent, ErrorEvent)):
-                return
+        """Blocking iterator; ends after a DoneEvent or ErrorEvent. A consumer that stops
+        early (break, an exception, Ctrl-C) cancels the request."""
+        ended = False
+        try:
+            while not ended:
+                event = self._queue.get(timeout=timeout)
+                ended = isinstance(event, (DoneEvent, ErrorEvent))
+                yield event
+        finally:
+            if not ended:
+                self.cancel()
 
     async def aevents(self) -> AsyncIterator[Event]:
+        """As `events`, for an asyncio consumer (no thread parked per request)."""
         aqueue: asyncio.Queue[Event] = asyncio.Queue()
         with self._lock:
             while not self._queue.empty():
                 aqueue.put_nowait(self._queue.get_nowait())
             self._async = (asyncio.get_running_loop(), aqueue)
-        while True:
-            event = await aqueue.get()
-            yield event
-            if isinstance(event, (DoneEvent, ErrorEvent)):
-                return
+        ended = False
+        try:
+            while not ended:
+                event = await aqueue.get()
+                ended = isinstance(event, (DoneEvent, ErrorEvent))
+                yield event
+        finally:
+            if not ended:
+                self.cancel()

@@ -36,3 +36,8 @@ def pick_next(waiting: Sequence[J], reuse_of: Callable[[J], int], max_passovers:
             break
         job.passovers += 1
     return chosen
+
+
+def extends(tokens: Sequence[int], prefix: Sequence[int]) -> bool:
+    """Whether `tokens` starts with `prefix` (a request that can restore from it)."""
+    return len(tokens) >= len(prefix) and tuple(tokens[: len(prefix)]) == tuple(prefix)

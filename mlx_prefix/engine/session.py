@@ -10,6 +10,7 @@ with PrefixCacheSession() as session:            # bundled default model
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,11 +86,13 @@ class PrefixCacheSession:
     def stream(
         self, prompt: PromptInput, sampling: SamplingParams | None = None, cache: bool = True
     ) -> Iterator[TokenEvent | DoneEvent]:
-        """Token events, then one DoneEvent. Raises MlxPrefixError on an engine error."""
-        for event in self.submit(prompt, sampling, cache).events():
-            if isinstance(event, ErrorEvent):
-                raise MlxPrefixError(event.message)
-            yield event
+        """Token events, then one DoneEvent. Raises MlxPrefixError on an engine error.
+        Stopping early (break, an exception, Ctrl-C) cancels the request."""
+        with closing(self.submit(prompt, sampling, cache).events()) as events:
+            for event in events:
+                if isinstance(event, ErrorEvent):
+                    raise MlxPrefixError(event.message)
+                yield event
 
     def generate(
         self,

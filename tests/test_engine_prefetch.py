@@ -1,0 +1,141 @@
+"""Next-turn prefetch: the reply is prefilled again, on the grid, while the engine idles,
+so the next turn restores the whole history and still answers like a cold run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import chat, run, warm_equals_cold
+
+from mlx_prefix.config import EngineConfig
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.prefetch import next_turn_prompt, wants_prefetch
+from mlx_prefix.engine.request import PromptInput, SamplingParams
+
+SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3
+NOW = EngineConfig(prefetch_delay_s=0.0)
+
+
+def wait_for(condition, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def last_message_start(engine: Engine, prompt: PromptInput) -> int:
+    return max(c.position for c in engine.plan(prompt).checkpoints if c.kind.name == "LAST_MESSAGE")
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "sliding"])
+def test_the_next_turn_restores_the_whole_history_and_answers_like_a_cold_run(kind):
+    engine = Engine(loaded_test_model(kind), TEST_CACHE, NOW)
+    try:
+        history = [
+            ("system", SYSTEM),
+            ("user", "What is a fraction?"),
+            ("assistant", "A part of a whole."),
+            ("user", "And a decimal?"),
+        ]
+        second = run(engine, chat(*history))
+        assert wait_for(lambda: engine.prefetch.completed == 1)
+        assert engine.prefetch.tokens > 0
+        third = chat(*history, ("assistant", second.text), ("user", "Which is easier?"))
+        result = warm_equals_cold(engine, third)
+        # Everything before the new message was restored: the reply included.
+        assert result.usage.cached_tokens >= last_message_start(engine, third)
+        assert result.usage.cached_tokens > second.usage.prompt_tokens
+        engine.store.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_thinking_template_prefetch_matches_the_next_request():
+    # The reply's <think> block is dropped when the next user message arrives; the
+    # prefetched prompt must be what the next request renders, not what was generated.
+    model = loaded_test_model("dense", think_template=True)
+    engine = Engine(model, TEST_CACHE, NOW)
+    try:
+        history = (
+            {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "<think>\nTwo is prime.\n</think>\n\n2"},
+            {"role": "user", "content": "Another one?"},
+        )
+        reply = "<think>\nThree works.\n</think>\n\n3"
+        source = PromptInput(messages=history)
+        prefetched = next_turn_prompt(
+            engine.planner, source, reply, len(engine.plan(source).tokens)
+        )
+        assert prefetched is not None
+        nxt = PromptInput(
+            messages=(
+                *history,
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "And a third?"},
+            )
+        )
+        real = engine.plan(nxt).tokens
+        assert real[: len(prefetched.tokens)] == prefetched.tokens
+        assert len(prefetched.tokens) == last_message_start(engine, nxt)
+        assert "Three works" not in model.tokenizer.decode(list(prefetched.tokens))
+    finally:
+        engine.shutdown()
+
+
+def test_one_shot_requests_and_tool_calls_are_not_prefetched():
+    one_shot = PromptInput(messages=({"role": "user", "content": "Summarize this page."},))
+    assert not wants_prefetch(one_shot, "A summary.", "<tool_call>")
+    chat_turn = PromptInput(
+        messages=(
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Look it up"},
+        )
+    )
+    assert wants_prefetch(chat_turn, "Sure.", "<tool_call>")
+    assert not wants_prefetch(chat_turn, 'Sure. <tool_call>{"name": "f"}', "<tool_call>")
+    assert not wants_prefetch(PromptInput(text="Once upon a time"), " there", None)
+
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
+    try:
+        run(engine, one_shot)
+        time.sleep(0.2)
+        assert engine.prefetch.started == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_that_cannot_use_a_running_prefetch_takes_over():
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
+    try:
+        long_history = chat(
+            ("system", "A long lesson about rivers and their deltas. " * 120),
+            ("user", "Go on."),
+            ("assistant", "Rivers carry silt to the sea."),
+            ("user", "Why?"),
+        )
+        rendered = engine.plan(long_history)
+        engine._enqueue_prefetch(rendered)
+        assert wait_for(lambda: engine.prefetch.started == 1)
+        other = run(engine, chat(("user", "Unrelated: what is two plus two?")))
+        assert other.finish_reason in ("stop", "length")
+        assert engine.prefetch.cancelled == 1 and engine.prefetch.completed == 0
+        assert engine.prefetch.tokens < len(rendered.tokens)
+        engine.store.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_prefetch_can_be_turned_off():
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
+    try:
+        history = chat(("user", "Hi"), ("assistant", "Hello."), ("user", "How are you?"))
+        run(engine, history, sampling=SamplingParams(max_tokens=4))
+        time.sleep(0.2)
+        assert engine.prefetch.started == 0
+    finally:
+        engine.shutdown()
