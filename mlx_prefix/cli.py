@@ -109,6 +109,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="prefill tokens computed between two decode steps (default 256)",
     )
+    p.add_argument(
+        "--no-prefetch",
+        action="store_false",
+        dest="prefetch_next_turn",
+        default=None,
+        help="don't prefill a chat's reply again while idle (next-turn prefetch)",
+    )
 
 
 def _disk_args(p: argparse.ArgumentParser, default_scope: str) -> None:
@@ -212,7 +219,7 @@ def _cache_config(args: argparse.Namespace):
 def _engine_config(args: argparse.Namespace):
     from mlx_prefix.config import EngineConfig, from_env
 
-    keys = ("max_running", "max_queued", "prefill_tokens_per_step")
+    keys = ("max_running", "max_queued", "prefill_tokens_per_step", "prefetch_next_turn")
     return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
 
 

@@ -31,3 +31,13 @@ def test_byte_sizes_take_units_in_variables_as_in_flags(monkeypatch):
     monkeypatch.setenv("MLX_PREFIX_CACHE_BUDGET_BYTES", "plenty")
     with pytest.raises(ValueError, match="MLX_PREFIX_CACHE_BUDGET_BYTES"):
         from_env(CacheConfig, "CACHE")
+
+
+def test_engine_flags_and_variables_reach_the_engine_config(monkeypatch):
+    from mlx_prefix.cli import _engine_config, build_parser
+
+    monkeypatch.setenv("MLX_PREFIX_ENGINE_MAX_QUEUED", "7")
+    args = build_parser().parse_args(["serve", "--max-running", "3", "--no-prefetch"])
+    config = _engine_config(args)
+    assert (config.max_running, config.max_queued, config.prefetch_next_turn) == (3, 7, False)
+    assert _engine_config(build_parser().parse_args(["serve"])).prefetch_next_turn is True

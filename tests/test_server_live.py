@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
+import time
 
 import httpx
 import openai
@@ -104,3 +107,61 @@ def test_disk_tier_shows_in_cache_stats_and_metrics(tmp_path):
         assert "mlx_prefix_disk_files" in metrics and "mlx_prefix_disk_budget_bytes" in metrics
         assert "# TYPE mlx_prefix_disk_saves_total counter" in metrics
         assert "# TYPE mlx_prefix_disk_files gauge" in metrics
+
+
+def test_soak_of_streaming_non_streaming_and_abandoned_requests(live):
+    # 24 concurrent clients over HTTP: streamed and whole answers, and clients that hang
+    # up midway. Every answer matches the same request served alone, abandoned requests
+    # stop (their bytes leave the budget), and the cache stays consistent.
+    url, engine = live
+    questions = [f"Question {i}: which floor has the {i * 3}th shelf?" for i in range(24)]
+
+    def body(q: str, stream: bool) -> dict:
+        return {
+            "model": "default",
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": stream,
+        }
+
+    with httpx.Client(base_url=url, timeout=120) as c:
+        alone = {
+            q: c.post("/v1/chat/completions", json=body(q, False)).json()["choices"][0]["message"][
+                "content"
+            ]
+            for q in questions
+        }
+
+    async def client(i: int, q: str, http: httpx.AsyncClient) -> tuple[str, str | None]:
+        if i % 3 == 2:  # hang up after the first chunk
+            async with http.stream("POST", "/v1/chat/completions", json=body(q, True)) as r:
+                async for _ in r.aiter_lines():
+                    break
+            return q, None
+        if i % 3 == 1:
+            r = await http.post("/v1/chat/completions", json=body(q, False))
+            return q, r.json()["choices"][0]["message"]["content"]
+        text = []
+        async with http.stream("POST", "/v1/chat/completions", json=body(q, True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"]
+                    text.append(delta[0]["delta"].get("content") or "" if delta else "")
+        return q, "".join(text)
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            return await asyncio.gather(*(client(i, q, http) for i, q in enumerate(questions)))
+
+    for q, text in asyncio.run(main()):
+        if text is not None:
+            assert text == alone[q], q
+    deadline = time.monotonic() + 30
+    while engine._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._pending == 0
+    stats = engine.store.stats()
+    assert stats.active_bytes == 0 and stats.hits >= len(questions)
+    engine.store.check_integrity()
+    assert httpx.get(f"{url}/health").status_code == 200
