@@ -1,8 +1,9 @@
 """Prefill speed with and without the fast BLAS the `mlx-prefix` launcher preloads.
 
-Runs the same cold prefill (bundled SmolLM2-135M, float32) in two child processes, one
-with MLX's bundled reference BLAS and one with the preloaded OpenBLAS/MKL, and prints
-tokens/s for each: `python benchmarks/bench_blas.py [--tokens 512]`.
+Runs the same cold prefill (default: the bundled SmolLM2-135M, float32) in two child
+processes, one with MLX's bundled reference BLAS and one with the preloaded OpenBLAS/MKL,
+and prints tokens/s for each: `python benchmarks/bench_blas.py [--tokens 512] [--model DIR]`.
+`python -m benchmarks` runs it too (workload `blas`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from mlx_prefix.platform import loaded_blas
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.engine.runner import prefill
 
-n = int(sys.argv[1])
-loaded = load_model(None)
+n, spec = int(sys.argv[1]), (sys.argv[2] or None)
+loaded = load_model(spec)
 tokens = [(i * 7919) % 40000 + 100 for i in range(n)]
 grid = ChunkGrid(256)
-prefill(loaded.model, make_prompt_cache(loaded.model), tokens[:64], 0, grid, lambda p: 0)
+prefill(loaded.model, make_prompt_cache(loaded.model), tokens[:16], 0, grid, lambda p: 0)
 start = time.perf_counter()
 mx.eval(prefill(loaded.model, make_prompt_cache(loaded.model), tokens, 0, grid, lambda p: 0))
 seconds = time.perf_counter() - start
@@ -39,9 +40,9 @@ print(json.dumps(row))
 """
 
 
-def run(env: dict[str, str], tokens: int) -> dict:
+def run(env: dict[str, str], tokens: int, model: str | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tokens)],
+        [sys.executable, "-c", CHILD, str(tokens), model or ""],
         env=env,
         capture_output=True,
         text=True,
@@ -51,17 +52,26 @@ def run(env: dict[str, str], tokens: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def compare(model: str | Path | None, tokens: int) -> list[dict]:
+    """One row per BLAS: the process's default one, then the fast one where there is one
+    to preload. Whatever this process has preloaded, the first child runs without it."""
+    plain = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", PRELOADED_ENV)}
+    spec = None if model is None else str(model)
+    rows = [run(plain, tokens, spec)]
+    fast = fast_blas_env(plain)
+    if PRELOADED_ENV in fast:
+        rows.append(run(fast, tokens, spec))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/blas.json"))
     args = parser.parse_args()
-    plain = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", PRELOADED_ENV)}
-    rows = [run(plain, args.tokens)]
-    fast = fast_blas_env(plain)
-    if PRELOADED_ENV in fast:
-        rows.append(run(fast, args.tokens))
-    else:
+    rows = compare(args.model, args.tokens)
+    if len(rows) < 2:
         print("no fast BLAS found to preload (macOS, or none installed)", file=sys.stderr)
     for row in rows:
         print(

@@ -5,6 +5,7 @@ For each prefix length, a KVCache list shaped like a small model holds the prefi
   restore          snapshot.restore(snap) incl. mx.eval of the restored state
   lookup+restore   PromptCache.match + acquire + restore + release
   mlx-lm fetch     LRUPromptCache.fetch_nearest_cache (trie walk + deepcopy) + mx.eval
+                   (MLX 0.32's deepcopy of an mx.array shares its buffer: no copy either)
   first write      one decode token into every layer of the restored cache + eval
                    (where copy-on-write pays for the copy, for both)
 and the extra active MLX memory each leaves behind (mx.get_active_memory).

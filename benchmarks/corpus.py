@@ -52,6 +52,20 @@ def passage(start: int, n_tokens: int, count: Callable[[str], int]) -> str:
             return " ".join(out)
 
 
+def snippet(start: int, n_tokens: int, count: Callable[[str], int]) -> str:
+    """The first words of the passage at `start`, just `n_tokens` long or a little more:
+    for many short, distinct requests."""
+    words = passage(start, n_tokens, count).split()
+    lo, hi = 1, len(words)  # the fewest words that make n_tokens lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(" ".join(words[:mid])) >= n_tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return " ".join(words[:lo])
+
+
 def sentence(i: int) -> str:
     """One verse, for short user messages."""
     vs = verses()

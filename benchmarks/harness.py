@@ -1,8 +1,10 @@
 """What every workload shares: result records, reuse accounting, cold-run checks.
 
-A workload is a module with `NAME`, `TITLE`, and either
-  `async def run(ctx, server) -> ServerResult`  (run once per server, shared servers), or
-  `def run_standalone(ctx) -> dict[str, ServerResult]`  (starts its own processes).
+A workload is a module with `NAME`, `TITLE`, `ASKED` (the size the issue asks for),
+`describe(sizes) -> str` (the sizes it runs at, for RESULTS.md), and one of
+  `async def run(ctx, server, client) -> ServerResult`  (once per server, shared servers),
+  `def run_standalone(ctx) -> dict[str, ServerResult]`  (starts its own processes), or
+  `def run_once(sizes, model) -> dict[str, ServerResult]`  (in-process, once per run).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from .client import Reply, Request, send
 from .models import BenchModel, Tokens
-from .profiles import Profile
+from .profiles import Sizes
 from .servers import OURS, PEER, Server, ServerSpec
 
 
@@ -57,17 +59,29 @@ class ServerResult:
     wall_s: float = 0.0  # the workload's measured requests, end to end
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # workload-specific series
+    # Prompt tokens the server prefilled off the requests' path (mlx-prefix's next-turn
+    # prefetch, read from /v1/cache): still prefill work, so part of `prefilled`.
+    background_tokens: int = 0
 
     def reuse(self) -> dict[str, Any]:
         """Prefilled vs novel tokens. efficiency = novel / prefilled (1.0: nothing
-        recomputed; 0.25: four times the necessary prefill)."""
+        recomputed; 0.25: four times the necessary prefill), counting background prefill;
+        request_path_efficiency leaves it out (what the requests waited for)."""
         rows = [s for s in self.samples if s.prompt_tokens is not None and s.novel_tokens]
         novel = sum(s.novel_tokens or 0 for s in rows)
         if not rows or any(s.cached_tokens is None for s in rows):
             return {"prefilled": None, "novel": novel or None, "efficiency": None}
-        prefilled = sum((s.prompt_tokens or 0) - (s.cached_tokens or 0) for s in rows)
+        on_path = sum((s.prompt_tokens or 0) - (s.cached_tokens or 0) for s in rows)
+        prefilled = on_path + self.background_tokens
         eff = min(1.0, novel / prefilled) if prefilled else None
-        return {"prefilled": prefilled, "novel": novel, "efficiency": eff}
+        path_eff = min(1.0, novel / on_path) if on_path else None
+        return {
+            "prefilled": prefilled,
+            "background": self.background_tokens,
+            "novel": novel,
+            "efficiency": eff,
+            "request_path_efficiency": path_eff,
+        }
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -83,6 +97,7 @@ class WorkloadResult:
     model: str
     servers: dict[str, ServerResult]
     skipped: str | None = None  # why, when the workload could not run
+    elapsed_s: float = 0.0  # all of it: server starts and cold-run checks included
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +105,7 @@ class WorkloadResult:
             "title": self.title,
             "model": self.model,
             "skipped": self.skipped,
+            "elapsed_s": self.elapsed_s,
             "servers": {k: v.to_json() for k, v in self.servers.items()},
         }
 
@@ -116,9 +132,9 @@ class Ledger:
 
 @dataclass
 class Context:
-    """One model's run: its servers, the profile, and the helpers workloads call."""
+    """One model's run: its servers, its sizes, and the helpers workloads call."""
 
-    profile: Profile
+    sizes: Sizes
     model: BenchModel
     tokens: Tokens
     out_dir: Path
@@ -189,7 +205,7 @@ class Context:
 
     def should_check(self, index: int, count: int) -> bool:
         """Which warm requests get a cold twin: all (full) or the last `check_last`."""
-        return self.profile.check_last is None or index >= count - self.profile.check_last
+        return self.sizes.check_last is None or index >= count - self.sizes.check_last
 
     def close(self) -> None:
         if self._peer_cold is not None:

@@ -1,5 +1,14 @@
-"""Sizes per profile. `quick` fits in under 10 minutes on a 2-core Linux box (float32 on
-the CPU: ~60-200 prefill tok/s); `full` is sized for Apple-silicon Macs."""
+"""What each profile runs: per model, its workloads and their sizes.
+
+`quick` fits in under 10 minutes on a 2-core Linux box (float32 on the CPU: ~150 prefill
+tok/s on the dense model, ~3x that on the hybrid one; about 8.3 minutes in all when the
+box is otherwise idle, see RESULTS.md's run-time table). It spends its time where the
+issue's sizes matter: the 4K-token document on the faster hybrid model (2K on the dense
+one), the 2K-token restart and the 200 memory requests on both (short requests, 1-token
+replies), one cold-run twin per workload, one request per client for requests/s.
+`full` uses the issue's sizes (or more) everywhere and is sized for Apple-silicon Macs.
+RESULTS.md prints the sizes of the run and of the other profile, generated from these.
+"""
 
 from __future__ import annotations
 
@@ -7,47 +16,7 @@ from dataclasses import dataclass, replace
 
 MiB = 1 << 20
 
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    models: tuple[str, ...]  # "dense", "hybrid" or model folders
-    workloads: tuple[str, ...]  # run on the first model
-    other_model_workloads: tuple[str, ...]  # run on the remaining models
-    max_tokens: int  # greedy tokens per reply
-    check_last: int | None  # cold-run twins for the last N warm requests (None: all)
-    # chat
-    chat_turns: int = 5
-    chat_system_tokens: int = 200
-    chat_user_tokens: int = 60
-    # agent
-    agent_steps: int = 4
-    agent_result_tokens: int = 120
-    # shared system prompt
-    shared_system_tokens: int = 500
-    shared_users: int = 4
-    # burst
-    burst_size: int = 6
-    burst_instruction_tokens: int = 500
-    burst_item_tokens: int = 40
-    # concurrency (requests/s)
-    concurrency_clients: tuple[int, ...] = (1, 4, 8)
-    concurrency_requests_per_client: int = 2
-    concurrency_system_tokens: int = 200
-    # document
-    document_tokens: int = 1200
-    # restart (disk tier)
-    restart_system_tokens: int = 1000
-    # memory
-    memory_requests: int = 12
-    memory_prompt_tokens: int = 150
-    memory_cap: int = 32 * MiB  # bytes; both servers take a plain integer
-    # restore micro-benchmark
-    restore_tokens: tuple[int, ...] = (1024, 8192, 32768)
-    restore_repeat: int = 3
-
-
-ALL_WORKLOADS = (
+MODEL_WORKLOADS = (
     "chat",
     "agent",
     "shared_system",
@@ -56,74 +25,148 @@ ALL_WORKLOADS = (
     "document",
     "restart",
     "memory",
-    "restore",
+)
+ONCE_WORKLOADS = ("restore", "blas")  # in-process, once per run, with the first model's plan
+ALL_WORKLOADS = MODEL_WORKLOADS + ONCE_WORKLOADS
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Workload sizes for one model. Token counts are of the text a workload pastes in
+    (the chat template adds a few)."""
+
+    max_tokens: int = 8  # greedy tokens per reply
+    check_last: int | None = 1  # cold-run twins for the last N warm requests (None: all)
+    chat_turns: int = 5
+    chat_system_tokens: int = 200
+    chat_user_tokens: int = 60
+    chat_pause_s: float = 1.5  # the user reads a reply before sending the next message
+    agent_steps: int = 4
+    agent_result_tokens: int = 120
+    shared_system_tokens: int = 500
+    shared_users: int = 4
+    burst_size: int = 6
+    burst_instruction_tokens: int = 500
+    burst_item_tokens: int = 40
+    concurrency_clients: tuple[int, ...] = (1, 4, 8)
+    concurrency_requests_per_client: int = 1
+    concurrency_system_tokens: int = 200
+    document_tokens: int = 1200
+    restart_system_tokens: int = 2000
+    memory_requests: int = 200
+    memory_prompt_tokens: int = 8
+    memory_max_tokens: int = 1
+    memory_cap: int = 32 * MiB  # bytes; both servers take a plain integer
+    restore_tokens: tuple[int, ...] = (1024, 8192, 32768)
+    restore_repeat: int = 3
+    blas_tokens: int = 64  # prompt tokens for the prefill speed with and without fast BLAS
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    model: str  # "dense" | "hybrid" (see models.py)
+    workloads: tuple[str, ...]
+    sizes: Sizes
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    plans: tuple[ModelPlan, ...]  # in run order
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(p.model for p in self.plans)
+
+    def plan_for(self, key: str, index: int) -> ModelPlan:
+        """The plan for the `index`-th model of a run: the plan named `key`, else the one
+        at that position (the last one past the end), for `--model FOLDER`."""
+        for plan in self.plans:
+            if plan.model == key:
+                return plan
+        return self.plans[min(index, len(self.plans) - 1)]
+
+
+_QUICK_DENSE = Sizes(document_tokens=2048)
+_FULL = Sizes(
+    max_tokens=64,
+    check_last=None,
+    chat_turns=8,
+    chat_system_tokens=600,
+    chat_user_tokens=120,
+    agent_steps=8,
+    agent_result_tokens=400,
+    shared_system_tokens=1500,
+    shared_users=8,
+    burst_item_tokens=120,
+    concurrency_requests_per_client=6,
+    concurrency_system_tokens=600,
+    document_tokens=6000,
+    restart_system_tokens=2000,
+    memory_requests=200,
+    memory_prompt_tokens=400,
+    memory_max_tokens=16,
+    memory_cap=256 * MiB,
+    restore_repeat=20,
+    blas_tokens=512,
 )
 
 PROFILES = {
     "quick": Profile(
-        name="quick",
-        models=("dense", "hybrid"),
-        workloads=ALL_WORKLOADS,
-        other_model_workloads=("chat", "agent", "concurrency", "document", "restart"),
-        max_tokens=8,
-        check_last=1,
+        "quick",
+        (
+            ModelPlan("dense", ALL_WORKLOADS, _QUICK_DENSE),
+            ModelPlan("hybrid", MODEL_WORKLOADS, replace(_QUICK_DENSE, document_tokens=4096)),
+        ),
     ),
     "full": Profile(
-        name="full",
-        models=("dense", "hybrid"),
-        workloads=ALL_WORKLOADS,
-        other_model_workloads=ALL_WORKLOADS[:-1],
-        max_tokens=64,
-        check_last=None,
-        chat_turns=8,
-        chat_system_tokens=600,
-        chat_user_tokens=120,
-        agent_steps=8,
-        agent_result_tokens=400,
-        shared_system_tokens=1500,
-        shared_users=8,
-        burst_instruction_tokens=500,
-        burst_item_tokens=120,
-        concurrency_requests_per_client=6,
-        concurrency_system_tokens=600,
-        document_tokens=6000,
-        restart_system_tokens=4000,
-        memory_requests=200,
-        memory_prompt_tokens=400,
-        memory_cap=256 * MiB,
-        restore_repeat=20,
+        "full",
+        (
+            ModelPlan("dense", ALL_WORKLOADS, _FULL),
+            ModelPlan("hybrid", MODEL_WORKLOADS, _FULL),
+        ),
     ),
     # For the smoke test: a tiny model and the smallest sizes that still exercise reuse.
     "smoke": Profile(
-        name="smoke",
-        models=("dense",),
-        workloads=("chat", "burst", "concurrency", "document", "memory", "restore"),
-        other_model_workloads=(),
-        max_tokens=3,
-        check_last=1,
-        chat_turns=3,
-        chat_system_tokens=60,
-        chat_user_tokens=20,
-        agent_steps=2,
-        agent_result_tokens=30,
-        shared_system_tokens=60,
-        shared_users=2,
-        burst_size=3,
-        burst_instruction_tokens=60,
-        burst_item_tokens=10,
-        concurrency_clients=(1, 2),
-        concurrency_requests_per_client=1,
-        concurrency_system_tokens=30,
-        document_tokens=150,
-        restart_system_tokens=80,
-        memory_requests=3,
-        memory_prompt_tokens=30,
-        memory_cap=4 * MiB,
-        restore_tokens=(256,),
-        restore_repeat=1,
+        "smoke",
+        (
+            ModelPlan(
+                "dense",
+                ("chat", "burst", "concurrency", "document", "memory", "restore"),
+                Sizes(
+                    max_tokens=3,
+                    chat_turns=3,
+                    chat_system_tokens=60,
+                    chat_user_tokens=20,
+                    agent_steps=2,
+                    agent_result_tokens=30,
+                    shared_system_tokens=60,
+                    shared_users=2,
+                    burst_size=3,
+                    burst_instruction_tokens=60,
+                    burst_item_tokens=10,
+                    concurrency_clients=(1, 2),
+                    concurrency_requests_per_client=1,
+                    concurrency_system_tokens=30,
+                    document_tokens=150,
+                    restart_system_tokens=80,
+                    memory_requests=3,
+                    memory_prompt_tokens=10,
+                    memory_cap=4 * MiB,
+                    restore_tokens=(256,),
+                    restore_repeat=1,
+                    blas_tokens=16,
+                ),
+            ),
+        ),
     ),
 }
 
 
-def get(name: str, **overrides: object) -> Profile:
-    return replace(PROFILES[name], **{k: v for k, v in overrides.items() if v is not None})
+def get(name: str, max_tokens: int | None = None) -> Profile:
+    """A profile, with every plan's reply length overridden when `max_tokens` is given."""
+    prof = PROFILES[name]
+    if max_tokens is None:
+        return prof
+    plans = tuple(replace(p, sizes=replace(p.sizes, max_tokens=max_tokens)) for p in prof.plans)
+    return replace(prof, plans=plans)

@@ -113,6 +113,8 @@ def _short(label: str) -> str:
 
 # ---------------------------------------------------------------- markdown
 
+ONCE = ("restore", "blas")  # in-process, once per run: not in the per-server tables
+
 
 def markdown(doc: dict[str, Any], plots: list[str]) -> str:
     m, v = doc["machine"], doc["versions"]
@@ -126,8 +128,8 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
         "--help` lists the options (`--model`, `--workloads`, `--out`). Raw numbers: "
         f"`benchmarks/out/{doc['timestamp']}.json` (not committed).",
         "",
-        f"- **Profile**: `{doc['profile']}` ({doc['settings']['max_tokens']} tokens per reply), "
-        f"run {doc['timestamp']}, took {doc['elapsed_s'] / 60:.1f} min",
+        f"- **Profile**: `{doc['profile']}`, run {doc['timestamp']}, took "
+        f"{doc['elapsed_s'] / 60:.1f} min (sizes below)",
         f"- **Machine**: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['os']}, "
         f"BLAS {m['blas'] or 'default'}",
         f"- **Versions**: mlx {v['mlx']}, mlx-lm {v['mlx-lm']}, mlx-prefix {v['mlx-prefix']}, "
@@ -135,16 +137,20 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
     ]
     for key, info in doc["models"].items():
         lines.append(f"- **Model `{key}`**: {info['description']}")
+    lines += _goal_lines(doc) + _size_lines(doc)
     lines += [
+        "",
+        "## Workloads",
         "",
         "Columns: *wall* = the workload's measured requests end to end; *TTFT 1st / rest* = "
         "time to first token of the first request / median of the later ones; *cached / "
         "prompt* = tokens the server reported as cached, over all prompt tokens; *reuse* = "
-        "tokens no earlier request computed / tokens the server prefilled (100% = nothing "
-        "recomputed; unknown where the server reports no cached tokens); *warm = cold* = "
+        "tokens no earlier request computed / tokens the server prefilled, its background "
+        "prefetch included (100% = nothing recomputed; unknown where the server reports no "
+        "cached tokens); *warm = cold* = "
         "greedy outputs of warm requests against the same requests run cold (mlx-prefix: "
         '`prefix_cache: {"enabled": false}`; mlx_lm.server: a fresh process with no '
-        "prompt cache).",
+        "prompt cache; after a restart: the same request run first in the fresh process).",
         "",
         "| workload | model | server | wall s | TTFT 1st s | TTFT rest s | cached / prompt "
         "| reuse | warm = cold |",
@@ -152,10 +158,10 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
     ]
     skipped = []
     for w in doc["workloads"]:
-        if w["workload"] == "restore":
-            continue
         if w["skipped"]:
             skipped.append(f"- `{w['workload']}` ({w['model']}): skipped: {w['skipped']}")
+            continue
+        if w["workload"] in ONCE:
             continue
         for name in SERVERS:
             res = w["servers"].get(name)
@@ -169,7 +175,7 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
                 f"{_pct(res['reuse']['efficiency'])} | {_checks(res)}{' ' + err if err else ''} |"
             )
     lines += _burst_lines(doc) + _concurrency_lines(doc) + _memory_lines(doc)
-    lines += _restore_lines(doc)
+    lines += _restore_lines(doc) + _blas_lines(doc) + _runtime_lines(doc)
     lines += _per_request_lines(doc)
     if skipped:
         lines += ["", "## Skipped", "", *skipped]
@@ -177,6 +183,66 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _goal_lines(doc: dict[str, Any]) -> list[str]:
+    from .goals import Goal, evaluate
+
+    rows = [Goal(**g) for g in doc["goals"]] if "goals" in doc else evaluate(doc)
+    lines = [
+        "",
+        "## Goals",
+        "",
+        "The goals the issues set for these benchmarks, computed from this run. Issue 5's "
+        "goal is stated for the default (dense) model; other models are held to it too. "
+        "*Flat* is read as at most 2x from the shortest to the longest prefix.",
+        "",
+        "| issue | measure | model | measured | goal | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    for g in rows:
+        status = g.status if g.met is not False else f"**{g.status}**"
+        lines.append(
+            f"| #{g.issue} | {g.what} | {g.model} | {g.shown} | {g.target or '-'} | {status} |"
+        )
+    return lines
+
+
+def _check_text(check_last: int | None) -> str:
+    if check_last is None:
+        return "every warm request"
+    return "the last warm request" if check_last == 1 else f"the last {check_last} warm requests"
+
+
+def _size_lines(doc: dict[str, Any]) -> list[str]:
+    """Per workload, the sizes of this run's models and of the other standard profile."""
+    cols = [(f"{doc['profile']}: {p['model']}", p) for p in doc.get("plans", [])]
+    for name, plans in doc.get("other_profiles", {}).items():
+        cols += [(f"{name}: {p['model']}", p) for p in plans]
+    if not cols:
+        return []
+    asked = doc.get("asked", {})
+    lines = [
+        "",
+        "## Sizes",
+        "",
+        f"What each workload sent, per model: this run (`{doc['profile']}`) and the other "
+        "profile, next to what the issue asks for; '-' = not run. Token counts are of "
+        "the pasted text, at least that many (whole verses), before the chat template.",
+        "",
+        "| workload | issue asks | " + " | ".join(c for c, _ in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for w, ask in asked.items():
+        cells = [p["described"].get(w, "-") for _, p in cols]
+        if all(c == "-" for c in cells):
+            continue
+        lines.append(f"| {w} | {ask} | " + " | ".join(cells) + " |")
+    reply = [f"{p['sizes']['max_tokens']} tokens" for _, p in cols]
+    checks = [_check_text(p["sizes"]["check_last"]) for _, p in cols]
+    lines.append("| reply length | - | " + " | ".join(reply) + " |")
+    lines.append("| cold-run twins | each workload | " + " | ".join(checks) + " |")
+    return lines
 
 
 def _burst_lines(doc: dict[str, Any]) -> list[str]:
@@ -237,9 +303,11 @@ def _memory_lines(doc: dict[str, Any]) -> list[str]:
             e = w["servers"].get(name, {}).get("extra", {})
             rss = [r for r in e.get("rss_mib", []) if r is not None]
             if rss:
+                cache = _s(e.get("cache_bytes_mib"), 1)
+                evictions = "-" if e.get("evictions") is None else str(e["evictions"])
                 rows.append(
                     f"| {w['model']} | {name} | {e['cap']} | {len(rss) - 1} | "
-                    f"{rss[0]:.0f} | {rss[-1]:.0f} | {max(rss):.0f} |"
+                    f"{rss[0]:.0f} | {rss[-1]:.0f} | {max(rss):.0f} | {cache} | {evictions} |"
                 )
     if not rows:
         return []
@@ -247,37 +315,128 @@ def _memory_lines(doc: dict[str, Any]) -> list[str]:
         "",
         "## Resident memory",
         "",
-        "| model | server | cache cap | requests | RSS start MiB | RSS end MiB | RSS max MiB |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "*cache MiB* and *evictions*: the prompt cache's own count at the end (mlx-prefix's "
+        "`GET /v1/cache`; mlx_lm.server reports none).",
+        "",
+        "| model | server | cache cap | requests | RSS start MiB | RSS end MiB | RSS max MiB "
+        "| cache MiB | evictions |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
 
 
 def _restore_lines(doc: dict[str, Any]) -> list[str]:
     w = next((w for w in doc["workloads"] if w["workload"] == "restore"), None)
-    if w is None:
+    if w is None or w["skipped"]:
         return []
+    extra = w["servers"][OURS]["extra"]
+    rows, shape = extra.get("rows") or [], extra.get("shape", {})
+    if not rows:
+        return []
+    mlx = doc["versions"].get("mlx", "?")
     lines = [
         "",
         "## Cache restore cost",
         "",
-        "KV cache shaped like the dense model (30 layers, 3 KV heads, head dim 64, "
-        "float32), in-process (`benchmarks/bench_restore.py`). mlx-prefix: trie lookup + "
-        "copy-on-write restore; mlx_lm: `LRUPromptCache.fetch_nearest_cache` (deep copy). "
-        "*+MiB* = active MLX memory the restored cache adds; *1st write* = one decode "
-        "token into every layer of it.",
+        f"A KV cache shaped like the dense model ({shape.get('layers')} layers, "
+        f"{shape.get('heads')} KV heads, head dim {shape.get('dim')}, float32), in-process "
+        "(`benchmarks/bench_restore.py`), medians. *restore* = `snapshot.restore` alone "
+        "(fresh cache objects sharing the snapshot's arrays); *lookup + restore* = what a "
+        "request pays: trie match, acquire, restore, release; *mlx_lm fetch* = "
+        "`LRUPromptCache.fetch_nearest_cache`, its trie walk and a `copy.deepcopy` of the "
+        f"cache objects, which in MLX {mlx} shares each array's buffer rather than copying "
+        "it. *+MiB* = active MLX memory the restored cache adds: neither side copies the "
+        "prefix at restore.",
         "",
-        "| tokens | prefix MiB | mlx-prefix ms | mlx_lm ms | mlx-prefix +MiB | mlx_lm +MiB "
-        "| mlx-prefix 1st write ms | mlx_lm 1st write ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens | prefix MiB | restore ms | lookup + restore ms | mlx_lm fetch ms "
+        "| mlx-prefix +MiB | mlx_lm +MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in w["servers"][OURS]["extra"]["rows"]:
+    for r in rows:
         lines.append(
-            f"| {r['tokens']} | {r['prefix_mib']:.1f} | {r['lookup_restore_ms']:.2f} | "
-            f"{r['mlx_lm_fetch_ms']:.2f} | {r['restore_extra_mib']:.1f} | "
-            f"{r['mlx_lm_extra_mib']:.1f} | {r['first_write_ms']:.2f} | "
-            f"{r['mlx_lm_first_write_ms']:.2f} |"
+            f"| {r['tokens']} | {r['prefix_mib']:.1f} | {r['restore_ms']:.2f} | "
+            f"{r['lookup_restore_ms']:.2f} | {r['mlx_lm_fetch_ms']:.2f} | "
+            f"{r['restore_extra_mib']:.1f} | {r['mlx_lm_extra_mib']:.1f} |"
         )
+    lines += [
+        "",
+        "The copy happens at the first write, for both: one decode token into every layer "
+        "of the restored cache. mlx-prefix's restored KV arrays end exactly at the prefix, "
+        "so the first `update_and_fetch` allocates a larger buffer and copies into it; "
+        "mlx_lm's fetched cache writes into a step-padded buffer its stored entry still "
+        "references, so MLX copies that buffer before writing. Either way the stored "
+        "entry is never changed, and the first write costs about one prefix of time and "
+        "memory.",
+        "",
+        "| tokens | mlx-prefix 1st write ms | mlx_lm 1st write ms | mlx-prefix 1st write +MiB "
+        "| mlx_lm 1st write +MiB |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['first_write_ms']:.1f} | {r['mlx_lm_first_write_ms']:.1f} | "
+            f"{r['first_write_extra_mib']:.1f} | {r['mlx_lm_first_write_extra_mib']:.1f} |"
+        )
+    return lines
+
+
+def _blas_lines(doc: dict[str, Any]) -> list[str]:
+    w = next((w for w in doc["workloads"] if w["workload"] == "blas"), None)
+    if w is None or w["skipped"]:
+        return []
+    res = w["servers"].get(OURS, {})
+    rows = res.get("extra", {}).get("rows") or []
+    if not rows:
+        return []
+    base = rows[0]["tokens_per_s"]
+    lines = [
+        "",
+        "## Prefill with and without the fast BLAS",
+        "",
+        f"One cold prefill on {res['extra'].get('model', w['model'])} "
+        "(`benchmarks/bench_blas.py`), each in a fresh process: first with the BLAS MLX "
+        "brings (on Linux, the mlx[cpu] wheel's reference BLAS), then with the one the "
+        "`mlx-prefix` launcher preloads, which both servers ran with here.",
+        "",
+        "| BLAS | tokens | seconds | tokens/s | speed-up |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['blas']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{r['tokens_per_s'] / base:.1f}x |"
+        )
+    lines += [f"\n{n}" for n in res.get("notes", [])]
+    return lines
+
+
+def _runtime_lines(doc: dict[str, Any]) -> list[str]:
+    """Seconds per workload, server starts and cold checks included: what a profile's
+    sizes cost, for keeping `quick` under its 10 minutes."""
+    cols: list[str] = []
+    cells: dict[str, dict[str, float]] = {}
+    for w in doc["workloads"]:
+        if "elapsed_s" not in w:
+            return []
+        cols += [] if w["model"] in cols else [w["model"]]
+        cells.setdefault(w["workload"], {})[w["model"]] = w["elapsed_s"]
+    if not cells:
+        return []
+    lines = [
+        "",
+        "## Run time",
+        "",
+        "Seconds per workload, server starts and cold-run checks included (the whole run: "
+        f"{doc['elapsed_s']:.0f} s).",
+        "",
+        "| workload | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    up = [doc["models"].get(c, {}).get("servers_up_s") for c in cols]
+    if any(u is not None for u in up):
+        lines.append("| both servers up | " + " | ".join(_s(u, 1) for u in up) + " |")
+    for name, by_model in cells.items():
+        lines.append(f"| {name} | " + " | ".join(_s(by_model.get(c), 1) for c in cols) + " |")
     return lines
 
 
@@ -290,7 +449,7 @@ def _per_request_lines(doc: dict[str, Any]) -> list[str]:
         "",
     ]
     for w in doc["workloads"]:
-        if w["workload"] in ("restore", "memory") or w["skipped"]:
+        if w["workload"] in (*ONCE, "memory") or w["skipped"]:
             continue
         ours = w["servers"].get(OURS, {}).get("samples", [])
         peer = w["servers"].get(PEER, {}).get("samples", [])
@@ -325,7 +484,6 @@ def _tok(s: dict[str, Any] | None) -> str:
 # ---------------------------------------------------------------- plots
 
 _COLORS = {OURS: "#1f77b4", PEER: "#ff7f0e"}
-_RESTORE_LABELS = {OURS: "mlx-prefix snapshot restore", PEER: "mlx-lm LRUPromptCache fetch"}
 
 
 def plots(doc: dict[str, Any], folder: Path) -> list[Path]:
@@ -373,7 +531,7 @@ def plots(doc: dict[str, Any], folder: Path) -> list[Path]:
         fig.tight_layout()
         out.append(_save(fig, folder / "ttft_per_request.png"))
 
-    bars = [w for w in workloads if w["workload"] != "restore"]
+    bars = [w for w in workloads if w["workload"] not in ONCE]
     if bars:
         out.append(
             _bar_chart(
@@ -415,20 +573,33 @@ def plots(doc: dict[str, Any], folder: Path) -> list[Path]:
         out.append(_save(fig, folder / "memory_rss.png"))
 
     restore = next((w for w in workloads if w["workload"] == "restore"), None)
-    if restore:
+    rows = restore["servers"][OURS]["extra"].get("rows") if restore else None
+    if rows:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         panels = (
-            ("restore_ms", "lookup + restore (ms)"),
-            ("first_write_ms", "first decode write after restore (ms)"),
+            (
+                "restore (ms)",
+                (
+                    ("restore_ms", "mlx-prefix restore", _COLORS[OURS], "-"),
+                    ("lookup_restore_ms", "mlx-prefix lookup + restore", _COLORS[OURS], "--"),
+                    ("mlx_lm_fetch_ms", "mlx-lm LRUPromptCache fetch", _COLORS[PEER], "-"),
+                ),
+            ),
+            (
+                "first decode write after restore (ms)",
+                (
+                    ("first_write_ms", "mlx-prefix", _COLORS[OURS], "-"),
+                    ("mlx_lm_first_write_ms", "mlx-lm", _COLORS[PEER], "-"),
+                ),
+            ),
         )
-        for ax, (key, ylabel) in zip(axes, panels, strict=True):
-            for name in SERVERS:
-                series = restore["servers"][name]["extra"]["series"]
-                xs = [s["tokens"] for s in series]
-                label = _RESTORE_LABELS[name]
-                ax.plot(xs, [s[key] for s in series], marker="o", label=label, color=_COLORS[name])
+        xs = [r["tokens"] for r in rows]
+        for ax, (ylabel, series) in zip(axes, panels, strict=True):
+            ys = []
+            for key, label, color, style in series:
+                ax.plot(xs, [r[key] for r in rows], style, marker="o", label=label, color=color)
+                ys += [r[key] for r in rows]
             ax.set_xscale("log", base=2)
-            ys = [s[key] for name in SERVERS for s in restore["servers"][name]["extra"]["series"]]
             if min(ys) > 0 and max(ys) / min(ys) > 20:
                 ax.set_yscale("log")
             else:

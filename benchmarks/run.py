@@ -13,12 +13,14 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import profiles, report
+from . import goals, profiles, report
 from .harness import Context, ServerResult, WorkloadResult, run_async
-from .models import Tokens, resolve
+from .models import BenchModel, Tokens, resolve
+from .profiles import MODEL_WORKLOADS, ONCE_WORKLOADS, Sizes
 from .servers import OURS, PEER, SERVERS, ServerSpec, start_all
 from .workloads import WORKLOADS
 from .workloads.restart import Skip
@@ -42,7 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=None,
         help="model folder, or 'dense' / 'hybrid' (repeatable; default: the "
-        "profile's models: dense, then hybrid)",
+        "profile's models: dense, then hybrid). A folder takes the sizes and workloads of "
+        "the profile's plan at its position",
     )
     p.add_argument("--workloads", help="comma-separated subset of: " + ",".join(WORKLOADS))
     p.add_argument("--out", type=Path, default=HERE / "out", help="raw JSON and server logs")
@@ -53,6 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where RESULTS.md and results/*.png go (default: benchmarks/)",
     )
     p.add_argument("--max-tokens", type=int, help="override the profile's reply length")
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="JSON",
+        help="only re-render RESULTS.md and the plots from an earlier run's JSON",
+    )
     return p.parse_args(argv)
 
 
@@ -61,8 +70,9 @@ def run_model(ctx: Context, names: list[str]) -> list[WorkloadResult]:
     servers = list(ctx.servers.values())
     for i, name in enumerate(names):
         mod = WORKLOADS[name]
-        log(f"{ctx.model.key}: {name}")
+        log(f"{ctx.model.key}: {name} ({mod.describe(ctx.sizes)})")
         wr = WorkloadResult(name, mod.TITLE, ctx.model.key, {})
+        t = time.perf_counter()
         try:
             if hasattr(mod, "run_standalone"):
                 wr.servers = mod.run_standalone(ctx)
@@ -84,20 +94,47 @@ def run_model(ctx: Context, names: list[str]) -> list[WorkloadResult]:
         except Exception as e:
             traceback.print_exc()
             wr.servers = {s: ServerResult(s, notes=[f"error: {e}"]) for s in SERVERS}
+        wr.elapsed_s = time.perf_counter() - t
         for name_, res in sorted(wr.servers.items()):
             log(
                 f"  {name_}: wall {res.wall_s:.1f}s reuse {res.reuse()} "
                 f"checks {sum(c.match for c in res.checks)}/{len(res.checks)}"
             )
+        log(f"  {name} took {wr.elapsed_s:.1f}s (server starts and cold checks included)")
         results.append(wr)
     return results
 
 
+def run_once(name: str, sizes: Sizes, model: BenchModel) -> WorkloadResult:
+    mod = WORKLOADS[name]
+    log(f"{name} (in-process; {mod.describe(sizes)})")
+    label = "synthetic KV" if name == "restore" else model.key
+    wr = WorkloadResult(name, mod.TITLE, label, {})
+    t = time.perf_counter()
+    try:
+        wr.servers = mod.run_once(sizes, model)
+    except Exception as e:
+        traceback.print_exc()
+        wr.servers = {OURS: ServerResult(OURS, notes=[f"error: {e}"])}
+    wr.elapsed_s = time.perf_counter() - t
+    log(f"  {name} took {wr.elapsed_s:.1f}s")
+    return wr
+
+
+def describe(plan_sizes: Sizes, names: list[str]) -> dict[str, str]:
+    return {w: WORKLOADS[w].describe(plan_sizes) for w in names}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report is not None:
+        doc = json.loads(args.report.read_text())
+        doc["goals"] = [asdict(g) for g in goals.evaluate(doc)]
+        log(f"wrote {report.write(doc, args.report_dir)}")
+        return 0
     prof = profiles.get(args.profile, max_tokens=args.max_tokens)
-    selected = args.workloads.split(",") if args.workloads else list(prof.workloads)
-    unknown = [w for w in selected if w not in WORKLOADS]
+    selected = args.workloads.split(",") if args.workloads else None
+    unknown = [w for w in selected or () if w not in WORKLOADS]
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
     model_keys = args.model or list(prof.models)
@@ -105,25 +142,43 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results: list[WorkloadResult] = []
-    models = {}
+    models: dict[str, dict] = {}
+    plans: list[dict] = []
+    once: tuple[list[str], Sizes, BenchModel] | None = None
 
     for i, key in enumerate(model_keys):
-        names = [
-            w
-            for w in selected
-            if w != "restore" and (i == 0 or args.workloads or w in prof.other_model_workloads)
-        ]
-        if not names:
+        plan = prof.plan_for(key, i)
+        wanted = selected if selected is not None else plan.workloads
+        names = [w for w in MODEL_WORKLOADS if w in wanted]
+        once_names = [w for w in ONCE_WORKLOADS if w in wanted] if i == 0 else []
+        if not names and not once_names:
             continue
         model = resolve(key)
-        models[model.key] = {"path": str(model.path), "description": model.description}
+        plans.append(
+            {
+                "model": model.key,
+                "plan": plan.model,
+                "sizes": asdict(plan.sizes),
+                "described": describe(plan.sizes, names + once_names),
+            }
+        )
+        if once_names:
+            once = (once_names, plan.sizes, model)
+        if not names:
+            continue
         log(f"model {model.key}: {model.description} ({model.path})")
         specs = [ServerSpec(OURS, model.path, (), "ours"), ServerSpec(PEER, model.path, (), "peer")]
         t = time.perf_counter()
         servers = start_all(specs, args.out / "logs")
-        log(f"servers up in {time.perf_counter() - t:.1f}s")
+        up = time.perf_counter() - t
+        log(f"servers up in {up:.1f}s")
+        models[model.key] = {
+            "path": str(model.path),
+            "description": model.description,
+            "servers_up_s": up,
+        }
         ctx = Context(
-            prof, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log
+            plan.sizes, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log
         )
         try:
             results += run_model(ctx, names)
@@ -132,13 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             for s in servers:
                 s.stop()
 
-    if "restore" in selected:
-        log("restore (in-process)")
-        wr = WorkloadResult("restore", WORKLOADS["restore"].TITLE, "synthetic KV", {})
-        wr.servers = WORKLOADS["restore"].run_standalone(
-            None, prof.restore_tokens, prof.restore_repeat
-        )
-        results.append(wr)
+    if once is not None:
+        once_names, sizes, model = once
+        results += [run_once(name, sizes, model) for name in once_names]
 
     doc = {
         "profile": prof.name,
@@ -148,13 +199,24 @@ def main(argv: list[str] | None = None) -> int:
         "versions": report.versions(),
         "models": models,
         "servers": list(SERVERS),
-        "settings": {
-            "max_tokens": prof.max_tokens,
-            "temperature": 0.0,
-            "check_last": prof.check_last,
+        "settings": {"temperature": 0.0},
+        "plans": plans,
+        "other_profiles": {
+            name: [
+                {
+                    "model": p.model,
+                    "sizes": asdict(p.sizes),
+                    "described": describe(p.sizes, list(p.workloads)),
+                }
+                for p in other.plans
+            ]
+            for name, other in profiles.PROFILES.items()
+            if name in ("quick", "full") and name != prof.name
         },
+        "asked": {w: WORKLOADS[w].ASKED for w in WORKLOADS},
         "workloads": [r.to_json() for r in results],
     }
+    doc["goals"] = [asdict(g) for g in goals.evaluate(doc)]
     json_path = args.out / f"{stamp}.json"
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
     md_path = report.write(doc, args.report_dir)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from ..profiles import ALL_WORKLOADS
 from . import (
     agent,
+    blas,
     burst,
     chat,
     concurrency,
@@ -16,7 +18,6 @@ from . import (
     shared_system,
 )
 
-WORKLOADS: dict[str, ModuleType] = {
-    m.NAME: m
-    for m in (chat, agent, shared_system, burst, concurrency, document, restart, memory, restore)
-}
+_MODULES = (chat, agent, shared_system, burst, concurrency, document, restart, memory)
+WORKLOADS: dict[str, ModuleType] = {m.NAME: m for m in (*_MODULES, restore, blas)}
+assert tuple(WORKLOADS) == ALL_WORKLOADS

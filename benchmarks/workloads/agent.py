@@ -18,10 +18,12 @@ import httpx
 from ..client import Request, send
 from ..corpus import passage
 from ..harness import Context, ServerResult
+from ..profiles import Sizes
 from ..servers import Server
 
 NAME = "agent"
 TITLE = "Agent loop (tools + thinking)"
+ASKED = "tool calls, thinking template"
 _OFFSET = 7000
 
 
@@ -109,8 +111,15 @@ def _assistant(step: int) -> dict[str, Any]:
     }
 
 
+def describe(s: Sizes) -> str:
+    return (
+        f"{len(TOOLS)} tools, {s.agent_steps} thinking tool-call steps with "
+        f"{s.agent_result_tokens}-token results, answer, follow-up question"
+    )
+
+
 async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
-    p = ctx.profile
+    p = ctx.sizes
     res = ServerResult(server.name)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},

@@ -14,10 +14,12 @@ import httpx
 from ..client import Request, send
 from ..corpus import passage
 from ..harness import Context, ServerResult
+from ..profiles import Sizes
 from ..servers import Server
 
 NAME = "burst"
 TITLE = "Parallel burst, shared instruction"
+ASKED = "6 parallel requests, ~500-token instruction"
 _OFFSET = 10000
 
 
@@ -27,11 +29,18 @@ def _instruction(ctx: Context) -> str:
         "with one plain sentence under twenty words. Rules, with an example of the style "
         "to imitate:\n\n"
     )
-    return head + passage(_OFFSET, ctx.profile.burst_instruction_tokens, ctx.tokens.count)
+    return head + passage(_OFFSET, ctx.sizes.burst_instruction_tokens, ctx.tokens.count)
+
+
+def describe(s: Sizes) -> str:
+    return (
+        f"{s.burst_size} requests, {s.burst_instruction_tokens}-token instruction, "
+        f"{s.burst_item_tokens}-token snippets; cold, then warm"
+    )
 
 
 async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
-    p = ctx.profile
+    p = ctx.sizes
     res = ServerResult(server.name)
     instruction = _instruction(ctx)
     bursts = []

@@ -12,15 +12,25 @@ import httpx
 from ..client import Request, send
 from ..corpus import passage
 from ..harness import Context, ServerResult
+from ..profiles import Sizes
 from ..servers import Server
 
 NAME = "concurrency"
 TITLE = "Requests/s at 1, 4 and 8 clients"
+ASKED = "1, 4 and 8 concurrent clients"
 _OFFSET = 30000
 
 
+def describe(s: Sizes) -> str:
+    clients = "/".join(str(c) for c in s.concurrency_clients)
+    return (
+        f"{clients} clients x {s.concurrency_requests_per_client} requests, "
+        f"{s.concurrency_system_tokens}-token system prompt"
+    )
+
+
 async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
-    p = ctx.profile
+    p = ctx.sizes
     res = ServerResult(server.name)
     system = "You answer questions about the text you are given, briefly. " + passage(
         _OFFSET, p.concurrency_system_tokens, ctx.tokens.count

@@ -10,10 +10,12 @@ import httpx
 from ..client import Request, send
 from ..corpus import passage
 from ..harness import Context, ServerResult
+from ..profiles import Sizes
 from ..servers import Server
 
 NAME = "document"
 TITLE = "Long document, edited mid-way"
+ASKED = "4K+ tokens, then edited in the middle"
 _OFFSET = 14000
 _INSERT = "And in those days a scribe added this line, that the reader might take note."
 
@@ -24,8 +26,12 @@ def edit_middle(doc: str) -> str:
     return doc[:mid] + _INSERT + " " + doc[mid:]
 
 
+def describe(s: Sizes) -> str:
+    return f"{s.document_tokens}-token document: question, edited, new question"
+
+
 async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
-    p = ctx.profile
+    p = ctx.sizes
     res = ServerResult(server.name)
     doc = passage(_OFFSET, p.document_tokens, ctx.tokens.count)
     system = "You answer questions about the document the user pastes. Be brief."

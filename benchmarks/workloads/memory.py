@@ -9,29 +9,42 @@ import time
 import httpx
 
 from ..client import Request, send
-from ..corpus import passage
+from ..corpus import snippet
 from ..harness import Context, ServerResult, run_async
+from ..profiles import Sizes
 from ..servers import OURS, PEER, Server, ServerSpec
 
 NAME = "memory"
 TITLE = "Resident memory under a cache cap"
+ASKED = "RSS over 200 requests under a cache byte cap"
 _OFFSET = 18000
 MiB = 1 << 20
 
 
+def describe(s: Sizes) -> str:
+    return (
+        f"{s.memory_requests} requests, ~{s.memory_prompt_tokens}-token texts, "
+        f"{s.memory_max_tokens}-token replies, cap {s.memory_cap / MiB:g} MiB"
+    )
+
+
 async def _drive(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
-    p = ctx.profile
+    p, count = ctx.sizes, ctx.tokens.count
     res = ServerResult(server.name)
     res.extra["cap"] = f"{p.memory_cap / MiB:g} MiB"
     rss = [server.rss_bytes()]
     system = "Summarize the user's text in one sentence."
+    # Numbered, so no two requests share more than the system prompt.
+    texts = [
+        f"Text {i + 1}: " + snippet(_OFFSET + 25 * i, p.memory_prompt_tokens, count)
+        for i in range(p.memory_requests)
+    ]
     start = time.perf_counter()
     last = None
-    for i in range(p.memory_requests):
-        text = passage(_OFFSET + 25 * i, p.memory_prompt_tokens, ctx.tokens.count)
+    for i, text in enumerate(texts):
         req = Request(
             messages=[{"role": "system", "content": system}, {"role": "user", "content": text}],
-            max_tokens=p.max_tokens,
+            max_tokens=p.memory_max_tokens,
         )
         reply = await send(client, server.url, req)
         res.samples.append(
@@ -57,7 +70,7 @@ async def _drive(ctx: Context, server: Server, client: httpx.AsyncClient) -> Ser
 
 
 def run_standalone(ctx: Context) -> dict[str, ServerResult]:
-    cap = ctx.profile.memory_cap
+    cap = ctx.sizes.memory_cap
     specs = {
         OURS: ServerSpec(OURS, ctx.model.path, ("--cache-budget", str(cap)), "ours-capped"),
         PEER: ServerSpec(PEER, ctx.model.path, ("--prompt-cache-bytes", str(cap)), "peer-capped"),

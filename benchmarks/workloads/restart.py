@@ -2,6 +2,9 @@
 restarted, the same request again. mlx-prefix runs with `--cache-dir` (its disk tier);
 mlx_lm.server has no disk tier, so its second request is cold again.
 
+The warm/cold check after the restart costs nothing extra: the first request before the
+restart is the same request, run cold (first in a fresh process, empty cache).
+
 Skips (with a note) while mlx-prefix has no `--cache-dir` flag or its `GET /v1/cache`
 reports no disk section.
 """
@@ -14,14 +17,23 @@ import time
 
 import httpx
 
-from ..client import Request, send
+from ..client import Reply, Request, send
 from ..corpus import passage
-from ..harness import Context, ServerResult, run_async
+from ..harness import Check, Context, ServerResult, run_async
+from ..profiles import Sizes
 from ..servers import OURS, PEER, Server, ServerSpec, ours_help
 
 NAME = "restart"
 TITLE = "Restart with the disk tier"
+ASKED = "2,000-token system prompt"
 _OFFSET = 21000
+
+
+def describe(s: Sizes) -> str:
+    return f"{s.restart_system_tokens}-token system prompt, 2 questions, restart, again"
+
+
+_COLD_HOW = "the same request, run first in the fresh process before the restart"
 
 
 class Skip(Exception):
@@ -30,13 +42,13 @@ class Skip(Exception):
 
 def _requests(ctx: Context) -> list[Request]:
     system = "You are a careful assistant. The user's reference material follows.\n\n" + passage(
-        _OFFSET, ctx.profile.restart_system_tokens, ctx.tokens.count
+        _OFFSET, ctx.sizes.restart_system_tokens, ctx.tokens.count
     )
     questions = ("Summarize the reference in a line.", "Which names appear in the reference?")
     return [
         Request(
             messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
-            max_tokens=ctx.profile.max_tokens,
+            max_tokens=ctx.sizes.max_tokens,
         )
         for q in questions
     ]
@@ -56,20 +68,22 @@ async def _before(
     res: ServerResult,
     reqs: list[Request],
     ledger,
-) -> dict | None:
+) -> tuple[dict | None, list[Reply]]:
     # Two requests sharing the system prompt: the default disk scope (auto) persists the
     # longest prefix recent requests share.
+    replies = []
     for i, req in enumerate(reqs):
         reply = await send(client, server.url, req)
         res.samples.append(
             ctx.account(server.name, f"before restart #{i + 1}", req, reply, ledger=ledger)
         )
+        replies.append(reply)
     disk = await _disk_stats(server, client)
     deadline = time.monotonic() + 60
     while disk and disk.get("pending_saves") and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
         disk = await _disk_stats(server, client)
-    return disk
+    return disk, replies
 
 
 def run_standalone(ctx: Context) -> dict[str, ServerResult]:
@@ -90,7 +104,7 @@ def run_standalone(ctx: Context) -> dict[str, ServerResult]:
                 # work the earlier process already did.
                 ledger = ctx.ledger(f"{name}:restart")
                 start = time.perf_counter()
-                disk = run_async(
+                disk, before = run_async(
                     lambda c, s=server, r=res, led=ledger: _before(ctx, s, c, r, reqs, led)
                 )
                 if name == OURS and disk is None:
@@ -105,10 +119,15 @@ def run_standalone(ctx: Context) -> dict[str, ServerResult]:
                 )
                 res.wall_s = time.perf_counter() - start - res.extra["restart_s"]
                 res.extra["disk_after_restart"] = run_async(lambda c, s=server: _disk_stats(s, c))
-                run_async(
-                    lambda c, s=server, r=res, w=again: ctx.check(
-                        c, s, r, "after restart", reqs[0], w
+                if ctx.sizes.check_last is None:
+                    run_async(
+                        lambda c, s=server, r=res, w=before[1]: ctx.check(
+                            c, s, r, "before restart #2", reqs[1], w
+                        )
                     )
+                cold = before[0].text
+                res.checks.append(
+                    Check("after restart", again.text == cold, again.text, cold, _COLD_HOW)
                 )
             finally:
                 server.stop()

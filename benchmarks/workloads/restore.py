@@ -1,6 +1,7 @@
 """Cache restore cost at 1K/8K/32K tokens, through benchmarks/bench_restore.py: our
-snapshot restore (copy-on-write) against mlx-lm's LRUPromptCache fetch (deep copy), on a
-KV cache shaped like the dense default model (30 layers, 3 KV heads, head dim 64)."""
+snapshot restore (copy-on-write) against mlx-lm's LRUPromptCache fetch, on a KV cache
+shaped like the dense default model (30 layers, 3 KV heads, head dim 64, float32).
+Both servers' rows live in one table (`extra["rows"]`, see bench_restore.Row)."""
 
 from __future__ import annotations
 
@@ -8,46 +9,34 @@ import argparse
 import dataclasses
 import time
 
-from ..harness import Context, ServerResult
+from ..harness import ServerResult
+from ..models import BenchModel
+from ..profiles import Sizes
 from ..servers import OURS, PEER
 
 NAME = "restore"
 TITLE = "Cache restore cost"
+ASKED = "1K/8K/32K cached tokens"
+SHAPE = {"layers": 30, "heads": 3, "dim": 64}  # the dense default model's KV cache
 
 
-def run_standalone(
-    ctx: Context | None, tokens: tuple[int, ...], repeat: int
-) -> dict[str, ServerResult]:
+def describe(s: Sizes) -> str:
+    sizes = "/".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in s.restore_tokens)
+    return f"{sizes} tokens, median of {s.restore_repeat}"
+
+
+def run_once(sizes: Sizes, model: BenchModel) -> dict[str, ServerResult]:
     from .. import bench_restore
 
-    args = argparse.Namespace(layers=30, heads=3, dim=64, pad=100, repeat=repeat)
+    args = argparse.Namespace(**SHAPE, pad=100, repeat=sizes.restore_repeat)
     ours, peer = ServerResult(OURS), ServerResult(PEER)
-    ours.notes.append("in-process: mlx_prefix.cache.snapshot.restore via PromptCache")
+    ours.notes.append("in-process: mlx_prefix.cache PromptCache.match + snapshot.restore")
     peer.notes.append("in-process: mlx_lm LRUPromptCache.fetch_nearest_cache")
-    rows = []
     start = time.perf_counter()
-    for n in tokens:
-        rows.append(dataclasses.asdict(bench_restore.bench(n, args)))
+    rows = [dataclasses.asdict(bench_restore.bench(n, args)) for n in sizes.restore_tokens]
     wall = time.perf_counter() - start
     for res in (ours, peer):
         res.wall_s = wall
         res.extra["rows"] = rows
-    ours.extra["series"] = [
-        {
-            "tokens": r["tokens"],
-            "restore_ms": r["lookup_restore_ms"],
-            "extra_mib": r["restore_extra_mib"],
-            "first_write_ms": r["first_write_ms"],
-        }
-        for r in rows
-    ]
-    peer.extra["series"] = [
-        {
-            "tokens": r["tokens"],
-            "restore_ms": r["mlx_lm_fetch_ms"],
-            "extra_mib": r["mlx_lm_extra_mib"],
-            "first_write_ms": r["mlx_lm_first_write_ms"],
-        }
-        for r in rows
-    ]
+        res.extra["shape"] = SHAPE
     return {OURS: ours, PEER: peer}

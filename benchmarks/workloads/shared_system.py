@@ -9,15 +9,21 @@ import httpx
 from ..client import Request, send
 from ..corpus import passage, sentence
 from ..harness import Context, ServerResult
+from ..profiles import Sizes
 from ..servers import Server
 
 NAME = "shared_system"
 TITLE = "Shared system prompt"
+ASKED = "divergent user messages"
 _OFFSET = 4000
 
 
+def describe(s: Sizes) -> str:
+    return f"{s.shared_users} users, {s.shared_system_tokens}-token system prompt"
+
+
 async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
-    p = ctx.profile
+    p = ctx.sizes
     res = ServerResult(server.name)
     system = (
         "You are the reading assistant of a study group. Use only the reference text "
