@@ -453,3 +453,16 @@ def serving(engine: FakeEngine | None = None, **settings: Any) -> Iterator[tuple
     with LiveServer(create_app(engine, ServerSettings(**settings))) as server:
         yield server.url, engine
     engine.shutdown(timeout=5)
+
+
+@contextlib.contextmanager
+def raw_post(url: str, path: str, body: bytes) -> Iterator[socket.socket]:
+    """A JSON POST sent over a bare socket; leaving the block hangs up (a client gone)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        yield sock

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_fakes import serving, wait_until
+from server_fakes import raw_post, serving, wait_until
 
 from mlx_prefix.server.metrics import ServerMetrics
 
@@ -103,14 +102,8 @@ def test_warm_timeout_is_a_504():
 
 def test_warm_client_disconnect_ends_the_handler():
     with serving() as (url, engine):
-        host, port = url.removeprefix("http://").split(":")
         body = json.dumps({"prompt": "[[delay:5]] slow"}).encode()
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(
-                f"POST /v1/cache/warm HTTP/1.1\r\nHost: {host}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+        with raw_post(url, "/v1/cache/warm", body):
             assert wait_until(lambda: engine.warms_running == 1)
         closed = time.monotonic()
         with httpx.Client(base_url=url) as c:

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, serving, wait_until
+from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, raw_post, serving, wait_until
 
 MAX_BODY = 64 * 1024
 CONTEXT = 2000
@@ -297,13 +296,7 @@ def test_client_disconnect_while_waiting_non_streaming_cancels(live, engine):
         chat(messages=[{"role": "user", "content": f"[[delay:0.05]] [[reply:{'w ' * 200}]]"}])
     ).encode()
     before = len(engine.handles)
-    host, port = live[0].removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(
-            f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    with raw_post(live[0], CHAT, body):
         assert wait_until(lambda: len(engine.handles) > before, timeout=3)
         time.sleep(0.1)
     handle = engine.handles[-1]
@@ -324,13 +317,7 @@ def test_client_disconnect_ends_the_handler_even_if_the_engine_is_slow_to_stop(l
         return next((float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(label)), 0)
 
     before, n_handles = disconnects(), len(engine.handles)
-    host, port = live[0].removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(
-            f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    with raw_post(live[0], CHAT, body):
         assert wait_until(lambda: len(engine.handles) > n_handles, timeout=3)
     closed = time.monotonic()
     handle = engine.handles[-1]

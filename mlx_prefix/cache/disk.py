@@ -201,19 +201,7 @@ class DiskCache:
             return DiskListing(str(directory), False, [], [])
         survey = _survey(directory)
         now = time.time()
-        entries = [
-            DiskEntryInfo(
-                e.name,
-                e.model_key,
-                e.runtime,
-                len(e.tokens),
-                e.kind,
-                e.trimmable,
-                e.nbytes,
-                max(0.0, now - e.last_access),
-            )
-            for e in survey.found
-        ]
+        entries = [_info(e, now) for e in survey.found]
         return DiskListing(str(directory), True, entries, survey.bad)
 
     # -- lookup -------------------------------------------------------------
@@ -365,16 +353,7 @@ class DiskCache:
         now = time.time()
         with self._lock:
             return [
-                DiskEntryInfo(
-                    e.name,
-                    e.model_key,
-                    e.runtime,
-                    len(e.tokens),
-                    e.kind,
-                    e.trimmable,
-                    e.nbytes,
-                    max(0.0, now - e.last_access),
-                )
+                _info(e, now)
                 for e in self._entries.values()
                 if model_key is None or e.model_key == model_key
             ]
@@ -547,6 +526,19 @@ class DiskCache:
                 pass
             raise
         _fsync_dir(self.directory)
+
+
+def _info(e: _Entry, now: float) -> DiskEntryInfo:
+    return DiskEntryInfo(
+        e.name,
+        e.model_key,
+        e.runtime,
+        len(e.tokens),
+        e.kind,
+        e.trimmable,
+        e.nbytes,
+        max(0.0, now - e.last_access),
+    )
 
 
 def _survey(directory: Path) -> _Survey:
