@@ -111,8 +111,8 @@ def test_request_from_a_refused_origin_does_not_run(live, content_type):
             assert_refused(c.post(CHAT, content=body, headers=headers))
         assert_refused(c.get("/v1/models", headers={"Origin": "https://evil.example"}))
         ok = c.post(CHAT, content=body, headers={"Content-Type": content_type})  # no Origin
-        assert ok.status_code == (200 if content_type == "application/json" else 415)
-    assert len(engine.submissions) == submitted + (content_type == "application/json")
+        assert ok.status_code == 200  # not a page: curl and scripts may omit the type
+    assert len(engine.submissions) == submitted + 1
 
 
 def test_simple_request_headers(api):

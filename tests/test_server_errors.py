@@ -163,13 +163,16 @@ def test_lone_surrogate_is_a_400(http, engine, path, raw, param):
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/cache/warm"])
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
-def test_post_body_must_be_json(http, engine, path, content_type):
-    body = json.dumps({**chat(), "prompt": "hi"}).encode()
+def test_a_page_must_send_json_but_other_clients_need_not_say_so(http, engine, path, content_type):
+    valid = chat() if path == CHAT else {"prompt": "hi"}
+    body = json.dumps(valid).encode()
     headers = {"content-type": content_type} if content_type else {}
     before = len(engine.submissions)
-    r = http.post(path, content=body, headers=headers)
+    page = {**headers, "origin": "http://localhost:3000"}
+    r = http.post(path, content=body, headers=page)
     assert "application/json" in assert_error(r, 415, code="unsupported_media_type")["message"]
     assert len(engine.submissions) == before
+    assert http.post(path, content=body, headers=headers).status_code == 200  # curl -d
 
 
 def test_json_with_charset_is_json(http):
