@@ -9,7 +9,7 @@ prefill included: seed 004's bug was a save there that silently never fired).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mlx_prefix.cache.snapshot import Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
@@ -67,7 +67,6 @@ class Checkpointer:
     shared: SharedPrefixes | None
     disk: DiskTier | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
-    stored: list[int] = field(default_factory=list)  # positions inserted in memory
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -120,7 +119,6 @@ class Checkpointer:
         kind = kind if kind is not None else CheckpointKind.PERIODIC
         # An off-grid end (raw completions) is only reusable by trimming back.
         if in_memory and (not at_end or snapshot.trimmable or position in self.planned):
-            if self.store.insert(self.model_key, tokens[:position], snapshot, kind):
-                self.stored.append(position)
+            self.store.insert(self.model_key, tokens[:position], snapshot, kind)
         if to_disk:
             self.disk.defer(tokens[:position], snapshot, kind)

@@ -107,7 +107,6 @@ class _Prefill:
     lease: int | None  # store entry locked while its arrays may still be shared
     steps: Generator[int, None, mx.array]
     started_at: float
-    checkpointer: Checkpointer | None  # None: this request bypasses the cache
 
 
 @dataclass(slots=True)
@@ -480,9 +479,7 @@ class Engine:
             if lease is not None:
                 self.store.release(lease)
             raise
-        self._prefilling = _Prefill(
-            job, cache, reuse, reuse, lease, steps, time.perf_counter(), checkpointer
-        )
+        self._prefilling = _Prefill(job, cache, reuse, reuse, lease, steps, time.perf_counter())
 
     def _align(self, tokens):
         return lambda n: self.planner.grid.align(tokens, n)
