@@ -246,8 +246,8 @@ def _read_messages(path: Path) -> list[dict[str, Any]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from mlx_prefix.engine.request import DoneEvent, PromptInput, SamplingParams, TokenEvent
     from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
+    from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams, TokenEvent
 
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if prompt_text is None and args.messages is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.request import (
+from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
     ErrorEvent,

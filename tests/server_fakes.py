@@ -29,7 +29,8 @@ from typing import Any
 import uvicorn
 
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.engine.request import (
+from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
+from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
     ErrorEvent,
@@ -39,7 +40,6 @@ from mlx_prefix.engine.request import (
     TokenEvent,
     Usage,
 )
-from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
 
 _NO_PREFERENCE = CachePreference()
 DEFAULT_REPLY = "Hello from the fake engine, one word at a time."

@@ -10,7 +10,8 @@ import pytest
 from engine_helpers import chat, run
 
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.engine.request import (
+from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
     ErrorEvent,
@@ -18,7 +19,6 @@ from mlx_prefix.engine.request import (
     SamplingParams,
     TokenEvent,
 )
-from mlx_prefix.prompt.boundaries import common_prefix_length
 
 WORDS = (
     "river",

@@ -10,8 +10,8 @@ from engine_helpers import chat, run
 
 from mlx_prefix.config import DiskConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.request import CachePreference, SamplingParams
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import CachePreference, SamplingParams
 
 SYSTEM = "You are the front desk of a hotel. Answer guests kindly and in one sentence. " * 5
 

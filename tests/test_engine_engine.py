@@ -12,8 +12,8 @@ from engine_helpers import chat, run
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.request import DoneEvent, SamplingParams, TokenEvent
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
+from mlx_prefix.records import DoneEvent, SamplingParams, TokenEvent
 
 PROMPT = chat(("system", "You are a terse assistant. " * 8), ("user", "Count to one hundred."))
 

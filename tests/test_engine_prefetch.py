@@ -12,7 +12,7 @@ from engine_helpers import chat, run, warm_equals_cold
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.prefetch import next_turn_prompt, wants_prefetch
-from mlx_prefix.engine.request import PromptInput, SamplingParams
+from mlx_prefix.records import PromptInput, SamplingParams
 
 SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3
 NOW = EngineConfig(prefetch_delay_s=0.0)

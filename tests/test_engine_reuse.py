@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import chat, run, warm_equals_cold
 
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.engine.request import PromptInput
+from mlx_prefix.records import PromptInput
 
 KINDS = ["dense", "qwen3_5", "nemotron_h", "sliding"]
 

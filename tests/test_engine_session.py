@@ -4,8 +4,8 @@ import time
 
 from conftest import TEST_CACHE, loaded_test_model
 
-from mlx_prefix.engine.request import SamplingParams, TokenEvent
 from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
+from mlx_prefix.records import SamplingParams, TokenEvent
 
 long_reply = SamplingParams(max_tokens=400)
 SYSTEM = "You summarize shipping notices for a warehouse team, in one line each. " * 5

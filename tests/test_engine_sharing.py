@@ -6,8 +6,8 @@ import pytest
 from engine_helpers import GREEDY, chat, run
 
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.engine.request import CachePreference, DoneEvent, TokenEvent
 from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.records import CachePreference, DoneEvent, TokenEvent
 
 INSTRUCTION = (
     "Translate the following text into plain, friendly English. Keep names unchanged, "

@@ -16,7 +16,6 @@ from transformers import AutoTokenizer
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.engine.request import PromptInput
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.boundaries import (
@@ -26,6 +25,7 @@ from mlx_prefix.prompt.boundaries import (
     common_prefix_length,
 )
 from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.records import PromptInput
 
 SYSTEM, LAST, HISTORY, PERIODIC = (
     CheckpointKind.SYSTEM,

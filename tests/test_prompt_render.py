@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import AutoTokenizer
 
-from mlx_prefix.engine.request import PromptInput
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.records import PromptInput
 
 
 @cache

@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
 
-from mlx_prefix.engine.request import CachePreference
+from mlx_prefix.records import CachePreference
 
 TOOL_REPLY = (
     'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

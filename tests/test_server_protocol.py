@@ -9,9 +9,9 @@ import mlx.core as mx
 import pytest
 from server_fakes import FakeTokenizer
 
-from mlx_prefix.engine.request import SamplingParams, Usage
 from mlx_prefix.engine.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import SamplingParams, Usage
 from mlx_prefix.server import ServerSettings
 from mlx_prefix.server import responses as R
 from mlx_prefix.server.protocol import (

@@ -38,15 +38,6 @@ from mlx_prefix.engine.checkpoints import Checkpointer, SharedPrefixes, WaitingP
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
-from mlx_prefix.engine.request import (
-    CachePreference,
-    DoneEvent,
-    ErrorEvent,
-    PromptInput,
-    SamplingParams,
-    TokenEvent,
-    Usage,
-)
 from mlx_prefix.engine.runner import always_trimmable, prefill_steps
 from mlx_prefix.engine.sampling import TokenSampler, normalize
 from mlx_prefix.engine.scheduler import extends, pick_next
@@ -57,6 +48,15 @@ from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import device_name, loaded_blas
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.records import (
+    CachePreference,
+    DoneEvent,
+    ErrorEvent,
+    PromptInput,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
 
 log = logging.getLogger("mlx_prefix.engine")
 

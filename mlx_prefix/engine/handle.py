@@ -7,7 +7,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 
-from mlx_prefix.engine.request import DoneEvent, ErrorEvent, Event
+from mlx_prefix.records import DoneEvent, ErrorEvent, Event
 
 
 class RequestHandle:

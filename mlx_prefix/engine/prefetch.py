@@ -21,8 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.engine.request import PromptInput
 from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
+from mlx_prefix.records import PromptInput
 
 log = logging.getLogger("mlx_prefix.engine")
 

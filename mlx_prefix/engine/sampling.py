@@ -11,7 +11,7 @@ import random
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
-from mlx_prefix.engine.request import SamplingParams
+from mlx_prefix.records import SamplingParams
 
 
 class TokenSampler:

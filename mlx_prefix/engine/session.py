@@ -17,7 +17,9 @@ from typing import Any
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.handle import RequestHandle
-from mlx_prefix.engine.request import (
+from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.models.load import LoadedModel, load_model
+from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
     ErrorEvent,
@@ -26,8 +28,6 @@ from mlx_prefix.engine.request import (
     TokenEvent,
     Usage,
 )
-from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.models.load import LoadedModel, load_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,10 +33,10 @@ from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.engine.request import PromptInput
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.records import PromptInput
 
 log = logging.getLogger("mlx_prefix.prompt")
 

@@ -11,8 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_prefix.engine.request import PromptInput
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import PromptInput
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import anyio
 from starlette.requests import Request
 
-from mlx_prefix.engine.request import DoneEvent, ErrorEvent, TokenEvent, Usage
 from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, Usage
 
 from . import responses as R
 from .errors import CancelledByServer, GenerationFailed, body_for

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mlx_prefix.engine.request import Usage
+from mlx_prefix.records import Usage
 
 log = logging.getLogger("mlx_prefix.server")
 

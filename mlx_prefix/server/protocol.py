@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mlx_prefix.engine.request import CachePreference, PromptInput, SamplingParams
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 16

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlx_prefix.engine.request import Usage
+from mlx_prefix.records import Usage
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -1,7 +1,8 @@
 """What callers hand the engine and what they get back: requests, sampling, events.
 
-These records cross the thread boundary between HTTP handlers / the CLI and the
-engine thread: they hold plain Python values, never MLX arrays.
+Records every layer may import (prompt, engine, server, CLI) without an arrow running
+back up the tree. They cross the thread boundary between HTTP handlers / the CLI and
+the engine thread: they hold plain Python values, never MLX arrays.
 """
 
 from __future__ import annotations
