@@ -14,13 +14,10 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams, Usage
 from mlx_prefix.server import ServerSettings
 from mlx_prefix.server import responses as R
-from mlx_prefix.server.protocol import (
-    Limits,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
-    parse_messages,
-)
+from mlx_prefix.server.protocol.chat import parse_chat, parse_messages
+from mlx_prefix.server.protocol.completions import parse_completion
+from mlx_prefix.server.protocol.fields import parse_json_object
+from mlx_prefix.server.protocol.request import Limits
 from mlx_prefix.server.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 LIMITS = Limits(default_max_tokens=64, max_tokens=1000)

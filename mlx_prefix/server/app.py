@@ -19,7 +19,7 @@ from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
-from .protocol import Limits
+from .protocol.request import Limits
 from .routes import ROUTES, ServerState
 from .settings import ServerSettings
 

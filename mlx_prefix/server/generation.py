@@ -23,7 +23,7 @@ from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, Usage
 from . import responses as R
 from .errors import CancelledByServer, GenerationFailed, body_for
 from .metrics import ServerMetrics
-from .protocol import GenerationRequest
+from .protocol.request import GenerationRequest
 from .tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 log = logging.getLogger("mlx_prefix.server")

@@ -40,14 +40,11 @@ from .generation import (
     until_disconnect,
 )
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (
-    GenerationRequest,
-    Limits,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
-    parse_warm,
-)
+from .protocol.chat import parse_chat
+from .protocol.completions import parse_completion
+from .protocol.fields import parse_json_object
+from .protocol.request import GenerationRequest, Limits
+from .protocol.warm import parse_warm
 from .settings import ServerSettings
 
 log = logging.getLogger("mlx_prefix.server")

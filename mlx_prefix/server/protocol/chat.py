@@ -1,0 +1,134 @@
+"""POST /v1/chat/completions bodies: messages, content parts, tool calls, tools,
+tool_choice, logprobs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import PromptInput
+
+from .fields import MISSING, field, integer, json_type
+from .request import GenerationRequest, Limits, generation_request
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
+    tools = read_tools(body)
+    tool_choice = field(body, "tool_choice", (str, dict), None)
+    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
+        raise InvalidRequest(
+            "tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice"
+        )
+    offer_tools = tools is not None and tool_choice != "none"
+    prompt = PromptInput(
+        messages=parse_messages(body.get("messages", MISSING)),
+        tools=tools if offer_tools else None,
+        chat_template_kwargs=field(body, "chat_template_kwargs", dict, None) or {},
+    )
+    # The engine reports the sampled token's logprob only, not its alternatives.
+    if integer(body, "top_logprobs", 0, lo=0, hi=20):
+        raise InvalidRequest(
+            "top_logprobs is not supported: only the sampled tokens' logprobs are returned "
+            "(send logprobs: true without top_logprobs, or top_logprobs: 0)",
+            param="top_logprobs",
+        )
+    logprobs = bool(field(body, "logprobs", bool, False))
+    return generation_request("chat", body, prompt, limits, logprobs, parse_tools=offer_tools)
+
+
+def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    if messages is MISSING:
+        raise InvalidRequest("'messages' is required", param="messages")
+    if not isinstance(messages, list):
+        raise InvalidRequest(
+            f"'messages' must be an array, not {json_type(messages)}", param="messages"
+        )
+    if not messages:
+        raise InvalidRequest("'messages' must not be empty", param="messages")
+    return tuple(_message(m, i) for i, m in enumerate(messages))
+
+
+def read_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    tools = field(body, "tools", list, None)
+    if not tools:
+        return None
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"tools[{i}] must be an object", param=f"tools[{i}]")
+    return tuple(tools)
+
+
+def _message(message: Any, i: int) -> dict[str, Any]:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise InvalidRequest(f"{param} must be an object", param=param)
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise InvalidRequest(
+            f"{param}.role is required and must be a string", param=f"{param}.role"
+        )
+    if role not in ROLES:
+        raise InvalidRequest(
+            f"{param}.role {role!r} is not one of {', '.join(sorted(ROLES))}", param=f"{param}.role"
+        )
+    out = dict(message)
+    if role == "developer":
+        # OpenAI's newer name for the system role; chat templates only know "system".
+        out["role"] = "system"
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise InvalidRequest(
+                f"{param}.tool_calls must be an array on an assistant message",
+                param=f"{param}.tool_calls",
+            )
+        out["tool_calls"] = [
+            _tool_call(tc, f"{param}.tool_calls[{j}]") for j, tc in enumerate(tool_calls)
+        ]
+    content = message.get("content", MISSING)
+    if content is MISSING or content is None:
+        if role != "assistant":
+            raise InvalidRequest(f"{param}.content is required", param=f"{param}.content")
+        out["content"] = ""
+    else:
+        out["content"] = _content_text(content, f"{param}.content")
+    return out
+
+
+def _content_text(content: Any, param: str) -> str:
+    # Parts are joined so that ["a", "b"] as parts renders exactly like the string "ab":
+    # both must produce the same tokens, or the prefix cache would miss.
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{param} must be a string or an array of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else json_type(part)
+            raise InvalidRequest(
+                f"{param}[{j}]: only text content parts are supported, got {kind!r}",
+                param=f"{param}[{j}]",
+            )
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_call(tool_call: Any, param: str) -> Any:
+    # Chat templates iterate over arguments as a mapping, while OpenAI clients send the
+    # JSON-encoded string they received; mlx_lm.server decodes it the same way.
+    if not isinstance(tool_call, dict):
+        raise InvalidRequest(f"{param} must be an object", param=param)
+    function = tool_call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"] or "{}")
+        except (ValueError, RecursionError):
+            return tool_call
+        return {**tool_call, "function": {**function, "arguments": arguments}}
+    return tool_call

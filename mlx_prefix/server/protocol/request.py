@@ -1,0 +1,122 @@
+"""GenerationRequest, and the body fields chat and completions share: n, stream,
+max_tokens, sampling, stop, model, and the prefix_cache extension."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+
+from .fields import field, integer, number
+
+MAX_STOP_SEQUENCES = 16
+_SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
+SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
+
+
+@dataclass(frozen=True)
+class Limits:
+    default_max_tokens: int
+    max_tokens: int  # largest max_tokens accepted (context length or the server's cap)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    kind: Literal["chat", "completion"]
+    model: str | None  # as the client named it; None when absent
+    prompt: PromptInput
+    sampling: SamplingParams
+    cache: CachePreference
+    stream: bool
+    # The body field that set sampling.max_tokens; None: the server's default, which the
+    # engine clamps to the context left after the prompt (never an error).
+    max_tokens_param: str | None
+    include_usage: bool  # stream_options.include_usage: a final chunk carrying usage
+    parse_tools: bool  # tools were offered and tool_choice is not "none"
+
+
+def generation_request(
+    kind: Literal["chat", "completion"],
+    body: dict[str, Any],
+    prompt: PromptInput,
+    limits: Limits,
+    logprobs: bool,
+    *,
+    parse_tools: bool,
+) -> GenerationRequest:
+    n = integer(body, "n", 1, lo=1, hi=None)
+    if n != 1:
+        raise InvalidRequest("only n=1 is supported", param="n")
+    stream = bool(field(body, "stream", bool, False))
+    stream_options = field(body, "stream_options", dict, None) or {}
+    include_usage = stream_options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise InvalidRequest(
+            "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
+        )
+    max_tokens, max_tokens_param = _max_tokens(body, limits)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", 0.0, lo=0.0, hi=2.0),
+        top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
+        stop=_stop(body),
+        logprobs=logprobs,
+    )
+    return GenerationRequest(
+        kind=kind,
+        model=field(body, "model", str, None),
+        prompt=prompt,
+        sampling=sampling,
+        cache=_cache_preference(body),
+        stream=stream,
+        max_tokens_param=max_tokens_param,
+        include_usage=stream and include_usage,
+        parse_tools=parse_tools,
+    )
+
+
+def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
+    # max_completion_tokens is the newer name; when both are sent it wins.
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = integer(body, name, None, lo=1, hi=None)
+        if value is None:
+            continue
+        if value > limits.max_tokens:
+            raise InvalidRequest(
+                f"{name} is {value}, more than this model allows ({limits.max_tokens})", param=name
+            )
+        return value, name
+    return min(limits.default_max_tokens, limits.max_tokens), None
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = field(body, "stop", (str, list), None)
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequest(
+            f"'stop' must be a string or an array of at most {MAX_STOP_SEQUENCES} strings",
+            param="stop",
+        )
+    return tuple(s for s in stops if s)
+
+
+def _cache_preference(body: dict[str, Any]) -> CachePreference:
+    pref = field(body, "prefix_cache", dict, None)
+    if pref is None:
+        return CachePreference()
+    enabled = pref.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise InvalidRequest("prefix_cache.enabled must be a boolean", param="prefix_cache.enabled")
+    scope = pref.get("scope")
+    if scope is not None and not (isinstance(scope, str) and _SCOPE.fullmatch(scope)):
+        raise InvalidRequest(
+            "prefix_cache.scope must be one of off, full, auto, auto:N or N",
+            param="prefix_cache.scope",
+        )
+    return CachePreference(enabled=enabled, scope=scope)

@@ -1,0 +1,34 @@
+"""POST /v1/cache/warm bodies: a chat (messages, tools) or a raw prompt to prefill and
+cache without generating."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import PromptInput
+
+from .chat import parse_messages, read_tools
+from .completions import prompt_text
+from .fields import field
+
+
+@dataclass(frozen=True)
+class WarmRequest:
+    prompt: PromptInput
+    pin: bool
+
+
+def parse_warm(body: dict[str, Any]) -> WarmRequest:
+    if ("messages" in body) == ("prompt" in body):
+        raise InvalidRequest("give exactly one of 'messages' or 'prompt'")
+    if "messages" in body:
+        prompt = PromptInput(
+            messages=parse_messages(body["messages"]),
+            tools=read_tools(body),
+            chat_template_kwargs=field(body, "chat_template_kwargs", dict, None) or {},
+        )
+    else:
+        prompt = PromptInput(text=prompt_text(body["prompt"]))
+    return WarmRequest(prompt=prompt, pin=bool(field(body, "pin", bool, False)))
