@@ -20,7 +20,8 @@ from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
 from .protocol.request import Limits
-from .routes import ROUTES, ServerState
+from .routes import ROUTES
+from .routes.common import ServerState
 from .settings import ServerSettings
 
 log = logging.getLogger("mlx_prefix.server")

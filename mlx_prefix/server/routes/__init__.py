@@ -1,0 +1,23 @@
+"""HTTP handlers, one module per family, and the route table. Handlers parse (protocol),
+call the engine off the event loop, and shape the answer (responses / generation).
+Engine calls that may block go through the threadpool."""
+
+from __future__ import annotations
+
+from starlette.routing import Route
+
+from .cache import cache_flush, cache_info, cache_warm
+from .generate import chat_completions, completions
+from .status import get_model, health, list_models, metrics
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+    Route("/v1/cache", cache_info, methods=["GET"]),
+    Route("/v1/cache", cache_flush, methods=["DELETE"]),
+    Route("/v1/cache/warm", cache_warm, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]

@@ -1,0 +1,81 @@
+"""The prompt cache over HTTP: GET /v1/cache (stats, entries), DELETE /v1/cache (flush),
+POST /v1/cache/warm (prefill a prompt into the cache without generating)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import Any
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..errors import WarmTimeout
+from ..generation import ClientGone, until_disconnect
+from ..protocol.warm import parse_warm
+from .common import api, read_json, resolve_model, state
+
+log = logging.getLogger("mlx_prefix.server")
+
+
+@api
+async def cache_info(request: Request) -> Response:
+    engine = state(request).engine
+    stats = await run_in_threadpool(engine.cache_stats)
+    entries = await run_in_threadpool(engine.cache_entries)
+    # The store's CheckpointKind is an IntEnum: show "HISTORY", not 2.
+    entries = [
+        {k: v.name if isinstance(v, enum.Enum) else v for k, v in entry.items()}
+        for entry in entries
+    ]
+    return JSONResponse({"stats": stats, "entries": entries})
+
+
+@api
+async def cache_warm(request: Request) -> Response:
+    st = state(request)
+    body = await read_json(request)
+    resolve_model(st.engine, body.get("model") if isinstance(body.get("model"), str) else None)
+    warm = parse_warm(body)
+    started = time.perf_counter()
+    timeout = st.settings.warm_timeout_s
+    handle, future = await run_in_threadpool(st.engine.start_warm, warm.prompt, warm.pin)
+
+    async def finished() -> Any:
+        with anyio.fail_after(timeout):
+            # Shielded: the engine owns the future; the handle is how to stop the job.
+            return await asyncio.shield(asyncio.wrap_future(future))
+
+    try:
+        result = await until_disconnect(request, finished, on_gone=handle.cancel)
+    except TimeoutError:
+        handle.cancel()
+        raise WarmTimeout(
+            f"the warm-up did not finish within {timeout:g}s (the server's warm_timeout_s); "
+            "it was cancelled"
+        ) from None
+    except ClientGone:
+        log.info("warm client_disconnected after %.0fms", (time.perf_counter() - started) * 1000)
+        return Response(status_code=499)
+    log.info(
+        "warm prompt=%d cached=%d pinned=%s took=%.0fms",
+        result.prompt_tokens, result.cached_tokens, result.pinned,
+        (time.perf_counter() - started) * 1000,
+    )  # fmt: skip
+    return JSONResponse(
+        {
+            "prompt_tokens": result.prompt_tokens,
+            "cached_tokens": result.cached_tokens,
+            "pinned": result.pinned,
+        }
+    )
+
+
+@api
+async def cache_flush(request: Request) -> Response:
+    removed = await run_in_threadpool(state(request).engine.flush_cache)
+    return JSONResponse({"removed": removed})

@@ -1,0 +1,102 @@
+"""What every handler shares: the app's state, the error wrapper, the JSON body reader
+and the model-name check."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlx_prefix.errors import MlxPrefixError, ModelNotFound
+
+from ..errors import PayloadTooLarge, UnsupportedMediaType, error_body, error_response
+from ..generation import InFlight
+from ..metrics import ServerMetrics
+from ..protocol.fields import parse_json_object
+from ..protocol.request import Limits
+from ..settings import ServerSettings
+
+log = logging.getLogger("mlx_prefix.server")
+
+
+@dataclass(frozen=True)
+class ServerState:
+    engine: Any  # mlx_prefix.engine.Engine, or a fake with the same interface
+    settings: ServerSettings
+    metrics: ServerMetrics
+    limits: Limits
+    inflight: InFlight
+    started: int  # unix time, reported as the model's `created`
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def api(handler: Handler) -> Handler:
+    """Errors become the OpenAI error shape here, inside the middleware, so even a 500
+    carries CORS headers a browser page can read."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except MlxPrefixError as e:
+            return error_response(e)
+        except Exception as e:
+            log.exception("unhandled error on %s %s", request.method, request.url.path)
+            body = error_body(f"internal error: {type(e).__name__}: {e}", "server_error")
+            return JSONResponse(body, status_code=500)
+
+    return wrapped
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    # A browser page must send JSON: a form or text/plain body is what a page can send
+    # without a preflight (refused origins never get here; this is the second fence).
+    # Other clients (`curl -d`, scripts) often omit the header: their body is parsed as
+    # JSON whatever it says.
+    content_type = request.headers.get("content-type", "")
+    from_page = "origin" in request.headers
+    if from_page and content_type.partition(";")[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType(
+            "send the request body as JSON with 'Content-Type: application/json'"
+            + (f" (got {content_type!r})" if content_type else " (none was sent)")
+        )
+    limit = state(request).settings.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    # Content-Length may be absent (chunked) or lie, so count what actually arrives.
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return parse_json_object(b"".join(chunks))
+
+
+def resolve_model(engine: Any, requested: str | None) -> str:
+    """The served id for any accepted spelling of it; ModelNotFound otherwise."""
+    model = engine.model
+    if requested is None:
+        return model.name
+    aliases = {model.name, "default"}
+    if model.path is not None:
+        aliases |= {str(model.path), model.path.name}
+    if requested.rstrip("/") in aliases or requested in aliases:
+        return model.name
+    raise ModelNotFound(
+        f"The model {requested!r} does not exist. Served models: {model.name}"
+        + (f" (also accepted: its folder {model.path}, 'default')" if model.path else ""),
+        param="model",
+    )
