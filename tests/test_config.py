@@ -34,10 +34,11 @@ def test_byte_sizes_take_units_in_variables_as_in_flags(monkeypatch):
 
 
 def test_engine_flags_and_variables_reach_the_engine_config(monkeypatch):
-    from mlx_prefix.cli import _engine_config, build_parser
+    from mlx_prefix.cli import build_parser
+    from mlx_prefix.cli.args import engine_config
 
     monkeypatch.setenv("MLX_PREFIX_ENGINE_MAX_QUEUED", "7")
     args = build_parser().parse_args(["serve", "--max-running", "3", "--no-prefetch"])
-    config = _engine_config(args)
+    config = engine_config(args)
     assert (config.max_running, config.max_queued, config.prefetch_next_turn) == (3, 7, False)
-    assert _engine_config(build_parser().parse_args(["serve"])).prefetch_next_turn is True
+    assert engine_config(build_parser().parse_args(["serve"])).prefetch_next_turn is True

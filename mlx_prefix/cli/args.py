@@ -1,0 +1,166 @@
+"""What the commands share: argument types (byte sizes, bounded numbers), the model,
+cache, disk and engine flag groups, and the configs built from them (flag, else
+MLX_PREFIX_* variable, else default)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+from mlx_prefix.config import (
+    CacheConfig,
+    DiskConfig,
+    EngineConfig,
+    ModelConfig,
+    from_env,
+)
+from mlx_prefix.config import parse_bytes as config_parse_bytes
+
+if TYPE_CHECKING:
+    from mlx_prefix.models.load import LoadedModel
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1e9', '1024' -> bytes (argparse type)."""
+    try:
+        return config_parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def number_type(kind: type, *, lo: float, hi: float, what: str):
+    """An argparse type: a `kind` number in [lo, hi]."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not lo <= value <= hi:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
+        return value
+
+    return parse
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m",
+        "--model",
+        help="local model folder or Hugging Face repo id "
+        "(default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--adapter", help="LoRA adapter folder")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights dtype (default: float32 on CPU, the checkpoint's on GPU)",
+    )
+
+
+def cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-budget",
+        type=parse_bytes,
+        dest="budget_bytes",
+        help="bytes for cached snapshots plus running requests (default 4GiB)",
+    )
+    p.add_argument("--cache-max-entries", type=int, dest="max_entries")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        dest="prefill_chunk",
+        help="prefill chunk size; chunk boundaries fall on its multiples (256)",
+    )
+    p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        dest="checkpoint_interval",
+        help="periodic checkpoint every N tokens of long prompts (2048)",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_false",
+        dest="enabled",
+        default=None,
+        help="disable the prefix cache",
+    )
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-running", type=int, help="requests decoding together in one batch (default 8)"
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        help="waiting requests beyond this get a 429 busy error (default 64)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-step",
+        type=int,
+        help="prefill tokens computed between two decode steps (default 256)",
+    )
+    p.add_argument(
+        "--no-prefetch",
+        action="store_false",
+        dest="prefetch_next_turn",
+        default=None,
+        help="don't prefill a chat's reply again while idle (next-turn prefetch)",
+    )
+
+
+def disk_args(p: argparse.ArgumentParser, default_scope: str) -> None:
+    p.add_argument(
+        "--disk-cache",
+        dest="scope",
+        default=None,
+        help=f"what to persist: off (no disk tier) | full | auto[:N] | N (default {default_scope})",
+    )
+    p.add_argument(
+        "--cache-dir",
+        dest="directory",
+        default=None,
+        help="disk cache folder (default: <user cache dir>/mlx-prefix/prompt-cache)",
+    )
+    p.add_argument(
+        "--disk-budget",
+        type=parse_bytes,
+        dest="disk_budget_bytes",
+        default=None,
+        help="bytes of disk for cached checkpoints (default 16GiB)",
+    )
+    p.set_defaults(default_scope=default_scope)
+
+
+def disk_config(args: argparse.Namespace) -> DiskConfig:
+    overrides = {
+        "scope": args.scope,
+        "directory": args.directory,
+        "budget_bytes": args.disk_budget_bytes,
+    }
+    config = from_env(DiskConfig, "DISK", overrides)
+    if args.scope is None and "MLX_PREFIX_DISK_SCOPE" not in os.environ:
+        config = dataclasses.replace(config, scope=args.default_scope)
+    return config
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig:
+    keys = ("enabled", "budget_bytes", "max_entries", "prefill_chunk", "checkpoint_interval")
+    return from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    keys = ("max_running", "max_queued", "prefill_tokens_per_step", "prefetch_next_turn")
+    return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
+
+
+def model_from_args(args: argparse.Namespace) -> LoadedModel:
+    from mlx_prefix.models.load import load_model
+
+    cfg = from_env(
+        ModelConfig, "MODEL", {"model": args.model, "adapter": args.adapter, "dtype": args.dtype}
+    )
+    return load_model(cfg.model, adapter=cfg.adapter, dtype=cfg.dtype)

@@ -1,0 +1,57 @@
+"""mlx-prefix serve: the OpenAI-compatible HTTP server, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+
+from mlx_prefix.config import from_env
+
+from .args import (
+    cache_args,
+    cache_config,
+    disk_args,
+    disk_config,
+    engine_args,
+    engine_config,
+    model_args,
+    model_from_args,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    model_args(p)
+    cache_args(p)
+    disk_args(p, "auto")
+    engine_args(p)
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    p.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=None,
+        help="extra CORS origins beyond localhost pages and browser extensions",
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mlx_prefix.engine.engine import Engine
+    from mlx_prefix.server.app import ServerSettings, serve
+
+    settings_overrides = {
+        "host": args.host,
+        "port": args.port,
+        "api_key": args.api_key,
+        "allowed_origins": tuple(args.allowed_origins)
+        if args.allowed_origins is not None
+        else None,
+    }
+    settings = from_env(ServerSettings, "SERVER", settings_overrides)
+    engine = Engine(
+        model_from_args(args),
+        cache_config(args),
+        engine_config(args),
+        disk_config=disk_config(args),
+    )
+    serve(engine, settings)
+    return 0
