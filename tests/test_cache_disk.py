@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlx_prefix.cache import disk_format
+from mlx_prefix.cache import disk_header, disk_payload
 from mlx_prefix.cache.disk import DiskCache
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind
@@ -325,13 +325,13 @@ def _rewrite_meta(path: Path, *, sign: bool = True, **changes: str | None) -> No
     for k in [k for k, v in meta.items() if v is None]:
         del meta[k]
     if sign:
-        meta["header_digest"] = disk_format.HEADER_PLACEHOLDER
+        meta["header_digest"] = disk_header.HEADER_PLACEHOLDER
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     blob = struct.pack("<Q", len(text)) + text
     if sign:
-        digest = disk_format.header_digest(blob).encode()
-        blob = blob.replace(disk_format.HEADER_PLACEHOLDER.encode(), digest)
+        digest = disk_header.header_digest(blob).encode()
+        blob = blob.replace(disk_header.HEADER_PLACEHOLDER.encode(), digest)
     path.write_bytes(blob + raw[8 + n :])
 
 
@@ -435,7 +435,7 @@ def test_tokens_not_matching_the_name_are_removed(saved, caplog):
     d, key, tokens, path = saved
     import base64
 
-    other = disk_format.token_bytes([t + 1 for t in tokens])
+    other = disk_header.token_bytes([t + 1 for t in tokens])
     _rewrite_meta(path, tokens=base64.b64encode(other).decode())  # a valid header
     with caplog.at_level(logging.WARNING, LOGGER):
         disk = DiskCache(d)
@@ -448,7 +448,7 @@ def _valid_file_of(d: Path, key: str, tokens: list[int]) -> Path:
     model = loaded_test_model("dense")
     _, _, snaps = _prefill(model, tokens, capture_at=(len(tokens),))
     assert DiskCache(d).save(key, tokens, snaps[len(tokens)], HISTORY)
-    return d / disk_format.entry_name(key, tokens)
+    return d / disk_header.entry_name(key, tokens)
 
 
 def _swap_in(path: Path, source: Path) -> None:
@@ -541,7 +541,7 @@ def test_load_reads_the_file_once(saved, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("mx.load reads the file a second time")
 
-    monkeypatch.setattr(disk_format, "open", counting_open, raising=False)
+    monkeypatch.setattr(disk_payload, "open", counting_open, raising=False)
     monkeypatch.setattr(mx, "load", no_load)
     loaded = disk.load(match)
     monkeypatch.undo()
@@ -554,7 +554,7 @@ def test_load_reads_the_file_once(saved, monkeypatch):
 
 def test_every_dtype_and_empty_and_scalar_arrays_round_trip(tmp_path: Path):
     values = np.arange(-6, 6).reshape(3, 4)
-    arrays = [mx.array(values).astype(dtype) for dtype in disk_format._DTYPES]
+    arrays = [mx.array(values).astype(dtype) for dtype in disk_payload._DTYPES]
     arrays += [mx.zeros((1, 0, 4)), mx.array(7, dtype=mx.int32), mx.array([1.5], mx.bfloat16)]
     layer = LayerSnapshot(KVCache, tuple(arrays))
     nbytes = sum(a.nbytes for a in arrays)
@@ -637,7 +637,7 @@ _KILLED_CHILD = textwrap.dedent(
     import os, sys, time
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
-    from mlx_prefix.cache import disk_format
+    from mlx_prefix.cache import disk_payload
     from mlx_prefix.cache.disk import DiskCache
     from mlx_prefix.cache.snapshot import capture
     from mlx_prefix.cache.store import CheckpointKind
@@ -648,7 +648,7 @@ _KILLED_CHILD = textwrap.dedent(
         c.update_and_fetch(mx.random.normal((1, 8, 1024, 128)), mx.random.normal((1, 8, 1024, 128)))
     snapshot = capture(cache, 1024)
     if stage == "data":
-        write_array, written = disk_format.write_array, []
+        write_array, written = disk_payload.write_array, []
         def stall(f, a, h):
             write_array(f, a, h)
             written.append(a)
@@ -656,7 +656,7 @@ _KILLED_CHILD = textwrap.dedent(
                 f.flush()
                 print("stalled", flush=True)
                 time.sleep(600)
-        disk_format.write_array = stall
+        disk_payload.write_array = stall
     else:
         def stall(src, dst):
             print("stalled", flush=True)
@@ -805,7 +805,7 @@ def test_a_read_only_directory_fails_softly(tmp_path: Path, caplog):
     "error", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), MemoryError("no room")]
 )
 def test_a_failure_while_writing_data_fails_softly(tmp_path: Path, monkeypatch, caplog, error):
-    real, calls = disk_format.write_array, []
+    real, calls = disk_payload.write_array, []
 
     def fail_second(f, a, h):  # the disk fills up after the first array
         calls.append(a)
@@ -814,7 +814,7 @@ def test_a_failure_while_writing_data_fails_softly(tmp_path: Path, monkeypatch, 
         real(f, a, h)
 
     disk = DiskCache(tmp_path)
-    monkeypatch.setattr(disk_format, "write_array", fail_second)
+    monkeypatch.setattr(disk_payload, "write_array", fail_second)
     snap = capture([_kv_cache(32, 0)], 32)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert disk.save("m", _seq(1), snap, HISTORY) is False
@@ -880,7 +880,7 @@ def _tree_state(d: Path) -> dict[str, tuple[int, float]]:
 def test_listing_changes_nothing_and_reports_bad_files(saved, caplog):
     d, key, tokens, path = saved
     assert DiskCache(d).save("another-model", _seq(1), _kv_snapshot(32, 0), HISTORY)
-    damaged = d / disk_format.entry_name("m", _seq(2))
+    damaged = d / disk_header.entry_name("m", _seq(2))
     damaged.write_bytes(b"\0" * 40)
     abandoned = d / f"{path.name}.tmp-{_dead_pid()}-0a1b2c3d"
     abandoned.write_bytes(b"x")
@@ -898,7 +898,7 @@ def test_listing_changes_nothing_and_reports_bad_files(saved, caplog):
     assert listing.exists and listing.directory == str(d)
     assert [(e.name, e.model_key, e.tokens) for e in listing.entries] == [
         (path.name, key, 64),
-        (disk_format.entry_name("another-model", _seq(1)), "another-model", 32),
+        (disk_header.entry_name("another-model", _seq(1)), "another-model", 32),
     ]
     assert listing.entries[0].idle_s > 1e8 and listing.entries[0].trimmable
     assert (

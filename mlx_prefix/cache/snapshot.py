@@ -1,6 +1,6 @@
 """Immutable captures of a request's per-layer cache, restored copy-on-write.
 
-The only cache module that touches MLX. Why sharing is safe (DESIGN 2):
+Besides `disk_payload`, the only cache module that touches MLX. Why sharing is safe (DESIGN 2):
 - MLX arrays are values: `x[a:b] = y` builds a new array and rebinds that one
   Python object to it. It writes into the old buffer only when that buffer is
   donatable (no other array or view references it). A snapshot's arrays are

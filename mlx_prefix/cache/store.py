@@ -1,9 +1,12 @@
-"""The prompt cache: checkpoints per model key, reuse rules, one byte budget.
+"""The prompt cache: checkpoints per model key, longest reuse, one byte budget.
 
 Pure Python (no MLX): payloads are opaque objects with `nbytes`, `trimmable` and
 `length` (a `snapshot.Snapshot` in the server, fakes in tests). Thread-safe: every
 public method takes the one internal lock (HTTP threads read stats while the
 engine thread matches and inserts).
+
+Which entry goes first when over the limits is the eviction policy's choice
+(`eviction.KindLRU` today); lookup, insertion, pins and the budget are decided here.
 
 Invariants (checked by `check_integrity`):
 - each model key has its own trie; a lookup never crosses model keys (DESIGN 7);
@@ -17,72 +20,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any
 
+from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
+from mlx_prefix.cache.records import CacheMatch, CacheStats, CheckpointKind, EntryInfo
+from mlx_prefix.cache.reuse import best_reuse
 from mlx_prefix.cache.trie import TokenTrie
-
-
-class CheckpointKind(IntEnum):
-    """Why a checkpoint was taken. Eviction order: lower is evicted first."""
-
-    GENERATED = 0
-    PERIODIC = 1
-    HISTORY = 2
-    LAST_MESSAGE = 3
-    SYSTEM = 4
-
-
-class Payload(Protocol):
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def trimmable(self) -> bool: ...
-    @property
-    def length(self) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class CacheMatch:
-    entry_id: int | None  # entry to restore (None: miss)
-    reuse_tokens: int  # tokens the request gets from the cache (after trim/alignment); 0 on miss
-    trim: int  # tokens to drop from the entry's end when restoring
-    matched_tokens: int  # longest common prefix with any stored sequence (diagnostic)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    hits: int  # match() calls that found a usable entry
-    misses: int  # match() calls that did not
-    tokens_reused: int  # sum of reuse_tokens over hits
-    entries: int  # stored checkpoints
-    bytes: int  # bytes of stored checkpoints
-    bytes_by_kind: dict[str, int]  # CheckpointKind name -> bytes
-    entries_by_kind: dict[str, int]  # CheckpointKind name -> count
-    active_bytes: int  # bytes reported by running requests
-    active_requests: int  # requests with reported bytes
-    evictions: int  # entries evicted for budget or count (not clear())
-    budget_bytes: int  # the one budget covering bytes + active_bytes
-    pinned: int  # stored entries that are pinned
-    locked: int  # stored entries acquired and not yet released
-
-
-@dataclass(frozen=True, slots=True)
-class EntryInfo:
-    entry_id: int
-    model_key: str
-    tokens: int  # sequence length
-    nbytes: int
-    kind: CheckpointKind
-    trimmable: bool
-    hits: int  # times acquired
-    age_s: float  # since insertion
-    idle_s: float  # since the last insert/acquire
-    pinned: bool
-    refs: int  # current locks
 
 
 @dataclass(slots=True, eq=False)
@@ -108,13 +53,6 @@ class _Counters:
     evictions: int = 0
 
 
-@dataclass(slots=True)
-class _Candidate:
-    entry_id: int
-    reuse: int
-    trim: int
-
-
 class PromptCache:
     def __init__(
         self,
@@ -130,10 +68,7 @@ class PromptCache:
         self._lock = threading.Lock()
         self._tries: dict[str, TokenTrie[int]] = {}
         self._entries: dict[int, _Entry] = {}
-        # Per kind, entries in recency order (least recent first): the eviction queue.
-        self._lru: dict[CheckpointKind, OrderedDict[int, _Entry]] = {
-            k: OrderedDict() for k in CheckpointKind
-        }
+        self._policy: EvictionPolicy[_Entry] = KindLRU()
         self._pins: set[tuple[str, tuple[int, ...]]] = set()
         self._active: dict[str, int] = {}
         self._bytes = 0
@@ -161,13 +96,14 @@ class PromptCache:
         the entry (`acquire` does).
         """
         with self._lock:
-            found, matched = self._best(model_key, tokens, align)
-            if found is None:
+            trie = self._tries.get(model_key, TokenTrie())
+            found = best_reuse(trie, tokens, align, lambda i: self._entries[i].trimmable)
+            if found.value is None:
                 self._counters.misses += record
-                return CacheMatch(None, 0, 0, matched)
+                return CacheMatch(None, 0, 0, found.matched_tokens)
             self._counters.hits += record
-            self._counters.tokens_reused += found.reuse if record else 0
-            return CacheMatch(found.entry_id, found.reuse, found.trim, matched)
+            self._counters.tokens_reused += found.reuse_tokens if record else 0
+            return CacheMatch(found.value, found.reuse_tokens, found.trim, found.matched_tokens)
 
     def get(self, model_key: str, tokens: Sequence[int]) -> Any | None:
         """The payload stored under exactly `tokens`, or None. Does not mutate: no lock
@@ -227,9 +163,8 @@ class PromptCache:
             if dup is not None:
                 e = self._entries[dup]
                 if kind > e.kind:
-                    del self._lru[e.kind][e.entry_id]
-                    e.kind = kind
-                    self._lru[kind][e.entry_id] = e
+                    old, e.kind = e.kind, kind
+                    self._policy.change_kind(e, old)
                 self._touch(e)
                 return True
             trimmable = bool(payload.trimmable)
@@ -252,7 +187,7 @@ class PromptCache:
                 ]
             # Decide before changing anything: a refused insert must not have dropped the
             # prefixes it would have made redundant, nor evicted entries to no avail.
-            if not self._fits(nbytes, kind, redundant):
+            if not self._fits(nbytes, kind, len(key), redundant):
                 if not len(trie):
                     del self._tries[model_key]
                 return False
@@ -261,7 +196,7 @@ class PromptCache:
             self._next_id += 1
             trie.insert(key, e.entry_id)
             self._entries[e.entry_id] = e
-            self._lru[kind][e.entry_id] = e
+            self._policy.add(e)
             self._bytes += nbytes
             for other in redundant:  # after the insert: the trie never empties on the way
                 self._remove(other)
@@ -331,8 +266,11 @@ class PromptCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot of the counters. Does not mutate."""
         with self._lock:
-            by_kind = {k.name: sum(e.nbytes for e in self._lru[k].values()) for k in CheckpointKind}
-            counts = {k.name: len(self._lru[k]) for k in CheckpointKind}
+            by_kind = dict.fromkeys((k.name for k in CheckpointKind), 0)
+            counts = dict.fromkeys((k.name for k in CheckpointKind), 0)
+            for e in self._entries.values():
+                by_kind[e.kind.name] += e.nbytes
+                counts[e.kind.name] += 1
             c = self._counters
             return CacheStats(
                 hits=c.hits,
@@ -368,8 +306,7 @@ class PromptCache:
                     pinned=self._pinned(e),
                     refs=e.refs,
                 )
-                for k in CheckpointKind
-                for e in self._lru[k].values()
+                for e in self._policy.order()
             ]
 
     def check_integrity(self) -> None:
@@ -377,10 +314,7 @@ class PromptCache:
         with self._lock:
             assert self._bytes == sum(e.nbytes for e in self._entries.values()), "byte total"
             assert self._active_bytes == sum(self._active.values()), "active byte total"
-            queued = {i: e for k in CheckpointKind for i, e in self._lru[k].items()}
-            assert queued.keys() == self._entries.keys(), "eviction queues != entries"
-            for k in CheckpointKind:
-                assert all(e.kind == k for e in self._lru[k].values()), "entry in wrong queue"
+            self._policy.check_integrity(self._entries)
             in_tries = 0
             for model_key, trie in self._tries.items():
                 trie.check_integrity()
@@ -398,37 +332,9 @@ class PromptCache:
 
     # -- internals (call with the lock held) --------------------------------
 
-    def _best(
-        self, model_key: str, tokens: Sequence[int], align: Callable[[int], int]
-    ) -> tuple[_Candidate | None, int]:
-        trie = self._tries.get(model_key)
-        if trie is None or not len(trie):
-            return None, 0
-        limit = len(tokens) - 1  # leave at least one token to compute
-        m = trie.match(tokens)
-        best: _Candidate | None = None
-
-        def offer(c: _Candidate) -> None:
-            nonlocal best
-            if c.reuse > 0 and (best is None or (c.reuse, -c.trim) > (best.reuse, -best.trim)):
-                best = c
-
-        for anc in m.ancestors:
-            e = self._entries[anc.value]
-            n = anc.length
-            if not e.trimmable and n <= limit and align(n) == n:
-                offer(_Candidate(e.entry_id, n, 0))
-        near = trie.nearest(tokens, lambda i: self._entries[i].trimmable)
-        if near is not None:
-            cap = min(near.common, limit)
-            reuse = align(cap) if cap > 0 else 0
-            assert 0 <= reuse <= cap, f"align({cap}) = {reuse}"
-            offer(_Candidate(near.entry.value, reuse, len(near.entry.tokens) - reuse))
-        return best, m.matched
-
     def _touch(self, e: _Entry) -> None:
         e.last_access = self._clock()
-        self._lru[e.kind].move_to_end(e.entry_id)
+        self._policy.touch(e)
 
     def _pinned(self, e: _Entry) -> bool:
         return (e.model_key, e.tokens) in self._pins
@@ -438,16 +344,16 @@ class PromptCache:
             return True
         return self.max_entries is not None and len(self._entries) > self.max_entries
 
-    def _fits(self, nbytes: int, kind: CheckpointKind, leaving: list[_Entry]) -> bool:
-        """Whether a new entry of `nbytes` and `kind` would survive eviction once the
-        `leaving` entries are gone. It would be the most recent of its kind, so every
-        evictable entry of its kind or a lower one goes before it."""
+    def _fits(self, nbytes: int, kind: CheckpointKind, length: int, leaving: list[_Entry]) -> bool:
+        """Whether a new entry of `nbytes`, `kind` and `length` tokens would survive
+        eviction once the `leaving` entries are gone: what stays is what the policy
+        evicts after it, plus the pinned and locked entries."""
         gone = {e.entry_id for e in leaving}
         kept_bytes = kept_count = 0
         for e in self._entries.values():
             if e.entry_id in gone:
                 continue
-            if e.kind > kind or e.refs > 0 or self._pinned(e):
+            if e.refs > 0 or self._pinned(e) or self._policy.outlasts(e, kind, nbytes, length):
                 kept_bytes += e.nbytes
                 kept_count += 1
         if kept_bytes + self._active_bytes + nbytes > self.budget_bytes:
@@ -455,11 +361,7 @@ class PromptCache:
         return self.max_entries is None or kept_count + 1 <= self.max_entries
 
     def _victim(self) -> _Entry | None:
-        for k in CheckpointKind:  # ascending: lower kinds go first
-            for e in self._lru[k].values():  # least recently used first
-                if e.refs == 0 and not self._pinned(e):
-                    return e
-        return None
+        return next((e for e in self._policy.order() if e.refs == 0 and not self._pinned(e)), None)
 
     def _evict(self) -> None:
         while self._over_limits():
@@ -476,5 +378,5 @@ class PromptCache:
         if not len(trie):
             del self._tries[e.model_key]
         del self._entries[e.entry_id]
-        del self._lru[e.kind][e.entry_id]
+        self._policy.remove(e)
         self._bytes -= e.nbytes

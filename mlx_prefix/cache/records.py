@@ -1,0 +1,72 @@
+"""The prompt cache's vocabulary: checkpoint kinds, payloads, and its result records.
+
+Apart from the store (`store.PromptCache`, which returns these records) so that the
+eviction policy, the disk tier and the prompt planner can name a CheckpointKind
+without the store. Pure Python (no MLX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+
+class CheckpointKind(IntEnum):
+    """Why a checkpoint was taken. Eviction order (`eviction.KindLRU`): lower is evicted
+    first."""
+
+    GENERATED = 0
+    PERIODIC = 1
+    HISTORY = 2
+    LAST_MESSAGE = 3
+    SYSTEM = 4
+
+
+class Payload(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def trimmable(self) -> bool: ...
+    @property
+    def length(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMatch:
+    entry_id: int | None  # entry to restore (None: miss)
+    reuse_tokens: int  # tokens the request gets from the cache (after trim/alignment); 0 on miss
+    trim: int  # tokens to drop from the entry's end when restoring
+    matched_tokens: int  # longest common prefix with any stored sequence (diagnostic)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    hits: int  # match() calls that found a usable entry
+    misses: int  # match() calls that did not
+    tokens_reused: int  # sum of reuse_tokens over hits
+    entries: int  # stored checkpoints
+    bytes: int  # bytes of stored checkpoints
+    bytes_by_kind: dict[str, int]  # CheckpointKind name -> bytes
+    entries_by_kind: dict[str, int]  # CheckpointKind name -> count
+    active_bytes: int  # bytes reported by running requests
+    active_requests: int  # requests with reported bytes
+    evictions: int  # entries evicted for budget or count (not clear())
+    budget_bytes: int  # the one budget covering bytes + active_bytes
+    pinned: int  # stored entries that are pinned
+    locked: int  # stored entries acquired and not yet released
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    entry_id: int
+    model_key: str
+    tokens: int  # sequence length
+    nbytes: int
+    kind: CheckpointKind
+    trimmable: bool
+    hits: int  # times acquired
+    age_s: float  # since insertion
+    idle_s: float  # since the last insert/acquire
+    pinned: bool
+    refs: int  # current locks
