@@ -1,9 +1,10 @@
-"""Admission: which waiting request starts next (pure Python, engine thread only)."""
+"""Admission: which waiting job starts next (pure Python, engine thread only)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Generic, Protocol, TypeVar
 
 
 class Waiting(Protocol):
@@ -41,3 +42,83 @@ def pick_next(waiting: Sequence[J], reuse_of: Callable[[J], int], max_passovers:
 def extends(tokens: Sequence[int], prefix: Sequence[int]) -> bool:
     """Whether `tokens` starts with `prefix` (a request that can restore from it)."""
     return len(tokens) >= len(prefix) and tuple(tokens[: len(prefix)]) == tuple(prefix)
+
+
+class WaitingJob(Protocol):
+    passovers: int
+    background: bool  # a next-turn prefetch: runs only when nothing else would
+    not_before: float  # monotonic time a background job may start
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+
+W = TypeVar("W", bound=WaitingJob)
+
+
+class WaitingList(Generic[W]):
+    """The jobs waiting to start, requests and background prefetches (engine thread
+    only). Requests always go first; a background job starts only on an idle engine,
+    after its delay, and gives way to any request that cannot restore from it."""
+
+    def __init__(self) -> None:
+        self.jobs: list[W] = []
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __iter__(self) -> Iterator[W]:
+        return iter(self.jobs)
+
+    def add(self, jobs: Iterable[W]) -> None:
+        self.jobs.extend(jobs)
+
+    def remove(self, job: W) -> None:
+        self.jobs.remove(job)
+
+    def take_if(self, drop: Callable[[W], bool]) -> list[W]:
+        """Remove and return the jobs `drop` selects (mutates)."""
+        gone = [j for j in self.jobs if drop(j)]
+        for job in gone:
+            self.jobs.remove(job)
+        return gone
+
+    def has_requests(self) -> bool:
+        return any(not j.background for j in self.jobs)
+
+    def background_wait(self) -> float | None:
+        """Seconds until the next background job may start (None: none waits)."""
+        times = [j.not_before for j in self.jobs if j.background]
+        return max(0.0, min(times) - time.monotonic()) if times else None
+
+    def next_request(self, reuse_of: Callable[[W], int], max_passovers: int) -> W | None:
+        """The request to start next (pick_next), removed from the list; None if no
+        request waits."""
+        requests = [j for j in self.jobs if not j.background]
+        if not requests:
+            return None
+        job = pick_next(requests, reuse_of, max_passovers)
+        self.jobs.remove(job)
+        return job
+
+    def superseded_by(self, job: W) -> list[W]:
+        """Remove and return the background jobs `job` extends (mutates): they would only
+        recompute what it computes."""
+        return self.take_if(lambda bg: bg.background and extends(job.tokens, bg.tokens))
+
+    def ready_background(self, decoding: bool) -> W | None:
+        """The oldest background job allowed to start, removed from the list: only on an
+        engine with nothing to decode, after its delay (a client that sends its next
+        request at once gets the engine to itself)."""
+        if decoding:
+            return None
+        now = time.monotonic()
+        job = next((j for j in self.jobs if j.background and j.not_before <= now), None)
+        if job is not None:
+            self.jobs.remove(job)
+        return job
+
+    def preempts(self, prefetch_tokens: Sequence[int]) -> bool:
+        """Whether a waiting request cannot restore from a background prefill of
+        `prefetch_tokens` (so that prefill should give way)."""
+        return any(not j.background and not extends(j.tokens, prefetch_tokens) for j in self.jobs)

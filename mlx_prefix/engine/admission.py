@@ -1,0 +1,52 @@
+"""What a request must satisfy before it is queued (checked in the caller's thread, so
+a bad request is refused with a 4xx before it reaches the engine)."""
+
+from __future__ import annotations
+
+from mlx_prefix.engine.disk_tier import DiskTier
+from mlx_prefix.errors import ContextLengthExceeded, InvalidRequest
+from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+
+
+def plan_prompt(
+    planner: PromptPlanner, context_length: int | None, prompt: PromptInput
+) -> RenderedPrompt:
+    """Render and plan `prompt`; ContextLengthExceeded if it leaves no room to reply."""
+    rendered = planner.plan(prompt)
+    if context_length is not None and len(rendered.tokens) >= context_length:
+        raise ContextLengthExceeded(
+            f"the prompt has {len(rendered.tokens)} tokens; this model's context is "
+            f"{context_length} tokens, including the reply",
+            param=_prompt_param(prompt),
+        )
+    return rendered
+
+
+def check_sampling(sampling: SamplingParams, cache: CachePreference) -> None:
+    """Raise InvalidRequest for sampling or cache settings the engine cannot honour."""
+    if sampling.max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
+        raise InvalidRequest("seed must be between 0 and 2**64 - 1", param="seed")
+    DiskTier.parse_scope(cache.scope)
+
+
+def check_reply_fits(
+    rendered: RenderedPrompt, prompt: PromptInput, max_tokens: int, context_length: int | None
+) -> None:
+    """OpenAI's rule for an explicit max_tokens: the prompt and the whole reply must fit
+    in the context (ContextLengthExceeded otherwise). Without it a reply is cut at the
+    context's end instead."""
+    wanted = len(rendered.tokens) + max_tokens
+    if context_length is not None and wanted > context_length:
+        raise ContextLengthExceeded(
+            f"this model's context is {context_length} tokens, but {wanted} were requested "
+            f"({len(rendered.tokens)} in the prompt, {max_tokens} for the "
+            "completion); shorten the prompt or lower max_tokens",
+            param=_prompt_param(prompt),
+        )
+
+
+def _prompt_param(prompt: PromptInput) -> str:
+    return "messages" if prompt.messages is not None else "prompt"

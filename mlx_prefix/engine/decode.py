@@ -1,0 +1,123 @@
+"""The decode phase: requests whose prompt is computed, one token per step each.
+
+A request joins with its prefill logits: the first token is sampled from them, then its
+cache is merged into the decode batch (engine/batch.py). Each token becomes a
+TokenEvent; a request ends at EOS, a stop string, its token limit or a cancel. The
+batch's resident bytes count against the store's byte budget. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.engine.batch import DecodeBatch
+from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
+from mlx_prefix.engine.sampling import TokenSampler, normalize
+from mlx_prefix.engine.text import TextStream
+from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.records import DoneEvent, TokenEvent
+
+ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
+
+
+class DecodePhase:
+    def __init__(
+        self,
+        model: LoadedModel,
+        store: PromptCache,
+        bytes_key: str,
+        end: Callable[[Job, DoneEvent], None],
+        on_reply: Callable[[Job, str], None],
+    ):
+        self.model = model
+        self.store = store
+        self._bytes_key = bytes_key  # this engine's batch bytes in the store's budget
+        self._end = end  # sends a job's final event
+        self._on_reply = on_reply  # a request finished with this reply (not cancelled)
+        self.batch = DecodeBatch(model.model)
+        self.steps = 0
+        self.peak_batch = 0  # most requests ever decoded together (observability, tests)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def admit(self, task: PrefillTask, logits: mx.array, limit: int) -> None:
+        """Sample the first token from the prefill `logits` [1, V]; the request joins the
+        batch unless that token already ends it, and may produce `limit` tokens. The
+        caller closes the prefill after."""
+        job = task.job
+        prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
+        sampler = TokenSampler(job.sampling)
+        logprobs = normalize(logits)  # [1, V]
+        first = sampler(logprobs)  # [1]
+        token = int(first.item())
+        logprob = logprobs[0, token].item() if job.sampling.logprobs else None
+        stream = TextStream(self.model.tokenizer, job.sampling.stop)
+        running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
+        if not self._accept_token(running, token, logprob):
+            self.batch.add(running, task.cache, sampler, token)
+            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+
+    def step(self, stopping: bool) -> None:
+        """Drop cancelled requests (all of them when `stopping`), then one token for every
+        running request."""
+        for running in [
+            r for r in self.batch.members if r.job.handle.cancelled.is_set() or stopping
+        ]:
+            self._finish(running, "cancelled")
+        if not len(self.batch):
+            return
+        self.peak_batch = max(self.peak_batch, len(self.batch))
+        want_logprobs = any(r.job.sampling.logprobs for r in self.batch.members)
+        members = list(self.batch.members)
+        sampled = self.batch.step(want_logprobs)
+        for running, (token, logprob) in zip(members, sampled, strict=True):
+            self._accept_token(running, token, logprob if running.job.sampling.logprobs else None)
+        self.steps += 1
+        if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
+            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+
+    def drop_all(self) -> list[Job]:
+        """Empty the batch without events (after an error); returns the jobs it held."""
+        jobs = [r.job for r in self.batch.members]
+        self.batch = DecodeBatch(self.model.model)
+        self.store.drop_active(self._bytes_key)
+        return jobs
+
+    def _accept_token(self, running: Running, token: int, logprob: float | None) -> bool:
+        """Hand a sampled token to its request; True if the request ended with it."""
+        if token in self.model.tokenizer.eos_token_ids:
+            self._finish(running, "stop")
+            return True
+        running.count += 1
+        delta = running.stream.add(token)
+        running.job.handle.emit(TokenEvent(delta, token, logprob))
+        if running.stream.stopped:
+            self._finish(running, "stop")
+        elif running.count >= running.limit:
+            self._finish(running, "length")
+        else:
+            return False
+        return True
+
+    def _finish(self, running: Running, reason: str) -> None:
+        job = running.job
+        tail = running.stream.finish()
+        if tail:
+            job.handle.emit(TokenEvent(tail, None, None))
+        self.batch.remove([running])
+        if len(self.batch):
+            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+        else:
+            self.store.drop_active(self._bytes_key)
+        decode_s = time.perf_counter() - running.first_at
+        decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
+        ttft = running.first_at - job.submitted_at
+        done = usage(job, running.reuse, running.count, ttft, running.prefill_tps, decode_tps)
+        self._end(job, DoneEvent(reason, done))  # type: ignore[arg-type]
+        if reason != "cancelled":
+            self._on_reply(job, running.stream.text)

@@ -1,0 +1,106 @@
+"""The engine's records of one request: queued (Job), being prefilled (PrefillTask),
+decoding (Running). Engine thread only, except where a field says otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_prefix.engine.handle import RequestHandle
+from mlx_prefix.engine.text import TextStream
+from mlx_prefix.prompt.boundaries import RenderedPrompt
+from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, SamplingParams, Usage
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult:
+    prompt_tokens: int
+    cached_tokens: int
+    pinned: bool
+
+
+@dataclass(slots=True)
+class PrefetchStats:
+    """Next-turn prefetch (engine/prefetch.py): background prefills and their tokens."""
+
+    started: int = 0
+    completed: int = 0
+    cancelled: int = 0  # dropped for a request that could not use them
+    tokens: int = 0  # prompt tokens computed in the background
+
+
+@dataclass(slots=True)
+class Job:
+    handle: RequestHandle
+    prompt: RenderedPrompt
+    sampling: SamplingParams
+    cache_pref: CachePreference
+    submitted_at: float
+    source: PromptInput | None = None  # what the caller sent (None: background job)
+    warm: Future | None = None  # set for warm-only jobs (prefill, no decode)
+    pin: bool = False
+    background: bool = False  # a next-turn prefetch: prefill only, when nothing waits
+    not_before: float = 0.0  # monotonic time a background job may start
+    passovers: int = 0
+    ended: bool = False  # its last event was sent; nothing more may follow
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.prompt.tokens
+
+
+@dataclass(slots=True)
+class PrefillTask:
+    """The one request being prefilled."""
+
+    job: Job
+    cache: list
+    reuse: int  # prompt tokens restored from the cache
+    position: int  # prompt tokens in `cache` so far
+    lease: int | None  # store entry locked while its arrays may still be shared
+    steps: Generator[int, None, mx.array]
+    started_at: float
+
+    @property
+    def computed(self) -> int:
+        """Prompt tokens this prefill has computed so far (not restored)."""
+        return self.position - self.reuse
+
+
+@dataclass(slots=True)
+class Running:
+    """A request in the decode batch."""
+
+    job: Job
+    stream: TextStream
+    limit: int  # completion tokens allowed
+    reuse: int
+    prefill_tps: float
+    first_at: float
+    count: int = 0
+
+
+def usage(
+    job: Job,
+    reuse: int = 0,
+    count: int = 0,
+    ttft: float = 0.0,
+    prefill_tps: float = 0.0,
+    decode_tps: float = 0.0,
+) -> Usage:
+    return Usage(
+        prompt_tokens=len(job.prompt.tokens),
+        completion_tokens=count,
+        cached_tokens=reuse,
+        ttft_s=ttft,
+        prefill_tokens_per_s=prefill_tps,
+        decode_tokens_per_s=decode_tps,
+    )
+
+
+def cancelled(job: Job, reuse: int = 0) -> DoneEvent:
+    """The final event of a job stopped before it produced a token."""
+    return DoneEvent("cancelled", usage(job, reuse))
