@@ -7,6 +7,7 @@ the engine thread: they hold plain Python values, never MLX arrays.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +30,19 @@ class CachePreference:
     scope: str | None = None  # disk policy override: off | full | auto[:N] | N
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallIds:
+    """How the API layer names the tool calls of one request's reply: the i-th call is
+    `prefix` + a digest of (`seed`, i). Deterministic, so the engine's next-turn prefetch
+    renders the ids the client will send back (Mistral and Kimi templates print them)."""
+
+    seed: str  # the request's id
+    prefix: str = "call_"  # OpenAI's; Anthropic's tool_use ids start "toolu_"
+
+    def id(self, index: int) -> str:
+        return self.prefix + hashlib.sha256(f"{self.seed}#{index}".encode()).hexdigest()[:24]
+
+
 @dataclass(frozen=True)
 class PromptInput:
     """Exactly one of `messages` (chat) or `text` (raw completion)."""
@@ -37,6 +51,9 @@ class PromptInput:
     text: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How the reply's tool calls will be named (None: after the engine's request id).
+    # Not part of the prompt's identity: it changes nothing rendered.
+    reply_tool_call_ids: ToolCallIds | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

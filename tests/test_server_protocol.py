@@ -11,7 +11,7 @@ from server_fakes import FakeTokenizer
 
 from mlx_prefix.engine.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.records import SamplingParams, Usage
+from mlx_prefix.records import SamplingParams, ToolCallIds, Usage
 from mlx_prefix.server import ServerSettings
 from mlx_prefix.server import responses as R
 from mlx_prefix.server.protocol.chat import parse_chat, parse_messages
@@ -63,11 +63,14 @@ def test_unterminated_call_is_offered_to_the_parser():
 
 
 def test_formatter_openai_shape_and_bad_calls_as_text():
-    fmt = ToolCallFormatter(syntax(), tools=None, streaming=True)
+    ids = ToolCallIds("chatcmpl-1")
+    fmt = ToolCallFormatter(syntax(), tools=None, streaming=True, ids=ids)
     calls, failed = fmt.format(['{"name": "f", "arguments": {"x": 1}}', "{oops", '{"name": "g"}'])
     assert [c["index"] for c in calls] == [0, 1]
     assert calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    # Named after the request, so the engine's prefetch knows the ids the client receives.
+    assert [c["id"] for c in calls] == [ids.id(0), ids.id(1)]
     assert failed == "<tool_call>{oops</tool_call>"
 
 

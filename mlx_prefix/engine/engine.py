@@ -45,6 +45,7 @@ from mlx_prefix.engine.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.tool_calls import ToolSyntax
 from mlx_prefix.records import (
     CachePreference,
     ErrorEvent,
@@ -109,7 +110,7 @@ class Engine:
         )
         self.prefetch = PrefetchStats()
         self._prefetcher = (
-            Prefetcher(self.planner, self._enqueue_prefetch)
+            Prefetcher(self.planner, ToolSyntax.of(model.tokenizer), self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled
             else None
         )
@@ -350,9 +351,8 @@ class Engine:
     def _maybe_prefetch(self, job: Job, reply: str) -> None:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
             return
-        tool_start = getattr(self.model.tokenizer, "tool_call_start", None)
-        if wants_prefetch(job.source, reply, tool_start):
-            self._prefetcher.submit(job.source, reply, len(job.tokens))
+        if wants_prefetch(job.source):
+            self._prefetcher.submit(job.source, reply, len(job.tokens), job.handle.request_id)
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
         """After an unexpected error, end every request in flight with an error event:

@@ -24,7 +24,7 @@ from . import responses as R
 from .errors import CancelledByServer, GenerationFailed, body_for
 from .metrics import ServerMetrics
 from .protocol.request import GenerationRequest
-from .tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
+from .tools import ReplySplitter, ToolCallFormatter, ToolSyntax
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -47,7 +47,7 @@ class Assembler:
     """Turns token events into text / tool-call deltas (tool markup never leaks as text)."""
 
     logprobs: bool
-    splitter: ToolCallSplitter | None = None
+    splitter: ReplySplitter | None = None
     formatter: ToolCallFormatter | None = None
     made_tool_call: bool = False
 
@@ -56,10 +56,11 @@ class Assembler:
         syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
         if syntax is None:
             return cls(logprobs=req.sampling.logprobs)
+        ids = req.prompt.reply_tool_call_ids
         return cls(
             logprobs=req.sampling.logprobs,
-            splitter=ToolCallSplitter(syntax),
-            formatter=ToolCallFormatter(syntax, req.prompt.tools, streaming),
+            splitter=ReplySplitter(syntax),
+            formatter=ToolCallFormatter(syntax, req.prompt.tools, streaming, ids),
         )
 
     def feed(self, event: TokenEvent) -> Delta:

@@ -4,6 +4,7 @@ submit to the engine, then stream SSE chunks or collect one JSON body."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import anyio
@@ -13,6 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
+from mlx_prefix.records import ToolCallIds
 
 from .. import responses as R
 from ..generation import Assembler, ClientGone, RequestLog, collect, stream_events
@@ -38,6 +40,9 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
     try:
         body = await read_json(request)
         req = parse_chat(body, st.limits) if kind == "chat" else parse_completion(body, st.limits)
+        # Calls named after the request: the engine's next-turn prefetch names them alike.
+        ids = ToolCallIds(record.request_id)
+        req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
         meta = R.ResponseMeta(kind, resolve_model(st.engine, req.model), record.request_id)
         # Shielded: a handle created while the caller was being cancelled must still be
         # returned here, or nobody would cancel it and the engine would decode for no one.
