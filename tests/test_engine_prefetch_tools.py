@@ -21,10 +21,13 @@ from mlx_prefix.engine.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE, cached_test_model
 from mlx_prefix.prompt.boundaries import PromptPlanner
 from mlx_prefix.prompt.tool_calls import ToolSyntax
-from mlx_prefix.records import PromptInput, TokenEvent, ToolCallIds
-from mlx_prefix.server.generation import Assembler
+from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent, ToolCallIds, Usage
+from mlx_prefix.server.assembler import Assembler
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import GenerationRequest, Limits
+from mlx_prefix.server.protocol.response_items import reply_messages
+from mlx_prefix.server.protocol.responses import parse_responses
+from mlx_prefix.server.response_objects import OutputEvents, ResponseHead
 
 NOW = EngineConfig(prefetch_delay_s=0.0)
 LIMITS = Limits(default_max_tokens=16, max_tokens=1000)
@@ -184,3 +187,52 @@ def test_without_tools_offered_a_tool_call_reply_comes_back_as_text():
     reply = {"role": "assistant", "content": TOOL_REPLY}
     nxt = PromptInput(messages=(*history, reply, {"role": "user", "content": "Thanks"}))
     assert planner.plan(nxt).tokens[: len(prefetched.tokens)] == prefetched.tokens
+
+
+def responses_next_turn(tokenizer, ids: ToolCallIds) -> tuple[PromptInput, PromptInput]:
+    """The same tool loop over /v1/responses: the reply's output items (built by the
+    route's own Assembler and OutputEvents) sent back as input items with the results,
+    and the same turn chained by previous_response_id instead."""
+    flat = {"type": "function", "name": "get_weather", **WEATHER["function"], "strict": False}
+    first = parse_responses(
+        {"model": "m", "instructions": SYSTEM, "input": QUESTION, "tools": [flat]}, LIMITS
+    )
+    syntax = ToolSyntax.of(tokenizer)
+    assert syntax is not None
+    assembler = Assembler.build(False, syntax, first.prompt((), ids), streaming=False)
+    head = ResponseHead(ids.seed, "m", SYSTEM, None, None, True, 0.0, 1.0, {})
+    output = OutputEvents(head, logprobs=False, single_call=False)
+    for i in range(0, len(TOOL_REPLY), 3):
+        output.add(assembler.feed(TokenEvent(TOOL_REPLY[i : i + 3], 1)))
+    output.add(assembler.finish())
+    done = output.finish(DoneEvent("stop", Usage(1, 1, 0, 0.0, 0.0, 0.0)))[-1]["response"]
+    items = done["output"]
+    assert [item["type"] for item in items] == ["message", "function_call", "function_call"]
+    results = [
+        {"type": "function_call_output", "call_id": c["call_id"], "output": f"{city}: 18C, sunny"}
+        for c, city in zip(items[1:], ("Paris", "Oslo"), strict=True)
+    ]
+    sent_back = parse_responses(
+        {"model": "m", "instructions": SYSTEM, "tools": [flat],
+         "input": [{"role": "user", "content": QUESTION}, *items, *results]},
+        LIMITS,
+    )  # fmt: skip
+    chained = parse_responses(
+        {"model": "m", "instructions": SYSTEM, "tools": [flat], "input": results}, LIMITS
+    )
+    history = (*first.input, *reply_messages(items))
+    return sent_back.prompt((), ids), chained.prompt(history, ids)
+
+
+def test_every_api_shape_sends_back_the_conversation_the_prefetch_rendered():
+    tokenizer = loaded_test_model("dense", think_template=True).tokenizer
+    planner = PromptPlanner(tokenizer, TEST_CACHE)
+    ids = ToolCallIds("resp_first_turn")
+    first, chat_next = tool_loop(tokenizer, ids)
+    prefetched = next_turn_prompt(planner, first.prompt, TOOL_REPLY, 0, ToolSyntax.of(tokenizer))
+    assert prefetched is not None
+    chat_tokens = planner.plan(chat_next).tokens
+    assert chat_tokens[: len(prefetched.tokens)] == prefetched.tokens
+    assert len(prefetched.tokens) == first_result_start(planner, chat_next)
+    for responses_next in responses_next_turn(tokenizer, ids):
+        assert planner.plan(responses_next).tokens == chat_tokens

@@ -32,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="extra CORS origins beyond localhost pages and browser extensions",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--responses-store",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the last N /v1/responses answers for previous_response_id (default 1000)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -42,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
+        "responses_store": args.responses_store,
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,

@@ -20,6 +20,7 @@ from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
 from .protocol.request import Limits
+from .response_store import ResponseStore
 from .routes import ROUTES
 from .routes.common import ServerState
 from .settings import ServerSettings
@@ -127,5 +128,6 @@ def _build(
         limits=limits,
         inflight=InFlight(),
         started=int(time.time()),
+        responses=ResponseStore(settings.responses_store),
     )
     return app

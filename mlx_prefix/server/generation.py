@@ -21,71 +21,15 @@ from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, Usage
 
 from . import responses as R
+from .assembler import Assembler, Delta
 from .errors import CancelledByServer, GenerationFailed, body_for
 from .metrics import ServerMetrics
 from .protocol.request import GenerationRequest
-from .tools import ReplySplitter, ToolCallFormatter, ToolSyntax
 
 log = logging.getLogger("mlx_prefix.server")
 
 T = TypeVar("T")
-_CANCELLED = "the server cancelled this request before it finished (shutting down)"
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    tool_calls: list[dict[str, Any]]
-    logprobs: list[R.TokenLogprob]
-
-    def __bool__(self) -> bool:
-        return bool(self.text or self.tool_calls or self.logprobs)
-
-
-@dataclass
-class Assembler:
-    """Turns token events into text / tool-call deltas (tool markup never leaks as text)."""
-
-    logprobs: bool
-    splitter: ReplySplitter | None = None
-    formatter: ToolCallFormatter | None = None
-    made_tool_call: bool = False
-
-    @classmethod
-    def for_request(cls, req: GenerationRequest, tokenizer: Any, streaming: bool) -> Assembler:
-        syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
-        if syntax is None:
-            return cls(logprobs=req.sampling.logprobs)
-        ids = req.prompt.reply_tool_call_ids
-        return cls(
-            logprobs=req.sampling.logprobs,
-            splitter=ReplySplitter(syntax),
-            formatter=ToolCallFormatter(syntax, req.prompt.tools, streaming, ids),
-        )
-
-    def feed(self, event: TokenEvent) -> Delta:
-        lps = []
-        if self.logprobs and event.logprob is not None:
-            lps.append(R.TokenLogprob(event.text, event.logprob))
-        if self.splitter is None:
-            return Delta(event.text, [], lps)
-        return self._split(self.splitter.feed(event.text), lps)
-
-    def finish(self) -> Delta:
-        if self.splitter is None:
-            return Delta("", [], [])
-        return self._split(self.splitter.finish(), [])
-
-    def finish_reason(self, done: DoneEvent) -> str:
-        if done.finish_reason == "stop" and self.made_tool_call:
-            return "tool_calls"
-        return done.finish_reason
-
-    def _split(self, split: Any, lps: list[R.TokenLogprob]) -> Delta:
-        assert self.formatter is not None
-        calls, failed = self.formatter.format(split.calls) if split.calls else ([], "")
-        self.made_tool_call |= bool(calls)
-        return Delta(split.text + failed, calls, lps)
+CANCELLED = "the server cancelled this request before it finished (shutting down)"
 
 
 class InFlight:
@@ -172,7 +116,7 @@ async def stream_events(
                     elif isinstance(event, DoneEvent):
                         if event.finish_reason == "cancelled":
                             status = "cancelled"
-                            yield R.sse(body_for(CancelledByServer(_CANCELLED)))
+                            yield R.sse(body_for(CancelledByServer(CANCELLED)))
                             return
                         delta = assembler.finish()
                         if delta:
@@ -189,14 +133,14 @@ async def stream_events(
                     elif isinstance(event, ErrorEvent):
                         status = "error"
                         log.error("%s generation failed: %s", record.request_id, event.message)
-                        yield R.sse(body_for(_as_error(event)))
+                        yield R.sse(body_for(as_error(event)))
                         return
             status = "error"
             yield R.sse(body_for(GenerationFailed("the engine ended the stream without a result")))
         except Exception as e:  # the stream is the edge: report, never cut the connection
             status = "error"
             log.exception("%s generation failed", record.request_id)
-            yield R.sse(body_for(_as_error(e)))
+            yield R.sse(body_for(as_error(e)))
     finally:
         handle.cancel()
         record.write(status, usage, finish)
@@ -234,11 +178,11 @@ async def collect(handle: Any, assembler: Assembler, request: Request) -> Collec
     finally:
         handle.cancel()
     if isinstance(result, ErrorEvent):
-        raise _as_error(result)
+        raise as_error(result)
     if result is None:
         raise GenerationFailed("the engine ended the request without a result")
     if result.finish_reason == "cancelled":
-        raise CancelledByServer(_CANCELLED)
+        raise CancelledByServer(CANCELLED)
     _add(assembler.finish(), texts, calls, lps)
     return Collected("".join(texts), calls, lps, result)
 
@@ -295,7 +239,7 @@ def _delta_chunk(meta: R.ResponseMeta, delta: Delta, req: GenerationRequest) -> 
     )
 
 
-def _as_error(source: ErrorEvent | Exception) -> MlxPrefixError:
+def as_error(source: ErrorEvent | Exception) -> MlxPrefixError:
     if isinstance(source, MlxPrefixError):
         return source
     if isinstance(source, ErrorEvent):

@@ -19,6 +19,7 @@ class ServerSettings:
     max_tokens_limit: int = 1_000_000  # hard cap when the model's context length is unknown
     shutdown_grace_s: float = 10.0  # in-flight requests get this long, then are cancelled
     warm_timeout_s: float = 600.0  # POST /v1/cache/warm answers 504 after this long
+    responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
@@ -31,6 +32,8 @@ class ServerSettings:
                     f"allowed_origins: {origin!r} is not an origin such as "
                     "'https://app.example.com' (or '*')"
                 )
+        if self.responses_store < 0:
+            raise ValueError("responses_store must not be negative")
         if min(self.max_body_bytes, self.default_max_tokens, self.max_tokens_limit) < 1:
             raise ValueError("max_body_bytes and the max_tokens settings must be positive")
         if self.shutdown_grace_s < 0:

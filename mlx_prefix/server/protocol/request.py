@@ -71,7 +71,7 @@ def generation_request(
         model=field(body, "model", str, None),
         prompt=prompt,
         sampling=sampling,
-        cache=_cache_preference(body),
+        cache=cache_preference(body),
         stream=stream,
         max_tokens_param=max_tokens_param,
         include_usage=stream and include_usage,
@@ -106,7 +106,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _cache_preference(body: dict[str, Any]) -> CachePreference:
+def cache_preference(body: dict[str, Any]) -> CachePreference:
     pref = field(body, "prefix_cache", dict, None)
     if pref is None:
         return CachePreference()

@@ -8,11 +8,15 @@ from starlette.routing import Route
 
 from .cache import cache_flush, cache_info, cache_warm
 from .generate import chat_completions, completions
+from .responses import create_response, delete_response, get_response
 from .status import get_model, health, list_models, metrics
 
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
     Route("/v1/cache", cache_info, methods=["GET"]),

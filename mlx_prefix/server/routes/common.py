@@ -19,6 +19,7 @@ from ..generation import InFlight
 from ..metrics import ServerMetrics
 from ..protocol.fields import parse_json_object
 from ..protocol.request import Limits
+from ..response_store import ResponseStore
 from ..settings import ServerSettings
 
 log = logging.getLogger("mlx_prefix.server")
@@ -32,6 +33,7 @@ class ServerState:
     limits: Limits
     inflight: InFlight
     started: int  # unix time, reported as the model's `created`
+    responses: ResponseStore  # past /v1/responses answers, for previous_response_id
 
 
 def state(request: Request) -> ServerState:

@@ -17,7 +17,8 @@ from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
 from mlx_prefix.records import ToolCallIds
 
 from .. import responses as R
-from ..generation import Assembler, ClientGone, RequestLog, collect, stream_events
+from ..assembler import Assembler
+from ..generation import ClientGone, RequestLog, collect, stream_events
 from ..protocol.chat import parse_chat
 from ..protocol.completions import parse_completion
 from ..protocol.request import GenerationRequest
