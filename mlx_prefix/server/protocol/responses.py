@@ -23,6 +23,9 @@ from .request import SEED_LIMIT, Limits, cache_preference
 from .response_items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
+# Asks for a field of reasoning items; this server emits none (a template's thinking
+# comes as output text), so there is nothing to include. Codex always sends it.
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 # Accepted as sent and echoed in the response; they change nothing generated.
 _ECHOED = ("metadata", "user", "safety_identifier", "prompt_cache_key")
@@ -146,7 +149,8 @@ def _check_options(body: dict[str, Any]) -> None:
     """Option objects whose defaults are what this server does; anything else is refused."""
     reasoning = read(body, "reasoning", dict, {})
     for key, value in reasoning.items():
-        if not is_empty(value):
+        # "auto" leaves whether to summarize to the server: no reasoning items, no summary.
+        if not is_empty(value) and not (key == "summary" and value in ("auto", "none")):
             raise InvalidRequest(
                 f"reasoning.{key} is not supported: the model's chat template decides how it "
                 "reasons (a thinking switch goes in chat_template_kwargs)",
@@ -191,7 +195,7 @@ def _check_options(body: dict[str, Any]) -> None:
 def _include(body: dict[str, Any]) -> list[str]:
     include = read(body, "include", list, [])
     for i, item in enumerate(include):
-        if item != LOGPROBS:
+        if item not in (LOGPROBS, ENCRYPTED_REASONING):
             raise InvalidRequest(
                 f"include[{i}] {item!r} is not supported (only {LOGPROBS!r})",
                 param=f"include[{i}]",
