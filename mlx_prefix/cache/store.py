@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
-from mlx_prefix.cache.records import CacheMatch, CacheStats, CheckpointKind, EntryInfo
+from mlx_prefix.cache.records import (
+    CacheMatch,
+    CacheStats,
+    CheckpointKind,
+    EntryInfo,
+    EvictOutcome,
+    StoredTokens,
+)
 from mlx_prefix.cache.reuse import best_reuse
 from mlx_prefix.cache.trie import TokenTrie
 
@@ -226,6 +233,34 @@ class PromptCache:
             self._evict()
             return True
 
+    def set_pinned(self, model_key: str, entry_id: int, pinned: bool) -> bool:
+        """`pin` or `unpin` the sequence of entry `entry_id` (mutates; unpinning may evict).
+        Returns False, changing nothing, when no such entry of `model_key` is stored."""
+        with self._lock:
+            e = self._entries.get(entry_id)
+            if e is None or e.model_key != model_key:
+                return False
+            if pinned:
+                self._pins.add((model_key, e.tokens))
+            else:
+                self._pins.discard((model_key, e.tokens))
+                self._evict()
+            return True
+
+    def evict_entry(self, model_key: str, entry_id: int) -> EvictOutcome:
+        """Remove one entry of `model_key` now (mutates), unless a running request holds it
+        or it is pinned (unpin it first). Not counted in `evictions`, like `clear`."""
+        with self._lock:
+            e = self._entries.get(entry_id)
+            if e is None or e.model_key != model_key:
+                return EvictOutcome.MISSING
+            if e.refs > 0:
+                return EvictOutcome.LOCKED
+            if self._pinned(e):
+                return EvictOutcome.PINNED
+            self._remove(e)
+            return EvictOutcome.EVICTED
+
     def set_active_bytes(self, request_id: str, nbytes: int) -> None:
         """Report a running request's cache size (mutates); evicts to make room."""
         assert nbytes >= 0
@@ -292,21 +327,18 @@ class PromptCache:
         """All entries in eviction order (first listed goes first). Does not mutate."""
         with self._lock:
             now = self._clock()
+            return [self._info(e, now) for e in self._policy.order()]
+
+    def sequences(self, model_key: str) -> list[StoredTokens[EntryInfo]]:
+        """The entries of `model_key` with the token ids each covers, in eviction order.
+        Does not mutate; holds the lock only to copy references (token tuples are
+        immutable, and no payload is touched)."""
+        with self._lock:
+            now = self._clock()
             return [
-                EntryInfo(
-                    entry_id=e.entry_id,
-                    model_key=e.model_key,
-                    tokens=len(e.tokens),
-                    nbytes=e.nbytes,
-                    kind=e.kind,
-                    trimmable=e.trimmable,
-                    hits=e.hits,
-                    age_s=now - e.created,
-                    idle_s=now - e.last_access,
-                    pinned=self._pinned(e),
-                    refs=e.refs,
-                )
+                StoredTokens(self._info(e, now), e.tokens)
                 for e in self._policy.order()
+                if e.model_key == model_key
             ]
 
     def check_integrity(self) -> None:
@@ -331,6 +363,21 @@ class PromptCache:
                 assert self._victim() is None, "over budget with evictable entries left"
 
     # -- internals (call with the lock held) --------------------------------
+
+    def _info(self, e: _Entry, now: float) -> EntryInfo:
+        return EntryInfo(
+            entry_id=e.entry_id,
+            model_key=e.model_key,
+            tokens=len(e.tokens),
+            nbytes=e.nbytes,
+            kind=e.kind,
+            trimmable=e.trimmable,
+            hits=e.hits,
+            age_s=now - e.created,
+            idle_s=now - e.last_access,
+            pinned=self._pinned(e),
+            refs=e.refs,
+        )
 
     def _touch(self, e: _Entry) -> None:
         e.last_access = self._clock()
