@@ -180,9 +180,10 @@
       `${int(m.entries)} entries, ${int(m.pinned)} pinned, ${int(m.evictions)} evicted`;
 
     const disk = d.disk;
+    $("disk-bar").classList.toggle("hidden", disk === null);
     if (disk === null) {
       $("disk-total").textContent = "off";
-      bar($("disk-bar"), $("disk-legend"), [], 1);
+      $("disk-legend").textContent = "Checkpoints stay in memory only (--disk-cache off).";
     } else {
       const budget = disk.budget_bytes;
       $("disk-total").textContent =
