@@ -468,3 +468,23 @@ def test_evict_entry_refuses_locked_and_pinned_entries():
     m = c.match(M, seq[:25], ident)
     assert m.reuse_tokens == 10  # the evicted history no longer serves
     c.check_integrity()
+
+
+def test_pinned_flags_follow_the_pins_through_insert_unpin_and_clear():
+    c = PromptCache(1000)
+    c.pin(M, seq[:10])  # before the entry exists: the pin covers it once inserted
+    c.insert(M, seq[:10], snap(seq[:10], trimmable=False), K.PERIODIC)
+    c.insert(M, seq[:20], snap(seq[:20], trimmable=False), K.PERIODIC)
+    assert {e.tokens: e.pinned for e in c.entries()} == {10: True, 20: False}
+    assert c.stats().pinned == 1
+    c.check_integrity()
+    held = c.match(M, seq[:11], ident).entry_id
+    assert c.acquire(held) is not None
+    assert c.clear(M) == 1  # the locked entry stays, its pin goes
+    (left,) = c.entries()
+    assert left.entry_id == held and not left.pinned
+    c.check_integrity()
+    c.release(held)
+    assert c.pin(M, seq[:10]) and c.entries()[0].pinned
+    assert c.unpin(M, seq[:10]) and not c.entries()[0].pinned
+    c.check_integrity()
