@@ -28,7 +28,9 @@ from typing import Any
 
 import uvicorn
 
+from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
 from mlx_prefix.records import (
     CachePreference,
@@ -52,6 +54,9 @@ class FakeTokenizer:
     tool_call_start: str | None = None
     tool_call_end: str | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
+
+    def decode(self, tokens: list[str]) -> str:
+        return "".join(tokens)  # the fake's tokens are words with their leading space
 
     @classmethod
     def with_json_tools(cls) -> FakeTokenizer:
@@ -272,8 +277,12 @@ class FakeEngine:
                 **self._stats,
                 "entries": len(self._stored),
                 "bytes": nbytes,
-                "bytes_by_kind": {"kv": nbytes},
+                "bytes_by_kind": {"LAST_MESSAGE": nbytes},
+                "entries_by_kind": {"LAST_MESSAGE": len(self._stored)},
                 "active_bytes": 0,
+                "active_requests": 0,
+                "pinned": sum(e["pinned"] for e in self._stored.values()),
+                "locked": 0,
                 "budget_bytes": 1 << 30,
                 "hit_ratio": self._stats["hits"] / lookups if lookups else 0.0,
             }
@@ -292,6 +301,61 @@ class FakeEngine:
                 }
                 for t, e in self._stored.items()
             ]
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+        now = time.monotonic()
+        with self._lock:
+            return [
+                StoredTokens(
+                    EntryInfo(
+                        entry_id=e["id"],
+                        model_key=self.model.identity,
+                        tokens=len(t),
+                        nbytes=len(t) * 1000,
+                        kind=CheckpointKind.LAST_MESSAGE,
+                        trimmable=True,
+                        hits=e["hits"],
+                        age_s=now - e["created"],
+                        idle_s=now - e["created"],
+                        pinned=e["pinned"],
+                        refs=0,
+                    ),
+                    t,
+                )
+                for t, e in self._stored.items()
+            ]
+
+    def disk_sequences(self) -> list:
+        return []
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        with self._lock:
+            for e in self._stored.values():
+                if e["id"] == entry_id:
+                    e["pinned"] = pinned
+                    return True
+            return False
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        with self._lock:
+            for t, e in self._stored.items():
+                if e["id"] == entry_id:
+                    if e["pinned"]:
+                        return EvictOutcome.PINNED
+                    del self._stored[t]
+                    return EvictOutcome.EVICTED
+            return EvictOutcome.MISSING
+
+    def activity(self) -> Activity:
+        """The requests still generating, as the real engine reports decoding ones."""
+        with self._lock:
+            running = [h for h in self.handles if not h.finished]
+        jobs = tuple(
+            JobView(h.request_id, "request", "decoding", h.prompt_tokens, 0, h.prompt_tokens,
+                    len(h._events), 0, time.perf_counter())
+            for h in running
+        )  # fmt: skip
+        return Activity(jobs, 8, time.perf_counter())
 
     def flush_cache(self) -> int:
         with self._lock:
@@ -329,7 +393,13 @@ class FakeEngine:
             else:
                 self._stats["misses"] += 1
             if store and tokens not in self._stored:
-                self._stored[tokens] = {"hits": 0, "created": time.monotonic(), "pinned": False}
+                self._ids += 1
+                self._stored[tokens] = {
+                    "id": self._ids,
+                    "hits": 0,
+                    "created": time.monotonic(),
+                    "pinned": False,
+                }
             return max(best, 0)
 
     def _generate(

@@ -6,7 +6,10 @@ table, rendered from a made-up run so that every status shows."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
+
+import pytest
 
 from benchmarks import goals, profiles, report
 from benchmarks.run import main
@@ -158,3 +161,18 @@ def test_goals_and_sizes_tables_render() -> None:
     row = next(line for line in lines if line.startswith("| document |"))
     assert f"{quick['hybrid'].sizes.document_tokens}-token document" in row
     assert "4K+ tokens" in row
+
+
+def test_dashboard_png_after_the_chat_workload(tmp_path: Path) -> None:
+    pytest.importorskip("playwright")
+    if not Path("/usr/bin/chromium").exists():
+        pytest.skip("no /usr/bin/chromium")
+    model = cached_test_model("dense")
+    report_dir = tmp_path / "report"
+    argv = ["--profile", "smoke", "--model", str(model), "--out", str(tmp_path / "out"),
+            "--report-dir", str(report_dir), "--workloads", "chat", "--dashboard-png"]  # fmt: skip
+    assert main(argv) == 0
+    png = (report_dir / "results" / "dashboard.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert width == 1400 and height > 900  # the whole page, not just the viewport

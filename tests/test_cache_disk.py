@@ -595,6 +595,7 @@ def test_files_of_another_mlx_lm_version_are_kept_but_never_matched(saved):
     disk = DiskCache(d)
     assert disk.stats().files == 1 and path.exists()
     assert disk.match(key, _request(tokens), _align(_request(tokens))) is None
+    assert disk.sequences(key) == []  # what cannot serve this model is not listed for it
 
 
 def _dead_pid() -> int:
@@ -835,6 +836,9 @@ def test_entries_clear_and_stats(tmp_path: Path):
     assert disk.save("a", _seq(2), _kv_snapshot(32, 1), CheckpointKind.SYSTEM)
     assert disk.save("b", _seq(1), _kv_snapshot(32, 2), HISTORY)
     assert {e.kind for e in disk.entries("a")} == {"HISTORY", "SYSTEM"}
+    listed = disk.sequences("a")
+    assert sorted(s.tokens for s in listed) == sorted([tuple(_seq(1)), tuple(_seq(2))])
+    assert all(s.info.model_key == "a" and s.info.tokens == len(s.tokens) for s in listed)
     assert all(e.trimmable and e.tokens == 32 for e in disk.entries())
     stats = disk.stats()
     assert (

@@ -43,7 +43,7 @@ from mlx_prefix.cache import disk_header as hdr
 from mlx_prefix.cache import disk_payload as payload
 from mlx_prefix.cache.disk_files import BadFile
 from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
-from mlx_prefix.cache.records import CheckpointKind
+from mlx_prefix.cache.records import CheckpointKind, StoredTokens
 from mlx_prefix.cache.snapshot import Snapshot
 
 log = logging.getLogger("mlx_prefix.cache.disk")
@@ -296,6 +296,17 @@ class DiskCache:
                 e.info(now)
                 for e in self._index.entries()
                 if model_key is None or e.model_key == model_key
+            ]
+
+    def sequences(self, model_key: str) -> list[StoredTokens[DiskEntryInfo]]:
+        """The files that can serve `model_key` (this runtime's), least recently used
+        first, with their token ids (references to the index's tuples). Does not mutate."""
+        now = time.time()
+        with self._lock:
+            return [
+                StoredTokens(e.info(now), e.tokens)
+                for e in self._index.entries()
+                if e.model_key == model_key and e.runtime == self.runtime
             ]
 
     def stats(self) -> DiskStats:

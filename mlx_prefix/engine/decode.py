@@ -45,6 +45,9 @@ class DecodePhase:
     def __len__(self) -> int:
         return len(self.batch)
 
+    def running(self) -> list[Running]:
+        return list(self.batch.members)
+
     def admit(self, task: PrefillTask, logits: mx.array, limit: int) -> None:
         """Sample the first token from the prefill `logits` [1, V]; the request joins the
         batch unless that token already ends it, and may produce `limit` tokens. The

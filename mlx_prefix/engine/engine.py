@@ -28,8 +28,11 @@ from dataclasses import asdict
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.disk_index import DiskEntryInfo
+from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
+from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
 from mlx_prefix.engine.decode import DecodePhase
@@ -87,6 +90,7 @@ class Engine:
             else None
         )
         self.lifecycle = Lifecycle(lambda: self.capacity, self.config.max_queued)
+        self._board = ActivityBoard(self.capacity)
         self._waiting: WaitingList[Job] = WaitingList()  # engine thread only
         # Keys of this engine's running caches in the store's byte budget (DESIGN 6); the
         # store may be shared with other engines.
@@ -214,6 +218,27 @@ class Engine:
             removed += self.disk.cache.clear(self.model_key)
         return removed
 
+    # -- the dashboard: read-only views (any thread) and single-entry actions ---------
+    def activity(self) -> Activity:
+        """Requests waiting, prefilling and decoding, as of the engine's last turn."""
+        return self._board.current
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+        """This model's entries in memory, with their token ids. Does not mutate."""
+        return self.store.sequences(self.model_key)
+
+    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
+        """This model's checkpoint files, with their token ids. Does not mutate."""
+        return self.disk.cache.sequences(self.model_key) if self.disk is not None else []
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        """Pin or unpin one of this model's entries; False if there is no such entry."""
+        return self.store.set_pinned(self.model_key, entry_id, pinned)
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        """Drop one of this model's entries from memory (a disk copy stays)."""
+        return self.store.evict_entry(self.model_key, entry_id)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting; cancel what waits; let running requests finish until
         `timeout`, then cancel them too; join the engine thread."""
@@ -253,6 +278,7 @@ class Engine:
             except Exception as e:  # a bug in one request must not stop the engine
                 log.exception("engine step failed")
                 self._fail_all(e)
+            self._board.publish(self._waiting, self._prefill.task, self._decode.running())
 
     def _step(self) -> None:
         """Prefill up to `prefill_tokens_per_step` tokens (one request after another,

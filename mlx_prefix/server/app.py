@@ -60,13 +60,23 @@ def serve(engine: Any, settings: ServerSettings) -> None:
         timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
         lifespan="on",
     )
-    log.info("serving %s on http://%s:%d", engine.model.name, settings.host, settings.port)
+    log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
         _GracefulServer(config, app.state.server.inflight, settings.shutdown_grace_s).run()
     finally:
         shutdown_engine()
+
+
+def serving_line(model_name: str, host: str, port: int) -> str:
+    """The startup line: where the API listens and where to open the dashboard."""
+    browse = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    bind, browse = (f"[{h}]" if ":" in h else h for h in (host, browse))
+    return (
+        f"serving {model_name} on http://{bind}:{port} "
+        f"(dashboard: http://{browse}:{port}/dashboard)"
+    )
 
 
 class _GracefulServer(uvicorn.Server):

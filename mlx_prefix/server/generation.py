@@ -77,6 +77,9 @@ class RequestLog:
             return
         self._written = True
         total_ms = (time.perf_counter() - self.started) * 1000
+        self.metrics.recent.add(
+            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish
+        )  # fmt: skip
         if usage is None:
             log.info(
                 "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms%s",

@@ -24,6 +24,14 @@ DEFAULT_ORIGIN_REGEX = (
 )
 
 
+def origin_allowed(origin: str, allowed_origins: Collection[str]) -> bool:
+    """The origin policy's verdict on `origin` (as OriginPolicy decides), for checks of
+    other headers against it (the dashboard's Host)."""
+    if "*" in allowed_origins or origin in allowed_origins:
+        return True
+    return re.fullmatch(DEFAULT_ORIGIN_REGEX, origin) is not None
+
+
 def cors(allowed_origins: Collection[str]) -> Middleware:
     return Middleware(
         OriginPolicy,
@@ -71,8 +79,9 @@ def _refused(origin: str) -> Response:
 
 
 class ApiKeyAuth:
-    """Requires `Authorization: Bearer <key>` on /v1/*; /health, /metrics and CORS
-    preflights stay open."""
+    """Requires `Authorization: Bearer <key>` on /v1/*; /health, /metrics, CORS
+    preflights and the dashboard's page and files (no data: that is /v1/dashboard) stay
+    open."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
+from . import dashboard
 from .cache import cache_flush, cache_info, cache_warm
 from .generate import chat_completions, completions
 from .responses import create_response, delete_response, get_response
@@ -22,6 +23,12 @@ ROUTES = [
     Route("/v1/cache", cache_info, methods=["GET"]),
     Route("/v1/cache", cache_flush, methods=["DELETE"]),
     Route("/v1/cache/warm", cache_warm, methods=["POST"]),
+    Route("/v1/cache/entries/{entry_id:int}/pin", dashboard.pin, methods=["POST"]),
+    Route("/v1/cache/entries/{entry_id:int}", dashboard.evict, methods=["DELETE"]),
+    Route("/v1/dashboard", dashboard.data, methods=["GET"]),
+    Route("/", dashboard.root, methods=["GET"]),
+    Route("/dashboard", dashboard.page, methods=["GET"]),
+    Route("/dashboard/static/{name:path}", dashboard.static, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]

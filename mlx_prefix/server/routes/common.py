@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 
+from ..dashboard import TreeShapes
 from ..errors import PayloadTooLarge, UnsupportedMediaType, error_body, error_response
 from ..generation import InFlight
 from ..metrics import ServerMetrics
@@ -34,6 +35,7 @@ class ServerState:
     inflight: InFlight
     started: int  # unix time, reported as the model's `created`
     responses: ResponseStore  # past /v1/responses answers, for previous_response_id
+    tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
 
 
 def state(request: Request) -> ServerState:
