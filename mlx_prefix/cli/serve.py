@@ -42,6 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
+        # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
+        "log_level": "debug" if getattr(args, "verbose", False) else None,
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,
