@@ -153,6 +153,11 @@ class DiskCache:
                 self._counters.misses += 1
             return best
 
+    def holds(self, model_key: str, tokens: Sequence[int]) -> bool:
+        """Whether the checkpoint of exactly `tokens` is indexed. Does not mutate."""
+        with self._lock:
+            return hdr.entry_name(model_key, tuple(tokens)) in self._index
+
     def load(self, match: DiskMatch) -> Snapshot | None:
         """Read, verify and return the matched checkpoint (reads the whole file, once).
 
