@@ -281,16 +281,21 @@ class FakeEngine:
     def cache_entries(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         with self._lock:
-            return [
+            return [  # the real engine's schema: asdict(EntryInfo)
                 {
+                    "entry_id": i,
+                    "model_key": "fake-model-key",
                     "tokens": len(t),
-                    "bytes": len(t) * 1000,
+                    "nbytes": len(t) * 1000,
                     "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
+                    "trimmable": True,
                     "hits": e["hits"],
                     "age_s": now - e["created"],
+                    "idle_s": now - e["created"],
                     "pinned": e["pinned"],
+                    "refs": 0,
                 }
-                for t, e in self._stored.items()
+                for i, (t, e) in enumerate(self._stored.items())
             ]
 
     def flush_cache(self) -> int:

@@ -177,3 +177,36 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(make_engine):
     assert engine.peak_batch > 1
     other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99)
     assert run(engine, prompt, sampling=other_seed).tokens != alone
+
+
+def _mass_above(model, tokens: list[int], token: int) -> float:
+    """Probability of the tokens strictly more likely than `token` after `tokens`, from
+    a direct forward pass."""
+    import mlx.core as mx
+
+    logits = model.model(mx.array([tokens]))[0, -1].astype(mx.float32)  # [V]
+    probs = mx.softmax(logits)
+    return mx.sum(mx.where(probs > probs[token], probs, 0.0)).item()
+
+
+def test_top_p_below_one_changes_seeded_sampling(make_engine):
+    # Same seed, same temperature: top_p < 1 samples only from the nucleus, which a
+    # top_p of 1 does not (an ignored top_p would give identical tokens).
+    engine = make_engine("dense")
+    prompt = chat(("user", "Tell me a story about a lighthouse."))
+    ids = list(engine.plan(prompt).tokens)
+
+    def sample(top_p: float) -> list[int]:
+        params = SamplingParams(max_tokens=12, temperature=1.0, top_p=top_p, seed=7)
+        return run(engine, prompt, sampling=params, cache=False).tokens
+
+    full, nucleus = sample(1.0), sample(0.3)
+    assert sample(0.3) == nucleus  # seeded: the difference is top_p's, not chance
+    assert nucleus != full
+    model = engine.model
+
+    def outside(tokens: list[int]) -> list[bool]:
+        return [_mass_above(model, ids + tokens[:i], t) >= 0.3 + 1e-4 for i, t in enumerate(tokens)]
+
+    assert not any(outside(nucleus))  # every token from the 0.3 nucleus
+    assert any(outside(full))  # top_p = 1 reached beyond it

@@ -9,7 +9,7 @@ import time
 import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import chat, run, warm_equals_cold
 from mlx_lm.models.cache import KVCache
 
 from mlx_prefix.cache.snapshot import capture
@@ -64,29 +64,32 @@ def test_auto_persists_the_prefix_shared_by_recent_requests(tmp_path):
     engine = engine_on("qwen3_5", tmp_path, "auto")
     try:
         third = chat(("system", SYSTEM), ("user", "Can I get a late checkout?"))
-        result = run(engine, third)
+        result = warm_equals_cold(engine, third)  # restored from disk, answers like cold
         system_end = max(
             c.position for c in engine.plan(third).checkpoints if c.kind.name == "SYSTEM"
         )
         assert result.usage.cached_tokens >= system_end
+        assert engine.cache_stats()["disk"]["hits"] == 1
     finally:
         engine.shutdown()
 
 
-def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_path):
+@pytest.mark.parametrize("scope", ["off", None])
+def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_path, scope):
+    # None (the server's "full") is the control: the same request does write.
     engine = engine_on("dense", tmp_path, "full")
     try:
         handle = engine.submit(
             chat(("system", SYSTEM), ("user", "Hi")),
             SamplingParams(max_tokens=3),
-            CachePreference(scope="off"),
+            CachePreference(scope=scope),
         )
         list(handle.events(timeout=60))
         with pytest.raises(InvalidRequest):
             engine.submit(chat(("user", "Hi")), SamplingParams(), CachePreference(scope="most"))
     finally:
         engine.shutdown()
-    assert not list(tmp_path.glob("*.safetensors"))
+    assert len(list(tmp_path.glob("*.safetensors"))) == (0 if scope == "off" else 1)
 
 
 def test_a_few_shared_tokens_are_not_worth_reading_a_file(tmp_path):
@@ -148,7 +151,8 @@ def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_p
 
     restarted = Engine(loaded_test_model("dense"), config, disk_config=disk)
     try:
-        third = ask(restarted, "Is there a garden? ")
+        question = chat(("system", SYSTEM), ("user", document + "Is there a garden? " * 8))
+        third = warm_equals_cold(restarted, question)
         assert third.usage.cached_tokens >= boundary
         assert restarted.cache_stats()["disk"]["hits"] == 1
     finally:

@@ -13,8 +13,10 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import serving
 
+from mlx_prefix.cache.records import EntryInfo
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.records import PromptInput
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 
@@ -94,6 +96,8 @@ def test_a_prompt_longer_than_the_context_is_a_400_and_the_server_goes_on(live):
 
 
 def test_disk_tier_shows_in_cache_stats_and_metrics(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
     from mlx_prefix.config import DiskConfig
 
     disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
@@ -101,12 +105,63 @@ def test_disk_tier_shows_in_cache_stats_and_metrics(tmp_path):
     with serving(engine) as (url, _):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
             ask(client, "Is there wifi?")
+        deadline = time.monotonic() + 30
+        while engine.disk.pending and time.monotonic() < deadline:  # written when idle
+            time.sleep(0.01)
         body = httpx.get(f"{url}/v1/cache").json()
-        assert body["stats"]["disk"]["directory"] == str(tmp_path)
         metrics = httpx.get(f"{url}/metrics").text
-        assert "mlx_prefix_disk_files" in metrics and "mlx_prefix_disk_budget_bytes" in metrics
-        assert "# TYPE mlx_prefix_disk_saves_total counter" in metrics
-        assert "# TYPE mlx_prefix_disk_files gauge" in metrics
+    stats = body["stats"]["disk"]
+    files = list(tmp_path.glob("*.safetensors"))
+    assert stats["directory"] == str(tmp_path)
+    assert stats["saves"] == len(files) >= 1 and stats["files"] == len(files)
+    assert stats["bytes"] == sum(f.stat().st_size for f in files)
+    assert stats["pending_saves"] == 0 and stats["budget_bytes"] == disk.budget_bytes
+    assert stats["misses"] == 1 and stats["hits"] == 0  # the one request found nothing
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    value = {s.name: s.value for f in families.values() for s in f.samples}
+    assert families["mlx_prefix_disk_saves"].type == "counter"
+    assert value["mlx_prefix_disk_saves_total"] == stats["saves"]
+    assert families["mlx_prefix_disk_files"].type == "gauge"
+    assert value["mlx_prefix_disk_files"] == len(files)
+    assert value["mlx_prefix_disk_bytes"] == stats["bytes"]
+    assert value["mlx_prefix_disk_budget_bytes"] == disk.budget_bytes
+
+
+def test_warm_and_pin_over_http_with_the_real_engine():
+    # The fake engine's view of /v1/cache is checked against this one's (same schema).
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
+    system = {"role": "system", "content": SYSTEM}
+    with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/v1/cache/warm", json={"messages": [system], "pin": True})
+        assert r.status_code == 200, r.text
+        warm = r.json()
+        assert warm["pinned"] is True and warm["cached_tokens"] == 0
+        tokens = engine.plan(PromptInput(messages=(system,))).tokens
+        assert warm["prompt_tokens"] == len(tokens)
+        entries = http.get("/v1/cache").json()["entries"]
+        pinned = [e for e in entries if e["pinned"]]
+        assert pinned and all(e["nbytes"] > 0 and e["refs"] == 0 for e in pinned)
+        assert {e["kind"] for e in entries} <= set(CheckpointKind.__members__)
+        assert set(entries[0]) == {f.name for f in dataclasses.fields(EntryInfo)}
+        again = http.post("/v1/cache/warm", json={"messages": [system]}).json()
+        # Served from the warm-up: all of it but the tokens after the last grid point.
+        assert again["cached_tokens"] == engine.planner.grid.align(tokens, len(tokens) - 1) > 0
+
+        def answer(cache: bool) -> dict:
+            body = {
+                "model": "default",
+                "messages": [system, {"role": "user", "content": "Are there study rooms?"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "prefix_cache": {"enabled": cache},
+            }
+            return http.post("/v1/chat/completions", json=body).json()
+
+        warm_reply, cold_reply = answer(True), answer(False)
+        assert warm_reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert warm_reply["choices"][0]["message"] == cold_reply["choices"][0]["message"]
+        engine.flush_cache()
+        assert http.get("/v1/cache").json()["entries"] == []
 
 
 def test_soak_of_streaming_non_streaming_and_abandoned_requests(live):
