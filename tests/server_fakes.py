@@ -46,12 +46,27 @@ DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
 _DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
 
 
+_IDS_LOCK = threading.Lock()
+
+
 @dataclass
 class FakeTokenizer:
     has_tool_calling: bool = False
     tool_call_start: str | None = None
     tool_call_end: str | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
+
+    # The fake engine's tokens: one id per word it emits, never reused (see `token_for`).
+    pieces: dict[int, str] = field(default_factory=dict)
+
+    def token_for(self, piece: str) -> int:
+        with _IDS_LOCK:
+            token = 1000 + len(self.pieces)
+            self.pieces[token] = piece
+            return token
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.pieces[i] for i in ids)
 
     @classmethod
     def with_json_tools(cls) -> FakeTokenizer:
@@ -366,7 +381,8 @@ class FakeEngine:
                 decode_tokens_per_s=(emitted - 1) / decode_s if emitted > 1 and decode_s else 0.0,
             )
 
-        for token_id, piece in enumerate(words(reply)):
+        tokenizer = self.model.tokenizer
+        for piece in words(reply):
             if delay:
                 handle.cancelled.wait(delay)
             if handle.cancelled.is_set():
@@ -387,10 +403,11 @@ class FakeEngine:
             if hits:
                 cut = min(hits)
                 if cut > len(before):
-                    handle.push(TokenEvent(text[len(before) : cut], 1000 + token_id, logprob))
+                    cut_piece = text[len(before) : cut]
+                    handle.push(TokenEvent(cut_piece, tokenizer.token_for(cut_piece), logprob))
                 handle.push(DoneEvent("stop", usage()))
                 return
-            handle.push(TokenEvent(piece, 1000 + token_id, logprob))
+            handle.push(TokenEvent(piece, tokenizer.token_for(piece), logprob))
         handle.push(DoneEvent("stop", usage()))
 
 

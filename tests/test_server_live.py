@@ -220,3 +220,73 @@ def test_soak_of_streaming_non_streaming_and_abandoned_requests(live):
     assert stats.active_bytes == 0 and stats.hits >= len(questions)
     engine.store.check_integrity()
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _reference(engine: Engine, ids: list[int], steps: int, n: int) -> list[list[tuple[str, float]]]:
+    """Greedy continuation of `ids` by direct forward passes: per position, the `n` most
+    likely tokens (text, logprob) of log_softmax(logits), most likely first."""
+    import mlx.core as mx
+    import numpy as np
+
+    model, tokenizer = engine.model.model, engine.model.tokenizer
+    out = []
+    for _ in range(steps):
+        logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+        logprobs = np.array(logits - mx.logsumexp(logits))
+        top = np.argsort(-logprobs, kind="stable")[:n]
+        out.append([(tokenizer.decode([int(t)]), float(logprobs[t])) for t in top])
+        ids = [*ids, int(top[0])]
+    return out
+
+
+def _close(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> bool:
+    return [t for t, _ in got] == [t for t, _ in want] and all(
+        abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, want, strict=True)
+    )
+
+
+def test_top_logprobs_match_a_direct_forward_pass_streamed_and_not(live):
+    url, engine = live
+    messages = [{"role": "user", "content": "Which shelf has the atlases?"}]
+    chat_body = {"model": "default", "messages": messages, "max_tokens": 4, "temperature": 0,
+                 "logprobs": True, "top_logprobs": 3}  # fmt: skip
+    prompt = "The reading room opens at"
+    text_body = {"model": "default", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                 "logprobs": 2}  # fmt: skip
+    with httpx.Client(base_url=url, timeout=120) as http:
+        whole = http.post("/v1/chat/completions", json=chat_body).json()["choices"][0]
+        streamed = []
+        with http.stream("POST", "/v1/chat/completions", json={**chat_body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    streamed += (choice.get("logprobs") or {}).get("content") or []
+        text = http.post("/v1/completions", json=text_body).json()["choices"][0]
+        text_streamed = []
+        with http.stream("POST", "/v1/completions", json={**text_body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    lp = json.loads(line[6:])["choices"][0]["logprobs"]
+                    text_streamed += lp["top_logprobs"] if lp else []
+
+    content = whole["logprobs"]["content"]
+    assert streamed == content and len(content) >= 1
+    ids = list(engine.plan(PromptInput(messages=tuple(messages))).tokens)
+    reference = _reference(engine, ids, len(content), 3)
+    for position, want in zip(content, reference, strict=True):
+        got = [(a["token"], a["logprob"]) for a in position["top_logprobs"]]
+        assert _close(got, want), (got, want)
+        assert position["token"] == want[0][0] and abs(position["logprob"] - want[0][1]) < 1e-4
+        assert all(a["bytes"] == list(a["token"].encode()) for a in position["top_logprobs"])
+
+    lp = text["logprobs"]
+    assert text_streamed == lp["top_logprobs"] and len(lp["tokens"]) >= 1
+    offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert lp["text_offset"] == offsets
+    reference = _reference(engine, list(engine.plan(PromptInput(text=prompt)).tokens),
+                           len(lp["tokens"]), 2)  # fmt: skip
+    for token, token_lp, top, want in zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], reference, strict=True
+    ):
+        assert _close(list(top.items()), want), (top, want)  # greedy: the sampled is top 1
+        assert token == want[0][0] and abs(token_lp - want[0][1]) < 1e-4

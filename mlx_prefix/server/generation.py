@@ -50,25 +50,37 @@ class Assembler:
     splitter: ToolCallSplitter | None = None
     formatter: ToolCallFormatter | None = None
     made_tool_call: bool = False
+    tokenizer: Any = None  # decodes the tokens of logprobs
+    _texts: dict[int, str] = field(default_factory=dict)  # token id -> its text
 
     @classmethod
     def for_request(cls, req: GenerationRequest, tokenizer: Any, streaming: bool) -> Assembler:
         syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
         if syntax is None:
-            return cls(logprobs=req.sampling.logprobs)
+            return cls(logprobs=req.sampling.logprobs, tokenizer=tokenizer)
         return cls(
             logprobs=req.sampling.logprobs,
             splitter=ToolCallSplitter(syntax),
             formatter=ToolCallFormatter(syntax, req.prompt.tools, streaming),
+            tokenizer=tokenizer,
         )
 
     def feed(self, event: TokenEvent) -> Delta:
         lps = []
         if self.logprobs and event.logprob is not None:
-            lps.append(R.TokenLogprob(event.text, event.logprob))
+            # Each token as decoded on its own, the sampled one like its alternatives (the
+            # text delta may hold back a stop string or an incomplete character).
+            token = self._text(event.token) if event.token is not None else event.text
+            top = tuple(R.Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
+            lps.append(R.TokenLogprob(token, event.logprob, top))
         if self.splitter is None:
             return Delta(event.text, [], lps)
         return self._split(self.splitter.feed(event.text), lps)
+
+    def _text(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self.tokenizer.decode([token])
+        return self._texts[token]
 
     def finish(self) -> Delta:
         if self.splitter is None:
