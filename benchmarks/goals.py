@@ -1,7 +1,7 @@
 """The issues' benchmark goals, computed from one run's JSON document.
 
-- issue 3: restore at 32K cached tokens under 1 ms, flat in prefix length, no copy of
-  the prefix in memory;
+- issue 3: restore at 32K cached tokens under 1 ms, what a request pays (trie lookup +
+  restore) flat in prefix length, no copy of the prefix in memory;
 - issue 4: reuse efficiency 1.00 on the multi-turn chat, >= 0.95 on the agent loop
   (tools + thinking), dense and hybrid;
 - issue 5: a cold burst of 6 requests sharing a ~500-token instruction in at most 0.4x
@@ -154,14 +154,16 @@ def _restore(doc: dict[str, Any]) -> list[Goal]:
         shown = f"{ms:.2f} ms at {at} tokens ({fetch})"
         out.append(Goal(3, what, model, ms, shown, "< 1 ms", ms < 1.0))
     if len(rows) > 1:
-        flat = _ratio(big["restore_ms"], small["restore_ms"])
+        # Judged on what a request pays: the trie lookup grows with the prefix, restore
+        # alone does not.
+        key = "lookup_restore_ms"
+        flat = _ratio(big[key], small[key])
         shown = (
-            f"{flat:.1f}x ({big['restore_ms']:.2f} ms at {at} / {small['restore_ms']:.2f} ms "
+            f"{flat:.1f}x ({big[key]:.2f} ms at {at} / {small[key]:.2f} ms "
             f"at {_tokens(small['tokens'])}; prefix {big['tokens'] // small['tokens']}x longer)"
         )
-        out.append(
-            Goal(3, "restore time, flat in prefix length", model, flat, shown, "<= 2x", flat <= 2)
-        )
+        what = "lookup + restore time, flat in prefix length"
+        out.append(Goal(3, what, model, flat, shown, "<= 2x", flat <= 2))
     extra, prefix = big["restore_extra_mib"], big["prefix_mib"]
     shown = (
         f"{extra:.1f} MiB for a {prefix:.0f} MiB prefix at {at} "

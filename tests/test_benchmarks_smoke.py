@@ -128,7 +128,9 @@ def test_goals_are_computed_against_the_issues_targets() -> None:
     assert by["restore time (restore alone)", "synthetic KV"].met is True
     assert by["restore time (trie lookup + restore)", "synthetic KV"].met is False
     assert by["memory added by a restore", "synthetic KV"].met is True
-    assert by["restore time, flat in prefix length", "synthetic KV"].met is True
+    # Flat is judged on lookup + restore (0.2 -> 1.4 ms: 7x), not on restore alone.
+    flat = by["lookup + restore time, flat in prefix length", "synthetic KV"]
+    assert flat.met is False and flat.value == 1.4 / 0.2
 
 
 def test_goals_and_sizes_tables_render() -> None:

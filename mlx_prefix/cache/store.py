@@ -27,7 +27,7 @@ from typing import Any
 from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
 from mlx_prefix.cache.records import CacheMatch, CacheStats, CheckpointKind, EntryInfo
 from mlx_prefix.cache.reuse import best_reuse
-from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.cache.trie import TokenIds, TokenTrie
 
 
 @dataclass(slots=True, eq=False)
@@ -153,7 +153,7 @@ class PromptCache:
         A trimmable insert drops stored trimmable strict prefixes of no higher kind
         that are neither pinned nor locked: trimming the new entry serves them.
         """
-        key = tuple(tokens)
+        key = TokenIds(tokens)  # packed once for the trie walks below
         if payload.length != len(key):
             raise ValueError(f"payload length {payload.length} != {len(key)} tokens")
         with self._lock:

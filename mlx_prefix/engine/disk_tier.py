@@ -23,6 +23,7 @@ from mlx_prefix.cache.disk import DiskCache, DiskMatch
 from mlx_prefix.cache.disk_policy import DiskPolicy, DiskScope, ScopeMode
 from mlx_prefix.cache.snapshot import Snapshot
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.cache.trie import TokenIds
 from mlx_prefix.config import DiskConfig
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.boundaries import RenderedPrompt
@@ -96,7 +97,7 @@ class DiskTier:
         """Queue a save (engine thread). A full queue first writes its oldest save."""
         if len(self._pending) >= MAX_PENDING_SAVES:
             self._write(self._pending.popleft())
-        self._pending.append(_PendingSave(tuple(tokens), snapshot, kind, time.monotonic()))
+        self._pending.append(_PendingSave(TokenIds(tokens), snapshot, kind, time.monotonic()))
         self._account()
 
     def write_pending(self, busy: bool) -> None:
