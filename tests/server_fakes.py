@@ -67,10 +67,16 @@ class FakeTokenizer:
             self.pieces[token] = piece
             return token
 
-    def decode(self, tokens: list[int] | list[str]) -> str:
-        # Ids of emitted tokens (logprobs); the stored prompts' tokens are the words
-        # themselves, with their leading space (the dashboard's text heads).
-        return "".join(self.pieces[t] if isinstance(t, int) else t for t in tokens)
+    # A prompt word's id, stable for the fake's life (what listings with token ids show).
+    vocab: dict[str, int] = field(default_factory=dict)
+
+    def ids(self, *words: str) -> tuple[int, ...]:
+        with _IDS_LOCK:
+            return tuple(self.vocab.setdefault(w, -1 - len(self.vocab)) for w in words)
+
+    def decode(self, ids: list[int]) -> str:
+        words = {i: w for w, i in self.vocab.items()} if any(i < 0 for i in ids) else {}
+        return "".join(self.pieces[i] if i >= 0 else words[i] for i in ids)
 
     @classmethod
     def with_json_tools(cls) -> FakeTokenizer:
@@ -306,7 +312,7 @@ class FakeEngine:
         with self._lock:
             return [  # the real engine's schema: asdict(EntryInfo)
                 {
-                    "entry_id": i,
+                    "entry_id": e["id"],
                     "model_key": "fake-model-key",
                     "tokens": len(t),
                     "nbytes": len(t) * 1000,
@@ -318,7 +324,7 @@ class FakeEngine:
                     "pinned": e["pinned"],
                     "refs": 0,
                 }
-                for i, (t, e) in enumerate(self._stored.items())
+                for t, e in self._stored.items()
             ]
 
     def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
@@ -339,7 +345,7 @@ class FakeEngine:
                         pinned=e["pinned"],
                         refs=0,
                     ),
-                    t,
+                    self.model.tokenizer.ids(*t),
                 )
                 for t, e in self._stored.items()
             ]
