@@ -6,12 +6,14 @@ public method takes the one internal lock (HTTP threads read stats while the
 engine thread matches and inserts).
 
 Which entry goes first when over the limits is the eviction policy's choice
-(`eviction.KindLRU` today); lookup, insertion, pins and the budget are decided here.
+(`eviction.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup,
+insertion, pins and the budget are decided here; the entries and their bookkeeping
+(buffers held, each counted once; work each saves) live in `entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
 - each model key has its own trie; a lookup never crosses model keys (DESIGN 7);
-- stored bytes + active request bytes <= budget, unless every remaining entry is
-  pinned or locked (DESIGN 6);
+- stored bytes (distinct buffers: one prefill's checkpoints share its KV) + active
+  request bytes <= budget, unless every remaining entry is pinned or locked (DESIGN 6);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
 - a reuse always leaves at least one prompt token to compute (DESIGN 3).
 """
@@ -24,25 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
 from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
-from mlx_prefix.cache.records import CacheMatch, CacheStats, CheckpointKind, EntryInfo
+from mlx_prefix.cache.records import Buffer, CacheMatch, CacheStats, CheckpointKind, EntryInfo
 from mlx_prefix.cache.reuse import best_reuse
-from mlx_prefix.cache.trie import TokenTrie
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    entry_id: int
-    model_key: str
-    tokens: tuple[int, ...]
-    payload: Any
-    kind: CheckpointKind
-    nbytes: int
-    trimmable: bool
-    created: float
-    last_access: float
-    hits: int = 0
-    refs: int = 0  # >0: in use by a running request; never evicted
 
 
 @dataclass(slots=True)
@@ -60,20 +47,19 @@ class PromptCache:
         max_entries: int | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        policy: EvictionPolicy[Entry] | None = None,
     ) -> None:
         assert budget_bytes >= 0
         self.budget_bytes = budget_bytes
         self.max_entries = max_entries
         self._clock = clock
         self._lock = threading.Lock()
-        self._tries: dict[str, TokenTrie[int]] = {}
-        self._entries: dict[int, _Entry] = {}
-        self._policy: EvictionPolicy[_Entry] = KindLRU()
+        self._table = EntryTable()
+        self._entries = self._table.by_id  # read-only alias: the table mutates it
+        self._policy: EvictionPolicy[Entry] = policy if policy is not None else KindLRU()
         self._pins: set[tuple[str, tuple[int, ...]]] = set()
         self._active: dict[str, int] = {}
-        self._bytes = 0
         self._active_bytes = 0
-        self._next_id = 0
         self._counters = _Counters()
 
     # -- lookup ------------------------------------------------------------
@@ -96,7 +82,7 @@ class PromptCache:
         the entry (`acquire` does).
         """
         with self._lock:
-            trie = self._tries.get(model_key, TokenTrie())
+            trie = self._table.trie(model_key)
             found = best_reuse(trie, tokens, align, lambda i: self._entries[i].trimmable)
             if found.value is None:
                 self._counters.misses += record
@@ -110,8 +96,7 @@ class PromptCache:
         against eviction, no recency refresh, no hit counted (payloads are immutable, so
         a caller may keep it past an eviction)."""
         with self._lock:
-            trie = self._tries.get(model_key)
-            entry_id = trie.get(tokens) if trie is not None else None
+            entry_id = self._table.trie(model_key).get(tokens)
             return self._entries[entry_id].payload if entry_id is not None else None
 
     def acquire(self, entry_id: int) -> Any | None:
@@ -157,8 +142,8 @@ class PromptCache:
         if payload.length != len(key):
             raise ValueError(f"payload length {payload.length} != {len(key)} tokens")
         with self._lock:
-            nbytes = int(payload.nbytes)
-            trie = self._tries.setdefault(model_key, TokenTrie())
+            buffers = buffers_of(payload)
+            trie = self._table.trie(model_key)
             dup = trie.get(key)
             if dup is not None:
                 e = self._entries[dup]
@@ -168,7 +153,7 @@ class PromptCache:
                 self._touch(e)
                 return True
             trimmable = bool(payload.trimmable)
-            redundant: list[_Entry] = []
+            redundant: list[Entry] = []
             if trimmable and (model_key, key) not in self._pins:
                 for ext in trie.extensions(key):
                     other = self._entries[ext.value]
@@ -187,17 +172,10 @@ class PromptCache:
                 ]
             # Decide before changing anything: a refused insert must not have dropped the
             # prefixes it would have made redundant, nor evicted entries to no avail.
-            if not self._fits(nbytes, kind, len(key), redundant):
-                if not len(trie):
-                    del self._tries[model_key]
+            if not self._fits(model_key, key, kind, buffers, redundant):
                 return False
-            now = self._clock()
-            e = _Entry(self._next_id, model_key, key, payload, kind, nbytes, trimmable, now, now)
-            self._next_id += 1
-            trie.insert(key, e.entry_id)
-            self._entries[e.entry_id] = e
+            e = self._table.add(model_key, key, payload, kind, buffers, self._clock())
             self._policy.add(e)
-            self._bytes += nbytes
             for other in redundant:  # after the insert: the trie never empties on the way
                 self._remove(other)
             self._evict()
@@ -213,8 +191,7 @@ class PromptCache:
         key = tuple(tokens)
         with self._lock:
             self._pins.add((model_key, key))
-            trie = self._tries.get(model_key)
-            return trie is not None and trie.get(key) is not None
+            return self._table.trie(model_key).get(key) is not None
 
     def unpin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Remove a pin (mutates); may evict. Returns whether it was pinned."""
@@ -246,6 +223,12 @@ class PromptCache:
             self.budget_bytes = budget_bytes
             self._evict()
 
+    def set_prefill_cost(self, model_key: str, cost: PrefillCost) -> None:
+        """How much prefill work tokens [start, end) of `model_key`'s sequences take
+        (mutates; default: one unit per token). The value policy ranks entries by it."""
+        with self._lock:
+            self._table.set_cost(model_key, cost)
+
     def clear(self, model_key: str | None = None) -> int:
         """Remove every entry (of one model key, or all), pinned ones and their pins
         included; locked entries stay (a running request counts on them). Mutates.
@@ -266,10 +249,8 @@ class PromptCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot of the counters. Does not mutate."""
         with self._lock:
-            by_kind = dict.fromkeys((k.name for k in CheckpointKind), 0)
             counts = dict.fromkeys((k.name for k in CheckpointKind), 0)
             for e in self._entries.values():
-                by_kind[e.kind.name] += e.nbytes
                 counts[e.kind.name] += 1
             c = self._counters
             return CacheStats(
@@ -277,8 +258,8 @@ class PromptCache:
                 misses=c.misses,
                 tokens_reused=c.tokens_reused,
                 entries=len(self._entries),
-                bytes=self._bytes,
-                bytes_by_kind=by_kind,
+                bytes=self._table.resident.total,
+                bytes_by_kind=self._table.bytes_by_kind(),
                 entries_by_kind=counts,
                 active_bytes=self._active_bytes,
                 active_requests=len(self._active),
@@ -305,6 +286,7 @@ class PromptCache:
                     idle_s=now - e.last_access,
                     pinned=self._pinned(e),
                     refs=e.refs,
+                    shared_bytes=self._table.shared_bytes(e),
                 )
                 for e in self._policy.order()
             ]
@@ -312,55 +294,53 @@ class PromptCache:
     def check_integrity(self) -> None:
         """Assert the store's invariants. Does not mutate."""
         with self._lock:
-            assert self._bytes == sum(e.nbytes for e in self._entries.values()), "byte total"
             assert self._active_bytes == sum(self._active.values()), "active byte total"
+            self._table.check_integrity()
             self._policy.check_integrity(self._entries)
-            in_tries = 0
-            for model_key, trie in self._tries.items():
-                trie.check_integrity()
-                for item in trie.items():
-                    e = self._entries.get(item.value)
-                    assert e is not None, "trie points at a missing entry"
-                    assert e.model_key == model_key and e.tokens == item.tokens, "trie/entry key"
-                    in_tries += 1
-            assert in_tries == len(self._entries), "entries missing from the tries"
             for e in self._entries.values():
                 assert e.refs >= 0 and e.nbytes >= 0
-                assert e.payload.length == len(e.tokens)
             if self._over_limits():
                 assert self._victim() is None, "over budget with evictable entries left"
 
     # -- internals (call with the lock held) --------------------------------
 
-    def _touch(self, e: _Entry) -> None:
+    def _touch(self, e: Entry) -> None:
         e.last_access = self._clock()
         self._policy.touch(e)
 
-    def _pinned(self, e: _Entry) -> bool:
+    def _pinned(self, e: Entry) -> bool:
         return (e.model_key, e.tokens) in self._pins
 
     def _over_limits(self) -> bool:
-        if self._bytes + self._active_bytes > self.budget_bytes:
+        if self._table.resident.total + self._active_bytes > self.budget_bytes:
             return True
         return self.max_entries is not None and len(self._entries) > self.max_entries
 
-    def _fits(self, nbytes: int, kind: CheckpointKind, length: int, leaving: list[_Entry]) -> bool:
-        """Whether a new entry of `nbytes`, `kind` and `length` tokens would survive
-        eviction once the `leaving` entries are gone: what stays is what the policy
-        evicts after it, plus the pinned and locked entries."""
+    def _fits(
+        self,
+        model_key: str,
+        key: tuple[int, ...],
+        kind: CheckpointKind,
+        buffers: tuple[Buffer, ...],
+        leaving: list[Entry],
+    ) -> bool:
+        """Whether a new entry for `key` holding `buffers` would survive eviction once
+        the `leaving` entries are gone: what stays is what the policy evicts after it,
+        plus the pinned and locked entries (buffers they share with it count once)."""
         gone = {e.entry_id for e in leaving}
-        kept_bytes = kept_count = 0
-        for e in self._entries.values():
-            if e.entry_id in gone:
-                continue
-            if e.refs > 0 or self._pinned(e) or self._policy.outlasts(e, kind, nbytes, length):
-                kept_bytes += e.nbytes
-                kept_count += 1
-        if kept_bytes + self._active_bytes + nbytes > self.budget_bytes:
+        outlasting = self._policy.outlasting(self._table.candidate(model_key, key, kind, buffers))
+        kept = [
+            e
+            for e in self._entries.values()
+            if e.entry_id not in gone
+            and (e.refs > 0 or self._pinned(e) or e.entry_id in outlasting)
+        ]
+        kept_bytes = self._table.resident.union([buffers, *(e.buffers for e in kept)])
+        if kept_bytes + self._active_bytes > self.budget_bytes:
             return False
-        return self.max_entries is None or kept_count + 1 <= self.max_entries
+        return self.max_entries is None or len(kept) + 1 <= self.max_entries
 
-    def _victim(self) -> _Entry | None:
+    def _victim(self) -> Entry | None:
         return next((e for e in self._policy.order() if e.refs == 0 and not self._pinned(e)), None)
 
     def _evict(self) -> None:
@@ -371,12 +351,7 @@ class PromptCache:
             self._remove(victim)
             self._counters.evictions += 1
 
-    def _remove(self, e: _Entry) -> None:
+    def _remove(self, e: Entry) -> None:
         assert e.refs == 0, "removing a locked entry"
-        trie = self._tries[e.model_key]
-        trie.remove(e.tokens)
-        if not len(trie):
-            del self._tries[e.model_key]
-        del self._entries[e.entry_id]
         self._policy.remove(e)
-        self._bytes -= e.nbytes
+        self._table.remove(e)
