@@ -28,6 +28,7 @@ from dataclasses import asdict
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
@@ -43,6 +44,7 @@ from mlx_prefix.engine.prefill import PrefillPhase
 from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.engine.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import (
@@ -72,9 +74,12 @@ class Engine:
         self.config = engine_config or EngineConfig()
         self.planner = PromptPlanner(model.tokenizer, self.cache_config)
         self.store = store or PromptCache(
-            self.cache_config.budget_bytes, self.cache_config.max_entries
+            self.cache_config.budget_bytes,
+            self.cache_config.max_entries,
+            policy=policy_named(self.cache_config.eviction),
         )
         self.model_key = cache_key(model.identity, self.planner.grid)
+        self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
         self.batchable = batchable(fresh_cache)
         self.capacity = self.config.max_running if self.batchable else 1  # decoding at once
@@ -360,7 +365,7 @@ class Engine:
         `waiting_too` (the engine is going away)."""
         event = ErrorEvent(error_message(error))
         if self._prefill.task is not None:
-            self.lifecycle.end(self._prefill.close().job, event)
+            self.lifecycle.end(self._prefill.close(failed=True).job, event)
         for job in self._decode.drop_all():
             self.lifecycle.end(job, event)
         if waiting_too:
