@@ -153,3 +153,21 @@ def test_branch_point_checkpoint_serves_both_shapes(make_engine, kind):
     # sharing that prefix (either shape's next request) restores from it.
     third = warm_equals_cold(engine, c)
     assert third.usage.cached_tokens == point
+
+
+def test_pending_states_beyond_the_budget_are_thinned_evenly():
+    model = loaded_test_model("qwen3_5").model
+    prompt = _prompt()  # a checkpoint every 256 tokens: 7 periodic and the end
+    probe = PromptCache(1 << 34)
+    kv, state = _prefill_into(probe, "qwen3_5", True)
+    store = PromptCache(kv + 5 * state)  # room for the cache and 4 pending states
+    cache = make_prompt_cache(model)
+    checkpointer = Checkpointer(prompt, cache, 0, store, "m", None)
+    prefill(model, cache, prompt.tokens, 0, ChunkGrid(CHUNK), checkpointer)
+    assert checkpointer.pending_bytes <= 4 * state
+    checkpointer.finish()
+    kept = sorted(e.tokens for e in store.entries())
+    # Every other periodic checkpoint went (not the last ones): 512, 1024, 1536 and the
+    # end, which is not periodic and never thinned.
+    assert kept == [2 * EVERY, 4 * EVERY, 6 * EVERY, N]
+    store.check_integrity()

@@ -39,6 +39,10 @@ from typing import Generic, Protocol, TypeVar
 
 from mlx_prefix.cache.records import CheckpointKind
 
+# Efficiency is scaled to 0..1 over at least this range of its log: entries within a
+# factor of 100 of each other in work per byte never span the whole recency range.
+_MIN_SPAN = math.log(100.0)
+
 # Kinds above this one are protected: evicted after every other entry, by kind then LRU.
 PROTECTED_ABOVE = CheckpointKind.LAST_MESSAGE
 
@@ -53,6 +57,7 @@ class Evictable(Protocol):
     last_access: float  # the store's clock at the last insert/acquire
     saved_work: float  # prefill work lost if it goes (from its longest stored prefix)
     share_bytes: float  # its bytes, each buffer split among the entries holding it
+    children: int  # stored entries whose longest stored strict prefix it is
 
 
 E = TypeVar("E", bound=Evictable)
@@ -66,6 +71,7 @@ class Candidate:
     length: int  # tokens
     saved_work: float
     share_bytes: float
+    children: int = 0
 
 
 class EvictionPolicy(Protocol[E]):
@@ -152,8 +158,9 @@ class KindLRU(Generic[E]):
 class ValueLRU(Generic[E]):
     """Protected kinds last (kind, then LRU); the others by recency + alpha * efficiency."""
 
-    def __init__(self, alpha: float = 1.0) -> None:
+    def __init__(self, alpha: float = 1.5, passed_weight: float = 0.1) -> None:
         self.alpha = alpha
+        self.passed_weight = passed_weight
         self._lru: OrderedDict[int, E] = OrderedDict()  # least recently used first
 
     def add(self, e: E) -> None:
@@ -170,7 +177,7 @@ class ValueLRU(Generic[E]):
 
     def order(self) -> Iterator[E]:
         ordinary = [e for e in self._lru.values() if e.kind <= PROTECTED_ABOVE]
-        scores = self._scores([(e.saved_work, e.share_bytes) for e in ordinary])
+        scores = self._scores([(e.saved_work, e.share_bytes, e.children) for e in ordinary])
         ranked = sorted(range(len(ordinary)), key=lambda i: scores[i])  # stable: LRU ties
         yield from (ordinary[i] for i in ranked)
         protected = [e for e in self._lru.values() if e.kind > PROTECTED_ABOVE]
@@ -181,23 +188,25 @@ class ValueLRU(Generic[E]):
         if new.kind > PROTECTED_ABOVE:
             return {i for i in protected if self._lru[i].kind > new.kind}
         ordinary = [e for e in self._lru.values() if e.kind <= PROTECTED_ABOVE]
-        values = [(e.saved_work, e.share_bytes) for e in ordinary]
-        scores = self._scores([*values, (new.saved_work, new.share_bytes)])
+        values = [(e.saved_work, e.share_bytes, e.children) for e in ordinary]
+        scores = self._scores([*values, (new.saved_work, new.share_bytes, new.children)])
         mine = scores[-1]
         return protected | {e.entry_id for e, s in zip(ordinary, scores, strict=False) if s > mine}
 
     def check_integrity(self, entries: Mapping[int, E]) -> None:
         assert self._lru.keys() == entries.keys(), "recency list != entries"
 
-    def _scores(self, values: list[tuple[float, float]]) -> list[float]:
+    def _scores(self, values: list[tuple[float, float, int]]) -> list[float]:
         """Scores of entries given least recently used first, as (saved_work,
-        share_bytes); the last is the most recent."""
+        share_bytes, children); the last is the most recent."""
         n = len(values)
         if not n:
             return []
-        eff = [math.log(max(work, 1e-9) / max(share, 1.0)) for work, share in values]
+        eff = [
+            math.log(max(work * (self.passed_weight if kids == 1 else 1.0), 1e-9) / max(share, 1.0))
+            for work, share, kids in values
+        ]
         lo, hi = min(eff), max(eff)
-        span = hi - lo
+        span = max(hi - lo, _MIN_SPAN)
         recency = [i / (n - 1) if n > 1 else 1.0 for i in range(n)]
-        scaled = [(v - lo) / span if span > 0 else 0.5 for v in eff]
-        return [r + self.alpha * v for r, v in zip(recency, scaled, strict=True)]
+        return [r + self.alpha * (v - lo) / span for r, v in zip(recency, eff, strict=True)]

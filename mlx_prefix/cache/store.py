@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
-from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
+from mlx_prefix.cache.eviction import Candidate, EvictionPolicy, KindLRU
 from mlx_prefix.cache.records import Buffer, CacheMatch, CacheStats, CheckpointKind, EntryInfo
 from mlx_prefix.cache.reuse import best_reuse
 
@@ -172,14 +172,21 @@ class PromptCache:
                 ]
             # Decide before changing anything: a refused insert must not have dropped the
             # prefixes it would have made redundant, nor evicted entries to no avail.
-            if not self._fits(model_key, key, kind, buffers, redundant):
+            parent = self._table.parent_of(model_key, key)
+            new = self._table.candidate(model_key, key, kind, buffers, parent)
+            if not self._fits(new, buffers, redundant):
                 return False
-            e = self._table.add(model_key, key, payload, kind, buffers, self._clock())
+            e = self._table.add(model_key, key, payload, kind, buffers, self._clock(), parent)
+            e.pinned = (model_key, key) in self._pins
             self._policy.add(e)
             for other in redundant:  # after the insert: the trie never empties on the way
                 self._remove(other)
+            # It fits: what stays besides it (pinned, locked) leaves room. Held while
+            # evicting, since a value policy's ranks move as entries go.
+            e.refs += 1
             self._evict()
-            assert e.entry_id in self._entries, "evicted an entry that fitted"
+            e.refs -= 1
+            assert not self._over_limits() or self._victim() is None, "over budget"
             return True
 
     def pin(self, model_key: str, tokens: Sequence[int]) -> bool:
@@ -191,7 +198,10 @@ class PromptCache:
         key = tuple(tokens)
         with self._lock:
             self._pins.add((model_key, key))
-            return self._table.trie(model_key).get(key) is not None
+            entry_id = self._table.trie(model_key).get(key)
+            if entry_id is not None:
+                self._entries[entry_id].pinned = True
+            return entry_id is not None
 
     def unpin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Remove a pin (mutates); may evict. Returns whether it was pinned."""
@@ -200,6 +210,9 @@ class PromptCache:
                 self._pins.remove((model_key, tuple(tokens)))
             except KeyError:
                 return False
+            entry_id = self._table.trie(model_key).get(tokens)
+            if entry_id is not None:
+                self._entries[entry_id].pinned = False
             self._evict()
             return True
 
@@ -242,6 +255,8 @@ class PromptCache:
             for e in victims:
                 self._remove(e)
             self._pins = {p for p in self._pins if model_key is not None and p[0] != model_key}
+            for e in self._entries.values():
+                e.pinned = (e.model_key, e.tokens) in self._pins
             return len(victims)
 
     # -- introspection -----------------------------------------------------
@@ -299,6 +314,7 @@ class PromptCache:
             self._policy.check_integrity(self._entries)
             for e in self._entries.values():
                 assert e.refs >= 0 and e.nbytes >= 0
+                assert e.pinned == ((e.model_key, e.tokens) in self._pins), "pin flag"
             if self._over_limits():
                 assert self._victim() is None, "over budget with evictable entries left"
 
@@ -309,26 +325,19 @@ class PromptCache:
         self._policy.touch(e)
 
     def _pinned(self, e: Entry) -> bool:
-        return (e.model_key, e.tokens) in self._pins
+        return e.pinned
 
     def _over_limits(self) -> bool:
         if self._table.resident.total + self._active_bytes > self.budget_bytes:
             return True
         return self.max_entries is not None and len(self._entries) > self.max_entries
 
-    def _fits(
-        self,
-        model_key: str,
-        key: tuple[int, ...],
-        kind: CheckpointKind,
-        buffers: tuple[Buffer, ...],
-        leaving: list[Entry],
-    ) -> bool:
-        """Whether a new entry for `key` holding `buffers` would survive eviction once
-        the `leaving` entries are gone: what stays is what the policy evicts after it,
-        plus the pinned and locked entries (buffers they share with it count once)."""
+    def _fits(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> bool:
+        """Whether `new`, holding `buffers`, would survive eviction once the `leaving`
+        entries are gone: what stays is what the policy evicts after it, plus the
+        pinned and locked entries (buffers they share with it count once)."""
         gone = {e.entry_id for e in leaving}
-        outlasting = self._policy.outlasting(self._table.candidate(model_key, key, kind, buffers))
+        outlasting = self._policy.outlasting(new)
         kept = [
             e
             for e in self._entries.values()

@@ -30,6 +30,7 @@ from mlx_prefix.cache.eviction import PROTECTED_ABOVE
 from mlx_prefix.cache.snapshot import (
     PendingSnapshot,
     Snapshot,
+    cache_nbytes,
     capture,
     capture_deferred,
     complete,
@@ -111,6 +112,7 @@ class Checkpointer:
         if self.keep_every_checkpoint and self.reuse < self.branch < len(self.prompt.tokens):
             self._plan(self.branch, CheckpointKind.LAST_MESSAGE)
         self._deferred: list[_Deferred] = []
+        self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
         self.finished = False
         if self.disk is not None:
             # Positions the policy chose that prefill will not reach (restored from memory
@@ -160,6 +162,8 @@ class Checkpointer:
         if not in_memory and not to_disk:
             return
         kind = kind if kind is not None else CheckpointKind.PERIODIC
+        if self.stride and position % self.stride and self._thinnable(kind, to_disk):
+            return
         # An off-grid end (raw completions) is only reusable by trimming back.
         in_memory = in_memory and (
             not at_end or position in self.planned or is_trimmable(self.cache)
@@ -167,8 +171,28 @@ class Checkpointer:
         if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
             pending = capture_deferred(self.cache, position)
             self._deferred.append(_Deferred(pending, kind, in_memory, to_disk))
+            self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
             return
         self._keep(capture(self.cache, position), kind, in_memory, to_disk)
+
+    def _thin(self, room: int) -> None:
+        """While pending states take more than `room` bytes (a big hybrid's state is
+        ~150 MB), keep periodic checkpoints only at multiples of a doubled stride, so
+        those kept stay evenly spread; later ones off the stride are not taken."""
+        while self.pending_bytes > room:
+            periodic = [d for d in self._deferred if self._thinnable(d.kind, d.to_disk)]
+            if not periodic:
+                return
+            self.stride = 2 * (self.stride or min(d.pending.length for d in periodic))
+            self._deferred = [
+                d
+                for d in self._deferred
+                if not self._thinnable(d.kind, d.to_disk) or d.pending.length % self.stride == 0
+            ]
+
+    @staticmethod
+    def _thinnable(kind: CheckpointKind, to_disk: bool) -> bool:
+        return kind is CheckpointKind.PERIODIC and not to_disk
 
     def finish(self, *, keep: bool = True) -> None:
         """The prefill ended, or stopped between chunks: complete the deferred
