@@ -33,6 +33,7 @@ from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
+from mlx_prefix.engine.chat_traffic import ChatTraffic
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
@@ -113,6 +114,7 @@ class Engine:
             self._maybe_prefetch,
         )
         self.prefetch = PrefetchStats()
+        self._chat_traffic = ChatTraffic()  # engine thread only
         self._prefetcher = (
             Prefetcher(self.planner, self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled
@@ -356,7 +358,10 @@ class Engine:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
             return
         tool_start = getattr(self.model.tokenizer, "tool_call_start", None)
-        if wants_prefetch(job.source, reply, tool_start):
+        calls_tool = bool(tool_start) and tool_start in reply
+        # A chat's first turn, known from its client's earlier traffic (chat_traffic.py).
+        first_turn = self._chat_traffic.finished(job.source, reply) and not calls_tool
+        if first_turn or wants_prefetch(job.source, reply, tool_start):
             self._prefetcher.submit(job.source, reply, len(job.tokens))
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
