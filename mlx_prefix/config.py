@@ -19,6 +19,8 @@ T = TypeVar("T")
 
 GiB = 1024**3
 
+EVICTION_POLICIES = ("value", "kind")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -34,8 +36,13 @@ class CacheConfig:
     max_entries: int | None = None
     # Prefill chunk size C: chunk boundaries include every multiple of C.
     prefill_chunk: int = 256
-    # Periodic checkpoints inside long prompts, every N tokens (a multiple of prefill_chunk).
-    checkpoint_interval: int = 2048
+    # Periodic checkpoints inside long prompts, every N tokens (a multiple of prefill_chunk):
+    # a hybrid model resumes from an exact checkpoint only, so a divergence anywhere
+    # recomputes at most N tokens before it. Trimmable (all-KV) caches keep none in memory.
+    checkpoint_interval: int = 512
+    # Which stored checkpoint goes first: "value" (recency mixed with the prefill work it
+    # saves per byte; cache/eviction.py) or "kind" (fixed kind order, then LRU).
+    eviction: str = "value"
 
     def __post_init__(self) -> None:
         if (
@@ -43,6 +50,8 @@ class CacheConfig:
             or self.checkpoint_interval % self.prefill_chunk
         ):
             raise ValueError("checkpoint_interval must be a positive multiple of prefill_chunk")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ def test_default_scope_is_auto_16():
 @dataclass(frozen=True)
 class _Cp:
     position: int
+    kind: CheckpointKind = CheckpointKind.PERIODIC
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,22 @@ def test_auto_caches_the_prefix_shared_with_recent_requests():
     assert policy.select("m", _req(2), align8) == [40]
     # An identical request shares everything: its largest checkpoint.
     assert policy.select("m", _req(2), align8) == [64]
+
+
+def test_auto_persists_protected_checkpoints_the_first_time_it_sees_them():
+    policy = DiskPolicy("auto")
+    protected = [k for k in CheckpointKind if k > CheckpointKind.LAST_MESSAGE]
+    checkpoints = [
+        _Cp(16, CheckpointKind.PERIODIC),
+        _Cp(40, CheckpointKind.SYSTEM),
+        _Cp(48, CheckpointKind.LAST_MESSAGE),
+        *(_Cp(56 + 8 * i, k) for i, k in enumerate(protected)),
+    ]
+    prompt = _Prompt(tuple(range(100, 200)), tuple(checkpoints))
+    chosen = policy.select("m", prompt, align8)
+    assert chosen == [40] + [56 + 8 * i for i in range(len(protected))]
+    # A trimmable cache keeps the longest only: one file serves the shorter ones.
+    assert DiskPolicy("auto").select("m", prompt, align8, trimmable=True) == chosen[-1:]
 
 
 def test_auto_window_counts_requests():
@@ -230,8 +247,11 @@ def test_auto_selects_a_chat_boundary_shared_by_two_requests():
     def align(t):
         return lambda k: planner.grid.align(t, k)
 
-    assert policy.select("m", a, align(a.tokens)) == []
-    (p,) = policy.select("m", b, align(b.tokens))
+    system_end = next(c.position for c in a.checkpoints if c.kind is CheckpointKind.SYSTEM)
+    assert policy.select("m", a, align(a.tokens)) == [system_end], "first sight: the system"
+    positions = policy.select("m", b, align(b.tokens))
+    assert system_end in positions
+    p = max(positions)
     shared = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y)
     kinds = {cp.position: cp.kind for cp in b.checkpoints}
     assert p <= shared and p in kinds

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from mlx_prefix.cache.eviction import policy_named
+from mlx_prefix.cache.records import Buffer, new_buffer_key
 from mlx_prefix.cache.store import CacheMatch, CheckpointKind, PromptCache
+from mlx_prefix.config import EVICTION_POLICIES
 
 K = CheckpointKind
 M = "model-a"
@@ -338,9 +341,19 @@ def test_payload_length_must_match_tokens():
         c.insert(M, [1, 2, 3], FakeSnapshot(2), K.SYSTEM)
 
 
-def test_random_operations_keep_integrity_and_reuse_rules():
+@dataclass(frozen=True, slots=True)
+class SharingSnapshot:
+    length: int
+    trimmable: bool
+    nbytes: int
+    buffers: tuple[Buffer, ...]
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_random_operations_keep_integrity_and_reuse_rules(policy):
     rng = random.Random(1)
-    c = PromptCache(400, max_entries=12)
+    c = PromptCache(400, max_entries=12, policy=policy_named(policy))
+    shared = [Buffer(new_buffer_key(), rng.randrange(1, 80)) for _ in range(4)]
     locked: list[int] = []
     align = grid(2)
     for _ in range(2000):
@@ -348,12 +361,13 @@ def test_random_operations_keep_integrity_and_reuse_rules():
         toks = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
         op = rng.random()
         if op < 0.45:
-            c.insert(
-                model,
-                toks,
-                snap(toks, trimmable=rng.random() < 0.5, nbytes=rng.randrange(1, 60)),
-                K(rng.randrange(5)),
-            )
+            trimmable = rng.random() < 0.5
+            payload = snap(toks, trimmable=trimmable, nbytes=rng.randrange(1, 60))
+            if rng.random() < 0.4:  # holds a buffer other entries may hold too
+                buffers = (rng.choice(shared), Buffer(new_buffer_key(), rng.randrange(1, 20)))
+                size = sum(b.nbytes for b in buffers)
+                payload = SharingSnapshot(len(toks), trimmable, size, buffers)
+            c.insert(model, toks, payload, K(rng.randrange(5)))
         elif op < 0.8:
             m = c.match(model, toks, align)
             if m.entry_id is not None:

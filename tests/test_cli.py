@@ -224,7 +224,10 @@ def test_second_generate_with_the_same_system_prompt_reuses_the_disk_cache(disk_
     second = cli("generate", "--model", model, "-n", "6", "--system", system, "First change")
     assert first.returncode == 0 and second.returncode == 0, second.stderr
     assert stats(first.stderr)["cached_tokens"] == "0"
-    assert int(stats(second.stderr)["cached_tokens"]) > 60
+    # `generate` persists every checkpoint (scope full): the restart reuses up to the
+    # generation prompt.
+    again = stats(second.stderr)
+    assert int(again["cached_tokens"]) >= int(again["prompt_tokens"]) - 3
     assert second.stdout == first.stdout
 
     listing = cli("cache", "ls")

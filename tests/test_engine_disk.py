@@ -9,7 +9,7 @@ import time
 import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run, warm_equals_cold
+from engine_helpers import EXACT, chat, run, warm_equals_cold
 from mlx_lm.models.cache import KVCache
 
 from mlx_prefix.cache.snapshot import capture
@@ -48,18 +48,40 @@ def test_restart_hits_the_disk_and_gives_the_cold_answer(tmp_path, kind):
         second.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h"])
+def test_one_request_a_restart_and_the_same_request_hits(tmp_path, kind):
+    # A 1K-token system prompt, seen once: `auto` persists it the first time.
+    system = " ".join(f"Rule {i}: greet every guest by name and offer water." for i in range(80))
+    prompt = chat(("system", system), ("user", "Is breakfast included?"))
+    first = engine_on(kind, tmp_path, "auto")
+    system_end = max(c.position for c in first.plan(prompt).checkpoints if c.kind.name == "SYSTEM")
+    assert system_end >= 1000
+    run(first, prompt, sampling=EXACT)
+    first.shutdown()
+
+    second = engine_on(kind, tmp_path, "auto")
+    try:
+        warm = run(second, prompt, sampling=EXACT)
+        assert warm.usage.cached_tokens >= system_end
+        assert second.cache_stats()["disk"]["hits"] == 1
+        cold = run(second, prompt, cache=False, sampling=EXACT)
+        assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
+    finally:
+        second.shutdown()
+
+
 def test_auto_persists_the_prefix_shared_by_recent_requests(tmp_path):
     engine = engine_on("qwen3_5", tmp_path, "auto")
     run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
     engine.shutdown()
-    assert not list(tmp_path.glob("*.safetensors")), "nothing was shared yet"
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1, "the system prompt, first seen"
 
     engine = engine_on("qwen3_5", tmp_path, "auto")
     run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
     run(engine, chat(("system", SYSTEM), ("user", "When is checkout?")))
     engine.shutdown()
     files = list(tmp_path.glob("*.safetensors"))
-    assert len(files) == 1
+    assert len(files) == 1  # what the two share is the system prompt already on disk
 
     engine = engine_on("qwen3_5", tmp_path, "auto")
     try:

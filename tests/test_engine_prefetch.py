@@ -145,3 +145,42 @@ def test_prefetch_can_be_turned_off(enabled):
         assert engine.prefetch.started == int(enabled)
     finally:
         engine.shutdown()
+
+
+def test_a_chat_clients_first_turns_are_prefetched_once_it_sent_a_reply_back():
+    engine = Engine(loaded_test_model("qwen3_5"), TEST_CACHE, NOW)
+    try:
+        first = run(engine, chat(("system", SYSTEM), ("user", "What is a fraction?")))
+        time.sleep(0.2)
+        assert engine.prefetch.started == 0, "a first turn, from a client not known yet"
+        # The reply comes back: this client continues conversations.
+        run(engine, chat(("system", SYSTEM), ("user", "What is a fraction?"),
+                         ("assistant", first.text), ("user", "And a decimal?")))  # fmt: skip
+        assert wait_for(lambda: engine.prefetch.completed == 1)
+        # A new conversation of the same client: its first turn is prefetched too.
+        opening = [("system", SYSTEM), ("user", "What is a percentage?")]
+        reply = run(engine, chat(*opening))
+        assert wait_for(lambda: engine.prefetch.completed == 2)
+        nxt = chat(*opening, ("assistant", reply.text), ("user", "Give an example."))
+        result = warm_equals_cold(engine, nxt)
+        assert result.usage.cached_tokens >= last_message_start(engine, nxt)
+        assert result.usage.cached_tokens > reply.usage.prompt_tokens
+    finally:
+        engine.shutdown()
+
+
+def test_one_shot_clients_are_never_prefetched():
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
+    try:
+        chat_system = ("system", SYSTEM)
+        first = run(engine, chat(chat_system, ("user", "Hi")))
+        run(engine, chat(chat_system, ("user", "Hi"), ("assistant", first.text), ("user", "Go")))
+        assert wait_for(lambda: engine.prefetch.completed == 1)  # a chat client is known
+        extension = ("system", "Summarize the page the user sends in one line.")
+        for page in ("A page about owls.", "A page about tides.", "A page about bread."):
+            run(engine, chat(extension, ("user", page)))  # the same instruction, no reply back
+            run(engine, chat(("user", page)))  # no system prompt: nothing to know it by
+        time.sleep(0.2)
+        assert engine.prefetch.started == 1
+    finally:
+        engine.shutdown()

@@ -4,24 +4,47 @@ The policy only orders entries. The store (`store.PromptCache`) decides when to 
 (over its byte budget or entry cap) and which entries may go at all (never a pinned
 or locked one): it takes the first evictable entry of `order()`.
 
-Today's policy, `KindLRU`: lower `CheckpointKind` first (GENERATED < PERIODIC <
-HISTORY < LAST_MESSAGE < SYSTEM), least recently used first within a kind.
+Two policies:
+- `KindLRU`: lower `CheckpointKind` first (GENERATED < PERIODIC < HISTORY <
+  LAST_MESSAGE < the protected kinds), least recently used first within a kind.
+- `ValueLRU` (the engine's default): the protected kinds (above LAST_MESSAGE: the
+  system prompt, client cache breakpoints) keep KindLRU's order and go after every
+  other entry; the others go by value, Marconi's (Pan et al., MLSys 2025) mix of
+  recency and prefill work saved per byte held:
+      score = recency + alpha * efficiency, lowest evicted first
+  recency: the entry's rank from least (0) to most (1) recently used; efficiency:
+  log(saved_work / share_bytes), scaled to 0..1 over the entries ranked. `saved_work`
+  is the prefill work (model cost of the tokens, attention's growth with position
+  included) lost if the entry goes: from the longest stored prefix of it, which would
+  serve instead, to its end. `share_bytes` splits buffers shared between entries (one
+  prefill's checkpoints share its KV) among their holders. Log scale: work per byte
+  spans orders of magnitude (a recurrent-state-only checkpoint against a whole KV
+  prefix), and a raw scale would let the extremes flatten everyone else.
 
 A policy is not thread-safe: the store calls it with its lock held. It holds the
 store's entries by reference and may read their fields at any time; the store tells
 it of every change that can move an entry in its order (`add`, `remove`, `touch`,
-`change_kind`).
+`change_kind`; `saved_work` and `share_bytes` are read when ranking).
 
 Pure Python (no MLX).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from mlx_prefix.cache.records import CheckpointKind
+
+# Efficiency is scaled to 0..1 over at least this range of its log: entries within a
+# factor of 100 of each other in work per byte never span the whole recency range.
+_MIN_SPAN = math.log(100.0)
+
+# Kinds above this one are protected: evicted after every other entry, by kind then LRU.
+PROTECTED_ABOVE = CheckpointKind.LAST_MESSAGE
 
 
 class Evictable(Protocol):
@@ -32,9 +55,23 @@ class Evictable(Protocol):
     nbytes: int
     tokens: tuple[int, ...]
     last_access: float  # the store's clock at the last insert/acquire
+    saved_work: float  # prefill work lost if it goes (from its longest stored prefix)
+    share_bytes: float  # its bytes, each buffer split among the entries holding it
+    children: int  # stored entries whose longest stored strict prefix it is
 
 
 E = TypeVar("E", bound=Evictable)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An entry about to be inserted, as a policy ranks it (the most recently used)."""
+
+    kind: CheckpointKind
+    length: int  # tokens
+    saved_work: float
+    share_bytes: float
+    children: int = 0
 
 
 class EvictionPolicy(Protocol[E]):
@@ -59,16 +96,25 @@ class EvictionPolicy(Protocol[E]):
         change the policy while iterating."""
         ...
 
-    def outlasts(self, e: E, kind: CheckpointKind, nbytes: int, length: int) -> bool:
-        """Whether stored `e` would be evicted after a new entry of `kind`, `nbytes`
-        and `length` tokens, added now. The policy's part of the "would it fit"
-        decision: the store counts these entries, with the pinned and locked ones, as
-        staying when the new entry is added. Does not mutate."""
+    def outlasting(self, new: Candidate) -> set[int]:
+        """Ids of the tracked entries that would be evicted after `new`, added now. The
+        policy's part of the "would it fit" decision: the store counts these entries,
+        with the pinned and locked ones, as staying when `new` is added. Does not
+        mutate."""
         ...
 
     def check_integrity(self, entries: Mapping[int, E]) -> None:
         """Assert that the policy tracks exactly `entries` (by id). Does not mutate."""
         ...
+
+
+def policy_named(name: str) -> EvictionPolicy:
+    """ "value" (ValueLRU) or "kind" (KindLRU); ValueError otherwise."""
+    if name == "value":
+        return ValueLRU()
+    if name == "kind":
+        return KindLRU()
+    raise ValueError(f"unknown eviction policy {name!r}: expected value or kind")
 
 
 class KindLRU(Generic[E]):
@@ -97,13 +143,70 @@ class KindLRU(Generic[E]):
         for kind in CheckpointKind:  # ascending: lower kinds go first
             yield from self._queues[kind].values()  # least recently used first
 
-    def outlasts(self, e: E, kind: CheckpointKind, nbytes: int, length: int) -> bool:
+    def outlasting(self, new: Candidate) -> set[int]:
         # The new entry would be the most recent of its kind: every entry of its kind or
         # a lower one goes before it.
-        return e.kind > kind
+        return {i for kind, q in self._queues.items() if kind > new.kind for i in q}
 
     def check_integrity(self, entries: Mapping[int, E]) -> None:
         queued = {i: e for q in self._queues.values() for i, e in q.items()}
         assert queued.keys() == entries.keys(), "eviction queues != entries"
         for kind, q in self._queues.items():
             assert all(e.kind == kind for e in q.values()), "entry in wrong queue"
+
+
+class ValueLRU(Generic[E]):
+    """Protected kinds last (kind, then LRU); the others by recency + alpha * efficiency."""
+
+    def __init__(self, alpha: float = 1.5, passed_weight: float = 0.1) -> None:
+        self.alpha = alpha
+        self.passed_weight = passed_weight
+        self._lru: OrderedDict[int, E] = OrderedDict()  # least recently used first
+
+    def add(self, e: E) -> None:
+        self._lru[e.entry_id] = e
+
+    def remove(self, e: E) -> None:
+        del self._lru[e.entry_id]
+
+    def touch(self, e: E) -> None:
+        self._lru.move_to_end(e.entry_id)
+
+    def change_kind(self, e: E, old: CheckpointKind) -> None:
+        pass  # the kind is read when ranking
+
+    def order(self) -> Iterator[E]:
+        ordinary = [e for e in self._lru.values() if e.kind <= PROTECTED_ABOVE]
+        scores = self._scores([(e.saved_work, e.share_bytes, e.children) for e in ordinary])
+        ranked = sorted(range(len(ordinary)), key=lambda i: scores[i])  # stable: LRU ties
+        yield from (ordinary[i] for i in ranked)
+        protected = [e for e in self._lru.values() if e.kind > PROTECTED_ABOVE]
+        yield from sorted(protected, key=lambda e: e.kind)  # stable: LRU within a kind
+
+    def outlasting(self, new: Candidate) -> set[int]:
+        protected = {e.entry_id for e in self._lru.values() if e.kind > PROTECTED_ABOVE}
+        if new.kind > PROTECTED_ABOVE:
+            return {i for i in protected if self._lru[i].kind > new.kind}
+        ordinary = [e for e in self._lru.values() if e.kind <= PROTECTED_ABOVE]
+        values = [(e.saved_work, e.share_bytes, e.children) for e in ordinary]
+        scores = self._scores([*values, (new.saved_work, new.share_bytes, new.children)])
+        mine = scores[-1]
+        return protected | {e.entry_id for e, s in zip(ordinary, scores, strict=False) if s > mine}
+
+    def check_integrity(self, entries: Mapping[int, E]) -> None:
+        assert self._lru.keys() == entries.keys(), "recency list != entries"
+
+    def _scores(self, values: list[tuple[float, float, int]]) -> list[float]:
+        """Scores of entries given least recently used first, as (saved_work,
+        share_bytes, children); the last is the most recent."""
+        n = len(values)
+        if not n:
+            return []
+        eff = [
+            math.log(max(work * (self.passed_weight if kids == 1 else 1.0), 1e-9) / max(share, 1.0))
+            for work, share, kids in values
+        ]
+        lo, hi = min(eff), max(eff)
+        span = max(hi - lo, _MIN_SPAN)
+        recency = [i / (n - 1) if n > 1 else 1.0 for i in range(n)]
+        return [r + self.alpha * (v - lo) / span for r, v in zip(recency, eff, strict=True)]

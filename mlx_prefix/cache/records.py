@@ -7,6 +7,7 @@ without the store. Pure Python (no MLX).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Generic, Protocol, TypeVar
@@ -23,7 +24,27 @@ class CheckpointKind(IntEnum):
     SYSTEM = 4
 
 
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """Memory a payload keeps alive. Several payloads may hold the same buffer (the
+    checkpoints of one prefill share its attention KV); the store counts each once."""
+
+    key: int  # identifies the buffer (`new_buffer_key()`): equal keys, same memory
+    nbytes: int
+
+
+_buffer_keys = itertools.count(1)
+
+
+def new_buffer_key() -> int:
+    """A key no buffer has had before (thread-safe)."""
+    return next(_buffer_keys)
+
+
 class Payload(Protocol):
+    """What the store reads of a payload; one with a `buffers` attribute (a tuple of
+    Buffer, summing to `nbytes`) shares them with others, one without holds its own."""
+
     @property
     def nbytes(self) -> int: ...
     @property
@@ -70,6 +91,7 @@ class EntryInfo:
     idle_s: float  # since the last insert/acquire
     pinned: bool
     refs: int  # current locks
+    shared_bytes: int = 0  # of `nbytes`, in buffers other entries hold too
 
 
 Info = TypeVar("Info")

@@ -15,7 +15,20 @@ Besides `disk_payload`, the only cache module that touches MLX. Why sharing is s
 Memory: a view keeps its whole buffer alive, and a live KVCache's buffer is
 step-padded (up to `KVCache.step - 1` tokens per layer past its offset). So a
 snapshot's `nbytes` counts the buffers it keeps alive, not just the tokens it
-covers: the byte budget holds what is really resident (DESIGN 6).
+covers: the byte budget holds what is really resident (DESIGN 6). Recurrent state
+arrays can be views of a whole chunk's input (Nemotron-H's conv state): they are
+copied down to their own size.
+
+Checkpoints of one prefill share its attention KV (`capture_deferred` + `complete`):
+a view taken mid-prefill would pin that moment's buffer, and the next write would
+copy it (MLX writes in place only into a buffer nothing else references), so every
+checkpoint would hold its own copy of the prefix: memory quadratic in checkpoint
+density. Instead a checkpoint at p captures at once only the layers whose state
+changes in place (recurrent, rotating), and binds its append-only KV layers when
+the prefill ends, to views [:p] of the final buffers. Their first p positions are
+the very bits the cache held at p (appends never rewrite earlier positions; growth
+copies them), so a restore is exact, and all of the prefill's checkpoints hold one
+KV buffer, listed in `buffers` under one key so the store counts it once.
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from mlx_prefix.cache.records import Buffer, new_buffer_key
+
 
 @dataclass(frozen=True, slots=True)
 class LayerSnapshot:
@@ -49,8 +64,20 @@ class Snapshot:
 
     length: int  # tokens the captured cache had processed
     trimmable: bool  # every layer could drop tokens from its end
-    nbytes: int  # bytes of the snapshot's arrays
+    nbytes: int  # bytes it keeps alive (the sum of `buffers`)
     layers: tuple[LayerSnapshot, ...]  # one per model layer
+    buffers: tuple[Buffer, ...] = ()  # what it keeps alive; () = one buffer of its own
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSnapshot:
+    """A checkpoint taken mid-prefill whose append-only KV layers are bound later
+    (`complete`); its other layers are captured."""
+
+    length: int
+    trimmable: bool
+    layers: tuple[LayerSnapshot | None, ...]  # None: an append-only KV layer, bound later
+    nbytes: int  # of the captured layers
 
 
 def capture(cache: list[Any], length: int) -> Snapshot:
@@ -63,13 +90,44 @@ def capture(cache: list[Any], length: int) -> Snapshot:
     layers = tuple(_capture_layer(c, length) for c in cache)
     arrays = _arrays(layers)
     mx.eval(arrays)
+    # The views keep the cache's whole (step-padded) buffers alive.
+    nbytes = max(sum(a.nbytes for a in arrays), cache_nbytes(cache))
     return Snapshot(
         length=length,
         trimmable=is_trimmable(cache),
-        # The views keep the cache's whole (step-padded) buffers alive.
-        nbytes=max(sum(a.nbytes for a in arrays), cache_nbytes(cache)),
+        nbytes=nbytes,
         layers=layers,
+        buffers=(Buffer(new_buffer_key(), nbytes),),
     )
+
+
+def capture_deferred(cache: list[Any], length: int) -> PendingSnapshot:
+    """Capture `cache` after `length` tokens, except its append-only KV layers, which
+    `complete` binds to the buffers the cache holds then. Does not mutate `cache`.
+    The caller must not trim, rewind or replace those layers before `complete`."""
+    layers = tuple(_defer_layer(c, length) for c in cache)
+    arrays = _arrays(layers)
+    mx.eval(arrays)
+    return PendingSnapshot(length, is_trimmable(cache), layers, sum(a.nbytes for a in arrays))
+
+
+def kv_buffer(cache: list[Any]) -> Buffer:
+    """The append-only KV buffers `cache` holds now, as one new Buffer (what the
+    checkpoints `complete`d from it share). Does not mutate."""
+    return Buffer(new_buffer_key(), sum(_append_only_nbytes(c) for c in cache))
+
+
+def complete(pending: PendingSnapshot, cache: list[Any], kv: Buffer) -> Snapshot:
+    """The Snapshot of `pending`: its deferred KV layers become views [:length] of
+    `cache`'s current buffers (described by `kv`, from `kv_buffer(cache)`). Does not
+    mutate `pending` or `cache`."""
+    layers = tuple(
+        _complete_layer(x, c, pending.length) for x, c in zip(pending.layers, cache, strict=True)
+    )
+    mx.eval(_arrays(layers))
+    own = Buffer(new_buffer_key(), pending.nbytes)
+    buffers = (kv, own) if kv.nbytes else (own,)
+    return Snapshot(pending.length, pending.trimmable, kv.nbytes + own.nbytes, layers, buffers)
 
 
 def restore(snapshot: Snapshot, trim: int = 0) -> list[Any]:
@@ -138,10 +196,44 @@ def _capture_layer(c: Any, length: int) -> LayerSnapshot:
         return LayerSnapshot(cls, _kv_state(c, c.offset))
     if isinstance(c, ArraysCache):
         arrays, left_padding, lengths = c.state
-        return LayerSnapshot(
-            cls, (tuple(_view(a) for a in arrays), _view(left_padding), _view(lengths))
-        )
+        # Copied down to their own size when they are views of a larger buffer.
+        own = tuple(mx.contiguous(a) if isinstance(a, mx.array) else a for a in arrays)
+        return LayerSnapshot(cls, (own, _view(left_padding), _view(lengths)))
     return LayerSnapshot(cls, tuple(tree_map(_view, c.state)))
+
+
+# Layers that only ever append: positions below the offset never change once written.
+_APPEND_ONLY = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+
+
+def _append_only(c: Any) -> bool:
+    return type(c) in _APPEND_ONLY and c.keys is not None
+
+
+def _append_only_nbytes(c: Any) -> int:
+    if isinstance(c, CacheList):
+        return sum(_append_only_nbytes(x) for x in c.caches)
+    return c.nbytes if _append_only(c) else 0
+
+
+def _defer_layer(c: Any, length: int) -> LayerSnapshot | None:
+    if isinstance(c, CacheList):
+        children = tuple(_defer_layer(x, length) for x in c.caches)
+        return LayerSnapshot(type(c), (), children)  # type: ignore[arg-type]
+    if _append_only(c):
+        _check_offset(c, length)
+        return None
+    return _capture_layer(c, length)
+
+
+def _complete_layer(x: LayerSnapshot | None, c: Any, length: int) -> LayerSnapshot:
+    if x is None:
+        assert _append_only(c) and c.offset >= length, "deferred KV layer rewound"
+        return LayerSnapshot(type(c), _kv_state(c, length))
+    if x.children:
+        children = zip(x.children, c.caches, strict=True)
+        return LayerSnapshot(x.cls, (), tuple(_complete_layer(y, z, length) for y, z in children))
+    return x
 
 
 def _kv_state(c: Any, n: int) -> tuple[Any, ...]:
@@ -187,9 +279,11 @@ def _restore_layer(layer: LayerSnapshot, trim: int) -> Any:
     return obj
 
 
-def _arrays(layers: tuple[LayerSnapshot, ...]) -> list[mx.array]:
+def _arrays(layers: tuple[LayerSnapshot | None, ...]) -> list[mx.array]:
     out: list[mx.array] = []
     for layer in layers:
+        if layer is None:
+            continue
         out.extend(a for _, a in tree_flatten(list(layer.state)) if isinstance(a, mx.array))
         out.extend(_arrays(layer.children))
     return out

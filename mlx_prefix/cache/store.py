@@ -6,12 +6,14 @@ public method takes the one internal lock (HTTP threads read stats while the
 engine thread matches and inserts).
 
 Which entry goes first when over the limits is the eviction policy's choice
-(`eviction.KindLRU` today); lookup, insertion, pins and the budget are decided here.
+(`eviction.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup,
+insertion, pins and the budget are decided here; the entries and their bookkeeping
+(buffers held, each counted once; work each saves) live in `entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
 - each model key has its own trie; a lookup never crosses model keys (DESIGN 7);
-- stored bytes + active request bytes <= budget, unless every remaining entry is
-  pinned or locked (DESIGN 6);
+- stored bytes (distinct buffers: one prefill's checkpoints share its KV) + active
+  request bytes <= budget, unless every remaining entry is pinned or locked (DESIGN 6);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
 - a reuse always leaves at least one prompt token to compute (DESIGN 3).
 """
@@ -24,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
+from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
+from mlx_prefix.cache.eviction import Candidate, EvictionPolicy, KindLRU
 from mlx_prefix.cache.records import (
+    Buffer,
     CacheMatch,
     CacheStats,
     CheckpointKind,
@@ -34,23 +38,7 @@ from mlx_prefix.cache.records import (
     StoredTokens,
 )
 from mlx_prefix.cache.reuse import best_reuse
-from mlx_prefix.cache.trie import TokenIds, TokenTrie
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    entry_id: int
-    model_key: str
-    tokens: tuple[int, ...]
-    payload: Any
-    kind: CheckpointKind
-    nbytes: int
-    trimmable: bool
-    created: float
-    last_access: float
-    hits: int = 0
-    refs: int = 0  # >0: in use by a running request; never evicted
-    pinned: bool = False  # (model_key, tokens) in the store's pins; kept in step with them
+from mlx_prefix.cache.trie import TokenIds
 
 
 @dataclass(slots=True)
@@ -68,20 +56,19 @@ class PromptCache:
         max_entries: int | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        policy: EvictionPolicy[Entry] | None = None,
     ) -> None:
         assert budget_bytes >= 0
         self.budget_bytes = budget_bytes
         self.max_entries = max_entries
         self._clock = clock
         self._lock = threading.Lock()
-        self._tries: dict[str, TokenTrie[int]] = {}
-        self._entries: dict[int, _Entry] = {}
-        self._policy: EvictionPolicy[_Entry] = KindLRU()
+        self._table = EntryTable()
+        self._entries = self._table.by_id  # read-only alias: the table mutates it
+        self._policy: EvictionPolicy[Entry] = policy if policy is not None else KindLRU()
         self._pins: set[tuple[str, tuple[int, ...]]] = set()
         self._active: dict[str, int] = {}
-        self._bytes = 0
         self._active_bytes = 0
-        self._next_id = 0
         self._counters = _Counters()
 
     # -- lookup ------------------------------------------------------------
@@ -104,7 +91,7 @@ class PromptCache:
         the entry (`acquire` does).
         """
         with self._lock:
-            trie = self._tries.get(model_key, TokenTrie())
+            trie = self._table.trie(model_key)
             found = best_reuse(trie, tokens, align, lambda i: self._entries[i].trimmable)
             if found.value is None:
                 self._counters.misses += record
@@ -118,8 +105,7 @@ class PromptCache:
         against eviction, no recency refresh, no hit counted (payloads are immutable, so
         a caller may keep it past an eviction)."""
         with self._lock:
-            trie = self._tries.get(model_key)
-            entry_id = trie.get(tokens) if trie is not None else None
+            entry_id = self._table.trie(model_key).get(tokens)
             return self._entries[entry_id].payload if entry_id is not None else None
 
     def acquire(self, entry_id: int) -> Any | None:
@@ -165,8 +151,8 @@ class PromptCache:
         if payload.length != len(key):
             raise ValueError(f"payload length {payload.length} != {len(key)} tokens")
         with self._lock:
-            nbytes = int(payload.nbytes)
-            trie = self._tries.setdefault(model_key, TokenTrie())
+            buffers = buffers_of(payload)
+            trie = self._table.trie(model_key)
             dup = trie.get(key)
             if dup is not None:
                 e = self._entries[dup]
@@ -176,9 +162,8 @@ class PromptCache:
                 self._touch(e)
                 return True
             trimmable = bool(payload.trimmable)
-            pinned = (model_key, key) in self._pins
-            redundant: list[_Entry] = []
-            if trimmable and not pinned:
+            redundant: list[Entry] = []
+            if trimmable and (model_key, key) not in self._pins:
                 for ext in trie.extensions(key):
                     other = self._entries[ext.value]
                     if other.trimmable and other.kind >= kind:
@@ -196,22 +181,21 @@ class PromptCache:
                 ]
             # Decide before changing anything: a refused insert must not have dropped the
             # prefixes it would have made redundant, nor evicted entries to no avail.
-            if not self._fits(nbytes, kind, len(key), redundant):
-                if not len(trie):
-                    del self._tries[model_key]
+            parent = self._table.parent_of(model_key, key)
+            new = self._table.candidate(model_key, key, kind, buffers, parent)
+            if not self._fits(new, buffers, redundant):
                 return False
-            now = self._clock()
-            e = _Entry(self._next_id, model_key, key, payload, kind, nbytes, trimmable, now, now)
-            e.pinned = pinned
-            self._next_id += 1
-            trie.insert(key, e.entry_id)
-            self._entries[e.entry_id] = e
+            e = self._table.add(model_key, key, payload, kind, buffers, self._clock(), parent)
+            e.pinned = (model_key, key) in self._pins
             self._policy.add(e)
-            self._bytes += nbytes
             for other in redundant:  # after the insert: the trie never empties on the way
                 self._remove(other)
+            # It fits: what stays besides it (pinned, locked) leaves room. Held while
+            # evicting, since a value policy's ranks move as entries go.
+            e.refs += 1
             self._evict()
-            assert e.entry_id in self._entries, "evicted an entry that fitted"
+            e.refs -= 1
+            assert not self._over_limits() or self._victim() is None, "over budget"
             return True
 
     def pin(self, model_key: str, tokens: Sequence[int]) -> bool:
@@ -223,7 +207,10 @@ class PromptCache:
         key = tuple(tokens)
         with self._lock:
             self._pins.add((model_key, key))
-            return self._sync_pin(model_key, key)
+            entry_id = self._table.trie(model_key).get(key)
+            if entry_id is not None:
+                self._entries[entry_id].pinned = True
+            return entry_id is not None
 
     def unpin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Remove a pin (mutates); may evict. Returns whether it was pinned."""
@@ -233,7 +220,9 @@ class PromptCache:
                 self._pins.remove((model_key, key))
             except KeyError:
                 return False
-            self._sync_pin(model_key, key)
+            entry_id = self._table.trie(model_key).get(tokens)
+            if entry_id is not None:
+                self._entries[entry_id].pinned = False
             self._evict()
             return True
 
@@ -286,6 +275,12 @@ class PromptCache:
             self.budget_bytes = budget_bytes
             self._evict()
 
+    def set_prefill_cost(self, model_key: str, cost: PrefillCost) -> None:
+        """How much prefill work tokens [start, end) of `model_key`'s sequences take
+        (mutates; default: one unit per token). The value policy ranks entries by it."""
+        with self._lock:
+            self._table.set_cost(model_key, cost)
+
     def clear(self, model_key: str | None = None) -> int:
         """Remove every entry (of one model key, or all), pinned ones and their pins
         included; locked entries stay (a running request counts on them). Mutates.
@@ -299,8 +294,8 @@ class PromptCache:
             for e in victims:
                 self._remove(e)
             self._pins = {p for p in self._pins if model_key is not None and p[0] != model_key}
-            for e in self._entries.values():  # the locked ones left
-                e.pinned = e.pinned and model_key is not None and e.model_key != model_key
+            for e in self._entries.values():
+                e.pinned = (e.model_key, e.tokens) in self._pins
             return len(victims)
 
     # -- introspection -----------------------------------------------------
@@ -308,10 +303,8 @@ class PromptCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot of the counters. Does not mutate."""
         with self._lock:
-            by_kind = dict.fromkeys((k.name for k in CheckpointKind), 0)
             counts = dict.fromkeys((k.name for k in CheckpointKind), 0)
             for e in self._entries.values():
-                by_kind[e.kind.name] += e.nbytes
                 counts[e.kind.name] += 1
             c = self._counters
             return CacheStats(
@@ -319,8 +312,8 @@ class PromptCache:
                 misses=c.misses,
                 tokens_reused=c.tokens_reused,
                 entries=len(self._entries),
-                bytes=self._bytes,
-                bytes_by_kind=by_kind,
+                bytes=self._table.resident.total,
+                bytes_by_kind=self._table.bytes_by_kind(),
                 entries_by_kind=counts,
                 active_bytes=self._active_bytes,
                 active_requests=len(self._active),
@@ -351,28 +344,19 @@ class PromptCache:
     def check_integrity(self) -> None:
         """Assert the store's invariants. Does not mutate."""
         with self._lock:
-            assert self._bytes == sum(e.nbytes for e in self._entries.values()), "byte total"
             assert self._active_bytes == sum(self._active.values()), "active byte total"
+            self._table.check_integrity()
             self._policy.check_integrity(self._entries)
-            in_tries = 0
-            for model_key, trie in self._tries.items():
-                trie.check_integrity()
-                for item in trie.items():
-                    e = self._entries.get(item.value)
-                    assert e is not None, "trie points at a missing entry"
-                    assert e.model_key == model_key and e.tokens == item.tokens, "trie/entry key"
-                    in_tries += 1
-            assert in_tries == len(self._entries), "entries missing from the tries"
             for e in self._entries.values():
                 assert e.refs >= 0 and e.nbytes >= 0
                 assert e.payload.length == len(e.tokens)
-                assert e.pinned == ((e.model_key, e.tokens) in self._pins), "pinned flag"
+                assert e.pinned == ((e.model_key, e.tokens) in self._pins), "pin flag"
             if self._over_limits():
                 assert self._victim() is None, "over budget with evictable entries left"
 
     # -- internals (call with the lock held) --------------------------------
 
-    def _info(self, e: _Entry, now: float) -> EntryInfo:
+    def _info(self, e: Entry, now: float) -> EntryInfo:
         return EntryInfo(
             entry_id=e.entry_id,
             model_key=e.model_key,
@@ -385,49 +369,41 @@ class PromptCache:
             idle_s=now - e.last_access,
             pinned=self._pinned(e),
             refs=e.refs,
+            shared_bytes=self._table.shared_bytes(e),
         )
 
-    def _touch(self, e: _Entry) -> None:
+    def _touch(self, e: Entry) -> None:
         e.last_access = self._clock()
         self._policy.touch(e)
 
-    def _pinned(self, e: _Entry) -> bool:
+    def _pinned(self, e: Entry) -> bool:
         # The flag, not a lookup in _pins: hashing a long token tuple per entry, on every
         # listing and eviction check, held the lock for ~50 ms at 500 entries of 5K tokens.
         return e.pinned
 
-    def _sync_pin(self, model_key: str, key: tuple[int, ...]) -> bool:
-        """Set the flag of the entry stored under exactly `key` from the pins; returns
-        whether such an entry is stored."""
-        trie = self._tries.get(model_key)
-        entry_id = trie.get(key) if trie is not None else None
-        if entry_id is None:
-            return False
-        self._entries[entry_id].pinned = (model_key, key) in self._pins
-        return True
-
     def _over_limits(self) -> bool:
-        if self._bytes + self._active_bytes > self.budget_bytes:
+        if self._table.resident.total + self._active_bytes > self.budget_bytes:
             return True
         return self.max_entries is not None and len(self._entries) > self.max_entries
 
-    def _fits(self, nbytes: int, kind: CheckpointKind, length: int, leaving: list[_Entry]) -> bool:
-        """Whether a new entry of `nbytes`, `kind` and `length` tokens would survive
-        eviction once the `leaving` entries are gone: what stays is what the policy
-        evicts after it, plus the pinned and locked entries."""
+    def _fits(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> bool:
+        """Whether `new`, holding `buffers`, would survive eviction once the `leaving`
+        entries are gone: what stays is what the policy evicts after it, plus the
+        pinned and locked entries (buffers they share with it count once)."""
         gone = {e.entry_id for e in leaving}
-        kept_bytes = kept_count = 0
-        for e in self._entries.values():
-            if e.entry_id in gone:
-                continue
-            if e.refs > 0 or self._pinned(e) or self._policy.outlasts(e, kind, nbytes, length):
-                kept_bytes += e.nbytes
-                kept_count += 1
-        if kept_bytes + self._active_bytes + nbytes > self.budget_bytes:
+        outlasting = self._policy.outlasting(new)
+        kept = [
+            e
+            for e in self._entries.values()
+            if e.entry_id not in gone
+            and (e.refs > 0 or self._pinned(e) or e.entry_id in outlasting)
+        ]
+        kept_bytes = self._table.resident.union([buffers, *(e.buffers for e in kept)])
+        if kept_bytes + self._active_bytes > self.budget_bytes:
             return False
-        return self.max_entries is None or kept_count + 1 <= self.max_entries
+        return self.max_entries is None or len(kept) + 1 <= self.max_entries
 
-    def _victim(self) -> _Entry | None:
+    def _victim(self) -> Entry | None:
         return next((e for e in self._policy.order() if e.refs == 0 and not self._pinned(e)), None)
 
     def _evict(self) -> None:
@@ -438,12 +414,7 @@ class PromptCache:
             self._remove(victim)
             self._counters.evictions += 1
 
-    def _remove(self, e: _Entry) -> None:
+    def _remove(self, e: Entry) -> None:
         assert e.refs == 0, "removing a locked entry"
-        trie = self._tries[e.model_key]
-        trie.remove(e.tokens)
-        if not len(trie):
-            del self._tries[e.model_key]
-        del self._entries[e.entry_id]
         self._policy.remove(e)
-        self._bytes -= e.nbytes
+        self._table.remove(e)

@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from mlx_prefix.config import (
+    EVICTION_POLICIES,
     CacheConfig,
     DiskConfig,
     EngineConfig,
@@ -78,7 +79,14 @@ def cache_args(p: argparse.ArgumentParser) -> None:
         "--checkpoint-interval",
         type=int,
         dest="checkpoint_interval",
-        help="periodic checkpoint every N tokens of long prompts (2048)",
+        help="periodic checkpoint every N tokens of long prompts (512)",
+    )
+    p.add_argument(
+        "--cache-eviction",
+        choices=EVICTION_POLICIES,
+        dest="eviction",
+        help="which checkpoint goes first: value (recency + prefill saved per byte; "
+        "default) or kind (fixed kind order, then least recently used)",
     )
     p.add_argument(
         "--no-cache",
@@ -148,7 +156,14 @@ def disk_config(args: argparse.Namespace) -> DiskConfig:
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig:
-    keys = ("enabled", "budget_bytes", "max_entries", "prefill_chunk", "checkpoint_interval")
+    keys = (
+        "enabled",
+        "budget_bytes",
+        "max_entries",
+        "prefill_chunk",
+        "checkpoint_interval",
+        "eviction",
+    )
     return from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
 
 

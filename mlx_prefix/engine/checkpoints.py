@@ -2,8 +2,23 @@
 
 At each grid boundary the Checkpointer decides whether to capture the cache and where
 the snapshot goes: into the memory store (planned checkpoints, prefixes shared with
-waiting requests) and/or the disk queue (positions the disk policy chose, the end of
-prefill included: seed 004's bug was a save there that silently never fired).
+waiting requests, the branch point) and/or the disk queue (positions the disk policy
+chose, the end of prefill included: seed 004's bug was a save there that silently
+never fired).
+
+A cache with recurrent or rotating layers keeps every checkpoint (it can only resume
+from an exact one). Those checkpoints share the prefill's attention KV: each captures
+its other layers at its boundary and is completed, stored and queued for disk when
+the prefill ends or stops between chunks (`finish`; snapshot.py says why this is
+exact). Waiting requests start only after that, so in-flight sharing still finds
+them. Checkpoints of the protected kinds (above LAST_MESSAGE: the system prompt, a
+client's cache breakpoint) are captured whole at once: they outlive the rest, and a
+share of a long prefill's buffer would keep all of it alive for a short prefix.
+
+Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
+past the restored position (an edit, a new question, another tool result), the grid
+point at or before the divergence becomes a checkpoint, so the next request of
+either shape restores there.
 """
 
 from __future__ import annotations
@@ -11,7 +26,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from mlx_prefix.cache.snapshot import Snapshot, capture, restore
+from mlx_prefix.cache.eviction import PROTECTED_ABOVE
+from mlx_prefix.cache.snapshot import (
+    PendingSnapshot,
+    Snapshot,
+    cache_nbytes,
+    capture,
+    capture_deferred,
+    complete,
+    is_trimmable,
+    kv_buffer,
+    restore,
+)
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.runner import always_trimmable
@@ -55,6 +81,14 @@ class SharedPrefixes:
         return {p for p in self.seen.values() if p}
 
 
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    pending: PendingSnapshot
+    kind: CheckpointKind
+    in_memory: bool
+    to_disk: bool
+
+
 @dataclass
 class Checkpointer:
     """The on_boundary callback of one request's prefill (engine thread only)."""
@@ -67,6 +101,7 @@ class Checkpointer:
     shared: SharedPrefixes | None
     disk: DiskTier | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
+    branch: int = 0  # a grid point where the prompt leaves a stored sequence (0: none)
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -74,6 +109,11 @@ class Checkpointer:
         }
         # An all-KV cache needs only its end-of-prompt snapshot: trimming serves the rest.
         self.keep_every_checkpoint = not always_trimmable(self.cache)
+        if self.keep_every_checkpoint and self.reuse < self.branch < len(self.prompt.tokens):
+            self._plan(self.branch, CheckpointKind.LAST_MESSAGE)
+        self._deferred: list[_Deferred] = []
+        self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
+        self.finished = False
         if self.disk is not None:
             # Positions the policy chose that prefill will not reach (restored from memory
             # past them) are persisted from what memory holds (seed 004: a chosen save
@@ -100,15 +140,21 @@ class Checkpointer:
         restored = capture(self.cache, self.reuse)  # views: trim them back to `position`
         return capture(restore(restored, trim=self.reuse - position), position)
 
+    def _plan(self, position: int, kind: CheckpointKind) -> None:
+        self.planned[position] = max(self.planned.get(position, kind), kind)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the captured layers of checkpoints not yet completed."""
+        return sum(d.pending.nbytes for d in self._deferred)
+
     def __call__(self, position: int) -> None:
         tokens = self.prompt.tokens
+        assert not self.finished, "boundary after finish"
         if self.shared is not None:
             for p in self.shared.positions():
                 if p >= position:
-                    self.planned[p] = max(
-                        self.planned.get(p, CheckpointKind.LAST_MESSAGE),
-                        CheckpointKind.LAST_MESSAGE,
-                    )
+                    self._plan(p, CheckpointKind.LAST_MESSAGE)
         kind = self.planned.get(position)
         at_end = position == len(tokens)
         if at_end and kind is None:
@@ -121,10 +167,57 @@ class Checkpointer:
         to_disk = self.disk is not None and position in self.disk_positions
         if not in_memory and not to_disk:
             return
-        snapshot = capture(self.cache, position)
         kind = kind if kind is not None else CheckpointKind.PERIODIC
+        if self.stride and position % self.stride and self._thinnable(kind, to_disk):
+            return
         # An off-grid end (raw completions) is only reusable by trimming back.
-        if in_memory and (not at_end or snapshot.trimmable or position in self.planned):
-            self.store.insert(self.model_key, tokens[:position], snapshot, kind)
+        in_memory = in_memory and (
+            not at_end or position in self.planned or is_trimmable(self.cache)
+        )
+        if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
+            pending = capture_deferred(self.cache, position)
+            self._deferred.append(_Deferred(pending, kind, in_memory, to_disk))
+            self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
+            return
+        self._keep(capture(self.cache, position), kind, in_memory, to_disk)
+
+    def _thin(self, room: int) -> None:
+        """While pending states take more than `room` bytes (a big hybrid's state is
+        ~150 MB), keep periodic checkpoints only at multiples of a doubled stride, so
+        those kept stay evenly spread; later ones off the stride are not taken."""
+        while self.pending_bytes > room:
+            periodic = [d for d in self._deferred if self._thinnable(d.kind, d.to_disk)]
+            if not periodic:
+                return
+            self.stride = 2 * (self.stride or min(d.pending.length for d in periodic))
+            self._deferred = [
+                d
+                for d in self._deferred
+                if not self._thinnable(d.kind, d.to_disk) or d.pending.length % self.stride == 0
+            ]
+
+    @staticmethod
+    def _thinnable(kind: CheckpointKind, to_disk: bool) -> bool:
+        return kind is CheckpointKind.PERIODIC and not to_disk
+
+    def finish(self, *, keep: bool = True) -> None:
+        """The prefill ended, or stopped between chunks: complete the deferred
+        checkpoints from the cache's KV buffers and store / queue them (mutates the
+        store and the disk queue; the cache is not changed). `keep=False` (the prefill
+        failed, the cache may be broken) drops them. Idempotent."""
+        if self.finished:
+            return
+        self.finished = True
+        deferred, self._deferred = self._deferred, []
+        if not keep or not deferred:
+            return
+        kv = kv_buffer(self.cache)
+        for d in deferred:
+            self._keep(complete(d.pending, self.cache, kv), d.kind, d.in_memory, d.to_disk)
+
+    def _keep(self, snapshot: Snapshot, kind: CheckpointKind, in_memory: bool, to_disk: bool):
+        tokens = self.prompt.tokens[: snapshot.length]
+        if in_memory:
+            self.store.insert(self.model_key, tokens, snapshot, kind)
         if to_disk:
-            self.disk.defer(tokens[:position], snapshot, kind)
+            self.disk.defer(tokens, snapshot, kind)

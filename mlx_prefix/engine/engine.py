@@ -29,12 +29,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.disk_index import DiskEntryInfo
+from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
+from mlx_prefix.engine.chat_traffic import ChatTraffic
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
@@ -46,6 +48,7 @@ from mlx_prefix.engine.prefill import PrefillPhase
 from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.engine.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.prompt.tool_calls import ToolSyntax
@@ -78,9 +81,12 @@ class Engine:
         self.config = engine_config or EngineConfig()
         self.planner = PromptPlanner(model.tokenizer, self.cache_config)
         self.store = store or PromptCache(
-            self.cache_config.budget_bytes, self.cache_config.max_entries
+            self.cache_config.budget_bytes,
+            self.cache_config.max_entries,
+            policy=policy_named(self.cache_config.eviction),
         )
         self.model_key = cache_key(model.identity, self.planner.grid)
+        self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
         self.batchable = batchable(fresh_cache)
         self.capacity = self.config.max_running if self.batchable else 1  # decoding at once
@@ -121,6 +127,7 @@ class Engine:
             self._maybe_prefetch,
         )
         self.prefetch = PrefetchStats()
+        self._chat_traffic = ChatTraffic()  # engine thread only
         self._prefetcher = (
             Prefetcher(self.planner, ToolSyntax.of(model.tokenizer), self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled
@@ -399,7 +406,10 @@ class Engine:
     def _maybe_prefetch(self, job: Job, reply: str) -> None:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
             return
-        if wants_prefetch(job.source):
+        # A chat's first turn, known from its client's earlier traffic (chat_traffic.py);
+        # later turns and tool-call turns from the request itself.
+        first_turn = self._chat_traffic.finished(job.source, reply)
+        if first_turn or wants_prefetch(job.source):
             self._prefetcher.submit(job.source, reply, len(job.tokens), job.handle.request_id)
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
@@ -408,7 +418,7 @@ class Engine:
         `waiting_too` (the engine is going away)."""
         event = ErrorEvent(error_message(error))
         if self._prefill.task is not None:
-            self.lifecycle.end(self._prefill.close().job, event)
+            self.lifecycle.end(self._prefill.close(failed=True).job, event)
         for job in self._decode.drop_all():
             self.lifecycle.end(job, event)
         if waiting_too:

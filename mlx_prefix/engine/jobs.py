@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -13,6 +14,9 @@ from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.prompt.boundaries import RenderedPrompt
 from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, SamplingParams, Usage
+
+if TYPE_CHECKING:
+    from mlx_prefix.engine.checkpoints import Checkpointer
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,7 @@ class PrefillTask:
     lease: int | None  # store entry locked while its arrays may still be shared
     steps: Generator[int, None, mx.array]
     started_at: float
+    checkpointer: Checkpointer | None = None  # what this prefill stores (None: no cache)
 
     @property
     def computed(self) -> int:

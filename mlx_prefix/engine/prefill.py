@@ -72,10 +72,13 @@ class PrefillPhase:
         assert self.task is None, "one prefill at a time"
         tokens = job.prompt.tokens
         use_cache = self.uses_cache(job)
-        cache, reuse, lease = None, 0, None
+        cache, reuse, lease, branch = None, 0, None, 0
         try:
             if use_cache:
                 match = self.store.match(self.model_key, tokens, self.align(tokens))
+                # Where the prompt leaves the stored sequences: a checkpoint there serves
+                # the next request of either shape (checkpoints.py).
+                branch = self.planner.grid.align(tokens, min(match.matched_tokens, len(tokens) - 1))
                 if match.entry_id is not None:
                     snapshot = self.store.acquire(match.entry_id)
                     if snapshot is not None:
@@ -95,7 +98,7 @@ class PrefillPhase:
                         )
             if cache is None:
                 cache = make_prompt_cache(self.model.model)
-            checkpointer = self._checkpointer(job, cache, reuse) if use_cache else None
+            checkpointer = self._checkpointer(job, cache, reuse, branch) if use_cache else None
             steps = prefill_steps(
                 self.model.model, cache, tokens, reuse, self.planner.grid, checkpointer or _ignore
             )
@@ -103,7 +106,9 @@ class PrefillPhase:
             if lease is not None:
                 self.store.release(lease)
             raise
-        self.task = PrefillTask(job, cache, reuse, reuse, lease, steps, time.perf_counter())
+        self.task = PrefillTask(
+            job, cache, reuse, reuse, lease, steps, time.perf_counter(), checkpointer
+        )
 
     def step(self) -> mx.array | int:
         """Compute the task's next grid chunk. Returns the tokens computed, or the last
@@ -114,17 +119,24 @@ class PrefillPhase:
         try:
             end = next(task.steps)
         except StopIteration as done:
+            if task.checkpointer is not None:
+                task.checkpointer.finish()  # before decode writes into the cache
             return done.value
         computed, task.position = end - task.position, end
-        self.store.set_active_bytes(self._bytes_key, cache_nbytes(task.cache))
+        pending = task.checkpointer.pending_bytes if task.checkpointer is not None else 0
+        self.store.set_active_bytes(self._bytes_key, cache_nbytes(task.cache) + pending)
         return computed
 
-    def close(self) -> PrefillTask:
-        """End the current task (done, cancelled or failed); returns it."""
+    def close(self, *, failed: bool = False) -> PrefillTask:
+        """End the current task (done, cancelled or `failed`); returns it. A cancelled
+        prefill stores the checkpoints it reached; a failed one (its cache may be
+        broken) only those already stored."""
         task = self.task
         assert task is not None
         self.task = None
         task.steps.close()
+        if task.checkpointer is not None:
+            task.checkpointer.finish(keep=not failed)
         self.store.drop_active(self._bytes_key)
         if task.lease is not None:
             # The request's cache no longer shares the snapshot's arrays once prefill
@@ -146,7 +158,7 @@ class PrefillPhase:
                 self.store.unpin(self.model_key, key)  # nothing there: leave no stray pin
         return pinned
 
-    def _checkpointer(self, job: Job, cache: list, reuse: int) -> Checkpointer:
+    def _checkpointer(self, job: Job, cache: list, reuse: int, branch: int) -> Checkpointer:
         tokens = job.prompt.tokens
         shared = None
         if not always_trimmable(cache):
@@ -167,7 +179,15 @@ class PrefillPhase:
                 self.disk.positions(job.prompt, self.align(tokens), job.cache_pref.scope)
             )
         return Checkpointer(
-            job.prompt, cache, reuse, self.store, self.model_key, shared, self.disk, disk_positions
+            job.prompt,
+            cache,
+            reuse,
+            self.store,
+            self.model_key,
+            shared,
+            self.disk,
+            disk_positions,
+            branch,
         )
 
 

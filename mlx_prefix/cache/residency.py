@@ -1,0 +1,89 @@
+"""Which buffers the stored entries keep alive, each counted once (DESIGN 6).
+
+A payload lists the buffers it holds (`records.Buffer`): the checkpoints of one
+prefill share its attention KV buffer (`snapshot.complete`), so summing the entries'
+sizes would count it once per checkpoint. Here the resident total is the sum over
+distinct buffers; removing an entry frees only the buffers no other entry holds; and
+for ranking (the eviction policy), an entry's share splits each buffer's bytes evenly
+among its holders.
+
+Pure Python (no MLX). Not thread-safe: the store calls it with its lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from mlx_prefix.cache.records import Buffer
+
+
+@dataclass(slots=True)
+class _Held:
+    nbytes: int
+    holders: set[int] = field(default_factory=set)  # entry ids
+
+
+class Residency:
+    def __init__(self) -> None:
+        self._held: dict[int, _Held] = {}  # buffer key -> its size and holders
+        self.total = 0  # bytes of all held buffers, each once
+
+    def add(self, entry_id: int, buffers: Iterable[Buffer]) -> set[int]:
+        """`entry_id` now holds `buffers` (mutates). Returns the ids of every entry whose
+        share changed (the new one included)."""
+        changed = {entry_id}
+        for b in buffers:
+            held = self._held.get(b.key)
+            if held is None:
+                held = self._held[b.key] = _Held(b.nbytes)
+                self.total += b.nbytes
+            assert held.nbytes == b.nbytes, "one buffer key, two sizes"
+            changed |= held.holders
+            held.holders.add(entry_id)
+        return changed
+
+    def remove(self, entry_id: int, buffers: Iterable[Buffer]) -> set[int]:
+        """`entry_id` no longer holds `buffers` (mutates); a buffer nobody holds is
+        freed. Returns the ids of the remaining entries whose share changed."""
+        changed: set[int] = set()
+        for b in buffers:
+            held = self._held[b.key]
+            held.holders.remove(entry_id)
+            if held.holders:
+                changed |= held.holders
+            else:
+                del self._held[b.key]
+                self.total -= held.nbytes
+        return changed
+
+    def share(self, buffers: Iterable[Buffer], joining: bool = False) -> float:
+        """Bytes of `buffers` with each held buffer split among its holders; `joining`:
+        as if one more entry held them (a candidate for insertion). Does not mutate."""
+        total = 0.0
+        for b in buffers:
+            held = self._held.get(b.key)
+            holders = (len(held.holders) if held else 0) + joining
+            total += b.nbytes / max(holders, 1)
+        return total
+
+    def union(self, groups: Iterable[Iterable[Buffer]]) -> int:
+        """Bytes of the distinct buffers among `groups`. Does not mutate."""
+        seen: dict[int, int] = {}
+        for buffers in groups:
+            for b in buffers:
+                seen[b.key] = b.nbytes
+        return sum(seen.values())
+
+    def holders(self, key: int) -> frozenset[int]:
+        held = self._held.get(key)
+        return frozenset(held.holders) if held else frozenset()
+
+    def check_integrity(self, entries: dict[int, tuple[Buffer, ...]]) -> None:
+        """Assert that the held buffers are exactly those of `entries` (id -> buffers)."""
+        expected: dict[int, set[int]] = {}
+        for entry_id, buffers in entries.items():
+            for b in buffers:
+                expected.setdefault(b.key, set()).add(entry_id)
+        assert expected == {k: h.holders for k, h in self._held.items()}, "buffer holders"
+        assert self.total == sum(h.nbytes for h in self._held.values()), "resident total"

@@ -1,0 +1,141 @@
+"""The eviction policies (cache/eviction.py): ValueLRU's order, and a deterministic
+simulation showing it saves more prefill than the kind order on a mixed workload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from cache_sim import DENSE, HYBRID, mixed_workload, simulate
+
+from mlx_prefix.cache.eviction import Candidate, KindLRU, ValueLRU
+from mlx_prefix.cache.records import CheckpointKind
+from mlx_prefix.cache.store import PromptCache
+
+K = CheckpointKind
+GiB = 1 << 30
+
+
+@dataclass(slots=True, eq=False)
+class FakeEntry:
+    entry_id: int
+    kind: CheckpointKind
+    saved_work: float
+    share_bytes: float
+    children: int = 0
+    nbytes: int = 0
+    tokens: tuple[int, ...] = ()
+    last_access: float = 0.0
+
+
+def order(policy, *entries) -> list[int]:
+    for e in entries:  # added least recent first
+        policy.add(e)
+    return [e.entry_id for e in policy.order()]
+
+
+def test_protected_kinds_go_last_in_kind_then_lru_order():
+    protected = sorted((k for k in K if k > K.LAST_MESSAGE), reverse=True)
+    assert K.SYSTEM in protected  # and a client's cache breakpoint kind, when there is one
+    got = order(
+        ValueLRU(),
+        *(FakeEntry(10 + i, k, 1.0, 1e9) for i, k in enumerate(protected)),  # worth little
+        FakeEntry(0, K.PERIODIC, 1e12, 1.0),  # worth the most, still goes first
+        FakeEntry(1, K.LAST_MESSAGE, 1e12, 1.0),
+    )
+    assert set(got[:2]) == {0, 1}
+    assert got[2:] == [10 + i for i in reversed(range(len(protected)))]  # lower kind first
+
+
+def test_less_work_per_byte_goes_first_at_equal_recency_weight():
+    # Entries 0 and 1 are the least recent; 1 saves 1000x more per byte than 0.
+    got = order(
+        ValueLRU(),
+        FakeEntry(0, K.HISTORY, 1.0, 1000.0),
+        FakeEntry(1, K.HISTORY, 1000.0, 1.0),
+        FakeEntry(2, K.HISTORY, 10.0, 10.0),
+    )
+    assert got[0] == 0 and got.index(1) > got.index(0)
+
+
+def test_recency_wins_between_entries_of_similar_value():
+    got = order(
+        ValueLRU(),
+        FakeEntry(0, K.HISTORY, 100.0, 10.0),
+        FakeEntry(1, K.HISTORY, 120.0, 10.0),
+        FakeEntry(2, K.HISTORY, 100.0, 10.0),
+    )
+    assert got == [0, 1, 2]
+    policy = ValueLRU()
+    entries = [FakeEntry(i, K.HISTORY, 100.0, 10.0) for i in range(3)]
+    order(policy, *entries)
+    policy.touch(entries[0])
+    assert [e.entry_id for e in policy.order()] == [1, 2, 0]
+
+
+def test_an_entry_passed_by_a_stored_extension_weighs_less():
+    # Same work and bytes: the one with one stored child (a later checkpoint of the same
+    # path serves every request that continues past it) goes first.
+    got = order(
+        ValueLRU(),
+        FakeEntry(0, K.PERIODIC, 100.0, 10.0, children=0),
+        FakeEntry(1, K.PERIODIC, 100.0, 10.0, children=1),
+        FakeEntry(2, K.PERIODIC, 100.0, 10.0, children=2),  # a branch point
+    )
+    assert got[0] == 1
+
+
+@pytest.mark.parametrize("policy", [KindLRU, ValueLRU])
+def test_outlasting_agrees_with_the_order_for_a_new_entry(policy):
+    p = policy()
+    entries = [FakeEntry(i, K(i % 5), float(10 ** (i % 4)), float(1 + i), i % 3) for i in range(12)]
+    order(p, *entries)
+    new = Candidate(K.HISTORY, 10, 50.0, 5.0)
+    stays = p.outlasting(new)
+    added = FakeEntry(99, new.kind, new.saved_work, new.share_bytes, new.children)
+    p.add(added)
+    ranked = [e.entry_id for e in p.order()]
+    after = set(ranked[ranked.index(99) + 1 :])
+    assert stays == after
+
+
+def test_the_store_ranks_by_work_from_the_longest_stored_prefix():
+    store = PromptCache(10_000, policy=ValueLRU())
+    store.set_prefill_cost("m", lambda a, b: float(b * b - a * a))
+
+    @dataclass(frozen=True)
+    class P:
+        length: int
+        nbytes: int = 10
+        trimmable: bool = False
+
+    tokens = list(range(100))
+    store.insert("m", tokens[:40], P(40), K.PERIODIC)
+    store.insert("m", tokens[:80], P(80), K.PERIODIC)
+    store.insert("m", tokens[:60], P(60), K.PERIODIC)  # between: the parent of 80
+    store.check_integrity()
+    entries = {e.tokens: e for e in store._entries.values()}
+    assert entries[tuple(tokens[:80])].saved_work == 80**2 - 60**2
+    assert entries[tuple(tokens[:60])].saved_work == 60**2 - 40**2
+    assert entries[tuple(tokens[:40])].children == 1
+    store.set_budget(20)  # two go; removing one re-parents the ones after it
+    store.check_integrity()
+
+
+# -- the simulation (tests/cache_sim.py) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model", [DENSE, HYBRID], ids=["dense Qwen3-8B-like", "hybrid Qwen3.5-27B-like"]
+)
+def test_value_eviction_saves_more_prefill_than_the_kind_order(model):
+    requests = mixed_workload(seed=0, requests=240)
+    budget = 4 * GiB  # about 3% (dense) / 10% (hybrid) of what the workload would store
+    by_kind = simulate(model, requests, budget, KindLRU())
+    by_value = simulate(model, requests, budget, ValueLRU())
+    assert by_value.saved_work > 1.02 * by_kind.saved_work, (
+        by_value.saved_share,
+        by_kind.saved_share,
+    )
+    # The same requests, the same prompts: only the eviction order differs.
+    assert by_value.prompt_work == by_kind.prompt_work and by_value.requests == 240

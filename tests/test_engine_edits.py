@@ -1,0 +1,112 @@
+"""A document edited anywhere is reused up to within 512 tokens of the edit (issue 14),
+on the models that can only resume from exact checkpoints: both tiny hybrids and the
+sliding-window model, with the default chunk grid and checkpoint placement.
+
+Each case prefills the original document once, then asks about versions edited at
+10%, 50%, 70% and 95% of it: the restored position must lie within 512 tokens before
+the edit, and the answer must equal a cold run's down to every token's logprob. 16K
+documents are checked against the checkpoint plan (what a hybrid's prefill stores) at
+the same edit points: a cold 16K prefill takes minutes on a CPU box.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from conftest import loaded_test_model
+from engine_helpers import chat, run
+
+from mlx_prefix.config import CacheConfig
+from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.records import SamplingParams
+
+KINDS = ["qwen3_5", "nemotron_h", "sliding"]
+FRACTIONS = (0.10, 0.50, 0.70, 0.95)
+RECOMPUTE = 512  # the most a divergence may recompute before it
+CONFIG = CacheConfig(budget_bytes=1 << 30)  # the default chunk (256) and interval (512)
+EXACT = SamplingParams(max_tokens=2, temperature=0.0, logprobs=True)
+SYSTEM = "You answer questions about the document the user pastes. Be brief."
+QUESTION = "Question: which river does the document mention first?"
+
+_WORDS = {
+    "adj": "quiet old bright narrow green heavy distant simple early careful".split(),
+    "noun": "miller river bridge lantern orchard letter market harbour teacher road".split(),
+    "verb": "crossed painted followed carried watched mended counted opened".split(),
+    "place": "village hill station chapel meadow square wharf garden".split(),
+}
+
+
+def sentences(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        w = {k: rng.choice(v) for k, v in _WORDS.items()}
+        out.append(
+            f"In year {1700 + i} the {w['adj']} {w['noun']} {w['verb']} a "
+            f"{rng.choice(_WORDS['noun'])} by the {w['place']}."
+        )
+    return out
+
+
+def document(planner, target_tokens: int) -> list[str]:
+    """Sentences making a chat prompt of about `target_tokens` tokens."""
+    text = sentences(target_tokens // 10, seed=target_tokens)
+    per = len(planner.plan(prompt(text)).tokens) / len(text)
+    return text[: max(1, int(target_tokens / per))]
+
+
+def prompt(text: list[str]):
+    return chat(("system", SYSTEM), ("user", "Document:\n" + " ".join(text) + "\n\n" + QUESTION))
+
+
+def edited(text: list[str], fraction: float) -> list[str]:
+    i = int(len(text) * fraction)
+    return [*text[:i], "Here a later hand wrote a different line entirely.", *text[i + 1 :]]
+
+
+def divergence(planner, a, b) -> int:
+    ta, tb = planner.plan(a).tokens, planner.plan(b).tokens
+    return next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
+
+
+def check_edits(engine, size: int, fractions: tuple[float, ...]) -> None:
+    engine.model = dataclasses.replace(engine.model, context_length=32768)
+    original = document(engine.planner, size)
+    run(engine, prompt(original), sampling=EXACT)
+    for fraction in fractions:
+        version = prompt(edited(original, fraction))
+        edit = divergence(engine.planner, prompt(original), version)
+        assert abs(edit - fraction * size) < 0.1 * size  # the edit is where it should be
+        warm = run(engine, version, sampling=EXACT)
+        assert edit - RECOMPUTE < warm.usage.cached_tokens <= edit, (fraction, edit)
+        cold = run(engine, version, cache=False, sampling=EXACT)
+        assert cold.usage.cached_tokens == 0
+        assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs), fraction
+    engine.store.check_integrity()
+
+
+@pytest.mark.parametrize("size", [1024, 4096])
+@pytest.mark.parametrize("kind", KINDS)
+def test_edited_document_restores_within_512_tokens_of_the_edit(make_engine, kind, size):
+    check_edits(make_engine(kind, cache_config=CONFIG), size, FRACTIONS)
+
+
+def test_edited_16k_document_restores_within_512_tokens_of_the_edit(make_engine):
+    # One edit point on the fastest hybrid: a cold 16K prefill is the slow part.
+    check_edits(make_engine("nemotron_h", cache_config=CONFIG), 16384, (0.95,))
+
+
+@pytest.mark.parametrize("size", [1024, 4096, 16384])
+def test_the_plan_puts_a_checkpoint_within_512_tokens_of_any_edit(size):
+    planner = PromptPlanner(loaded_test_model("qwen3_5").tokenizer, CONFIG)
+    original = document(planner, size)
+    positions = sorted(c.position for c in planner.plan(prompt(original)).checkpoints)
+    for fraction in FRACTIONS:
+        edit = divergence(planner, prompt(original), prompt(edited(original, fraction)))
+        below = max(p for p in positions if p <= edit)
+        assert edit - RECOMPUTE < below, (fraction, edit, below)
+    # ... and between any two consecutive checkpoints there are at most 512 tokens.
+    gaps = [b - a for a, b in zip([0, *positions], positions, strict=False)]
+    assert max(gaps) <= RECOMPUTE
