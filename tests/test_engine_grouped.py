@@ -75,9 +75,9 @@ def test_side_by_side_prefill_equals_alone_bit_for_bit(kind, monkeypatch):
 
     def counting():
         stacked.append(1)
-        return rowwise.rowwise()
+        return rowwise.batched()
 
-    monkeypatch.setattr(runner, "rowwise", counting)
+    monkeypatch.setattr(runner, "batched", counting)
     # Cold: equal first chunks (grouped), then chunks of different lengths (alone).
     prompts = _prompts(3, 40, [30, 30, 9])
     together, caches = _together(model, prompts)

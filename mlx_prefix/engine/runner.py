@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
-from mlx_prefix.engine.rowwise import rowwise
+from mlx_prefix.engine.rowwise import batched
 from mlx_prefix.prompt.grid import ChunkGrid
 
 # Layers whose state can always be trimmed back to any earlier position.
@@ -95,7 +95,7 @@ def compute_chunks(
             type(layer).merge([works[i].cache[n] for i in members]) for n, layer in enumerate(first)
         ]
         inputs = mx.array([list(works[i].tokens[works[i].start : works[i].end]) for i in members])
-        with rowwise():
+        with batched():
             out = model(inputs, cache=merged)  # [B, L, V]
         for row, i in enumerate(members):
             works[i].cache[:] = [layer.extract(row) for layer in merged]
