@@ -88,14 +88,25 @@ class EngineConfig:
     # until this many tokens, at least one chunk. Higher: more throughput when many short
     # prompts arrive together; lower: steadier token pace for requests already decoding.
     prefill_tokens_per_step: int = 256
+    # Requests prefilling at once (their next grid chunks computed in one step; chunks of
+    # equal shape in one stacked forward: engine/runner.py).
+    max_prefilling: int = 4
+    # Target time between two tokens of a running request while others prefill: the
+    # prefill share of a step is sized from measured cost to fit (engine/pace.py), but
+    # at least one grid chunk runs.
+    decode_latency_s: float = 0.25
     # Next-turn prefetch (engine/prefetch.py): once idle this long after a reply, prefill
     # that reply again on the chunk grid so the next turn restores the whole history.
     prefetch_next_turn: bool = True
     prefetch_delay_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if min(self.max_running, self.prefill_tokens_per_step) < 1 or self.max_queued < 0:
-            raise ValueError("max_running and prefill_tokens_per_step must be at least 1")
+        if min(self.max_running, self.prefill_tokens_per_step, self.max_prefilling) < 1:
+            raise ValueError(
+                "max_running, prefill_tokens_per_step and max_prefilling must be at least 1"
+            )
+        if self.max_queued < 0 or self.decode_latency_s <= 0:
+            raise ValueError("max_queued must be >= 0 and decode_latency_s > 0")
 
 
 _BYTE_UNITS = {

@@ -83,10 +83,46 @@ def test_six_concurrent_requests_sharing_an_instruction_sent_twice(make_engine, 
                     assert c >= shared > 300
         else:
             assert all(c >= len(first_tokens) // 2 for c in cached)
-    if kind == "sliding":
-        assert engine.peak_batch == 1  # rotating caches decode alone, by design
-    else:
-        assert engine.peak_batch >= 4
+    assert engine.peak_batch >= 4  # rotating caches too (TemporalBatchRotatingKVCache)
+    engine.store.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h", "sliding"])
+def test_batched_prefill_and_decode_give_alone_logprobs_bit_for_bit(make_engine, kind):
+    """Requests prefilled side by side (equal-shape chunks stacked) and decoded together
+    give every token's logprob of the same request run alone and cold: batching never
+    changes the numbers, and neither does a cache hit under batching."""
+    engine = make_engine(kind, cache_config=NO_PERIODIC)
+    # Equal-length user messages: after the shared instruction their chunks match in
+    # shape, so they are computed in stacked forwards.
+    candidates = [
+        chat(("user", INSTRUCTION + "\n\n" + " ".join(WORDS[(i + k) % 12] for k in range(40))))
+        for i in range(12)
+    ]
+    by_length: dict[int, list] = {}
+    for p in candidates:
+        by_length.setdefault(len(engine.plan(p).tokens), []).append(p)
+    prompts = max(by_length.values(), key=len)[:5]
+    assert len(prompts) >= 3
+    exact = SamplingParams(max_tokens=8, logprobs=True)
+    alone = [run(engine, p, cache=False, sampling=exact) for p in prompts]
+    for burst in range(2):
+        handles = [engine.submit(p, exact, CachePreference()) for p in prompts]
+        for handle, expected in zip(handles, alone, strict=True):
+            tokens, logprobs, done = [], [], None
+            for event in handle.events(timeout=300):
+                if isinstance(event, TokenEvent) and event.token is not None:
+                    tokens.append(event.token)
+                    logprobs.append(event.logprob)
+                elif isinstance(event, ErrorEvent):
+                    raise AssertionError(event.message)
+                elif isinstance(event, DoneEvent):
+                    done = event
+            assert tokens == expected.tokens, "batching changed an answer"
+            assert logprobs == expected.logprobs, "batching changed the numbers"
+            assert burst == 0 or done.usage.cached_tokens > 300  # the second burst hits
+    assert engine._prefill.peak_tasks >= 2 and engine.peak_batch >= 2
+    assert engine._prefill.stacked > 0  # chunks were stacked
     engine.store.check_integrity()
 
 

@@ -112,6 +112,18 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="prefill tokens computed between two decode steps (default 256)",
     )
     p.add_argument(
+        "--max-prefilling",
+        type=int,
+        help="requests prefilling at once (default 4)",
+    )
+    p.add_argument(
+        "--decode-latency",
+        type=float,
+        dest="decode_latency_s",
+        help="target seconds between two tokens of a running request while others "
+        "prefill (default 0.25; at least one prefill chunk runs)",
+    )
+    p.add_argument(
         "--no-prefetch",
         action="store_false",
         dest="prefetch_next_turn",
@@ -168,7 +180,14 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    keys = ("max_running", "max_queued", "prefill_tokens_per_step", "prefetch_next_turn")
+    keys = (
+        "max_running",
+        "max_queued",
+        "prefill_tokens_per_step",
+        "max_prefilling",
+        "decode_latency_s",
+        "prefetch_next_turn",
+    )
     return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
 
 

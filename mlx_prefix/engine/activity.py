@@ -1,7 +1,7 @@
 """What the engine is doing, for any thread to read: requests waiting, prefilling and
 decoding, warm-ups and background prefetches.
 
-The waiting list, the prefill task and the decode batch belong to the engine thread
+The waiting list, the prefill tasks and the decode batch belong to the engine thread
 (DESIGN 1). Once per turn of its loop the engine thread publishes an immutable
 `Activity` built from them; readers (the dashboard, in HTTP threads) only ever read the
 last one published, so they never touch the engine's own records nor wait for it. A
@@ -54,18 +54,19 @@ class ActivityBoard:
         return self._current
 
     def publish(
-        self, waiting: Iterable[Job], prefilling: PrefillTask | None, decoding: Iterable[Running]
+        self,
+        waiting: Iterable[Job],
+        prefilling: Iterable[PrefillTask],
+        decoding: Iterable[Running],
+        capacity: int,
     ) -> None:
-        jobs: list[JobView] = []
-        if prefilling is not None:
-            t = prefilling
-            jobs.append(_view(t.job, "prefilling", t.reuse, t.computed, 0))
+        jobs = [_view(t.job, "prefilling", t.reuse, t.computed, 0) for t in prefilling]
         jobs += [
             _view(r.job, "decoding", r.reuse, len(r.job.tokens) - r.reuse, r.count)
             for r in decoding
         ]
         jobs += [_view(j, "queued", 0, 0, 0) for j in waiting if not j.ended]
-        self._current = Activity(tuple(jobs), self._current.capacity, time.perf_counter())
+        self._current = Activity(tuple(jobs), capacity, time.perf_counter())
 
 
 def _view(job: Job, state: State, cached: int, computed: int, generated: int) -> JobView:

@@ -2,10 +2,14 @@
 
 mlx-lm's batch caches (BatchKVCache, ArraysCache, CacheList, ...) left-pad shorter
 sequences and mask the padding. Measured here, a batched decode step then gives
-bit-identical logits to the same sequence decoding alone for attention and recurrent
-layers; a rotating (sliding-window) cache's padding does not (differences ~4e-6), so
-models with one decode alone to keep "a hit never changes the answer" - and
-"batched never changes the answer" - true.
+bit-identical logits to the same sequence decoding alone (a batch of one) for attention
+and recurrent layers. mlx-lm's BatchRotatingKVCache does not: it writes each token in
+place at one ring index shared by all rows, and re-linearizes rows when another joins,
+so a row's keys sit in an order that depends on its neighbours, and attention sums them
+in that order (measured: differences from the first step for a row shorter than the
+window, ~1e-6). Sliding-window layers therefore use TemporalBatchRotatingKVCache: every
+row's window kept in temporal order (oldest key dropped, newest appended, shorter rows
+left-padded and masked), which is what a row decoding alone computes.
 """
 
 from __future__ import annotations
@@ -16,10 +20,32 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList, RotatingKVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, RotatingKVCache
 
 from mlx_prefix.cache.snapshot import cache_nbytes
+from mlx_prefix.engine.rowwise import batched
 from mlx_prefix.engine.sampling import TokenSampler, normalize, top_logprobs
+
+
+class TemporalBatchRotatingKVCache(BatchRotatingKVCache):
+    """A batch of sliding-window caches whose rows stay in temporal order at every
+    decode step, whatever the other rows do (see the module docstring)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # The concat path keeps temporal order: for one new token it drops the oldest
+        # key once the window is full, so the buffer is exactly the attended window.
+        return self._update_concat(keys, values)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if N > 1:
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        # [B, 1, 1, T]: after this step's write the buffer holds T keys, all inside the
+        # window; only each row's left padding is masked.
+        held = self._idx if self.keys is not None else 0
+        trim = max(0, held + 1 - self.max_size)
+        length = held + 1 - trim
+        left_padding = self.left_padding - trim
+        return mx.arange(length)[None] >= mx.expand_dims(left_padding, (1, 2, 3))
 
 
 def batchable(cache: list) -> bool:
@@ -27,8 +53,8 @@ def batchable(cache: list) -> bool:
 
     def ok(c: Any) -> bool:
         if isinstance(c, CacheList):
-            return all(ok(child) for child in c.caches)
-        return not isinstance(c, RotatingKVCache) and hasattr(c, "merge")
+            return all(ok(child) and not isinstance(child, RotatingKVCache) for child in c.caches)
+        return hasattr(c, "merge")
 
     return all(ok(c) for c in cache)
 
@@ -43,22 +69,40 @@ class RowSample:
     top_values: list[float]  # their logprobs
 
 
-class DecodeBatch:
-    """Rows in insertion order; row i belongs to `members[i]`. Engine thread only."""
+def _tokens_in(cache: list) -> int:
+    """Tokens a sequence's cache holds (a sliding window's total, not its window)."""
+    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+    return max(offsets, default=0)
 
-    def __init__(self, model: nn.Module):
+
+def _batch_of_one(c: Any) -> Any:
+    if isinstance(c, RotatingKVCache):
+        return TemporalBatchRotatingKVCache.merge([c])
+    return type(c).merge([c])
+
+
+class DecodeBatch:
+    """Rows in insertion order; row i belongs to `members[i]`. Engine thread only.
+
+    A step runs batch-invariant (engine/rowwise.py): projections in groups of at most
+    `rows` rows, attention per row over its own keys, so each row's numbers are those
+    of the same request decoding alone."""
+
+    def __init__(self, model: nn.Module, rows: int = 1):
         self.model = model
+        self.rows = rows  # rows one matmul may hold and still compute each like alone
         self.cache: list = []
         self.members: list[Any] = []
         self._samplers: list[TokenSampler] = []
         self._inputs: list[int] = []  # next input token per row
+        self._lengths: list[int] = []  # tokens in each row's cache
 
     def __len__(self) -> int:
         return len(self.members)
 
     def add(self, member: Any, cache: list, sampler: TokenSampler, first_token: int) -> None:
         """Join a sequence whose prompt is fully in `cache`; its next input is first_token."""
-        single = [type(c).merge([c]) for c in cache]
+        single = [_batch_of_one(c) for c in cache]
         if not self.cache:
             self.cache = single
         else:
@@ -67,6 +111,7 @@ class DecodeBatch:
         self.members.append(member)
         self._samplers.append(sampler)
         self._inputs.append(first_token)
+        self._lengths.append(_tokens_in(cache))
 
     def remove(self, members: Sequence[Any]) -> None:
         gone = {id(m) for m in members}
@@ -75,18 +120,23 @@ class DecodeBatch:
             return
         if not keep:
             self.cache, self.members, self._samplers, self._inputs = [], [], [], []
+            self._lengths = []
             return
         for c in self.cache:
             c.filter(keep)
         self.members = [self.members[i] for i in keep]
         self._samplers = [self._samplers[i] for i in keep]
         self._inputs = [self._inputs[i] for i in keep]
+        self._lengths = [self._lengths[i] for i in keep]
 
     def step(self, want_logprobs: bool = False, top_n: int = 0) -> list[RowSample]:
         """One decode step for every row. Logprobs (and the `top_n` most likely tokens)
         only when asked: computed with the tokens, in the same evaluation."""
         inputs = mx.array(self._inputs)[:, None]  # [B, 1]
-        logprobs = normalize(self.model(inputs, cache=self.cache)[:, -1, :])  # [B, V]
+        self._lengths = [n + 1 for n in self._lengths]
+        with batched(self.rows, self._lengths):
+            logits = self.model(inputs, cache=self.cache)[:, -1, :]
+        logprobs = normalize(logits)  # [B, V]
         tokens = mx.concatenate(
             [s(logprobs[i : i + 1]) for i, s in enumerate(self._samplers)]
         )  # [B]

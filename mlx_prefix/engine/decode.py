@@ -28,17 +28,19 @@ class DecodePhase:
     def __init__(
         self,
         model: LoadedModel,
+        rows: int,
         store: PromptCache,
         bytes_key: str,
         end: Callable[[Job, DoneEvent], None],
         on_reply: Callable[[Job, str], None],
     ):
         self.model = model
+        self.rows = rows  # decode rows one matmul may hold (engine/rowwise.py)
         self.store = store
         self._bytes_key = bytes_key  # this engine's batch bytes in the store's budget
         self._end = end  # sends a job's final event
         self._on_reply = on_reply  # a request finished with this reply (not cancelled)
-        self.batch = DecodeBatch(model.model)
+        self.batch = DecodeBatch(model.model, rows)
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
 
@@ -47,6 +49,12 @@ class DecodePhase:
 
     def running(self) -> list[Running]:
         return list(self.batch.members)
+
+    def set_rows(self, rows: int) -> None:
+        """Decode rows one matmul may hold (engine/rowwise.py); before any request runs."""
+        assert not len(self.batch)
+        self.rows = rows
+        self.batch = DecodeBatch(self.model.model, rows)
 
     def admit(self, task: PrefillTask, logits: mx.array, limit: int) -> None:
         """Sample the first token from the prefill `logits` [1, V]; the request joins the
@@ -99,7 +107,7 @@ class DecodePhase:
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
         jobs = [r.job for r in self.batch.members]
-        self.batch = DecodeBatch(self.model.model)
+        self.batch = DecodeBatch(self.model.model, self.rows)
         self.store.drop_active(self._bytes_key)
         return jobs
 

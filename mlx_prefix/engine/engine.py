@@ -33,6 +33,7 @@ from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
+from mlx_prefix.engine import rowwise
 from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
@@ -43,8 +44,10 @@ from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
 from mlx_prefix.engine.keys import cache_key
 from mlx_prefix.engine.lifecycle import Lifecycle, error_message
+from mlx_prefix.engine.pace import Pace
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
 from mlx_prefix.engine.prefill import PrefillPhase
+from mlx_prefix.engine.probe import probe
 from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.engine.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
@@ -88,8 +91,8 @@ class Engine:
         self.model_key = cache_key(model.identity, self.planner.grid)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
-        self.batchable = batchable(fresh_cache)
-        self.capacity = self.config.max_running if self.batchable else 1  # decoding at once
+        self.batchable = batchable(fresh_cache)  # until the engine thread's probe says more
+        self.capacity = 1  # requests decoding at once: set by `_calibrate`
         # A server-wide scope of "off" disables the tier: no folder, no files, and no
         # per-request scope can turn it back on.
         self.disk = (
@@ -121,11 +124,13 @@ class Engine:
         )
         self._decode = DecodePhase(
             model,
+            1,
             self.store,
             f"engine-{id(self):x}-batch",
             self.lifecycle.end,
             self._maybe_prefetch,
         )
+        self._pace = Pace(self.config)
         self.prefetch = PrefetchStats()
         self._chat_traffic = ChatTraffic()  # engine thread only
         self._prefetcher = (
@@ -275,8 +280,22 @@ class Engine:
             log.warning("the engine thread is still busy; %d queued disk save(s) lost", pending)
 
     # -- engine thread -------------------------------------------------------------
+    def _calibrate(self) -> None:
+        """Make batched forwards batch-invariant (engine/rowwise.py) and check it on this
+        model and backend (engine/probe.py); what does not hold runs alone. Requests
+        submitted meanwhile wait in the inbox."""
+        model = self.model.model
+        rowwise.install(model)
+        rows = rowwise.consistent_rows(model)
+        checked = probe(model, rows, self.model.tokenizer.vocab_size)
+        self.batchable = self.batchable and checked.batched_decode
+        self._prefill.group = checked.stacked_prefill
+        self._decode.set_rows(rows)
+        self.capacity = self.config.max_running if self.batchable else 1
+
     def _loop(self) -> None:
         try:
+            self._calibrate()
             self._run_until_closed()
         finally:
             # Normally nothing is left; if the loop itself died, no request may wait forever.
@@ -291,7 +310,7 @@ class Engine:
 
     def _run_until_closed(self) -> None:
         while True:
-            idle = not (self._waiting.has_requests() or self._prefill.task or len(self._decode))
+            idle = not (self._waiting.has_requests() or self._prefill.tasks or len(self._decode))
             saving = self.disk is not None and self.disk.pending > 0
             if saving and self._abandon_saves:
                 self.disk.drop_pending("the shutdown's time for disk saves ran out")
@@ -307,21 +326,25 @@ class Engine:
             except Exception as e:  # a bug in one request must not stop the engine
                 log.exception("engine step failed")
                 self._fail_all(e)
-            self._board.publish(self._waiting, self._prefill.task, self._decode.running())
+            self._board.publish(
+                self._waiting, self._prefill.tasks, self._decode.running(), self.capacity
+            )
 
     def _step(self) -> None:
-        """Prefill up to `prefill_tokens_per_step` tokens (one request after another,
-        each on its own grid), then one decode step for every running request."""
+        """Prefill: the next grid chunks of the prefilling requests (each on its own grid,
+        equal-shape chunks stacked), as many tokens as fit between two decode steps; then
+        one decode step for every running request."""
         self._schedule()
-        budget = self.config.prefill_tokens_per_step
-        while self._prefill.task is not None and budget > 0:
-            budget -= self._prefill_step()
+        if self._prefill.tasks:
+            self._prefill_step(self._pace.prefill_budget(len(self._decode)))
             # Requests that arrived meanwhile are visible to in-flight sharing at the
-            # next chunk boundary, and can start right after this prefill.
+            # next chunk boundary, and can start right after.
             self._take_inbox(block=False)
             self._schedule()
         if len(self._decode):
+            started = time.perf_counter()
             self._decode.step(self._stopping)
+            self._pace.decoded(time.perf_counter() - started)
 
     def _take_inbox(self, block: bool, timeout: float | None = None) -> None:
         """Move submitted jobs into the waiting list (waiting up to `timeout` for one
@@ -337,25 +360,32 @@ class Engine:
         gone = self._waiting.take_if(lambda j: j.handle.cancelled.is_set() or self._stopping)
         for job in gone:
             self.lifecycle.end(job, cancelled(job))
-        if self._prefill.task is not None:
-            self._preempt_background(self._prefill.task)
-            return
-        if not len(self._waiting) or len(self._decode) >= self.capacity:
-            return
-        job = self._waiting.next_request(self._prefill.peek_reuse, self.config.max_passovers)
-        if job is not None:
-            for bg in self._waiting.superseded_by(job):
-                self.lifecycle.end(bg, cancelled(bg))
-        else:
-            job = self._waiting.ready_background(decoding=len(self._decode) > 0)
-            if job is None:
-                return
-            self.prefetch.started += 1
-        try:
-            self._prefill.start(job)
-        except Exception as e:
-            log.exception("%s: could not start", job.handle.request_id)
-            self.lifecycle.end(job, ErrorEvent(error_message(e)))
+        for task in list(self._prefill.tasks):
+            self._preempt_background(task)
+        while len(self._waiting) and self._room():
+            startable = lambda j: not self._prefill.waits_for_sharing(j)  # noqa: E731
+            job = self._waiting.next_request(
+                self._prefill.peek_reuse, self.config.max_passovers, startable
+            )
+            if job is not None:
+                for bg in self._waiting.superseded_by(job):
+                    self.lifecycle.end(bg, cancelled(bg))
+            else:
+                busy = len(self._decode) > 0 or bool(self._prefill.tasks)
+                job = self._waiting.ready_background(decoding=busy)
+                if job is None:
+                    return
+                self.prefetch.started += 1
+            try:
+                self._prefill.start(job)
+            except Exception as e:
+                log.exception("%s: could not start", job.handle.request_id)
+                self.lifecycle.end(job, ErrorEvent(error_message(e)))
+
+    def _room(self) -> bool:
+        """Whether another request may start prefilling: it will join the decode batch."""
+        busy = len(self._decode) + len(self._prefill.tasks)
+        return busy < self.capacity and len(self._prefill.tasks) < self.config.max_prefilling
 
     def _preempt_background(self, task: PrefillTask) -> None:
         """A background prefill gives way to any waiting request that does not extend its
@@ -363,35 +393,34 @@ class Engine:
         if task.job.background and (self._closing or self._waiting.preempts(task.job.tokens)):
             self.prefetch.cancelled += 1
             self.prefetch.tokens += task.computed
-            self._prefill.close()
+            self._prefill.close(task)
             self.lifecycle.end(task.job, cancelled(task.job))
 
-    def _prefill_step(self) -> int:
-        """Advance the prefilling request by one grid chunk; returns the tokens computed."""
-        task = self._prefill.task
-        assert task is not None
-        if task.job.handle.cancelled.is_set() or self._stopping:
-            self._prefill.close()
-            self.lifecycle.end(task.job, cancelled(task.job, task.reuse))
-            return 0
-        out = self._prefill.step()
-        if isinstance(out, int):
-            return out
-        self._finish_prefill(task, out)
-        return 0
+    def _prefill_step(self, budget: int) -> None:
+        """Advance the prefilling requests by up to `budget` tokens of grid chunks."""
+        for task in list(self._prefill.tasks):
+            if task.job.handle.cancelled.is_set() or self._stopping:
+                self._prefill.close(task)
+                self.lifecycle.end(task.job, cancelled(task.job, task.reuse))
+        if not self._prefill.tasks:
+            return
+        step = self._prefill.step(budget)
+        self._pace.prefilled(step.tokens, step.seconds)
+        for task, logits in step.finished:
+            self._finish_prefill(task, logits)
 
     def _finish_prefill(self, task: PrefillTask, logits: mx.array) -> None:
         """The prompt is in the cache: join the decode batch, or complete a warm-up or
-        a prefetch. The task stays current until the request is in the batch, so an
+        a prefetch. The task stays listed until the request is in the batch, so an
         error on the way still reaches it (`_fail_all`)."""
         job = task.job
         if job.background:
             self.prefetch.completed += 1
             self.prefetch.tokens += task.computed
-            self._prefill.close()
+            self._prefill.close(task)
         elif job.warm is not None:
             pinned = self._prefill.pin_checkpoints(job) if job.pin else False
-            self._prefill.close()
+            self._prefill.close(task)
             if not job.warm.done():  # a caller may have cancelled the future itself
                 job.warm.set_result(WarmResult(len(job.tokens), task.reuse, pinned))
         else:
@@ -399,7 +428,7 @@ class Engine:
             if self.model.context_length is not None:  # the reply is cut at the context's end
                 limit = min(limit, self.model.context_length - len(job.tokens))
             self._decode.admit(task, logits, limit)
-            self._prefill.close()
+            self._prefill.close(task)
             return
         self.lifecycle.finished(job)
 
@@ -417,8 +446,8 @@ class Engine:
         their state may be inconsistent. Waiting requests are unaffected unless
         `waiting_too` (the engine is going away)."""
         event = ErrorEvent(error_message(error))
-        if self._prefill.task is not None:
-            self.lifecycle.end(self._prefill.close(failed=True).job, event)
+        for task in list(self._prefill.tasks):
+            self.lifecycle.end(self._prefill.close(task, failed=True).job, event)
         for job in self._decode.drop_all():
             self.lifecycle.end(job, event)
         if waiting_too:

@@ -3,14 +3,12 @@ decoding (Running). Engine thread only, except where a field says otherwise."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import mlx.core as mx
-
 from mlx_prefix.engine.handle import RequestHandle
+from mlx_prefix.engine.runner import PrefillCursor
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.prompt.boundaries import RenderedPrompt
 from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, SamplingParams, Usage
@@ -58,16 +56,25 @@ class Job:
 
 @dataclass(slots=True)
 class PrefillTask:
-    """The one request being prefilled."""
+    """A request being prefilled (several may be at once, each on its own grid)."""
 
     job: Job
-    cache: list
+    cache: list  # updated in place chunk by chunk (the Checkpointer holds the same list)
     reuse: int  # prompt tokens restored from the cache
-    position: int  # prompt tokens in `cache` so far
     lease: int | None  # store entry locked while its arrays may still be shared
-    steps: Generator[int, None, mx.array]
+    cursor: PrefillCursor
     started_at: float
+    bytes_key: str  # its cache's bytes in the store's budget
     checkpointer: Checkpointer | None = None  # what this prefill stores (None: no cache)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.job.prompt.tokens
+
+    @property
+    def position(self) -> int:
+        """Prompt tokens in `cache` so far."""
+        return self.cursor.position
 
     @property
     def computed(self) -> int:

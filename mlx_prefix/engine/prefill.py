@@ -1,16 +1,20 @@
-"""The prefill phase: the request being prefilled, from its cache match to its logits.
+"""The prefill phase: the requests being prefilled, from their cache match to their logits.
 
 Start: match the longest usable cached prefix in memory (or on disk when that gives
 more), restore it (shared arrays, the entry locked while they may be shared), and plan
-the checkpoints this prefill leaves behind. Step: one grid chunk at a time, exactly the
-chunks a cold run computes. The prefilling request's cache counts against the store's
-byte budget (DESIGN 6). Engine thread only.
+the checkpoints this prefill leaves behind (a Checkpointer per request, at its own
+offsets: DESIGN 5). Step: the next grid chunk of several requests, exactly the chunks a
+cold run of each computes, evaluated together (engine/runner.py). Each prefilling
+request's cache counts against the store's byte budget (DESIGN 6). Engine thread only.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -21,9 +25,18 @@ from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.jobs import Job, PrefillTask
-from mlx_prefix.engine.runner import always_trimmable, prefill_steps
+from mlx_prefix.engine.runner import ChunkWork, PrefillCursor, always_trimmable, compute_chunks
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
+
+
+@dataclass(slots=True)
+class PrefillStep:
+    """What one prefill step did."""
+
+    tokens: int = 0  # prompt tokens computed
+    seconds: float = 0.0
+    finished: list[tuple[PrefillTask, mx.array]] = field(default_factory=list)  # + logits [1, V]
 
 
 class PrefillPhase:
@@ -48,7 +61,11 @@ class PrefillPhase:
         self.config = config
         self._waiting = waiting  # the jobs waiting to start (in-flight sharing looks at them)
         self._bytes_key = bytes_key  # this engine's prefill bytes in the store's budget
-        self.task: PrefillTask | None = None
+        self._serial = itertools.count()
+        self.tasks: list[PrefillTask] = []  # oldest first
+        self.group = True  # stack equal-shape chunks (engine/rowwise.py; the probe may say no)
+        self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
+        self.stacked = 0  # chunks computed in a stacked forward with others
 
     def uses_cache(self, job: Job) -> bool:
         return self.cache_config.enabled and job.cache_pref.enabled
@@ -67,9 +84,24 @@ class PrefillPhase:
     def disk_on(self, job: Job) -> bool:
         return self.disk is not None and not self.disk.is_off(job.cache_pref.scope)
 
+    def waits_for_sharing(self, job: Job) -> bool:
+        """Whether `job` should wait for a prefilling request to store a prefix they share
+        (in-flight sharing): computing it twice side by side would waste the work."""
+        if not self.uses_cache(job):
+            return False
+        tokens = job.prompt.tokens
+        for task in self.tasks:
+            if not self.uses_cache(task.job):
+                continue
+            other = task.job.prompt.tokens
+            limit = min(common_prefix_length(tokens, other), len(tokens) - 1, len(other) - 1)
+            shared = self.planner.grid.align(tokens, limit)
+            if shared >= self.config.share_min_tokens and shared > self.peek_reuse(job):
+                return True
+        return False
+
     def start(self, job: Job) -> None:
-        """Restore the longest usable cached prefix and make `job` the prefilling task."""
-        assert self.task is None, "one prefill at a time"
+        """Restore the longest usable cached prefix and add `job` to the prefilling tasks."""
         tokens = job.prompt.tokens
         use_cache = self.uses_cache(job)
         cache, reuse, lease, branch = None, 0, None, 0
@@ -99,45 +131,66 @@ class PrefillPhase:
             if cache is None:
                 cache = make_prompt_cache(self.model.model)
             checkpointer = self._checkpointer(job, cache, reuse, branch) if use_cache else None
-            steps = prefill_steps(
-                self.model.model, cache, tokens, reuse, self.planner.grid, checkpointer or _ignore
-            )
+            cursor = PrefillCursor(tokens, reuse, self.planner.grid)
         except BaseException:
             if lease is not None:
                 self.store.release(lease)
             raise
-        self.task = PrefillTask(
-            job, cache, reuse, reuse, lease, steps, time.perf_counter(), checkpointer
-        )
+        bytes_key = f"task{next(self._serial)}/{self._bytes_key}"
+        now = time.perf_counter()
+        task = PrefillTask(job, cache, reuse, lease, cursor, now, bytes_key, checkpointer)
+        self.tasks.append(task)
+        self.peak_tasks = max(self.peak_tasks, len(self.tasks))
 
-    def step(self) -> mx.array | int:
-        """Compute the task's next grid chunk. Returns the tokens computed, or the last
-        position's logits [1, V] once the whole prompt is in the cache (the task stays
-        current until `close`, so an error on the way still reaches it)."""
-        task = self.task
-        assert task is not None
-        try:
-            end = next(task.steps)
-        except StopIteration as done:
-            if task.checkpointer is not None:
-                task.checkpointer.finish()  # before decode writes into the cache
-            return done.value
-        computed, task.position = end - task.position, end
-        pending = task.checkpointer.pending_bytes if task.checkpointer is not None else 0
-        self.store.set_active_bytes(self._bytes_key, cache_nbytes(task.cache) + pending)
-        return computed
+    def step(self, budget: int) -> PrefillStep:
+        """Compute the next grid chunk of the oldest tasks, up to `budget` tokens (at least
+        one chunk), then more rounds while the budget lasts. Tasks whose prompt is now all
+        in the cache come back with their logits; they stay in `tasks` until `close`, so
+        an error on the way still reaches them."""
+        result = PrefillStep()
+        started = time.perf_counter()
+        while result.tokens < budget:
+            chosen, tokens = [], 0
+            for task in self.tasks:
+                if task.cursor.done:
+                    continue
+                begin, end = task.cursor.next_chunk()
+                if chosen and result.tokens + tokens + end - begin > budget:
+                    break
+                chosen.append(task)
+                tokens += end - begin
+            if not chosen:
+                break
+            works = [ChunkWork(t.cache, t.tokens, *t.cursor.next_chunk()) for t in chosen]
+            outputs = compute_chunks(self.model.model, works, self.group)
+            if self.group:
+                shapes = Counter((w.start, w.end - w.start) for w in works)
+                self.stacked += sum(n for n in shapes.values() if n > 1)
+            result.tokens += tokens
+            for task, logits in zip(chosen, outputs, strict=True):
+                end = task.cursor.advance()
+                pending = 0
+                if task.checkpointer is not None:
+                    task.checkpointer(end)
+                    if logits is not None:
+                        task.checkpointer.finish()  # before decode writes into the cache
+                    pending = task.checkpointer.pending_bytes
+                self.store.set_active_bytes(task.bytes_key, cache_nbytes(task.cache) + pending)
+                if logits is not None:
+                    result.finished.append((task, logits))
+            if result.finished:
+                break  # those join the decode batch now
+        result.seconds = time.perf_counter() - started
+        return result
 
-    def close(self, *, failed: bool = False) -> PrefillTask:
-        """End the current task (done, cancelled or `failed`); returns it. A cancelled
-        prefill stores the checkpoints it reached; a failed one (its cache may be
-        broken) only those already stored."""
-        task = self.task
-        assert task is not None
-        self.task = None
-        task.steps.close()
+    def close(self, task: PrefillTask, *, failed: bool = False) -> PrefillTask:
+        """End a task (done, cancelled or `failed`); returns it. A cancelled prefill
+        stores the checkpoints it reached; a failed one (its cache may be broken) only
+        those already stored."""
+        self.tasks.remove(task)
         if task.checkpointer is not None:
             task.checkpointer.finish(keep=not failed)
-        self.store.drop_active(self._bytes_key)
+        self.store.drop_active(task.bytes_key)
         if task.lease is not None:
             # The request's cache no longer shares the snapshot's arrays once prefill
             # has written into it (and merging into the batch copies them anyway).
@@ -189,7 +242,3 @@ class PrefillPhase:
             disk_positions,
             branch,
         )
-
-
-def _ignore(position: int) -> None:
-    pass

@@ -91,10 +91,15 @@ class WaitingList(Generic[W]):
         times = [j.not_before for j in self.jobs if j.background]
         return max(0.0, min(times) - time.monotonic()) if times else None
 
-    def next_request(self, reuse_of: Callable[[W], int], max_passovers: int) -> W | None:
-        """The request to start next (pick_next), removed from the list; None if no
-        request waits."""
-        requests = [j for j in self.jobs if not j.background]
+    def next_request(
+        self,
+        reuse_of: Callable[[W], int],
+        max_passovers: int,
+        startable: Callable[[W], bool] = lambda j: True,
+    ) -> W | None:
+        """The request to start next (pick_next among the `startable` ones), removed from
+        the list; None if no such request waits."""
+        requests = [j for j in self.jobs if not j.background and startable(j)]
         if not requests:
             return None
         job = pick_next(requests, reuse_of, max_passovers)

@@ -1,0 +1,164 @@
+"""Batch-invariant forwards: in a batched forward every sequence gets the numbers of its
+alone run, bit for bit.
+
+Two things in a transformer forward depend, with a real BLAS, on what else shares the
+call (measured with OpenBLAS on this CPU; docs/ARCHITECTURE.md):
+- a matmul row's result depends on how many rows the call has: the BLAS computes tail
+  rows with other micro-kernels and splits rows between threads by count (row 0 of a
+  24-row call differs from row 0 of a 1100-row call by ~1e-6; on Metal the kernel
+  itself is chosen by M: gemv, split-K, tiled GEMM);
+- attention's reductions over keys depend on how many keys the call has: a left-padded
+  row of a decode batch attends over the longest row's key count, and the BLAS blocks
+  that reduction differently (diverged after ~20 steps at 300 keys on SmolLM2).
+So inside `batched(...)` the model's linear layers project each sequence's rows in their
+own matmul (stacked prefill chunks), or decode rows in groups no larger than the BLAS
+computes like a single row (`consistent_rows`), and attention runs per row over exactly
+that row's keys. Everything else (norms, RoPE, convolutions, recurrent scans) computes
+each batch row on its own. Outside the block the modules behave exactly as before.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass(frozen=True, slots=True)
+class Batched:
+    rows: int  # decode rows one matmul may hold (1: each row alone)
+    lengths: tuple[int, ...] | None = None  # decode: keys of each row after this step
+
+
+_mode = threading.local()
+
+
+def _current() -> Batched | None:
+    return getattr(_mode, "batched", None)
+
+
+@contextmanager
+def batched(rows: int = 1, lengths: Sequence[int] | None = None) -> Iterator[None]:
+    """Batch-invariant forwards built in this thread inside the block: stacked prefill
+    chunks (no `lengths`) or a decode step (`lengths`: each row's keys after it)."""
+    before = _current()
+    _mode.batched = Batched(rows, tuple(lengths) if lengths is not None else None)
+    try:
+        yield
+    finally:
+        _mode.batched = before
+
+
+def _split(base, x: mx.array, *args) -> mx.array:
+    mode = _current()
+    if mode is None or x.ndim < 3 or x.shape[0] == 1:
+        return base(x, *args)
+    per = mode.rows if x.shape[1] == 1 else 1  # a prefill sequence's rows stay together
+    if per >= x.shape[0]:
+        return base(x, *args)
+    return mx.concatenate([base(x[i : i + per], *args) for i in range(0, x.shape[0], per)])
+
+
+def _split_call(base_call):
+    def __call__(self, x: mx.array) -> mx.array:
+        return _split(lambda v: base_call(self, v), x)
+
+    return __call__
+
+
+def _split_as_linear(base_as_linear):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _split(lambda v: base_as_linear(self, v), x)
+
+    return as_linear
+
+
+def _per_row_sdpa(base):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        mode = _current()
+        if mode is None or mode.lengths is None or queries.shape[2] != 1:
+            return base(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        # A decode step over left-padded batch caches: each row's valid keys are its last
+        # `lengths[i]` (capped by what the cache holds, e.g. a sliding window).
+        held = keys.shape[2]
+        outs = []
+        for i, length in enumerate(mode.lengths):
+            start = held - min(length, held)
+            row_mask = mask[i : i + 1, ..., start:] if isinstance(mask, mx.array) else mask
+            outs.append(
+                base(
+                    queries[i : i + 1],
+                    keys[i : i + 1, :, start:],
+                    values[i : i + 1, :, start:],
+                    cache=cache,
+                    scale=scale,
+                    mask=row_mask,
+                    sinks=sinks,
+                )
+            )
+        return mx.concatenate(outs)
+
+    scaled_dot_product_attention._batch_invariant = True
+    return scaled_dot_product_attention
+
+
+_subclasses: dict[type, type] = {}
+
+
+def _rowwise_class(cls: type) -> type:
+    if cls not in _subclasses:
+        namespace: dict = {}
+        if issubclass(cls, (nn.Linear, nn.QuantizedLinear)):
+            namespace["__call__"] = _split_call(cls.__call__)
+        else:
+            namespace["as_linear"] = _split_as_linear(cls.as_linear)
+        _subclasses[cls] = type(f"BatchInvariant{cls.__name__}", (cls,), namespace)
+    return _subclasses[cls]
+
+
+_TARGETS = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+
+
+def install(model: nn.Module) -> None:
+    """Give the model's linear and embedding layers, and the attention function of every
+    mlx-lm module its layers come from, their batch-invariant behaviour (idempotent)."""
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls in _TARGETS:
+            module.__class__ = _rowwise_class(cls)
+        source = sys.modules.get(cls.__module__)
+        sdpa = getattr(source, "scaled_dot_product_attention", None)
+        if sdpa is not None and not getattr(sdpa, "_batch_invariant", False):
+            source.scaled_dot_product_attention = _per_row_sdpa(sdpa)
+
+
+def consistent_rows(model: nn.Module, most: int = 8) -> int:
+    """The largest row count m <= `most` such that, for every linear layer shape in the
+    model, each row of a matmul of up to m rows equals that row computed alone (random
+    data: the BLAS picks its kernels by shape, not by values)."""
+    shapes: dict[tuple, nn.Module] = {}
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+            shapes.setdefault((type(module), module.weight.shape), module)
+        elif isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
+            shapes.setdefault((type(module), module.weight.shape, "as_linear"), module)
+    key = mx.random.key(0)
+    good = most
+    for layer in shapes.values():
+        is_linear = isinstance(layer, (nn.Linear, nn.QuantizedLinear))
+        project = layer if is_linear else layer.as_linear
+        dims = layer.weight.shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
+        x = mx.random.normal((most, 1, dims), key=key)
+        alone = [project(x[i : i + 1]) for i in range(most)]
+        for m in range(2, good + 1):
+            rows = project(x[:m])
+            mx.eval(rows, alone[:m])
+            if not all(mx.array_equal(rows[i : i + 1], alone[i]).item() for i in range(m)):
+                good = m - 1
+                break
+    return max(good, 1)
