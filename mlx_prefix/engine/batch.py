@@ -14,7 +14,7 @@ left-padded and masked), which is what a row decoding alone computes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,9 +88,15 @@ class DecodeBatch:
     `rows` rows, attention per row over its own keys, so each row's numbers are those
     of the same request decoding alone."""
 
-    def __init__(self, model: nn.Module, rows: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        rows: int = 1,
+        agree: Callable[[mx.array], mx.array] | None = None,
+    ):
         self.model = model
         self.rows = rows  # rows one matmul may hold and still compute each like alone
+        self.agree = agree  # sharded: every rank goes on with rank 0's tokens (group.py)
         self.cache: list = []
         self.members: list[Any] = []
         self._samplers: list[TokenSampler] = []
@@ -140,6 +146,8 @@ class DecodeBatch:
         tokens = mx.concatenate(
             [s(logprobs[i : i + 1]) for i, s in enumerate(self._samplers)]
         )  # [B]
+        if self.agree is not None:
+            tokens = self.agree(tokens)
         out = [tokens]
         if want_logprobs:
             out.append(mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0])  # [B]

@@ -40,6 +40,8 @@ class DecodePhase:
         self._bytes_key = bytes_key  # this engine's batch bytes in the store's budget
         self._end = end  # sends a job's final event
         self._on_reply = on_reply  # a request finished with this reply (not cancelled)
+        # Sharded: the tokens every rank goes on with, rank 0's (engine/distributed.py).
+        self.agree_tokens: Callable[[mx.array], mx.array] | None = None
         self.batch = DecodeBatch(model.model, rows)
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
@@ -54,7 +56,7 @@ class DecodePhase:
         """Decode rows one matmul may hold (engine/rowwise.py); before any request runs."""
         assert not len(self.batch)
         self.rows = rows
-        self.batch = DecodeBatch(self.model.model, rows)
+        self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens)
 
     def admit(self, task: PrefillTask, logits: mx.array, limit: int) -> None:
         """Sample the first token from the prefill `logits` [1, V]; the request joins the
@@ -65,6 +67,8 @@ class DecodePhase:
         sampler = TokenSampler(job.sampling)
         logprobs = normalize(logits)  # [1, V]
         first = sampler(logprobs)  # [1]
+        if self.agree_tokens is not None:
+            first = self.agree_tokens(first)
         token = int(first.item())
         logprob, top = None, ()
         if job.sampling.logprobs:
@@ -107,7 +111,7 @@ class DecodePhase:
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
         jobs = [r.job for r in self.batch.members]
-        self.batch = DecodeBatch(self.model.model, self.rows)
+        self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens)
         self.store.drop_active(self._bytes_key)
         return jobs
 

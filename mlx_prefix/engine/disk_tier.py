@@ -59,6 +59,9 @@ class DiskTier:
         self.store = store  # the queued snapshots' bytes count in its budget
         self._bytes_key = bytes_key
         self._pending: deque[_PendingSave] = deque()
+        # Sharded (engine/distributed.py): whether every rank has the same value, a
+        # collective; a disk hit is used only when every rank has it.
+        self.agree: Callable[[int], bool] | None = None
         self.dropped = 0  # saves given up (logged each): shutdown out of time, a lost state
 
     @staticmethod
@@ -80,9 +83,15 @@ class DiskTier:
     ) -> tuple[DiskMatch, Snapshot] | None:
         """A disk checkpoint reusing more than `better_than` tokens, loaded and verified."""
         match = self.cache.match(self.model_key, tokens, align)
-        if match is None or match.reuse_tokens < better_than + self.config.min_tokens:
-            return None  # not worth reading a file for what memory (nearly) gives
+        if match is not None and match.reuse_tokens < better_than + self.config.min_tokens:
+            match = None  # not worth reading a file for what memory (nearly) gives
+        if self.agree is not None and not self.agree(match.reuse_tokens if match else 0):
+            return None
+        if match is None:
+            return None
         snapshot = self.cache.load(match)
+        if self.agree is not None and not self.agree(int(snapshot is not None)):
+            return None
         return (match, snapshot) if snapshot is not None else None
 
     def positions(
@@ -104,12 +113,16 @@ class DiskTier:
         """Write one queued save: the oldest when idle, only an overdue one when busy.
         One per engine turn, so a request that arrives meanwhile waits for one file at
         most."""
-        if not self._pending:
-            return
-        if busy and time.monotonic() - self._pending[0].queued_at < MAX_SAVE_DELAY_S:
+        if not self.due(busy):
             return
         self._write(self._pending.popleft())
         self._account()
+
+    def due(self, busy: bool) -> bool:
+        """Whether `write_pending(busy)` writes a save now. Does not mutate."""
+        if not self._pending:
+            return False
+        return not busy or time.monotonic() - self._pending[0].queued_at >= MAX_SAVE_DELAY_S
 
     def drop(self, tokens_len: int, why: str) -> None:
         """Log a save that cannot happen (engine thread)."""

@@ -70,6 +70,8 @@ __all__ = ["Engine", "PrefetchStats", "WarmResult", "cache_key"]
 
 
 class Engine:
+    handle_type: type[RequestHandle] = RequestHandle  # what callers hold for each job
+
     def __init__(
         self,
         model: LoadedModel,
@@ -179,7 +181,8 @@ class Engine:
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
-        handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
+        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        handle = self.handle_type(request_id, len(rendered.tokens))
         self.lifecycle.put(Job(handle, rendered, sampling, cache, time.perf_counter(), prompt))
         return handle
 
@@ -201,7 +204,7 @@ class Engine:
         """Queue a warm-up; its future gives the WarmResult (cancel it with the handle)."""
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
-        handle = RequestHandle(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
+        handle = self.handle_type(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
         # A pinned warm-up is meant to last: persist all of its checkpoints to disk too.
         scope = CachePreference(scope="full" if pin else None)
         sampling = SamplingParams(max_tokens=1)
@@ -211,7 +214,7 @@ class Engine:
 
     def _enqueue_prefetch(self, prompt: RenderedPrompt) -> None:
         """Queue a next-turn prefetch (from the prefetcher's thread)."""
-        handle = RequestHandle(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
+        handle = self.handle_type(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
         not_before = time.monotonic() + self.config.prefetch_delay_s
         sampling, pref, now = SamplingParams(max_tokens=1), CachePreference(), time.perf_counter()
         job = Job(handle, prompt, sampling, pref, now, background=True, not_before=not_before)

@@ -36,7 +36,7 @@ class RequestHandle:
         try:
             loop.call_soon_threadsafe(aqueue.put_nowait, event)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            self.cancelled.set()
+            self.cancel()
 
     # -- caller side -------------------------------------------------------------
     def cancel(self) -> None:

@@ -3,8 +3,9 @@ decoding (Running). Engine thread only, except where a field says otherwise."""
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mlx_prefix.engine.handle import RequestHandle
@@ -48,6 +49,9 @@ class Job:
     not_before: float = 0.0  # monotonic time a background job may start
     passovers: int = 0
     ended: bool = False  # its last event was sent; nothing more may follow
+    # Unique in this process, never reused (unlike id()): names the job to in-flight
+    # sharing, and across ranks to a sharded engine (engine/distributed.py).
+    serial: int = field(default_factory=itertools.count(1).__next__)
 
     @property
     def tokens(self) -> tuple[int, ...]:

@@ -16,12 +16,14 @@ from mlx_prefix.engine.jobs import Job
 from mlx_prefix.errors import EngineBusy, MlxPrefixError
 from mlx_prefix.records import DoneEvent, ErrorEvent
 
+_WAKE = object()  # wakes the engine without a job (engine/distributed.py's cache actions)
+
 
 class Lifecycle:
     def __init__(self, capacity: Callable[[], int], max_queued: int):
         self._capacity = capacity  # requests that may decode at once (not waiting)
         self._max_queued = max_queued
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Job | object | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0  # submitted and not ended; guarded by _lock
         self._accepting = True
@@ -51,6 +53,10 @@ class Lifecycle:
             if self._accepting:
                 self._inbox.put(job)
 
+    def wake(self) -> None:
+        """Make a waiting `take` return (with no job)."""
+        self._inbox.put(_WAKE)
+
     def stop_accepting(self) -> None:
         with self._lock:
             self._accepting = False
@@ -71,8 +77,8 @@ class Lifecycle:
             while True:
                 if job is None:
                     closing = True
-                else:
-                    jobs.append(job)
+                elif job is not _WAKE:
+                    jobs.append(job)  # type: ignore[arg-type]
                 job = self._inbox.get_nowait()
         except queue.Empty:
             pass

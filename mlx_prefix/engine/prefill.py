@@ -218,7 +218,7 @@ class PrefillPhase:
 
             def waiting() -> list[WaitingPrompt]:
                 return [
-                    WaitingPrompt(id(j), j.prompt.tokens)
+                    WaitingPrompt(j.serial, j.prompt.tokens)
                     for j in self._waiting()
                     if j.cache_pref.enabled
                 ]

@@ -27,6 +27,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import (
+    AllToShardedLinear,
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+    ShardedToAllLinear,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +114,22 @@ def _per_row_sdpa(base):
 
 
 _subclasses: dict[type, type] = {}
+# Projections called on their input. The sharded ones (a model split by mlx-lm's
+# `shard`) sum over the ranks inside: split, each row group is summed on its own, the
+# same number of times on every rank.
+_SHARDED = (
+    AllToShardedLinear,
+    ShardedToAllLinear,
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+)
+_CALLED = (nn.Linear, nn.QuantizedLinear, *_SHARDED)
 
 
 def _rowwise_class(cls: type) -> type:
     if cls not in _subclasses:
         namespace: dict = {}
-        if issubclass(cls, (nn.Linear, nn.QuantizedLinear)):
+        if issubclass(cls, _CALLED):
             namespace["__call__"] = _split_call(cls.__call__)
         else:
             namespace["as_linear"] = _split_as_linear(cls.as_linear)
@@ -121,7 +137,10 @@ def _rowwise_class(cls: type) -> type:
     return _subclasses[cls]
 
 
-_TARGETS = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+_TARGETS = (*_CALLED, nn.Embedding, nn.QuantizedEmbedding)
+# Layers whose row-consistency `consistent_rows` measures (quantized sharded ones are
+# left to the startup probe).
+_MEASURED = (nn.Linear, nn.QuantizedLinear, AllToShardedLinear, ShardedToAllLinear)
 
 
 def install(model: nn.Module) -> None:
@@ -143,15 +162,19 @@ def consistent_rows(model: nn.Module, most: int = 8) -> int:
     data: the BLAS picks its kernels by shape, not by values)."""
     shapes: dict[tuple, nn.Module] = {}
     for _, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+        if isinstance(module, _MEASURED):
             shapes.setdefault((type(module), module.weight.shape), module)
         elif isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
             shapes.setdefault((type(module), module.weight.shape, "as_linear"), module)
     key = mx.random.key(0)
     good = most
     for layer in shapes.values():
-        is_linear = isinstance(layer, (nn.Linear, nn.QuantizedLinear))
-        project = layer if is_linear else layer.as_linear
+        if isinstance(layer, _SHARDED):  # this rank's part alone: no sum over the ranks
+            project = lambda v, w=layer.weight: v @ w.T  # noqa: E731
+        elif isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
+            project = layer
+        else:
+            project = layer.as_linear
         dims = layer.weight.shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
         x = mx.random.normal((most, 1, dims), key=key)
         alone = [project(x[i : i + 1]) for i in range(most)]

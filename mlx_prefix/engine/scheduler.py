@@ -63,6 +63,7 @@ class WaitingList(Generic[W]):
 
     def __init__(self) -> None:
         self.jobs: list[W] = []
+        self.clock: Callable[[], float] = time.monotonic  # when background jobs may start
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -89,7 +90,7 @@ class WaitingList(Generic[W]):
     def background_wait(self) -> float | None:
         """Seconds until the next background job may start (None: none waits)."""
         times = [j.not_before for j in self.jobs if j.background]
-        return max(0.0, min(times) - time.monotonic()) if times else None
+        return max(0.0, min(times) - self.clock()) if times else None
 
     def next_request(
         self,
@@ -117,7 +118,7 @@ class WaitingList(Generic[W]):
         request at once gets the engine to itself)."""
         if decoding:
             return None
-        now = time.monotonic()
+        now = self.clock()
         job = next((j for j in self.jobs if j.background and j.not_before <= now), None)
         if job is not None:
             self.jobs.remove(job)
