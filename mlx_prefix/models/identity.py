@@ -26,10 +26,16 @@ class ModelIdentity:
     dtype: str  # floating dtype the weights are held in after loading, e.g. "float32"
     weights_fingerprint: str  # see fingerprint_files()
     chat_template_hash: str  # sha256 prefix of the chat template ("" template if none)
+    # This process's part of a model sharded over ranks (models/sharded.py), e.g.
+    # "tensor 0/2": its cache holds only that part. None: the whole model.
+    shard: str | None = None
 
     def key(self) -> str:
         """Short stable hex digest of all fields: the prefix of every prefix-cache key."""
-        payload = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if self.shard is None:
+            del fields["shard"]  # keys of unsharded models stay what they were
+        payload = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(payload).hexdigest()[:16]
 
 

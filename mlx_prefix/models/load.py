@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
-from mlx_prefix.models.resolve import resolve_model, resolve_model_path
+from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LoadedModel",
+    "finish_loading",
     "ModelIdentity",
     "choose_dtype",
     "load_model",
@@ -94,6 +95,20 @@ def load_model(
         message = f"model '{label}' could not be loaded: {reason}"
         raise ModelNotFound(message, param="adapter" if part == "adapter" else "model") from e
 
+    return finish_loading(model, tokenizer, config, resolved, dtype, adapter_path)
+
+
+def finish_loading(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    config: dict[str, Any],
+    resolved: ResolvedModel,
+    dtype: str | None,
+    adapter_path: Path | None = None,
+    shard: str | None = None,
+) -> LoadedModel:
+    """Cast the floating weights (`dtype`, else `choose_dtype`) and compute the identity:
+    the steps after mlx-lm's load, shared with sharded loading (models/sharded.py)."""
     target = dtype or choose_dtype(mx.default_device(), _dominant_dtype(model))
     _cast_floating(model, _DTYPES[target])
 
@@ -106,6 +121,7 @@ def load_model(
         dtype=target,
         weights_fingerprint=fingerprint_files(weight_files),
         chat_template_hash=chat_template_hash(getattr(tokenizer, "chat_template", None)),
+        shard=shard,
     )
     return LoadedModel(
         model=model,

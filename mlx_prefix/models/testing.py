@@ -135,6 +135,10 @@ def make_test_model(kind: str, dest: Path, *, think_template: bool = False, seed
         # gemma3_text ties lm_head to the embeddings when the checkpoint omits it.
         weights.pop("lm_head.weight")
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # The index mlx_lm.convert writes: pipeline-sharded loading reads it to pick each
+    # rank's files (models/sharded.py).
+    index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(weights), "model.safetensors")}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dest
 
