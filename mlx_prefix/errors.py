@@ -42,3 +42,11 @@ class EngineBusy(MlxPrefixError):
 class RequestCancelled(MlxPrefixError):
     status = 499
     type = "cancelled"
+
+
+class Unavailable(MlxPrefixError):
+    """The server cannot serve any more (a rank of a sharded group is gone)."""
+
+    status = 503
+    type = "server_error"
+    code = "unavailable"
