@@ -1,10 +1,13 @@
-"""mlx-prefix serve: the OpenAI-compatible HTTP server, until SIGINT/SIGTERM."""
+"""mlx-prefix serve: the OpenAI-compatible HTTP server, until SIGINT/SIGTERM. Started by
+`mlx.launch` on several ranks, it serves a model sharded over them (cli/sharded.py)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from mlx_prefix.config import from_env
+from mlx_prefix.errors import InvalidRequest
 
 from .args import (
     cache_args,
@@ -16,6 +19,9 @@ from .args import (
     model_args,
     model_from_args,
 )
+
+if TYPE_CHECKING:
+    from mlx_prefix.server.app import ServerSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: split the model's layers over the ranks (pipeline parallel) "
+        "instead of every layer's heads (tensor parallel, the default)",
+    )
+    p.add_argument(
         "--responses-store",
         type=int,
         default=None,
@@ -43,7 +55,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from mlx_prefix.engine.engine import Engine
-    from mlx_prefix.server.app import ServerSettings, serve
+    from mlx_prefix.server.app import serve
+
+    from .sharded import launched_group, serve_sharded
+
+    group = launched_group()
+    if group is not None:
+        return serve_sharded(args, group, server_settings(args))
+    if args.pipeline:
+        raise InvalidRequest(
+            "--pipeline needs a sharded launch: mlx.launch -n 2 --backend ring "
+            "--python <venv>/bin/python -m mlx_prefix serve --model M --pipeline"
+        )
+    engine = Engine(
+        model_from_args(args),
+        cache_config(args),
+        engine_config(args),
+        disk_config=disk_config(args),
+    )
+    serve(engine, server_settings(args))
+    return 0
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    from mlx_prefix.server.app import ServerSettings
 
     settings_overrides = {
         "host": args.host,
@@ -56,12 +91,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.allowed_origins is not None
         else None,
     }
-    settings = from_env(ServerSettings, "SERVER", settings_overrides)
-    engine = Engine(
-        model_from_args(args),
-        cache_config(args),
-        engine_config(args),
-        disk_config=disk_config(args),
-    )
-    serve(engine, settings)
-    return 0
+    return from_env(ServerSettings, "SERVER", settings_overrides)

@@ -61,10 +61,14 @@ def serve(engine: Any, settings: ServerSettings) -> None:
         lifespan="on",
     )
     log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
+    cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/distributed.py)
+    if cluster is not None:
+        log.info("%s", cluster.describe())
+    failed = lambda: getattr(engine, "failure", None) is not None  # noqa: E731
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
-        _GracefulServer(config, app.state.server.inflight, settings.shutdown_grace_s).run()
+        _GracefulServer(config, app.state.server.inflight, settings.shutdown_grace_s, failed).run()
     finally:
         shutdown_engine()
 
@@ -81,12 +85,25 @@ def serving_line(model_name: str, host: str, port: int) -> str:
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn's shutdown (stop accepting, wait for open requests), plus: requests still
-    running after `grace_s` are cancelled in the engine and end with an error event."""
+    running after `grace_s` are cancelled in the engine and end with an error event; an
+    engine that can no longer serve (`failed`: a sharded group lost a rank) stops it."""
 
-    def __init__(self, config: uvicorn.Config, inflight: InFlight, grace_s: float):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        inflight: InFlight,
+        grace_s: float,
+        failed: Callable[[], bool] = lambda: False,
+    ):
         super().__init__(config)
         self._inflight = inflight
         self._grace_s = grace_s
+        self._failed = failed
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._failed():
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._inflight:

@@ -76,6 +76,7 @@ class CacheCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is shutting down
             log.exception("cache_stats() failed during a /metrics scrape")
             return
+        yield from _cluster_metrics(stats.pop("distributed", None))
         disk = stats.pop("disk", None)
         if isinstance(disk, dict):
             for key, value in sorted(disk.items()):
@@ -106,6 +107,28 @@ class CacheCollector(Collector):
 
 
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _cluster_metrics(cluster: dict | None) -> Iterator[Metric]:
+    """A sharded server's group (group.Cluster.as_dict): its size, and one info series
+    per rank naming its host, what it holds, the backend and the mode."""
+    if not isinstance(cluster, dict):
+        return
+    yield GaugeMetricFamily(
+        "mlx_prefix_distributed_world_size",
+        "Ranks the model is sharded over",
+        value=cluster["world_size"],
+    )
+    info = GaugeMetricFamily(
+        "mlx_prefix_distributed_rank_info",
+        "One series per rank of the group (value 1)",
+        labels=["rank", "host", "part", "backend", "mode"],
+    )
+    for r in cluster["ranks"]:
+        info.add_metric(
+            [str(r["rank"]), r["host"], r["part"], cluster["backend"], cluster["mode"]], 1
+        )
+    yield info
 
 
 def _is_number(value: Any) -> bool:

@@ -37,7 +37,12 @@ def _model_card(st: ServerState) -> dict[str, Any]:
 
 
 async def health(request: Request) -> Response:
-    return JSONResponse({"status": "ok", "model": state(request).engine.model.name})
+    engine = state(request).engine
+    failure = getattr(engine, "failure", None)  # a sharded group that lost a rank
+    if failure is not None:
+        body = {"status": "unavailable", "model": engine.model.name, "error": failure}
+        return JSONResponse(body, status_code=503)
+    return JSONResponse({"status": "ok", "model": engine.model.name})
 
 
 async def metrics(request: Request) -> Response:

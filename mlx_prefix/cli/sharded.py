@@ -1,0 +1,90 @@
+"""`mlx-prefix serve` on every rank of an `mlx.launch` group: the model sharded over the
+ranks (models/sharded.py), one DistributedEngine per rank (engine/distributed.py);
+rank 0 serves HTTP, the others follow it until it stops the group.
+
+    mlx.launch -n 2 --backend ring --python .venv/bin/python -m mlx_prefix serve --model M
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from mlx_prefix.config import ModelConfig, from_env
+from mlx_prefix.errors import InvalidRequest, Unavailable
+from mlx_prefix.group import Channel, detect_backend
+
+from .args import cache_config, disk_config, engine_config
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlx_prefix.engine.distributed import DistributedEngine
+    from mlx_prefix.server.settings import ServerSettings
+
+log = logging.getLogger("mlx_prefix.server")
+
+TERM_WAIT_S = 15.0  # a rank other than 0 told to stop waits this long for rank 0's stop
+
+
+def launched_group() -> mx.distributed.Group | None:
+    """The launcher's group when this process is one of several ranks, else None."""
+    if detect_backend() == "unknown":
+        return None
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def serve_sharded(
+    args: argparse.Namespace, group: mx.distributed.Group, settings: ServerSettings
+) -> int:
+    from mlx_prefix.engine.distributed import DistributedEngine
+    from mlx_prefix.models.sharded import load_sharded
+    from mlx_prefix.server.app import serve
+
+    cfg = from_env(
+        ModelConfig, "MODEL", {"model": args.model, "adapter": args.adapter, "dtype": args.dtype}
+    )
+    if cfg.adapter is not None:
+        raise InvalidRequest("--adapter is not supported on a model sharded over ranks")
+    channel = Channel(group)
+    backend = detect_backend()
+    model, cluster = load_sharded(
+        cfg.model, channel, pipeline=args.pipeline, backend=backend, dtype=cfg.dtype
+    )
+    engine = DistributedEngine(
+        model, cluster, channel, cache_config(args), engine_config(args), disk_config(args)
+    )
+    if not cluster.leader:
+        return follow(engine)
+    serve(engine, settings)
+    if engine.failure is not None:
+        raise Unavailable(engine.failure)
+    return 0
+
+
+def follow(engine: DistributedEngine) -> int:
+    """A rank other than 0: run the engine until rank 0 stops the group. Rank 0 decides
+    when that is: SIGINT is ignored (a terminal's Ctrl-C reaches rank 0 too), and on
+    SIGTERM this rank still waits up to TERM_WAIT_S for rank 0's stop."""
+    log.info("rank %d: %s", engine.cluster.rank, engine.cluster.describe())
+    termed = threading.Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: termed.set())
+    deadline = None
+    while not engine.join(0.5):
+        if termed.is_set():
+            deadline = deadline or time.monotonic() + TERM_WAIT_S
+            if time.monotonic() > deadline:
+                log.warning("rank %d: no stop from rank 0; exiting", engine.cluster.rank)
+                os._exit(143)  # the engine thread may sit in a collective: do not join it
+    if engine.failure is not None:
+        raise Unavailable(engine.failure)
+    return 0
