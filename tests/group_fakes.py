@@ -64,3 +64,24 @@ class LocalChannel:
 
     def gather(self, value: int) -> tuple[int, ...]:
         return tuple(self._group._round(self.rank, value))
+
+    def gather_bytes(self, blob: bytes, width: int = 512) -> list[bytes]:
+        return list(self._group._round(self.rank, blob))
+
+
+def on_every_rank(group: LocalGroup, fn) -> list:
+    """Run `fn(rank)` on one thread per rank (they may exchange); results by rank."""
+    results: list = [None] * group.size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except Exception as e:  # noqa: BLE001 - handed back to the test
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(group.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    return results

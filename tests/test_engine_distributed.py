@@ -17,12 +17,16 @@ from engine_helpers import EXACT, chat, run, warm_equals_cold
 from group_fakes import LocalGroup
 from server_fakes import serving
 
+from mlx_prefix.cache.records import CheckpointKind
 from mlx_prefix.config import DiskConfig
 from mlx_prefix.engine.distributed import DistributedEngine
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.jobs import Job
+from mlx_prefix.engine.turns import JobSpec, LatchedHandle, TurnPlan
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
+from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
 from mlx_prefix.records import CachePreference, DoneEvent, ErrorEvent, SamplingParams, TokenEvent
 
 SYSTEM = "You answer questions about the weather at sea, briefly and plainly. " * 4
@@ -164,3 +168,24 @@ def test_each_rank_persists_its_own_shard_and_another_world_size_misses(tmp_path
         settled(engines)
     with ranks("qwen3_5", disk, size=3) as (_, engines):  # another world size
         assert run(engines[0], prompt).usage.cached_tokens == 0
+
+
+def test_a_plan_carries_a_job_whole_and_a_cancel_is_latched_once():
+    prompt = RenderedPrompt((5, 6, 7, 8), (Checkpoint(2, CheckpointKind.SYSTEM),), True)
+    handle = LatchedHandle("req-1", 4)
+    sampling = SamplingParams(max_tokens=3, temperature=0.5, seed=11, stop=("x",))
+    job = Job(handle, prompt, sampling, CachePreference(scope="full"), 0.0, pin=True)
+    plan = TurnPlan(1.5, 64, jobs=(JobSpec.of(job),), cancels=(3,), write_save=True)
+    again = TurnPlan.decode(plan.encode())
+    assert again == plan
+    copy = again.jobs[0].job(2.0)
+    assert (copy.tokens, copy.prompt.checkpoints, copy.prompt.is_chat) == (
+        job.tokens, prompt.checkpoints, True
+    )  # fmt: skip
+    assert (copy.sampling, copy.cache_pref, copy.pin, copy.serial) == (
+        sampling, job.cache_pref, True, job.serial
+    )  # fmt: skip
+    assert copy.warm is None and copy.handle.request_id == "req-1"
+    handle.cancel()
+    assert not handle.cancelled.is_set(), "a caller's cancel only asks"
+    assert handle.latch() and handle.cancelled.is_set() and not handle.latch()

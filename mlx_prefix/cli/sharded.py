@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from mlx_prefix.config import ModelConfig, from_env
 from mlx_prefix.errors import InvalidRequest, Unavailable
 from mlx_prefix.group import Channel, detect_backend
+from mlx_prefix.watch import PeerWatch
 
 from .args import cache_config, disk_config, engine_config
 
@@ -59,15 +61,15 @@ def serve_sharded(
     model, cluster = load_sharded(
         cfg.model, channel, pipeline=args.pipeline, backend=backend, dtype=cfg.dtype
     )
+    watch = PeerWatch.connect(channel, backend)
     engine = DistributedEngine(
         model, cluster, channel, cache_config(args), engine_config(args), disk_config(args)
     )
+    watch.start(engine.lost)
     if not cluster.leader:
         return follow(engine)
     serve(engine, settings)
-    if engine.failure is not None:
-        raise Unavailable(engine.failure)
-    return 0
+    return ended(engine)
 
 
 def follow(engine: DistributedEngine) -> int:
@@ -79,12 +81,22 @@ def follow(engine: DistributedEngine) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: termed.set())
     deadline = None
-    while not engine.join(0.5):
+    while not engine.join(0.5) and engine.failure is None:
         if termed.is_set():
             deadline = deadline or time.monotonic() + TERM_WAIT_S
             if time.monotonic() > deadline:
                 log.warning("rank %d: no stop from rank 0; exiting", engine.cluster.rank)
                 os._exit(143)  # the engine thread may sit in a collective: do not join it
-    if engine.failure is not None:
+    return ended(engine)
+
+
+def ended(engine: DistributedEngine) -> int:
+    """After serving: 0, or the group's failure as the CLI's one line and exit status 1.
+    An engine thread still inside a collective with a dead rank never returns, so then
+    the process exits without waiting for it."""
+    if engine.failure is None:
+        return 0
+    if engine.join(2.0):
         raise Unavailable(engine.failure)
-    return 0
+    print(f"mlx-prefix: error: {engine.failure}", file=sys.stderr, flush=True)
+    os._exit(1)

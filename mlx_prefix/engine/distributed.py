@@ -48,6 +48,7 @@ from mlx_prefix.engine.turns import CacheAction, JobSpec, LatchedHandle, TurnPla
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.group import Channel, Cluster
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.records import ErrorEvent
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -80,6 +81,8 @@ class DistributedEngine(Engine):
         self.cluster = cluster
         self.channel = channel
         self.failure: str | None = None  # why the group stopped (None: serving)
+        self._failing = threading.Lock()  # the engine thread and the watch may both fail it
+        self._ended = threading.Event()  # the group stopped as asked: closing peers are fine
         self._released = threading.Event()  # the thread waits for this __init__ to end
         self._asked: queue.SimpleQueue[_Asked] = queue.SimpleQueue()
         self._turn_asked: list[_Asked] = []  # rank 0: the actions of the current plan
@@ -133,6 +136,30 @@ class DistributedEngine(Engine):
 
     def evict_entry(self, entry_id: int) -> EvictOutcome:
         return self._act(CacheAction("evict", entry_id))
+
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = 30.0) -> None:
+        if self.failure is None:
+            super().shutdown(timeout, save_timeout)
+            return
+        # The engine thread may sit in a collective with a dead rank for good.
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        self.lifecycle.close()
+        self._thread.join(1.0)
+
+    def lost(self, rank: int) -> None:
+        """The watch connection to `rank` closed (group watch thread, watch.py): unless the
+        group stopped as asked, it is over. The engine thread may be stuck in a collective
+        with that rank, so the requests in flight are ended from here."""
+        if self._ended.is_set() or not self._set_failure(
+            ConnectionError(f"rank {rank}'s connection closed")
+        ):
+            return
+        event = ErrorEvent(self.failure or "")
+        waiting, _ = self.lifecycle.take(block=False)
+        for job in [*list(self._live.values()), *waiting]:
+            self.lifecycle.end(job, event)
+        self._fail_actions()
 
     def join(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the engine thread to end; True if it has."""
@@ -191,12 +218,13 @@ class DistributedEngine(Engine):
             self._fail(e)
 
     def _lead(self) -> None:
-        while True:
+        while self.failure is None:
             idle = self._idle()
             saving = self.disk is not None and self.disk.pending > 0
             drop = saving and self._abandon_saves
             saving = saving and not drop
             if self._closing and idle and not saving:
+                self._ended.set()
                 self._exchange(TurnPlan(time.monotonic(), 0, stop=True))
                 return
             block = idle and not self._closing and not saving
@@ -207,9 +235,10 @@ class DistributedEngine(Engine):
             self._turn_step(plan, jobs)
 
     def _follow(self) -> None:
-        while True:
+        while self.failure is None:
             plan = self._exchange(None)
             if plan.stop:
+                self._ended.set()
                 return
             now = time.perf_counter()
             self._turn_step(plan, [spec.job(now) for spec in plan.jobs])
@@ -225,6 +254,9 @@ class DistributedEngine(Engine):
             if isinstance(j.handle, LatchedHandle) and j.handle.latch()
         )
         self._turn_asked = _drain(self._asked)
+        # Listed now, not at the turn's step: a group lost during the exchange still
+        # ends them (`lost`).
+        self._live.update((j.serial, j) for j in jobs)
         return TurnPlan(
             now=time.monotonic(),
             budget=self._own_pace.prefill_budget(len(self._decode)),
@@ -325,17 +357,29 @@ class DistributedEngine(Engine):
         return min(max(wait, 0.0), HEARTBEAT_S)
 
     def _fail(self, error: BaseException) -> None:
-        """The group cannot go on: end every job with one clear error, refuse new ones."""
-        self.failure = failure_line(error, self.cluster.rank)
-        log.error("%s", self.failure)
-        self.lifecycle.stop_accepting()
+        """Engine thread: the group cannot go on. End every job with one clear error;
+        new ones are refused."""
+        self._set_failure(error)
         self._in_turn = False
-        unavailable = Unavailable(self.failure)
         try:
             self._take_inbox(block=False)
-            self._fail_all(unavailable, waiting_too=True)
+            self._fail_all(Unavailable(self.failure or ""), waiting_too=True)
         except Exception:  # noqa: BLE001 - the engine's records may be half-updated
             log.exception("while ending the requests in flight")
+        self._fail_actions()
+
+    def _set_failure(self, error: BaseException) -> bool:
+        """Record why the group stopped (the first reason wins); False if it already had."""
+        with self._failing:
+            if self.failure is not None:
+                return False
+            self.failure = failure_line(error, self.cluster.rank)
+        log.error("%s", self.failure)
+        self.lifecycle.stop_accepting()
+        return True
+
+    def _fail_actions(self) -> None:
+        unavailable = Unavailable(self.failure or "")
         for asked in [*self._turn_asked, *_drain(self._asked)]:
             if not asked.future.done():
                 asked.future.set_exception(unavailable)
