@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -71,6 +72,15 @@ def test_multi_turn_reuses_the_cache_and_a_hit_answers_as_a_cold_run(tensor_grou
     cold = ask(url, "And which left?", history=history, cache=False)
     assert cached(cold) == 0
     assert answer(warm) == answer(cold), "a cache hit changed the answer or its logprobs"
+
+
+def test_concurrent_requests_answer_as_each_alone(tensor_group):
+    url = tensor_group.url
+    questions = ["Any fog at dawn?", "Which berth is free?", "When is high water?"]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        together = list(pool.map(lambda q: ask(url, q, cache=False), questions))
+    for question, reply in zip(questions, together, strict=True):
+        assert answer(reply) == answer(ask(url, question, cache=False))
 
 
 def test_pipeline_mode_and_a_restart_served_from_each_ranks_disk(tmp_path):

@@ -18,7 +18,7 @@ from array import array
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from mlx_prefix.cache.trie import TokenIds
+from mlx_prefix.cache.trie import TokenIds, packed
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job
 from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
@@ -47,7 +47,7 @@ class JobSpec:
         return cls(
             job.serial,
             job.handle.request_id,
-            TokenIds(prompt.tokens).packed,
+            packed(prompt.tokens),
             prompt.checkpoints,
             prompt.is_chat,
             job.sampling,
