@@ -12,12 +12,25 @@ from . import (
     chat,
     concurrency,
     document,
+    edits,
     memory,
+    mixed,
     restart,
     restore,
     shared_system,
 )
 
-_MODULES = (chat, agent, shared_system, burst, concurrency, document, restart, memory)
+_MODULES = (
+    chat,
+    agent,
+    shared_system,
+    burst,
+    concurrency,
+    document,
+    edits,
+    restart,
+    memory,
+    mixed,
+)
 WORKLOADS: dict[str, ModuleType] = {m.NAME: m for m in (*_MODULES, restore, blas)}
 assert tuple(WORKLOADS) == ALL_WORKLOADS
