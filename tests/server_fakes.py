@@ -323,6 +323,7 @@ class FakeEngine:
                     "idle_s": now - e["created"],
                     "pinned": e["pinned"],
                     "refs": 0,
+                    "shared_bytes": 0,
                 }
                 for t, e in self._stored.items()
             ]
