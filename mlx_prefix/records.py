@@ -13,6 +13,18 @@ from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """Structured output: the reply must be JSON (engine/constraints.py enforces it)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None  # the JSON schema as JSON text; None: any JSON object
+    name: str | None = None  # json_schema.name, echoed only
+    # The request field to blame when the schema cannot be compiled ("response_format",
+    # "text.format"): the engine compiles it, the API family names it.
+    param: str = field(default="response_format", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
@@ -20,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    response_format: ResponseFormat | None = None  # None: free text
 
 
 @dataclass(frozen=True, slots=True)

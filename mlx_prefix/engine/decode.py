@@ -19,7 +19,7 @@ from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
 from mlx_prefix.engine.sampling import TokenSampler, normalize
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.records import DoneEvent, TokenEvent
+from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
 
@@ -30,7 +30,7 @@ class DecodePhase:
         model: LoadedModel,
         store: PromptCache,
         bytes_key: str,
-        end: Callable[[Job, DoneEvent], None],
+        end: Callable[[Job, DoneEvent | ErrorEvent], None],
         on_reply: Callable[[Job, str], None],
     ):
         self.model = model
@@ -54,7 +54,7 @@ class DecodePhase:
         caller closes the prefill after."""
         job = task.job
         prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
-        sampler = TokenSampler(job.sampling)
+        sampler = TokenSampler(job.sampling, job.constraint)
         logprobs = normalize(logits)  # [1, V]
         first = sampler(logprobs)  # [1]
         token = int(first.item())
@@ -93,13 +93,17 @@ class DecodePhase:
 
     def _accept_token(self, running: Running, token: int, logprob: float | None) -> bool:
         """Hand a sampled token to its request; True if the request ended with it."""
+        constraint = running.job.constraint
+        if constraint is not None and not constraint.advance(token):
+            self._finish(running, "error", f"constrained decoding failed: {constraint.error}")
+            return True
         if token in self.model.tokenizer.eos_token_ids:
             self._finish(running, "stop")
             return True
         running.count += 1
         delta = running.stream.add(token)
         running.job.handle.emit(TokenEvent(delta, token, logprob))
-        if running.stream.stopped:
+        if running.stream.stopped or (constraint is not None and constraint.finished):
             self._finish(running, "stop")
         elif running.count >= running.limit:
             self._finish(running, "length")
@@ -107,7 +111,7 @@ class DecodePhase:
             return False
         return True
 
-    def _finish(self, running: Running, reason: str) -> None:
+    def _finish(self, running: Running, reason: str, error: str | None = None) -> None:
         job = running.job
         tail = running.stream.finish()
         if tail:
@@ -117,6 +121,9 @@ class DecodePhase:
             self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
         else:
             self.store.drop_active(self._bytes_key)
+        if error is not None:
+            self._end(job, ErrorEvent(error))
+            return
         decode_s = time.perf_counter() - running.first_at
         decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
         ttft = running.first_at - job.submitted_at

@@ -35,6 +35,7 @@ from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
+from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
@@ -75,6 +76,7 @@ class Engine:
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
         self.planner = PromptPlanner(model.tokenizer, self.cache_config)
+        self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
         self.store = store or PromptCache(
             self.cache_config.budget_bytes, self.cache_config.max_entries
         )
@@ -158,8 +160,13 @@ class Engine:
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
+        fmt = sampling.response_format
+        constraint = self.constraints.create(fmt) if fmt is not None else None
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
-        self.lifecycle.put(Job(handle, rendered, sampling, cache, time.perf_counter(), prompt))
+        now = time.perf_counter()
+        self.lifecycle.put(
+            Job(handle, rendered, sampling, cache, now, prompt, constraint=constraint)
+        )
         return handle
 
     def warm(

@@ -1,7 +1,9 @@
 """Per-request token sampling that does not depend on what else is in the batch.
 
 Each request owns its PRNG key chain (from its seed, or a random one), so a seeded
-request samples the same tokens whether it decodes alone or next to others.
+request samples the same tokens whether it decodes alone or next to others. A request
+with a constraint (engine/constraints.py) samples only among the tokens it allows: its
+own row is masked and renormalized, so the other rows never see it.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import random
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
+from mlx_prefix.engine.constraints import Constraint
 from mlx_prefix.records import SamplingParams
 
 
 class TokenSampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
         self.params = params
+        self.constraint = constraint
         # top_p 0 keeps only the most likely token (OpenAI accepts 0 <= top_p <= 1).
         self.greedy = params.temperature <= 0 or params.top_p <= 0
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -24,6 +28,9 @@ class TokenSampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         """logprobs [1, V] (normalized) -> token [1] (lazy)."""
+        if self.constraint is not None:
+            allowed = self.constraint.allowed(logprobs.shape[-1])  # [V]
+            logprobs = normalize(mx.where(allowed, logprobs, -mx.inf))
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
         self._key, key = mx.random.split(self._key)
