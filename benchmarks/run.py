@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             "path": str(model.path),
             "description": model.description,
             "servers_up_s": up,
+            "blas": {s.name: s.blas() for s in servers},  # what each process mapped
         }
         ctx = Context(
             plan.sizes, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log

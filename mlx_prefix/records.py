@@ -31,7 +31,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    logprobs: bool = False
+    logprobs: bool = False  # report each sampled token's logprob
+    top_logprobs: int = 0  # and this many most likely tokens at each position (with logprobs)
     response_format: ResponseFormat | None = None  # None: free text
 
 
@@ -80,10 +81,19 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position, and its log-probability."""
+
+    token: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     text: str  # detokenized text delta (may be "" while a multi-byte char is incomplete)
     token: int | None  # None for a final flush of held-back text
     logprob: float | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()  # most likely first; when the request asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,9 @@ DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
 _DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
 
 
+_IDS_LOCK = threading.Lock()
+
+
 @dataclass
 class FakeTokenizer:
     has_tool_calling: bool = False
@@ -55,8 +58,25 @@ class FakeTokenizer:
     tool_call_end: str | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
 
-    def decode(self, tokens: list[str]) -> str:
-        return "".join(tokens)  # the fake's tokens are words with their leading space
+    # The fake engine's tokens: one id per word it emits, never reused (see `token_for`).
+    pieces: dict[int, str] = field(default_factory=dict)
+
+    def token_for(self, piece: str) -> int:
+        with _IDS_LOCK:
+            token = 1000 + len(self.pieces)
+            self.pieces[token] = piece
+            return token
+
+    # A prompt word's id, stable for the fake's life (what listings with token ids show).
+    vocab: dict[str, int] = field(default_factory=dict)
+
+    def ids(self, *words: str) -> tuple[int, ...]:
+        with _IDS_LOCK:
+            return tuple(self.vocab.setdefault(w, -1 - len(self.vocab)) for w in words)
+
+    def decode(self, ids: list[int]) -> str:
+        words = {i: w for w, i in self.vocab.items()} if any(i < 0 for i in ids) else {}
+        return "".join(self.pieces[i] if i >= 0 else words[i] for i in ids)
 
     @classmethod
     def with_json_tools(cls) -> FakeTokenizer:
@@ -290,14 +310,19 @@ class FakeEngine:
     def cache_entries(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         with self._lock:
-            return [
+            return [  # the real engine's schema: asdict(EntryInfo)
                 {
+                    "entry_id": e["id"],
+                    "model_key": "fake-model-key",
                     "tokens": len(t),
-                    "bytes": len(t) * 1000,
+                    "nbytes": len(t) * 1000,
                     "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
+                    "trimmable": True,
                     "hits": e["hits"],
                     "age_s": now - e["created"],
+                    "idle_s": now - e["created"],
                     "pinned": e["pinned"],
+                    "refs": 0,
                 }
                 for t, e in self._stored.items()
             ]
@@ -320,7 +345,7 @@ class FakeEngine:
                         pinned=e["pinned"],
                         refs=0,
                     ),
-                    t,
+                    self.model.tokenizer.ids(*t),
                 )
                 for t, e in self._stored.items()
             ]
@@ -431,7 +456,8 @@ class FakeEngine:
                 decode_tokens_per_s=(emitted - 1) / decode_s if emitted > 1 and decode_s else 0.0,
             )
 
-        for token_id, piece in enumerate(words(reply)):
+        tokenizer = self.model.tokenizer
+        for piece in words(reply):
             if delay:
                 handle.cancelled.wait(delay)
             if handle.cancelled.is_set():
@@ -452,10 +478,11 @@ class FakeEngine:
             if hits:
                 cut = min(hits)
                 if cut > len(before):
-                    handle.push(TokenEvent(text[len(before) : cut], 1000 + token_id, logprob))
+                    cut_piece = text[len(before) : cut]
+                    handle.push(TokenEvent(cut_piece, tokenizer.token_for(cut_piece), logprob))
                 handle.push(DoneEvent("stop", usage()))
                 return
-            handle.push(TokenEvent(piece, 1000 + token_id, logprob))
+            handle.push(TokenEvent(piece, tokenizer.token_for(piece), logprob))
         handle.push(DoneEvent("stop", usage()))
 
 

@@ -131,12 +131,17 @@ def test_a_request_that_cannot_use_a_running_prefetch_takes_over():
         engine.shutdown()
 
 
-def test_prefetch_can_be_turned_off():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
+@pytest.mark.parametrize("enabled", [True, False])
+def test_prefetch_can_be_turned_off(enabled):
+    # No delay, and a control run: with the flag on, the same turn starts a prefetch well
+    # within the time the "off" run is watched, so an ignored flag would show.
+    config = EngineConfig(prefetch_next_turn=enabled, prefetch_delay_s=0.0)
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
     try:
         history = chat(("user", "Hi"), ("assistant", "Hello."), ("user", "How are you?"))
         run(engine, history, sampling=SamplingParams(max_tokens=4))
-        time.sleep(0.2)
-        assert engine.prefetch.started == 0
+        started = wait_for(lambda: engine.prefetch.started == 1, timeout=60.0 if enabled else 3.0)
+        assert started is enabled
+        assert engine.prefetch.started == int(enabled)
     finally:
         engine.shutdown()

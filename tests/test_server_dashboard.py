@@ -104,7 +104,7 @@ def test_snapshot_merges_memory_and_disk_nodes_by_their_tokens():
     engine.submit(prompt, SamplingParams(max_tokens=4))  # stores one entry
     (mem,) = engine.cache_sequences()
     on_both = _disk_info("f1", mem.tokens, 500)
-    disk_only = _disk_info("f2", (*mem.tokens, " delta", " epsilon"))
+    disk_only = _disk_info("f2", (*mem.tokens, *engine.model.tokenizer.ids(" delta", " epsilon")))
     engine.disk_sequences = lambda: [on_both, disk_only]  # type: ignore[method-assign]
     body = snapshot(engine, RecentRequests(), TreeShapes(), Caller(None, None))
     root, child = body["tree"]

@@ -34,7 +34,7 @@ from mlx_prefix.cache.records import (
     StoredTokens,
 )
 from mlx_prefix.cache.reuse import best_reuse
-from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.cache.trie import TokenIds, TokenTrie
 
 
 @dataclass(slots=True, eq=False)
@@ -161,7 +161,7 @@ class PromptCache:
         A trimmable insert drops stored trimmable strict prefixes of no higher kind
         that are neither pinned nor locked: trimming the new entry serves them.
         """
-        key = tuple(tokens)
+        key = TokenIds(tokens)  # packed once for the trie walks below
         if payload.length != len(key):
             raise ValueError(f"payload length {payload.length} != {len(key)} tokens")
         with self._lock:

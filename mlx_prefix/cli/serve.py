@@ -50,6 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "api_key": args.api_key,
         "responses_store": args.responses_store,
+        # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
+        "log_level": "debug" if getattr(args, "verbose", False) else None,
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,

@@ -59,6 +59,8 @@ from mlx_prefix.records import (
 
 log = logging.getLogger("mlx_prefix.engine")
 
+SHUTDOWN_SAVES_S = 30.0  # after the requests, a shutdown writes queued disk saves this long
+
 __all__ = ["Engine", "PrefetchStats", "WarmResult", "cache_key"]
 
 
@@ -87,7 +89,13 @@ class Engine:
         # A server-wide scope of "off" disables the tier: no folder, no files, and no
         # per-request scope can turn it back on.
         self.disk = (
-            DiskTier(disk_config, self.model_key, always_trimmable(fresh_cache))
+            DiskTier(
+                disk_config,
+                self.model_key,
+                always_trimmable(fresh_cache),
+                self.store,
+                bytes_key=f"engine-{id(self):x}-disk",
+            )
             if disk_config is not None and disk_config.scope != "off" and self.cache_config.enabled
             else None
         )
@@ -122,6 +130,7 @@ class Engine:
         )
         self._closing = False  # the engine thread saw the shutdown marker
         self._stopping = False  # the grace period is over: cancel running requests too
+        self._abandon_saves = False  # shutdown's time for queued disk saves is over
         self._thread = threading.Thread(target=self._loop, name="mlx-prefix-engine", daemon=True)
         self._thread.start()
 
@@ -212,6 +221,7 @@ class Engine:
             disk = asdict(self.disk.cache.stats())
             disk["directory"] = str(disk["directory"])
             disk["pending_saves"] = self.disk.pending
+            disk["dropped_saves"] = self.disk.dropped  # each logged when dropped
             stats["disk"] = disk
         return stats
 
@@ -246,16 +256,23 @@ class Engine:
         """Drop one of this model's entries from memory (a disk copy stays)."""
         return self.store.evict_entry(self.model_key, entry_id)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop accepting; cancel what waits; let running requests finish until
-        `timeout`, then cancel them too; join the engine thread."""
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = SHUTDOWN_SAVES_S) -> None:
+        """Stop accepting; cancel what waits; let running requests finish until `timeout`,
+        then cancel them too; write the queued disk saves for up to `save_timeout` more,
+        then drop the rest with a log line each (DESIGN 11); join the engine thread."""
         if self._prefetcher is not None:
             self._prefetcher.close()
         self.lifecycle.close()
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._stopping = True
-            self._thread.join(5)
+            self._thread.join(save_timeout)
+        if self._thread.is_alive():
+            self._abandon_saves = True
+            self._thread.join(5)  # the file being written, if any
+        if self._thread.is_alive():
+            pending = self.disk.pending if self.disk is not None else 0
+            log.warning("the engine thread is still busy; %d queued disk save(s) lost", pending)
 
     # -- engine thread -------------------------------------------------------------
     def _loop(self) -> None:
@@ -266,6 +283,8 @@ class Engine:
             self.lifecycle.stop_accepting()
             self._take_inbox(block=False)
             self._fail_all(MlxPrefixError("the engine stopped"), waiting_too=True)
+            if self.disk is not None:
+                self.disk.drop_pending("the engine stopped")
             # MLX requires each thread to destroy its own streams before it exits, or
             # the process may abort at exit ("terminate called without an active exception").
             mx.clear_streams()
@@ -274,6 +293,9 @@ class Engine:
         while True:
             idle = not (self._waiting.has_requests() or self._prefill.task or len(self._decode))
             saving = self.disk is not None and self.disk.pending > 0
+            if saving and self._abandon_saves:
+                self.disk.drop_pending("the shutdown's time for disk saves ran out")
+                saving = False
             if self._closing and idle and not saving:
                 return  # queued saves are written first: a shutdown keeps what disk should
             try:

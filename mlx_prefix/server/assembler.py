@@ -4,7 +4,7 @@ prompt/tool_calls.py, shared with the engine's next-turn prefetch)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
@@ -32,34 +32,51 @@ class Assembler:
     splitter: ReplySplitter | None = None
     formatter: ToolCallFormatter | None = None
     made_tool_call: bool = False
+    tokenizer: Any = None  # decodes the tokens of logprobs
+    _texts: dict[int, str] = field(default_factory=dict)  # token id -> its text
 
     @classmethod
     def for_request(cls, req: GenerationRequest, tokenizer: Any, streaming: bool) -> Assembler:
         syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
-        return cls.build(req.sampling.logprobs, syntax, req.prompt, streaming)
+        return cls.build(req.sampling.logprobs, syntax, req.prompt, streaming, tokenizer)
 
     @classmethod
     def build(
-        cls, logprobs: bool, syntax: ToolSyntax | None, prompt: PromptInput, streaming: bool
+        cls,
+        logprobs: bool,
+        syntax: ToolSyntax | None,
+        prompt: PromptInput,
+        streaming: bool,
+        tokenizer: Any = None,
     ) -> Assembler:
         """Tool calls are parsed when `syntax` is given (tools offered, the tokenizer
         knows their markup), named by the prompt's reply_tool_call_ids."""
         if syntax is None:
-            return cls(logprobs=logprobs)
+            return cls(logprobs=logprobs, tokenizer=tokenizer)
         ids = prompt.reply_tool_call_ids
         return cls(
             logprobs=logprobs,
             splitter=ReplySplitter(syntax),
             formatter=ToolCallFormatter(syntax, prompt.tools, streaming, ids),
+            tokenizer=tokenizer,
         )
 
     def feed(self, event: TokenEvent) -> Delta:
         lps = []
         if self.logprobs and event.logprob is not None:
-            lps.append(R.TokenLogprob(event.text, event.logprob))
+            # Each token as decoded on its own, the sampled one like its alternatives (the
+            # text delta may hold back a stop string or an incomplete character).
+            token = self._text(event.token) if event.token is not None else event.text
+            top = tuple(R.Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
+            lps.append(R.TokenLogprob(token, event.logprob, top))
         if self.splitter is None:
             return Delta(event.text, [], lps)
         return self._split(self.splitter.feed(event.text), lps)
+
+    def _text(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self.tokenizer.decode([token])
+        return self._texts[token]
 
     def finish(self) -> Delta:
         if self.splitter is None:

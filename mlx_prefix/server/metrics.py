@@ -116,7 +116,16 @@ def _is_number(value: Any) -> bool:
 _COUNTERS = frozenset({"hits", "misses", "tokens_reused", "evictions"})
 # Monotonic totals of the disk tier (DiskStats); files, bytes and the rest are gauges.
 _DISK_COUNTERS = frozenset(
-    {"hits", "misses", "saves", "save_failures", "load_failures", "evictions", "removed"}
+    {
+        "hits",
+        "misses",
+        "saves",
+        "save_failures",
+        "load_failures",
+        "evictions",
+        "removed",
+        "dropped_saves",
+    }
 )
 _DOCS = {
     "bytes": "Bytes held by stored prefix-cache snapshots",

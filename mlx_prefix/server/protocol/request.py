@@ -45,6 +45,7 @@ def generation_request(
     limits: Limits,
     logprobs: bool,
     *,
+    top_logprobs: int = 0,
     parse_tools: bool,
 ) -> GenerationRequest:
     n = integer(body, "n", 1, lo=1, hi=None)
@@ -65,6 +66,7 @@ def generation_request(
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         stop=_stop(body),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     return GenerationRequest(
         kind=kind,

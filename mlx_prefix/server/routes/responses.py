@@ -58,7 +58,9 @@ async def create_response(request: Request) -> Response:
         raise
     record.prompt_tokens = handle.prompt_tokens
     st.inflight.add(handle)
-    assembler = Assembler.build(req.sampling.logprobs, syntax, prompt, streaming=False)
+    assembler = Assembler.build(
+        req.sampling.logprobs, syntax, prompt, streaming=False, tokenizer=st.engine.model.tokenizer
+    )
     head = ResponseHead(
         id=response_id,
         model=model,
