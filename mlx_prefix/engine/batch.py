@@ -86,9 +86,10 @@ class DecodeBatch:
         """One decode step for every row. Logprobs (and the `top_n` most likely tokens)
         only when asked: computed with the tokens, in the same evaluation."""
         inputs = mx.array(self._inputs)[:, None]  # [B, 1]
-        logprobs = normalize(self.model(inputs, cache=self.cache)[:, -1, :])  # [B, V]
+        logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+        logprobs = normalize(logits)
         tokens = mx.concatenate(
-            [s(logprobs[i : i + 1]) for i, s in enumerate(self._samplers)]
+            [s(logprobs[i : i + 1], logits[i : i + 1]) for i, s in enumerate(self._samplers)]
         )  # [B]
         out = [tokens]
         if want_logprobs:

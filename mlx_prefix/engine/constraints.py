@@ -19,7 +19,6 @@ CPU cores) for a 3-property schema, tokens drawn at random from each mask:
 - lm-format-enforcer 0.11.3: pure Python; 3.7 s per tokenizer, mask median 430 us,
   mean 1.9 ms, p95 9.9 ms.
 - xgrammar 0.2.8: requires torch and triton, which this project does not install.
-(`benchmarks/bench_constraints.py` measures llguidance through this module.)
 
 Whitespace is fixed (`", "` and `": "`, no newlines): a model, or a random-weight test
 model, can then not pad a reply with whitespace forever, and every byte it writes is
@@ -163,4 +162,3 @@ def _bad_schema(param: str, reason: str) -> InvalidRequest:
     if len(reason) > MAX_ERROR_CHARS:
         reason = reason[:MAX_ERROR_CHARS] + "..."
     return InvalidRequest(f"{param}: the JSON schema cannot be used: {reason}", param=param)
-

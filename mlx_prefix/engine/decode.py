@@ -54,9 +54,9 @@ class DecodePhase:
         caller closes the prefill after."""
         job = task.job
         prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
-        sampler = TokenSampler(job.sampling, job.constraint)
+        sampler = self._sampler(job)
         logprobs = normalize(logits)  # [1, V]
-        first = sampler(logprobs)  # [1]
+        first = sampler(logprobs, logits)  # [1]
         token = int(first.item())
         logprob, top = None, ()
         if job.sampling.logprobs:
@@ -95,6 +95,13 @@ class DecodePhase:
         self.steps += 1
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+
+    def _sampler(self, job: Job) -> TokenSampler:
+        special: list[int] = []
+        if job.sampling.xtc_probability > 0:  # as mlx_lm.server: XTC never cuts these
+            tokenizer = self.model.tokenizer
+            special = tokenizer.encode("\n") + sorted(tokenizer.eos_token_ids)
+        return TokenSampler(job.sampling, job.constraint, job.tokens, special)
 
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""

@@ -79,6 +79,7 @@ class Engine:
         self.config = engine_config or EngineConfig()
         self.planner = PromptPlanner(model.tokenizer, self.cache_config)
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
+        self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or PromptCache(
             self.cache_config.budget_bytes, self.cache_config.max_entries
         )
@@ -165,7 +166,7 @@ class Engine:
 
         `fit_reply`: refuse a prompt that leaves less than `max_tokens` of the context
         for the reply; otherwise the reply is cut at the context's end."""
-        check_sampling(sampling, cache)
+        check_sampling(sampling, cache, self.vocab_size)
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
