@@ -23,6 +23,8 @@ from mlx_prefix.engine.constraints import Constraint
 from mlx_prefix.engine.logits import LogitsAdjuster
 from mlx_prefix.records import SamplingParams, TopLogprob
 
+XTC_SALT = 0x58_54_43  # "XTC": a different seed for the coin chain, still in 64 bits
+
 
 class TokenSampler:
     def __init__(
@@ -41,6 +43,9 @@ class TokenSampler:
         self.greedy = params.temperature <= 0 or params.top_p <= 0 or params.top_k == 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._key = mx.random.key(seed)
+        # XTC's coins from a chain of their own: the token draws are those of the same
+        # seed without XTC, so what XTC changes is its cut alone.
+        self._coin_key = mx.random.key(seed ^ XTC_SALT)
 
     def __call__(self, logprobs: mx.array, logits: mx.array | None = None) -> mx.array:
         """logprobs [1, V] (normalized) and the raw `logits` [1, V] they came from
@@ -61,10 +66,9 @@ class TokenSampler:
     def _sample(self, logprobs: mx.array) -> mx.array:
         p = self.params
         xtc = p.xtc_probability > 0
+        self._key, key = mx.random.split(self._key)
         if xtc:
-            self._key, key, coin = mx.random.split(self._key, 3)
-        else:
-            self._key, key = mx.random.split(self._key)
+            self._coin_key, coin = mx.random.split(self._coin_key)
         if p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p > 0:
