@@ -19,6 +19,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,18 @@ class CachePreference:
     scope: str | None = None  # disk policy override: off | full | auto[:N] | N
 
 
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """Where a client marked its stable prefix (Anthropic's `cache_control`): the end of
+    `messages[message]`, or of its first `chars` characters of content; with `tool` set
+    (and `message` None), the end of `tools[tool]`. It becomes a checkpoint of its own
+    kind (prompt/breakpoints.py), aligned onto the chunk grid."""
+
+    message: int | None = None
+    chars: int | None = None  # None: the whole message
+    tool: int | None = None
+
+
 @dataclass(frozen=True)
 class PromptInput:
     """Exactly one of `messages` (chat) or `text` (raw completion)."""
@@ -37,6 +50,11 @@ class PromptInput:
     text: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The client's cache breakpoints; they change only which prefixes are kept.
+    breakpoints: tuple[Breakpoint, ...] = ()
+    # Text the assistant's turn opens with, after the generation prompt (a forced tool
+    # call's opening, server/tool_choice.py); the reply continues it.
+    assistant_prefix: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +65,9 @@ class Usage:
     ttft_s: float  # submit -> first token
     prefill_tokens_per_s: float  # over the tokens actually computed
     decode_tokens_per_s: float
+    # Prompt tokens this request computed and left in the cache: the furthest position
+    # it stored (a checkpoint, or the prompt's end) less cached_tokens; 0 if none.
+    cache_written_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +81,7 @@ class TokenEvent:
 class DoneEvent:
     finish_reason: Literal["stop", "length", "cancelled"]
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it (finish "stop")
 
 
 @dataclass(frozen=True, slots=True)

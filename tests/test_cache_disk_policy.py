@@ -76,6 +76,7 @@ def test_default_scope_is_auto_16():
 @dataclass(frozen=True)
 class _Cp:
     position: int
+    kind: CheckpointKind = CheckpointKind.HISTORY
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,19 @@ def test_auto_caches_the_prefix_shared_with_recent_requests():
     assert policy.select("m", _req(2), align8) == [40]
     # An identical request shares everything: its largest checkpoint.
     assert policy.select("m", _req(2), align8) == [64]
+
+
+def test_auto_persists_client_breakpoints_at_first_sight():
+    # The client marked 40 (cache_control): saved before any other request shares it,
+    # and alongside the shared prefix afterwards.
+    policy = DiskPolicy("auto")
+    marked = (_Cp(16), _Cp(40, CheckpointKind.BREAKPOINT), _Cp(64))
+    first = _Prompt(tuple(SYSTEM + list(range(500, 530))), marked)
+    assert policy.select("m", first, align8) == [40]
+    again = _Prompt(first.tokens, marked)
+    assert policy.select("m", again, align8) == [40, 64]
+    assert policy.select("m", again, align8, trimmable=True) == [64]
+    assert policy.select("m", again, align8, "off") == []
 
 
 def test_auto_window_counts_requests():

@@ -7,7 +7,9 @@ Scopes, per server (default) and per request (`prefix_cache.scope` overrides it)
   auto[:N] the longest common token prefix between this request and any of the last N
            requests of the same model (default N = 16), aligned down to the largest
            checkpoint of this prompt at or below it (a chat boundary, stable across
-           turns); nothing while no earlier request shares a checkpoint with it
+           turns); nothing while no earlier request shares a checkpoint with it.
+           And the client's own breakpoints (BREAKPOINT checkpoints, `cache_control`)
+           from their first sight: the client says it will send those prefixes again
 
 A shorter, shared prefix hits across requests whose tails differ (tool results, the
 latest turn), where a full-prompt key would miss: `auto` trades cached tokens for hit
@@ -26,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
+
+from mlx_prefix.cache.records import CheckpointKind
 
 DEFAULT_AUTO_WINDOW = 16
 MAX_AUTO_WINDOW = 128  # requests remembered per model key (4 bytes per token each)
@@ -94,6 +98,8 @@ def _positive(s: str) -> int | None:
 class _Position(Protocol):
     @property
     def position(self) -> int: ...
+    @property
+    def kind(self) -> CheckpointKind: ...
 
 
 class PromptLike(Protocol):
@@ -158,7 +164,12 @@ class DiskPolicy:
         else:
             shared = max((_common_prefix(packed, h) for h in recent), default=0)
             below = [p for p in checkpoints if p <= shared]
-            positions = below[-1:]
+            marked = {
+                cp.position
+                for cp in prompt.checkpoints
+                if cp.kind is CheckpointKind.BREAKPOINT and 0 < cp.position <= n
+            }
+            positions = sorted(set(below[-1:]) | marked)
         positions = [p for p in positions if p >= self.min_tokens]
         return positions[-1:] if trimmable else positions
 

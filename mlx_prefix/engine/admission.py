@@ -27,6 +27,8 @@ def check_sampling(sampling: SamplingParams, cache: CachePreference) -> None:
     """Raise InvalidRequest for sampling or cache settings the engine cannot honour."""
     if sampling.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if sampling.top_k < 0:
+        raise InvalidRequest("top_k must be at least 0 (0: no limit)", param="top_k")
     if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
         raise InvalidRequest("seed must be between 0 and 2**64 - 1", param="seed")
     DiskTier.parse_scope(cache.scope)

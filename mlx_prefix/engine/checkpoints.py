@@ -18,6 +18,9 @@ from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
 from mlx_prefix.prompt.grid import ChunkGrid
 
+# Kinds an all-KV cache stores besides its prompt's end (which trimming serves from).
+KEPT_FOR_KV = frozenset({CheckpointKind.SYSTEM, CheckpointKind.BREAKPOINT})
+
 
 @dataclass(frozen=True, slots=True)
 class WaitingPrompt:
@@ -67,6 +70,7 @@ class Checkpointer:
     shared: SharedPrefixes | None
     disk: DiskTier | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
+    on_stored: Callable[[int], None] = lambda position: None  # a prefix went into memory
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -107,10 +111,11 @@ class Checkpointer:
         at_end = position == len(tokens)
         if at_end and kind is None:
             kind = CheckpointKind.HISTORY
-        # An all-KV cache keeps its end (trimming serves every shorter prefix) and its
-        # system prompt, which then outlives the conversations' ends under pressure.
+        # An all-KV cache keeps its end (trimming serves every shorter prefix), its
+        # system prompt and the client's breakpoints, which then outlive the
+        # conversations' ends under pressure.
         in_memory = kind is not None and (
-            self.keep_every_checkpoint or at_end or kind is CheckpointKind.SYSTEM
+            self.keep_every_checkpoint or at_end or kind in KEPT_FOR_KV
         )
         to_disk = self.disk is not None and position in self.disk_positions
         if not in_memory and not to_disk:
@@ -120,5 +125,6 @@ class Checkpointer:
         # An off-grid end (raw completions) is only reusable by trimming back.
         if in_memory and (not at_end or snapshot.trimmable or position in self.planned):
             self.store.insert(self.model_key, tokens[:position], snapshot, kind)
+            self.on_stored(position)
         if to_disk:
             self.disk.defer(tokens[:position], snapshot, kind)

@@ -46,6 +46,7 @@ class Job:
     not_before: float = 0.0  # monotonic time a background job may start
     passovers: int = 0
     ended: bool = False  # its last event was sent; nothing more may follow
+    stored_to: int = 0  # furthest prompt position its prefill stored in the cache
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -98,6 +99,7 @@ def usage(
         ttft_s=ttft,
         prefill_tokens_per_s=prefill_tps,
         decode_tokens_per_s=decode_tps,
+        cache_written_tokens=max(0, job.stored_to - reuse),
     )
 
 

@@ -166,8 +166,20 @@ class PrefillPhase:
             disk_positions = frozenset(
                 self.disk.positions(job.prompt, self.align(tokens), job.cache_pref.scope)
             )
+
+        def stored(position: int) -> None:
+            job.stored_to = max(job.stored_to, position)
+
         return Checkpointer(
-            job.prompt, cache, reuse, self.store, self.model_key, shared, self.disk, disk_positions
+            job.prompt,
+            cache,
+            reuse,
+            self.store,
+            self.model_key,
+            shared,
+            self.disk,
+            disk_positions,
+            on_stored=stored,
         )
 
 

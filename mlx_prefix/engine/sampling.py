@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from mlx_prefix.records import SamplingParams
 
@@ -17,8 +17,9 @@ from mlx_prefix.records import SamplingParams
 class TokenSampler:
     def __init__(self, params: SamplingParams):
         self.params = params
-        # top_p 0 keeps only the most likely token (OpenAI accepts 0 <= top_p <= 1).
-        self.greedy = params.temperature <= 0 or params.top_p <= 0
+        # top_p 0 keeps only the most likely token (OpenAI accepts 0 <= top_p <= 1), and
+        # so does top_k 1.
+        self.greedy = params.temperature <= 0 or params.top_p <= 0 or params.top_k == 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._key = mx.random.key(seed)
 
@@ -27,6 +28,8 @@ class TokenSampler:
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
         self._key, key = mx.random.split(self._key)
+        if 0 < self.params.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.params.top_k)
         if self.params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.params.top_p)
         return mx.random.categorical(logprobs * (1 / self.params.temperature), key=key)
