@@ -108,6 +108,8 @@ class FakeHandle:
     def __init__(self, request_id: str, prompt_tokens: int):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens: int | None = None
+        self.cache_written_tokens: int | None = None
         self.cancelled = threading.Event()
         self._events: list[Event] = []
         self._cond = threading.Condition()
@@ -229,6 +231,9 @@ class FakeEngine:
         )
         handle.thread.start()
         return handle
+
+    def count_tokens(self, prompt: PromptInput) -> int:
+        return len(words(render(prompt)))
 
     def start_warm(self, prompt: PromptInput, pin: bool = False) -> tuple[FakeHandle, Future]:
         """Like Engine.start_warm: a cancellable warm-up whose future gives a WarmResult.

@@ -163,13 +163,25 @@ def test_model_aliases(client, alias):
     assert r.choices[0].message.content == DEFAULT_REPLY
 
 
-def test_unknown_model_lists_served_models(client):
-    with pytest.raises(openai.NotFoundError) as err:
-        client.chat.completions.create(model="gpt-4o", messages=user("hi"))
+def test_unknown_model_is_answered_by_the_default_model(client):
+    r = client.chat.completions.create(model="gpt-4o-mini", messages=user("unknown name"))
+    assert r.model == "fake-model"  # says which model answered
+    assert r.choices[0].message.content == DEFAULT_REPLY
+
+
+def test_strict_model_names_lists_served_models():
+    with serving(strict_model_names=True, aliases=("house",)) as (url, _):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.NotFoundError) as err:
+                client.chat.completions.create(model="gpt-4o", messages=user("hi"))
+            assert client.chat.completions.create(model="house", messages=user("a")).model == (
+                "fake-model"
+            )
     error = err.value.body
     assert err.value.status_code == 404
     assert error["code"] == "model_not_found"
     assert "gpt-4o" in error["message"] and "fake-model" in error["message"]
+    assert "house" in error["message"]
 
 
 def test_models_list(client):
