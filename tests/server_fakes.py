@@ -52,6 +52,9 @@ class FakeTokenizer:
     tool_call_start: str | None = None
     tool_call_end: str | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
+    has_thinking: bool = False
+    think_start: str | None = None
+    think_end: str | None = None
 
     @classmethod
     def with_json_tools(cls) -> FakeTokenizer:
@@ -63,6 +66,9 @@ class FakeTokenizer:
             tool_call_start=json_tools.tool_call_start,
             tool_call_end=json_tools.tool_call_end,
             tool_parser=json_tools.parse_tool_call,
+            has_thinking=True,
+            think_start="<think>",
+            think_end="</think>",
         )
 
 
@@ -224,6 +230,9 @@ class FakeEngine:
             handle = FakeHandle(request_id or f"fake-{self._ids}", len(tokens))
             self.submissions.append(Submission(prompt, sampling, cache, request_id))
             self.handles.append(handle)
+        # The fake stores every prompt it sees whole (like a trimmable cache's end).
+        handle.cached_tokens = cached
+        handle.cache_written_tokens = len(tokens) - cached if cache.enabled else 0
         handle.thread = threading.Thread(
             target=self._generate,
             args=(handle, directives, sampling, len(tokens), cached),
@@ -363,6 +372,7 @@ class FakeEngine:
                 cached_tokens=cached,
                 ttft_s=ttft,
                 prefill_tokens_per_s=(prompt_tokens - cached) / max(ttft, 1e-6),
+                cache_written_tokens=handle.cache_written_tokens or 0,
                 decode_tokens_per_s=(emitted - 1) / decode_s if emitted > 1 and decode_s else 0.0,
             )
 
@@ -379,8 +389,8 @@ class FakeEngine:
                 handle.push(DoneEvent("length", usage()))
                 return
             before, text = text, text + piece
-            hits = [text.find(s, max(0, len(before) - len(s) + 1)) for s in sampling.stop]
-            hits = [h for h in hits if h >= 0]
+            found = [(text.find(s, max(0, len(before) - len(s) + 1)), s) for s in sampling.stop]
+            hits = [h for h, _ in found if h >= 0]
             first = first or time.perf_counter()
             emitted += 1
             logprob = -0.25 if sampling.logprobs else None
@@ -388,7 +398,8 @@ class FakeEngine:
                 cut = min(hits)
                 if cut > len(before):
                     handle.push(TokenEvent(text[len(before) : cut], 1000 + token_id, logprob))
-                handle.push(DoneEvent("stop", usage()))
+                matched = next(s for h, s in found if h == cut)
+                handle.push(DoneEvent("stop", usage(), matched))
                 return
             handle.push(TokenEvent(piece, 1000 + token_id, logprob))
         handle.push(DoneEvent("stop", usage()))

@@ -77,6 +77,7 @@ def test_default_scope_is_auto_16():
 class _Cp:
     position: int
     kind: CheckpointKind = CheckpointKind.HISTORY
+    marked: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ def test_auto_persists_client_breakpoints_at_first_sight():
     # and alongside the shared prefix afterwards.
     policy = DiskPolicy("auto")
     marked = (_Cp(16), _Cp(40, CheckpointKind.BREAKPOINT), _Cp(64))
+    on_system = (_Cp(16), _Cp(40, CheckpointKind.SYSTEM, marked=True), _Cp(64))
+    assert DiskPolicy("auto").select("m", _Prompt(tuple(range(70)), on_system), align8) == [40]
     first = _Prompt(tuple(SYSTEM + list(range(500, 530))), marked)
     assert policy.select("m", first, align8) == [40]
     again = _Prompt(first.tokens, marked)

@@ -8,8 +8,9 @@ Scopes, per server (default) and per request (`prefix_cache.scope` overrides it)
            requests of the same model (default N = 16), aligned down to the largest
            checkpoint of this prompt at or below it (a chat boundary, stable across
            turns); nothing while no earlier request shares a checkpoint with it.
-           And the client's own breakpoints (BREAKPOINT checkpoints, `cache_control`)
-           from their first sight: the client says it will send those prefixes again
+           And the client's own breakpoints (`cache_control`: BREAKPOINT checkpoints,
+           or others they landed on) from their first sight: the client says it will
+           send those prefixes again
 
 A shorter, shared prefix hits across requests whose tails differ (tool results, the
 latest turn), where a full-prompt key would miss: `auto` trades cached tokens for hit
@@ -100,6 +101,8 @@ class _Position(Protocol):
     def position(self) -> int: ...
     @property
     def kind(self) -> CheckpointKind: ...
+    @property
+    def marked(self) -> bool: ...
 
 
 class PromptLike(Protocol):
@@ -167,7 +170,7 @@ class DiskPolicy:
             marked = {
                 cp.position
                 for cp in prompt.checkpoints
-                if cp.kind is CheckpointKind.BREAKPOINT and 0 < cp.position <= n
+                if (cp.marked or cp.kind is CheckpointKind.BREAKPOINT) and 0 < cp.position <= n
             }
             positions = sorted(set(below[-1:]) | marked)
         positions = [p for p in positions if p >= self.min_tokens]

@@ -54,6 +54,7 @@ _PROBES = (("system", "user", "assistant", "user"), ("user", "assistant", "user"
 class Checkpoint:
     position: int  # tokens before the cut; a grid point
     kind: CheckpointKind
+    marked: bool = False  # a client breakpoint landed here (whatever kind won)
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,9 @@ class PromptPlanner:
             add(start(len(messages) - 1), CheckpointKind.LAST_MESSAGE)
             if messages[0]["role"] in ("system", "developer"):
                 add(start(1), CheckpointKind.SYSTEM)
+        marked = set()
         for position in breakpoint_positions(self.renderer, prompt, messages, tokens, start):
             add(position, CheckpointKind.BREAKPOINT)
-        return self._with_tail(n, found)
+            marked.add(grid.align(tokens, position))
+        planned = self._with_tail(n, found)
+        return tuple(Checkpoint(c.position, c.kind, c.position in marked) for c in planned)
