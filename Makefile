@@ -40,12 +40,23 @@ $(STAMP): pyproject.toml
 
 install: system-deps $(STAMP)
 
-# Headless Chromium for the browser (CORS + streaming fetch) test.
+# Headless Chromium for the browser (CORS + streaming fetch) test, and Claude Code for
+# the agent end-to-end test: its native binary from npm, without the postinstall, into a
+# git-ignored folder (the test finds it there).
+CLAUDE_CODE_VERSION := 2.1.328
+TEST_CLIENTS := .test-clients
+
 test-deps:
 ifeq ($(HOST_OS),Linux)
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq chromium || echo "warning: no chromium; browser test skips"; }
 endif
+	@if ! command -v npm >/dev/null; then echo "warning: no npm; the Claude Code test skips"; \
+	elif ! grep -qs '"version": "$(CLAUDE_CODE_VERSION)"' \
+	    $(TEST_CLIENTS)/node_modules/@anthropic-ai/claude-code/package.json; then \
+	  npm install --prefix $(TEST_CLIENTS) --ignore-scripts --no-audit --no-fund \
+	    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
+	  || echo "warning: could not install Claude Code; its end-to-end test skips"; fi
 
 test: install test-deps
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
@@ -68,4 +79,4 @@ bench-full: install
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile full
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache $(TEST_CLIENTS)

@@ -161,6 +161,10 @@ def test_thinking_maps_to_the_template_switch():
     adaptive = parse(thinking={"type": "adaptive", "display": "omitted"})
     assert adaptive.generation.prompt.chat_template_kwargs == {}
     assert adaptive.show_thinking is False
+    low = parse(thinking={"type": "adaptive"}, output_config={"effort": "low"})
+    assert low.generation.prompt.chat_template_kwargs == {"enable_thinking": False}
+    medium = parse(thinking={"type": "adaptive"}, output_config={"effort": "medium"})
+    assert medium.generation.prompt.chat_template_kwargs == {}
 
 
 def test_tool_choice_modes():
@@ -251,7 +255,7 @@ BAD = {
         "thinking.budget_tokens",
     ),
     "thinking type": ({"thinking": {"type": "sometimes"}}, "thinking.type"),
-    "effort low": ({"output_config": {"effort": "low"}}, "output_config.effort"),
+    "effort unknown": ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
     "context edit": (
         {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
         "context_management.edits[0]",

@@ -14,9 +14,12 @@ Every field is honoured or refused with a 400 naming it:
   (adaptive: the template's default); `budget_tokens` is checked as Anthropic does, and
   the reasoning is bounded by max_tokens (Anthropic documents the budget as a target);
   `display: "omitted"` leaves the reasoning out of the reply;
+- `output_config.effort`: a local model has one knob for how hard it works, whether it
+  reasons before answering, so "low" turns the template's thinking off (unless
+  `thinking` enables it) and the other levels leave it as `thinking` says;
 - `context_management` edits `clear_thinking_20251015` (keep all, or the last N turns);
-  `output_config.effort` "high" (Anthropic's default); `metadata` is ignored (it names
-  the caller, nothing about the reply); `service_tier` has one tier here.
+  `metadata` is ignored (it names the caller, nothing about the reply); `service_tier`
+  has one tier here.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .request import (
 )
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's minimum budget_tokens
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
 @dataclass(frozen=True)
@@ -225,9 +229,15 @@ def _tool_choice(body: dict[str, Any], tools: _Tools, thinking: bool | None) -> 
 
 def _thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[bool | None, bool]:
     """(the template's enable_thinking: None for its default, whether to show reasoning)."""
+    effort = (field(body, "output_config", dict, None) or {}).get("effort", "high")
+    if effort not in EFFORTS:
+        raise InvalidRequest(
+            f"output_config.effort must be one of {', '.join(EFFORTS)}",
+            param="output_config.effort",
+        )
     thinking = field(body, "thinking", dict, None)
-    if thinking is None:
-        return None, True
+    if thinking is None or (effort == "low" and thinking.get("type") != "enabled"):
+        return (False if effort == "low" else None), True
     kind = thinking.get("type")
     display = thinking.get("display", "summarized")
     if display not in ("summarized", "omitted"):
@@ -308,11 +318,6 @@ def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     field(body, "metadata", dict, None)  # ignored, but it must be an object
     output = field(body, "output_config", dict, None) or {}
-    if output.get("effort", "high") != "high":
-        raise InvalidRequest(
-            f"output_config.effort {output['effort']!r}: only 'high' (the default) is served",
-            param="output_config.effort",
-        )
     if output.get("format") is not None:
         raise InvalidRequest(
             "output_config.format: structured outputs are not supported",
