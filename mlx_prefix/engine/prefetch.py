@@ -37,6 +37,8 @@ def wants_prefetch(source: PromptInput, reply: str, tool_call_start: str | None)
     `tool_calls` that the template renders its own way, not as the text we produced."""
     if source.messages is None or (tool_call_start and tool_call_start in reply):
         return False
+    if source.assistant_prefix:  # the reply continues a forced tool call: a call too
+        return False
     return bool(source.tools) or any(m.get("role") == "assistant" for m in source.messages)
 
 
