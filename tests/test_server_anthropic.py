@@ -283,3 +283,21 @@ def test_x_api_key_as_the_sdk_sends_it():
             with pytest.raises(anthropic.AuthenticationError) as err:
                 bad.messages.create(model="m", max_tokens=8, messages=user("k"))
     assert err.value.body["error"]["type"] == "authentication_error"
+
+
+def test_statuses_map_to_anthropic_error_types():
+    with serving(max_body_bytes=4096) as (url, _):
+        big = {"model": "m", "max_tokens": 8, "messages": user("x" * 8000)}
+        r = httpx.post(f"{url}/v1/messages", json=big)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+        busy = {"model": "m", "max_tokens": 8, "messages": user("[[busy]]")}
+        r = httpx.post(f"{url}/messages", json=busy)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        crash = {"model": "m", "max_tokens": 8, "messages": user("[[crash]]")}
+        r = httpx.post(f"{url}/v1/messages", json=crash)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+        r = httpx.get(f"{url}/v1/messages")
+        assert r.status_code == 405 and r.json()["type"] == "error"
+        r = httpx.post(f"{url}/v1/messages", json=big, headers={"Origin": "https://evil.example"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert httpx.get(f"{url}/health").status_code == 200
