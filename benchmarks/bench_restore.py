@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from mlx_prefix.cache.snapshot import Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.cache.trie import TokenIds
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,10 @@ def eval_state(cache: list[Any]) -> list[Any]:
 
 def bench(n: int, args: argparse.Namespace) -> Row:
     tokens = list(range(n))
-    query = [*tokens, -1]  # the prefix plus one new token
+    # The prefix plus one new token, as the engine holds a prompt: token ids packed once
+    # at render time (RenderedPrompt.tokens), in the caller's thread, not per lookup.
+    query = TokenIds([*tokens, -1])
+    lru_query = [*tokens, -1]  # what mlx-lm's LRUPromptCache takes
     source = make_cache(n, args.layers, args.heads, args.dim, args.pad)
     snap: Snapshot = capture(source, n)
 
@@ -113,7 +117,7 @@ def bench(n: int, args: argparse.Namespace) -> Row:
     lru.insert_cache("m", tokens, source)
 
     def fetch() -> list[Any]:
-        cache, rest = lru.fetch_nearest_cache("m", query)
+        cache, rest = lru.fetch_nearest_cache("m", lru_query)
         assert rest == [-1]
         return eval_state(cache)
 

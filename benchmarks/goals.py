@@ -1,7 +1,7 @@
 """The issues' benchmark goals, computed from one run's JSON document.
 
-- issue 3: restore at 32K cached tokens under 1 ms, flat in prefix length, no copy of
-  the prefix in memory;
+- issue 3: restore at 32K cached tokens under 1 ms, what a request pays (trie lookup +
+  restore) flat in prefix length, no copy of the prefix in memory;
 - issue 4: reuse efficiency 1.00 on the multi-turn chat, >= 0.95 on the agent loop
   (tools + thinking), dense and hybrid;
 - issue 5: a cold burst of 6 requests sharing a ~500-token instruction in at most 0.4x
@@ -37,7 +37,9 @@ class Goal:
     def status(self) -> str:
         if self.met is not None:
             return "met" if self.met else "not met"
-        return "not measured" if self.target and self.value is None else "(information)"
+        if not self.target:
+            return "(information)"
+        return "not measured" if self.value is None else "not judged"  # `shown` says why
 
 
 def evaluate(doc: dict[str, Any]) -> list[Goal]:
@@ -72,11 +74,21 @@ def _burst(doc: dict[str, Any]) -> list[Goal]:
         if w["skipped"]:
             out.append(Goal(5, what, w["model"], None, f"skipped: {w['skipped']}", target, None))
             continue
-        ours = w["servers"].get(OURS, {}).get("extra", {}).get("cold_wall_s")
-        peer = w["servers"].get(PEER, {}).get("extra", {}).get("cold_wall_s")
+        ours_x = w["servers"].get(OURS, {}).get("extra", {})
+        peer_x = w["servers"].get(PEER, {}).get("extra", {})
+        ours, peer = ours_x.get("cold_wall_s"), peer_x.get("cold_wall_s")
         r = _ratio(ours, peer)
-        shown = "not measured" if r is None else f"{r:.2f}x ({ours:.1f} s / {peer:.1f} s)"
-        out.append(Goal(5, what, w["model"], r, shown, target, None if r is None else r <= 0.4))
+        if r is None:
+            out.append(Goal(5, what, w["model"], None, "not measured", target, None))
+            continue
+        shown = f"{r:.2f}x ({ours:.1f} s / {peer:.1f} s)"
+        # Not judged unless both servers generated the same number of tokens.
+        n_ours, n_peer = ours_x.get("cold_completion_tokens"), peer_x.get("cold_completion_tokens")
+        if n_ours != n_peer or n_ours is None:
+            shown += f"; not comparable: completion tokens {n_ours} vs {n_peer}"
+            out.append(Goal(5, what, w["model"], r, shown, target, None))
+            continue
+        out.append(Goal(5, what, w["model"], r, shown, target, r <= 0.4))
     return out or [_missing(5, what, target)]
 
 
@@ -124,14 +136,17 @@ def _reuse(doc: dict[str, Any], name: str, what: str, goal: float) -> list[Goal]
             out.append(Goal(4, what, w["model"], None, "not measured", target, None))
             continue
         reuse = w["servers"][OURS]["reuse"]
-        shown = f"{eff:.2f}"
+        over = reuse.get("over_reported") or 0
+        shown = _efficiency(eff)
         if reuse.get("background"):
-            path = reuse["request_path_efficiency"]
-            shown += f" ({path:.2f} on the requests' path, {reuse['background']} tokens prefetched)"
-        shown += "" if peer is None else f"; mlx_lm.server {peer:.2f}"
-        # Shown to two places; 1.00 means nothing recomputed to that precision. Judged on
-        # all prefill work, the background prefetch included.
-        met = round(eff, 2) >= goal
+            path = _efficiency(reuse["request_path_efficiency"])
+            shown += f" ({path} on the requests' path, {reuse['background']} tokens prefetched)"
+        if over:
+            shown += f"; **over-reported**: {over} more cached tokens than it computed"
+        shown += "" if peer is None else f"; mlx_lm.server {_efficiency(peer)}"
+        # Judged on the raw value, all prefill work included (the background prefetch):
+        # 0.996 is not 1.00, and above 1.0 the server's cached-token count is wrong.
+        met = goal <= eff and not over
         out.append(Goal(4, what, w["model"], eff, shown, target, met))
     return out or [_missing(4, what, target)]
 
@@ -147,9 +162,13 @@ def _messages_agent(doc: dict[str, Any]) -> list[Goal]:
             out.append(Goal(13, reuse_what, w["model"], None, why, "1.00", None))
             continue
         ours, peer = w["servers"].get(OURS, {}), w["servers"].get(PEER, {})
-        path = (ours.get("reuse") or {}).get("request_path_efficiency")
-        shown = "not measured" if path is None else f"{path:.2f}"
-        met = None if path is None else round(path, 2) >= 1.0
+        reuse = ours.get("reuse") or {}
+        path, over = reuse.get("request_path_efficiency"), reuse.get("over_reported") or 0
+        shown = "not measured" if path is None else _efficiency(path)
+        if over:
+            shown += f"; **over-reported**: {over} more cached tokens than it computed"
+        # Judged on the raw value, as _reuse does: 0.996 is not 1.00.
+        met = None if path is None else path >= 1.0 and not over
         out.append(Goal(13, reuse_what, w["model"], path, shown, "1.00", met))
         ours_ttft, peer_ttft = _warm_ttft(ours), _warm_ttft(peer)
         r = _ratio(ours_ttft, peer_ttft)
@@ -175,6 +194,10 @@ def _warm_ttft(result: dict[str, Any]) -> float | None:
     return sum(ttfts) if ttfts and all(t is not None for t in ttfts) else None
 
 
+def _efficiency(x: float) -> str:
+    return f"{x:.3f}"  # three places: 0.996 is not 1.00
+
+
 def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -198,14 +221,16 @@ def _restore(doc: dict[str, Any]) -> list[Goal]:
         shown = f"{ms:.2f} ms at {at} tokens ({fetch})"
         out.append(Goal(3, what, model, ms, shown, "< 1 ms", ms < 1.0))
     if len(rows) > 1:
-        flat = _ratio(big["restore_ms"], small["restore_ms"])
+        # Judged on what a request pays: the trie lookup grows with the prefix, restore
+        # alone does not.
+        key = "lookup_restore_ms"
+        flat = _ratio(big[key], small[key])
         shown = (
-            f"{flat:.1f}x ({big['restore_ms']:.2f} ms at {at} / {small['restore_ms']:.2f} ms "
+            f"{flat:.1f}x ({big[key]:.2f} ms at {at} / {small[key]:.2f} ms "
             f"at {_tokens(small['tokens'])}; prefix {big['tokens'] // small['tokens']}x longer)"
         )
-        out.append(
-            Goal(3, "restore time, flat in prefix length", model, flat, shown, "<= 2x", flat <= 2)
-        )
+        what = "lookup + restore time, flat in prefix length"
+        out.append(Goal(3, what, model, flat, shown, "<= 2x", flat <= 2))
     extra, prefix = big["restore_extra_mib"], big["prefix_mib"]
     shown = (
         f"{extra:.1f} MiB for a {prefix:.0f} MiB prefix at {at} "

@@ -66,21 +66,22 @@ class ServerResult:
     def reuse(self) -> dict[str, Any]:
         """Prefilled vs novel tokens. efficiency = novel / prefilled (1.0: nothing
         recomputed; 0.25: four times the necessary prefill), counting background prefill;
-        request_path_efficiency leaves it out (what the requests waited for)."""
+        request_path_efficiency leaves it out (what the requests waited for). Raw values:
+        above 1.0 the server reported more cached tokens than it can have computed
+        (`over_reported`: by how many tokens), which is a measurement error, not reuse."""
         rows = [s for s in self.samples if s.prompt_tokens is not None and s.novel_tokens]
         novel = sum(s.novel_tokens or 0 for s in rows)
         if not rows or any(s.cached_tokens is None for s in rows):
             return {"prefilled": None, "novel": novel or None, "efficiency": None}
         on_path = sum((s.prompt_tokens or 0) - (s.cached_tokens or 0) for s in rows)
         prefilled = on_path + self.background_tokens
-        eff = min(1.0, novel / prefilled) if prefilled else None
-        path_eff = min(1.0, novel / on_path) if on_path else None
         return {
             "prefilled": prefilled,
             "background": self.background_tokens,
             "novel": novel,
-            "efficiency": eff,
-            "request_path_efficiency": path_eff,
+            "efficiency": novel / prefilled if prefilled else None,
+            "request_path_efficiency": novel / on_path if on_path else None,
+            "over_reported": max(0, novel - prefilled),
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import goals, profiles, report
+from . import goals, profiles, report, screenshot
 from .harness import Context, ServerResult, WorkloadResult, run_async
 from .models import BenchModel, Tokens, resolve
 from .profiles import MODEL_WORKLOADS, ONCE_WORKLOADS, Sizes
@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, help="override the profile's reply length")
     p.add_argument(
+        "--dashboard-png",
+        action="store_true",
+        help="after the first chat workload, save a screenshot of mlx-prefix's dashboard "
+        "as <report-dir>/results/dashboard.png (needs playwright and /usr/bin/chromium)",
+    )
+    p.add_argument(
         "--report",
         type=Path,
         metavar="JSON",
@@ -65,7 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_model(ctx: Context, names: list[str]) -> list[WorkloadResult]:
+def run_model(ctx: Context, names: list[str], png: Path | None = None) -> list[WorkloadResult]:
+    """Run the workloads on the shared servers; `png`: where to save a screenshot of our
+    dashboard right after the chat workload (None: no screenshot)."""
     results = []
     servers = list(ctx.servers.values())
     for i, name in enumerate(names):
@@ -102,6 +110,8 @@ def run_model(ctx: Context, names: list[str]) -> list[WorkloadResult]:
             )
         log(f"  {name} took {wr.elapsed_s:.1f}s (server starts and cold checks included)")
         results.append(wr)
+        if name == "chat" and png is not None:
+            screenshot.dashboard_png(ctx.servers[OURS].url, png, log)
     return results
 
 
@@ -176,12 +186,15 @@ def main(argv: list[str] | None = None) -> int:
             "path": str(model.path),
             "description": model.description,
             "servers_up_s": up,
+            "blas": {s.name: s.blas() for s in servers},  # what each process mapped
         }
         ctx = Context(
             plan.sizes, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log
         )
+        first_chat = "chat" in names and not any(r.workload == "chat" for r in results)
+        png = args.report_dir / "results" / "dashboard.png" if args.dashboard_png else None
         try:
-            results += run_model(ctx, names)
+            results += run_model(ctx, names, png if first_chat else None)
         finally:
             ctx.close()
             for s in servers:

@@ -111,6 +111,12 @@ class Server:
     def start(self) -> Server:
         return self.launch().wait_ready()
 
+    def blas(self) -> str | None:
+        """The BLAS the server process loaded (None: cannot tell on this system)."""
+        from .claims import loaded_blas
+
+        return "accelerate" if sys.platform == "darwin" else loaded_blas(self.pid)
+
     def rss_bytes(self) -> int | None:
         """Resident set size of the server process (Linux /proc; psutil elsewhere)."""
         try:

@@ -7,6 +7,7 @@ the engine thread: they hold plain Python values, never MLX arrays.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,8 +19,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    logprobs: bool = False
     top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
+    logprobs: bool = False  # report each sampled token's logprob
+    top_logprobs: int = 0  # and this many most likely tokens at each position (with logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,19 @@ class Breakpoint:
     tool: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallIds:
+    """How the API layer names the tool calls of one request's reply: the i-th call is
+    `prefix` + a digest of (`seed`, i). Deterministic, so the engine's next-turn prefetch
+    renders the ids the client will send back (Mistral and Kimi templates print them)."""
+
+    seed: str  # the request's id
+    prefix: str = "call_"  # OpenAI's; Anthropic's tool_use ids start "toolu_"
+
+    def id(self, index: int) -> str:
+        return self.prefix + hashlib.sha256(f"{self.seed}#{index}".encode()).hexdigest()[:24]
+
+
 @dataclass(frozen=True)
 class PromptInput:
     """Exactly one of `messages` (chat) or `text` (raw completion)."""
@@ -55,6 +70,9 @@ class PromptInput:
     # Text the assistant's turn opens with, after the generation prompt (a forced tool
     # call's opening, server/tool_choice.py); the reply continues it.
     assistant_prefix: str = ""
+    # How the reply's tool calls will be named (None: after the engine's request id).
+    # Not part of the prompt's identity: it changes nothing rendered.
+    reply_tool_call_ids: ToolCallIds | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +89,19 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position, and its log-probability."""
+
+    token: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     text: str  # detokenized text delta (may be "" while a multi-byte char is incomplete)
     token: int | None  # None for a final flush of held-back text
     logprob: float | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()  # most likely first; when the request asked
 
 
 @dataclass(frozen=True, slots=True)

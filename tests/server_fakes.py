@@ -28,7 +28,9 @@ from typing import Any
 
 import uvicorn
 
+from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
 from mlx_prefix.records import (
     CachePreference,
@@ -46,6 +48,9 @@ DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
 _DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
 
 
+_IDS_LOCK = threading.Lock()
+
+
 @dataclass
 class FakeTokenizer:
     has_tool_calling: bool = False
@@ -55,6 +60,26 @@ class FakeTokenizer:
     has_thinking: bool = False
     think_start: str | None = None
     think_end: str | None = None
+
+    # The fake engine's tokens: one id per word it emits, never reused (see `token_for`).
+    pieces: dict[int, str] = field(default_factory=dict)
+
+    def token_for(self, piece: str) -> int:
+        with _IDS_LOCK:
+            token = 1000 + len(self.pieces)
+            self.pieces[token] = piece
+            return token
+
+    # A prompt word's id, stable for the fake's life (what listings with token ids show).
+    vocab: dict[str, int] = field(default_factory=dict)
+
+    def ids(self, *words: str) -> tuple[int, ...]:
+        with _IDS_LOCK:
+            return tuple(self.vocab.setdefault(w, -1 - len(self.vocab)) for w in words)
+
+    def decode(self, ids: list[int]) -> str:
+        words = {i: w for w, i in self.vocab.items()} if any(i < 0 for i in ids) else {}
+        return "".join(self.pieces[i] if i >= 0 else words[i] for i in ids)
 
     @classmethod
     def with_json_tools(cls) -> FakeTokenizer:
@@ -286,8 +311,12 @@ class FakeEngine:
                 **self._stats,
                 "entries": len(self._stored),
                 "bytes": nbytes,
-                "bytes_by_kind": {"kv": nbytes},
+                "bytes_by_kind": {"LAST_MESSAGE": nbytes},
+                "entries_by_kind": {"LAST_MESSAGE": len(self._stored)},
                 "active_bytes": 0,
+                "active_requests": 0,
+                "pinned": sum(e["pinned"] for e in self._stored.values()),
+                "locked": 0,
                 "budget_bytes": 1 << 30,
                 "hit_ratio": self._stats["hits"] / lookups if lookups else 0.0,
             }
@@ -295,17 +324,77 @@ class FakeEngine:
     def cache_entries(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         with self._lock:
-            return [
+            return [  # the real engine's schema: asdict(EntryInfo)
                 {
+                    "entry_id": e["id"],
+                    "model_key": "fake-model-key",
                     "tokens": len(t),
-                    "bytes": len(t) * 1000,
+                    "nbytes": len(t) * 1000,
                     "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
+                    "trimmable": True,
                     "hits": e["hits"],
                     "age_s": now - e["created"],
+                    "idle_s": now - e["created"],
                     "pinned": e["pinned"],
+                    "refs": 0,
                 }
                 for t, e in self._stored.items()
             ]
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+        now = time.monotonic()
+        with self._lock:
+            return [
+                StoredTokens(
+                    EntryInfo(
+                        entry_id=e["id"],
+                        model_key=self.model.identity,
+                        tokens=len(t),
+                        nbytes=len(t) * 1000,
+                        kind=CheckpointKind.LAST_MESSAGE,
+                        trimmable=True,
+                        hits=e["hits"],
+                        age_s=now - e["created"],
+                        idle_s=now - e["created"],
+                        pinned=e["pinned"],
+                        refs=0,
+                    ),
+                    self.model.tokenizer.ids(*t),
+                )
+                for t, e in self._stored.items()
+            ]
+
+    def disk_sequences(self) -> list:
+        return []
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        with self._lock:
+            for e in self._stored.values():
+                if e["id"] == entry_id:
+                    e["pinned"] = pinned
+                    return True
+            return False
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        with self._lock:
+            for t, e in self._stored.items():
+                if e["id"] == entry_id:
+                    if e["pinned"]:
+                        return EvictOutcome.PINNED
+                    del self._stored[t]
+                    return EvictOutcome.EVICTED
+            return EvictOutcome.MISSING
+
+    def activity(self) -> Activity:
+        """The requests still generating, as the real engine reports decoding ones."""
+        with self._lock:
+            running = [h for h in self.handles if not h.finished]
+        jobs = tuple(
+            JobView(h.request_id, "request", "decoding", h.prompt_tokens, 0, h.prompt_tokens,
+                    len(h._events), 0, time.perf_counter())
+            for h in running
+        )  # fmt: skip
+        return Activity(jobs, 8, time.perf_counter())
 
     def flush_cache(self) -> int:
         with self._lock:
@@ -343,7 +432,13 @@ class FakeEngine:
             else:
                 self._stats["misses"] += 1
             if store and tokens not in self._stored:
-                self._stored[tokens] = {"hits": 0, "created": time.monotonic(), "pinned": False}
+                self._ids += 1
+                self._stored[tokens] = {
+                    "id": self._ids,
+                    "hits": 0,
+                    "created": time.monotonic(),
+                    "pinned": False,
+                }
             return max(best, 0)
 
     def _generate(
@@ -376,7 +471,8 @@ class FakeEngine:
                 decode_tokens_per_s=(emitted - 1) / decode_s if emitted > 1 and decode_s else 0.0,
             )
 
-        for token_id, piece in enumerate(words(reply)):
+        tokenizer = self.model.tokenizer
+        for piece in words(reply):
             if delay:
                 handle.cancelled.wait(delay)
             if handle.cancelled.is_set():
@@ -397,11 +493,12 @@ class FakeEngine:
             if hits:
                 cut = min(hits)
                 if cut > len(before):
-                    handle.push(TokenEvent(text[len(before) : cut], 1000 + token_id, logprob))
+                    cut_piece = text[len(before) : cut]
+                    handle.push(TokenEvent(cut_piece, tokenizer.token_for(cut_piece), logprob))
                 matched = next(s for h, s in found if h == cut)
                 handle.push(DoneEvent("stop", usage(), matched))
                 return
-            handle.push(TokenEvent(piece, 1000 + token_id, logprob))
+            handle.push(TokenEvent(piece, tokenizer.token_for(piece), logprob))
         handle.push(DoneEvent("stop", usage()))
 
 

@@ -460,7 +460,6 @@ def _swap_in(path: Path, source: Path) -> None:
     [
         ("other_tokens", "differ from the index"),
         ("other_model", "differ from the index"),
-        ("other_runtime", "written by mlx-lm 0.0.1"),
         ("version_1", "format version 1"),
         ("shape_swapped", "header does not match its digest"),
         ("offset_changed", "header does not match its digest"),
@@ -482,8 +481,6 @@ def test_a_file_changed_after_the_scan_is_not_served(
         _swap_in(path, _valid_file_of(other_dir, key, _tokens(model, 64, offset=100)))
     elif change == "other_model":  # the same tokens, another model
         _swap_in(path, _valid_file_of(other_dir, "another-model", tokens))
-    elif change == "other_runtime":
-        _rewrite_meta(path, runtime="mlx-lm 0.0.1")
     elif change == "version_1":
         _write_v1(path)
     elif change == "shape_swapped":
@@ -501,6 +498,46 @@ def test_a_file_changed_after_the_scan_is_not_served(
     assert any(message in m for m in _warnings(caplog)), _warnings(caplog)
     assert not path.exists() and disk.match(key, req, _align(req)) is None
     assert disk.stats().load_failures == 1 and disk.stats().hits == 0
+    disk.check_integrity()
+
+
+def test_another_runtimes_file_is_not_served_and_not_deleted(saved, caplog):
+    # Two servers of different mlx-lm versions sharing the folder write the same name:
+    # the other's file is valid, only not ours.
+    d, key, tokens, path = saved
+    disk = DiskCache(d)
+    req = _request(tokens)
+    match = disk.match(key, req, _align(req))
+    _rewrite_meta(path, runtime="mlx-lm 0.0.1")
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert disk.load(match) is None
+    assert any("written by mlx-lm 0.0.1" in m for m in _warnings(caplog)), _warnings(caplog)
+    assert path.exists() and disk.match(key, req, _align(req)) is None
+    assert disk.stats().load_failures == 1 and disk.stats().removed == 0
+    disk.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "error", [MemoryError(), OSError(errno.EMFILE, os.strerror(errno.EMFILE))], ids=repr
+)
+def test_a_transient_load_error_keeps_the_file(saved, monkeypatch, caplog, error):
+    d, key, tokens, path = saved
+    disk = DiskCache(d)
+    req = _request(tokens)
+    match = disk.match(key, req, _align(req))
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(disk_payload, "open", failing, raising=False)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert disk.load(match) is None
+    assert any("the file is kept" in m and path.name in m for m in _warnings(caplog))
+    assert path.exists() and disk.stats().load_failures == 1 and disk.stats().removed == 0
+    monkeypatch.undo()
+    again = disk.match(key, req, _align(req))  # still indexed: the next request loads it
+    assert again is not None and disk.load(again) is not None
+    assert disk.stats().hits == 1
     disk.check_integrity()
 
 
@@ -595,6 +632,7 @@ def test_files_of_another_mlx_lm_version_are_kept_but_never_matched(saved):
     disk = DiskCache(d)
     assert disk.stats().files == 1 and path.exists()
     assert disk.match(key, _request(tokens), _align(_request(tokens))) is None
+    assert disk.sequences(key) == []  # what cannot serve this model is not listed for it
 
 
 def _dead_pid() -> int:
@@ -739,6 +777,54 @@ def test_budget_evicts_least_recently_accessed(tmp_path: Path):
     assert len(list((tmp_path / "c").iterdir())) == 1
 
 
+def test_every_deletion_is_logged_with_its_reason(tmp_path: Path, caplog):
+    probe = DiskCache(tmp_path / "probe")
+    assert probe.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)
+    size = probe.stats().bytes
+    folder = tmp_path / "c"
+    disk = DiskCache(folder, budget_bytes=int(1.5 * size))
+    names = {}
+    for first in (1, 2, 3):
+        assert disk.save("m", _seq(first), _kv_snapshot(32, first), HISTORY)
+        names[first] = disk.entries()[-1].name
+    with caplog.at_level(logging.INFO, LOGGER):
+        disk.set_budget(None)  # nothing evicted: no line
+        assert not caplog.records
+        DiskCache(folder, budget_bytes=1)  # a smaller budget at startup (another server)
+
+    def lines(name: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if name in r.getMessage()]
+
+    (line,) = lines(names[3])
+    assert "evicting" in line and "at startup" in line and f"{size} bytes" in line
+    long = _seq(7, 48)
+    full = _kv_snapshot(48, 0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, LOGGER):
+        assert disk.save("m", long[:32], capture(restore(full, trim=16), 32), HISTORY)
+        short = disk.entries()[-1].name
+        assert disk.save("m", long, full, HISTORY)  # the 32-token file is now redundant
+        (line,) = lines(short)
+        assert "removing" in line and "serves it by trimming" in line
+        assert disk.clear("m") >= 1
+    assert any("cleared" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_mtime_update_is_logged(tmp_path: Path, monkeypatch, caplog):
+    disk = DiskCache(tmp_path)
+    assert disk.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)
+
+    def failing(*args, **kwargs):
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(os, "utime", failing)
+    match = disk.match("m", _seq(1) + [5], lambda n: n)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert disk.load(match) is not None
+    (line,) = _warnings(caplog)
+    assert "mtime" in line and match.name in line and os.strerror(errno.EPERM) in line
+
+
 def test_a_checkpoint_larger_than_the_budget_is_not_saved(tmp_path: Path):
     disk = DiskCache(tmp_path, budget_bytes=1000)
     assert not disk.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)
@@ -835,6 +921,9 @@ def test_entries_clear_and_stats(tmp_path: Path):
     assert disk.save("a", _seq(2), _kv_snapshot(32, 1), CheckpointKind.SYSTEM)
     assert disk.save("b", _seq(1), _kv_snapshot(32, 2), HISTORY)
     assert {e.kind for e in disk.entries("a")} == {"HISTORY", "SYSTEM"}
+    listed = disk.sequences("a")
+    assert sorted(s.tokens for s in listed) == sorted([tuple(_seq(1)), tuple(_seq(2))])
+    assert all(s.info.model_key == "a" and s.info.tokens == len(s.tokens) for s in listed)
     assert all(e.trimmable and e.tokens == 32 for e in disk.entries())
     stats = disk.stats()
     assert (

@@ -409,3 +409,82 @@ def test_a_refused_insert_changes_nothing():
     assert c.match(M, seq[:15], ident).reuse_tokens == 10
     assert c.stats().evictions == 0 and c.stats().entries == 2
     c.check_integrity()
+
+
+def test_sequences_list_one_model_key_with_its_tokens_and_change_nothing():
+    c = PromptCache(1000, clock=lambda: 5.0)
+    c.insert(M, seq[:10], snap(seq[:10], trimmable=False), K.SYSTEM)
+    c.insert(M, seq[:30], snap(seq[:30], trimmable=False), K.HISTORY)
+    c.insert("model-b", seq[:20], snap(seq[:20]), K.HISTORY)
+    before = (c.stats(), c.entries())
+    listed = c.sequences(M)
+    assert [s.tokens for s in listed] == [tuple(seq[:30]), tuple(seq[:10])]  # eviction order
+    assert [s.info.tokens for s in listed] == [30, 10]
+    assert {s.info.model_key for s in listed} == {M}
+    assert (c.stats(), c.entries()) == before  # no hit, no recency change
+    assert c.sequences("model-c") == []
+
+
+def test_set_pinned_by_entry_id_keeps_it_through_pressure_and_unpin_lets_it_go():
+    c = PromptCache(30)
+    c.insert(M, seq[:5], snap(seq[:5], trimmable=False), K.PERIODIC)
+    (entry,) = c.entries()
+    assert not c.set_pinned("model-b", entry.entry_id, True)  # another model's namespace
+    assert not c.set_pinned(M, entry.entry_id + 99, True)
+    assert c.set_pinned(M, entry.entry_id, True)
+    assert c.entries()[0].pinned
+    others = []
+    for i in range(2):
+        c.insert(M, [7, i], snap([7, i], trimmable=False), K.SYSTEM)
+        others.append(c.match(M, [7, i, 0], ident).entry_id)
+        assert c.acquire(others[-1]) is not None  # a running request holds it
+    c.set_active_bytes("req", 10)  # over budget; the pinned entry still stays
+    assert entry.entry_id in {e.entry_id for e in c.entries()}
+    assert c.set_pinned(M, entry.entry_id, False)
+    assert entry.entry_id not in {e.entry_id for e in c.entries()}  # unpinning evicted it
+    assert c.stats().evictions == 1
+    for entry_id in others:
+        c.release(entry_id)
+    c.check_integrity()
+
+
+def test_evict_entry_refuses_locked_and_pinned_entries():
+    from mlx_prefix.cache.records import EvictOutcome
+
+    c = PromptCache(1000)
+    c.insert(M, seq[:10], snap(seq[:10], trimmable=False), K.SYSTEM)
+    c.insert(M, seq[:20], snap(seq[:20], trimmable=False), K.HISTORY)
+    system, history = sorted(c.entries(), key=lambda e: e.tokens)
+    assert c.evict_entry("model-b", system.entry_id) is EvictOutcome.MISSING
+    c.pin(M, seq[:10])
+    assert c.evict_entry(M, system.entry_id) is EvictOutcome.PINNED
+    assert c.acquire(history.entry_id) is not None
+    assert c.evict_entry(M, history.entry_id) is EvictOutcome.LOCKED
+    c.release(history.entry_id)
+    assert c.evict_entry(M, history.entry_id) is EvictOutcome.EVICTED
+    assert c.evict_entry(M, history.entry_id) is EvictOutcome.MISSING
+    assert [e.entry_id for e in c.entries()] == [system.entry_id]
+    assert c.stats().evictions == 0  # an asked-for removal, like clear(), is not counted
+    m = c.match(M, seq[:25], ident)
+    assert m.reuse_tokens == 10  # the evicted history no longer serves
+    c.check_integrity()
+
+
+def test_pinned_flags_follow_the_pins_through_insert_unpin_and_clear():
+    c = PromptCache(1000)
+    c.pin(M, seq[:10])  # before the entry exists: the pin covers it once inserted
+    c.insert(M, seq[:10], snap(seq[:10], trimmable=False), K.PERIODIC)
+    c.insert(M, seq[:20], snap(seq[:20], trimmable=False), K.PERIODIC)
+    assert {e.tokens: e.pinned for e in c.entries()} == {10: True, 20: False}
+    assert c.stats().pinned == 1
+    c.check_integrity()
+    held = c.match(M, seq[:11], ident).entry_id
+    assert c.acquire(held) is not None
+    assert c.clear(M) == 1  # the locked entry stays, its pin goes
+    (left,) = c.entries()
+    assert left.entry_id == held and not left.pinned
+    c.check_integrity()
+    c.release(held)
+    assert c.pin(M, seq[:10]) and c.entries()[0].pinned
+    assert c.unpin(M, seq[:10]) and not c.entries()[0].pinned
+    c.check_integrity()

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.cache.trie import TokenIds, TokenTrie
 
 
 def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -67,11 +67,11 @@ def test_nearest_prefers_longest_common_prefix_then_shortest_entry():
     t.insert([1, 2, 3, 4, 5, 6, 7, 8], "deeper")
     t.insert([1, 2, 9], "side")
     n = t.nearest([1, 2, 3, 4, 0], lambda v: True)
-    assert n is not None and n.entry.value == "deep" and n.common == 4
-    assert n.entry.tokens == (1, 2, 3, 4, 5, 6)
+    assert n is not None and n.value == "deep" and n.common == 4
+    assert n.length == 6
     # Reject the deep branch: the best left shares only [1, 2].
     n = t.nearest([1, 2, 3, 4, 0], lambda v: v == "side")
-    assert n is not None and n.entry.value == "side" and n.common == 2
+    assert n is not None and n.value == "side" and n.common == 2 and n.length == 3
     n = t.nearest([5], lambda v: True)  # nothing shared, but an entry still qualifies
     assert n is not None and n.common == 0
     assert t.nearest([1, 2, 3], lambda v: False) is None
@@ -115,8 +115,10 @@ def test_random_operations_agree_with_a_dict():
             assert odd is None
         else:
             assert odd is not None and odd.common == want
-            assert ref[odd.entry.tokens] == odd.entry.value
-            assert _lcp(q, odd.entry.tokens) == want
+            (key,) = [k for k, v in ref.items() if v == odd.value]  # values are unique
+            assert len(key) == odd.length and _lcp(q, key) == want
+            both = t.lookup(q, lambda v: v % 2 == 1)
+            assert both.match == m and both.nearest == odd
         assert {e.tokens for e in t.extensions(q)} == {
             k for k in ref if len(k) > len(q) and k[: len(q)] == q
         }
@@ -124,3 +126,33 @@ def test_random_operations_agree_with_a_dict():
             t.check_integrity()
             assert {e.tokens: e.value for e in t.items()} == ref
     t.check_integrity()
+
+
+@pytest.mark.parametrize("at", [0, 1, 4095, 4096, 4097, 8191, 12288, 19999, None])
+def test_long_sequences_diverging_anywhere(at):
+    # Edges of tens of thousands of tokens are compared in growing memory blocks (the
+    # first is 4096 tokens): the divergence is found exactly wherever it falls.
+    rng = random.Random(at)
+    stored = tuple(rng.randrange(-5, 200_000) for _ in range(20_000))
+    query = list(stored) + [7]
+    if at is not None:
+        query[at] = stored[at] + 1
+    t: TokenTrie[str] = TokenTrie()
+    t.insert(stored, "long")
+    t.insert(stored[:5000], "short")
+    want = len(stored) if at is None else at
+    for q in (query, TokenIds(query)):
+        m = t.match(q)
+        assert m.matched == want
+        assert [a.length for a in m.ancestors] == [n for n in (5000, 20_000) if n <= want]
+        near = t.nearest(q, lambda v: v == "long")
+        assert near is not None and (near.length, near.common) == (20_000, want)
+    assert t.get(TokenIds(stored)) == "long" and t.get(stored[:4096]) is None
+    assert {e.tokens for e in t.extensions(stored[:4097])} == {stored[:5000], stored}
+    t.check_integrity()
+
+
+def test_token_ids_are_a_tuple_with_their_packed_form():
+    ids = TokenIds([3, -1, 2**40])
+    assert ids == (3, -1, 2**40) and hash(ids) == hash((3, -1, 2**40))
+    assert type(ids[:2]) is tuple and len(ids.packed) == 24

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -245,3 +247,29 @@ def test_cache_ls_changes_nothing_on_disk(disk_cache_dir):
     listing = cli("cache", "ls")
     assert listing.returncode == 0 and "bad: " in listing.stderr
     assert bad.exists()  # reported, not removed: only a server's startup scan removes it
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_verbose_serve_keeps_debug_logging(monkeypatch, verbose):
+    # serve() sets the mlx_prefix logger's level from its settings; -v must reach them.
+    from mlx_prefix.cli import main
+    from mlx_prefix.server import app
+
+    seen: dict[str, bool] = {}
+
+    def run(server) -> None:  # instead of serving: look at the logging, then return
+        seen["debug"] = logging.getLogger("mlx_prefix.engine").isEnabledFor(logging.DEBUG)
+
+    monkeypatch.setattr(app._GracefulServer, "run", run)
+    logger = logging.getLogger("mlx_prefix")
+    monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
+    monkeypatch.setattr(logging.getLogger(), "level", logging.getLogger().level)
+    logging.getLogger().setLevel(logging.DEBUG)  # what basicConfig does outside pytest
+    argv = ["serve", "--model", str(cached_test_model("dense")), "--port", "0"]
+    # In a thread of its own: main() clears that thread's MLX streams on its way out.
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(["-v"] * verbose + argv)))
+    thread.start()
+    thread.join(120)
+    assert codes == [0]
+    assert seen["debug"] is verbose

@@ -42,3 +42,15 @@ def test_engine_flags_and_variables_reach_the_engine_config(monkeypatch):
     config = engine_config(args)
     assert (config.max_running, config.max_queued, config.prefetch_next_turn) == (3, 7, False)
     assert engine_config(build_parser().parse_args(["serve"])).prefetch_next_turn is True
+
+
+def test_responses_store_size_from_flag_or_variable(monkeypatch):
+    from mlx_prefix.cli import build_parser
+
+    monkeypatch.setenv("MLX_PREFIX_SERVER_RESPONSES_STORE", "12")
+    assert from_env(ServerSettings, "SERVER").responses_store == 12
+    args = build_parser().parse_args(["serve", "--responses-store", "3"])
+    overrides = {"responses_store": args.responses_store}
+    assert from_env(ServerSettings, "SERVER", overrides).responses_store == 3
+    with pytest.raises(ValueError, match="responses_store"):
+        ServerSettings(responses_store=-1)

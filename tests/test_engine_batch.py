@@ -195,3 +195,82 @@ def test_top_k_sampling_is_seeded_batch_independent_and_top_1_is_greedy(make_eng
         collect(handle)
     wide = SamplingParams(max_tokens=10, temperature=1.5, seed=7)
     assert run(engine, prompt, sampling=wide).tokens != alone  # the limit changed the draw
+
+
+def _mass_above(model, tokens: list[int], token: int) -> float:
+    """Probability of the tokens strictly more likely than `token` after `tokens`, from
+    a direct forward pass."""
+    import mlx.core as mx
+
+    logits = model.model(mx.array([tokens]))[0, -1].astype(mx.float32)  # [V]
+    probs = mx.softmax(logits)
+    return mx.sum(mx.where(probs > probs[token], probs, 0.0)).item()
+
+
+def test_top_p_below_one_changes_seeded_sampling(make_engine):
+    # Same seed, same temperature: top_p < 1 samples only from the nucleus, which a
+    # top_p of 1 does not (an ignored top_p would give identical tokens).
+    engine = make_engine("dense")
+    prompt = chat(("user", "Tell me a story about a lighthouse."))
+    ids = list(engine.plan(prompt).tokens)
+
+    def sample(top_p: float) -> list[int]:
+        params = SamplingParams(max_tokens=12, temperature=1.0, top_p=top_p, seed=7)
+        return run(engine, prompt, sampling=params, cache=False).tokens
+
+    full, nucleus = sample(1.0), sample(0.3)
+    assert sample(0.3) == nucleus  # seeded: the difference is top_p's, not chance
+    assert nucleus != full
+    model = engine.model
+
+    def outside(tokens: list[int]) -> list[bool]:
+        return [_mass_above(model, ids + tokens[:i], t) >= 0.3 + 1e-4 for i, t in enumerate(tokens)]
+
+    assert not any(outside(nucleus))  # every token from the 0.3 nucleus
+    assert any(outside(full))  # top_p = 1 reached beyond it
+
+
+def _reference_top(model, tokens: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The `n` most likely next tokens after `tokens`: log_softmax of a direct forward
+    pass, sorted."""
+    import mlx.core as mx
+    import numpy as np
+
+    logits = model.model(mx.array([tokens]))[0, -1].astype(mx.float32)  # [V]
+    logprobs = np.array(logits - mx.logsumexp(logits))
+    order = np.argsort(-logprobs, kind="stable")[:n]
+    return order.tolist(), logprobs[order].tolist(), logprobs
+
+
+def test_top_logprobs_match_a_direct_forward_pass_alone_and_in_a_batch(make_engine):
+    engine = make_engine("dense")
+    prompts = [chat(("user", f"Name {i + 2} rivers of Europe.")) for i in range(3)]
+    asks = [
+        SamplingParams(max_tokens=6, logprobs=True, top_logprobs=5),
+        SamplingParams(max_tokens=6, logprobs=True, top_logprobs=2),
+        SamplingParams(max_tokens=6),  # no logprobs: none computed for it
+    ]
+    alone = [collect_events(engine.submit(p, s)) for p, s in zip(prompts, asks, strict=True)]
+    handles = [engine.submit(p, s) for p, s in zip(prompts, asks, strict=True)]
+    batched = [collect_events(h) for h in handles]
+    assert engine.peak_batch > 1
+    for prompt, params, solo, together in zip(prompts, asks, alone, batched, strict=True):
+        assert [(e.token, e.logprob, e.top_logprobs) for e in solo] == [
+            (e.token, e.logprob, e.top_logprobs) for e in together
+        ]  # batched decode changes nothing, alternatives included
+        ids = list(engine.plan(prompt).tokens)
+        for event in solo:
+            if not params.logprobs:
+                assert event.logprob is None and event.top_logprobs == ()
+                continue
+            want_ids, want_values, full = _reference_top(engine.model, ids, params.top_logprobs)
+            assert [t.token for t in event.top_logprobs] == want_ids
+            for got, want in zip(event.top_logprobs, want_values, strict=True):
+                assert abs(got.logprob - want) < 1e-4
+            assert abs(event.logprob - full[event.token]) < 1e-4
+            ids.append(event.token)
+
+
+def collect_events(handle) -> list[TokenEvent]:
+    events = [e for e in handle.events(timeout=120) if isinstance(e, TokenEvent)]
+    return [e for e in events if e.token is not None]

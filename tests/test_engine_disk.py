@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
+import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import chat, run, warm_equals_cold
+from mlx_lm.models.cache import KVCache
 
+from mlx_prefix.cache.snapshot import capture
+from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.config import DiskConfig
+from mlx_prefix.engine import disk_tier
+from mlx_prefix.engine.disk_tier import MAX_PENDING_SAVES, DiskTier
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, SamplingParams
@@ -56,29 +64,32 @@ def test_auto_persists_the_prefix_shared_by_recent_requests(tmp_path):
     engine = engine_on("qwen3_5", tmp_path, "auto")
     try:
         third = chat(("system", SYSTEM), ("user", "Can I get a late checkout?"))
-        result = run(engine, third)
+        result = warm_equals_cold(engine, third)  # restored from disk, answers like cold
         system_end = max(
             c.position for c in engine.plan(third).checkpoints if c.kind.name == "SYSTEM"
         )
         assert result.usage.cached_tokens >= system_end
+        assert engine.cache_stats()["disk"]["hits"] == 1
     finally:
         engine.shutdown()
 
 
-def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_path):
+@pytest.mark.parametrize("scope", ["off", None])
+def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_path, scope):
+    # None (the server's "full") is the control: the same request does write.
     engine = engine_on("dense", tmp_path, "full")
     try:
         handle = engine.submit(
             chat(("system", SYSTEM), ("user", "Hi")),
             SamplingParams(max_tokens=3),
-            CachePreference(scope="off"),
+            CachePreference(scope=scope),
         )
         list(handle.events(timeout=60))
         with pytest.raises(InvalidRequest):
             engine.submit(chat(("user", "Hi")), SamplingParams(), CachePreference(scope="most"))
     finally:
         engine.shutdown()
-    assert not list(tmp_path.glob("*.safetensors"))
+    assert len(list(tmp_path.glob("*.safetensors"))) == (0 if scope == "off" else 1)
 
 
 def test_a_few_shared_tokens_are_not_worth_reading_a_file(tmp_path):
@@ -140,8 +151,152 @@ def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_p
 
     restarted = Engine(loaded_test_model("dense"), config, disk_config=disk)
     try:
-        third = ask(restarted, "Is there a garden? ")
+        question = chat(("system", SYSTEM), ("user", document + "Is there a garden? " * 8))
+        third = warm_equals_cold(restarted, question)
         assert third.usage.cached_tokens >= boundary
         assert restarted.cache_stats()["disk"]["hits"] == 1
     finally:
         restarted.shutdown()
+
+
+def _warnings(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= 30 and text in r.getMessage()]
+
+
+def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp_path, caplog):
+    # A non-trimmable cache restored from memory past the chosen position can only save
+    # it from an exact state memory holds; when none is there the save is dropped, and
+    # says so (seed 004's "a chosen save never fires", issue 20 item 8).
+    prompt = chat(("system", SYSTEM), ("user", "Is breakfast included?"))
+    probe = engine_on("qwen3_5", tmp_path / "probe", "full")
+    try:
+        plan = probe.plan(prompt)
+        planned = {c.position for c in plan.checkpoints}
+        grid = probe.planner.grid
+        p = next(
+            n for n in range(32, len(plan.tokens), 32)
+            if n not in planned and grid.align(plan.tokens, n) == n
+        )  # fmt: skip
+    finally:
+        probe.shutdown()
+    scope = CachePreference(scope=str(p))
+    sampling = SamplingParams(max_tokens=2)
+
+    def serve(engine, pref):
+        handle = engine.submit(prompt, sampling, pref)
+        return [e for e in handle.events(timeout=60)][-1].usage
+
+    # Control: on a cold engine that position is saved.
+    cold = engine_on("qwen3_5", tmp_path / "cold", "full")
+    serve(cold, scope)
+    cold.shutdown()
+    assert len(list((tmp_path / "cold").glob("*.safetensors"))) == 1
+
+    engine = engine_on("qwen3_5", tmp_path / "warm", "full")
+    try:
+        serve(engine, CachePreference(scope="off"))  # memory keeps the planned checkpoints
+        with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
+            usage = serve(engine, scope)
+        assert usage.cached_tokens > p  # restored from memory past the chosen position
+        (line,) = _warnings(caplog, "dropped")
+        assert f"{p}-token prefix" in line
+        assert engine.cache_stats()["disk"]["dropped_saves"] == 1
+    finally:
+        engine.shutdown()
+    assert not list((tmp_path / "warm").glob("*.safetensors"))
+
+    # Where the disk already holds that prefix, nothing is lost and nothing is logged.
+    caplog.clear()
+    again = engine_on("qwen3_5", tmp_path / "cold", "full")
+    try:
+        serve(again, CachePreference(scope="off"))
+        with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
+            serve(again, scope)
+        assert not _warnings(caplog, "dropped")
+        assert again.cache_stats()["disk"]["dropped_saves"] == 0
+    finally:
+        again.shutdown()
+
+
+def _slow_saves(monkeypatch, engine: Engine, seconds: float) -> list[float]:
+    real, started = engine.disk.cache.save, []
+
+    def slow(*args, **kwargs):
+        started.append(time.monotonic())
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.disk.cache, "save", slow)
+    return started
+
+
+def _queue_saves(engine: Engine, count: int) -> None:
+    """`count` requests at once: while they run, their saves wait in the queue."""
+    handles = [
+        engine.submit(
+            chat(("system", f"Guest {i}. " + SYSTEM), ("user", "Hello")),
+            SamplingParams(max_tokens=2),
+        )
+        for i in range(count)
+    ]
+    for handle in handles:
+        list(handle.events(timeout=60))
+    assert engine.disk.pending >= count - 1  # at most one written since the last ended
+
+
+def test_shutdown_writes_every_queued_save(tmp_path, monkeypatch):
+    # More queued writing than the old fixed 5 s after the grace period: all of it lands.
+    engine = engine_on("dense", tmp_path, "full")
+    _slow_saves(monkeypatch, engine, 1.2)
+    _queue_saves(engine, 5)
+    engine.shutdown(timeout=0.1)
+    assert not engine._thread.is_alive()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 5
+    assert engine.disk.pending == 0 and engine.disk.dropped == 0
+
+
+def test_shutdown_out_of_time_drops_queued_saves_with_a_line_each(tmp_path, monkeypatch, caplog):
+    engine = engine_on("dense", tmp_path, "full")
+    _slow_saves(monkeypatch, engine, 1.0)
+    _queue_saves(engine, 4)
+    t = time.monotonic()
+    with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
+        engine.shutdown(timeout=0.1, save_timeout=0.3)
+    assert time.monotonic() - t < 4.0  # bounded: the save being written, then the drops
+    assert not engine._thread.is_alive()
+    written = len(list(tmp_path.glob("*.safetensors")))
+    dropped = _warnings(caplog, "dropped")
+    assert written < 4 and written + len(dropped) == 4 == written + engine.disk.dropped
+    assert all("ran out" in line for line in dropped)
+
+
+def _kv_snapshot(n: int, seed: int):
+    c = KVCache()
+    k = mx.random.normal((1, 2, n, 16), key=mx.random.key(seed))  # [B, H, L, D]
+    c.update_and_fetch(k, k)
+    return capture([c], n)
+
+
+def test_the_save_queue_is_bounded_and_counted_in_the_byte_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "MAX_SAVE_DELAY_S", 3600.0)  # busy: nothing overdue
+    store = PromptCache(budget_bytes=1 << 30)
+    config = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=1)
+    tier = DiskTier(config, "m", True, store, bytes_key="disk")
+    snaps = [_kv_snapshot(8, i) for i in range(MAX_PENDING_SAVES + 3)]
+    size = snaps[0].nbytes
+    for i, snap in enumerate(snaps):
+        tier.defer([i] * 8, snap, CheckpointKind.HISTORY)
+        tier.write_pending(busy=True)
+        assert tier.pending == min(i + 1, MAX_PENDING_SAVES)
+        assert store.stats().active_bytes == tier.pending * size
+    assert tier.cache.stats().saves == 3  # a full queue wrote its oldest: nothing dropped
+    # A snapshot the store holds is counted once, by the store.
+    held = _kv_snapshot(8, 99)
+    assert store.insert("m", [99] * 8, held, CheckpointKind.HISTORY)
+    tier.defer([99] * 8, held, CheckpointKind.HISTORY)
+    assert store.stats().active_bytes == (MAX_PENDING_SAVES - 1) * size
+    while tier.pending:
+        tier.write_pending(busy=False)
+    assert store.stats().active_bytes == 0 and tier.dropped == 0
+    assert tier.cache.stats().saves == len(snaps) + 1
+    store.check_integrity()

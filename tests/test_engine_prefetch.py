@@ -4,6 +4,7 @@ so the next turn restores the whole history and still answers like a cold run.""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
@@ -86,9 +87,9 @@ def test_thinking_template_prefetch_matches_the_next_request():
         engine.shutdown()
 
 
-def test_one_shot_requests_and_tool_calls_are_not_prefetched():
+def test_one_shot_requests_are_not_prefetched():
     one_shot = PromptInput(messages=({"role": "user", "content": "Summarize this page."},))
-    assert not wants_prefetch(one_shot, "A summary.", "<tool_call>")
+    assert not wants_prefetch(one_shot)
     chat_turn = PromptInput(
         messages=(
             {"role": "user", "content": "Hi"},
@@ -96,9 +97,9 @@ def test_one_shot_requests_and_tool_calls_are_not_prefetched():
             {"role": "user", "content": "Look it up"},
         )
     )
-    assert wants_prefetch(chat_turn, "Sure.", "<tool_call>")
-    assert not wants_prefetch(chat_turn, 'Sure. <tool_call>{"name": "f"}', "<tool_call>")
-    assert not wants_prefetch(PromptInput(text="Once upon a time"), " there", None)
+    assert wants_prefetch(chat_turn)
+    assert wants_prefetch(replace(one_shot, tools=({"type": "function"},)))
+    assert not wants_prefetch(PromptInput(text="Once upon a time"))
 
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
     try:
@@ -130,12 +131,17 @@ def test_a_request_that_cannot_use_a_running_prefetch_takes_over():
         engine.shutdown()
 
 
-def test_prefetch_can_be_turned_off():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
+@pytest.mark.parametrize("enabled", [True, False])
+def test_prefetch_can_be_turned_off(enabled):
+    # No delay, and a control run: with the flag on, the same turn starts a prefetch well
+    # within the time the "off" run is watched, so an ignored flag would show.
+    config = EngineConfig(prefetch_next_turn=enabled, prefetch_delay_s=0.0)
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
     try:
         history = chat(("user", "Hi"), ("assistant", "Hello."), ("user", "How are you?"))
         run(engine, history, sampling=SamplingParams(max_tokens=4))
-        time.sleep(0.2)
-        assert engine.prefetch.started == 0
+        started = wait_for(lambda: engine.prefetch.started == 1, timeout=60.0 if enabled else 3.0)
+        assert started is enabled
+        assert engine.prefetch.started == int(enabled)
     finally:
         engine.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import raw_post, serving, wait_until
 
+from mlx_prefix.cache.records import CheckpointKind, EntryInfo
 from mlx_prefix.server.metrics import ServerMetrics
 
 SYSTEM = {"role": "system", "content": "You are the shared system prompt of an extension. " * 4}
@@ -48,6 +50,15 @@ def test_cache_info_starts_empty(http):
     assert {"bytes", "bytes_by_kind", "budget_bytes", "hit_ratio", "evictions"} <= set(
         body["stats"]
     )
+
+
+def test_the_fake_engine_lists_entries_in_the_real_schema(http):
+    # The warm/pin tests below run against the fake; its entries must look like the
+    # store's (asdict(EntryInfo)), which test_server_live checks over HTTP.
+    http.post("/v1/cache/warm", json={"messages": [SYSTEM], "pin": True})
+    (entry,) = http.get("/v1/cache").json()["entries"]
+    assert set(entry) == {f.name for f in dataclasses.fields(EntryInfo)}
+    assert entry["kind"] in CheckpointKind.__members__ and entry["nbytes"] > 0
 
 
 def test_warm_pin_then_hit(http):

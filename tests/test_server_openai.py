@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
 
-from mlx_prefix.records import CachePreference
+from mlx_prefix.records import CachePreference, ToolCallIds
 
 TOOL_REPLY = (
     'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -245,6 +245,9 @@ def test_tool_calls_non_streaming(client, engine):
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert engine.submissions[-1].prompt.tools == (WEATHER_TOOL,)
+    # Named after the request, as the engine's next-turn prefetch names it.
+    assert engine.submissions[-1].prompt.reply_tool_call_ids == ToolCallIds(r.id)
+    assert call.id == ToolCallIds(r.id).id(0)
 
 
 def test_tool_calls_streaming(client):

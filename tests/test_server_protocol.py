@@ -11,7 +11,7 @@ from server_fakes import FakeTokenizer
 
 from mlx_prefix.engine.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.records import SamplingParams, Usage
+from mlx_prefix.records import SamplingParams, ToolCallIds, Usage
 from mlx_prefix.server import ServerSettings
 from mlx_prefix.server import responses as R
 from mlx_prefix.server.protocol.chat import parse_chat, parse_messages
@@ -63,11 +63,14 @@ def test_unterminated_call_is_offered_to_the_parser():
 
 
 def test_formatter_openai_shape_and_bad_calls_as_text():
-    fmt = ToolCallFormatter(syntax(), tools=None, streaming=True)
+    ids = ToolCallIds("chatcmpl-1")
+    fmt = ToolCallFormatter(syntax(), tools=None, streaming=True, ids=ids)
     calls, failed = fmt.format(['{"name": "f", "arguments": {"x": 1}}', "{oops", '{"name": "g"}'])
     assert [c["index"] for c in calls] == [0, 1]
     assert calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    # Named after the request, so the engine's prefetch knows the ids the client receives.
+    assert [c["id"] for c in calls] == [ids.id(0), ids.id(1)]
     assert failed == "<tool_call>{oops</tool_call>"
 
 
@@ -108,10 +111,12 @@ def test_parse_chat_defaults_and_overrides():
     assert req.include_usage and req.sampling.logprobs
 
 
-def test_top_logprobs_alternatives_are_refused():
+def test_top_logprobs_are_honoured_with_logprobs_only():
     body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
-    with pytest.raises(InvalidRequest, match="top_logprobs is not supported") as e:
-        parse_chat(body, LIMITS)
+    sampling = parse_chat(body, LIMITS).sampling
+    assert sampling.logprobs and sampling.top_logprobs == 2
+    with pytest.raises(InvalidRequest, match="requires logprobs") as e:
+        parse_chat({**body, "logprobs": False}, LIMITS)
     assert e.value.param == "top_logprobs"
 
 
@@ -213,8 +218,11 @@ def test_include_usage_needs_stream():
 
 
 def test_completion_logprobs_int():
-    assert parse_completion({"prompt": "x", "logprobs": 2}, LIMITS).sampling.logprobs
-    assert not parse_completion({"prompt": "x", "logprobs": 0}, LIMITS).sampling.logprobs
+    # N: the sampled tokens' logprobs and N alternatives; 0 (or true): no alternatives.
+    for value, on, top in ((2, True, 2), (0, True, 0), (True, True, 0), (None, False, 0)):
+        sampling = parse_completion({"prompt": "x", "logprobs": value}, LIMITS).sampling
+        assert (sampling.logprobs, sampling.top_logprobs) == (on, top), value
+    assert not parse_completion({"prompt": "x", "logprobs": False}, LIMITS).sampling.logprobs
     with pytest.raises(InvalidRequest):
         parse_completion({"prompt": "x", "logprobs": "2"}, LIMITS)
 
@@ -235,13 +243,20 @@ def test_chunks_and_usage_shapes():
     raw = R.sse(R.usage_chunk(meta, usage))
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
     assert json.loads(raw[6:])["choices"] == []
-    lp = R.logprobs_body("completion", [R.TokenLogprob("a", -1.0), R.TokenLogprob("bc", -2.0)])
-    assert lp == {
+    alt = (R.Alternative("x", -0.5), R.Alternative("a", -1.0))
+    lps = [R.TokenLogprob("a", -1.0, alt), R.TokenLogprob("bc", -2.0)]
+    assert R.logprobs_body("completion", lps) == {
         "tokens": ["a", "bc"],
         "token_logprobs": [-1.0, -2.0],
-        "top_logprobs": None,
+        "top_logprobs": [{"x": -0.5, "a": -1.0}, {"bc": -2.0}],  # the sampled one always
         "text_offset": [0, 1],
     }
+    (first, second) = R.logprobs_body("chat", lps)["content"]
+    assert first["top_logprobs"] == [
+        {"token": "x", "logprob": -0.5, "bytes": [120]},
+        {"token": "a", "logprob": -1.0, "bytes": [97]},
+    ]
+    assert second == {"token": "bc", "logprob": -2.0, "bytes": [98, 99], "top_logprobs": []}
 
 
 def test_settings_validate_origins():

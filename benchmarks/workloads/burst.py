@@ -63,13 +63,18 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
         t = time.perf_counter()
         replies = await asyncio.gather(*(send(client, server.url, r) for r in reqs))
         res.extra[f"{phase}_wall_s"] = time.perf_counter() - t
+        # Wall times compare like with like only if both servers generated as much.
+        res.extra[f"{phase}_completion_tokens"] = sum(r.completion_tokens or 0 for r in replies)
         for i, (req, reply) in enumerate(zip(reqs, replies, strict=True)):
             label = f"{phase} #{i + 1}"
             res.samples.append(ctx.account(server.name, label, req, reply, group=phase))
             bursts.append((phase, label, req, reply))
     res.wall_s = time.perf_counter() - start
-    warm = [b for b in bursts if b[0] == "warm"]
-    for i, (_, label, req, reply) in enumerate(warm):
-        if ctx.should_check(i, len(warm)):
-            await ctx.check(client, server, res, label, req, reply)
+    # Both bursts against cold twins: the cold one is the in-flight sharing path (its
+    # later requests restore what the first computed), the warm one the cache.
+    for phase in ("cold", "warm"):
+        rows = [b for b in bursts if b[0] == phase]
+        for i, (_, label, req, reply) in enumerate(rows):
+            if ctx.should_check(i, len(rows)):
+                await ctx.check(client, server, res, label, req, reply)
     return res

@@ -14,7 +14,11 @@ Never serve a wrong file:
   name; `listing` reports the same without touching the directory;
 - `load` reads the file once: its header verified and checked against the index
   (model key, token ids, runtime), its tensor data against its digest, before the
-  Snapshot is returned; any failure removes the file (warning) and is a miss.
+  Snapshot is returned; a failure is a miss (warning). Only proven damage removes the
+  file: a transient error (MemoryError, EMFILE, ...) keeps it indexed for a retry, and
+  another runtime's valid file is dropped from the index but left on disk.
+Every removal is logged: damaged files (warning), evictions and redundant prefixes
+(info), with the reason.
 Files of other model keys, or written under another mlx-lm version, are indexed and
 count against the byte budget, but never match this model (each has its own trie).
 
@@ -41,9 +45,9 @@ from pathlib import Path
 from mlx_prefix.cache import disk_files as files
 from mlx_prefix.cache import disk_header as hdr
 from mlx_prefix.cache import disk_payload as payload
-from mlx_prefix.cache.disk_files import BadFile
+from mlx_prefix.cache.disk_files import DiskListing
 from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
-from mlx_prefix.cache.records import CheckpointKind
+from mlx_prefix.cache.records import CheckpointKind, StoredTokens
 from mlx_prefix.cache.snapshot import Snapshot
 
 log = logging.getLogger("mlx_prefix.cache.disk")
@@ -65,16 +69,6 @@ class DiskStats:
     load_failures: int  # loads that found a missing, corrupt or mismatched file
     evictions: int  # files removed for the budget
     removed: int  # corrupt, stale or leftover files removed by scan/load
-
-
-@dataclass(frozen=True, slots=True)
-class DiskListing:
-    """A read-only view of a cache directory (`DiskCache.listing`)."""
-
-    directory: str
-    exists: bool  # False: no such directory (nothing was created)
-    entries: list[DiskEntryInfo]  # valid checkpoints of every model key, LRU first
-    bad: list[BadFile]  # files the next scan removes: damaged, stale, unfinished writes
 
 
 @dataclass(slots=True)
@@ -130,21 +124,14 @@ class DiskCache:
         with self._lock:
             self._index.reset(survey.found)
             self._counters.removed += removed
-            self._evict(keep=None)
+            self._evict(keep=None, why="at startup (a lower budget, or shared with a server)")
             return len(self._index)
 
     @staticmethod
     def listing(directory: Path | str) -> DiskListing:
-        """What a scan of `directory` would index and remove, without changing anything:
-        creates, removes and touches nothing (for `mlx-prefix cache ls`). Reads headers
-        only; every header is verified against its digest."""
-        directory = Path(directory).expanduser()
-        if not directory.is_dir():
-            return DiskListing(str(directory), False, [], [])
-        survey = files.survey(directory)
-        now = time.time()
-        entries = [e.info(now) for e in survey.found]
-        return DiskListing(str(directory), True, entries, survey.bad)
+        """What a scan of `directory` would index and remove, without changing anything
+        (for `mlx-prefix cache ls`): see `disk_files.listing`."""
+        return files.listing(Path(directory).expanduser())
 
     # -- lookup -------------------------------------------------------------
 
@@ -166,14 +153,19 @@ class DiskCache:
                 self._counters.misses += 1
             return best
 
+    def holds(self, model_key: str, tokens: Sequence[int]) -> bool:
+        """Whether the checkpoint of exactly `tokens` is indexed. Does not mutate."""
+        with self._lock:
+            return hdr.entry_name(model_key, tuple(tokens)) in self._index
+
     def load(self, match: DiskMatch) -> Snapshot | None:
         """Read, verify and return the matched checkpoint (reads the whole file, once).
 
         Checks the file's header against its digest, its model key, token ids and
-        runtime against the match, and its tensor data against the stored digest. On
-        any failure the file is removed (warning) and the result is None, counted as a
-        miss. Refreshes the entry's recency on success. Call on the engine thread: it
-        builds MLX arrays.
+        runtime against the match, and its tensor data against the stored digest. Any
+        failure returns None (a miss, with a warning); only proven damage removes the
+        file (see `_load_failed`). Refreshes the entry's recency on success. Call on the
+        engine thread: it builds MLX arrays.
         """
         path = self.directory / match.name
         with self._lock:
@@ -182,17 +174,8 @@ class DiskCache:
                 return None  # evicted or cleared since the match
         try:
             snapshot = payload.load(path, match.model_key, match.tokens, self.runtime)
-        except Exception as e:  # whatever is wrong with the file, it must not be served
-            with self._lock:
-                self._counters.load_failures += 1
-                self._counters.misses += 1
-                self._index.drop(match.name)
-                if isinstance(e, FileNotFoundError):
-                    log.warning("disk cache: %s vanished; dropped from the index", match.name)
-                else:
-                    self._counters.removed += files.remove_bad(
-                        self.directory, match.name, f"cannot load: {type(e).__name__}: {e}"
-                    )
+        except Exception as e:  # whatever is wrong, this file is not served now
+            self._load_failed(match.name, e)
             return None
         with self._lock:
             self._counters.hits += 1
@@ -263,8 +246,8 @@ class DiskCache:
             self._index.add(e)
             if e.trimmable:
                 for prefix in self._index.served_prefixes(e):
-                    self._unlink_entry(prefix)
-            self._evict(keep=name)
+                    self._unlink_entry(prefix, f"{name} serves it by trimming")
+            self._evict(keep=name, why="after a save")
         return True
 
     def clear(self, model_key: str | None = None) -> int:
@@ -275,7 +258,9 @@ class DiskCache:
                 e for e in self._index.entries() if model_key is None or e.model_key == model_key
             ]
             for e in victims:
-                self._unlink_entry(e)
+                self._unlink_entry(e, "cleared")
+            if victims:
+                log.info("disk cache: cleared %d file(s) from %s", len(victims), self.directory)
             return len(victims)
 
     def set_budget(self, budget_bytes: int | None) -> None:
@@ -283,7 +268,7 @@ class DiskCache:
         assert budget_bytes is None or budget_bytes >= 0
         with self._lock:
             self.budget_bytes = budget_bytes
-            self._evict(keep=None)
+            self._evict(keep=None, why="the budget was lowered")
 
     # -- introspection ------------------------------------------------------
 
@@ -296,6 +281,17 @@ class DiskCache:
                 e.info(now)
                 for e in self._index.entries()
                 if model_key is None or e.model_key == model_key
+            ]
+
+    def sequences(self, model_key: str) -> list[StoredTokens[DiskEntryInfo]]:
+        """The files that can serve `model_key` (this runtime's), least recently used
+        first, with their token ids (references to the index's tuples). Does not mutate."""
+        now = time.time()
+        with self._lock:
+            return [
+                StoredTokens(e.info(now), e.tokens)
+                for e in self._index.entries()
+                if e.model_key == model_key and e.runtime == self.runtime
             ]
 
     def stats(self) -> DiskStats:
@@ -327,14 +323,44 @@ class DiskCache:
         self._index.touch(e)
         files.touch(self.directory, e.name)  # recency survives a restart
 
-    def _evict(self, keep: str | None) -> None:
+    def _evict(self, keep: str | None, why: str) -> None:
         for victim in self._index.evict(self.budget_bytes, keep):
+            log.info(
+                "disk cache: evicting %s (%d tokens, %d bytes, idle %.0fs) for the %s-byte "
+                "budget, %s",
+                victim.name, len(victim.tokens), victim.nbytes,
+                max(0.0, time.time() - victim.last_access), self.budget_bytes, why,
+            )  # fmt: skip
             files.unlink(self.directory, victim.name)
             self._counters.evictions += 1
 
-    def _unlink_entry(self, e: DiskEntry) -> None:
+    def _unlink_entry(self, e: DiskEntry, why: str) -> None:
         self._index.drop(e.name)
+        if why != "cleared":  # `clear` logs one line for all
+            log.info("disk cache: removing %s (%d tokens): %s", e.name, len(e.tokens), why)
         files.unlink(self.directory, e.name)
+
+    def _load_failed(self, name: str, error: Exception) -> None:
+        """Count a failed load; remove the file only when it is proven damaged (takes
+        the lock). A transient error (MemoryError, EMFILE, EIO, ...) or an unexpected
+        one keeps the file and its index entry: a later request may load it."""
+        why = f"{type(error).__name__}: {error}"
+        with self._lock:
+            self._counters.load_failures += 1
+            self._counters.misses += 1
+            if isinstance(error, FileNotFoundError):
+                self._index.drop(name)
+                log.warning("disk cache: %s vanished; dropped from the index", name)
+            elif isinstance(error, hdr.ForeignRuntime):
+                self._index.drop(name)  # another server's valid file: leave it on disk
+                log.warning("disk cache: %s is now %s; left on disk, not served", name, error)
+            elif isinstance(error, hdr.DiskFormatError):
+                self._index.drop(name)
+                self._counters.removed += files.remove_bad(
+                    self.directory, name, f"cannot load: {why}"
+                )
+            else:
+                log.warning("disk cache: cannot load %s now (%s); the file is kept", name, why)
 
     def _save_failed(self, message: str, err: int | None) -> bool:
         """Count a failed save; warn once per errno until a save succeeds."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from mlx_prefix.cache import disk_header as hdr
-from mlx_prefix.cache.disk_index import DiskEntry
+from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo
 
 log = logging.getLogger("mlx_prefix.cache.disk")  # one logger for the whole disk tier
 
@@ -97,6 +97,26 @@ def survey(directory: Path) -> Survey:
     return Survey(found, bad)
 
 
+@dataclass(frozen=True, slots=True)
+class DiskListing:
+    """A read-only view of a cache directory."""
+
+    directory: str
+    exists: bool  # False: no such directory (nothing was created)
+    entries: list[DiskEntryInfo]  # valid checkpoints of every model key, LRU first
+    bad: list[BadFile]  # files the next scan removes: damaged, stale, unfinished writes
+
+
+def listing(directory: Path) -> DiskListing:
+    """What a scan of `directory` would index and remove: creates, removes and touches
+    nothing. Reads headers only; every header is verified against its digest."""
+    if not directory.is_dir():
+        return DiskListing(str(directory), False, [], [])
+    found = survey(directory)
+    now = time.time()
+    return DiskListing(str(directory), True, [e.info(now) for e in found.found], found.bad)
+
+
 def write_atomic(directory: Path, name: str, write: Callable[[BinaryIO], None]) -> None:
     """Write a file `name` in `directory` with `write(f)`, via a synced temp file. On
     failure the temp file is removed and the error propagates."""
@@ -141,11 +161,12 @@ def remove_bad(directory: Path, name: str, why: str) -> int:
 
 
 def touch(directory: Path, name: str) -> None:
-    """Set the file's mtime to now, so its recency survives a restart; best effort."""
+    """Set the file's mtime to now, so its recency survives a restart. A failure is
+    logged (the file may then be evicted too early after a restart), not raised."""
     try:
         os.utime(directory / name)
-    except OSError:
-        pass
+    except OSError as e:
+        log.warning("disk cache: cannot record the use of %s (its mtime): %s", name, e)
 
 
 def _temp_abandoned(item: os.DirEntry) -> bool:

@@ -88,6 +88,11 @@ class StaleFormat(DiskFormatError):
     """A checkpoint file of another format version."""
 
 
+class ForeignRuntime(Exception):
+    """A valid checkpoint written by another runtime (mlx-lm version), e.g. by another
+    server sharing the folder: never served here, and not ours to delete."""
+
+
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     dtype: str  # safetensors dtype name, e.g. "F32"

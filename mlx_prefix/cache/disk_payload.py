@@ -141,14 +141,15 @@ def load(path: Path, model_key: str, tokens: tuple[int, ...], runtime: str) -> S
     Reads the file once: the header is verified and compared with the expected identity
     before any tensor data is read; each tensor's bytes are hashed and become an MLX
     array (evaluated). Raises DiskFormatError for a damaged, stale or different file,
-    OSError if it cannot be read. Does not mutate anything on disk.
+    ForeignRuntime for another runtime's valid file, OSError if it cannot be read.
+    Does not mutate anything on disk.
     """
     with open(path, "rb") as f:
         header = hdr.read_from(f)
         if header.model_key != model_key or header.tokens != tokens:
             raise DiskFormatError("model key or token ids differ from the index")
         if header.runtime != runtime:
-            raise DiskFormatError(f"written by {header.runtime}")
+            raise hdr.ForeignRuntime(f"written by {header.runtime}")
         h = hashlib.sha256()
         arrays: dict[str, mx.array] = {}
         f.seek(header.data_start)

@@ -8,8 +8,8 @@ without the store. Pure Python (no MLX).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Protocol
+from enum import Enum, IntEnum
+from typing import Generic, Protocol, TypeVar
 
 
 class CheckpointKind(IntEnum):
@@ -71,3 +71,24 @@ class EntryInfo:
     idle_s: float  # since the last insert/acquire
     pinned: bool
     refs: int  # current locks
+
+
+Info = TypeVar("Info")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTokens(Generic[Info]):
+    """A stored entry's record (EntryInfo, or the disk tier's DiskEntryInfo) with the token
+    ids it covers: a reference to the stored immutable tuple, never a copy."""
+
+    info: Info
+    tokens: tuple[int, ...]
+
+
+class EvictOutcome(Enum):
+    """What `PromptCache.evict_entry` did."""
+
+    EVICTED = "evicted"
+    MISSING = "missing"  # no such entry (of that model key)
+    LOCKED = "locked"  # a running request is restoring from it
+    PINNED = "pinned"  # unpin it first

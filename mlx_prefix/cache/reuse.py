@@ -40,7 +40,8 @@ def best_reuse(
     if not len(trie):
         return Reuse(None, 0, 0, 0)
     limit = len(tokens) - 1  # leave at least one token to compute
-    m = trie.match(tokens)
+    found = trie.lookup(tokens, trimmable)  # one walk; pass TokenIds to skip packing
+    m = found.match
     best: tuple[int, int, V] | None = None  # (reuse, trim, value)
 
     def offer(reuse: int, trim: int, value: V) -> None:
@@ -52,12 +53,12 @@ def best_reuse(
         n = anc.length
         if not trimmable(anc.value) and n <= limit and align(n) == n:
             offer(n, 0, anc.value)
-    near = trie.nearest(tokens, trimmable)
+    near = found.nearest
     if near is not None:
         cap = min(near.common, limit)
         reuse = align(cap) if cap > 0 else 0
         assert 0 <= reuse <= cap, f"align({cap}) = {reuse}"
-        offer(reuse, len(near.entry.tokens) - reuse, near.entry.value)
+        offer(reuse, near.length - reuse, near.value)
     if best is None:
         return Reuse(None, 0, 0, m.matched)
     return Reuse(best[2], best[0], best[1], m.matched)

@@ -1,7 +1,10 @@
 """A radix tree of token sequences: one per model key, values opaque.
 
-Pure Python (no MLX). Edges carry token tuples; siblings differ in their first
-token. Invariants (checked by `check_integrity`):
+Pure Python (no MLX). Edges carry token ids packed as int64 bytes (`TokenIds.packed`),
+so walking a query compares memory blocks (memcmp) instead of Python ints: a lookup
+costs one pass over the matched tokens at C speed, and copies nothing of the query or
+of the stored sequences. Siblings differ in their first token. Invariants (checked by
+`check_integrity`):
 - every node except the root has a non-empty edge label;
 - a node without a value has at least two children, unless it is the root
   (so every leaf holds a value and the tree has no dead branches);
@@ -14,11 +17,46 @@ Not thread-safe: the owner (the store) serialises access.
 
 from __future__ import annotations
 
+import struct
+import sys
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
+
+_W = 8  # bytes per packed token id (int64, native byte order)
+_BLOCK = 32 * 1024  # bytes compared per call before galloping on
+
+
+class TokenIds(tuple):
+    """A tuple of token ids that also holds them packed (`packed`: int64 bytes), built
+    once per prompt (at render time, in the caller's thread) so that every trie lookup
+    of it compares memory without converting it. Equal to, and hashes like, the plain
+    tuple; slices are plain tuples."""
+
+    packed: bytes
+
+    def __new__(cls, tokens: Sequence[int] = ()) -> TokenIds:
+        self = super().__new__(cls, tokens)
+        self.packed = _pack(self)
+        return self
+
+
+def packed(tokens: Sequence[int]) -> bytes:
+    """`tokens` as int64 bytes: free for TokenIds, one conversion otherwise."""
+    return tokens.packed if isinstance(tokens, TokenIds) else _pack(tokens)
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"{len(tokens)}q", *tokens)  # the fastest pure-Python packing
+
+
+def _ids(raw: bytes) -> tuple[int, ...]:
+    a = array("q")
+    a.frombytes(raw)
+    return tuple(a)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +79,17 @@ class TrieMatch(Generic[V]):
 
 @dataclass(frozen=True, slots=True)
 class TrieNearest(Generic[V]):
-    entry: TrieEntry[V]  # the accepted entry sharing the longest prefix with the query
-    common: int  # that shared prefix length (<= len(entry.tokens))
+    length: int  # token count of the accepted entry sharing the longest prefix
+    value: V  # that entry's value
+    common: int  # the prefix it shares with the query (<= length)
+
+
+@dataclass(frozen=True, slots=True)
+class TrieLookup(Generic[V]):
+    """`match` and `nearest` of one query, from one walk."""
+
+    match: TrieMatch[V]
+    nearest: TrieNearest[V] | None
 
 
 _MISSING = object()
@@ -50,9 +97,13 @@ _MISSING = object()
 
 @dataclass(slots=True, eq=False)
 class _Node:
-    edge: tuple[int, ...]  # label of the edge from the parent (empty for the root)
+    edge: bytes  # packed label of the edge from the parent (empty for the root)
     children: dict[int, _Node] = field(default_factory=dict)  # first token -> child
     value: object = _MISSING
+
+    @property
+    def tokens(self) -> int:
+        return len(self.edge) // _W
 
 
 @dataclass(slots=True)
@@ -62,23 +113,45 @@ class _Walk:
     partial: tuple[_Node, int] | None  # child entered but left mid-edge, and the depth reached
 
 
-def _common(a: Sequence[int], start: int, edge: tuple[int, ...]) -> int:
-    """Length of the common prefix of a[start:] and edge."""
-    n = min(len(edge), len(a) - start)
-    i = 0
-    # Compare blocks at C speed (edges run to tens of thousands of tokens), then
-    # find the divergence inside the first differing block.
-    block = 512
-    while i + block <= n and tuple(a[start + i : start + i + block]) == edge[i : i + block]:
-        i += block
-    while i < n and a[start + i] == edge[i]:
-        i += 1
-    return i
+class _Query:
+    """A query's packed bytes and a view of its ids (no copy)."""
+
+    __slots__ = ("raw", "ids")
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.raw = packed(tokens)
+        self.ids = memoryview(self.raw).cast("q")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def common(self, start: int, edge: bytes) -> int:
+        """Tokens in common between the query from token `start` and `edge`: blocks of
+        growing size compared in place, then a binary search inside the first differing
+        block. O(common) bytes compared, nothing copied."""
+        b = start * _W
+        n = min(len(edge), len(self.raw) - b)
+        view = memoryview(edge)
+        lo, step = 0, _BLOCK
+        while lo < n:
+            hi = min(n, lo + step)
+            if not self.raw.startswith(view[lo:hi], b + lo):
+                break
+            lo, step = hi, step * 2
+        else:
+            return n // _W
+        while hi - lo > 1:  # view[:lo] matches, view[:hi] does not
+            mid = (lo + hi) // 2
+            if self.raw.startswith(view[lo:mid], b + lo):
+                lo = mid
+            else:
+                hi = mid
+        return lo // _W
 
 
 class TokenTrie(Generic[V]):
     def __init__(self) -> None:
-        self._root = _Node(edge=())
+        self._root = _Node(edge=b"")
         self._size = 0
 
     def __len__(self) -> int:
@@ -86,20 +159,21 @@ class TokenTrie(Generic[V]):
 
     def insert(self, tokens: Sequence[int], value: V) -> V | None:
         """Store `value` under `tokens` (mutates). Returns the value it replaced, if any."""
+        q = _Query(tokens)
         node, pos = self._root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+        while pos < len(q):
+            child = node.children.get(q.ids[pos])
             if child is None:
-                node.children[tokens[pos]] = _Node(edge=tuple(tokens[pos:]), value=value)
+                node.children[q.ids[pos]] = _Node(edge=q.raw[pos * _W :], value=value)
                 self._size += 1
                 return None
-            k = _common(tokens, pos, child.edge)
-            if k < len(child.edge):
+            k = q.common(pos, child.edge)
+            if k < child.tokens:
                 # Split the edge at k: node -> mid -> child.
-                mid = _Node(edge=child.edge[:k])
-                child.edge = child.edge[k:]
-                mid.children[child.edge[0]] = child
-                node.children[mid.edge[0]] = mid
+                mid = _Node(edge=child.edge[: k * _W])
+                child.edge = child.edge[k * _W :]
+                mid.children[_first(child.edge)] = child
+                node.children[q.ids[pos]] = mid
                 child = mid
             node, pos = child, pos + k
         prev = node.value
@@ -111,10 +185,11 @@ class TokenTrie(Generic[V]):
 
     def get(self, tokens: Sequence[int]) -> V | None:
         """The value stored under exactly `tokens`, or None. Does not mutate."""
-        node, pos = self._find(tokens)
-        if node is None or pos != len(tokens) or node.value is _MISSING:
+        walk = self._walk(_Query(tokens))
+        if walk.partial is not None or walk.depths[-1] != len(tokens):
             return None
-        return node.value  # type: ignore[return-value]
+        value = walk.nodes[-1].value
+        return None if value is _MISSING else value  # type: ignore[return-value]
 
     def remove(self, tokens: Sequence[int]) -> V:
         """Delete the entry under exactly `tokens` (mutates); KeyError if absent.
@@ -122,16 +197,10 @@ class TokenTrie(Generic[V]):
         Prunes valueless leaves and merges valueless single-child nodes so the
         invariants hold.
         """
-        path: list[_Node] = [self._root]
-        pos = 0
-        while pos < len(tokens):
-            child = path[-1].children.get(tokens[pos])
-            if child is None or _common(tokens, pos, child.edge) != len(child.edge):
-                raise KeyError(tuple(tokens))
-            path.append(child)
-            pos += len(child.edge)
+        walk = self._walk(_Query(tokens))
+        path = walk.nodes
         node = path[-1]
-        if pos != len(tokens) or node.value is _MISSING:
+        if walk.partial is not None or walk.depths[-1] != len(tokens) or node.value is _MISSING:
             raise KeyError(tuple(tokens))
         value = node.value
         node.value = _MISSING
@@ -143,71 +212,46 @@ class TokenTrie(Generic[V]):
             n, parent = path[i], path[i - 1]
             if n.value is not _MISSING:
                 break
+            first = _first(n.edge)
             if not n.children:
-                del parent.children[n.edge[0]]
+                del parent.children[first]
             elif len(n.children) == 1:
                 (only,) = n.children.values()
                 only.edge = n.edge + only.edge
-                parent.children[only.edge[0]] = only
+                parent.children[first] = only
         return value  # type: ignore[return-value]
 
     def match(self, tokens: Sequence[int]) -> TrieMatch[V]:
         """Longest common prefix with any stored sequence, and the stored prefixes
         of `tokens` along the way. Does not mutate."""
-        walk = self._walk(tokens)
-        ancestors = tuple(
-            TriePrefix(d, n.value)  # type: ignore[arg-type]
-            for n, d in zip(walk.nodes, walk.depths, strict=True)
-            if n.value is not _MISSING
-        )
-        matched = walk.partial[1] if walk.partial is not None else walk.depths[-1]
-        return TrieMatch(matched=matched, ancestors=ancestors)
+        return self._match(self._walk(_Query(tokens)))
 
     def nearest(self, tokens: Sequence[int], accept: Callable[[V], bool]) -> TrieNearest[V] | None:
         """The accepted entry with the longest common prefix with `tokens` (ties: the
-        shortest such entry). Does not mutate.
+        shortest such entry). Does not mutate."""
+        return self._nearest(self._walk(_Query(tokens)), accept)
 
-        Entries below a point at depth d of the query's path share exactly d tokens
-        with it (siblings differ in their first token), so search subtrees from the
-        deepest point of the path upwards, each excluding the branch already searched.
-        """
-        walk = self._walk(tokens)
-        if walk.partial is not None:
-            child, shared = walk.partial
-            found = self._shortest_accepted(child, None, accept)
-            if found is not None:
-                base = tuple(tokens[: walk.depths[-1]]) + child.edge
-                return TrieNearest(TrieEntry(base + found[0], found[1]), common=shared)
-        skip = walk.partial[0] if walk.partial is not None else None
-        for node, depth in zip(reversed(walk.nodes), reversed(walk.depths), strict=True):
-            found = self._shortest_accepted(node, skip, accept)
-            if found is not None:
-                return TrieNearest(TrieEntry(tuple(tokens[:depth]) + found[0], found[1]), depth)
-            skip = node
-        return None
+    def lookup(self, tokens: Sequence[int], accept: Callable[[V], bool]) -> TrieLookup[V]:
+        """`match(tokens)` and `nearest(tokens, accept)` from one walk. Does not mutate."""
+        walk = self._walk(_Query(tokens))
+        return TrieLookup(self._match(walk), self._nearest(walk, accept))
 
     def items(self) -> Iterator[TrieEntry[V]]:
         """All entries, depth first. Does not mutate; do not mutate while iterating."""
-        stack: list[tuple[_Node, tuple[int, ...]]] = [(self._root, ())]
-        while stack:
-            node, prefix = stack.pop()
-            tokens = prefix + node.edge
-            if node.value is not _MISSING:
-                yield TrieEntry(tokens, node.value)  # type: ignore[arg-type]
-            stack.extend((c, tokens) for c in node.children.values())
+        yield from self._items_under(self._root, b"")
 
     def extensions(self, tokens: Sequence[int]) -> Iterator[TrieEntry[V]]:
         """Entries that strictly extend `tokens`. Does not mutate."""
-        walk = self._walk(tokens)
+        q = _Query(tokens)
+        walk = self._walk(q)
         if walk.partial is not None:
             child, shared = walk.partial
-            if shared == len(tokens):
-                yield from self._items_under(child, tuple(tokens[: walk.depths[-1]]))
+            if shared == len(q):
+                yield from self._items_under(child, q.raw[: walk.depths[-1] * _W])
             return
-        if walk.depths[-1] == len(tokens):
-            node = walk.nodes[-1]
-            for c in node.children.values():
-                yield from self._items_under(c, tuple(tokens))
+        if walk.depths[-1] == len(q):
+            for c in walk.nodes[-1].children.values():
+                yield from self._items_under(c, q.raw)
 
     def check_integrity(self) -> None:
         """Assert the structural invariants. Does not mutate."""
@@ -217,67 +261,90 @@ class TokenTrie(Generic[V]):
             node = stack.pop()
             if node.value is not _MISSING:
                 count += 1
+            assert len(node.edge) % _W == 0, "edge not whole tokens"
             if node is not self._root:
                 assert node.edge, "empty edge label below the root"
                 assert node.value is not _MISSING or len(node.children) >= 2, "dead node"
             for first, child in node.children.items():
-                assert child.edge and child.edge[0] == first, "child keyed by wrong token"
+                assert child.edge and _first(child.edge) == first, "child keyed by wrong token"
                 stack.append(child)
         assert count == self._size, f"size {self._size} != {count} stored values"
 
     # -- internals ---------------------------------------------------------
 
-    def _find(self, tokens: Sequence[int]) -> tuple[_Node | None, int]:
-        """The node reached by consuming whole edges of `tokens`."""
-        node, pos = self._root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None or _common(tokens, pos, child.edge) != len(child.edge):
-                return None, pos
-            node, pos = child, pos + len(child.edge)
-        return node, pos
-
-    def _walk(self, tokens: Sequence[int]) -> _Walk:
+    def _walk(self, q: _Query) -> _Walk:
         nodes, depths = [self._root], [0]
         node, pos = self._root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+        while pos < len(q):
+            child = node.children.get(q.ids[pos])
             if child is None:
                 break
-            k = _common(tokens, pos, child.edge)
-            if k < len(child.edge):
+            k = q.common(pos, child.edge)
+            if k < child.tokens:
                 return _Walk(nodes, depths, (child, pos + k))
             node, pos = child, pos + k
             nodes.append(node)
             depths.append(pos)
         return _Walk(nodes, depths, None)
 
-    def _items_under(self, node: _Node, prefix: tuple[int, ...]) -> Iterator[TrieEntry[V]]:
+    @staticmethod
+    def _match(walk: _Walk) -> TrieMatch[V]:
+        ancestors = tuple(
+            TriePrefix(d, n.value)  # type: ignore[arg-type]
+            for n, d in zip(walk.nodes, walk.depths, strict=True)
+            if n.value is not _MISSING
+        )
+        matched = walk.partial[1] if walk.partial is not None else walk.depths[-1]
+        return TrieMatch(matched=matched, ancestors=ancestors)
+
+    def _nearest(self, walk: _Walk, accept: Callable[[V], bool]) -> TrieNearest[V] | None:
+        """Entries below a point at depth d of the query's path share exactly d tokens
+        with it (siblings differ in their first token), so search subtrees from the
+        deepest point of the path upwards, each excluding the branch already searched."""
+        if walk.partial is not None:
+            child, shared = walk.partial
+            found = self._shortest_accepted(child, None, accept)
+            if found is not None:
+                length = walk.depths[-1] + child.tokens + found[0]
+                return TrieNearest(length, found[1], common=shared)
+        skip = walk.partial[0] if walk.partial is not None else None
+        for node, depth in zip(reversed(walk.nodes), reversed(walk.depths), strict=True):
+            found = self._shortest_accepted(node, skip, accept)
+            if found is not None:
+                return TrieNearest(depth + found[0], found[1], common=depth)
+            skip = node
+        return None
+
+    def _items_under(self, node: _Node, prefix: bytes) -> Iterator[TrieEntry[V]]:
         stack = [(node, prefix)]
         while stack:
             n, p = stack.pop()
-            tokens = p + n.edge
+            raw = p + n.edge
             if n.value is not _MISSING:
-                yield TrieEntry(tokens, n.value)  # type: ignore[arg-type]
-            stack.extend((c, tokens) for c in n.children.values())
+                yield TrieEntry(_ids(raw), n.value)  # type: ignore[arg-type]
+            stack.extend((c, raw) for c in n.children.values())
 
     @staticmethod
     def _shortest_accepted(
         node: _Node, skip: _Node | None, accept: Callable[[V], bool]
-    ) -> tuple[tuple[int, ...], V] | None:
-        """Shortest accepted entry in `node`'s subtree (excluding `skip`'s subtree),
-        as (tokens after the node, value). Depth first, pruning paths no shorter than
-        the best found."""
-        best: tuple[tuple[int, ...], V] | None = None
-        stack: list[tuple[_Node, tuple[int, ...]]] = [(node, ())]
+    ) -> tuple[int, V] | None:
+        """Shortest accepted entry in `node`'s subtree (excluding `skip`'s subtree), as
+        (tokens after the node, value). Depth first, pruning paths no shorter than the
+        best found."""
+        best: tuple[int, V] | None = None
+        stack: list[tuple[_Node, int]] = [(node, 0)]
         while stack:
             n, extra = stack.pop()
-            if best is not None and len(extra) >= len(best[0]):
+            if best is not None and extra >= best[0]:
                 continue
             if n.value is not _MISSING and accept(n.value):  # type: ignore[arg-type]
                 best = (extra, n.value)  # type: ignore[assignment]
                 continue
             for c in n.children.values():
                 if c is not skip:
-                    stack.append((c, extra + c.edge))
+                    stack.append((c, extra + c.tokens))
         return best
+
+
+def _first(edge: bytes) -> int:
+    return int.from_bytes(edge[:_W], sys.byteorder, signed=True)

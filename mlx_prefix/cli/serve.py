@@ -61,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="render Claude Code's x-anthropic-billing-header system block "
         "(left out by default: it changes between requests and would defeat the cache)",
     )
+    p.add_argument(
+        "--responses-store",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the last N /v1/responses answers for previous_response_id (default 1000)",
+    )
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -71,6 +78,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
+        "responses_store": args.responses_store,
+        # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
+        "log_level": "debug" if getattr(args, "verbose", False) else None,
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,

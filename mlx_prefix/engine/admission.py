@@ -8,6 +8,8 @@ from mlx_prefix.errors import ContextLengthExceeded, InvalidRequest
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
+MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's chat limit)
+
 
 def plan_prompt(
     planner: PromptPlanner, context_length: int | None, prompt: PromptInput
@@ -31,6 +33,12 @@ def check_sampling(sampling: SamplingParams, cache: CachePreference) -> None:
         raise InvalidRequest("top_k must be at least 0 (0: no limit)", param="top_k")
     if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
         raise InvalidRequest("seed must be between 0 and 2**64 - 1", param="seed")
+    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs"
+        )
+    if sampling.top_logprobs and not sampling.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs", param="top_logprobs")
     DiskTier.parse_scope(cache.scope)
 
 

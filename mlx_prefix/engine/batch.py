@@ -11,6 +11,7 @@ models with one decode alone to keep "a hit never changes the answer" - and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, RotatingKVCache
 
 from mlx_prefix.cache.snapshot import cache_nbytes
-from mlx_prefix.engine.sampling import TokenSampler, normalize
+from mlx_prefix.engine.sampling import TokenSampler, normalize, top_logprobs
 
 
 def batchable(cache: list) -> bool:
@@ -30,6 +31,16 @@ def batchable(cache: list) -> bool:
         return not isinstance(c, RotatingKVCache) and hasattr(c, "merge")
 
     return all(ok(c) for c in cache)
+
+
+@dataclass(frozen=True, slots=True)
+class RowSample:
+    """One row's result of a decode step."""
+
+    token: int
+    logprob: float | None  # of `token`, when the step was asked for logprobs
+    top_ids: list[int]  # the step's `top_n` most likely tokens, most likely first
+    top_values: list[float]  # their logprobs
 
 
 class DecodeBatch:
@@ -71,21 +82,27 @@ class DecodeBatch:
         self._samplers = [self._samplers[i] for i in keep]
         self._inputs = [self._inputs[i] for i in keep]
 
-    def step(self, want_logprobs: bool = False) -> list[tuple[int, float | None]]:
-        """One decode step for every row: (token, logprob of it or None) per row."""
+    def step(self, want_logprobs: bool = False, top_n: int = 0) -> list[RowSample]:
+        """One decode step for every row. Logprobs (and the `top_n` most likely tokens)
+        only when asked: computed with the tokens, in the same evaluation."""
         inputs = mx.array(self._inputs)[:, None]  # [B, 1]
         logprobs = normalize(self.model(inputs, cache=self.cache)[:, -1, :])  # [B, V]
         tokens = mx.concatenate(
             [s(logprobs[i : i + 1]) for i, s in enumerate(self._samplers)]
         )  # [B]
-        chosen = (
-            mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0] if want_logprobs else None
-        )
-        mx.eval(tokens, *([chosen] if chosen is not None else []))
+        out = [tokens]
+        if want_logprobs:
+            out.append(mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0])  # [B]
+            if top_n:
+                out.extend(top_logprobs(logprobs, top_n))  # [B, n] ids, [B, n] values
+        mx.eval(*out)
         token_list = tokens.tolist()
-        lp_list = chosen.tolist() if chosen is not None else [None] * len(token_list)
         self._inputs = list(token_list)
-        return list(zip(token_list, lp_list, strict=True))
+        rows = len(token_list)
+        chosen = out[1].tolist() if want_logprobs else [None] * rows
+        ids = out[2].tolist() if len(out) > 2 else [[]] * rows
+        values = out[3].tolist() if len(out) > 2 else [[]] * rows
+        return [RowSample(*row) for row in zip(token_list, chosen, ids, values, strict=True)]
 
     def nbytes(self) -> int:
         return cache_nbytes(self.cache) if self.cache else 0

@@ -85,9 +85,15 @@ class Checkpointer:
             kinds = {c.position: c.kind for c in self.prompt.checkpoints}
             for position in sorted(p for p in self.disk_positions if p <= self.reuse):
                 snapshot = self._restored_prefix(position)
+                prefix = self.prompt.tokens[:position]
                 if snapshot is not None:
                     kind = kinds.get(position, CheckpointKind.PERIODIC)
-                    self.disk.defer(self.prompt.tokens[:position], snapshot, kind)
+                    self.disk.defer(prefix, snapshot, kind)
+                elif not self.disk.cache.holds(self.model_key, prefix):
+                    # An exact state below the restore point is gone (evicted, or never
+                    # kept in memory); recomputing it would cost the request a prefill.
+                    why = f"memory restored {self.reuse} tokens and no longer holds that state"
+                    self.disk.drop(position, why)
 
     def _restored_prefix(self, position: int) -> Snapshot | None:
         """A snapshot of the first `position` (<= reuse) prompt tokens, without compute."""

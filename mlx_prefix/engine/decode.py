@@ -16,10 +16,10 @@ import mlx.core as mx
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
-from mlx_prefix.engine.sampling import TokenSampler, normalize
+from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.records import DoneEvent, TokenEvent
+from mlx_prefix.records import DoneEvent, TokenEvent, TopLogprob
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
 
@@ -45,6 +45,9 @@ class DecodePhase:
     def __len__(self) -> int:
         return len(self.batch)
 
+    def running(self) -> list[Running]:
+        return list(self.batch.members)
+
     def admit(self, task: PrefillTask, logits: mx.array, limit: int) -> None:
         """Sample the first token from the prefill `logits` [1, V]; the request joins the
         batch unless that token already ends it, and may produce `limit` tokens. The
@@ -57,10 +60,16 @@ class DecodePhase:
         logprobs = normalize(logits)  # [1, V]
         first = sampler(logprobs)  # [1]
         token = int(first.item())
-        logprob = logprobs[0, token].item() if job.sampling.logprobs else None
+        logprob, top = None, ()
+        if job.sampling.logprobs:
+            logprob = logprobs[0, token].item()
+            if n := job.sampling.top_logprobs:
+                ids, values = top_logprobs(logprobs, n)
+                mx.eval(ids, values)
+                top = alternatives(ids[0].tolist(), values[0].tolist(), n)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
-        if not self._accept_token(running, token, logprob):
+        if not self._accept_token(running, token, logprob, top):
             self.batch.add(running, task.cache, sampler, token)
             self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
 
@@ -74,11 +83,17 @@ class DecodePhase:
         if not len(self.batch):
             return
         self.peak_batch = max(self.peak_batch, len(self.batch))
-        want_logprobs = any(r.job.sampling.logprobs for r in self.batch.members)
+        asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
+        top_n = max((s.top_logprobs for s in asked), default=0)
         members = list(self.batch.members)
-        sampled = self.batch.step(want_logprobs)
-        for running, (token, logprob) in zip(members, sampled, strict=True):
-            self._accept_token(running, token, logprob if running.job.sampling.logprobs else None)
+        sampled = self.batch.step(bool(asked), top_n)
+        for running, row in zip(members, sampled, strict=True):
+            params = running.job.sampling
+            if not params.logprobs:
+                self._accept_token(running, row.token, None)
+                continue
+            top = alternatives(row.top_ids, row.top_values, params.top_logprobs)
+            self._accept_token(running, row.token, row.logprob, top)
         self.steps += 1
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
@@ -90,14 +105,20 @@ class DecodePhase:
         self.store.drop_active(self._bytes_key)
         return jobs
 
-    def _accept_token(self, running: Running, token: int, logprob: float | None) -> bool:
+    def _accept_token(
+        self,
+        running: Running,
+        token: int,
+        logprob: float | None,
+        top: tuple[TopLogprob, ...] = (),
+    ) -> bool:
         """Hand a sampled token to its request; True if the request ended with it."""
         if token in self.model.tokenizer.eos_token_ids:
             self._finish(running, "stop")
             return True
         running.count += 1
         delta = running.stream.add(token)
-        running.job.handle.emit(TokenEvent(delta, token, logprob))
+        running.job.handle.emit(TokenEvent(delta, token, logprob, top))
         if running.stream.stopped:
             self._finish(running, "stop")
         elif running.count >= running.limit:

@@ -4,6 +4,11 @@ Saves are queued during prefill and written by the engine thread when it has not
 else to do (or once they have waited too long), so a request's first token never
 waits for a disk write. What is queued is an immutable snapshot: the request goes on
 writing into its own cache meanwhile.
+
+The queue is bounded (MAX_PENDING_SAVES: a full queue writes its oldest save at once),
+and the queued snapshots' bytes that the memory store does not already hold count in
+its byte budget (DESIGN 6) as one active entry. A queued save is written, or dropped
+with a log line naming it (DESIGN 11: a shutdown that runs out of time).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from dataclasses import dataclass
 from mlx_prefix.cache.disk import DiskCache, DiskMatch
 from mlx_prefix.cache.disk_policy import DiskPolicy, DiskScope, ScopeMode
 from mlx_prefix.cache.snapshot import Snapshot
-from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.cache.trie import TokenIds
 from mlx_prefix.config import DiskConfig
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.boundaries import RenderedPrompt
@@ -25,6 +31,7 @@ from mlx_prefix.prompt.boundaries import RenderedPrompt
 log = logging.getLogger("mlx_prefix.engine")
 
 MAX_SAVE_DELAY_S = 5.0  # a queued save older than this is written even while busy
+MAX_PENDING_SAVES = 16  # a deferred save beyond this writes the oldest one first
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +43,23 @@ class _PendingSave:
 
 
 class DiskTier:
-    def __init__(self, config: DiskConfig, model_key: str, trimmable: bool):
+    def __init__(
+        self,
+        config: DiskConfig,
+        model_key: str,
+        trimmable: bool,
+        store: PromptCache,
+        bytes_key: str,
+    ):
         self.config = config
         self.model_key = model_key
         self.trimmable = trimmable  # one snapshot serves every shorter prefix
         self.cache = DiskCache(config.path(), config.budget_bytes)
         self.policy = DiskPolicy(config.scope, min_tokens=config.min_tokens)
+        self.store = store  # the queued snapshots' bytes count in its budget
+        self._bytes_key = bytes_key
         self._pending: deque[_PendingSave] = deque()
+        self.dropped = 0  # saves given up (logged each): shutdown out of time, a lost state
 
     @staticmethod
     def parse_scope(scope: str | None) -> DiskScope | None:
@@ -77,7 +94,11 @@ class DiskTier:
         )
 
     def defer(self, tokens: Sequence[int], snapshot: Snapshot, kind: CheckpointKind) -> None:
-        self._pending.append(_PendingSave(tuple(tokens), snapshot, kind, time.monotonic()))
+        """Queue a save (engine thread). A full queue first writes its oldest save."""
+        if len(self._pending) >= MAX_PENDING_SAVES:
+            self._write(self._pending.popleft())
+        self._pending.append(_PendingSave(TokenIds(tokens), snapshot, kind, time.monotonic()))
+        self._account()
 
     def write_pending(self, busy: bool) -> None:
         """Write one queued save: the oldest when idle, only an overdue one when busy.
@@ -87,9 +108,37 @@ class DiskTier:
             return
         if busy and time.monotonic() - self._pending[0].queued_at < MAX_SAVE_DELAY_S:
             return
-        item = self._pending.popleft()
-        self.cache.save(self.model_key, item.tokens, item.snapshot, item.kind)
+        self._write(self._pending.popleft())
+        self._account()
+
+    def drop(self, tokens_len: int, why: str) -> None:
+        """Log a save that cannot happen (engine thread)."""
+        self.dropped += 1
+        log.warning("disk save of a %d-token prefix dropped: %s", tokens_len, why)
+
+    def drop_pending(self, why: str) -> None:
+        """Give up every queued save, with a log line each (engine thread)."""
+        while self._pending:
+            self.drop(len(self._pending.popleft().tokens), why)
+        self._account()
 
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def _write(self, item: _PendingSave) -> None:
+        self.cache.save(self.model_key, item.tokens, item.snapshot, item.kind)
+
+    def _account(self) -> None:
+        """Report the queued snapshots' bytes the store does not hold itself (checked
+        when the queue changes: an entry the store evicts meanwhile is counted from the
+        next change on)."""
+        own = sum(
+            p.snapshot.nbytes
+            for p in self._pending
+            if self.store.get(self.model_key, p.tokens) is not p.snapshot
+        )
+        if own:
+            self.store.set_active_bytes(self._bytes_key, own)
+        else:
+            self.store.drop_active(self._bytes_key)

@@ -28,8 +28,11 @@ from dataclasses import asdict
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.disk_index import DiskEntryInfo
+from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
+from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
 from mlx_prefix.engine.decode import DecodePhase
@@ -45,6 +48,7 @@ from mlx_prefix.engine.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.tool_calls import ToolSyntax
 from mlx_prefix.records import (
     CachePreference,
     ErrorEvent,
@@ -53,6 +57,8 @@ from mlx_prefix.records import (
 )
 
 log = logging.getLogger("mlx_prefix.engine")
+
+SHUTDOWN_SAVES_S = 30.0  # after the requests, a shutdown writes queued disk saves this long
 
 __all__ = ["Engine", "PrefetchStats", "WarmResult", "cache_key"]
 
@@ -81,11 +87,18 @@ class Engine:
         # A server-wide scope of "off" disables the tier: no folder, no files, and no
         # per-request scope can turn it back on.
         self.disk = (
-            DiskTier(disk_config, self.model_key, always_trimmable(fresh_cache))
+            DiskTier(
+                disk_config,
+                self.model_key,
+                always_trimmable(fresh_cache),
+                self.store,
+                bytes_key=f"engine-{id(self):x}-disk",
+            )
             if disk_config is not None and disk_config.scope != "off" and self.cache_config.enabled
             else None
         )
         self.lifecycle = Lifecycle(lambda: self.capacity, self.config.max_queued)
+        self._board = ActivityBoard(self.capacity)
         self._waiting: WaitingList[Job] = WaitingList()  # engine thread only
         # Keys of this engine's running caches in the store's byte budget (DESIGN 6); the
         # store may be shared with other engines.
@@ -109,12 +122,13 @@ class Engine:
         )
         self.prefetch = PrefetchStats()
         self._prefetcher = (
-            Prefetcher(self.planner, self._enqueue_prefetch)
+            Prefetcher(self.planner, ToolSyntax.of(model.tokenizer), self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled
             else None
         )
         self._closing = False  # the engine thread saw the shutdown marker
         self._stopping = False  # the grace period is over: cancel running requests too
+        self._abandon_saves = False  # shutdown's time for queued disk saves is over
         self._thread = threading.Thread(target=self._loop, name="mlx-prefix-engine", daemon=True)
         self._thread.start()
 
@@ -204,6 +218,7 @@ class Engine:
             disk = asdict(self.disk.cache.stats())
             disk["directory"] = str(disk["directory"])
             disk["pending_saves"] = self.disk.pending
+            disk["dropped_saves"] = self.disk.dropped  # each logged when dropped
             stats["disk"] = disk
         return stats
 
@@ -217,16 +232,44 @@ class Engine:
             removed += self.disk.cache.clear(self.model_key)
         return removed
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop accepting; cancel what waits; let running requests finish until
-        `timeout`, then cancel them too; join the engine thread."""
+    # -- the dashboard: read-only views (any thread) and single-entry actions ---------
+    def activity(self) -> Activity:
+        """Requests waiting, prefilling and decoding, as of the engine's last turn."""
+        return self._board.current
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+        """This model's entries in memory, with their token ids. Does not mutate."""
+        return self.store.sequences(self.model_key)
+
+    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
+        """This model's checkpoint files, with their token ids. Does not mutate."""
+        return self.disk.cache.sequences(self.model_key) if self.disk is not None else []
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        """Pin or unpin one of this model's entries; False if there is no such entry."""
+        return self.store.set_pinned(self.model_key, entry_id, pinned)
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        """Drop one of this model's entries from memory (a disk copy stays)."""
+        return self.store.evict_entry(self.model_key, entry_id)
+
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = SHUTDOWN_SAVES_S) -> None:
+        """Stop accepting; cancel what waits; let running requests finish until `timeout`,
+        then cancel them too; write the queued disk saves for up to `save_timeout` more,
+        then drop the rest with a log line each (DESIGN 11); join the engine thread."""
         if self._prefetcher is not None:
             self._prefetcher.close()
         self.lifecycle.close()
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._stopping = True
-            self._thread.join(5)
+            self._thread.join(save_timeout)
+        if self._thread.is_alive():
+            self._abandon_saves = True
+            self._thread.join(5)  # the file being written, if any
+        if self._thread.is_alive():
+            pending = self.disk.pending if self.disk is not None else 0
+            log.warning("the engine thread is still busy; %d queued disk save(s) lost", pending)
 
     # -- engine thread -------------------------------------------------------------
     def _loop(self) -> None:
@@ -237,6 +280,8 @@ class Engine:
             self.lifecycle.stop_accepting()
             self._take_inbox(block=False)
             self._fail_all(MlxPrefixError("the engine stopped"), waiting_too=True)
+            if self.disk is not None:
+                self.disk.drop_pending("the engine stopped")
             # MLX requires each thread to destroy its own streams before it exits, or
             # the process may abort at exit ("terminate called without an active exception").
             mx.clear_streams()
@@ -245,6 +290,9 @@ class Engine:
         while True:
             idle = not (self._waiting.has_requests() or self._prefill.task or len(self._decode))
             saving = self.disk is not None and self.disk.pending > 0
+            if saving and self._abandon_saves:
+                self.disk.drop_pending("the shutdown's time for disk saves ran out")
+                saving = False
             if self._closing and idle and not saving:
                 return  # queued saves are written first: a shutdown keeps what disk should
             try:
@@ -256,6 +304,7 @@ class Engine:
             except Exception as e:  # a bug in one request must not stop the engine
                 log.exception("engine step failed")
                 self._fail_all(e)
+            self._board.publish(self._waiting, self._prefill.task, self._decode.running())
 
     def _step(self) -> None:
         """Prefill up to `prefill_tokens_per_step` tokens (one request after another,
@@ -354,9 +403,8 @@ class Engine:
     def _maybe_prefetch(self, job: Job, reply: str) -> None:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
             return
-        tool_start = getattr(self.model.tokenizer, "tool_call_start", None)
-        if wants_prefetch(job.source, reply, tool_start):
-            self._prefetcher.submit(job.source, reply, len(job.tokens))
+        if wants_prefetch(job.source):
+            self._prefetcher.submit(job.source, reply, len(job.tokens), job.handle.request_id)
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
         """After an unexpected error, end every request in flight with an error event:

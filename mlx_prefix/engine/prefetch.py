@@ -19,48 +19,66 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
-from mlx_prefix.records import PromptInput
+from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
+from mlx_prefix.records import PromptInput, ToolCallIds
 
 log = logging.getLogger("mlx_prefix.engine")
 
 NEXT_MESSAGE = "?"  # stands for the next message; anything but the planner's sentinel
 
 
-def wants_prefetch(source: PromptInput, reply: str, tool_call_start: str | None) -> bool:
+def wants_prefetch(source: PromptInput) -> bool:
     """Whether a finished request looks like one turn of a longer exchange whose next
     request we can render: a chat that already has a reply in its history, or offers
     tools. A one-shot request (a script, a browser extension's single instruction) never
-    sends its reply back, and a reply that calls a tool comes back as structured
-    `tool_calls` that the template renders its own way, not as the text we produced."""
-    if source.messages is None or (tool_call_start and tool_call_start in reply):
+    sends its reply back."""
+    if source.messages is None:
         return False
     if source.assistant_prefix:  # the reply continues a forced tool call: a call too
         return False
     return bool(source.tools) or any(m.get("role") == "assistant" for m in source.messages)
 
 
+def next_turn_messages(
+    source: PromptInput, reply: str, syntax: ToolSyntax | None, request_id: str
+) -> tuple[dict[str, Any], ...]:
+    """The conversation the client will send next: this one, the reply as the client
+    received it, and a placeholder for the next message. A reply that calls tools comes
+    back as an assistant message with structured calls, named as the server named them
+    (every API shape becomes that message), followed by the first call's result; any
+    other reply as its text, followed by a user message."""
+    assert source.messages is not None
+    ids = source.reply_tool_call_ids or ToolCallIds(request_id)
+    turn = client_reply(syntax, reply, source.tools, ids)
+    if turn.call_ids:
+        nxt = {"role": "tool", "tool_call_id": turn.call_ids[0], "content": NEXT_MESSAGE}
+    else:
+        nxt = {"role": "user", "content": NEXT_MESSAGE}
+    return (*source.messages, turn.message, nxt)
+
+
 def next_turn_prompt(
-    planner: PromptPlanner, source: PromptInput, reply: str, computed: int
+    planner: PromptPlanner,
+    source: PromptInput,
+    reply: str,
+    computed: int,
+    syntax: ToolSyntax | None = None,
+    request_id: str = "",
 ) -> RenderedPrompt | None:
     """The next request's prompt, cut where its last message begins, if that reaches past
     the `computed` tokens of this one; None otherwise. Does not touch MLX.
 
-    The reply is rendered as the client will send it back (an assistant message with the
-    text it received) followed by a placeholder user message, so templates that
-    re-render earlier turns (Qwen3 strips <think> from them) render this reply the way
-    the next request will; the planner finds where that message begins (sentinel
-    substitution) exactly as it will for the real next request.
+    The reply is rendered as the client will send it back (next_turn_messages), so
+    templates that re-render earlier turns (Qwen3 strips <think> from them) render this
+    reply the way the next request will; the planner finds where the next message
+    begins (sentinel substitution) exactly as it will for the real next request.
     """
-    assert source.messages is not None
     probe = PromptInput(
-        messages=(
-            *source.messages,
-            {"role": "assistant", "content": reply},
-            {"role": "user", "content": NEXT_MESSAGE},
-        ),
+        messages=next_turn_messages(source, reply, syntax, request_id),
         tools=source.tools,
         chat_template_kwargs=source.chat_template_kwargs,
     )
@@ -78,23 +96,31 @@ def next_turn_prompt(
 class Prefetcher:
     """Renders next-turn prompts off the engine thread and hands them to `enqueue`."""
 
-    def __init__(self, planner: PromptPlanner, enqueue: Callable[[RenderedPrompt], None]):
+    def __init__(
+        self,
+        planner: PromptPlanner,
+        syntax: ToolSyntax | None,
+        enqueue: Callable[[RenderedPrompt], None],
+    ):
         self.planner = planner
+        self.syntax = syntax  # the tokenizer's tool-call syntax, as the server parses it
         self.enqueue = enqueue
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-prefix-prefetch")
 
-    def submit(self, source: PromptInput, reply: str, computed: int) -> None:
+    def submit(self, source: PromptInput, reply: str, computed: int, request_id: str) -> None:
         try:
-            self._pool.submit(self._render, source, reply, computed)
+            self._pool.submit(self._render, source, reply, computed, request_id)
         except RuntimeError:  # closed: the engine is shutting down
             pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _render(self, source: PromptInput, reply: str, computed: int) -> None:
+    def _render(self, source: PromptInput, reply: str, computed: int, request_id: str) -> None:
         try:
-            prompt = next_turn_prompt(self.planner, source, reply, computed)
+            prompt = next_turn_prompt(
+                self.planner, source, reply, computed, self.syntax, request_id
+            )
         except Exception:  # a template that cannot render it: nothing to prefetch
             log.debug("next-turn render failed", exc_info=True)
             return

@@ -11,7 +11,7 @@ import random
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from mlx_prefix.records import SamplingParams
+from mlx_prefix.records import SamplingParams, TopLogprob
 
 
 class TokenSampler:
@@ -38,3 +38,17 @@ class TokenSampler:
 def normalize(logits: mx.array) -> mx.array:
     """logits [B, V] -> log-probabilities [B, V]."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def top_logprobs(logprobs: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """The `n` most likely tokens of each row, most likely first (lazy):
+    logprobs [B, V] -> (token ids [B, n], their logprobs [B, n])."""
+    ids = mx.argpartition(-logprobs, kth=n - 1, axis=-1)[:, :n]  # [B, n], unordered
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+def alternatives(ids: list[int], values: list[float], n: int) -> tuple[TopLogprob, ...]:
+    """The first `n` of one row's `top_logprobs`, as records."""
+    return tuple(TopLogprob(t, v) for t, v in zip(ids[:n], values[:n], strict=True))

@@ -196,8 +196,9 @@ def cached_test_model(kind: str, think_template: bool = False, context: int | No
 
 
 # Qwen3's chat template in short: tools in the system turn, tool calls as <tool_call>
-# JSON, consecutive tool results grouped into one user turn, and <think> reasoning kept
-# only for assistant turns after the last real user query: earlier turns are re-rendered
+# JSON (written `tool_call.name`, as Qwen3 does, so mlx-lm infers its json_tools parser),
+# consecutive tool results grouped into one user turn, and <think> reasoning kept only
+# for assistant turns after the last real user query: earlier turns are re-rendered
 # without it, so a conversation's rendered prefix changes from one request to the next.
 THINK_CHAT_TEMPLATE = """\
 {%- if tools %}
@@ -240,12 +241,12 @@ THINK_CHAT_TEMPLATE = """\
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content }}
         {%- endif %}
-        {%- for call in message.tool_calls or [] %}
-            {%- set fn = call.function if call.function else call %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
             {%- if loop.first and content or not loop.first %}{{- '\\n' }}{%- endif %}
-            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
-            {%- if fn.arguments is string %}{{- fn.arguments }}
-            {%- else %}{{- fn.arguments | tojson }}{%- endif %}
+            {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}
+            {%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
             {{- '}\\n</tool_call>' }}
         {%- endfor %}
         {{- '<|im_end|>\\n' }}

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.cache.trie import TokenIds
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.breakpoints import breakpoint_positions
@@ -59,9 +60,13 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # a TokenIds: packed once here, for every cache lookup
     checkpoints: tuple[Checkpoint, ...]  # ascending positions, 0 < position <= len(tokens)
     is_chat: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, TokenIds):
+            object.__setattr__(self, "tokens", TokenIds(self.tokens))
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

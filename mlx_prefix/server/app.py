@@ -21,6 +21,7 @@ from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
 from .model_names import ModelRegistry, ServedModel
 from .protocol.request import Limits
+from .response_store import ResponseStore
 from .routes import ROUTES
 from .routes.common import ServerState
 from .settings import ServerSettings
@@ -60,13 +61,23 @@ def serve(engine: Any, settings: ServerSettings) -> None:
         timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
         lifespan="on",
     )
-    log.info("serving %s on http://%s:%d", engine.model.name, settings.host, settings.port)
+    log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
         _GracefulServer(config, app.state.server.inflight, settings.shutdown_grace_s).run()
     finally:
         shutdown_engine()
+
+
+def serving_line(model_name: str, host: str, port: int) -> str:
+    """The startup line: where the API listens and where to open the dashboard."""
+    browse = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    bind, browse = (f"[{h}]" if ":" in h else h for h in (host, browse))
+    return (
+        f"serving {model_name} on http://{bind}:{port} "
+        f"(dashboard: http://{browse}:{port}/dashboard)"
+    )
 
 
 class _GracefulServer(uvicorn.Server):
@@ -132,5 +143,6 @@ def _build(
         limits=limits,
         inflight=InFlight(),
         started=int(time.time()),
+        responses=ResponseStore(settings.responses_store),
     )
     return app

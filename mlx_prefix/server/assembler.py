@@ -1,24 +1,29 @@
-"""Token events -> reply deltas: reasoning, text and structured tool calls, for every API
-family (chat, completions, Anthropic messages, Responses).
+"""Engine token events -> reply deltas (reasoning, text, tool calls, logprobs), for every
+API family (chat, completions, Anthropic messages, Responses).
 
 Tool-call markup never leaks as text: the model's calls come out as structured calls in
 OpenAI's `tool_calls` shape ({"id", "type": "function", "function": {"name",
-"arguments": JSON text}}), the one form each family converts from. A reply whose prompt
-opened the assistant's turn with text (a forced tool call, server/tool_choice.py) is
-read as continuing that text. With `split_thinking`, a reply that opens with the
-model's think marker (`<think>`) has its reasoning split off until the end marker.
+"arguments": JSON text}}), the one form each family converts from, named by the
+prompt's `reply_tool_call_ids`. Splitting, parsing and naming are prompt/tool_calls.py's,
+shared with the engine's next-turn prefetch, so the prefetch renders the reply exactly as
+the client receives it (whitespace-only text around calls dropped alike).
+
+A reply whose prompt opened the assistant's turn (a forced tool call, server/tool_choice.py)
+is read as continuing that opening. With a ThinkSplitter (server/thinking.py), reasoning
+at the reply's start is split off before the text is searched for calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.records import DoneEvent, TokenEvent
+from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
 from . import responses as R
 from .protocol.request import GenerationRequest
-from .tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax, _partial_suffix
+from .thinking import ThinkSplitter
+from .tools import ReplySplitter, Split, ToolCallFormatter, ToolSyntax
 
 
 @dataclass(frozen=True)
@@ -33,52 +38,14 @@ class Delta:
 
 
 @dataclass
-class ThinkSplitter:
-    """Reasoning at the reply's start, between the think markers, held apart from text."""
-
-    start: str
-    end: str
-    _pending: str = ""
-    _state: str = "opening"  # opening (may still see the start marker) | thinking | done
-
-    def feed(self, text: str) -> tuple[str, str]:
-        """(reasoning, text) safe to hand out now."""
-        self._pending += text
-        if self._state == "opening":
-            stripped = self._pending.lstrip()
-            if stripped.startswith(self.start):
-                self._pending, self._state = stripped[len(self.start) :], "thinking"
-            elif self.start.startswith(stripped):
-                return "", ""  # could still become the start marker
-            else:
-                self._state = "done"
-        if self._state == "thinking":
-            at = self._pending.find(self.end)
-            if at < 0:
-                keep = _partial_suffix(self._pending, self.end)
-                cut = len(self._pending) - keep
-                reasoning, self._pending = self._pending[:cut], self._pending[cut:]
-                return reasoning, ""
-            reasoning, rest = self._pending[:at], self._pending[at + len(self.end) :]
-            self._pending, self._state = "", "done"
-            return reasoning, rest.lstrip("\n")
-        text, self._pending = self._pending, ""
-        return "", text
-
-    def finish(self) -> tuple[str, str]:
-        pending, self._pending = self._pending, ""
-        if self._state == "thinking":
-            return pending, ""
-        return "", pending
-
-
-@dataclass
 class Assembler:
     logprobs: bool
-    splitter: ToolCallSplitter | None = None
+    splitter: ReplySplitter | None = None
     formatter: ToolCallFormatter | None = None
     thinking: ThinkSplitter | None = None
     made_tool_call: bool = False
+    tokenizer: Any = None  # decodes the tokens of logprobs
+    _texts: dict[int, str] = field(default_factory=dict)  # token id -> its text
 
     @classmethod
     def for_request(
@@ -89,30 +56,51 @@ class Assembler:
         *,
         split_thinking: bool = False,
     ) -> Assembler:
-        thinking = None
-        if split_thinking and getattr(tokenizer, "has_thinking", False):
-            thinking = ThinkSplitter(tokenizer.think_start, tokenizer.think_end)
         syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
+        thinking = ThinkSplitter.of(tokenizer) if split_thinking else None
+        return cls.build(
+            req.sampling.logprobs, syntax, req.prompt, streaming, tokenizer, thinking=thinking
+        )
+
+    @classmethod
+    def build(
+        cls,
+        logprobs: bool,
+        syntax: ToolSyntax | None,
+        prompt: PromptInput,
+        streaming: bool,
+        tokenizer: Any = None,
+        *,
+        thinking: ThinkSplitter | None = None,
+    ) -> Assembler:
+        """Tool calls are parsed when `syntax` is given (tools offered, the tokenizer
+        knows their markup), named by the prompt's reply_tool_call_ids; reasoning is
+        split off when `thinking` is given."""
         if syntax is None:
-            return cls(logprobs=req.sampling.logprobs, thinking=thinking)
-        splitter = ToolCallSplitter(syntax)
-        opening = req.prompt.assistant_prefix
-        if opening:
+            return cls(logprobs=logprobs, thinking=thinking, tokenizer=tokenizer)
+        splitter = ReplySplitter(syntax)
+        if prompt.assistant_prefix:
             # The reply continues the forced call the prompt opened: no reasoning first.
             thinking = None
-            split = splitter.feed(opening)
+            split = splitter.feed(prompt.assistant_prefix)
             assert not split.text and not split.calls, "an opening is a call's start"
+        ids = prompt.reply_tool_call_ids
         return cls(
-            logprobs=req.sampling.logprobs,
+            logprobs=logprobs,
             splitter=splitter,
-            formatter=ToolCallFormatter(syntax, req.prompt.tools, streaming),
+            formatter=ToolCallFormatter(syntax, prompt.tools, streaming, ids),
             thinking=thinking,
+            tokenizer=tokenizer,
         )
 
     def feed(self, event: TokenEvent) -> Delta:
         lps = []
         if self.logprobs and event.logprob is not None:
-            lps.append(R.TokenLogprob(event.text, event.logprob))
+            # Each token as decoded on its own, the sampled one like its alternatives (the
+            # text delta may hold back a stop string or an incomplete character).
+            token = self._text(event.token) if event.token is not None else event.text
+            top = tuple(R.Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
+            lps.append(R.TokenLogprob(token, event.logprob, top))
         reasoning, text = self.thinking.feed(event.text) if self.thinking else ("", event.text)
         if self.splitter is None:
             return Delta(text, [], lps, reasoning)
@@ -122,18 +110,23 @@ class Assembler:
         reasoning, text = self.thinking.finish() if self.thinking else ("", "")
         if self.splitter is None:
             return Delta(text, [], [], reasoning)
-        if text:
-            head = self._split(self.splitter.feed(text), [], reasoning)
-            tail = self._split(self.splitter.finish(), [], "")
-            return Delta(head.text + tail.text, head.tool_calls + tail.tool_calls, [], reasoning)
-        return self._split(self.splitter.finish(), [], reasoning)
+        head = self._split(self.splitter.feed(text), [], reasoning) if text else None
+        tail = self._split(self.splitter.finish(), [], "" if head else reasoning)
+        if head is None:
+            return tail
+        return Delta(head.text + tail.text, head.tool_calls + tail.tool_calls, [], reasoning)
 
     def finish_reason(self, done: DoneEvent) -> str:
         if done.finish_reason == "stop" and self.made_tool_call:
             return "tool_calls"
         return done.finish_reason
 
-    def _split(self, split: Any, lps: list[R.TokenLogprob], reasoning: str) -> Delta:
+    def _text(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self.tokenizer.decode([token])
+        return self._texts[token]
+
+    def _split(self, split: Split, lps: list[R.TokenLogprob], reasoning: str) -> Delta:
         assert self.formatter is not None
         calls, failed = self.formatter.format(split.calls) if split.calls else ([], "")
         self.made_tool_call |= bool(calls)

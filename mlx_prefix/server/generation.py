@@ -29,7 +29,7 @@ from .metrics import ServerMetrics
 log = logging.getLogger("mlx_prefix.server")
 
 T = TypeVar("T")
-_CANCELLED = "the server cancelled this request before it finished (shutting down)"
+CANCELLED = "the server cancelled this request before it finished (shutting down)"
 
 
 class InFlight:
@@ -77,6 +77,9 @@ class RequestLog:
             return
         self._written = True
         total_ms = (time.perf_counter() - self.started) * 1000
+        self.metrics.recent.add(
+            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish
+        )  # fmt: skip
         if usage is None:
             log.info(
                 "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms%s",
@@ -135,7 +138,7 @@ async def stream_events(
                     elif isinstance(event, DoneEvent):
                         if event.finish_reason == "cancelled":
                             status = "cancelled"
-                            for chunk in shaper.failure(CancelledByServer(_CANCELLED)):
+                            for chunk in shaper.failure(CancelledByServer(CANCELLED)):
                                 yield chunk
                             return
                         delta = assembler.finish()
@@ -150,7 +153,7 @@ async def stream_events(
                     elif isinstance(event, ErrorEvent):
                         status = "error"
                         log.error("%s generation failed: %s", record.request_id, event.message)
-                        for chunk in shaper.failure(_as_error(event)):
+                        for chunk in shaper.failure(as_error(event)):
                             yield chunk
                         return
             status = "error"
@@ -160,7 +163,7 @@ async def stream_events(
         except Exception as e:
             status = "error"
             log.exception("%s generation failed", record.request_id)
-            for chunk in shaper.failure(_as_error(e)):
+            for chunk in shaper.failure(as_error(e)):
                 yield chunk
     finally:
         handle.cancel()
@@ -213,11 +216,11 @@ async def collect(handle: Any, assembler: Assembler, request: Request) -> Collec
     finally:
         handle.cancel()
     if isinstance(result, ErrorEvent):
-        raise _as_error(result)
+        raise as_error(result)
     if result is None:
         raise GenerationFailed("the engine ended the request without a result")
     if result.finish_reason == "cancelled":
-        raise CancelledByServer(_CANCELLED)
+        raise CancelledByServer(CANCELLED)
     deltas.append(assembler.finish())
     return Collected([d for d in deltas if d], result)
 
@@ -258,7 +261,7 @@ async def until_disconnect(
     return done[0]
 
 
-def _as_error(source: ErrorEvent | Exception) -> MlxPrefixError:
+def as_error(source: ErrorEvent | Exception) -> MlxPrefixError:
     if isinstance(source, MlxPrefixError):
         return source
     if isinstance(source, ErrorEvent):

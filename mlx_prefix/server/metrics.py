@@ -13,6 +13,8 @@ from prometheus_client.registry import Collector
 
 from mlx_prefix.records import Usage
 
+from .recent import RecentRequests
+
 log = logging.getLogger("mlx_prefix.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -46,6 +48,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(CacheCollector(cache_stats))
+        self.recent = RecentRequests()  # for the dashboard; fed by generation.RequestLog
 
     def observe_generation(self, usage: Usage) -> None:
         self.prompt_tokens.inc(usage.prompt_tokens)
@@ -113,7 +116,16 @@ def _is_number(value: Any) -> bool:
 _COUNTERS = frozenset({"hits", "misses", "tokens_reused", "evictions"})
 # Monotonic totals of the disk tier (DiskStats); files, bytes and the rest are gauges.
 _DISK_COUNTERS = frozenset(
-    {"hits", "misses", "saves", "save_failures", "load_failures", "evictions", "removed"}
+    {
+        "hits",
+        "misses",
+        "saves",
+        "save_failures",
+        "load_failures",
+        "evictions",
+        "removed",
+        "dropped_saves",
+    }
 )
 _DOCS = {
     "bytes": "Bytes held by stored prefix-cache snapshots",

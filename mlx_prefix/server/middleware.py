@@ -24,6 +24,14 @@ DEFAULT_ORIGIN_REGEX = (
 )
 
 
+def origin_allowed(origin: str, allowed_origins: Collection[str]) -> bool:
+    """The origin policy's verdict on `origin` (as OriginPolicy decides), for checks of
+    other headers against it (the dashboard's Host)."""
+    if "*" in allowed_origins or origin in allowed_origins:
+        return True
+    return re.fullmatch(DEFAULT_ORIGIN_REGEX, origin) is not None
+
+
 def cors(allowed_origins: Collection[str]) -> Middleware:
     return Middleware(
         OriginPolicy,
@@ -70,12 +78,19 @@ def _refused(path: str, origin: str) -> Response:
     return error_response_for(path, err, headers={"Vary": "Origin"})
 
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/", "/dashboard"})
+OPEN_PREFIXES = ("/dashboard/static/",)
+
+
+def is_open(path: str) -> bool:
+    """Paths served without the API key."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 class ApiKeyAuth:
-    """Requires the API key on every path but /health and /metrics (the API under /v1 and
-    its unprefixed twins alike; CORS preflights stay open), sent either way clients send
+    """Requires the API key on every path but the open ones (/health, /metrics, and the
+    dashboard's page and files: no data, that is /v1/dashboard), the API under /v1 and
+    its unprefixed twins alike (CORS preflights stay open), sent either way clients send
     it: `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic's)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
@@ -84,11 +99,7 @@ class ApiKeyAuth:
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"] not in OPEN_PATHS
-            and scope["method"] != "OPTIONS"
-        ):
+        if scope["type"] == "http" and not is_open(scope["path"]) and scope["method"] != "OPTIONS":
             headers = Headers(scope=scope)
             bearer = headers.get("authorization", "").encode()
             key = headers.get("x-api-key", "").encode()

@@ -39,9 +39,16 @@ def new_request_id(kind: Literal["chat", "completion"]) -> str:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    token: str  # the token decoded on its own
+    logprob: float
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     token: str
     logprob: float
+    top: tuple[Alternative, ...] = ()  # the most likely tokens here, when asked for
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -58,15 +65,16 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def logprobs_body(kind: str, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+    """OpenAI's shapes: chat `{"content": [{token, logprob, bytes, top_logprobs}]}`;
+    completions `{tokens, token_logprobs, top_logprobs, text_offset}`, where each
+    position's top_logprobs dict holds the N most likely tokens and the sampled one."""
     if not logprobs:
         return None
     if kind == "chat":
         content = [
             {
-                "token": lp.token,
-                "logprob": lp.logprob,
-                "bytes": list(lp.token.encode()),
-                "top_logprobs": [],
+                **_token(lp.token, lp.logprob),
+                "top_logprobs": [_token(a.token, a.logprob) for a in lp.top],
             }
             for lp in logprobs
         ]
@@ -75,12 +83,23 @@ def logprobs_body(kind: str, logprobs: list[TokenLogprob]) -> dict[str, Any] | N
     for lp in logprobs:
         offsets.append(offset)
         offset += len(lp.token)
+    tops = []
+    for lp in logprobs:
+        top: dict[str, float] = {}
+        for a in lp.top:  # most likely first: a text two tokens share keeps the higher
+            top.setdefault(a.token, a.logprob)
+        top.setdefault(lp.token, lp.logprob)
+        tops.append(top)
     return {
         "tokens": [lp.token for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": None,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def completion_body(

@@ -26,6 +26,7 @@ class ServerSettings:
     # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
+    responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
@@ -43,6 +44,8 @@ class ServerSettings:
                     f"allowed_origins: {origin!r} is not an origin such as "
                     "'https://app.example.com' (or '*')"
                 )
+        if self.responses_store < 0:
+            raise ValueError("responses_store must not be negative")
         if min(self.max_body_bytes, self.default_max_tokens, self.max_tokens_limit) < 1:
             raise ValueError("max_body_bytes and the max_tokens settings must be positive")
         if self.shutdown_grace_s < 0:

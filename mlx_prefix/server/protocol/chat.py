@@ -24,16 +24,19 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
         tools=tools if offer_tools else None,
         chat_template_kwargs=field(body, "chat_template_kwargs", dict, None) or {},
     )
-    # The engine reports the sampled token's logprob only, not its alternatives.
-    if integer(body, "top_logprobs", 0, lo=0, hi=20):
-        raise InvalidRequest(
-            "top_logprobs is not supported: only the sampled tokens' logprobs are returned "
-            "(send logprobs: true without top_logprobs, or top_logprobs: 0)",
-            param="top_logprobs",
-        )
     logprobs = bool(field(body, "logprobs", bool, False))
+    top = integer(body, "top_logprobs", 0, lo=0, hi=20)
+    if top and not logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
     return generation_request(
-        "chat", body, prompt, limits, logprobs, parse_tools=offer_tools, tool_choice=choice
+        "chat",
+        body,
+        prompt,
+        limits,
+        logprobs,
+        top_logprobs=top,
+        parse_tools=offer_tools,
+        tool_choice=choice,
     )
 
 

@@ -19,10 +19,16 @@ def parse_completion(body: dict[str, Any], limits: Limits) -> GenerationRequest:
         raise InvalidRequest("suffix is not supported", param="suffix")
     if integer(body, "best_of", 1, lo=1, hi=None) != 1:
         raise InvalidRequest("only best_of=1 is supported", param="best_of")
+    # logprobs: N returns the sampled tokens' logprobs and, at each position, the N most
+    # likely tokens (0: none); true is taken as 0, false and null as off.
     logprobs = field(body, "logprobs", (bool, int), None)
     if isinstance(logprobs, int) and not isinstance(logprobs, bool) and not 0 <= logprobs <= 5:
         raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")
-    return generation_request("completion", body, prompt, limits, bool(logprobs), parse_tools=False)
+    on = logprobs is not None and logprobs is not False
+    top = 0 if isinstance(logprobs, bool) or logprobs is None else logprobs
+    return generation_request(
+        "completion", body, prompt, limits, on, top_logprobs=top, parse_tools=False
+    )
 
 
 def prompt_text(prompt: Any) -> str:

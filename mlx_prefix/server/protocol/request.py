@@ -59,6 +59,7 @@ def generation_request(
     limits: Limits,
     logprobs: bool,
     *,
+    top_logprobs: int = 0,
     parse_tools: bool,
     tool_choice: ToolChoice = ToolChoice(),
 ) -> GenerationRequest:
@@ -81,6 +82,7 @@ def generation_request(
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         stop=_stop(body),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     return GenerationRequest(
         kind=kind,

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
+from . import dashboard
 from .cache import cache_flush, cache_info, cache_warm
 from .generate import chat_completions, completions
 from .messages import count_tokens, messages
+from .responses import create_response, delete_response, get_response
 from .status import get_model, health, list_models, metrics
 
 API_PREFIXES = ("/v1", "")
@@ -27,6 +29,9 @@ API_ROUTES = [
     ("/completions", completions, ["POST"]),
     ("/messages", messages, ["POST"]),
     ("/messages/count_tokens", count_tokens, ["POST"]),
+    ("/responses", create_response, ["POST"]),
+    ("/responses/{response_id}", get_response, ["GET"]),
+    ("/responses/{response_id}", delete_response, ["DELETE"]),
     ("/models", list_models, ["GET"]),
     ("/models/{model_id:path}", get_model, ["GET"]),
 ]
@@ -37,10 +42,16 @@ ROUTES = [
         for path, handler, methods in API_ROUTES
         for prefix in API_PREFIXES
     ),
-    # mlx-prefix's own endpoints: under /v1 only.
+    # mlx-prefix's own endpoints and the dashboard: under /v1 (or their own paths) only.
     Route("/v1/cache", cache_info, methods=["GET"]),
     Route("/v1/cache", cache_flush, methods=["DELETE"]),
     Route("/v1/cache/warm", cache_warm, methods=["POST"]),
+    Route("/v1/cache/entries/{entry_id:int}/pin", dashboard.pin, methods=["POST"]),
+    Route("/v1/cache/entries/{entry_id:int}", dashboard.evict, methods=["DELETE"]),
+    Route("/v1/dashboard", dashboard.data, methods=["GET"]),
+    Route("/", dashboard.root, methods=["GET"]),
+    Route("/dashboard", dashboard.page, methods=["GET"]),
+    Route("/dashboard/static/{name:path}", dashboard.static, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -14,12 +14,14 @@ from starlette.responses import Response
 
 from mlx_prefix.errors import MlxPrefixError
 
+from ..dashboard import TreeShapes
 from ..errors import PayloadTooLarge, UnsupportedMediaType, error_response_for
 from ..generation import InFlight
 from ..metrics import ServerMetrics
 from ..model_names import ModelRegistry
 from ..protocol.fields import parse_json_object
 from ..protocol.request import Limits
+from ..response_store import ResponseStore
 from ..settings import ServerSettings
 
 log = logging.getLogger("mlx_prefix.server")
@@ -34,6 +36,8 @@ class ServerState:
     limits: Limits
     inflight: InFlight
     started: int  # unix time, reported as the model's `created`
+    responses: ResponseStore  # past /v1/responses answers, for previous_response_id
+    tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
 
 
 def state(request: Request) -> ServerState:

@@ -4,12 +4,14 @@ chunks or collect one JSON body (routes/flow.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.records import ToolCallIds
 
 from .. import responses as R
 from ..assembler import Assembler
@@ -37,6 +39,9 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
     try:
         body = await read_json(request)
         req = parse_chat(body, st.limits) if kind == "chat" else parse_completion(body, st.limits)
+        # Calls named after the request: the engine's next-turn prefetch names them alike.
+        ids = ToolCallIds(record.request_id)
+        req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
         served = st.models.resolve(req.model)
         tokenizer = served.engine.model.tokenizer
         req = with_tool_choice(req, tokenizer)

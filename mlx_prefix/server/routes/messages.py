@@ -4,11 +4,14 @@ Anthropic's shape (server/errors.py picks it by path)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.records import ToolCallIds
 
 from ..anthropic_stream import (
     AnthropicStream,
@@ -37,7 +40,11 @@ async def messages(request: Request) -> Response:
         parsed = parse_messages_request(body, st.limits, keep_billing_header=keep)
         served = st.models.resolve(parsed.generation.model)
         tokenizer = served.engine.model.tokenizer
-        req = with_tool_choice(parsed.generation, tokenizer)
+        # tool_use ids named after the message, as the engine's next-turn prefetch names
+        # them, so the client's next turn (which sends them back) finds its prefix cached.
+        ids = ToolCallIds(message_id, prefix="toolu_")
+        prompt = replace(parsed.generation.prompt, reply_tool_call_ids=ids)
+        req = with_tool_choice(replace(parsed.generation, prompt=prompt), tokenizer)
         handle = await submit(served.engine, req, message_id)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)

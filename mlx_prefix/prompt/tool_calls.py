@@ -1,0 +1,207 @@
+"""Tool calls in a model's reply, with the tokenizer's mlx-lm parser: the reply split into
+text and call bodies, the bodies parsed, the calls named.
+
+mlx-lm's tokenizer wrapper knows, per model family, the markers around a tool call
+(`tool_call_start` / `tool_call_end`) and a `tool_parser(text, tools)` returning
+{"name", "arguments"} (or a list of them). The engine streams text deltas, so we split
+on the markers in text, holding back a delta's tail while it could still be the start
+of a marker.
+
+The server answers with the calls this module finds; the engine's next-turn prefetch
+renders the reply as the client will send it back (`client_reply`). Both must split,
+parse and name a reply identically, so both use this module, whatever API shape (chat
+`tool_calls`, Anthropic `tool_use`, Responses `function_call`) the calls travel in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_prefix.records import ToolCallIds
+
+log = logging.getLogger("mlx_prefix.prompt")
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    start: str
+    end: str
+    parser: Callable[[str, Any], Any]
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolSyntax | None:
+        if not getattr(tokenizer, "has_tool_calling", False):
+            return None
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        parser = tokenizer.tool_parser
+        if not start or parser is None:
+            return None
+        return cls(start=start, end=end or "", parser=parser)
+
+
+@dataclass(frozen=True)
+class Split:
+    text: str  # plain text, safe to send now
+    calls: list[str]  # complete tool-call bodies, markers stripped
+
+
+@dataclass
+class ToolCallSplitter:
+    syntax: ToolSyntax
+    _pending: str = ""  # text not yet classified
+    _in_call: bool = False
+
+    def feed(self, text: str) -> Split:
+        self._pending += text
+        out, calls = [], []
+        while True:
+            marker = self.syntax.end if self._in_call else self.syntax.start
+            if self._in_call and not marker:
+                break  # a call without an end marker runs to the end of the output
+            at = self._pending.find(marker)
+            if at < 0:
+                break
+            if self._in_call:
+                calls.append(self._pending[:at])
+            else:
+                out.append(self._pending[:at])
+            self._pending = self._pending[at + len(marker) :]
+            self._in_call = not self._in_call
+        if not self._in_call:
+            keep = partial_suffix(self._pending, self.syntax.start)
+            out.append(self._pending[: len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep :]
+        return Split(text="".join(out), calls=calls)
+
+    def finish(self) -> Split:
+        # An unterminated call (cut by max_tokens) is still offered to the parser,
+        # as mlx_lm.server does; if it fails to parse it comes back as text.
+        pending, self._pending = self._pending, ""
+        if self._in_call:
+            self._in_call = False
+            return Split(text="", calls=[pending] if pending.strip() else [])
+        return Split(text=pending, calls=[])
+
+
+@dataclass
+class ReplySplitter:
+    """A ToolCallSplitter that also drops the reply's text when it is only whitespace and
+    the reply calls tools (the newlines a model writes around its calls): held back while
+    all text so far is whitespace, released once anything else arrives. The result
+    depends only on the whole reply, never on how it was cut into deltas."""
+
+    syntax: ToolSyntax
+    _splitter: ToolCallSplitter = field(init=False)
+    _held: str = ""
+    _spoke: bool = False  # non-whitespace text was seen (nothing is held from then on)
+    _called: bool = False
+
+    def __post_init__(self) -> None:
+        self._splitter = ToolCallSplitter(self.syntax)
+
+    def feed(self, text: str) -> Split:
+        return self._hold(self._splitter.feed(text), final=False)
+
+    def finish(self) -> Split:
+        return self._hold(self._splitter.finish(), final=True)
+
+    def _hold(self, split: Split, final: bool) -> Split:
+        self._called |= bool(split.calls)
+        if self._spoke:
+            return split
+        self._held += split.text
+        if self._held.strip():
+            self._spoke = True
+            text, self._held = self._held, ""
+            return Split(text, split.calls)
+        if final and not self._called:
+            text, self._held = self._held, ""
+            return Split(text, split.calls)
+        return Split("", split.calls)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as the client receives it
+
+
+@dataclass
+class CallParser:
+    """Call bodies -> ToolCalls, named in order: the model's own id when its parser gives
+    one (Kimi, Mistral), else `ids.id(i)` for the reply's i-th call."""
+
+    syntax: ToolSyntax
+    tools: Sequence[dict[str, Any]] | None
+    ids: ToolCallIds
+    _count: int = 0
+
+    def parse(self, bodies: list[str]) -> tuple[list[ToolCall], str]:
+        """The calls in `bodies`, and the text of those that failed to parse (with their
+        markers, as the model wrote them)."""
+        calls, failed = [], []
+        for body in bodies:
+            try:
+                parsed = self.syntax.parser(body, self.tools)
+            except Exception as e:  # a model's malformed call must not fail the response
+                log.warning(
+                    "tool call did not parse (%s: %s); returned as text", type(e).__name__, e
+                )
+                failed.append(f"{self.syntax.start}{body}{self.syntax.end}")
+                continue
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                arguments = call.get("arguments", {})
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+                call_id = call.get("id") or self.ids.id(self._count)
+                calls.append(ToolCall(call_id, call.get("name", ""), arguments))
+                self._count += 1
+        return calls, "".join(failed)
+
+
+@dataclass(frozen=True)
+class ClientReply:
+    """A reply as the client sends it back: the assistant message (chat form, as every
+    API family's parser produces it) and the ids of the calls it makes."""
+
+    message: dict[str, Any]
+    call_ids: tuple[str, ...]
+
+
+def client_reply(
+    syntax: ToolSyntax | None,
+    reply: str,
+    tools: Sequence[dict[str, Any]] | None,
+    ids: ToolCallIds,
+) -> ClientReply:
+    """The whole `reply` split, parsed and named exactly as the server answered it. Tool
+    calls are parsed only when tools were offered (the server parses them only then)."""
+    if syntax is None or not tools:
+        return ClientReply({"role": "assistant", "content": reply}, ())
+    splitter, parser = ReplySplitter(syntax), CallParser(syntax, tools, ids)
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for split in (splitter.feed(reply), splitter.finish()):
+        found, failed = parser.parse(split.calls) if split.calls else ([], "")
+        texts.append(split.text + failed)
+        calls.extend(found)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return ClientReply(message, tuple(c.id for c in calls))
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,188 @@
+"""Responses API items <-> the chat messages every template renders.
+
+`input` items (and the `output` items of a stored response, which have the same shapes)
+become chat messages: a run of assistant message and `function_call` items becomes ONE
+assistant message with `content` and `tool_calls`, exactly the message a chat
+completions client sends back for the same reply, so all API shapes render a
+conversation to the same tokens (and the engine's next-turn prefetch matches them).
+`function_call_output` becomes a `tool` message. Function tools are turned from the
+Responses' flat shape into the chat shape templates expect.
+
+Pure: validates, never touches the engine. Fields this server cannot honour are refused
+with InvalidRequest naming them; empty values (null, false, "", [], {}) count as absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+
+from .fields import json_type
+
+INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# Item fields that carry nothing the model sees (bookkeeping a client echoes back).
+_ITEM_BOOKKEEPING = {"type", "id", "status", "phase"}
+
+
+def input_messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
+    """`input` (a string or an array of items) as chat messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'{param}' must be a string or an array of items", param=param)
+    messages: list[dict[str, Any]] = []
+    reply: dict[str, Any] | None = None  # the assistant message a run of items builds
+    for i, item in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"{where} must be an object, not {json_type(item)}", param=where)
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message" and item.get("role") == "assistant":
+            reply = reply or _new_reply(messages)
+            reply["content"] += _content(item, where, "output_text")
+        elif kind == "message":
+            reply = None
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            reply = reply or _new_reply(messages)
+            reply.setdefault("tool_calls", []).append(_function_call(item, where))
+        elif kind == "function_call_output":
+            reply = None
+            messages.append(_function_call_output(item, where))
+        else:
+            raise InvalidRequest(
+                f"{where}.type {kind!r} is not supported: give messages, function_call and "
+                "function_call_output items"
+                + (" (this server produces no reasoning items)" if kind == "reasoning" else ""),
+                param=f"{where}.type",
+            )
+    if not messages:
+        raise InvalidRequest(f"'{param}' must not be empty", param=param)
+    return messages
+
+
+def reply_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the messages a client sending them back produces
+    (what `previous_response_id` chains onto): one assistant message."""
+    return input_messages(output, "output") if output else [{"role": "assistant", "content": ""}]
+
+
+def _new_reply(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    reply: dict[str, Any] = {"role": "assistant", "content": ""}
+    messages.append(reply)
+    return reply
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in INPUT_ROLES:
+        raise InvalidRequest(
+            f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}",
+            param=f"{where}.role",
+        )
+    return {"role": INPUT_ROLES[role], "content": _content(item, where, "input_text")}
+
+
+def _content(item: dict[str, Any], where: str, part_type: str) -> str:
+    _no_other_fields(item, where, {"role", "content"})
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(
+            f"{where}.content must be a string or an array of {part_type} parts",
+            param=f"{where}.content",
+        )
+    return "".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+
+
+def _text_part(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else json_type(part)
+    if kind not in ("input_text", "output_text"):
+        raise InvalidRequest(
+            f"{where}: only text parts (input_text, output_text) are supported, got {kind!r}",
+            param=where,
+        )
+    assert isinstance(part, dict)
+    if not isinstance(part.get("text"), str):
+        raise InvalidRequest(f"{where}.text must be a string", param=f"{where}.text")
+    # Annotations and logprobs come back on output_text parts the server sent: not prompt.
+    _no_other_fields(part, where, {"type", "text", "annotations", "logprobs"})
+    return part["text"]
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _no_other_fields(item, where, {"call_id", "name", "arguments"})
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    function = {"name": item["name"], "arguments": item["arguments"]}
+    return {"id": item["call_id"], "type": "function", "function": function}
+
+
+def _function_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
+    # `name` is the called function's, echoed by some clients; templates print the result.
+    _no_other_fields(item, where, {"call_id", "output", "name"})
+    if not isinstance(item.get("call_id"), str):
+        raise InvalidRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")
+    output = item.get("output")
+    if isinstance(output, list):
+        output = "".join(_text_part(p, f"{where}.output[{j}]") for j, p in enumerate(output))
+    if not isinstance(output, str):
+        raise InvalidRequest(
+            f"{where}.output must be a string or an array of input_text parts",
+            param=f"{where}.output",
+        )
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def _no_other_fields(obj: dict[str, Any], where: str, known: set[str]) -> None:
+    for key, value in obj.items():
+        if key not in known and key not in _ITEM_BOOKKEEPING and not is_empty(value):
+            raise InvalidRequest(f"{where}.{key} is not supported", param=f"{where}.{key}")
+
+
+def is_empty(value: Any) -> bool:
+    return value is None or value is False or value in ("", [], {})
+
+
+def chat_tools(value: Any) -> tuple[tuple[dict[str, Any], ...], list[dict[str, Any]]] | None:
+    """Function tools: (the chat shape templates render, the flat shape echoed back)."""
+    if is_empty(value):
+        return None
+    if not isinstance(value, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    nested, flat = [], []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"{where} must be an object", param=where)
+        if tool.get("type") != "function":
+            raise InvalidRequest(
+                f"{where}.type {tool.get('type')!r} is not supported: only function tools "
+                "(this server runs no built-in tools)",
+                param=f"{where}.type",
+            )
+        if tool.get("strict") is True:
+            raise InvalidRequest(
+                f"{where}.strict: arguments constrained to the schema are not supported; "
+                "send strict: false",
+                param=f"{where}.strict",
+            )
+        _no_other_fields(tool, where, {"name", "description", "parameters", "strict"})
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise InvalidRequest(f"{where}.name must be a string", param=f"{where}.name")
+        parameters = tool.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise InvalidRequest(
+                f"{where}.parameters must be an object", param=f"{where}.parameters"
+            )
+        function: dict[str, Any] = {"name": tool["name"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        no_parameters = {"type": "object", "properties": {}}
+        function["parameters"] = no_parameters if parameters is None else parameters
+        nested.append({"type": "function", "function": function})
+        flat.append({"type": "function", **function, "strict": False})
+    return tuple(nested), flat

@@ -1,0 +1,221 @@
+"""POST /v1/responses bodies (the OpenAI Responses API, as the `openai` SDK's
+`responses.create` and Codex CLI send it) -> a ResponsesRequest.
+
+Stricter than the other families: a field this server cannot honour (built-in tools,
+`reasoning` options, `background`, `truncation: auto`, structured `text.format`, a field
+it does not know) is refused with a 400 naming it, unless its value is empty (null,
+false, "", [], {}): clients often send defaults. Bookkeeping that changes no output
+(`metadata`, `user`, `prompt_cache_key`, ...) is accepted and echoed.
+`previous_response_id` is only read here; the route resolves it against its store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, ToolCallIds
+
+from .fields import field as read
+from .fields import integer, number
+from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
+from .response_items import chat_tools, input_messages, is_empty
+
+LOGPROBS = "message.output_text.logprobs"
+# Asks for a field of reasoning items; this server emits none (a template's thinking
+# comes as output text), so there is nothing to include. Codex always sends it.
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+# Accepted as sent and echoed in the response; they change nothing generated.
+_ECHOED = ("metadata", "user", "safety_identifier", "prompt_cache_key")
+# Accepted, never echoed: a client's own bookkeeping, or a bound on built-in tools
+# (none run here), or options read below.
+_ACCEPTED = {
+    *_ECHOED,
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+    "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
+    "include", "text", "reasoning", "truncation", "service_tier", "stream_options",
+    "top_logprobs", "max_tool_calls", "client_metadata", "prompt_cache_retention",
+    # this server's extensions, as in chat completions
+    "prefix_cache", "seed", "chat_template_kwargs",
+}  # fmt: skip
+# Refused when not empty, with why (fields not listed here or above get a generic reason).
+_REFUSED = {
+    "background": "background responses are not supported; send the request and wait",
+    "conversation": "conversations are not stored here; chain with previous_response_id",
+    "prompt": "stored prompt templates are not supported; send input and instructions",
+    "context_management": "server-side context compaction is not supported",
+    "prompt_cache_options": "cache options are not supported: every prefix is cached",
+}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    model: str | None
+    input: tuple[dict[str, Any], ...]  # this request's own messages (chat form)
+    instructions: str | None  # a system message before everything (not carried over)
+    tools: tuple[dict[str, Any], ...] | None  # chat shape, for the template; None: none offered
+    sampling: SamplingParams
+    cache: CachePreference
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    max_output_tokens: int | None  # as sent; None: the server's default (clamped)
+    parallel_tool_calls: bool  # False: the reply ends after its first tool call
+    chat_template_kwargs: dict[str, Any]
+    # What the response object repeats back: tools (flat), tool_choice, metadata, ...
+    echo: dict[str, Any] = field(default_factory=dict)
+
+    def prompt(self, history: tuple[dict[str, Any], ...], ids: ToolCallIds) -> PromptInput:
+        """The engine's prompt: instructions, the previous responses' conversation, this
+        input; the reply's tool calls named by `ids`."""
+        system = ({"role": "system", "content": self.instructions},) if self.instructions else ()
+        return PromptInput(
+            messages=(*system, *history, *self.input),
+            tools=self.tools,
+            chat_template_kwargs=self.chat_template_kwargs,
+            reply_tool_call_ids=ids,
+        )
+
+    def generation(
+        self, history: tuple[dict[str, Any], ...], ids: ToolCallIds
+    ) -> GenerationRequest:
+        """This request as every family's generation flow takes it (routes/flow.py)."""
+        explicit = self.max_output_tokens is not None
+        return GenerationRequest(
+            kind="chat",
+            model=self.model,
+            prompt=self.prompt(history, ids),
+            sampling=self.sampling,
+            cache=self.cache,
+            stream=self.stream,
+            max_tokens_param="max_output_tokens" if explicit else None,
+            include_usage=False,
+            parse_tools=bool(self.tools),
+            tool_choice=ToolChoice(parallel=self.parallel_tool_calls),
+        )
+
+
+def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
+    _refuse_unknown(body)
+    _check_options(body)
+    tool_choice = read(body, "tool_choice", (str, dict), "auto")
+    if tool_choice not in ("auto", "none"):
+        raise InvalidRequest(
+            "tool_choice: only 'auto' and 'none' are supported (forcing a call needs "
+            "constrained decoding, which this server does not do)",
+            param="tool_choice",
+        )
+    found = chat_tools(body.get("tools"))
+    tools, flat_tools = found if found is not None else (None, [])
+    stream = bool(read(body, "stream", bool, False))
+    if not stream and not is_empty(body.get("stream_options")):
+        raise InvalidRequest("stream_options needs stream: true", param="stream_options")
+    max_output_tokens = integer(body, "max_output_tokens", None, lo=1, hi=None)
+    if max_output_tokens is not None and max_output_tokens > limits.max_tokens:
+        raise InvalidRequest(
+            f"max_output_tokens is {max_output_tokens}, more than this model allows "
+            f"({limits.max_tokens})",
+            param="max_output_tokens",
+        )
+    sampling = SamplingParams(
+        max_tokens=max_output_tokens or min(limits.default_max_tokens, limits.max_tokens),
+        temperature=number(body, "temperature", 0.0, lo=0.0, hi=2.0),
+        top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
+        logprobs=LOGPROBS in _include(body),
+    )
+    if "input" not in body or body["input"] is None:
+        raise InvalidRequest("'input' is required", param="input")
+    echo = {
+        "tools": flat_tools,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": read(body, "parallel_tool_calls", bool, True),
+        "metadata": read(body, "metadata", dict, {}),
+        "truncation": "disabled",
+        "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": None, "summary": None},
+        **{k: body[k] for k in _ECHOED[1:] if isinstance(body.get(k), str)},
+    }
+    return ResponsesRequest(
+        model=read(body, "model", str, None),
+        input=tuple(input_messages(body["input"])),
+        instructions=read(body, "instructions", str, None) or None,
+        tools=tools if tool_choice != "none" else None,
+        sampling=sampling,
+        cache=cache_preference(body),
+        stream=stream,
+        store=bool(read(body, "store", bool, True)),
+        previous_response_id=read(body, "previous_response_id", str, None) or None,
+        max_output_tokens=max_output_tokens,
+        parallel_tool_calls=echo["parallel_tool_calls"],
+        chat_template_kwargs=read(body, "chat_template_kwargs", dict, None) or {},
+        echo=echo,
+    )
+
+
+def _refuse_unknown(body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        if name in _ACCEPTED or is_empty(value):
+            continue
+        reason = _REFUSED.get(name, "this server does not know this field")
+        raise InvalidRequest(f"'{name}' is not supported: {reason}", param=name)
+
+
+def _check_options(body: dict[str, Any]) -> None:
+    """Option objects whose defaults are what this server does; anything else is refused."""
+    reasoning = read(body, "reasoning", dict, {})
+    for key, value in reasoning.items():
+        # "auto" leaves whether to summarize to the server: no reasoning items, no summary.
+        if not is_empty(value) and not (key == "summary" and value in ("auto", "none")):
+            raise InvalidRequest(
+                f"reasoning.{key} is not supported: the model's chat template decides how it "
+                "reasons (a thinking switch goes in chat_template_kwargs)",
+                param=f"reasoning.{key}",
+            )
+    text = read(body, "text", dict, {})
+    for key, value in text.items():
+        if key == "format" and (is_empty(value) or value == {"type": "text"}):
+            continue
+        if not is_empty(value):
+            what = "structured output" if key == "format" else "this option"
+            raise InvalidRequest(f"text.{key}: {what} is not supported", param=f"text.{key}")
+    for name, allowed in (
+        ("truncation", ("disabled",)),
+        ("service_tier", ("auto", "default")),
+        ("prompt_cache_retention", ("in_memory",)),
+    ):
+        value = read(body, name, str, allowed[0])
+        if value not in allowed:
+            raise InvalidRequest(
+                f"{name} {value!r} is not supported (only {', '.join(map(repr, allowed))})",
+                param=name,
+            )
+    options = read(body, "stream_options", dict, {})
+    for key, value in options.items():
+        if not is_empty(value):
+            raise InvalidRequest(
+                f"stream_options.{key} is not supported", param=f"stream_options.{key}"
+            )
+    if integer(body, "top_logprobs", 0, lo=0, hi=20):
+        raise InvalidRequest(
+            "top_logprobs is not supported: only the sampled tokens' logprobs are returned "
+            f"(include {LOGPROBS!r})",
+            param="top_logprobs",
+        )
+    integer(body, "max_tool_calls", None, lo=0, hi=None)
+    read(body, "client_metadata", dict, None)
+    for name in _ECHOED:
+        read(body, name, dict if name == "metadata" else str, None)
+
+
+def _include(body: dict[str, Any]) -> list[str]:
+    include = read(body, "include", list, [])
+    for i, item in enumerate(include):
+        if item not in (LOGPROBS, ENCRYPTED_REASONING):
+            raise InvalidRequest(
+                f"include[{i}] {item!r} is not supported (only {LOGPROBS!r})",
+                param=f"include[{i}]",
+            )
+    return include

@@ -1,0 +1,118 @@
+"""Pure pieces of the Responses API: items -> chat messages, tools, the store."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.prompt.render import normalize_messages
+from mlx_prefix.records import ToolCallIds
+from mlx_prefix.server.protocol.chat import parse_chat
+from mlx_prefix.server.protocol.request import Limits
+from mlx_prefix.server.protocol.response_items import chat_tools, input_messages
+from mlx_prefix.server.protocol.responses import parse_responses
+from mlx_prefix.server.response_store import ResponseStore, StoredResponse
+
+LIMITS = Limits(default_max_tokens=64, max_tokens=1000)
+
+
+def call(call_id: str, city: str) -> dict:
+    arguments = f'{{"city": "{city}"}}'
+    return {"type": "function_call", "call_id": call_id, "name": "w", "arguments": arguments}
+
+
+def test_a_run_of_assistant_items_is_one_assistant_message_in_any_order():
+    # Codex records items as their output_item.done events arrive: calls may come first.
+    text = {"type": "output_text", "text": "Checking.", "annotations": []}
+    said = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+            "content": [text]}  # fmt: skip
+    for run in ([said, call("c1", "Paris"), call("c2", "Oslo")],
+                [call("c1", "Paris"), call("c2", "Oslo"), said]):  # fmt: skip
+        messages = input_messages(
+            [{"role": "user", "content": "Weather?"}, *run,
+             {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+             {"type": "function_call_output", "call_id": "c2",
+              "output": [{"type": "input_text", "text": "9C"}]}]
+        )  # fmt: skip
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+        assert messages[1]["content"] == "Checking."
+        assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
+        assert messages[3] == {"role": "tool", "tool_call_id": "c2", "content": "9C"}
+
+
+def test_the_same_conversation_parses_like_chat_completions():
+    chat = parse_chat(
+        {
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "w", "parameters": {}}}],
+        },
+        LIMITS,
+    )  # fmt: skip
+    responses = parse_responses(
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "Weather?"},
+                call("c1", "Paris"),
+                {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+            ],
+            "tools": [{"type": "function", "name": "w", "parameters": {}, "strict": False}],
+        },
+        LIMITS,
+    )
+    prompt = responses.prompt((), ToolCallIds("resp_1"))
+    assert chat.prompt.messages is not None and prompt.messages is not None
+    assert normalize_messages(prompt.messages) == normalize_messages(chat.prompt.messages)
+    assert prompt.tools == chat.prompt.tools
+
+
+def test_function_tools_flat_to_chat_shape():
+    found = chat_tools([{"type": "function", "name": "f", "description": "d", "strict": None}])
+    assert found is not None
+    nested, flat = found
+    params = {"type": "object", "properties": {}}
+    function = {"name": "f", "description": "d", "parameters": params}
+    assert nested == ({"type": "function", "function": function},)
+    assert flat == [{"type": "function", "name": "f", "description": "d", "parameters": params,
+                     "strict": False}]  # fmt: skip
+    assert chat_tools([]) is None
+    with pytest.raises(InvalidRequest) as info:
+        chat_tools([{"type": "function", "name": "f", "defer_loading": True}])
+    assert info.value.param == "tools[0].defer_loading"
+
+
+def test_bad_items_name_the_field():
+    cases = {
+        "input[0].role": [{"type": "message", "role": "tool", "content": "x"}],
+        "input[0].arguments": [{"type": "function_call", "call_id": "c", "name": "f"}],
+        "input[1].call_id": [{"role": "user", "content": "x"}, {"type": "function_call_output"}],
+        "input[0].type": [{"type": "item_reference", "id": "msg_1"}],
+        "input": [],
+    }
+    for param, items in cases.items():
+        with pytest.raises(InvalidRequest) as info:
+            input_messages(items)
+        assert info.value.param == param
+
+
+def test_store_is_lru_by_count():
+    store = ResponseStore(2)
+    for name in "abc":
+        store.put(name, StoredResponse({"id": name}, ()))
+    assert store.get("a") is None and len(store) == 2
+    assert store.get("b") is not None  # b is now the most recent
+    store.put("d", StoredResponse({"id": "d"}, ()))
+    assert store.get("c") is None and store.get("b") is not None
+    assert store.delete("b") and not store.delete("b")
+    off = ResponseStore(0)
+    off.put("x", StoredResponse({}, ()))
+    assert off.get("x") is None
+    with pytest.raises(ValueError):
+        ResponseStore(-1)
