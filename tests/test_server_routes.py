@@ -52,7 +52,7 @@ def test_one_table_serves_every_api_route_under_both_prefixes():
             assert any(p == prefix + path and set(methods) <= set(m) for p, m in paths), path
     short = {path for path, _, _ in API_ROUTES}
     assert {"/chat/completions", "/completions", "/models", "/messages"} <= short
-    assert "/messages/count_tokens" in short
+    assert {"/messages/count_tokens", "/responses", "/responses/{response_id}"} <= short
 
 
 @pytest.mark.parametrize("suffix", ["/v1", ""])
@@ -69,11 +69,28 @@ def test_openai_client_with_and_without_v1(live, suffix):
             "claude-sonnet-4-5",
         ]
         assert client.models.retrieve("house-model").id == "fake-model"
+        first = client.responses.create(model="gpt-4o-mini", instructions=SYSTEM, input="hi")
+        assert first.output_text == DEFAULT_REPLY and first.model == "fake-model"
+        second = client.responses.create(
+            model="x", instructions=SYSTEM, input="more", previous_response_id=first.id
+        )
+        assert second.usage.input_tokens_details.cached_tokens > 20  # the chain's history
+        assert client.responses.retrieve(second.id).output_text == DEFAULT_REPLY
+        client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
 
 
-def _strip(body: dict) -> dict:
+_VARYING = ("id", "created", "created_at", "completed_at", "usage")
+
+
+def _strip(body):
     """A reply without what differs between any two requests (ids, times, usage)."""
-    return {k: v for k, v in body.items() if k not in ("id", "created", "usage")}
+    if isinstance(body, list):
+        return [_strip(v) for v in body]
+    if isinstance(body, dict):
+        return {k: _strip(v) for k, v in body.items() if k not in _VARYING}
+    return body
 
 
 @pytest.mark.parametrize(
@@ -82,6 +99,7 @@ def _strip(body: dict) -> dict:
         ("/chat/completions", chat_body("When do you open on Sunday?")),
         ("/completions", {"model": "fake-model", "prompt": SYSTEM + " When do you close?"}),
         ("/messages", messages_body("Is there a reading room?")),
+        ("/responses", {"model": "fake-model", "instructions": SYSTEM, "input": "Any maps?"}),
     ],
 )
 def test_short_path_equals_the_v1_path_and_hits_its_cache(live, path, body):
@@ -91,7 +109,8 @@ def test_short_path_equals_the_v1_path_and_hits_its_cache(live, path, body):
     assert long.status_code == short.status_code == 200
     assert _strip(long.json()) == _strip(short.json())
     usage = short.json()["usage"]
-    cached = usage.get("cache_read_input_tokens", usage.get("prompt_tokens_details", {}))
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details", {})
+    cached = usage.get("cache_read_input_tokens", details)
     if isinstance(cached, dict):
         cached = cached["cached_tokens"]
     assert cached > 20  # the second request read the first one's prefix
@@ -117,6 +136,8 @@ def test_short_read_paths_equal_the_v1_ones(live, path):
         ("/completions", {"model": "fake-model"}),
         ("/messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         ("/messages", messages_body("x", temperature=7)),
+        ("/responses", {"model": "fake-model"}),
+        ("/responses", {"model": "fake-model", "input": "x", "background": True}),
     ],
 )
 def test_bad_body_on_a_short_path_gets_the_same_400(live, path, body):
@@ -136,6 +157,8 @@ def test_an_unknown_model_name_is_served_by_the_default_model(live, name):
     assert r.status_code == 200 and r.json()["model"] == "fake-model"
     m = httpx.post(f"{url}/v1/messages", json={**messages_body("unknown"), "model": name})
     assert m.status_code == 200 and m.json()["model"] == "fake-model"
+    r = httpx.post(f"{url}/responses", json={"model": name, "input": "unknown"})
+    assert r.status_code == 200 and r.json()["model"] == "fake-model"
 
 
 @pytest.mark.parametrize(
@@ -173,6 +196,8 @@ def test_strict_model_names_refuse_unknown_names_in_each_family_shape():
         assert msg.json()["error"]["type"] == "not_found_error"
         ok = httpx.post(f"{url}/messages", json={**messages_body("x"), "model": "fake-model"})
         assert ok.status_code == 200
+        resp = httpx.post(f"{url}/responses", json={"model": "gpt-4o", "input": "x"})
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
 
 
 def test_api_key_guards_short_paths_and_accepts_x_api_key():
@@ -186,12 +211,27 @@ def test_api_key_guards_short_paths_and_accepts_x_api_key():
         refused = httpx.post(f"{url}/messages", json=messages_body("hi"))
         assert refused.status_code == 401
         assert refused.json()["error"]["type"] == "authentication_error"
+        refused = httpx.post(f"{url}/responses", json={"model": "m", "input": "hi"})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{url}/health").status_code == 200
+        # The dashboard's page and files are open (the page asks for the key); its data
+        # and actions are API routes under /v1 and need the key like any other.
+        assert httpx.get(f"{url}/dashboard").status_code == 200
+        assert httpx.get(f"{url}/dashboard/static/dashboard.js").status_code == 200
+        assert httpx.get(f"{url}/v1/dashboard").status_code == 401
+        key = {"x-api-key": "sekrit"}
+        assert httpx.get(f"{url}/v1/dashboard", headers=key).status_code == 200
+        assert httpx.get(f"{url}/dashboard/other", headers=key).status_code == 404
+        assert httpx.get(f"{url}/dashboard/other").status_code == 401
 
 
 def test_cors_and_body_limit_are_the_same_on_short_paths():
     with serving(max_body_bytes=2048) as (url, _):
         page = {"Origin": "https://evil.example"}
+        assert httpx.get(f"{url}/v1/dashboard", headers=page).status_code == 403
+        for path in ("/v1/responses", "/responses"):
+            r = httpx.post(url + path, json={"model": "m", "input": "x"}, headers=page)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
         for path in ("/v1/chat/completions", "/chat/completions"):
             assert httpx.post(url + path, json=chat_body("x"), headers=page).status_code == 403
             local = {"Origin": "http://localhost:3000"}
