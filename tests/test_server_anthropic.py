@@ -4,11 +4,17 @@ shapes, the streaming event sequence, tools, count_tokens and errors."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import anthropic
 import httpx
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
+
+from mlx_prefix.records import TokenEvent, ToolCallIds
+from mlx_prefix.server.assembler import Assembler
+from mlx_prefix.server.protocol.messages import parse_messages_request
+from mlx_prefix.server.protocol.request import Limits
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 3
 WEATHER = {
@@ -301,3 +307,22 @@ def test_statuses_map_to_anthropic_error_types():
         r = httpx.post(f"{url}/v1/messages", json=big, headers={"Origin": "https://evil.example"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_reasoning_text_and_calls_split_alike_whatever_the_deltas(step):
+    reply = f"<think>\nCheck Paris.\n</think>\n\nLooking.\n{CALL}\n{CALL}\n"
+    body = {"model": "m", "max_tokens": 9, "tools": [WEATHER], "messages": user("Weather?")}
+    req = parse_messages_request(body, Limits(8, 64)).generation
+    ids = ToolCallIds("msg_1", prefix="toolu_")
+    req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
+    tokenizer = FakeTokenizer.with_json_tools()
+    assembler = Assembler.for_request(req, tokenizer, streaming=False, split_thinking=True)
+    pieces = [reply[i : i + step] for i in range(0, len(reply), step)]
+    deltas = [assembler.feed(TokenEvent(piece, None)) for piece in pieces]
+    deltas.append(assembler.finish())
+    assert "".join(d.reasoning for d in deltas) == "\nCheck Paris.\n"
+    # The newlines after the end marker, between the calls and after them are dropped.
+    assert "".join(d.text for d in deltas) == "Looking.\n"
+    calls = [c for d in deltas for c in d.tool_calls]
+    assert [c["id"] for c in calls] == [ids.id(0), ids.id(1)]

@@ -18,7 +18,9 @@ class ThinkSplitter:
     start: str
     end: str
     _pending: str = ""
-    _state: str = "opening"  # opening (may still see the start marker) | thinking | done
+    # opening (may still see the start marker) | thinking | closed (the end marker seen:
+    # the newlines after it are dropped, however the deltas cut them) | done
+    _state: str = "opening"
 
     @classmethod
     def of(cls, tokenizer: Any) -> ThinkSplitter | None:
@@ -38,6 +40,7 @@ class ThinkSplitter:
                 return "", ""  # could still become the start marker
             else:
                 self._state = "done"
+        reasoning = ""
         if self._state == "thinking":
             at = self._pending.find(self.end)
             if at < 0:
@@ -45,11 +48,15 @@ class ThinkSplitter:
                 cut = len(self._pending) - keep
                 reasoning, self._pending = self._pending[:cut], self._pending[cut:]
                 return reasoning, ""
-            reasoning, rest = self._pending[:at], self._pending[at + len(self.end) :]
-            self._pending, self._state = "", "done"
-            return reasoning, rest.lstrip("\n")
+            reasoning, self._pending = self._pending[:at], self._pending[at + len(self.end) :]
+            self._state = "closed"
+        if self._state == "closed":
+            self._pending = self._pending.lstrip("\n")
+            if not self._pending:
+                return reasoning, ""
+            self._state = "done"
         text, self._pending = self._pending, ""
-        return "", text
+        return reasoning, text
 
     def finish(self) -> tuple[str, str]:
         pending, self._pending = self._pending, ""
