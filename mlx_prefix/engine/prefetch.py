@@ -38,8 +38,6 @@ def wants_prefetch(source: PromptInput) -> bool:
     sends its reply back."""
     if source.messages is None:
         return False
-    if source.assistant_prefix:  # the reply continues a forced tool call: a call too
-        return False
     return bool(source.tools) or any(m.get("role") == "assistant" for m in source.messages)
 
 
@@ -50,10 +48,12 @@ def next_turn_messages(
     received it, and a placeholder for the next message. A reply that calls tools comes
     back as an assistant message with structured calls, named as the server named them
     (every API shape becomes that message), followed by the first call's result; any
-    other reply as its text, followed by a user message."""
+    other reply as its text, followed by a user message. A reply that continues the
+    opening its prompt forced (a forced tool call) is read with that opening, as the
+    server's assembler reads it."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
-    turn = client_reply(syntax, reply, source.tools, ids)
+    turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids)
     if turn.call_ids:
         nxt = {"role": "tool", "tool_call_id": turn.call_ids[0], "content": NEXT_MESSAGE}
     else:
