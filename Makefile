@@ -40,10 +40,11 @@ $(STAMP): pyproject.toml
 
 install: system-deps $(STAMP)
 
-# Headless Chromium for the browser (CORS + streaming fetch) test, and Claude Code for
-# the agent end-to-end test: its native binary from npm, without the postinstall, into a
-# git-ignored folder (the test finds it there).
+# Headless Chromium for the browser (CORS + streaming fetch) test, and Claude Code and
+# Codex CLI for the agents' end-to-end tests: their native binaries from npm, without the
+# postinstall, into a git-ignored folder (the tests find them there).
 CLAUDE_CODE_VERSION := 2.1.328
+CODEX_VERSION := 0.169.0
 TEST_CLIENTS := .test-clients
 
 test-deps:
@@ -57,6 +58,11 @@ endif
 	  npm install --prefix $(TEST_CLIENTS) --ignore-scripts --no-audit --no-fund \
 	    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
 	  || echo "warning: could not install Claude Code; its end-to-end test skips"; fi
+	@if command -v npm >/dev/null && ! grep -qs '"version": "$(CODEX_VERSION)"' \
+	    $(TEST_CLIENTS)/node_modules/@openai/codex/package.json; then \
+	  npm install --prefix $(TEST_CLIENTS) --ignore-scripts --no-audit --no-fund \
+	    @openai/codex@$(CODEX_VERSION) \
+	  || echo "warning: could not install Codex CLI; its end-to-end tests skip"; fi
 
 test: install test-deps
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
