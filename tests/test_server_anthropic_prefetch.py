@@ -63,7 +63,7 @@ class ScriptedSampler:
     def __init__(self, tokens: list[int], eos: int):
         self.tokens, self.eos = list(tokens), eos
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
+    def __call__(self, logprobs: mx.array, logits: mx.array | None = None) -> mx.array:
         return mx.array([self.tokens.pop(0) if self.tokens else self.eos], dtype=mx.uint32)
 
 
@@ -88,10 +88,10 @@ def live(request, tmp_path_factory):
     assert all(tokenizer.decode(scripts[s]) == t for s, t in SCRIPTS.items())
     eos = min(tokenizer.eos_token_ids)
 
-    def sampler(params):
+    def sampler(params, *args):
         if params.seed in scripts:
             return ScriptedSampler(scripts[params.seed], eos)
-        return TokenSampler(params)
+        return TokenSampler(params, *args)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode, "TokenSampler", sampler)
