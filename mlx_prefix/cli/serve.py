@@ -33,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"],
+        default=None,
+        help="the server's log level (default info; -v means debug)",
+    )
+    p.add_argument(
         "--responses-store",
         type=int,
         default=None,
@@ -51,7 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "api_key": args.api_key,
         "responses_store": args.responses_store,
         # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
-        "log_level": "debug" if getattr(args, "verbose", False) else None,
+        "log_level": args.log_level or ("debug" if getattr(args, "verbose", False) else None),
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,

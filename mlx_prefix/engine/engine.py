@@ -82,7 +82,7 @@ class Engine:
         self.model = model
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
-        self.planner = PromptPlanner(model.tokenizer, self.cache_config)
+        self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
         self.store = store or PromptCache(
             self.cache_config.budget_bytes,
             self.cache_config.max_entries,
