@@ -13,6 +13,18 @@ from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """Structured output: the reply must be JSON (engine/constraints.py enforces it)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None  # the JSON schema as JSON text; None: any JSON object
+    name: str | None = None  # json_schema.name, echoed only
+    # The request field to blame when the schema cannot be compiled ("response_format",
+    # "text.format"): the engine compiles it, the API family names it.
+    param: str = field(default="response_format", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
@@ -21,6 +33,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False  # report each sampled token's logprob
     top_logprobs: int = 0  # and this many most likely tokens at each position (with logprobs)
+    response_format: ResponseFormat | None = None  # None: free text
+    # mlx_lm.server's sampling fields, with its defaults and meanings (mlx_lm.sample_utils;
+    # engine/sampling.py and engine/logits.py apply them per request).
+    top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token's; 0 = off
+    xtc_probability: float = 0.0  # XTC: the chance, each step, of excluding top choices
+    xtc_threshold: float = 0.1  # ... all tokens above this probability but the least likely
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    repetition_penalty: float = 0.0  # sign-aware multiplicative; 0 (or 1) = off
+    repetition_context_size: int = 20  # over the last N tokens of prompt + reply
+    presence_penalty: float = 0.0  # subtracted once per token seen; 0 = off
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # subtracted per occurrence; 0 = off
+    frequency_context_size: int = 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """GenerationRequest, and the body fields chat and completions share: n, stream,
-max_tokens, sampling, stop, model, and the prefix_cache extension."""
+max_tokens, sampling (with mlx_lm.server's fields), stop, response_format, model, and
+the prefix_cache extension."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 from .fields import field, integer, number
+from .formats import chat_response_format
+from .sampling_fields import mlx_lm_sampling
 
 MAX_STOP_SEQUENCES = 16
 _SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
@@ -67,7 +70,16 @@ def generation_request(
         stop=_stop(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        response_format=chat_response_format(body),
+        top_k=integer(body, "top_k", 0, lo=0, hi=None),  # mlx_lm.server's extension
+        **mlx_lm_sampling(body),
     )
+    if parse_tools and sampling.response_format is not None:
+        raise InvalidRequest(
+            "response_format cannot be combined with tools: a reply held to the format "
+            "could never call one (send tool_choice: 'none', or no tools)",
+            param="response_format",
+        )
     return GenerationRequest(
         kind=kind,
         model=field(body, "model", str, None),
