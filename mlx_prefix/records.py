@@ -58,6 +58,18 @@ class CachePreference:
 
 
 @dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """Where a client marked its stable prefix (Anthropic's `cache_control`): the end of
+    `messages[message]`, or of its first `chars` characters of content; with `tool` set
+    (and `message` None), the end of `tools[tool]`. It becomes a checkpoint of its own
+    kind (prompt/breakpoints.py), aligned onto the chunk grid."""
+
+    message: int | None = None
+    chars: int | None = None  # None: the whole message
+    tool: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallIds:
     """How the API layer names the tool calls of one request's reply: the i-th call is
     `prefix` + a digest of (`seed`, i). Deterministic, so the engine's next-turn prefetch
@@ -78,6 +90,11 @@ class PromptInput:
     text: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The client's cache breakpoints; they change only which prefixes are kept.
+    breakpoints: tuple[Breakpoint, ...] = ()
+    # Text the assistant's turn opens with, after the generation prompt (a forced tool
+    # call's opening, server/tool_choice.py); the reply continues it.
+    assistant_prefix: str = ""
     # How the reply's tool calls will be named (None: after the engine's request id).
     # Not part of the prompt's identity: it changes nothing rendered.
     reply_tool_call_ids: ToolCallIds | None = field(default=None, compare=False)
@@ -91,6 +108,9 @@ class Usage:
     ttft_s: float  # submit -> first token
     prefill_tokens_per_s: float  # over the tokens actually computed
     decode_tokens_per_s: float
+    # Prompt tokens this request computed and left in the cache: the furthest position
+    # it stored (a checkpoint, or the prompt's end) less cached_tokens; 0 if none.
+    cache_written_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +133,7 @@ class TokenEvent:
 class DoneEvent:
     finish_reason: Literal["stop", "length", "cancelled"]
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it (finish "stop")
 
 
 @dataclass(frozen=True, slots=True)

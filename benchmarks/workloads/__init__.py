@@ -13,11 +13,22 @@ from . import (
     concurrency,
     document,
     memory,
+    messages_agent,
     restart,
     restore,
     shared_system,
 )
 
-_MODULES = (chat, agent, shared_system, burst, concurrency, document, restart, memory)
+_MODULES = (
+    chat,
+    agent,
+    shared_system,
+    burst,
+    concurrency,
+    document,
+    restart,
+    memory,
+    messages_agent,
+)
 WORKLOADS: dict[str, ModuleType] = {m.NAME: m for m in (*_MODULES, restore, blas)}
 assert tuple(WORKLOADS) == ALL_WORKLOADS

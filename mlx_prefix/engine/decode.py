@@ -61,6 +61,8 @@ class DecodePhase:
         batch unless that token already ends it, and may produce `limit` tokens. The
         caller closes the prefill after."""
         job = task.job
+        job.handle.cached_tokens = task.reuse
+        job.handle.cache_written_tokens = max(0, job.stored_to - task.reuse)
         prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
         sampler = self._sampler(job)
         logprobs = normalize(logits)  # [1, V]
@@ -161,6 +163,7 @@ class DecodePhase:
         decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
         ttft = running.first_at - job.submitted_at
         done = usage(job, running.reuse, running.count, ttft, running.prefill_tps, decode_tps)
-        self._end(job, DoneEvent(reason, done))  # type: ignore[arg-type]
+        stop = running.stream.matched if reason == "stop" else None
+        self._end(job, DoneEvent(reason, done, stop))  # type: ignore[arg-type]
         if reason != "cancelled":
             self._on_reply(job, running.stream.text)

@@ -164,6 +164,10 @@ class Engine:
     def plan(self, prompt: PromptInput) -> RenderedPrompt:
         return plan_prompt(self.planner, self.model.context_length, prompt)
 
+    def count_tokens(self, prompt: PromptInput) -> int:
+        """Tokens `prompt` renders to, whether or not it fits the context."""
+        return len(self.planner.renderer.prompt_tokens(prompt))
+
     def submit(
         self,
         prompt: PromptInput,

@@ -51,6 +51,7 @@ class Job:
     ended: bool = False  # its last event was sent; nothing more may follow
     # The reply's grammar state (response_format); built by the caller, then engine only.
     constraint: Constraint | None = None
+    stored_to: int = 0  # furthest prompt position its prefill stored in the cache
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -113,6 +114,7 @@ def usage(
         ttft_s=ttft,
         prefill_tokens_per_s=prefill_tps,
         decode_tokens_per_s=decode_tps,
+        cache_written_tokens=max(0, job.stored_to - reuse),
     )
 
 

@@ -158,8 +158,14 @@ class ChatRenderer:
     def encode_completion(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
+    def prompt_tokens(self, prompt: PromptInput) -> list[int]:
+        """The tokens `prompt` renders to (no checkpoint planning, no context check)."""
+        if prompt.text is not None:
+            return self.encode_completion(prompt.text)
+        return self.messages_tokens(prompt, normalize_messages(prompt.messages or ()))
+
     def messages_tokens(self, prompt: PromptInput, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = self.render_text(
             messages, tools=prompt.tools, template_kwargs=prompt.chat_template_kwargs
         )
-        return self.encode_chat(text)
+        return self.encode_chat(text + prompt.assistant_prefix)

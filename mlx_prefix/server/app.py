@@ -19,6 +19,7 @@ from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
+from .model_names import ModelRegistry, ServedModel
 from .protocol.request import Limits
 from .response_store import ResponseStore
 from .routes import ROUTES
@@ -131,8 +132,12 @@ def _build(
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
+    models = ModelRegistry(
+        [ServedModel.of(engine, settings.aliases)], strict=settings.strict_model_names
+    )
     app.state.server = ServerState(
         engine=engine,
+        models=models,
         settings=settings,
         metrics=metrics,
         limits=limits,

@@ -27,6 +27,16 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class ToolChoice:
+    """Whether the reply may, must or must not call a tool (server/tool_choice.py
+    honours the forced modes)."""
+
+    mode: Literal["auto", "none", "required", "named"] = "auto"
+    name: str | None = None  # mode "named": the tool to call
+    parallel: bool = True  # False: at most one call (the reply ends after the first)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     kind: Literal["chat", "completion"]
     model: str | None  # as the client named it; None when absent
@@ -39,6 +49,10 @@ class GenerationRequest:
     max_tokens_param: str | None
     include_usage: bool  # stream_options.include_usage: a final chunk carrying usage
     parse_tools: bool  # tools were offered and tool_choice is not "none"
+    tool_choice: ToolChoice = ToolChoice()
+    # An explicit max_tokens must fit in the context with the prompt (OpenAI's rule, a
+    # 400 otherwise); False: it only bounds the reply, cut at the context's end.
+    fit_reply: bool = True
 
 
 def generation_request(
@@ -50,6 +64,7 @@ def generation_request(
     *,
     top_logprobs: int = 0,
     parse_tools: bool,
+    tool_choice: ToolChoice = ToolChoice(),
 ) -> GenerationRequest:
     n = integer(body, "n", 1, lo=1, hi=None)
     if n != 1:
@@ -66,12 +81,12 @@ def generation_request(
         max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, lo=0.0, hi=2.0),
         top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=integer(body, "top_k", 0, lo=0, hi=None),  # mlx_lm.server's extension
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         stop=_stop(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         response_format=chat_response_format(body),
-        top_k=integer(body, "top_k", 0, lo=0, hi=None),  # mlx_lm.server's extension
         **mlx_lm_sampling(body),
     )
     if parse_tools and sampling.response_format is not None:
@@ -90,6 +105,7 @@ def generation_request(
         max_tokens_param=max_tokens_param,
         include_usage=stream and include_usage,
         parse_tools=parse_tools,
+        tool_choice=tool_choice,
     )
 
 
@@ -121,6 +137,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def cache_preference(body: dict[str, Any]) -> CachePreference:
+    """The `prefix_cache` extension object (every API family accepts it)."""
     pref = field(body, "prefix_cache", dict, None)
     if pref is None:
         return CachePreference()

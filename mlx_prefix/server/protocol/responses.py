@@ -21,7 +21,7 @@ from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Too
 from .fields import field as read
 from .fields import integer, number
 from .formats import responses_text_format
-from .request import SEED_LIMIT, Limits, cache_preference
+from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
 from .response_items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
@@ -78,6 +78,24 @@ class ResponsesRequest:
             tools=self.tools,
             chat_template_kwargs=self.chat_template_kwargs,
             reply_tool_call_ids=ids,
+        )
+
+    def generation(
+        self, history: tuple[dict[str, Any], ...], ids: ToolCallIds
+    ) -> GenerationRequest:
+        """This request as every family's generation flow takes it (routes/flow.py)."""
+        explicit = self.max_output_tokens is not None
+        return GenerationRequest(
+            kind="chat",
+            model=self.model,
+            prompt=self.prompt(history, ids),
+            sampling=self.sampling,
+            cache=self.cache,
+            stream=self.stream,
+            max_tokens_param="max_output_tokens" if explicit else None,
+            include_usage=False,
+            parse_tools=bool(self.tools),
+            tool_choice=ToolChoice(parallel=self.parallel_tool_calls),
         )
 
 
