@@ -89,3 +89,18 @@ def test_default_max_tokens_bounds_replies_that_name_none():
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
     assert reply["usage"]["completion_tokens"] <= 3
     assert reply["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("adapters", "/some/lora"), ("draft_model", "tiny-draft"), ("num_draft_tokens", 3)],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_mlx_lm_fields_this_server_cannot_honour_are_400s_naming_them(field, value, path):
+    body = {"model": "m", "max_tokens": 2, field: value}
+    body |= {"messages": MESSAGES} if "chat" in path else {"prompt": "Hello"}
+    with serving() as (url, _):
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+        body[field] = None  # as some clients send every field: absent, not refused
+        assert httpx.post(url + path, json=body).status_code == 200

@@ -93,6 +93,7 @@ def generation_request(
         raise InvalidRequest(
             "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
         )
+    _refuse_unsupported(body)
     max_tokens, max_tokens_param = _max_tokens(body, limits)
     sampling = SamplingParams(
         max_tokens=max_tokens,
@@ -127,6 +128,21 @@ def generation_request(
         parse_tools=parse_tools,
         tool_choice=tool_choice,
     )
+
+
+# mlx_lm.server's per-request fields this server does not honour: a 400 naming the field
+# rather than a reply computed without it.
+_UNSUPPORTED = {
+    "adapters": "a LoRA adapter per request is not supported; start the server with --adapter",
+    "draft_model": "speculative decoding (draft_model) is not supported",
+    "num_draft_tokens": "speculative decoding (num_draft_tokens) is not supported",
+}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, why in _UNSUPPORTED.items():
+        if body.get(name) not in (None, "", [], {}):
+            raise InvalidRequest(why, param=name)
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
