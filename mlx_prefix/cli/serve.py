@@ -61,6 +61,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="render Claude Code's x-anthropic-billing-header system block "
         "(left out by default: it changes between requests and would defeat the cache)",
     )
+    sampling = p.add_argument_group("sampling defaults (for requests that leave the field out)")
+    sampling.add_argument("--temp", type=float, dest="temperature", help="temperature (0: greedy)")
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling top-p (1: off)")
+    sampling.add_argument("--top-k", type=int, help="top-k sampling (0: off)")
+    sampling.add_argument("--min-p", type=float, help="min-p sampling (0: off)")
+    sampling.add_argument(
+        "--max-tokens", type=int, dest="default_max_tokens", help="reply length (default 512)"
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"],
+        default=None,
+        help="the server's log level (default info; -v means debug)",
+    )
     p.add_argument(
         "--responses-store",
         type=int,
@@ -79,8 +94,12 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "port": args.port,
         "api_key": args.api_key,
         "responses_store": args.responses_store,
+        **{
+            k: getattr(args, k)
+            for k in ("temperature", "top_p", "top_k", "min_p", "default_max_tokens")
+        },
         # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
-        "log_level": "debug" if getattr(args, "verbose", False) else None,
+        "log_level": args.log_level or ("debug" if getattr(args, "verbose", False) else None),
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,

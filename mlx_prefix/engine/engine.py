@@ -83,7 +83,7 @@ class Engine:
         self.model = model
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
-        self.planner = PromptPlanner(model.tokenizer, self.cache_config)
+        self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
         self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or PromptCache(

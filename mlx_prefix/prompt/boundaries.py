@@ -168,8 +168,10 @@ def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
 class PromptPlanner:
     """Renders prompts to tokens and plans their checkpoints. Thread-safe (no mutable state)."""
 
-    def __init__(self, tokenizer: Any, config: CacheConfig):
-        self.renderer = ChatRenderer(tokenizer)
+    def __init__(
+        self, tokenizer: Any, config: CacheConfig, template_args: dict[str, Any] | None = None
+    ):
+        self.renderer = ChatRenderer(tokenizer, template_args)
         self.config = config
         self.grid = detect_grid(self.renderer, config.prefill_chunk)
 

@@ -71,9 +71,12 @@ def parse_messages_request(
     choice = _tool_choice(body, tools, thinking)
     sampling = SamplingParams(
         max_tokens=min(max_tokens, limits.max_tokens),
-        temperature=number(body, "temperature", 1.0, lo=0.0, hi=1.0),
-        top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=integer(body, "top_k", 0, lo=0, hi=None),
+        temperature=number(
+            body, "temperature", limits.sampling.get("temperature", 1.0), lo=0.0, hi=1.0
+        ),
+        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
+        top_k=integer(body, "top_k", limits.sampling.get("top_k", 0), lo=0, hi=None),
+        min_p=limits.sampling.get("min_p", 0.0),
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),  # mlx-prefix's extension
         stop=_stop_sequences(body),
     )

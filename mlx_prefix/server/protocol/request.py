@@ -21,9 +21,26 @@ SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The server's values for sampling fields a request leaves out (`serve --temp`,
+    `--top-p`, `--top-k`, `--min-p`, as in mlx_lm.server); None keeps the API's own
+    default (temperature 0 for OpenAI's routes here, 1 for Anthropic's)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+    def get(self, name: str, api_default: Any) -> Any:
+        value = getattr(self, name)
+        return api_default if value is None else value
+
+
+@dataclass(frozen=True)
 class Limits:
     default_max_tokens: int
     max_tokens: int  # largest max_tokens accepted (context length or the server's cap)
+    sampling: SamplingDefaults = SamplingDefaults()
 
 
 @dataclass(frozen=True)
@@ -76,18 +93,22 @@ def generation_request(
         raise InvalidRequest(
             "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
         )
+    _refuse_unsupported(body)
     max_tokens, max_tokens_param = _max_tokens(body, limits)
     sampling = SamplingParams(
         max_tokens=max_tokens,
-        temperature=number(body, "temperature", 0.0, lo=0.0, hi=2.0),
-        top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=integer(body, "top_k", 0, lo=0, hi=None),  # mlx_lm.server's extension
+        temperature=number(
+            body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
+        ),
+        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
+        # mlx_lm.server's extension
+        top_k=integer(body, "top_k", limits.sampling.get("top_k", 0), lo=0, hi=None),
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         stop=_stop(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         response_format=chat_response_format(body),
-        **mlx_lm_sampling(body),
+        **mlx_lm_sampling(body, limits.sampling.get("min_p", 0.0)),
     )
     if parse_tools and sampling.response_format is not None:
         raise InvalidRequest(
@@ -107,6 +128,21 @@ def generation_request(
         parse_tools=parse_tools,
         tool_choice=tool_choice,
     )
+
+
+# mlx_lm.server's per-request fields this server does not honour: a 400 naming the field
+# rather than a reply computed without it.
+_UNSUPPORTED = {
+    "adapters": "a LoRA adapter per request is not supported; start the server with --adapter",
+    "draft_model": "speculative decoding (draft_model) is not supported",
+    "num_draft_tokens": "speculative decoding (num_draft_tokens) is not supported",
+}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, why in _UNSUPPORTED.items():
+        if body.get(name) not in (None, "", [], {}):
+            raise InvalidRequest(why, param=name)
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:

@@ -131,8 +131,12 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         )
     sampling = SamplingParams(
         max_tokens=max_output_tokens or min(limits.default_max_tokens, limits.max_tokens),
-        temperature=number(body, "temperature", 0.0, lo=0.0, hi=2.0),
-        top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        temperature=number(
+            body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
+        ),
+        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
+        top_k=limits.sampling.get("top_k", 0),
+        min_p=limits.sampling.get("min_p", 0.0),
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         logprobs=LOGPROBS in _include(body),
         response_format=response_format,

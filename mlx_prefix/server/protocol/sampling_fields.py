@@ -23,10 +23,11 @@ MAX_REPETITION_PENALTY = 100.0  # well past any useful value (1.0-1.5 in practic
 DEFAULT_CONTEXT_SIZE = 20  # mlx_lm.server's default for each penalty
 
 
-def mlx_lm_sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """SamplingParams keyword arguments for the fields `body` sets (defaults otherwise)."""
+def mlx_lm_sampling(body: dict[str, Any], min_p: float = 0.0) -> dict[str, Any]:
+    """SamplingParams keyword arguments for the fields `body` sets (defaults otherwise;
+    `min_p`: the server's)."""
     return {
-        "min_p": number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        "min_p": number(body, "min_p", min_p, lo=0.0, hi=1.0),
         "xtc_probability": number(body, "xtc_probability", 0.0, lo=0.0, hi=1.0),
         "xtc_threshold": number(body, "xtc_threshold", 0.1, lo=0.0, hi=0.5),
         "logit_bias": logit_bias(body),
