@@ -30,6 +30,7 @@ MODEL_WORKLOADS = (
     "restart",
     "memory",
     "mixed",
+    "messages_agent",
 )
 ONCE_WORKLOADS = ("restore", "blas")  # in-process, once per run, with the first model's plan
 ALL_WORKLOADS = MODEL_WORKLOADS + ONCE_WORKLOADS
@@ -80,6 +81,9 @@ class Sizes:
     restore_tokens: tuple[int, ...] = (1024, 8192, 32768)
     restore_repeat: int = 3
     blas_tokens: int = 64  # prompt tokens for the prefill speed with and without fast BLAS
+    messages_turns: int = 8  # tool turns after the task (issue 13 asks 8)
+    messages_system_tokens: int = 1500  # issue 13 asks ~20K (full)
+    messages_result_tokens: int = 120
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,8 @@ _FULL = Sizes(
     mixed_budget=512 * MiB,
     restore_repeat=20,
     blas_tokens=512,
+    messages_system_tokens=20000,
+    messages_result_tokens=400,
 )
 
 PROFILES = {

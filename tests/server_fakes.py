@@ -57,6 +57,9 @@ class FakeTokenizer:
     tool_call_start: str | None = None
     tool_call_end: str | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
+    has_thinking: bool = False
+    think_start: str | None = None
+    think_end: str | None = None
 
     # The fake engine's tokens: one id per word it emits, never reused (see `token_for`).
     pieces: dict[int, str] = field(default_factory=dict)
@@ -88,6 +91,9 @@ class FakeTokenizer:
             tool_call_start=json_tools.tool_call_start,
             tool_call_end=json_tools.tool_call_end,
             tool_parser=json_tools.parse_tool_call,
+            has_thinking=True,
+            think_start="<think>",
+            think_end="</think>",
         )
 
 
@@ -133,6 +139,8 @@ class FakeHandle:
     def __init__(self, request_id: str, prompt_tokens: int):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens: int | None = None
+        self.cache_written_tokens: int | None = None
         self.cancelled = threading.Event()
         self._events: list[Event] = []
         self._cond = threading.Condition()
@@ -247,6 +255,9 @@ class FakeEngine:
             handle = FakeHandle(request_id or f"fake-{self._ids}", len(tokens))
             self.submissions.append(Submission(prompt, sampling, cache, request_id))
             self.handles.append(handle)
+        # The fake stores every prompt it sees whole (like a trimmable cache's end).
+        handle.cached_tokens = cached
+        handle.cache_written_tokens = len(tokens) - cached if cache.enabled else 0
         handle.thread = threading.Thread(
             target=self._generate,
             args=(handle, directives, sampling, len(tokens), cached),
@@ -254,6 +265,9 @@ class FakeEngine:
         )
         handle.thread.start()
         return handle
+
+    def count_tokens(self, prompt: PromptInput) -> int:
+        return len(words(render(prompt)))
 
     def start_warm(self, prompt: PromptInput, pin: bool = False) -> tuple[FakeHandle, Future]:
         """Like Engine.start_warm: a cancellable warm-up whose future gives a WarmResult.
@@ -323,6 +337,7 @@ class FakeEngine:
                     "idle_s": now - e["created"],
                     "pinned": e["pinned"],
                     "refs": 0,
+                    "shared_bytes": 0,
                 }
                 for t, e in self._stored.items()
             ]
@@ -453,6 +468,7 @@ class FakeEngine:
                 cached_tokens=cached,
                 ttft_s=ttft,
                 prefill_tokens_per_s=(prompt_tokens - cached) / max(ttft, 1e-6),
+                cache_written_tokens=handle.cache_written_tokens or 0,
                 decode_tokens_per_s=(emitted - 1) / decode_s if emitted > 1 and decode_s else 0.0,
             )
 
@@ -470,8 +486,8 @@ class FakeEngine:
                 handle.push(DoneEvent("length", usage()))
                 return
             before, text = text, text + piece
-            hits = [text.find(s, max(0, len(before) - len(s) + 1)) for s in sampling.stop]
-            hits = [h for h in hits if h >= 0]
+            found = [(text.find(s, max(0, len(before) - len(s) + 1)), s) for s in sampling.stop]
+            hits = [h for h, _ in found if h >= 0]
             first = first or time.perf_counter()
             emitted += 1
             logprob = -0.25 if sampling.logprobs else None
@@ -480,7 +496,8 @@ class FakeEngine:
                 if cut > len(before):
                     cut_piece = text[len(before) : cut]
                     handle.push(TokenEvent(cut_piece, tokenizer.token_for(cut_piece), logprob))
-                handle.push(DoneEvent("stop", usage()))
+                matched = next(s for h, s in found if h == cut)
+                handle.push(DoneEvent("stop", usage(), matched))
                 return
             handle.push(TokenEvent(piece, tokenizer.token_for(piece), logprob))
         handle.push(DoneEvent("stop", usage()))

@@ -14,6 +14,7 @@ from . import (
     document,
     edits,
     memory,
+    messages_agent,
     mixed,
     restart,
     restore,
@@ -31,6 +32,7 @@ _MODULES = (
     restart,
     memory,
     mixed,
+    messages_agent,
 )
 WORKLOADS: dict[str, ModuleType] = {m.NAME: m for m in (*_MODULES, restore, blas)}
 assert tuple(WORKLOADS) == ALL_WORKLOADS

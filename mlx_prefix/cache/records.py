@@ -15,13 +15,14 @@ from typing import Generic, Protocol, TypeVar
 
 class CheckpointKind(IntEnum):
     """Why a checkpoint was taken. Eviction order (`eviction.KindLRU`): lower is evicted
-    first."""
+    first. Disk files record the name, never the number."""
 
     GENERATED = 0
     PERIODIC = 1
     HISTORY = 2
     LAST_MESSAGE = 3
-    SYSTEM = 4
+    BREAKPOINT = 4  # the client marked the prefix up to here stable (`cache_control`)
+    SYSTEM = 5
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from mlx_prefix.config import from_env
 
@@ -16,6 +17,9 @@ from .args import (
     model_args,
     model_from_args,
 )
+
+if TYPE_CHECKING:
+    from mlx_prefix.server.settings import ServerSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +35,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="extra CORS origins beyond localhost pages and browser extensions",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+    )
+    p.add_argument(
+        "--alias",
+        action="append",
+        dest="aliases",
+        default=None,
+        metavar="NAME",
+        help="another model name that selects the served model (repeatable)",
+    )
+    p.add_argument(
+        "--strict-model-names",
+        action="store_true",
+        default=None,
+        help="answer an unknown model name with 404 (default: the served model answers it)",
+    )
+    p.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        default=None,
+        help="render Claude Code's x-anthropic-billing-header system block "
+        "(left out by default: it changes between requests and would defeat the cache)",
+    )
+    sampling = p.add_argument_group("sampling defaults (for requests that leave the field out)")
+    sampling.add_argument("--temp", type=float, dest="temperature", help="temperature (0: greedy)")
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling top-p (1: off)")
+    sampling.add_argument("--top-k", type=int, help="top-k sampling (0: off)")
+    sampling.add_argument("--min-p", type=float, help="min-p sampling (0: off)")
+    sampling.add_argument(
+        "--max-tokens", type=int, dest="default_max_tokens", help="reply length (default 512)"
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"],
+        default=None,
+        help="the server's log level (default info; -v means debug)",
+    )
     p.add_argument(
         "--responses-store",
         type=int,
@@ -41,22 +85,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from mlx_prefix.engine.engine import Engine
-    from mlx_prefix.server.app import ServerSettings, serve
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """Flags, else MLX_PREFIX_SERVER_* variables, else defaults."""
+    from mlx_prefix.server.settings import ServerSettings
 
-    settings_overrides = {
+    overrides = {
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
         "responses_store": args.responses_store,
+        **{
+            k: getattr(args, k)
+            for k in ("temperature", "top_p", "top_k", "min_p", "default_max_tokens")
+        },
         # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
-        "log_level": "debug" if getattr(args, "verbose", False) else None,
+        "log_level": args.log_level or ("debug" if getattr(args, "verbose", False) else None),
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,
+        "aliases": tuple(args.aliases) if args.aliases is not None else None,
+        "strict_model_names": args.strict_model_names,
+        "keep_billing_header": args.keep_billing_header,
     }
-    settings = from_env(ServerSettings, "SERVER", settings_overrides)
+    return from_env(ServerSettings, "SERVER", overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mlx_prefix.engine.engine import Engine
+    from mlx_prefix.server.app import serve
+
+    settings = server_settings(args)
     engine = Engine(
         model_from_args(args),
         cache_config(args),

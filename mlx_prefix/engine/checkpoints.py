@@ -44,6 +44,9 @@ from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
 from mlx_prefix.prompt.grid import ChunkGrid
 
+# Kinds an all-KV cache stores besides its prompt's end (which trimming serves from).
+KEPT_FOR_KV = frozenset({CheckpointKind.SYSTEM, CheckpointKind.BREAKPOINT})
+
 
 @dataclass(frozen=True, slots=True)
 class WaitingPrompt:
@@ -102,6 +105,7 @@ class Checkpointer:
     disk: DiskTier | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
     branch: int = 0  # a grid point where the prompt leaves a stored sequence (0: none)
+    on_stored: Callable[[int], None] = lambda position: None  # a prefix went into memory
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -159,10 +163,11 @@ class Checkpointer:
         at_end = position == len(tokens)
         if at_end and kind is None:
             kind = CheckpointKind.HISTORY
-        # An all-KV cache keeps its end (trimming serves every shorter prefix) and its
-        # system prompt, which then outlives the conversations' ends under pressure.
+        # An all-KV cache keeps its end (trimming serves every shorter prefix), its
+        # system prompt and the client's breakpoints, which then outlive the
+        # conversations' ends under pressure.
         in_memory = kind is not None and (
-            self.keep_every_checkpoint or at_end or kind is CheckpointKind.SYSTEM
+            self.keep_every_checkpoint or at_end or kind in KEPT_FOR_KV
         )
         to_disk = self.disk is not None and position in self.disk_positions
         if not in_memory and not to_disk:
@@ -219,5 +224,6 @@ class Checkpointer:
         tokens = self.prompt.tokens[: snapshot.length]
         if in_memory:
             self.store.insert(self.model_key, tokens, snapshot, kind)
+            self.on_stored(snapshot.length)
         if to_disk:
             self.disk.defer(tokens, snapshot, kind)

@@ -38,6 +38,7 @@ from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
 from mlx_prefix.engine.chat_traffic import ChatTraffic
+from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
@@ -82,7 +83,9 @@ class Engine:
         self.model = model
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
-        self.planner = PromptPlanner(model.tokenizer, self.cache_config)
+        self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
+        self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
+        self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or PromptCache(
             self.cache_config.budget_bytes,
             self.cache_config.max_entries,
@@ -161,6 +164,10 @@ class Engine:
     def plan(self, prompt: PromptInput) -> RenderedPrompt:
         return plan_prompt(self.planner, self.model.context_length, prompt)
 
+    def count_tokens(self, prompt: PromptInput) -> int:
+        """Tokens `prompt` renders to, whether or not it fits the context."""
+        return len(self.planner.renderer.prompt_tokens(prompt))
+
     def submit(
         self,
         prompt: PromptInput,
@@ -175,12 +182,17 @@ class Engine:
 
         `fit_reply`: refuse a prompt that leaves less than `max_tokens` of the context
         for the reply; otherwise the reply is cut at the context's end."""
-        check_sampling(sampling, cache)
+        check_sampling(sampling, cache, self.vocab_size)
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
+        fmt = sampling.response_format
+        constraint = self.constraints.create(fmt) if fmt is not None else None
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
-        self.lifecycle.put(Job(handle, rendered, sampling, cache, time.perf_counter(), prompt))
+        now = time.perf_counter()
+        self.lifecycle.put(
+            Job(handle, rendered, sampling, cache, now, prompt, constraint=constraint)
+        )
         return handle
 
     def warm(

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mlx_prefix.engine.constraints import Constraint
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.runner import PrefillCursor
 from mlx_prefix.engine.text import TextStream
@@ -48,6 +49,9 @@ class Job:
     not_before: float = 0.0  # monotonic time a background job may start
     passovers: int = 0
     ended: bool = False  # its last event was sent; nothing more may follow
+    # The reply's grammar state (response_format); built by the caller, then engine only.
+    constraint: Constraint | None = None
+    stored_to: int = 0  # furthest prompt position its prefill stored in the cache
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -110,6 +114,7 @@ def usage(
         ttft_s=ttft,
         prefill_tokens_per_s=prefill_tps,
         decode_tokens_per_s=decode_tps,
+        cache_written_tokens=max(0, job.stored_to - reuse),
     )
 
 

@@ -48,10 +48,12 @@ def next_turn_messages(
     received it, and a placeholder for the next message. A reply that calls tools comes
     back as an assistant message with structured calls, named as the server named them
     (every API shape becomes that message), followed by the first call's result; any
-    other reply as its text, followed by a user message."""
+    other reply as its text, followed by a user message. A reply that continues the
+    opening its prompt forced (a forced tool call) is read with that opening, as the
+    server's assembler reads it."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
-    turn = client_reply(syntax, reply, source.tools, ids)
+    turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids)
     if turn.call_ids:
         nxt = {"role": "tool", "tool_call_id": turn.call_ids[0], "content": NEXT_MESSAGE}
     else:

@@ -231,6 +231,10 @@ class PrefillPhase:
             disk_positions = frozenset(
                 self.disk.positions(job.prompt, self.align(tokens), job.cache_pref.scope)
             )
+
+        def stored(position: int) -> None:
+            job.stored_to = max(job.stored_to, position)
+
         return Checkpointer(
             job.prompt,
             cache,
@@ -241,4 +245,5 @@ class PrefillPhase:
             self.disk,
             disk_positions,
             branch,
+            on_stored=stored,
         )

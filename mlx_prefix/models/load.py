@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
 from mlx_prefix.models.resolve import resolve_model, resolve_model_path
+from mlx_prefix.models.template import ensure_template, template_args, template_text
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -45,6 +46,8 @@ class LoadedModel:
     name: str  # id served in /v1/models: folder basename or repo id
     path: Path
     context_length: int | None  # from config; None if the config does not say
+    # apply_chat_template arguments of every request (--chat-template-args)
+    template_args: dict[str, Any] = field(default_factory=dict)
 
 
 def choose_dtype(device: mx.Device, checkpoint_dtype: str) -> str:
@@ -59,12 +62,20 @@ def choose_dtype(device: mx.Device, checkpoint_dtype: str) -> str:
 
 
 def load_model(
-    spec: str | None = None, *, adapter: str | None = None, dtype: str | None = None
+    spec: str | None = None,
+    *,
+    adapter: str | None = None,
+    dtype: str | None = None,
+    chat_template: str | None = None,
+    use_default_chat_template: bool = False,
+    chat_template_args: str | None = None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve `spec` (see `resolve_model`), load it with mlx-lm, cast, fingerprint.
 
     `dtype` overrides `choose_dtype`. Quantized layers stay quantized; only their
-    floating parameters (scales, biases, norms, embeddings) are cast.
+    floating parameters (scales, biases, norms, embeddings) are cast. The template
+    options are models/template.py's.
     """
     from mlx_lm.utils import load_adapters, load_tokenizer
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -73,6 +84,10 @@ def load_model(
         raise InvalidRequest(
             f"dtype '{dtype}' is not supported (choose from {', '.join(_DTYPES)})", param="dtype"
         )
+    defaults = template_args(chat_template_args)
+    tokenizer_config: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = template_text(chat_template)
     resolved = resolve_model(spec)
     adapter_path = _resolve_adapter(adapter)
     label = spec if spec is not None else resolved.name
@@ -85,7 +100,10 @@ def load_model(
             model = load_adapters(model, str(adapter_path))
             model.eval()
         part = "tokenizer"
-        tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(
+            resolved.path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
+        )
+        ensure_template(tokenizer, use_default_chat_template)
     except Exception as e:  # noqa: BLE001
         # A damaged, incomplete or unsupported folder fails in mlx-lm, safetensors,
         # transformers or tokenizers with about any exception type (a truncated file:
@@ -114,6 +132,7 @@ def load_model(
         name=resolved.name,
         path=resolved.path,
         context_length=_context_length(config),
+        template_args=defaults,
     )
 
 

@@ -16,8 +16,9 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import WarmTimeout
 from ..generation import ClientGone, until_disconnect
+from ..protocol.fields import field
 from ..protocol.warm import parse_warm
-from .common import api, read_json, resolve_model, state
+from .common import api, read_json, state
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -39,11 +40,11 @@ async def cache_info(request: Request) -> Response:
 async def cache_warm(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
-    resolve_model(st.engine, body.get("model") if isinstance(body.get("model"), str) else None)
+    served = st.models.resolve(field(body, "model", str, None))
     warm = parse_warm(body)
     started = time.perf_counter()
     timeout = st.settings.warm_timeout_s
-    handle, future = await run_in_threadpool(st.engine.start_warm, warm.prompt, warm.pin)
+    handle, future = await run_in_threadpool(served.engine.start_warm, warm.prompt, warm.pin)
 
     async def finished() -> Any:
         with anyio.fail_after(timeout):
