@@ -23,6 +23,14 @@ class CheckpointKind(IntEnum):
     SYSTEM = 4
 
 
+def covers(selector: str, key: str) -> bool:
+    """Whether a listing or flush by `selector` includes the entries of `key`: the same
+    key, or one nested under it (`selector + "/..."`; engine/keys.py builds them: a
+    model's key covers each of its namespaces, a namespace's key each salt in it).
+    Lookups and inserts never use this: they take exactly one key."""
+    return key == selector or key.startswith(selector + "/")
+
+
 class Payload(Protocol):
     @property
     def nbytes(self) -> int: ...

@@ -63,7 +63,7 @@ class Checkpointer:
     cache: list
     reuse: int  # prefill starts here
     store: PromptCache
-    model_key: str
+    key: str  # the request's entry key (model and namespace: engine/keys.py)
     shared: SharedPrefixes | None
     disk: DiskTier | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
@@ -84,8 +84,8 @@ class Checkpointer:
                 prefix = self.prompt.tokens[:position]
                 if snapshot is not None:
                     kind = kinds.get(position, CheckpointKind.PERIODIC)
-                    self.disk.defer(prefix, snapshot, kind)
-                elif not self.disk.cache.holds(self.model_key, prefix):
+                    self.disk.defer(self.key, prefix, snapshot, kind)
+                elif not self.disk.cache.holds(self.key, prefix):
                     # An exact state below the restore point is gone (evicted, or never
                     # kept in memory); recomputing it would cost the request a prefill.
                     why = f"memory restored {self.reuse} tokens and no longer holds that state"
@@ -96,7 +96,7 @@ class Checkpointer:
         if position == self.reuse:
             return capture(self.cache, position)
         if self.keep_every_checkpoint:  # exact states only: the one memory holds, if any
-            return self.store.get(self.model_key, self.prompt.tokens[:position])
+            return self.store.get(self.key, self.prompt.tokens[:position])
         restored = capture(self.cache, self.reuse)  # views: trim them back to `position`
         return capture(restore(restored, trim=self.reuse - position), position)
 
@@ -125,6 +125,6 @@ class Checkpointer:
         kind = kind if kind is not None else CheckpointKind.PERIODIC
         # An off-grid end (raw completions) is only reusable by trimming back.
         if in_memory and (not at_end or snapshot.trimmable or position in self.planned):
-            self.store.insert(self.model_key, tokens[:position], snapshot, kind)
+            self.store.insert(self.key, tokens[:position], snapshot, kind)
         if to_disk:
-            self.disk.defer(tokens[:position], snapshot, kind)
+            self.disk.defer(self.key, tokens[:position], snapshot, kind)
