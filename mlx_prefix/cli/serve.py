@@ -33,6 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument(
+        "--cache-sharing",
+        choices=("origin", "global"),
+        default=None,
+        help="origin (default): each page or extension Origin, and each API key, has its "
+        "own prompt cache; clients without an Origin share one. global: one cache for all "
+        "(any client can tell from cached_tokens what another sent)",
+    )
+    p.add_argument(
         "--responses-store",
         type=int,
         default=None,
@@ -49,6 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
+        "cache_sharing": args.cache_sharing,
         "responses_store": args.responses_store,
         # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
         "log_level": "debug" if getattr(args, "verbose", False) else None,

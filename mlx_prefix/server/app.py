@@ -19,6 +19,7 @@ from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
+from .namespaces import Namespaces
 from .protocol.request import Limits
 from .response_store import ResponseStore
 from .routes import ROUTES
@@ -140,4 +141,5 @@ def _build(
         started=int(time.time()),
         responses=ResponseStore(settings.responses_store),
     )
+    app.state.namespaces = Namespaces(settings.cache_sharing, settings.api_key)
     return app

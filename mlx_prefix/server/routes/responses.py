@@ -26,6 +26,7 @@ from mlx_prefix.records import DoneEvent, ErrorEvent, PromptInput, TokenEvent, T
 from ..assembler import Assembler
 from ..errors import CancelledByServer, GenerationFailed
 from ..generation import CANCELLED, ClientGone, RequestLog, as_error, until_disconnect
+from ..namespaces import caller
 from ..protocol.response_items import reply_messages
 from ..protocol.responses import ResponsesRequest, parse_responses
 from ..response_objects import OutputEvents, ResponseHead, new_id, sse
@@ -40,9 +41,11 @@ log = logging.getLogger("mlx_prefix.server")
 async def create_response(request: Request) -> Response:
     st = state(request)
     response_id = new_id("resp")
-    record = RequestLog(response_id, request.url.path, st.metrics)
+    who = caller(request)
+    record = RequestLog(response_id, request.url.path, st.metrics, who.namespace_id)
     try:
         req = parse_responses(await read_json(request), st.limits)
+        req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         model = resolve_model(st.engine, req.model)
         history = _history(st.responses, req)
         ids = ToolCallIds(response_id)
