@@ -15,7 +15,7 @@ from mlx_prefix.cache.disk_index import DiskEntryInfo
 from mlx_prefix.cache.records import StoredTokens
 from mlx_prefix.config import DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.records import PromptInput, SamplingParams, Usage
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Usage
 from mlx_prefix.server.app import serving_line
 from mlx_prefix.server.dashboard import HEAD_TOKENS, TreeShapes, nest, snapshot
 from mlx_prefix.server.namespaces import Caller
@@ -118,6 +118,24 @@ def test_snapshot_merges_memory_and_disk_nodes_by_their_tokens():
     assert child["entry_id"] is None and child["bytes"] is None and child["disk_bytes"] == 777
     assert child["start"] == len(mem.tokens) and child["head"] == " delta epsilon"
     assert child["kind"] == "HISTORY" and child["pinned"] is False
+
+
+def test_snapshot_nests_and_merges_only_inside_one_namespace():
+    engine = FakeEngine()
+    short, longer = PromptInput(text="alpha beta gamma"), PromptInput(text="alpha beta gamma delta")
+    engine.submit(short, SamplingParams(max_tokens=4), CachePreference(namespace="a"))
+    engine.submit(longer, SamplingParams(max_tokens=4), CachePreference(namespace="b"))
+    (a,) = (s for s in engine.cache_sequences() if s.info.tokens == 3)
+    (b,) = (s for s in engine.cache_sequences() if s.info.tokens == 4)
+    # B's file of A's very tokens: its own node, and B's longer entry nests under it.
+    b_file = _disk_info("fb", a.tokens, key=b.info.model_key)
+    engine.disk_sequences = lambda: [b_file]  # type: ignore[method-assign]
+    tree = snapshot(engine, RecentRequests(), TreeShapes(), Caller("", admin=True))["tree"]
+    nodes = {n["id"]: n for n in tree}
+    assert set(nodes) == {f"m{a.info.entry_id}", f"m{b.info.entry_id}", "dfb"}
+    assert nodes[f"m{a.info.entry_id}"]["parent"] is None
+    assert nodes[f"m{b.info.entry_id}"]["parent"] == "dfb"
+    assert nodes["dfb"]["namespace"] == nodes[f"m{b.info.entry_id}"]["namespace"]
 
 
 def test_recent_requests_keep_the_last_ones_in_order():
