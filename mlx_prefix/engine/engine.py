@@ -361,8 +361,9 @@ class Engine:
             self.lifecycle.end(job, ErrorEvent(error_message(e)))
 
     def _preempt_background(self, task: PrefillTask) -> None:
-        """A background prefill gives way to any waiting request that does not extend its
-        prompt; one that does will restore from it, so it goes on."""
+        """A background prefill gives way to any waiting request that cannot restore from
+        it (another namespace's, or one not extending its prompt); one that can will, so
+        it goes on."""
         if task.job.background and (self._closing or self._waiting.preempts(task.job)):
             self.prefetch.cancelled += 1
             self.prefetch.tokens += task.computed
