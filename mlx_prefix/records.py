@@ -51,10 +51,15 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class CachePreference:
-    """The per-request `prefix_cache` body object."""
+    """The per-request `prefix_cache` body object, and whose cache it is (issue 19)."""
 
     enabled: bool = True  # False: neither read nor write the prefix cache
     scope: str | None = None  # disk policy override: off | full | auto[:N] | N
+    # The cache namespace (DESIGN 10): a request matches only entries of its own. The
+    # server derives it from who sent the request (server/namespaces.py); "" is the one
+    # of clients without an Origin, the CLI and library callers.
+    namespace: str = ""
+    salt: str | None = None  # the body's `cache_salt`: splits the namespace further
 
 
 @dataclass(frozen=True, slots=True)

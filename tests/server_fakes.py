@@ -28,9 +28,10 @@ from typing import Any
 
 import uvicorn
 
-from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
+from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.activity import Activity, JobView
+from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
 from mlx_prefix.records import (
     CachePreference,
@@ -44,6 +45,7 @@ from mlx_prefix.records import (
 )
 
 _NO_PREFERENCE = CachePreference()
+MODEL_KEY = "fake-model-key"  # the fake's cache key; entries are keyed as the engine's are
 DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
 _DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
 
@@ -136,11 +138,12 @@ def words(text: str) -> list[str]:
 
 
 class FakeHandle:
-    def __init__(self, request_id: str, prompt_tokens: int):
+    def __init__(self, request_id: str, prompt_tokens: int, namespace: str | None = None):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.cached_tokens: int | None = None
         self.cache_written_tokens: int | None = None
+        self.namespace = namespace  # its cache namespace's id
         self.cancelled = threading.Event()
         self._events: list[Event] = []
         self._cond = threading.Condition()
@@ -209,7 +212,7 @@ class FakeEngine:
         self.shutdown_calls = 0
         self.warms_running = 0  # warm() calls blocked in their thread
         self._lock = threading.Lock()
-        self._stored: dict[tuple[str, ...], dict[str, Any]] = {}
+        self._stored: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}  # (key, words)
         self._stats = {"hits": 0, "misses": 0, "tokens_reused": 0, "evictions": 0}
         self._closed = False
         self._ids = 0
@@ -249,10 +252,11 @@ class FakeEngine:
                 f"prompt is {len(tokens)} tokens; the context is {self.model.context_length}",
                 param="messages" if prompt.messages is not None else "prompt",
             )
-        cached = self._lookup(tokens, store=cache.enabled) if cache.enabled else 0
+        key = entry_key(MODEL_KEY, cache)
+        cached = self._lookup(key, tokens, store=cache.enabled) if cache.enabled else 0
         with self._lock:
             self._ids += 1
-            handle = FakeHandle(request_id or f"fake-{self._ids}", len(tokens))
+            handle = FakeHandle(request_id or f"fake-{self._ids}", len(tokens), namespace_of(key))
             self.submissions.append(Submission(prompt, sampling, cache, request_id))
             self.handles.append(handle)
         # The fake stores every prompt it sees whole (like a trimmable cache's end).
@@ -269,14 +273,17 @@ class FakeEngine:
     def count_tokens(self, prompt: PromptInput) -> int:
         return len(words(render(prompt)))
 
-    def start_warm(self, prompt: PromptInput, pin: bool = False) -> tuple[FakeHandle, Future]:
+    def start_warm(
+        self, prompt: PromptInput, pin: bool = False, cache: CachePreference = _NO_PREFERENCE
+    ) -> tuple[FakeHandle, Future]:
         """Like Engine.start_warm: a cancellable warm-up whose future gives a WarmResult.
         `[[delay:S]]` in the prompt makes it take S seconds (cancelling ends it early)."""
         text = render(prompt)
         delay = float(
             next((m.group(2) for m in _DIRECTIVE.finditer(text) if m.group(1) == "delay"), 0)
         )
-        handle = FakeHandle(f"warm-{len(self.handles)}", len(words(text)))
+        key = entry_key(MODEL_KEY, cache)
+        handle = FakeHandle(f"warm-{len(self.handles)}", len(words(text)), namespace_of(key))
         future: Future = Future()
 
         def run() -> None:
@@ -288,10 +295,10 @@ class FakeEngine:
                         future.set_exception(EngineBusy("the warm-up was cancelled"))
                     return
                 tokens = tuple(words(text))
-                cached = self._lookup(tokens, store=True)
+                cached = self._lookup(key, tokens, store=True)
                 if pin:
                     with self._lock:
-                        self._stored[tokens]["pinned"] = True
+                        self._stored[(key, tokens)]["pinned"] = True
                 if not future.done():
                     future.set_result(
                         WarmResult(prompt_tokens=len(tokens), cached_tokens=cached, pinned=pin)
@@ -305,7 +312,7 @@ class FakeEngine:
 
     def cache_stats(self) -> dict[str, Any]:
         with self._lock:
-            nbytes = sum(len(t) * 1000 for t in self._stored)
+            nbytes = sum(len(t) * 1000 for _, t in self._stored)
             lookups = self._stats["hits"] + self._stats["misses"]
             return {
                 **self._stats,
@@ -327,7 +334,7 @@ class FakeEngine:
             return [  # the real engine's schema: asdict(EntryInfo)
                 {
                     "entry_id": e["id"],
-                    "model_key": "fake-model-key",
+                    "model_key": key,
                     "tokens": len(t),
                     "nbytes": len(t) * 1000,
                     "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
@@ -339,7 +346,7 @@ class FakeEngine:
                     "refs": 0,
                     "shared_bytes": 0,
                 }
-                for t, e in self._stored.items()
+                for (key, t), e in self._stored.items()
             ]
 
     def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
@@ -349,7 +356,7 @@ class FakeEngine:
                 StoredTokens(
                     EntryInfo(
                         entry_id=e["id"],
-                        model_key=self.model.identity,
+                        model_key=key,
                         tokens=len(t),
                         nbytes=len(t) * 1000,
                         kind=CheckpointKind.LAST_MESSAGE,
@@ -362,7 +369,7 @@ class FakeEngine:
                     ),
                     self.model.tokenizer.ids(*t),
                 )
-                for t, e in self._stored.items()
+                for (key, t), e in self._stored.items()
             ]
 
     def disk_sequences(self) -> list:
@@ -392,16 +399,18 @@ class FakeEngine:
             running = [h for h in self.handles if not h.finished]
         jobs = tuple(
             JobView(h.request_id, "request", "decoding", h.prompt_tokens, 0, h.prompt_tokens,
-                    len(h._events), 0, time.perf_counter())
+                    len(h._events), 0, time.perf_counter(), h.namespace)
             for h in running
         )  # fmt: skip
         return Activity(jobs, 8, time.perf_counter())
 
-    def flush_cache(self) -> int:
+    def flush_cache(self, namespace: str | None = None) -> int:
+        selector = MODEL_KEY if namespace is None else namespace_key(MODEL_KEY, namespace)
         with self._lock:
-            removed = len(self._stored)
-            self._stored.clear()
-            return removed
+            gone = [k for k in self._stored if covers(selector, k[0])]
+            for k in gone:
+                del self._stored[k]
+            return len(gone)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.shutdown_calls += 1
@@ -414,17 +423,20 @@ class FakeEngine:
 
     # Internals
 
-    def _lookup(self, tokens: tuple[str, ...], store: bool) -> int:
+    def _lookup(self, key: str, tokens: tuple[str, ...], store: bool) -> int:
+        """Longest common word prefix with the stored prompts of entry key `key` only."""
         with self._lock:
             best, best_key = 0, None
-            for key in self._stored:
+            for stored_key, stored in self._stored:
+                if stored_key != key:
+                    continue
                 n = 0
-                for a, b in zip(key, tokens, strict=False):
+                for a, b in zip(stored, tokens, strict=False):
                     if a != b:
                         break
                     n += 1
                 if n > best:
-                    best, best_key = n, key
+                    best, best_key = n, (stored_key, stored)
             best = min(best, len(tokens) - 1)  # at least one token is always computed
             if best > 0 and best_key is not None:
                 self._stats["hits"] += 1
@@ -432,9 +444,9 @@ class FakeEngine:
                 self._stored[best_key]["hits"] += 1
             else:
                 self._stats["misses"] += 1
-            if store and tokens not in self._stored:
+            if store and (key, tokens) not in self._stored:
                 self._ids += 1
-                self._stored[tokens] = {
+                self._stored[(key, tokens)] = {
                     "id": self._ids,
                     "hits": 0,
                     "created": time.monotonic(),

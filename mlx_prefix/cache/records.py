@@ -42,6 +42,14 @@ def new_buffer_key() -> int:
     return next(_buffer_keys)
 
 
+def covers(selector: str, key: str) -> bool:
+    """Whether a listing or flush by `selector` includes the entries of `key`: the same
+    key, or one nested under it (`selector + "/..."`; engine/keys.py builds them: a
+    model's key covers each of its namespaces, a namespace's key each salt in it).
+    Lookups and inserts never use this: they take exactly one key."""
+    return key == selector or key.startswith(selector + "/")
+
+
 class Payload(Protocol):
     """What the store reads of a payload; one with a `buffers` attribute (a tuple of
     Buffer, summing to `nbytes`) shares them with others, one without holds its own."""

@@ -77,6 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the server's log level (default info; -v means debug)",
     )
     p.add_argument(
+        "--cache-sharing",
+        choices=("origin", "global"),
+        default=None,
+        help="origin (default): each page or extension Origin, and each API key, has its "
+        "own prompt cache; clients without an Origin share one. global: one cache for all "
+        "(any client can tell from cached_tokens what another sent)",
+    )
+    p.add_argument(
         "--responses-store",
         type=int,
         default=None,
@@ -93,6 +101,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "host": args.host,
         "port": args.port,
         "api_key": args.api_key,
+        "cache_sharing": args.cache_sharing,
         "responses_store": args.responses_store,
         **{
             k: getattr(args, k)

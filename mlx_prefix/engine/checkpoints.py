@@ -100,7 +100,7 @@ class Checkpointer:
     cache: list
     reuse: int  # prefill starts here
     store: PromptCache
-    model_key: str
+    key: str  # the request's entry key (model and namespace: engine/keys.py)
     shared: SharedPrefixes | None
     disk: DiskTier | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
@@ -128,8 +128,8 @@ class Checkpointer:
                 prefix = self.prompt.tokens[:position]
                 if snapshot is not None:
                     kind = kinds.get(position, CheckpointKind.PERIODIC)
-                    self.disk.defer(prefix, snapshot, kind)
-                elif not self.disk.cache.holds(self.model_key, prefix):
+                    self.disk.defer(self.key, prefix, snapshot, kind)
+                elif not self.disk.cache.holds(self.key, prefix):
                     # An exact state below the restore point is gone (evicted, or never
                     # kept in memory); recomputing it would cost the request a prefill.
                     why = f"memory restored {self.reuse} tokens and no longer holds that state"
@@ -140,7 +140,7 @@ class Checkpointer:
         if position == self.reuse:
             return capture(self.cache, position)
         if self.keep_every_checkpoint:  # exact states only: the one memory holds, if any
-            return self.store.get(self.model_key, self.prompt.tokens[:position])
+            return self.store.get(self.key, self.prompt.tokens[:position])
         restored = capture(self.cache, self.reuse)  # views: trim them back to `position`
         return capture(restore(restored, trim=self.reuse - position), position)
 
@@ -223,7 +223,7 @@ class Checkpointer:
     def _keep(self, snapshot: Snapshot, kind: CheckpointKind, in_memory: bool, to_disk: bool):
         tokens = self.prompt.tokens[: snapshot.length]
         if in_memory:
-            self.store.insert(self.model_key, tokens, snapshot, kind)
+            self.store.insert(self.key, tokens, snapshot, kind)
             self.on_stored(snapshot.length)
         if to_disk:
-            self.disk.defer(tokens, snapshot, kind)
+            self.disk.defer(self.key, tokens, snapshot, kind)

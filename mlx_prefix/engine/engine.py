@@ -23,7 +23,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -43,7 +43,7 @@ from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
-from mlx_prefix.engine.keys import cache_key
+from mlx_prefix.engine.keys import cache_key, entry_key, namespace_key
 from mlx_prefix.engine.lifecycle import Lifecycle, error_message
 from mlx_prefix.engine.pace import Pace
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
@@ -101,7 +101,6 @@ class Engine:
         self.disk = (
             DiskTier(
                 disk_config,
-                self.model_key,
                 always_trimmable(fresh_cache),
                 self.store,
                 bytes_key=f"engine-{id(self):x}-disk",
@@ -118,7 +117,6 @@ class Engine:
             model,
             self.planner,
             self.store,
-            self.model_key,
             self.disk,
             self.cache_config,
             self.config,
@@ -181,7 +179,8 @@ class Engine:
         ContextLengthExceeded or EngineBusy in the caller's thread.
 
         `fit_reply`: refuse a prompt that leaves less than `max_tokens` of the context
-        for the reply; otherwise the reply is cut at the context's end."""
+        for the reply; otherwise the reply is cut at the context's end. The request
+        reads and writes only the entries of `cache.namespace` (and `cache.salt`)."""
         check_sampling(sampling, cache, self.vocab_size)
         rendered = self.plan(prompt)
         if fit_reply:
@@ -189,18 +188,23 @@ class Engine:
         fmt = sampling.response_format
         constraint = self.constraints.create(fmt) if fmt is not None else None
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
+        key = entry_key(self.model_key, cache)
         now = time.perf_counter()
         self.lifecycle.put(
-            Job(handle, rendered, sampling, cache, now, prompt, constraint=constraint)
+            Job(handle, rendered, sampling, cache, key, now, prompt, constraint=constraint)
         )
         return handle
 
     def warm(
-        self, prompt: PromptInput, pin: bool = False, timeout: float | None = None
+        self,
+        prompt: PromptInput,
+        pin: bool = False,
+        timeout: float | None = None,
+        cache: CachePreference = CachePreference(),
     ) -> WarmResult:
         """Prefill a prompt into the cache (optionally pinned) without generating. Blocks;
         on `timeout` the warm-up is cancelled and TimeoutError raised."""
-        handle, future = self.start_warm(prompt, pin)
+        handle, future = self.start_warm(prompt, pin, cache)
         try:
             return future.result(timeout)
         except FutureTimeout:  # the builtin TimeoutError from Python 3.11
@@ -208,25 +212,28 @@ class Engine:
             raise
 
     def start_warm(
-        self, prompt: PromptInput, pin: bool = False
+        self, prompt: PromptInput, pin: bool = False, cache: CachePreference = CachePreference()
     ) -> tuple[RequestHandle, Future[WarmResult]]:
-        """Queue a warm-up; its future gives the WarmResult (cancel it with the handle)."""
+        """Queue a warm-up into `cache.namespace` (and `cache.salt`); its future gives the
+        WarmResult (cancel it with the handle)."""
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = RequestHandle(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
         # A pinned warm-up is meant to last: persist all of its checkpoints to disk too.
-        scope = CachePreference(scope="full" if pin else None)
-        sampling = SamplingParams(max_tokens=1)
+        pref = replace(cache, enabled=True, scope="full" if pin else None)
+        key, sampling = entry_key(self.model_key, pref), SamplingParams(max_tokens=1)
         now = time.perf_counter()
-        self.lifecycle.put(Job(handle, rendered, sampling, scope, now, warm=future, pin=pin))
+        job = Job(handle, rendered, sampling, pref, key, now, warm=future, pin=pin)
+        self.lifecycle.put(job)
         return handle, future
 
-    def _enqueue_prefetch(self, prompt: RenderedPrompt) -> None:
-        """Queue a next-turn prefetch (from the prefetcher's thread)."""
+    def _enqueue_prefetch(self, prompt: RenderedPrompt, key: str) -> None:
+        """Queue a next-turn prefetch under the entry key of the request it follows
+        (from the prefetcher's thread)."""
         handle = RequestHandle(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
         not_before = time.monotonic() + self.config.prefetch_delay_s
         sampling, pref, now = SamplingParams(max_tokens=1), CachePreference(), time.perf_counter()
-        job = Job(handle, prompt, sampling, pref, now, background=True, not_before=not_before)
+        job = Job(handle, prompt, sampling, pref, key, now, background=True, not_before=not_before)
         self.lifecycle.put_background(job)
 
     def cache_stats(self) -> dict:
@@ -245,11 +252,13 @@ class Engine:
     def cache_entries(self) -> list[dict]:
         return [asdict(e) for e in self.store.entries()]
 
-    def flush_cache(self) -> int:
-        """Drop this model's entries from memory and disk; returns how many."""
-        removed = self.store.clear(self.model_key)
+    def flush_cache(self, namespace: str | None = None) -> int:
+        """Drop this model's entries (of one namespace, every salt in it; None: of all)
+        from memory and disk; returns how many."""
+        key = self.model_key if namespace is None else namespace_key(self.model_key, namespace)
+        removed = self.store.clear(key)
         if self.disk is not None:
-            removed += self.disk.cache.clear(self.model_key)
+            removed += self.disk.cache.clear(key)
         return removed
 
     # -- the dashboard: read-only views (any thread) and single-entry actions ---------
@@ -258,7 +267,8 @@ class Engine:
         return self._board.current
 
     def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
-        """This model's entries in memory, with their token ids. Does not mutate."""
+        """This model's entries in memory (every namespace: `info.model_key` names each
+        one's), with their token ids. Does not mutate."""
         return self.store.sequences(self.model_key)
 
     def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
@@ -400,9 +410,10 @@ class Engine:
         return busy < self.capacity and len(self._prefill.tasks) < self.config.max_prefilling
 
     def _preempt_background(self, task: PrefillTask) -> None:
-        """A background prefill gives way to any waiting request that does not extend its
-        prompt; one that does will restore from it, so it goes on."""
-        if task.job.background and (self._closing or self._waiting.preempts(task.job.tokens)):
+        """A background prefill gives way to any waiting request that cannot restore from
+        it (another namespace's, or one not extending its prompt); one that can will, so
+        it goes on."""
+        if task.job.background and (self._closing or self._waiting.preempts(task.job)):
             self.prefetch.cancelled += 1
             self.prefetch.tokens += task.computed
             self._prefill.close(task)
@@ -447,11 +458,13 @@ class Engine:
     def _maybe_prefetch(self, job: Job, reply: str) -> None:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
             return
-        # A chat's first turn, known from its client's earlier traffic (chat_traffic.py);
-        # later turns and tool-call turns from the request itself.
-        first_turn = self._chat_traffic.finished(job.source, reply)
+        # A chat's first turn, known from its client's earlier traffic in the same
+        # namespace (chat_traffic.py); later turns and tool-call turns from the request.
+        first_turn = self._chat_traffic.finished(job.source, reply, job.cache_key)
         if first_turn or wants_prefetch(job.source):
-            self._prefetcher.submit(job.source, reply, len(job.tokens), job.handle.request_id)
+            self._prefetcher.submit(
+                job.source, reply, len(job.tokens), job.handle.request_id, job.cache_key
+            )
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
         """After an unexpected error, end every request in flight with an error event:

@@ -41,6 +41,7 @@ class Job:
     prompt: RenderedPrompt
     sampling: SamplingParams
     cache_pref: CachePreference
+    cache_key: str  # its entries' key (engine/keys.entry_key): model and namespace
     submitted_at: float
     source: PromptInput | None = None  # what the caller sent (None: background job)
     warm: Future | None = None  # set for warm-only jobs (prefill, no decode)

@@ -20,6 +20,7 @@ from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
 from .model_names import ModelRegistry, ServedModel
+from .namespaces import Namespaces
 from .protocol.request import Limits, SamplingDefaults
 from .response_store import ResponseStore
 from .routes import ROUTES
@@ -148,4 +149,5 @@ def _build(
         started=int(time.time()),
         responses=ResponseStore(settings.responses_store),
     )
+    app.state.namespaces = Namespaces(settings.cache_sharing, settings.api_key)
     return app

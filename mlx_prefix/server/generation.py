@@ -62,6 +62,7 @@ class RequestLog:
     request_id: str
     endpoint: str
     metrics: ServerMetrics
+    namespace: str | None = None  # the sender's cache namespace id: who sees the record
     prompt_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     _written: bool = False
@@ -78,7 +79,8 @@ class RequestLog:
         self._written = True
         total_ms = (time.perf_counter() - self.started) * 1000
         self.metrics.recent.add(
-            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish
+            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish,
+            self.namespace,
         )  # fmt: skip
         if usage is None:
             log.info(

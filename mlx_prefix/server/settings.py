@@ -32,6 +32,9 @@ class ServerSettings:
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
     responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
+    # Cache namespaces (server/namespaces.py): "origin" keeps each Origin's (and API
+    # key's) entries apart; "global" shares one cache among every client.
+    cache_sharing: str = "origin"
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
@@ -49,6 +52,8 @@ class ServerSettings:
                     f"allowed_origins: {origin!r} is not an origin such as "
                     "'https://app.example.com' (or '*')"
                 )
+        if self.cache_sharing not in ("origin", "global"):
+            raise ValueError(f"cache_sharing must be origin or global, not {self.cache_sharing!r}")
         if self.responses_store < 0:
             raise ValueError("responses_store must not be negative")
         if min(self.max_body_bytes, self.default_max_tokens, self.max_tokens_limit) < 1:

@@ -1,6 +1,6 @@
 """GenerationRequest, and the body fields chat and completions share: n, stream,
-max_tokens, sampling (with mlx_lm.server's fields), stop, response_format, model, and
-the prefix_cache extension."""
+max_tokens, sampling (with mlx_lm.server's fields), stop, response_format, model, the
+prefix_cache extension and cache_salt."""
 
 from __future__ import annotations
 
@@ -173,10 +173,14 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def cache_preference(body: dict[str, Any]) -> CachePreference:
-    """The `prefix_cache` extension object (every API family accepts it)."""
+    """The `prefix_cache` object and `cache_salt` (vLLM's name: a request matches only
+    cache entries made with the same salt, inside its namespace)."""
+    salt = field(body, "cache_salt", str, None)
+    if salt == "":
+        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
     pref = field(body, "prefix_cache", dict, None)
     if pref is None:
-        return CachePreference()
+        return CachePreference(salt=salt)
     enabled = pref.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InvalidRequest("prefix_cache.enabled must be a boolean", param="prefix_cache.enabled")
@@ -186,4 +190,4 @@ def cache_preference(body: dict[str, Any]) -> CachePreference:
             "prefix_cache.scope must be one of off, full, auto, auto:N or N",
             param="prefix_cache.scope",
         )
-    return CachePreference(enabled=enabled, scope=scope)
+    return CachePreference(enabled=enabled, scope=scope, salt=salt)

@@ -40,7 +40,7 @@ _ACCEPTED = {
     "include", "text", "reasoning", "truncation", "service_tier", "stream_options",
     "top_logprobs", "max_tool_calls", "client_metadata", "prompt_cache_retention",
     # this server's extensions, as in chat completions
-    "prefix_cache", "seed", "chat_template_kwargs",
+    "prefix_cache", "seed", "chat_template_kwargs", "cache_salt",
 }  # fmt: skip
 # Refused when not empty, with why (fields not listed here or above get a generic reason).
 _REFUSED = {

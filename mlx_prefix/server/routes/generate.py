@@ -16,6 +16,7 @@ from mlx_prefix.records import ToolCallIds
 from .. import responses as R
 from ..assembler import Assembler
 from ..generation import Collected, RequestLog
+from ..namespaces import caller
 from ..protocol.chat import parse_chat
 from ..protocol.completions import parse_completion
 from ..tool_choice import with_tool_choice
@@ -35,13 +36,15 @@ async def completions(request: Request) -> Response:
 
 async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Response:
     st = state(request)
-    record = RequestLog(R.new_request_id(kind), request.url.path, st.metrics)
+    who = caller(request)
+    record = RequestLog(R.new_request_id(kind), request.url.path, st.metrics, who.namespace_id)
     try:
         body = await read_json(request)
         req = parse_chat(body, st.limits) if kind == "chat" else parse_completion(body, st.limits)
         # Calls named after the request: the engine's next-turn prefetch names them alike.
         ids = ToolCallIds(record.request_id)
         req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
+        req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         served = st.models.resolve(req.model)
         tokenizer = served.engine.model.tokenizer
         req = with_tool_choice(req, tokenizer)

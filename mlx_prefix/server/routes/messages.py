@@ -23,6 +23,7 @@ from ..anthropic_stream import (
 )
 from ..assembler import Assembler
 from ..generation import Collected, RequestLog
+from ..namespaces import caller
 from ..protocol.messages import parse_count_tokens, parse_messages_request
 from ..tool_choice import with_tool_choice
 from .common import api, read_json, state
@@ -33,7 +34,8 @@ from .flow import respond, submit
 async def messages(request: Request) -> Response:
     st = state(request)
     message_id = new_message_id()
-    record = RequestLog(message_id, request.url.path, st.metrics)
+    who = caller(request)
+    record = RequestLog(message_id, request.url.path, st.metrics, who.namespace_id)
     keep = st.settings.keep_billing_header
     try:
         body = await read_json(request)
@@ -45,6 +47,7 @@ async def messages(request: Request) -> Response:
         ids = ToolCallIds(message_id, prefix="toolu_")
         prompt = replace(parsed.generation.prompt, reply_tool_call_ids=ids)
         req = with_tool_choice(replace(parsed.generation, prompt=prompt), tokenizer)
+        req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         handle = await submit(served.engine, req, message_id)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)

@@ -9,7 +9,7 @@ after its id, as the engine's next-turn prefetch names them, so an agent's next 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -20,6 +20,7 @@ from mlx_prefix.records import DoneEvent, ToolCallIds
 
 from ..assembler import Assembler, Delta
 from ..generation import Collected, RequestLog
+from ..namespaces import caller
 from ..protocol.response_items import reply_messages
 from ..protocol.responses import ResponsesRequest, parse_responses
 from ..response_objects import OutputEvents, ResponseHead, new_id, sse
@@ -33,13 +34,15 @@ from .flow import respond, submit
 async def create_response(request: Request) -> Response:
     st = state(request)
     response_id = new_id("resp")
-    record = RequestLog(response_id, request.url.path, st.metrics)
+    who = caller(request)
+    record = RequestLog(response_id, request.url.path, st.metrics, who.namespace_id)
     try:
         parsed = parse_responses(await read_json(request), st.limits)
         served = st.models.resolve(parsed.model)
         tokenizer = served.engine.model.tokenizer
         history = _history(st.responses, parsed)
         req = with_tool_choice(parsed.generation(history, ToolCallIds(response_id)), tokenizer)
+        req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         handle = await submit(served.engine, req, response_id)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
