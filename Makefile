@@ -40,12 +40,29 @@ $(STAMP): pyproject.toml
 
 install: system-deps $(STAMP)
 
-# Headless Chromium for the browser (CORS + streaming fetch) test.
+# Headless Chromium for the browser (CORS + streaming fetch) test, and Claude Code and
+# Codex CLI for the agents' end-to-end tests: their native binaries from npm, without the
+# postinstall, into a git-ignored folder (the tests find them there).
+CLAUDE_CODE_VERSION := 2.1.328
+CODEX_VERSION := 0.169.0
+TEST_CLIENTS := .test-clients
+
 test-deps:
 ifeq ($(HOST_OS),Linux)
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq chromium || echo "warning: no chromium; browser test skips"; }
 endif
+	@if ! command -v npm >/dev/null; then echo "warning: no npm; the Claude Code test skips"; \
+	elif ! grep -qs '"version": "$(CLAUDE_CODE_VERSION)"' \
+	    $(TEST_CLIENTS)/node_modules/@anthropic-ai/claude-code/package.json; then \
+	  npm install --prefix $(TEST_CLIENTS) --ignore-scripts --no-audit --no-fund \
+	    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
+	  || echo "warning: could not install Claude Code; its end-to-end test skips"; fi
+	@if command -v npm >/dev/null && ! grep -qs '"version": "$(CODEX_VERSION)"' \
+	    $(TEST_CLIENTS)/node_modules/@openai/codex/package.json; then \
+	  npm install --prefix $(TEST_CLIENTS) --ignore-scripts --no-audit --no-fund \
+	    @openai/codex@$(CODEX_VERSION) \
+	  || echo "warning: could not install Codex CLI; its end-to-end tests skip"; fi
 
 test: install test-deps
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
@@ -68,4 +85,4 @@ bench-full: install
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile full
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache $(TEST_CLIENTS)

@@ -19,6 +19,16 @@ class Reply:
     ttft_s: float | None  # request sent -> first chunk carrying output
     total_s: float  # request sent -> stream closed
     finish_reason: str | None = None
+    # Seconds from request sent to each chunk carrying output, in arrival order: the
+    # first is the TTFT, the gaps between them the inter-token latency (both servers
+    # stream one chunk per token; a chunk the detokenizer held back joins the next).
+    chunk_times: list[float] = field(default_factory=list)
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Inter-token latency: seconds between consecutive output-carrying chunks."""
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ async def send(
     texts: list[str] = []
     usage: dict[str, Any] = {}
     finish = None
-    ttft = None
+    times: list[float] = []
     start = time.perf_counter()
     async with client.stream("POST", base_url + path, json=body, timeout=None) as resp:
         if resp.status_code != 200:
@@ -80,16 +90,19 @@ async def send(
             data = line[5:].strip()
             if data == "[DONE]":
                 break
+            arrived = time.perf_counter() - start
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(f"{base_url}{path}: {chunk['error']}")
+            carried = False
             for choice in chunk.get("choices") or ():
                 text = _delta_text(choice)
                 if text:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
+                    carried = True
                     texts.append(text)
                 finish = choice.get("finish_reason") or finish
+            if carried:
+                times.append(arrived)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     total = time.perf_counter() - start
@@ -99,7 +112,8 @@ async def send(
         prompt_tokens=usage.get("prompt_tokens"),
         cached_tokens=details.get("cached_tokens"),
         completion_tokens=usage.get("completion_tokens"),
-        ttft_s=ttft,
+        ttft_s=times[0] if times else None,
         total_s=total,
         finish_reason=finish,
+        chunk_times=times,
     )

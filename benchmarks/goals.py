@@ -7,7 +7,13 @@
 - issue 5: a cold burst of 6 requests sharing a ~500-token instruction in at most 0.4x
   mlx_lm.server's wall time;
 - issue 7: TTFT after a restart at most 0.1x the cold TTFT (and, for information,
-  against mlx_lm.server after its restart).
+  against mlx_lm.server after its restart);
+- issue 13: the agent session over /v1/messages (8 tool turns, long system prompt and
+  tools): reuse efficiency on the requests' path 1.00 (next-turn prefetch on), warm-turn
+  TTFT at most 0.3x mlx_lm.server's on the same conversation, every warm answer equal
+  to its cold run; dense and hybrid.
+
+Issues 14 and 15's goals are in goals_hybrid_batch.py.
 """
 
 from __future__ import annotations
@@ -39,55 +45,68 @@ class Goal:
 
 
 def evaluate(doc: dict[str, Any]) -> list[Goal]:
+    from . import goals_hybrid_batch
+
     return [
         *_restore(doc),
         *_reuse(doc, "chat", "reuse efficiency, multi-turn chat", 1.0),
         *_reuse(doc, "agent", "reuse efficiency, agent loop (tools + thinking)", 0.95),
         *_burst(doc),
         *_restart(doc),
+        *_messages_agent(doc),
+        *goals_hybrid_batch.evaluate(doc),
     ]
 
 
-def _runs(doc: dict[str, Any], name: str) -> Iterator[dict[str, Any]]:
+def runs(doc: dict[str, Any], name: str) -> Iterator[dict[str, Any]]:
     for w in doc["workloads"]:
         if w["workload"] == name:
             yield w
 
 
-def _missing(issue: int, what: str, target: str, why: str = "not measured") -> Goal:
+def missing(issue: int, what: str, target: str, why: str = "not measured") -> Goal:
     return Goal(issue, what, "-", None, why, target, None)
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
+def ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
 def _burst(doc: dict[str, Any]) -> list[Goal]:
-    what, target = "cold burst wall time, mlx-prefix / mlx_lm.server", "<= 0.40x"
+    what = "cold burst wall time, mlx-prefix / mlx_lm.server"
+    return burst_wall(doc, 5, "cold", what, 0.4)
+
+
+def burst_wall(doc: dict[str, Any], issue: int, phase: str, what: str, limit: float) -> list[Goal]:
+    """A burst phase's wall time against mlx_lm.server's, judged only where both servers
+    generated as many tokens."""
+    target = f"<= {limit:.2f}x"
     out = []
-    for w in _runs(doc, "burst"):
+    for w in runs(doc, "burst"):
         if w["skipped"]:
-            out.append(Goal(5, what, w["model"], None, f"skipped: {w['skipped']}", target, None))
+            out.append(
+                Goal(issue, what, w["model"], None, f"skipped: {w['skipped']}", target, None)
+            )
             continue
         ours_x = w["servers"].get(OURS, {}).get("extra", {})
         peer_x = w["servers"].get(PEER, {}).get("extra", {})
-        ours, peer = ours_x.get("cold_wall_s"), peer_x.get("cold_wall_s")
-        r = _ratio(ours, peer)
+        ours, peer = ours_x.get(f"{phase}_wall_s"), peer_x.get(f"{phase}_wall_s")
+        r = ratio(ours, peer)
         if r is None:
-            out.append(Goal(5, what, w["model"], None, "not measured", target, None))
+            out.append(Goal(issue, what, w["model"], None, "not measured", target, None))
             continue
         shown = f"{r:.2f}x ({ours:.1f} s / {peer:.1f} s)"
-        # Not judged unless both servers generated the same number of tokens.
-        n_ours, n_peer = ours_x.get("cold_completion_tokens"), peer_x.get("cold_completion_tokens")
+        key = f"{phase}_completion_tokens"
+        n_ours, n_peer = ours_x.get(key), peer_x.get(key)
         if n_ours != n_peer or n_ours is None:
             shown += f"; not comparable: completion tokens {n_ours} vs {n_peer}"
-            out.append(Goal(5, what, w["model"], r, shown, target, None))
+            out.append(Goal(issue, what, w["model"], r, shown, target, None))
             continue
-        out.append(Goal(5, what, w["model"], r, shown, target, r <= 0.4))
-    return out or [_missing(5, what, target)]
+        out.append(Goal(issue, what, w["model"], r, shown, target, r <= limit))
+    return out or [missing(issue, what, target)]
 
 
-def _ttft(res: dict[str, Any] | None, label: str) -> float | None:
+def ttft(res: dict[str, Any] | None, label: str) -> float | None:
     for s in (res or {}).get("samples", []):
         if s["label"] == label:
             return s["ttft_s"]
@@ -98,30 +117,30 @@ def _restart(doc: dict[str, Any]) -> list[Goal]:
     cold_what, cold_target = "TTFT after restart / cold TTFT (mlx-prefix)", "<= 0.10x"
     peer_what = "TTFT after restart, mlx-prefix / mlx_lm.server"
     out = []
-    for w in _runs(doc, "restart"):
+    for w in runs(doc, "restart"):
         if w["skipped"]:
             why = f"skipped: {w['skipped']}"
             out.append(Goal(7, cold_what, w["model"], None, why, cold_target, None))
             continue
         ours, peer = w["servers"].get(OURS), w["servers"].get(PEER)
-        after, cold = _ttft(ours, "after restart"), _ttft(ours, "before restart #1")
-        peer_after = _ttft(peer, "after restart")
-        r = _ratio(after, cold)
+        after, cold = ttft(ours, "after restart"), ttft(ours, "before restart #1")
+        peer_after = ttft(peer, "after restart")
+        r = ratio(after, cold)
         shown = "not measured" if r is None else f"{r:.3f}x ({after:.2f} s / {cold:.2f} s)"
         out.append(
             Goal(7, cold_what, w["model"], r, shown, cold_target, None if r is None else r <= 0.1)
         )
-        rp = _ratio(after, peer_after)
+        rp = ratio(after, peer_after)
         if rp is not None:
             shown = f"{rp:.3f}x ({after:.2f} s / {peer_after:.2f} s)"
             out.append(Goal(7, peer_what, w["model"], rp, shown, "", None))
-    return out or [_missing(7, cold_what, cold_target)]
+    return out or [missing(7, cold_what, cold_target)]
 
 
 def _reuse(doc: dict[str, Any], name: str, what: str, goal: float) -> list[Goal]:
     target = "1.00" if goal == 1.0 else f">= {goal:.2f}"
     out = []
-    for w in _runs(doc, name):
+    for w in runs(doc, name):
         if w["skipped"]:
             out.append(Goal(4, what, w["model"], None, f"skipped: {w['skipped']}", target, None))
             continue
@@ -143,25 +162,68 @@ def _reuse(doc: dict[str, Any], name: str, what: str, goal: float) -> list[Goal]
         # 0.996 is not 1.00, and above 1.0 the server's cached-token count is wrong.
         met = goal <= eff and not over
         out.append(Goal(4, what, w["model"], eff, shown, target, met))
-    return out or [_missing(4, what, target)]
+    return out or [missing(4, what, target)]
+
+
+def _messages_agent(doc: dict[str, Any]) -> list[Goal]:
+    reuse_what = "reuse efficiency on the requests' path, agent session over /v1/messages"
+    ttft_what = "warm-turn TTFT, mlx-prefix / mlx_lm.server (agent session)"
+    same_what = "warm answers equal to their cold runs (agent session)"
+    out = []
+    for w in runs(doc, "messages_agent"):
+        if w["skipped"]:
+            why = f"skipped: {w['skipped']}"
+            out.append(Goal(13, reuse_what, w["model"], None, why, "1.00", None))
+            continue
+        ours, peer = w["servers"].get(OURS, {}), w["servers"].get(PEER, {})
+        reuse = ours.get("reuse") or {}
+        path, over = reuse.get("request_path_efficiency"), reuse.get("over_reported") or 0
+        shown = "not measured" if path is None else _efficiency(path)
+        if over:
+            shown += f"; **over-reported**: {over} more cached tokens than it computed"
+        # Judged on the raw value, as _reuse does: 0.996 is not 1.00.
+        met = None if path is None else path >= 1.0 and not over
+        out.append(Goal(13, reuse_what, w["model"], path, shown, "1.00", met))
+        ours_ttft, peer_ttft = _warm_ttft(ours), _warm_ttft(peer)
+        r = ratio(ours_ttft, peer_ttft)
+        shown = (
+            "not measured"
+            if r is None
+            else f"{r:.2f}x ({ours_ttft:.2f} s / {peer_ttft:.2f} s over the warm turns)"
+        )
+        out.append(
+            Goal(13, ttft_what, w["model"], r, shown, "<= 0.30x", None if r is None else r <= 0.3)
+        )
+        checks = ours.get("checks") or []
+        matched = sum(c["match"] for c in checks)
+        shown = f"{matched}/{len(checks)}" if checks else "not measured"
+        met = bool(checks) and matched == len(checks) if checks else None
+        out.append(Goal(13, same_what, w["model"], matched if checks else None, shown, "all", met))
+    return out or [missing(13, reuse_what, "1.00")]
+
+
+def _warm_ttft(result: dict[str, Any]) -> float | None:
+    """Summed TTFT of the turns after the first (the first prefills everything cold)."""
+    ttfts = [s["ttft_s"] for s in result.get("samples", [])[1:]]
+    return sum(ttfts) if ttfts and all(t is not None for t in ttfts) else None
 
 
 def _efficiency(x: float) -> str:
     return f"{x:.3f}"  # three places: 0.996 is not 1.00
 
 
-def _tokens(n: int) -> str:
+def tokens(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def _restore(doc: dict[str, Any]) -> list[Goal]:
-    w = next(_runs(doc, "restore"), None)
+    w = next(runs(doc, "restore"), None)
     rows = (w or {}).get("servers", {}).get(OURS, {}).get("extra", {}).get("rows") or []
     what_ms = "restore time (restore alone)"
     if not rows:
-        return [_missing(3, what_ms, "< 1 ms")]
+        return [missing(3, what_ms, "< 1 ms")]
     big, small = rows[-1], rows[0]
-    at = _tokens(big["tokens"])
+    at = tokens(big["tokens"])
     model = w["model"]
     fetch = f"mlx_lm fetch {big['mlx_lm_fetch_ms']:.2f} ms"
     out = []
@@ -176,10 +238,10 @@ def _restore(doc: dict[str, Any]) -> list[Goal]:
         # Judged on what a request pays: the trie lookup grows with the prefix, restore
         # alone does not.
         key = "lookup_restore_ms"
-        flat = _ratio(big[key], small[key])
+        flat = ratio(big[key], small[key])
         shown = (
             f"{flat:.1f}x ({big[key]:.2f} ms at {at} / {small[key]:.2f} ms "
-            f"at {_tokens(small['tokens'])}; prefix {big['tokens'] // small['tokens']}x longer)"
+            f"at {tokens(small['tokens'])}; prefix {big['tokens'] // small['tokens']}x longer)"
         )
         what = "lookup + restore time, flat in prefix length"
         out.append(Goal(3, what, model, flat, shown, "<= 2x", flat <= 2))

@@ -38,6 +38,17 @@ class Sample:
     total_s: float
     text: str  # greedy output, for the warm/cold comparison
     group: str = ""  # requests measured together (a burst) share a group
+    gaps_s: list[float] = field(default_factory=list)  # inter-token latency, see Reply
+
+
+def itl(samples: list[Sample]) -> dict[str, Any]:
+    """Inter-token latency pooled over requests: every gap between two output chunks of
+    the same request counts once. p99 of a few dozen gaps is close to their maximum."""
+    gaps = np.asarray([g for s in samples for g in s.gaps_s], dtype=np.float64)
+    if not len(gaps):
+        return {"gaps": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    p50, p99 = (float(x) for x in np.percentile(gaps, [50, 99]) * 1000)
+    return {"gaps": len(gaps), "p50_ms": p50, "p99_ms": p99, "max_ms": float(gaps.max()) * 1000}
 
 
 @dataclass(slots=True)
@@ -118,14 +129,18 @@ class Ledger:
     def __init__(self) -> None:
         self._seqs: list[np.ndarray] = []
 
-    def novel(self, tokens: list[int]) -> int:
+    def common(self, tokens: list[int]) -> int:
+        """The longest prefix of `tokens` some earlier sequence shares."""
         a = np.asarray(tokens, dtype=np.int64)
         best = 0
         for s in self._seqs:
             n = min(len(a), len(s))
             diff = np.flatnonzero(a[:n] != s[:n])
             best = max(best, int(diff[0]) if len(diff) else n)
-        return max(1, len(a) - best)  # at least one token is always computed
+        return best
+
+    def novel(self, tokens: list[int]) -> int:
+        return max(1, len(tokens) - self.common(tokens))  # at least one token is computed
 
     def add(self, tokens: list[int]) -> None:
         self._seqs.append(np.asarray(tokens, dtype=np.int64))
@@ -177,6 +192,7 @@ class Context:
             reply.total_s,
             reply.text,
             group,
+            reply.gaps_s,
         )
 
     def peer_cold(self) -> Server:

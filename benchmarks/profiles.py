@@ -1,11 +1,14 @@
 """What each profile runs: per model, its workloads and their sizes.
 
-`quick` fits in under 10 minutes on a 2-core Linux box (float32 on the CPU: ~150 prefill
-tok/s on the dense model, ~3x that on the hybrid one; about 8.3 minutes in all when the
-box is otherwise idle, see RESULTS.md's run-time table). It spends its time where the
-issue's sizes matter: the 4K-token document on the faster hybrid model (2K on the dense
-one), the 2K-token restart and the 200 memory requests on both (short requests, 1-token
-replies), one cold-run twin per workload, one request per client for requests/s.
+`quick` was sized for under 10 minutes on a 2-core Linux box (float32 on the CPU: ~150
+prefill tok/s on the dense model, ~3x that on the hybrid one; about 8.3 minutes in all
+when the box is otherwise idle, see RESULTS.md's run-time table) before issues 14 and
+15's workloads; those (the edit sweep, the mixed traffic on three servers, the burst
+with unique snippets, 16 clients, the restart after one request) add an estimated 10
+minutes, not yet measured. It spends its time where the issues' sizes matter: the
+4K-token documents on the faster hybrid model (2K on the dense one), the 2K-token
+restart and the 200 memory requests on both (short requests, 1-token replies), one
+cold-run twin per workload, one request per client for requests/s.
 `full` uses the issue's sizes (or more) everywhere and is sized for Apple-silicon Macs.
 RESULTS.md prints the sizes of the run and of the other profile, generated from these.
 """
@@ -23,8 +26,11 @@ MODEL_WORKLOADS = (
     "burst",
     "concurrency",
     "document",
+    "edits",
     "restart",
     "memory",
+    "mixed",
+    "messages_agent",
 )
 ONCE_WORKLOADS = ("restore", "blas")  # in-process, once per run, with the first model's plan
 ALL_WORKLOADS = MODEL_WORKLOADS + ONCE_WORKLOADS
@@ -48,18 +54,36 @@ class Sizes:
     burst_size: int = 6
     burst_instruction_tokens: int = 500
     burst_item_tokens: int = 40
-    concurrency_clients: tuple[int, ...] = (1, 4, 8)
+    burst_unique_tokens: int = 150  # the third burst: each request adds this many tokens
+    concurrency_clients: tuple[int, ...] = (1, 4, 8, 16)
     concurrency_requests_per_client: int = 1
     concurrency_system_tokens: int = 200
     document_tokens: int = 1200
+    edit_doc_tokens: tuple[int, ...] = (1024, 4096)
+    edit_positions: tuple[float, ...] = (0.1, 0.5, 0.7, 0.95)  # of the document's text
     restart_system_tokens: int = 2000
+    restart_once_system_tokens: int = 1000  # the system prompt seen once before the restart
     memory_requests: int = 200
     memory_prompt_tokens: int = 8
     memory_max_tokens: int = 1
     memory_cap: int = 32 * MiB  # bytes; both servers take a plain integer
+    mixed_docs: int = 2
+    mixed_doc_tokens: int = 800
+    mixed_doc_questions: int = 3
+    mixed_chats: int = 2
+    mixed_chat_turns: int = 3
+    mixed_agent_steps: int = 3
+    mixed_oneshots: int = 6
+    mixed_oneshot_tokens: int = 60
+    # Bytes, every server: well under what the traffic would keep (the dense model's KV
+    # is 45 KiB a token, so 128 MiB holds about two of the documents and nothing else).
+    mixed_budget: int = 128 * MiB
     restore_tokens: tuple[int, ...] = (1024, 8192, 32768)
     restore_repeat: int = 3
     blas_tokens: int = 64  # prompt tokens for the prefill speed with and without fast BLAS
+    messages_turns: int = 8  # tool turns after the task (issue 13 asks 8)
+    messages_system_tokens: int = 1500  # issue 13 asks ~20K (full)
+    messages_result_tokens: int = 120
 
 
 @dataclass(frozen=True)
@@ -87,7 +111,11 @@ class Profile:
         return self.plans[min(index, len(self.plans) - 1)]
 
 
-_QUICK_DENSE = Sizes(document_tokens=2048)
+_QUICK_DENSE = Sizes(document_tokens=2048, edit_doc_tokens=(1024, 2048))
+# The hybrid model's KV is 2 KiB a token, each checkpoint's recurrent state ~0.8 MiB.
+_QUICK_HYBRID = replace(
+    _QUICK_DENSE, document_tokens=4096, edit_doc_tokens=(1024, 4096), mixed_budget=16 * MiB
+)
 _FULL = Sizes(
     max_tokens=64,
     check_last=None,
@@ -102,13 +130,25 @@ _FULL = Sizes(
     concurrency_requests_per_client=6,
     concurrency_system_tokens=600,
     document_tokens=6000,
+    edit_doc_tokens=(1024, 4096, 16384),
     restart_system_tokens=2000,
     memory_requests=200,
     memory_prompt_tokens=400,
     memory_max_tokens=16,
     memory_cap=256 * MiB,
+    mixed_docs=3,
+    mixed_doc_tokens=4000,
+    mixed_doc_questions=4,
+    mixed_chats=3,
+    mixed_chat_turns=6,
+    mixed_agent_steps=6,
+    mixed_oneshots=16,
+    mixed_oneshot_tokens=200,
+    mixed_budget=512 * MiB,
     restore_repeat=20,
     blas_tokens=512,
+    messages_system_tokens=20000,
+    messages_result_tokens=400,
 )
 
 PROFILES = {
@@ -116,14 +156,14 @@ PROFILES = {
         "quick",
         (
             ModelPlan("dense", ALL_WORKLOADS, _QUICK_DENSE),
-            ModelPlan("hybrid", MODEL_WORKLOADS, replace(_QUICK_DENSE, document_tokens=4096)),
+            ModelPlan("hybrid", MODEL_WORKLOADS, _QUICK_HYBRID),
         ),
     ),
     "full": Profile(
         "full",
         (
             ModelPlan("dense", ALL_WORKLOADS, _FULL),
-            ModelPlan("hybrid", MODEL_WORKLOADS, _FULL),
+            ModelPlan("hybrid", MODEL_WORKLOADS, replace(_FULL, mixed_budget=64 * MiB)),
         ),
     ),
     # For the smoke test: a tiny model and the smallest sizes that still exercise reuse.
@@ -132,7 +172,7 @@ PROFILES = {
         (
             ModelPlan(
                 "dense",
-                ("chat", "burst", "concurrency", "document", "memory", "restore"),
+                ("chat", "burst", "concurrency", "document", "edits", "memory", "mixed", "restore"),
                 Sizes(
                     max_tokens=3,
                     chat_turns=3,
@@ -145,14 +185,26 @@ PROFILES = {
                     burst_size=3,
                     burst_instruction_tokens=60,
                     burst_item_tokens=10,
+                    burst_unique_tokens=20,
                     concurrency_clients=(1, 2),
                     concurrency_requests_per_client=1,
                     concurrency_system_tokens=30,
                     document_tokens=150,
+                    edit_doc_tokens=(400,),  # past the 256-token reuse grid
                     restart_system_tokens=80,
+                    restart_once_system_tokens=60,
                     memory_requests=3,
                     memory_prompt_tokens=10,
                     memory_cap=4 * MiB,
+                    mixed_docs=1,
+                    mixed_doc_tokens=100,
+                    mixed_doc_questions=2,
+                    mixed_chats=1,
+                    mixed_chat_turns=2,
+                    mixed_agent_steps=2,
+                    mixed_oneshots=2,
+                    mixed_oneshot_tokens=10,
+                    mixed_budget=MiB,  # the tiny model: 128 KiB per 256 tokens of KV
                     restore_tokens=(256,),
                     restore_repeat=1,
                     blas_tokens=16,

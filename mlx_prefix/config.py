@@ -27,6 +27,14 @@ class ModelConfig:
     model: str | None = None  # local folder or Hugging Face repo id; None = bundled default
     adapter: str | None = None
     dtype: str | None = None  # None = per device (float32 on CPU)
+    # A Jinja chat template (its text, or a file holding it) replacing the tokenizer's.
+    chat_template: str | None = None
+    # A model without a chat template gets ChatML (what transformers used to default to).
+    use_default_chat_template: bool = False
+    # JSON object of apply_chat_template arguments for every request (e.g.
+    # '{"enable_thinking": false}'); a request's chat_template_kwargs win over them.
+    chat_template_args: str | None = None
+    trust_remote_code: bool = False  # let the tokenizer run the model folder's own code
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,18 @@ from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """Structured output: the reply must be JSON (engine/constraints.py enforces it)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None  # the JSON schema as JSON text; None: any JSON object
+    name: str | None = None  # json_schema.name, echoed only
+    # The request field to blame when the schema cannot be compiled ("response_format",
+    # "text.format"): the engine compiles it, the API family names it.
+    param: str = field(default="response_format", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
@@ -21,14 +33,45 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False  # report each sampled token's logprob
     top_logprobs: int = 0  # and this many most likely tokens at each position (with logprobs)
+    response_format: ResponseFormat | None = None  # None: free text
+    # mlx_lm.server's sampling fields, with its defaults and meanings (mlx_lm.sample_utils;
+    # engine/sampling.py and engine/logits.py apply them per request).
+    top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token's; 0 = off
+    xtc_probability: float = 0.0  # XTC: the chance, each step, of excluding top choices
+    xtc_threshold: float = 0.1  # ... all tokens above this probability but the least likely
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    repetition_penalty: float = 0.0  # sign-aware multiplicative; 0 (or 1) = off
+    repetition_context_size: int = 20  # over the last N tokens of prompt + reply
+    presence_penalty: float = 0.0  # subtracted once per token seen; 0 = off
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # subtracted per occurrence; 0 = off
+    frequency_context_size: int = 20
 
 
 @dataclass(frozen=True, slots=True)
 class CachePreference:
-    """The per-request `prefix_cache` body object."""
+    """The per-request `prefix_cache` body object, and whose cache it is (issue 19)."""
 
     enabled: bool = True  # False: neither read nor write the prefix cache
     scope: str | None = None  # disk policy override: off | full | auto[:N] | N
+    # The cache namespace (DESIGN 10): a request matches only entries of its own. The
+    # server derives it from who sent the request (server/namespaces.py); "" is the one
+    # of clients without an Origin, the CLI and library callers.
+    namespace: str = ""
+    salt: str | None = None  # the body's `cache_salt`: splits the namespace further
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """Where a client marked its stable prefix (Anthropic's `cache_control`): the end of
+    `messages[message]`, or of its first `chars` characters of content; with `tool` set
+    (and `message` None), the end of `tools[tool]`. It becomes a checkpoint of its own
+    kind (prompt/breakpoints.py), aligned onto the chunk grid."""
+
+    message: int | None = None
+    chars: int | None = None  # None: the whole message
+    tool: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +95,11 @@ class PromptInput:
     text: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The client's cache breakpoints; they change only which prefixes are kept.
+    breakpoints: tuple[Breakpoint, ...] = ()
+    # Text the assistant's turn opens with, after the generation prompt (a forced tool
+    # call's opening, server/tool_choice.py); the reply continues it.
+    assistant_prefix: str = ""
     # How the reply's tool calls will be named (None: after the engine's request id).
     # Not part of the prompt's identity: it changes nothing rendered.
     reply_tool_call_ids: ToolCallIds | None = field(default=None, compare=False)
@@ -65,6 +113,9 @@ class Usage:
     ttft_s: float  # submit -> first token
     prefill_tokens_per_s: float  # over the tokens actually computed
     decode_tokens_per_s: float
+    # Prompt tokens this request computed and left in the cache: the furthest position
+    # it stored (a checkpoint, or the prompt's end) less cached_tokens; 0 if none.
+    cache_written_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +138,7 @@ class TokenEvent:
 class DoneEvent:
     finish_reason: Literal["stop", "length", "cancelled"]
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it (finish "stop")
 
 
 @dataclass(frozen=True, slots=True)

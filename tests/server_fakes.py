@@ -28,9 +28,10 @@ from typing import Any
 
 import uvicorn
 
-from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
+from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.activity import Activity, JobView
+from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
 from mlx_prefix.records import (
     CachePreference,
@@ -44,6 +45,7 @@ from mlx_prefix.records import (
 )
 
 _NO_PREFERENCE = CachePreference()
+MODEL_KEY = "fake-model-key"  # the fake's cache key; entries are keyed as the engine's are
 DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
 _DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
 
@@ -57,6 +59,9 @@ class FakeTokenizer:
     tool_call_start: str | None = None
     tool_call_end: str | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
+    has_thinking: bool = False
+    think_start: str | None = None
+    think_end: str | None = None
 
     # The fake engine's tokens: one id per word it emits, never reused (see `token_for`).
     pieces: dict[int, str] = field(default_factory=dict)
@@ -88,6 +93,9 @@ class FakeTokenizer:
             tool_call_start=json_tools.tool_call_start,
             tool_call_end=json_tools.tool_call_end,
             tool_parser=json_tools.parse_tool_call,
+            has_thinking=True,
+            think_start="<think>",
+            think_end="</think>",
         )
 
 
@@ -130,9 +138,12 @@ def words(text: str) -> list[str]:
 
 
 class FakeHandle:
-    def __init__(self, request_id: str, prompt_tokens: int):
+    def __init__(self, request_id: str, prompt_tokens: int, namespace: str | None = None):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens: int | None = None
+        self.cache_written_tokens: int | None = None
+        self.namespace = namespace  # its cache namespace's id
         self.cancelled = threading.Event()
         self._events: list[Event] = []
         self._cond = threading.Condition()
@@ -201,7 +212,7 @@ class FakeEngine:
         self.shutdown_calls = 0
         self.warms_running = 0  # warm() calls blocked in their thread
         self._lock = threading.Lock()
-        self._stored: dict[tuple[str, ...], dict[str, Any]] = {}
+        self._stored: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}  # (key, words)
         self._stats = {"hits": 0, "misses": 0, "tokens_reused": 0, "evictions": 0}
         self._closed = False
         self._ids = 0
@@ -241,12 +252,16 @@ class FakeEngine:
                 f"prompt is {len(tokens)} tokens; the context is {self.model.context_length}",
                 param="messages" if prompt.messages is not None else "prompt",
             )
-        cached = self._lookup(tokens, store=cache.enabled) if cache.enabled else 0
+        key = entry_key(MODEL_KEY, cache)
+        cached = self._lookup(key, tokens, store=cache.enabled) if cache.enabled else 0
         with self._lock:
             self._ids += 1
-            handle = FakeHandle(request_id or f"fake-{self._ids}", len(tokens))
+            handle = FakeHandle(request_id or f"fake-{self._ids}", len(tokens), namespace_of(key))
             self.submissions.append(Submission(prompt, sampling, cache, request_id))
             self.handles.append(handle)
+        # The fake stores every prompt it sees whole (like a trimmable cache's end).
+        handle.cached_tokens = cached
+        handle.cache_written_tokens = len(tokens) - cached if cache.enabled else 0
         handle.thread = threading.Thread(
             target=self._generate,
             args=(handle, directives, sampling, len(tokens), cached),
@@ -255,14 +270,20 @@ class FakeEngine:
         handle.thread.start()
         return handle
 
-    def start_warm(self, prompt: PromptInput, pin: bool = False) -> tuple[FakeHandle, Future]:
+    def count_tokens(self, prompt: PromptInput) -> int:
+        return len(words(render(prompt)))
+
+    def start_warm(
+        self, prompt: PromptInput, pin: bool = False, cache: CachePreference = _NO_PREFERENCE
+    ) -> tuple[FakeHandle, Future]:
         """Like Engine.start_warm: a cancellable warm-up whose future gives a WarmResult.
         `[[delay:S]]` in the prompt makes it take S seconds (cancelling ends it early)."""
         text = render(prompt)
         delay = float(
             next((m.group(2) for m in _DIRECTIVE.finditer(text) if m.group(1) == "delay"), 0)
         )
-        handle = FakeHandle(f"warm-{len(self.handles)}", len(words(text)))
+        key = entry_key(MODEL_KEY, cache)
+        handle = FakeHandle(f"warm-{len(self.handles)}", len(words(text)), namespace_of(key))
         future: Future = Future()
 
         def run() -> None:
@@ -274,10 +295,10 @@ class FakeEngine:
                         future.set_exception(EngineBusy("the warm-up was cancelled"))
                     return
                 tokens = tuple(words(text))
-                cached = self._lookup(tokens, store=True)
+                cached = self._lookup(key, tokens, store=True)
                 if pin:
                     with self._lock:
-                        self._stored[tokens]["pinned"] = True
+                        self._stored[(key, tokens)]["pinned"] = True
                 if not future.done():
                     future.set_result(
                         WarmResult(prompt_tokens=len(tokens), cached_tokens=cached, pinned=pin)
@@ -291,7 +312,7 @@ class FakeEngine:
 
     def cache_stats(self) -> dict[str, Any]:
         with self._lock:
-            nbytes = sum(len(t) * 1000 for t in self._stored)
+            nbytes = sum(len(t) * 1000 for _, t in self._stored)
             lookups = self._stats["hits"] + self._stats["misses"]
             return {
                 **self._stats,
@@ -313,7 +334,7 @@ class FakeEngine:
             return [  # the real engine's schema: asdict(EntryInfo)
                 {
                     "entry_id": e["id"],
-                    "model_key": "fake-model-key",
+                    "model_key": key,
                     "tokens": len(t),
                     "nbytes": len(t) * 1000,
                     "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
@@ -323,8 +344,9 @@ class FakeEngine:
                     "idle_s": now - e["created"],
                     "pinned": e["pinned"],
                     "refs": 0,
+                    "shared_bytes": 0,
                 }
-                for t, e in self._stored.items()
+                for (key, t), e in self._stored.items()
             ]
 
     def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
@@ -334,7 +356,7 @@ class FakeEngine:
                 StoredTokens(
                     EntryInfo(
                         entry_id=e["id"],
-                        model_key=self.model.identity,
+                        model_key=key,
                         tokens=len(t),
                         nbytes=len(t) * 1000,
                         kind=CheckpointKind.LAST_MESSAGE,
@@ -347,7 +369,7 @@ class FakeEngine:
                     ),
                     self.model.tokenizer.ids(*t),
                 )
-                for t, e in self._stored.items()
+                for (key, t), e in self._stored.items()
             ]
 
     def disk_sequences(self) -> list:
@@ -377,16 +399,18 @@ class FakeEngine:
             running = [h for h in self.handles if not h.finished]
         jobs = tuple(
             JobView(h.request_id, "request", "decoding", h.prompt_tokens, 0, h.prompt_tokens,
-                    len(h._events), 0, time.perf_counter())
+                    len(h._events), 0, time.perf_counter(), h.namespace)
             for h in running
         )  # fmt: skip
         return Activity(jobs, 8, time.perf_counter())
 
-    def flush_cache(self) -> int:
+    def flush_cache(self, namespace: str | None = None) -> int:
+        selector = MODEL_KEY if namespace is None else namespace_key(MODEL_KEY, namespace)
         with self._lock:
-            removed = len(self._stored)
-            self._stored.clear()
-            return removed
+            gone = [k for k in self._stored if covers(selector, k[0])]
+            for k in gone:
+                del self._stored[k]
+            return len(gone)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.shutdown_calls += 1
@@ -399,17 +423,20 @@ class FakeEngine:
 
     # Internals
 
-    def _lookup(self, tokens: tuple[str, ...], store: bool) -> int:
+    def _lookup(self, key: str, tokens: tuple[str, ...], store: bool) -> int:
+        """Longest common word prefix with the stored prompts of entry key `key` only."""
         with self._lock:
             best, best_key = 0, None
-            for key in self._stored:
+            for stored_key, stored in self._stored:
+                if stored_key != key:
+                    continue
                 n = 0
-                for a, b in zip(key, tokens, strict=False):
+                for a, b in zip(stored, tokens, strict=False):
                     if a != b:
                         break
                     n += 1
                 if n > best:
-                    best, best_key = n, key
+                    best, best_key = n, (stored_key, stored)
             best = min(best, len(tokens) - 1)  # at least one token is always computed
             if best > 0 and best_key is not None:
                 self._stats["hits"] += 1
@@ -417,9 +444,9 @@ class FakeEngine:
                 self._stored[best_key]["hits"] += 1
             else:
                 self._stats["misses"] += 1
-            if store and tokens not in self._stored:
+            if store and (key, tokens) not in self._stored:
                 self._ids += 1
-                self._stored[tokens] = {
+                self._stored[(key, tokens)] = {
                     "id": self._ids,
                     "hits": 0,
                     "created": time.monotonic(),
@@ -453,6 +480,7 @@ class FakeEngine:
                 cached_tokens=cached,
                 ttft_s=ttft,
                 prefill_tokens_per_s=(prompt_tokens - cached) / max(ttft, 1e-6),
+                cache_written_tokens=handle.cache_written_tokens or 0,
                 decode_tokens_per_s=(emitted - 1) / decode_s if emitted > 1 and decode_s else 0.0,
             )
 
@@ -470,8 +498,8 @@ class FakeEngine:
                 handle.push(DoneEvent("length", usage()))
                 return
             before, text = text, text + piece
-            hits = [text.find(s, max(0, len(before) - len(s) + 1)) for s in sampling.stop]
-            hits = [h for h in hits if h >= 0]
+            found = [(text.find(s, max(0, len(before) - len(s) + 1)), s) for s in sampling.stop]
+            hits = [h for h, _ in found if h >= 0]
             first = first or time.perf_counter()
             emitted += 1
             logprob = -0.25 if sampling.logprobs else None
@@ -480,7 +508,8 @@ class FakeEngine:
                 if cut > len(before):
                     cut_piece = text[len(before) : cut]
                     handle.push(TokenEvent(cut_piece, tokenizer.token_for(cut_piece), logprob))
-                handle.push(DoneEvent("stop", usage()))
+                matched = next(s for h, s in found if h == cut)
+                handle.push(DoneEvent("stop", usage(), matched))
                 return
             handle.push(TokenEvent(piece, tokenizer.token_for(piece), logprob))
         handle.push(DoneEvent("stop", usage()))

@@ -77,6 +77,7 @@ def test_default_scope_is_auto_16():
 class _Cp:
     position: int
     kind: CheckpointKind = CheckpointKind.PERIODIC
+    marked: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,21 @@ def test_auto_persists_protected_checkpoints_the_first_time_it_sees_them():
     assert chosen == [40] + [56 + 8 * i for i in range(len(protected))]
     # A trimmable cache keeps the longest only: one file serves the shorter ones.
     assert DiskPolicy("auto").select("m", prompt, align8, trimmable=True) == chosen[-1:]
+
+
+def test_auto_persists_client_breakpoints_at_first_sight():
+    # The client marked 40 (cache_control): saved before any other request shares it,
+    # and alongside the shared prefix afterwards.
+    policy = DiskPolicy("auto")
+    marked = (_Cp(16), _Cp(40, CheckpointKind.BREAKPOINT), _Cp(64))
+    on_system = (_Cp(16), _Cp(40, CheckpointKind.SYSTEM, marked=True), _Cp(64))
+    assert DiskPolicy("auto").select("m", _Prompt(tuple(range(70)), on_system), align8) == [40]
+    first = _Prompt(tuple(SYSTEM + list(range(500, 530))), marked)
+    assert policy.select("m", first, align8) == [40]
+    again = _Prompt(first.tokens, marked)
+    assert policy.select("m", again, align8) == [40, 64]
+    assert policy.select("m", again, align8, trimmable=True) == [64]
+    assert policy.select("m", again, align8, "off") == []
 
 
 def test_auto_window_counts_requests():

@@ -54,3 +54,18 @@ def test_responses_store_size_from_flag_or_variable(monkeypatch):
     assert from_env(ServerSettings, "SERVER", overrides).responses_store == 3
     with pytest.raises(ValueError, match="responses_store"):
         ServerSettings(responses_store=-1)
+
+
+def test_cache_sharing_from_flag_or_variable(monkeypatch):
+    from mlx_prefix.cli import build_parser
+
+    assert ServerSettings().cache_sharing == "origin"
+    monkeypatch.setenv("MLX_PREFIX_SERVER_CACHE_SHARING", "global")
+    assert from_env(ServerSettings, "SERVER").cache_sharing == "global"
+    args = build_parser().parse_args(["serve", "--cache-sharing", "origin"])
+    overrides = {"cache_sharing": args.cache_sharing}
+    assert from_env(ServerSettings, "SERVER", overrides).cache_sharing == "origin"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cache-sharing", "per-user"])
+    with pytest.raises(ValueError, match="cache_sharing"):
+        ServerSettings(cache_sharing="per-user")

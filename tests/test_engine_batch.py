@@ -215,6 +215,24 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(make_engine):
     assert run(engine, prompt, sampling=other_seed).tokens != alone
 
 
+def test_top_k_sampling_is_seeded_batch_independent_and_top_1_is_greedy(make_engine):
+    engine = make_engine("dense")
+    prompt = chat(("user", "Name three rivers."))
+    greedy = run(engine, prompt, sampling=SamplingParams(max_tokens=10)).tokens
+    top1 = SamplingParams(max_tokens=10, temperature=1.0, seed=7, top_k=1)
+    assert run(engine, prompt, sampling=top1).tokens == greedy
+    top5 = SamplingParams(max_tokens=10, temperature=1.5, seed=7, top_k=5)
+    alone = run(engine, prompt, sampling=top5).tokens
+    others = [
+        engine.submit(chat(("user", f"x {i}")), SamplingParams(max_tokens=10)) for i in range(2)
+    ]
+    assert collect(engine.submit(prompt, top5, CachePreference()))[0] == alone
+    for handle in others:
+        collect(handle)
+    wide = SamplingParams(max_tokens=10, temperature=1.5, seed=7)
+    assert run(engine, prompt, sampling=wide).tokens != alone  # the limit changed the draw
+
+
 def _mass_above(model, tokens: list[int], token: int) -> float:
     """Probability of the tokens strictly more likely than `token` after `tokens`, from
     a direct forward pass."""

@@ -19,10 +19,11 @@ from mlx_prefix.cache.snapshot import capture
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.engine.checkpoints import Checkpointer
+from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.runner import prefill, prefill_steps
 from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
 from mlx_prefix.prompt.grid import ChunkGrid
-from mlx_prefix.records import PromptInput
+from mlx_prefix.records import CachePreference, PromptInput
 
 HYBRIDS = ["qwen3_5", "nemotron_h", "sliding"]
 N, EVERY, CHUNK = 2048, 256, 128
@@ -109,7 +110,9 @@ def test_a_cancelled_prefill_keeps_the_checkpoints_it_reached(make_engine, kind)
     plan = engine.plan(prompt)
     n = len(plan.tokens)
     cache = make_prompt_cache(engine.model.model)
-    checkpointer = Checkpointer(plan, cache, 0, engine.store, engine.model_key, None)
+    checkpointer = Checkpointer(
+        plan, cache, 0, engine.store, entry_key(engine.model_key, CachePreference()), None
+    )
     steps = prefill_steps(
         engine.model.model, cache, plan.tokens, 0, engine.planner.grid, checkpointer
     )
@@ -128,7 +131,9 @@ def test_a_failed_prefill_stores_nothing_it_had_deferred(make_engine):
     engine = make_engine("qwen3_5")
     prompt = engine.plan(PromptInput(text="one two three four five six seven eight " * 20))
     cache = make_prompt_cache(engine.model.model)
-    checkpointer = Checkpointer(prompt, cache, 0, engine.store, engine.model_key, None)
+    checkpointer = Checkpointer(
+        prompt, cache, 0, engine.store, entry_key(engine.model_key, CachePreference()), None
+    )
     prefill(engine.model.model, cache, prompt.tokens, 0, engine.planner.grid, checkpointer)
     checkpointer.finish(keep=False)
     assert engine.store.stats().entries == 0

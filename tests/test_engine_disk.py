@@ -303,11 +303,11 @@ def test_the_save_queue_is_bounded_and_counted_in_the_byte_budget(tmp_path, monk
     monkeypatch.setattr(disk_tier, "MAX_SAVE_DELAY_S", 3600.0)  # busy: nothing overdue
     store = PromptCache(budget_bytes=1 << 30)
     config = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=1)
-    tier = DiskTier(config, "m", True, store, bytes_key="disk")
+    tier = DiskTier(config, True, store, bytes_key="disk")
     snaps = [_kv_snapshot(8, i) for i in range(MAX_PENDING_SAVES + 3)]
     size = snaps[0].nbytes
     for i, snap in enumerate(snaps):
-        tier.defer([i] * 8, snap, CheckpointKind.HISTORY)
+        tier.defer("m", [i] * 8, snap, CheckpointKind.HISTORY)
         tier.write_pending(busy=True)
         assert tier.pending == min(i + 1, MAX_PENDING_SAVES)
         assert store.stats().active_bytes == tier.pending * size
@@ -315,7 +315,7 @@ def test_the_save_queue_is_bounded_and_counted_in_the_byte_budget(tmp_path, monk
     # A snapshot the store holds is counted once, by the store.
     held = _kv_snapshot(8, 99)
     assert store.insert("m", [99] * 8, held, CheckpointKind.HISTORY)
-    tier.defer([99] * 8, held, CheckpointKind.HISTORY)
+    tier.defer("m", [99] * 8, held, CheckpointKind.HISTORY)
     assert store.stats().active_bytes == (MAX_PENDING_SAVES - 1) * size
     while tier.pending:
         tier.write_pending(busy=False)

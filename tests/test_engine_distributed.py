@@ -12,13 +12,14 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from conftest import TEST_CACHE
+from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import EXACT, chat, run, warm_equals_cold
 from group_fakes import LocalGroup
 from server_fakes import serving
 
 from mlx_prefix.cache.records import CheckpointKind
 from mlx_prefix.config import DiskConfig
+from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.distributed import DistributedEngine
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.jobs import Job
@@ -27,7 +28,14 @@ from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
-from mlx_prefix.records import CachePreference, DoneEvent, ErrorEvent, SamplingParams, TokenEvent
+from mlx_prefix.records import (
+    CachePreference,
+    DoneEvent,
+    ErrorEvent,
+    ResponseFormat,
+    SamplingParams,
+    TokenEvent,
+)
 
 SYSTEM = "You answer questions about the weather at sea, briefly and plainly. " * 4
 
@@ -83,8 +91,11 @@ def test_the_follower_holds_rank_0s_entries_and_a_hit_answers_as_a_miss(kind):
         )
         warm = warm_equals_cold(lead, second)
         assert warm.usage.cached_tokens > 0
-        # Sampled with temperature and no seed: rank 0 draws the seed, every rank follows.
+        # Sampled with temperature and no seed: rank 0 draws the seed, every rank follows;
+        # held to JSON: every rank builds the grammar and advances it with the same tokens.
         run(lead, first, sampling=SamplingParams(max_tokens=6, temperature=0.9))
+        json_reply = SamplingParams(max_tokens=8, response_format=ResponseFormat("json_object"))
+        assert run(lead, first, sampling=json_reply).text.startswith("{")
         settled(engines)
         assert len(entries(lead)) >= 2
 
@@ -173,18 +184,20 @@ def test_each_rank_persists_its_own_shard_and_another_world_size_misses(tmp_path
 def test_a_plan_carries_a_job_whole_and_a_cancel_is_latched_once():
     prompt = RenderedPrompt((5, 6, 7, 8), (Checkpoint(2, CheckpointKind.SYSTEM),), True)
     handle = LatchedHandle("req-1", 4)
-    sampling = SamplingParams(max_tokens=3, temperature=0.5, seed=11, stop=("x",))
-    job = Job(handle, prompt, sampling, CachePreference(scope="full"), 0.0, pin=True)
+    fmt = ResponseFormat("json_object")
+    sampling = SamplingParams(max_tokens=3, temperature=0.5, seed=11, response_format=fmt)
+    job = Job(handle, prompt, sampling, CachePreference(scope="full"), "key/ns", 0.0, pin=True)
     plan = TurnPlan(1.5, 64, jobs=(JobSpec.of(job),), cancels=(3,), write_save=True)
     again = TurnPlan.decode(plan.encode())
     assert again == plan
-    copy = again.jobs[0].job(2.0)
+    copy = again.jobs[0].job(2.0, ConstraintFactory(loaded_test_model("dense").tokenizer))
     assert (copy.tokens, copy.prompt.checkpoints, copy.prompt.is_chat) == (
         job.tokens, prompt.checkpoints, True
     )  # fmt: skip
-    assert (copy.sampling, copy.cache_pref, copy.pin, copy.serial) == (
-        sampling, job.cache_pref, True, job.serial
+    assert (copy.sampling, copy.cache_pref, copy.cache_key, copy.pin, copy.serial) == (
+        sampling, job.cache_pref, "key/ns", True, job.serial
     )  # fmt: skip
+    assert copy.constraint is not None  # the grammar, built on this rank
     assert copy.warm is None and copy.handle.request_id == "req-1"
     handle.cancel()
     assert not handle.cancelled.is_set(), "a caller's cancel only asks"

@@ -12,8 +12,9 @@ from engine_helpers import chat, run, warm_equals_cold
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.prefetch import next_turn_prompt, wants_prefetch
-from mlx_prefix.records import PromptInput, SamplingParams
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3
 NOW = EngineConfig(prefetch_delay_s=0.0)
@@ -120,7 +121,7 @@ def test_a_request_that_cannot_use_a_running_prefetch_takes_over():
             ("user", "Why?"),
         )
         rendered = engine.plan(long_history)
-        engine._enqueue_prefetch(rendered)
+        engine._enqueue_prefetch(rendered, entry_key(engine.model_key, CachePreference()))
         assert wait_for(lambda: engine.prefetch.started == 1)
         other = run(engine, chat(("user", "Unrelated: what is two plus two?")))
         assert other.finish_reason in ("stop", "length")

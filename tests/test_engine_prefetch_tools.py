@@ -17,11 +17,19 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE, cached_test_model
 from mlx_prefix.prompt.boundaries import PromptPlanner
 from mlx_prefix.prompt.tool_calls import ToolSyntax
-from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent, ToolCallIds, Usage
+from mlx_prefix.records import (
+    CachePreference,
+    DoneEvent,
+    PromptInput,
+    TokenEvent,
+    ToolCallIds,
+    Usage,
+)
 from mlx_prefix.server.assembler import Assembler
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import GenerationRequest, Limits
@@ -108,7 +116,8 @@ def test_a_tool_loop_restores_its_whole_history_and_answers_like_a_cold_run(kind
         first, nxt = tool_loop(model.tokenizer, ids)
         computed = len(engine.plan(first.prompt).tokens)
         # What the engine's reply hook (decode -> _maybe_prefetch) does with this reply.
-        engine._prefetcher.submit(first.prompt, TOOL_REPLY, computed, "chatcmpl-first-turn")
+        key = entry_key(engine.model_key, CachePreference())
+        engine._prefetcher.submit(first.prompt, TOOL_REPLY, computed, "chatcmpl-first-turn", key)
         assert wait_for(lambda: engine.prefetch.completed == 1)
 
         result = warm_equals_cold(engine, nxt)

@@ -46,3 +46,11 @@ def test_partial_stop_prefix_is_released_when_it_does_not_match():
 def test_without_stop_strings_text_streams_through():
     stream = TextStream(Tok(), ())
     assert [stream.add(ord(c)) for c in "hi"] == ["h", "i"]
+
+
+def test_the_stop_string_that_ended_the_text_is_reported():
+    stream = TextStream(Tok(), ["world", "lo w"])
+    for ch in "Hello world":
+        stream.add(ord(ch))
+    assert stream.stopped and stream.matched == "lo w"  # the earliest match wins
+    assert TextStream(Tok(), ["x"]).matched is None

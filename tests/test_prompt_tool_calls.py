@@ -44,8 +44,9 @@ def split_in(reply: str, step: int) -> tuple[str, int]:
     ("reply", "text"),
     [
         (f"\n{CALL}\n{CALL}\n", ""),  # only whitespace around calls: dropped
-        (f"Sure.\n{CALL}\n", "Sure.\n\n"),  # real text keeps its whitespace
-        (f"\n\n{CALL} done", "\n\n done"),  # text after the calls still counts
+        (f"Sure.\n{CALL}\n", "Sure.\n"),  # real text keeps its whitespace
+        (f"Sure.\n{CALL}\n{CALL}", "Sure.\n"),  # a whitespace run between calls does not
+        (f"\n\n{CALL} done\n", " done\n"),  # text after the calls still counts
         ("\n  \n", "\n  \n"),  # no calls: a whitespace reply is the reply
     ],
 )

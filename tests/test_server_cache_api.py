@@ -90,7 +90,7 @@ def test_warm_with_prompt_and_repeat(http):
         ({"prompt": "a", "messages": [SYSTEM]}, None),
         ({"messages": []}, "messages"),
         ({"prompt": "a", "pin": "yes"}, "pin"),
-        ({"prompt": "a", "model": "other"}, "model"),
+        ({"prompt": "a", "model": 5}, "model"),
     ],
 )
 def test_warm_bad_body(http, body, param):

@@ -15,9 +15,10 @@ from mlx_prefix.cache.disk_index import DiskEntryInfo
 from mlx_prefix.cache.records import StoredTokens
 from mlx_prefix.config import DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.records import PromptInput, SamplingParams, Usage
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Usage
 from mlx_prefix.server.app import serving_line
-from mlx_prefix.server.dashboard import HEAD_TOKENS, Caller, TreeShapes, nest, snapshot
+from mlx_prefix.server.dashboard import HEAD_TOKENS, TreeShapes, nest, snapshot
+from mlx_prefix.server.namespaces import Caller
 from mlx_prefix.server.recent import RecentRequests
 
 SYSTEM = {"role": "system", "content": "You are the help desk of a public library. " * 4}
@@ -93,8 +94,8 @@ def test_tree_shapes_decode_only_what_each_node_adds_and_only_when_the_set_chang
     assert tok.calls == 5  # a new entry: the tree is rebuilt
 
 
-def _disk_info(name: str, tokens: tuple, nbytes: int = 777) -> StoredTokens:
-    info = DiskEntryInfo(name, "k", "mlx-lm x", len(tokens), "HISTORY", True, nbytes, 3.0)
+def _disk_info(name: str, tokens: tuple, nbytes: int = 777, key: str = "k") -> StoredTokens:
+    info = DiskEntryInfo(name, key, "mlx-lm x", len(tokens), "HISTORY", True, nbytes, 3.0)
     return StoredTokens(info, tokens)
 
 
@@ -103,10 +104,12 @@ def test_snapshot_merges_memory_and_disk_nodes_by_their_tokens():
     prompt = PromptInput(messages=({"role": "user", "content": "alpha beta gamma"},))
     engine.submit(prompt, SamplingParams(max_tokens=4))  # stores one entry
     (mem,) = engine.cache_sequences()
-    on_both = _disk_info("f1", mem.tokens, 500)
-    disk_only = _disk_info("f2", (*mem.tokens, *engine.model.tokenizer.ids(" delta", " epsilon")))
+    key = mem.info.model_key  # files join and nest under memory entries of their own key
+    on_both = _disk_info("f1", mem.tokens, 500, key)
+    more = engine.model.tokenizer.ids(" delta", " epsilon")
+    disk_only = _disk_info("f2", (*mem.tokens, *more), key=key)
     engine.disk_sequences = lambda: [on_both, disk_only]  # type: ignore[method-assign]
-    body = snapshot(engine, RecentRequests(), TreeShapes(), Caller(None, None))
+    body = snapshot(engine, RecentRequests(), TreeShapes(), Caller("", admin=True))
     root, child = body["tree"]
     assert root["id"] == f"m{mem.info.entry_id}" and root["disk_bytes"] == 500
     assert root["entry_id"] == mem.info.entry_id and root["kind"] == "LAST_MESSAGE"
@@ -115,6 +118,24 @@ def test_snapshot_merges_memory_and_disk_nodes_by_their_tokens():
     assert child["entry_id"] is None and child["bytes"] is None and child["disk_bytes"] == 777
     assert child["start"] == len(mem.tokens) and child["head"] == " delta epsilon"
     assert child["kind"] == "HISTORY" and child["pinned"] is False
+
+
+def test_snapshot_nests_and_merges_only_inside_one_namespace():
+    engine = FakeEngine()
+    short, longer = PromptInput(text="alpha beta gamma"), PromptInput(text="alpha beta gamma delta")
+    engine.submit(short, SamplingParams(max_tokens=4), CachePreference(namespace="a"))
+    engine.submit(longer, SamplingParams(max_tokens=4), CachePreference(namespace="b"))
+    (a,) = (s for s in engine.cache_sequences() if s.info.tokens == 3)
+    (b,) = (s for s in engine.cache_sequences() if s.info.tokens == 4)
+    # B's file of A's very tokens: its own node, and B's longer entry nests under it.
+    b_file = _disk_info("fb", a.tokens, key=b.info.model_key)
+    engine.disk_sequences = lambda: [b_file]  # type: ignore[method-assign]
+    tree = snapshot(engine, RecentRequests(), TreeShapes(), Caller("", admin=True))["tree"]
+    nodes = {n["id"]: n for n in tree}
+    assert set(nodes) == {f"m{a.info.entry_id}", f"m{b.info.entry_id}", "dfb"}
+    assert nodes[f"m{a.info.entry_id}"]["parent"] is None
+    assert nodes[f"m{b.info.entry_id}"]["parent"] == "dfb"
+    assert nodes["dfb"]["namespace"] == nodes[f"m{b.info.entry_id}"]["namespace"]
 
 
 def test_recent_requests_keep_the_last_ones_in_order():
@@ -243,7 +264,9 @@ def test_the_api_key_guards_the_data_and_the_actions_not_the_page():
 
 def test_a_foreign_origin_can_neither_read_nor_act(fake):
     c, _ = fake
-    chat(c, "Where are the atlases?")
+    local = {"Origin": "http://localhost:3000"}
+    r = c.post("/v1/chat/completions", json={"messages": [SYSTEM], "max_tokens": 4}, headers=local)
+    assert r.status_code == 200  # the allowed page's own entry: the one it may act on
     (entry,) = entries(c)
     pin = f"/v1/cache/entries/{entry['entry_id']}/pin"
     evil = {"Origin": "https://evil.example"}
@@ -254,7 +277,6 @@ def test_a_foreign_origin_can_neither_read_nor_act(fake):
     assert c.delete(f"/v1/cache/entries/{entry['entry_id']}", headers=evil).status_code == 403
     assert c.delete("/v1/cache", headers=evil).status_code == 403
     # an allowed page must still label its body JSON: a form post cannot act
-    local = {"Origin": "http://localhost:3000"}
     form = c.post(pin, content=b'{"pinned": true}', headers={**local, "Content-Type": "text/plain"})
     assert form.status_code == 415
     assert entries(c)[0]["pinned"] is False and len(entries(c)) == 1  # nothing happened

@@ -228,10 +228,13 @@ def test_unknown_route_and_method(http):
     assert_error(http.get(CHAT), 405, code="method_not_allowed")
 
 
-def test_unknown_model(http):
-    error = assert_error(http.post(CHAT, json=chat(model="llama-9000")), 404, "model_not_found")
-    assert "fake-model" in error["message"]
-    assert error["param"] == "model"
+def test_unknown_model_with_strict_names():
+    with serving(strict_model_names=True) as (url, _):
+        for path in (CHAT, "/chat/completions"):
+            r = httpx.post(url + path, json=chat(model="llama-9000"))
+            error = assert_error(r, 404, "model_not_found")
+            assert "fake-model" in error["message"]
+            assert error["param"] == "model"
 
 
 def test_engine_busy(http):

@@ -163,13 +163,25 @@ def test_model_aliases(client, alias):
     assert r.choices[0].message.content == DEFAULT_REPLY
 
 
-def test_unknown_model_lists_served_models(client):
-    with pytest.raises(openai.NotFoundError) as err:
-        client.chat.completions.create(model="gpt-4o", messages=user("hi"))
+def test_unknown_model_is_answered_by_the_default_model(client):
+    r = client.chat.completions.create(model="gpt-4o-mini", messages=user("unknown name"))
+    assert r.model == "fake-model"  # says which model answered
+    assert r.choices[0].message.content == DEFAULT_REPLY
+
+
+def test_strict_model_names_lists_served_models():
+    with serving(strict_model_names=True, aliases=("house",)) as (url, _):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.NotFoundError) as err:
+                client.chat.completions.create(model="gpt-4o", messages=user("hi"))
+            assert client.chat.completions.create(model="house", messages=user("a")).model == (
+                "fake-model"
+            )
     error = err.value.body
     assert err.value.status_code == 404
     assert error["code"] == "model_not_found"
     assert "gpt-4o" in error["message"] and "fake-model" in error["message"]
+    assert "house" in error["message"]
 
 
 def test_models_list(client):
@@ -302,3 +314,72 @@ def test_one_log_line_per_request(client, caplog):
     assert int(fields["cached"]) == r.usage.prompt_tokens_details.cached_tokens > 0
     assert fields["status"] == "200"
     assert fields["ttft"].endswith("ms") and fields["decode"].endswith("tok/s")
+
+
+def test_tool_choice_required_and_named_are_honoured(client, engine):
+    args = '{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=user(f"weather? [[reply:{args}]]"),
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+    )
+    assert engine.submissions[-1].prompt.assistant_prefix == "<tool_call>"
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Oslo"
+    }
+    assert r.choices[0].finish_reason == "tool_calls"
+    named = client.chat.completions.create(
+        model="fake-model",
+        messages=user('weather? [[reply:{"city": "Rome"}}</tool_call>]]'),
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    prefix = engine.submissions[-1].prompt.assistant_prefix
+    assert prefix == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert json.loads(named.choices[0].message.tool_calls[0].function.arguments) == {"city": "Rome"}
+
+
+def test_parallel_tool_calls_false_ends_after_the_first_call(client):
+    two = TOOL_REPLY + TOOL_REPLY.replace("Paris", "Lyon")
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=user(f"both? [[reply:{two}]]"),
+        tools=[WEATHER_TOOL],
+        parallel_tool_calls=False,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tool_choice": "required", "tools": None},
+        {"tool_choice": {"type": "function"}},
+    ],
+)
+def test_bad_tool_choice_is_a_400(client, extra):
+    body = {"tools": [WEATHER_TOOL], **extra}
+    if body["tools"] is None:
+        del body["tools"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="fake-model", messages=user("x"), **body)
+    assert err.value.body["param"] == "tool_choice"
+
+
+def test_forcing_a_tool_on_a_model_without_tool_markers_is_a_400():
+    with serving() as (url, _):
+        with openai.OpenAI(base_url=url, api_key="x", max_retries=0) as c:
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(
+                    model="m", messages=user("x"), tools=[WEATHER_TOOL], tool_choice="required"
+                )
+    assert "tool-call markers" in err.value.body["message"]
+
+
+def test_top_k_reaches_the_sampler(client, engine):
+    client.chat.completions.create(model="fake-model", messages=user("k"), extra_body={"top_k": 20})
+    assert engine.submissions[-1].sampling.top_k == 20

@@ -12,12 +12,27 @@ from . import (
     chat,
     concurrency,
     document,
+    edits,
     memory,
+    messages_agent,
+    mixed,
     restart,
     restore,
     shared_system,
 )
 
-_MODULES = (chat, agent, shared_system, burst, concurrency, document, restart, memory)
+_MODULES = (
+    chat,
+    agent,
+    shared_system,
+    burst,
+    concurrency,
+    document,
+    edits,
+    restart,
+    memory,
+    mixed,
+    messages_agent,
+)
 WORKLOADS: dict[str, ModuleType] = {m.NAME: m for m in (*_MODULES, restore, blas)}
 assert tuple(WORKLOADS) == ALL_WORKLOADS

@@ -97,7 +97,8 @@ _STEPS = [
 ]
 
 
-def _assistant(step: int) -> dict[str, Any]:
+def assistant_turn(step: int) -> dict[str, Any]:
+    """The scripted assistant turn of `step`: a thought, then one tool call."""
     name, args, thought = _STEPS[step % len(_STEPS)]
     call = {
         "id": f"call_{step}",
@@ -140,7 +141,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
     start = time.perf_counter()
     for step in range(p.agent_steps):
         await request(f"step {step + 1}")
-        messages.append(_assistant(step))
+        messages.append(assistant_turn(step))
         result = passage(_OFFSET + 300 * step, p.agent_result_tokens, ctx.tokens.count)
         messages.append({"role": "tool", "tool_call_id": f"call_{step}", "content": result})
     await request("answer")

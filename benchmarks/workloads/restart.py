@@ -1,9 +1,12 @@
-"""Restart with the disk tier: a long-system-prompt request, the server process
-restarted, the same request again. mlx-prefix runs with `--cache-dir` (its disk tier);
-mlx_lm.server has no disk tier, so its second request is cold again.
+"""Restart with the disk tier: two requests sharing a long system prompt, then one
+request with another (~1K-token) system prompt seen only once (issue 14: `auto`
+persists a system prompt the first time it sees it), the server process restarted,
+and the first request of each again. mlx-prefix runs with `--cache-dir` (its disk
+tier); mlx_lm.server has no disk tier, so its requests after the restart are cold again.
 
-The warm/cold check after the restart costs nothing extra: the first request before the
-restart is the same request, run cold (first in a fresh process, empty cache).
+The warm/cold checks after the restart cost nothing extra: each request's first run
+before the restart is the same request, run cold (in a fresh process, or on a prompt
+the server had not seen).
 
 Skips (with a note) while mlx-prefix has no `--cache-dir` flag or its `GET /v1/cache`
 reports no disk section.
@@ -30,10 +33,16 @@ _OFFSET = 21000
 
 
 def describe(s: Sizes) -> str:
-    return f"{s.restart_system_tokens}-token system prompt, 2 questions, restart, again"
+    return (
+        f"{s.restart_system_tokens}-token system prompt, 2 questions; "
+        f"{s.restart_once_system_tokens}-token one, 1 question; restart, both again"
+    )
 
 
 _COLD_HOW = "the same request, run first in the fresh process before the restart"
+_ONCE_HOW = "the same request, run before the restart on a system prompt not seen before"
+ONCE = "one request"  # labels of the request seen once, before and after the restart
+ONCE_AFTER = "one request, after restart"
 
 
 class Skip(Exception):
@@ -54,6 +63,20 @@ def _requests(ctx: Context) -> list[Request]:
     ]
 
 
+def _once_request(ctx: Context) -> Request:
+    """A request whose system prompt no other request shares."""
+    system = "You are a travel guide to the places the notes below mention.\n\n" + passage(
+        _OFFSET + 300, ctx.sizes.restart_once_system_tokens, ctx.tokens.count
+    )
+    return Request(
+        messages=[
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Which place would you visit first?"},
+        ],
+        max_tokens=ctx.sizes.max_tokens,
+    )
+
+
 async def _disk_stats(server: Server, client: httpx.AsyncClient) -> dict | None:
     if server.name != OURS:
         return None
@@ -70,13 +93,13 @@ async def _before(
     ledger,
 ) -> tuple[dict | None, list[Reply]]:
     # Two requests sharing the system prompt: the default disk scope (auto) persists the
-    # longest prefix recent requests share.
+    # longest prefix recent requests share. Then one whose system prompt is new: auto
+    # persists it the first time it sees it.
     replies = []
-    for i, req in enumerate(reqs):
+    labels = [f"before restart #{i + 1}" for i in range(len(reqs) - 1)] + [ONCE]
+    for label, req in zip(labels, reqs, strict=True):
         reply = await send(client, server.url, req)
-        res.samples.append(
-            ctx.account(server.name, f"before restart #{i + 1}", req, reply, ledger=ledger)
-        )
+        res.samples.append(ctx.account(server.name, label, req, reply, ledger=ledger))
         replies.append(reply)
     disk = await _disk_stats(server, client)
     deadline = time.monotonic() + 60
@@ -89,7 +112,7 @@ async def _before(
 def run_standalone(ctx: Context) -> dict[str, ServerResult]:
     if "--cache-dir" not in ours_help():
         raise Skip("mlx-prefix serve has no --cache-dir flag yet (disk tier not built)")
-    reqs = _requests(ctx)
+    reqs = [*_requests(ctx), _once_request(ctx)]
     out = {}
     with tempfile.TemporaryDirectory(prefix="mlx-prefix-bench-disk-") as cache_dir:
         specs = {
@@ -117,6 +140,8 @@ def run_standalone(ctx: Context) -> dict[str, ServerResult]:
                 res.samples.append(
                     ctx.account(name, "after restart", reqs[0], again, ledger=ledger)
                 )
+                once = run_async(lambda c, s=server: send(c, s.url, reqs[-1]))
+                res.samples.append(ctx.account(name, ONCE_AFTER, reqs[-1], once, ledger=ledger))
                 res.wall_s = time.perf_counter() - start - res.extra["restart_s"]
                 res.extra["disk_after_restart"] = run_async(lambda c, s=server: _disk_stats(s, c))
                 if ctx.sizes.check_last is None:
@@ -125,10 +150,11 @@ def run_standalone(ctx: Context) -> dict[str, ServerResult]:
                             c, s, r, "before restart #2", reqs[1], w
                         )
                     )
-                cold = before[0].text
-                res.checks.append(
-                    Check("after restart", again.text == cold, again.text, cold, _COLD_HOW)
-                )
+                for label, warm, cold, how in (
+                    ("after restart", again.text, before[0].text, _COLD_HOW),
+                    (ONCE_AFTER, once.text, before[-1].text, _ONCE_HOW),
+                ):
+                    res.checks.append(Check(label, warm == cold, warm, cold, how))
             finally:
                 server.stop()
             out[name] = res

@@ -47,7 +47,7 @@ from mlx_prefix.cache import disk_header as hdr
 from mlx_prefix.cache import disk_payload as payload
 from mlx_prefix.cache.disk_files import DiskListing
 from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
-from mlx_prefix.cache.records import CheckpointKind, StoredTokens
+from mlx_prefix.cache.records import CheckpointKind, StoredTokens, covers
 from mlx_prefix.cache.snapshot import Snapshot
 
 log = logging.getLogger("mlx_prefix.cache.disk")
@@ -251,11 +251,13 @@ class DiskCache:
         return True
 
     def clear(self, model_key: str | None = None) -> int:
-        """Remove the indexed files of `model_key` (every runtime), or all indexed files.
-        Mutates. Returns the number removed."""
+        """Remove the indexed files of the keys `model_key` covers (every runtime), or all
+        indexed files. Mutates. Returns the number removed."""
         with self._lock:
             victims = [
-                e for e in self._index.entries() if model_key is None or e.model_key == model_key
+                e
+                for e in self._index.entries()
+                if model_key is None or covers(model_key, e.model_key)
             ]
             for e in victims:
                 self._unlink_entry(e, "cleared")
@@ -273,25 +275,26 @@ class DiskCache:
     # -- introspection ------------------------------------------------------
 
     def entries(self, model_key: str | None = None) -> list[DiskEntryInfo]:
-        """Indexed files (of one model key, or all), least recently used first. Does not
-        mutate."""
+        """Indexed files (of the keys `model_key` covers, or all), least recently used
+        first. Does not mutate."""
         now = time.time()
         with self._lock:
             return [
                 e.info(now)
                 for e in self._index.entries()
-                if model_key is None or e.model_key == model_key
+                if model_key is None or covers(model_key, e.model_key)
             ]
 
     def sequences(self, model_key: str) -> list[StoredTokens[DiskEntryInfo]]:
-        """The files that can serve `model_key` (this runtime's), least recently used
-        first, with their token ids (references to the index's tuples). Does not mutate."""
+        """The files of the keys `model_key` covers that this runtime can serve, least
+        recently used first, with their token ids (references to the index's tuples).
+        Does not mutate."""
         now = time.time()
         with self._lock:
             return [
                 StoredTokens(e.info(now), e.tokens)
                 for e in self._index.entries()
-                if e.model_key == model_key and e.runtime == self.runtime
+                if covers(model_key, e.model_key) and e.runtime == self.runtime
             ]
 
     def stats(self) -> DiskStats:

@@ -4,12 +4,13 @@ Scopes, per server (default) and per request (`prefix_cache.scope` overrides it)
   off      nothing
   full     every checkpoint of the prompt, and the end of prefill itself
   N        the first N tokens: the largest grid point <= N
-  auto[:N] the system prompt's end and a client's cache breakpoints (the protected
-           checkpoint kinds) the first time they are seen, so one request, a restart
-           and the same request hits; and the longest common token prefix between
-           this request and any of the last N requests of the same model (default
-           N = 16), aligned down to the largest checkpoint of this prompt at or below
-           it (a chat boundary, stable across turns)
+  auto[:N] the longest common token prefix between this request and any of the last N
+           requests of the same model (default N = 16), aligned down to the largest
+           checkpoint of this prompt at or below it (a chat boundary, stable across
+           turns); and from their first sight, so one request, a restart and the same
+           request hits: the system prompt's end and the client's own breakpoints
+           (`cache_control`: the protected checkpoint kinds, or other checkpoints a
+           breakpoint landed on), which the client says it will send again
 
 A shorter, shared prefix hits across requests whose tails differ (tool results, the
 latest turn), where a full-prompt key would miss: `auto` trades cached tokens for hit
@@ -101,6 +102,8 @@ class _Position(Protocol):
     def position(self) -> int: ...
     @property
     def kind(self) -> CheckpointKind: ...
+    @property
+    def marked(self) -> bool: ...
 
 
 class PromptLike(Protocol):
@@ -168,7 +171,7 @@ class DiskPolicy:
             protected = {
                 cp.position
                 for cp in prompt.checkpoints
-                if cp.kind > PROTECTED_ABOVE and 0 < cp.position <= n
+                if (cp.kind > PROTECTED_ABOVE or cp.marked) and 0 < cp.position <= n
             }
             positions = sorted(protected | set(below[-1:]))
         positions = [p for p in positions if p >= self.min_tokens]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.cache.eviction import Candidate
-from mlx_prefix.cache.records import Buffer, CheckpointKind, new_buffer_key
+from mlx_prefix.cache.records import Buffer, CheckpointKind, covers, new_buffer_key
 from mlx_prefix.cache.residency import Residency
 from mlx_prefix.cache.trie import TokenTrie
 
@@ -135,13 +135,18 @@ class EntryTable:
         self._reshare(self.resident.remove(e.entry_id, e.buffers))
 
     def set_cost(self, model_key: str, cost: PrefillCost) -> None:
+        """The cost of `model_key`'s entries and of every key it covers (its namespaces)."""
         self._costs[model_key] = cost
         for e in self.by_id.values():
-            if e.model_key == model_key:
+            if covers(model_key, e.model_key):
                 self._adopt(e, e.parent)
 
-    def work(self, model_key: str, start: int, end: int) -> float:
-        return self._costs.get(model_key, linear_cost)(start, end)
+    def work(self, key: str, start: int, end: int) -> float:
+        cost = self._costs.get(key)
+        if cost is None:  # a namespace's key: the cost of the model key covering it
+            covering = [k for k in self._costs if covers(k, key)]
+            cost = self._costs[max(covering, key=len)] if covering else linear_cost
+        return cost(start, end)
 
     def shared_bytes(self, e: Entry) -> int:
         """Bytes of `e`'s buffers that other entries hold too."""

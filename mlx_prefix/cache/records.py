@@ -15,13 +15,14 @@ from typing import Generic, Protocol, TypeVar
 
 class CheckpointKind(IntEnum):
     """Why a checkpoint was taken. Eviction order (`eviction.KindLRU`): lower is evicted
-    first."""
+    first. Disk files record the name, never the number."""
 
     GENERATED = 0
     PERIODIC = 1
     HISTORY = 2
     LAST_MESSAGE = 3
-    SYSTEM = 4
+    BREAKPOINT = 4  # the client marked the prefix up to here stable (`cache_control`)
+    SYSTEM = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,14 @@ _buffer_keys = itertools.count(1)
 def new_buffer_key() -> int:
     """A key no buffer has had before (thread-safe)."""
     return next(_buffer_keys)
+
+
+def covers(selector: str, key: str) -> bool:
+    """Whether a listing or flush by `selector` includes the entries of `key`: the same
+    key, or one nested under it (`selector + "/..."`; engine/keys.py builds them: a
+    model's key covers each of its namespaces, a namespace's key each salt in it).
+    Lookups and inserts never use this: they take exactly one key."""
+    return key == selector or key.startswith(selector + "/")
 
 
 class Payload(Protocol):

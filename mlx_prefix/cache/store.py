@@ -11,7 +11,9 @@ insertion, pins and the budget are decided here; the entries and their bookkeepi
 (buffers held, each counted once; work each saves) live in `entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
-- each model key has its own trie; a lookup never crosses model keys (DESIGN 7);
+- each key has its own trie; a lookup never crosses keys (the model, DESIGN 7, and
+  the namespace, DESIGN 10, are in the key); listings and flushes select the keys a
+  selector `covers`;
 - stored bytes (distinct buffers: one prefill's checkpoints share its KV) + active
   request bytes <= budget, unless every remaining entry is pinned or locked (DESIGN 6);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
@@ -36,6 +38,7 @@ from mlx_prefix.cache.records import (
     EntryInfo,
     EvictOutcome,
     StoredTokens,
+    covers,
 )
 from mlx_prefix.cache.reuse import best_reuse
 from mlx_prefix.cache.trie import TokenIds
@@ -228,25 +231,27 @@ class PromptCache:
 
     def set_pinned(self, model_key: str, entry_id: int, pinned: bool) -> bool:
         """`pin` or `unpin` the sequence of entry `entry_id` (mutates; unpinning may evict).
-        Returns False, changing nothing, when no such entry of `model_key` is stored."""
+        Returns False, changing nothing, when no such entry of a key `model_key` covers
+        is stored."""
         with self._lock:
             e = self._entries.get(entry_id)
-            if e is None or e.model_key != model_key:
+            if e is None or not covers(model_key, e.model_key):
                 return False
             e.pinned = pinned
             if pinned:
-                self._pins.add((model_key, e.tokens))
+                self._pins.add((e.model_key, e.tokens))
             else:
-                self._pins.discard((model_key, e.tokens))
+                self._pins.discard((e.model_key, e.tokens))
                 self._evict()
             return True
 
     def evict_entry(self, model_key: str, entry_id: int) -> EvictOutcome:
-        """Remove one entry of `model_key` now (mutates), unless a running request holds it
-        or it is pinned (unpin it first). Not counted in `evictions`, like `clear`."""
+        """Remove one entry of a key `model_key` covers now (mutates), unless a running
+        request holds it or it is pinned (unpin it first). Not counted in `evictions`,
+        like `clear`."""
         with self._lock:
             e = self._entries.get(entry_id)
-            if e is None or e.model_key != model_key:
+            if e is None or not covers(model_key, e.model_key):
                 return EvictOutcome.MISSING
             if e.refs > 0:
                 return EvictOutcome.LOCKED
@@ -282,20 +287,20 @@ class PromptCache:
             self._table.set_cost(model_key, cost)
 
     def clear(self, model_key: str | None = None) -> int:
-        """Remove every entry (of one model key, or all), pinned ones and their pins
-        included; locked entries stay (a running request counts on them). Mutates.
-        Returns the number removed."""
+        """Remove every entry (of the keys `model_key` covers, or all), pinned ones and
+        their pins included; locked entries stay (a running request counts on them).
+        Mutates. Returns the number removed."""
+
+        def chosen(key: str) -> bool:
+            return model_key is None or covers(model_key, key)
+
         with self._lock:
-            victims = [
-                e
-                for e in self._entries.values()
-                if (model_key is None or e.model_key == model_key) and e.refs == 0
-            ]
+            victims = [e for e in self._entries.values() if chosen(e.model_key) and e.refs == 0]
             for e in victims:
                 self._remove(e)
-            self._pins = {p for p in self._pins if model_key is not None and p[0] != model_key}
-            for e in self._entries.values():
-                e.pinned = (e.model_key, e.tokens) in self._pins
+            self._pins = {p for p in self._pins if not chosen(p[0])}
+            for e in self._entries.values():  # the locked ones left
+                e.pinned = e.pinned and not chosen(e.model_key)
             return len(victims)
 
     # -- introspection -----------------------------------------------------
@@ -330,15 +335,15 @@ class PromptCache:
             return [self._info(e, now) for e in self._policy.order()]
 
     def sequences(self, model_key: str) -> list[StoredTokens[EntryInfo]]:
-        """The entries of `model_key` with the token ids each covers, in eviction order.
-        Does not mutate; holds the lock only to copy references (token tuples are
-        immutable, and no payload is touched)."""
+        """The entries of the keys `model_key` covers, with the token ids each holds, in
+        eviction order. Does not mutate; holds the lock only to copy references (token
+        tuples are immutable, and no payload is touched)."""
         with self._lock:
             now = self._clock()
             return [
                 StoredTokens(self._info(e, now), e.tokens)
                 for e in self._policy.order()
-                if e.model_key == model_key
+                if covers(model_key, e.model_key)
             ]
 
     def check_integrity(self) -> None:

@@ -59,6 +59,27 @@ def model_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "float16", "bfloat16"],
         help="weights dtype (default: float32 on CPU, the checkpoint's on GPU)",
     )
+    p.add_argument(
+        "--chat-template",
+        help="a Jinja chat template (or a file holding one) replacing the tokenizer's",
+    )
+    p.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        default=None,
+        help="give a model without a chat template ChatML",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        help="JSON object of apply_chat_template arguments for every request, e.g. "
+        "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="let the tokenizer run code from the model folder",
+    )
 
 
 def cache_args(p: argparse.ArgumentParser) -> None:
@@ -194,7 +215,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def model_from_args(args: argparse.Namespace) -> LoadedModel:
     from mlx_prefix.models.load import load_model
 
-    cfg = from_env(
-        ModelConfig, "MODEL", {"model": args.model, "adapter": args.adapter, "dtype": args.dtype}
+    keys = ("model", "adapter", "dtype", "chat_template", "use_default_chat_template",
+            "chat_template_args", "trust_remote_code")  # fmt: skip
+    cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
+    return load_model(
+        cfg.model,
+        adapter=cfg.adapter,
+        dtype=cfg.dtype,
+        chat_template=cfg.chat_template,
+        use_default_chat_template=cfg.use_default_chat_template,
+        chat_template_args=cfg.chat_template_args,
+        trust_remote_code=cfg.trust_remote_code,
     )
-    return load_model(cfg.model, adapter=cfg.adapter, dtype=cfg.dtype)

@@ -21,7 +21,7 @@ from .args import (
 )
 
 if TYPE_CHECKING:
-    from mlx_prefix.server.app import ServerSettings
+    from mlx_prefix.server.settings import ServerSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="extra CORS origins beyond localhost pages and browser extensions",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+    )
+    p.add_argument(
+        "--alias",
+        action="append",
+        dest="aliases",
+        default=None,
+        metavar="NAME",
+        help="another model name that selects the served model (repeatable)",
+    )
+    p.add_argument(
+        "--strict-model-names",
+        action="store_true",
+        default=None,
+        help="answer an unknown model name with 404 (default: the served model answers it)",
+    )
+    p.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        default=None,
+        help="render Claude Code's x-anthropic-billing-header system block "
+        "(left out by default: it changes between requests and would defeat the cache)",
+    )
+    sampling = p.add_argument_group("sampling defaults (for requests that leave the field out)")
+    sampling.add_argument("--temp", type=float, dest="temperature", help="temperature (0: greedy)")
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling top-p (1: off)")
+    sampling.add_argument("--top-k", type=int, help="top-k sampling (0: off)")
+    sampling.add_argument("--min-p", type=float, help="min-p sampling (0: off)")
+    sampling.add_argument(
+        "--max-tokens", type=int, dest="default_max_tokens", help="reply length (default 512)"
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"],
+        default=None,
+        help="the server's log level (default info; -v means debug)",
+    )
+    p.add_argument(
+        "--cache-sharing",
+        choices=("origin", "global"),
+        default=None,
+        help="origin (default): each page or extension Origin, and each API key, has its "
+        "own prompt cache; clients without an Origin share one. global: one cache for all "
+        "(any client can tell from cached_tokens what another sent)",
+    )
     p.add_argument(
         "--pipeline",
         action="store_true",
@@ -53,15 +101,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """Flags, else MLX_PREFIX_SERVER_* variables, else defaults."""
+    from mlx_prefix.server.settings import ServerSettings
+
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "api_key": args.api_key,
+        "cache_sharing": args.cache_sharing,
+        "responses_store": args.responses_store,
+        **{
+            k: getattr(args, k)
+            for k in ("temperature", "top_p", "top_k", "min_p", "default_max_tokens")
+        },
+        # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
+        "log_level": args.log_level or ("debug" if getattr(args, "verbose", False) else None),
+        "allowed_origins": tuple(args.allowed_origins)
+        if args.allowed_origins is not None
+        else None,
+        "aliases": tuple(args.aliases) if args.aliases is not None else None,
+        "strict_model_names": args.strict_model_names,
+        "keep_billing_header": args.keep_billing_header,
+    }
+    return from_env(ServerSettings, "SERVER", overrides)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from mlx_prefix.engine.engine import Engine
     from mlx_prefix.server.app import serve
 
     from .sharded import launched_group, serve_sharded
 
+    settings = server_settings(args)
     group = launched_group()
     if group is not None:
-        return serve_sharded(args, group, server_settings(args))
+        return serve_sharded(args, group, settings)
     if args.pipeline:
         raise InvalidRequest(
             "--pipeline needs a sharded launch: mlx.launch -n 2 --backend ring "
@@ -73,22 +148,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_config(args),
         disk_config=disk_config(args),
     )
-    serve(engine, server_settings(args))
+    serve(engine, settings)
     return 0
-
-
-def server_settings(args: argparse.Namespace) -> ServerSettings:
-    from mlx_prefix.server.app import ServerSettings
-
-    settings_overrides = {
-        "host": args.host,
-        "port": args.port,
-        "api_key": args.api_key,
-        "responses_store": args.responses_store,
-        # -v: serve() sets the mlx_prefix logger from this, so it must say debug too.
-        "log_level": "debug" if getattr(args, "verbose", False) else None,
-        "allowed_origins": tuple(args.allowed_origins)
-        if args.allowed_origins is not None
-        else None,
-    }
-    return from_env(ServerSettings, "SERVER", settings_overrides)

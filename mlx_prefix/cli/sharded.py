@@ -51,15 +51,23 @@ def serve_sharded(
     from mlx_prefix.models.sharded import load_sharded
     from mlx_prefix.server.app import serve
 
-    cfg = from_env(
-        ModelConfig, "MODEL", {"model": args.model, "adapter": args.adapter, "dtype": args.dtype}
-    )
+    keys = ("model", "adapter", "dtype", "chat_template", "use_default_chat_template",
+            "chat_template_args", "trust_remote_code")  # fmt: skip
+    cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
     if cfg.adapter is not None:
         raise InvalidRequest("--adapter is not supported on a model sharded over ranks")
     channel = Channel(group)
     backend = detect_backend()
     model, cluster = load_sharded(
-        cfg.model, channel, pipeline=args.pipeline, backend=backend, dtype=cfg.dtype
+        cfg.model,
+        channel,
+        pipeline=args.pipeline,
+        backend=backend,
+        dtype=cfg.dtype,
+        chat_template=cfg.chat_template,
+        use_default_chat_template=cfg.use_default_chat_template,
+        chat_template_args=cfg.chat_template_args,
+        trust_remote_code=cfg.trust_remote_code,
     )
     watch = PeerWatch.connect(channel, backend)
     engine = DistributedEngine(

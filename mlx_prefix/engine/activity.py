@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mlx_prefix.engine.jobs import Job, PrefillTask, Running
+from mlx_prefix.engine.keys import namespace_of
 
 State = Literal["queued", "prefilling", "decoding"]
 Role = Literal["request", "warm", "prefetch"]
@@ -33,6 +34,7 @@ class JobView:
     generated_tokens: int
     max_tokens: int
     submitted_at: float  # time.perf_counter() when it was queued
+    namespace: str | None = None  # its cache namespace's id (engine/keys.py): who sees it
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +83,5 @@ def _view(job: Job, state: State, cached: int, computed: int, generated: int) ->
         generated_tokens=generated,
         max_tokens=job.sampling.max_tokens if role == "request" else 0,
         submitted_at=job.submitted_at,
+        namespace=namespace_of(job.cache_key),
     )

@@ -25,7 +25,7 @@ def plan_prompt(
     return rendered
 
 
-def check_sampling(sampling: SamplingParams, cache: CachePreference) -> None:
+def check_sampling(sampling: SamplingParams, cache: CachePreference, vocab_size: int) -> None:
     """Raise InvalidRequest for sampling or cache settings the engine cannot honour."""
     if sampling.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
@@ -37,7 +37,32 @@ def check_sampling(sampling: SamplingParams, cache: CachePreference) -> None:
         )
     if sampling.top_logprobs and not sampling.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs", param="top_logprobs")
+    _check_filters(sampling)
+    for token, _ in sampling.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(
+                f"logit_bias: token id {token} is not in this model's vocabulary "
+                f"(0 to {vocab_size - 1})",
+                param="logit_bias",
+            )
     DiskTier.parse_scope(cache.scope)
+
+
+def _check_filters(s: SamplingParams) -> None:
+    # mlx_lm.sample_utils raises ValueError past these bounds (a 500 mid-decode).
+    checks = (
+        ("top_k", s.top_k >= 0),
+        ("min_p", 0 <= s.min_p <= 1),
+        ("xtc_probability", 0 <= s.xtc_probability <= 1),
+        ("xtc_threshold", 0 <= s.xtc_threshold <= 0.5),
+        ("repetition_penalty", s.repetition_penalty >= 0),
+        ("repetition_context_size", s.repetition_context_size >= 1),
+        ("presence_context_size", s.presence_context_size >= 1),
+        ("frequency_context_size", s.frequency_context_size >= 1),
+    )
+    for name, ok in checks:
+        if not ok:
+            raise InvalidRequest(f"{name} is out of range", param=name)
 
 
 def check_reply_fits(

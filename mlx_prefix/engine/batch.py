@@ -141,10 +141,10 @@ class DecodeBatch:
         inputs = mx.array(self._inputs)[:, None]  # [B, 1]
         self._lengths = [n + 1 for n in self._lengths]
         with batched(self.rows, self._lengths):
-            logits = self.model(inputs, cache=self.cache)[:, -1, :]
-        logprobs = normalize(logits)  # [B, V]
+            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+        logprobs = normalize(logits)
         tokens = mx.concatenate(
-            [s(logprobs[i : i + 1]) for i, s in enumerate(self._samplers)]
+            [s(logprobs[i : i + 1], logits[i : i + 1]) for i, s in enumerate(self._samplers)]
         )  # [B]
         if self.agree is not None:
             tokens = self.agree(tokens)

@@ -37,9 +37,9 @@ def _canonical(message: Mapping[str, Any]) -> bytes:
     return json.dumps([message.get("role"), content], sort_keys=True, default=str).encode()
 
 
-def _chain(messages: Sequence[Mapping[str, Any]]) -> Iterator[bytes]:
+def _chain(messages: Sequence[Mapping[str, Any]], scope: bytes) -> Iterator[bytes]:
     """The digest of each prefix of `messages`: messages[:1], messages[:2], ..."""
-    h = hashlib.sha256()
+    h = hashlib.sha256(scope)
     for m in messages:
         h.update(_canonical(m))
         yield h.copy().digest()
@@ -60,15 +60,18 @@ class ChatTraffic:
         self._replies: OrderedDict[bytes, None] = OrderedDict()  # conversation + reply
         self._chats: OrderedDict[bytes, None] = OrderedDict()  # client keys
 
-    def finished(self, source: PromptInput, reply: str) -> bool:
+    def finished(self, source: PromptInput, reply: str, scope: str = "") -> bool:
         """A request got `reply` (mutates). Returns whether it is a first turn (no reply
         in its history) of a client seen continuing a conversation before: then the
-        next turn is worth prefetching."""
+        next turn is worth prefetching. What one cache namespace (`scope`: the request's
+        entry key) teaches never applies to another's requests (DESIGN 10)."""
         if source.messages is None:
             return False
         messages = list(source.messages)
-        key = client_key(source)
-        digests = list(_chain([*messages, {"role": "assistant", "content": reply}]))
+        seed = scope.encode()
+        own = client_key(source)
+        key = hashlib.sha256(seed + own).digest() if own is not None else None
+        digests = list(_chain([*messages, {"role": "assistant", "content": reply}], seed))
         _remember(self._replies, digests[-1], MAX_REPLIES)
         sent_back = [digests[i] for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if any(d in self._replies for d in sent_back) and key is not None:

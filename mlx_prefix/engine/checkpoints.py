@@ -44,6 +44,9 @@ from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
 from mlx_prefix.prompt.grid import ChunkGrid
 
+# Kinds an all-KV cache stores besides its prompt's end (which trimming serves from).
+KEPT_FOR_KV = frozenset({CheckpointKind.SYSTEM, CheckpointKind.BREAKPOINT})
+
 
 @dataclass(frozen=True, slots=True)
 class WaitingPrompt:
@@ -97,11 +100,12 @@ class Checkpointer:
     cache: list
     reuse: int  # prefill starts here
     store: PromptCache
-    model_key: str
+    key: str  # the request's entry key (model and namespace: engine/keys.py)
     shared: SharedPrefixes | None
     disk: DiskTier | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
     branch: int = 0  # a grid point where the prompt leaves a stored sequence (0: none)
+    on_stored: Callable[[int], None] = lambda position: None  # a prefix went into memory
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -124,8 +128,8 @@ class Checkpointer:
                 prefix = self.prompt.tokens[:position]
                 if snapshot is not None:
                     kind = kinds.get(position, CheckpointKind.PERIODIC)
-                    self.disk.defer(prefix, snapshot, kind)
-                elif not self.disk.cache.holds(self.model_key, prefix):
+                    self.disk.defer(self.key, prefix, snapshot, kind)
+                elif not self.disk.cache.holds(self.key, prefix):
                     # An exact state below the restore point is gone (evicted, or never
                     # kept in memory); recomputing it would cost the request a prefill.
                     why = f"memory restored {self.reuse} tokens and no longer holds that state"
@@ -136,7 +140,7 @@ class Checkpointer:
         if position == self.reuse:
             return capture(self.cache, position)
         if self.keep_every_checkpoint:  # exact states only: the one memory holds, if any
-            return self.store.get(self.model_key, self.prompt.tokens[:position])
+            return self.store.get(self.key, self.prompt.tokens[:position])
         restored = capture(self.cache, self.reuse)  # views: trim them back to `position`
         return capture(restore(restored, trim=self.reuse - position), position)
 
@@ -159,10 +163,11 @@ class Checkpointer:
         at_end = position == len(tokens)
         if at_end and kind is None:
             kind = CheckpointKind.HISTORY
-        # An all-KV cache keeps its end (trimming serves every shorter prefix) and its
-        # system prompt, which then outlives the conversations' ends under pressure.
+        # An all-KV cache keeps its end (trimming serves every shorter prefix), its
+        # system prompt and the client's breakpoints, which then outlive the
+        # conversations' ends under pressure.
         in_memory = kind is not None and (
-            self.keep_every_checkpoint or at_end or kind is CheckpointKind.SYSTEM
+            self.keep_every_checkpoint or at_end or kind in KEPT_FOR_KV
         )
         to_disk = self.disk is not None and position in self.disk_positions
         if not in_memory and not to_disk:
@@ -218,6 +223,7 @@ class Checkpointer:
     def _keep(self, snapshot: Snapshot, kind: CheckpointKind, in_memory: bool, to_disk: bool):
         tokens = self.prompt.tokens[: snapshot.length]
         if in_memory:
-            self.store.insert(self.model_key, tokens, snapshot, kind)
+            self.store.insert(self.key, tokens, snapshot, kind)
+            self.on_stored(snapshot.length)
         if to_disk:
-            self.disk.defer(tokens, snapshot, kind)
+            self.disk.defer(self.key, tokens, snapshot, kind)

@@ -19,7 +19,7 @@ from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
 from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.records import DoneEvent, TokenEvent, TopLogprob
+from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
 
@@ -31,7 +31,7 @@ class DecodePhase:
         rows: int,
         store: PromptCache,
         bytes_key: str,
-        end: Callable[[Job, DoneEvent], None],
+        end: Callable[[Job, DoneEvent | ErrorEvent], None],
         on_reply: Callable[[Job, str], None],
     ):
         self.model = model
@@ -63,10 +63,12 @@ class DecodePhase:
         batch unless that token already ends it, and may produce `limit` tokens. The
         caller closes the prefill after."""
         job = task.job
+        job.handle.cached_tokens = task.reuse
+        job.handle.cache_written_tokens = max(0, job.stored_to - task.reuse)
         prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
-        sampler = TokenSampler(job.sampling)
+        sampler = self._sampler(job)
         logprobs = normalize(logits)  # [1, V]
-        first = sampler(logprobs)  # [1]
+        first = sampler(logprobs, logits)  # [1]
         if self.agree_tokens is not None:
             first = self.agree_tokens(first)
         token = int(first.item())
@@ -108,6 +110,13 @@ class DecodePhase:
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
 
+    def _sampler(self, job: Job) -> TokenSampler:
+        special: list[int] = []
+        if job.sampling.xtc_probability > 0:  # as mlx_lm.server: XTC never cuts these
+            tokenizer = self.model.tokenizer
+            special = tokenizer.encode("\n") + sorted(tokenizer.eos_token_ids)
+        return TokenSampler(job.sampling, job.constraint, job.tokens, special)
+
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
         jobs = [r.job for r in self.batch.members]
@@ -123,13 +132,17 @@ class DecodePhase:
         top: tuple[TopLogprob, ...] = (),
     ) -> bool:
         """Hand a sampled token to its request; True if the request ended with it."""
+        constraint = running.job.constraint
+        if constraint is not None and not constraint.advance(token):
+            self._finish(running, "error", f"constrained decoding failed: {constraint.error}")
+            return True
         if token in self.model.tokenizer.eos_token_ids:
             self._finish(running, "stop")
             return True
         running.count += 1
         delta = running.stream.add(token)
         running.job.handle.emit(TokenEvent(delta, token, logprob, top))
-        if running.stream.stopped:
+        if running.stream.stopped or (constraint is not None and constraint.finished):
             self._finish(running, "stop")
         elif running.count >= running.limit:
             self._finish(running, "length")
@@ -137,7 +150,7 @@ class DecodePhase:
             return False
         return True
 
-    def _finish(self, running: Running, reason: str) -> None:
+    def _finish(self, running: Running, reason: str, error: str | None = None) -> None:
         job = running.job
         tail = running.stream.finish()
         if tail:
@@ -147,10 +160,14 @@ class DecodePhase:
             self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
         else:
             self.store.drop_active(self._bytes_key)
+        if error is not None:
+            self._end(job, ErrorEvent(error))
+            return
         decode_s = time.perf_counter() - running.first_at
         decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
         ttft = running.first_at - job.submitted_at
         done = usage(job, running.reuse, running.count, ttft, running.prefill_tps, decode_tps)
-        self._end(job, DoneEvent(reason, done))  # type: ignore[arg-type]
+        stop = running.stream.matched if reason == "stop" else None
+        self._end(job, DoneEvent(reason, done, stop))  # type: ignore[arg-type]
         if reason != "cancelled":
             self._on_reply(job, running.stream.text)

@@ -36,6 +36,7 @@ MAX_PENDING_SAVES = 16  # a deferred save beyond this writes the oldest one firs
 
 @dataclass(frozen=True, slots=True)
 class _PendingSave:
+    key: str  # the entry key (model and namespace) it is saved under
     tokens: tuple[int, ...]
     snapshot: Snapshot
     kind: CheckpointKind
@@ -46,13 +47,11 @@ class DiskTier:
     def __init__(
         self,
         config: DiskConfig,
-        model_key: str,
         trimmable: bool,
         store: PromptCache,
         bytes_key: str,
     ):
         self.config = config
-        self.model_key = model_key
         self.trimmable = trimmable  # one snapshot serves every shorter prefix
         self.cache = DiskCache(config.path(), config.budget_bytes)
         self.policy = DiskPolicy(config.scope, min_tokens=config.min_tokens)
@@ -79,10 +78,11 @@ class DiskTier:
         return chosen.mode is ScopeMode.OFF
 
     def lookup(
-        self, tokens: Sequence[int], align: Callable[[int], int], better_than: int
+        self, key: str, tokens: Sequence[int], align: Callable[[int], int], better_than: int
     ) -> tuple[DiskMatch, Snapshot] | None:
-        """A disk checkpoint reusing more than `better_than` tokens, loaded and verified."""
-        match = self.cache.match(self.model_key, tokens, align)
+        """A disk checkpoint of entry key `key` reusing more than `better_than` tokens,
+        loaded and verified."""
+        match = self.cache.match(key, tokens, align)
         if match is not None and match.reuse_tokens < better_than + self.config.min_tokens:
             match = None  # not worth reading a file for what memory (nearly) gives
         if self.agree is not None and not self.agree(match.reuse_tokens if match else 0):
@@ -95,18 +95,21 @@ class DiskTier:
         return (match, snapshot) if snapshot is not None else None
 
     def positions(
-        self, prompt: RenderedPrompt, align: Callable[[int], int], scope: str | None
+        self, key: str, prompt: RenderedPrompt, align: Callable[[int], int], scope: str | None
     ) -> set[int]:
-        """Positions of this prompt to persist (records the request for `auto`)."""
-        return set(
-            self.policy.select(self.model_key, prompt, align, scope, trimmable=self.trimmable)
-        )
+        """Positions of this prompt to persist (records the request for `auto`, whose
+        window of recent requests is per entry key: what one namespace sends never
+        decides what another's saves)."""
+        return set(self.policy.select(key, prompt, align, scope, trimmable=self.trimmable))
 
-    def defer(self, tokens: Sequence[int], snapshot: Snapshot, kind: CheckpointKind) -> None:
+    def defer(
+        self, key: str, tokens: Sequence[int], snapshot: Snapshot, kind: CheckpointKind
+    ) -> None:
         """Queue a save (engine thread). A full queue first writes its oldest save."""
         if len(self._pending) >= MAX_PENDING_SAVES:
             self._write(self._pending.popleft())
-        self._pending.append(_PendingSave(TokenIds(tokens), snapshot, kind, time.monotonic()))
+        save = _PendingSave(key, TokenIds(tokens), snapshot, kind, time.monotonic())
+        self._pending.append(save)
         self._account()
 
     def write_pending(self, busy: bool) -> None:
@@ -140,7 +143,7 @@ class DiskTier:
         return len(self._pending)
 
     def _write(self, item: _PendingSave) -> None:
-        self.cache.save(self.model_key, item.tokens, item.snapshot, item.kind)
+        self.cache.save(item.key, item.tokens, item.snapshot, item.kind)
 
     def _account(self) -> None:
         """Report the queued snapshots' bytes the store does not hold itself (checked
@@ -149,7 +152,7 @@ class DiskTier:
         own = sum(
             p.snapshot.nbytes
             for p in self._pending
-            if self.store.get(self.model_key, p.tokens) is not p.snapshot
+            if self.store.get(p.key, p.tokens) is not p.snapshot
         )
         if own:
             self.store.set_active_bytes(self._bytes_key, own)

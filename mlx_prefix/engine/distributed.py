@@ -39,7 +39,7 @@ from typing import Any
 from mlx_prefix.cache.records import EvictOutcome
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine import rowwise
-from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.engine import SHUTDOWN_SAVES_S, Engine
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job, WarmResult
 from mlx_prefix.engine.pace import Pace
@@ -128,8 +128,8 @@ class DistributedEngine(Engine):
         stats["distributed"] = self.cluster.as_dict()
         return stats
 
-    def flush_cache(self) -> int:
-        return self._act(CacheAction("flush"))
+    def flush_cache(self, namespace: str | None = None) -> int:
+        return self._act(CacheAction("flush", namespace=namespace))
 
     def set_pinned(self, entry_id: int, pinned: bool) -> bool:
         return self._act(CacheAction("pin" if pinned else "unpin", entry_id))
@@ -137,7 +137,7 @@ class DistributedEngine(Engine):
     def evict_entry(self, entry_id: int) -> EvictOutcome:
         return self._act(CacheAction("evict", entry_id))
 
-    def shutdown(self, timeout: float = 10.0, save_timeout: float = 30.0) -> None:
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = SHUTDOWN_SAVES_S) -> None:
         if self.failure is None:
             super().shutdown(timeout, save_timeout)
             return
@@ -241,7 +241,7 @@ class DistributedEngine(Engine):
                 self._ended.set()
                 return
             now = time.perf_counter()
-            self._turn_step(plan, [spec.job(now) for spec in plan.jobs])
+            self._turn_step(plan, [spec.job(now, self.constraints) for spec in plan.jobs])
 
     def _gather(self, jobs: list[Job], closing: bool, write: bool, drop: bool) -> TurnPlan:
         """Rank 0: this turn's inputs, frozen (mutates the jobs' seeds and cancels)."""
@@ -329,7 +329,7 @@ class DistributedEngine(Engine):
 
     def _apply(self, action: CacheAction) -> Any:
         if action.name == "flush":
-            return Engine.flush_cache(self)
+            return Engine.flush_cache(self, action.namespace)
         if action.name in ("pin", "unpin"):
             return Engine.set_pinned(self, action.entry_id, action.name == "pin")
         if action.name == "evict":

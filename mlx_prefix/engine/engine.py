@@ -23,7 +23,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -38,11 +38,12 @@ from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
 from mlx_prefix.engine.chat_traffic import ChatTraffic
+from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
-from mlx_prefix.engine.keys import cache_key
+from mlx_prefix.engine.keys import cache_key, entry_key, namespace_key
 from mlx_prefix.engine.lifecycle import Lifecycle, error_message
 from mlx_prefix.engine.pace import Pace
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
@@ -84,7 +85,9 @@ class Engine:
         self.model = model
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
-        self.planner = PromptPlanner(model.tokenizer, self.cache_config)
+        self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
+        self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
+        self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or PromptCache(
             self.cache_config.budget_bytes,
             self.cache_config.max_entries,
@@ -100,7 +103,6 @@ class Engine:
         self.disk = (
             DiskTier(
                 disk_config,
-                self.model_key,
                 always_trimmable(fresh_cache),
                 self.store,
                 bytes_key=f"engine-{id(self):x}-disk",
@@ -117,7 +119,6 @@ class Engine:
             model,
             self.planner,
             self.store,
-            self.model_key,
             self.disk,
             self.cache_config,
             self.config,
@@ -163,6 +164,10 @@ class Engine:
     def plan(self, prompt: PromptInput) -> RenderedPrompt:
         return plan_prompt(self.planner, self.model.context_length, prompt)
 
+    def count_tokens(self, prompt: PromptInput) -> int:
+        """Tokens `prompt` renders to, whether or not it fits the context."""
+        return len(self.planner.renderer.prompt_tokens(prompt))
+
     def submit(
         self,
         prompt: PromptInput,
@@ -176,22 +181,33 @@ class Engine:
         ContextLengthExceeded or EngineBusy in the caller's thread.
 
         `fit_reply`: refuse a prompt that leaves less than `max_tokens` of the context
-        for the reply; otherwise the reply is cut at the context's end."""
-        check_sampling(sampling, cache)
+        for the reply; otherwise the reply is cut at the context's end. The request
+        reads and writes only the entries of `cache.namespace` (and `cache.salt`)."""
+        check_sampling(sampling, cache, self.vocab_size)
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
+        fmt = sampling.response_format
+        constraint = self.constraints.create(fmt) if fmt is not None else None
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         handle = self.handle_type(request_id, len(rendered.tokens))
-        self.lifecycle.put(Job(handle, rendered, sampling, cache, time.perf_counter(), prompt))
+        key = entry_key(self.model_key, cache)
+        now = time.perf_counter()
+        self.lifecycle.put(
+            Job(handle, rendered, sampling, cache, key, now, prompt, constraint=constraint)
+        )
         return handle
 
     def warm(
-        self, prompt: PromptInput, pin: bool = False, timeout: float | None = None
+        self,
+        prompt: PromptInput,
+        pin: bool = False,
+        timeout: float | None = None,
+        cache: CachePreference = CachePreference(),
     ) -> WarmResult:
         """Prefill a prompt into the cache (optionally pinned) without generating. Blocks;
         on `timeout` the warm-up is cancelled and TimeoutError raised."""
-        handle, future = self.start_warm(prompt, pin)
+        handle, future = self.start_warm(prompt, pin, cache)
         try:
             return future.result(timeout)
         except FutureTimeout:  # the builtin TimeoutError from Python 3.11
@@ -199,25 +215,28 @@ class Engine:
             raise
 
     def start_warm(
-        self, prompt: PromptInput, pin: bool = False
+        self, prompt: PromptInput, pin: bool = False, cache: CachePreference = CachePreference()
     ) -> tuple[RequestHandle, Future[WarmResult]]:
-        """Queue a warm-up; its future gives the WarmResult (cancel it with the handle)."""
+        """Queue a warm-up into `cache.namespace` (and `cache.salt`); its future gives the
+        WarmResult (cancel it with the handle)."""
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = self.handle_type(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
         # A pinned warm-up is meant to last: persist all of its checkpoints to disk too.
-        scope = CachePreference(scope="full" if pin else None)
-        sampling = SamplingParams(max_tokens=1)
+        pref = replace(cache, enabled=True, scope="full" if pin else None)
+        key, sampling = entry_key(self.model_key, pref), SamplingParams(max_tokens=1)
         now = time.perf_counter()
-        self.lifecycle.put(Job(handle, rendered, sampling, scope, now, warm=future, pin=pin))
+        job = Job(handle, rendered, sampling, pref, key, now, warm=future, pin=pin)
+        self.lifecycle.put(job)
         return handle, future
 
-    def _enqueue_prefetch(self, prompt: RenderedPrompt) -> None:
-        """Queue a next-turn prefetch (from the prefetcher's thread)."""
+    def _enqueue_prefetch(self, prompt: RenderedPrompt, key: str) -> None:
+        """Queue a next-turn prefetch under the entry key of the request it follows
+        (from the prefetcher's thread)."""
         handle = self.handle_type(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
         not_before = time.monotonic() + self.config.prefetch_delay_s
         sampling, pref, now = SamplingParams(max_tokens=1), CachePreference(), time.perf_counter()
-        job = Job(handle, prompt, sampling, pref, now, background=True, not_before=not_before)
+        job = Job(handle, prompt, sampling, pref, key, now, background=True, not_before=not_before)
         self.lifecycle.put_background(job)
 
     def cache_stats(self) -> dict:
@@ -236,11 +255,13 @@ class Engine:
     def cache_entries(self) -> list[dict]:
         return [asdict(e) for e in self.store.entries()]
 
-    def flush_cache(self) -> int:
-        """Drop this model's entries from memory and disk; returns how many."""
-        removed = self.store.clear(self.model_key)
+    def flush_cache(self, namespace: str | None = None) -> int:
+        """Drop this model's entries (of one namespace, every salt in it; None: of all)
+        from memory and disk; returns how many."""
+        key = self.model_key if namespace is None else namespace_key(self.model_key, namespace)
+        removed = self.store.clear(key)
         if self.disk is not None:
-            removed += self.disk.cache.clear(self.model_key)
+            removed += self.disk.cache.clear(key)
         return removed
 
     # -- the dashboard: read-only views (any thread) and single-entry actions ---------
@@ -249,7 +270,8 @@ class Engine:
         return self._board.current
 
     def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
-        """This model's entries in memory, with their token ids. Does not mutate."""
+        """This model's entries in memory (every namespace: `info.model_key` names each
+        one's), with their token ids. Does not mutate."""
         return self.store.sequences(self.model_key)
 
     def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
@@ -391,9 +413,10 @@ class Engine:
         return busy < self.capacity and len(self._prefill.tasks) < self.config.max_prefilling
 
     def _preempt_background(self, task: PrefillTask) -> None:
-        """A background prefill gives way to any waiting request that does not extend its
-        prompt; one that does will restore from it, so it goes on."""
-        if task.job.background and (self._closing or self._waiting.preempts(task.job.tokens)):
+        """A background prefill gives way to any waiting request that cannot restore from
+        it (another namespace's, or one not extending its prompt); one that can will, so
+        it goes on."""
+        if task.job.background and (self._closing or self._waiting.preempts(task.job)):
             self.prefetch.cancelled += 1
             self.prefetch.tokens += task.computed
             self._prefill.close(task)
@@ -438,11 +461,13 @@ class Engine:
     def _maybe_prefetch(self, job: Job, reply: str) -> None:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
             return
-        # A chat's first turn, known from its client's earlier traffic (chat_traffic.py);
-        # later turns and tool-call turns from the request itself.
-        first_turn = self._chat_traffic.finished(job.source, reply)
+        # A chat's first turn, known from its client's earlier traffic in the same
+        # namespace (chat_traffic.py); later turns and tool-call turns from the request.
+        first_turn = self._chat_traffic.finished(job.source, reply, job.cache_key)
         if first_turn or wants_prefetch(job.source):
-            self._prefetcher.submit(job.source, reply, len(job.tokens), job.handle.request_id)
+            self._prefetcher.submit(
+                job.source, reply, len(job.tokens), job.handle.request_id, job.cache_key
+            )
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
         """After an unexpected error, end every request in flight with an error event:

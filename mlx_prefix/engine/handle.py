@@ -20,6 +20,10 @@ class RequestHandle:
     def __init__(self, request_id: str, prompt_tokens: int):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        # Set by the engine thread once the prompt is prefilled, before the first event
+        # (the event queue orders the write before a consumer's read of that event).
+        self.cached_tokens: int | None = None  # restored from the cache
+        self.cache_written_tokens: int | None = None  # computed and stored in the cache
         self.cancelled = threading.Event()
         self._queue: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mlx_prefix.engine.constraints import Constraint
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.runner import PrefillCursor
 from mlx_prefix.engine.text import TextStream
@@ -41,6 +42,7 @@ class Job:
     prompt: RenderedPrompt
     sampling: SamplingParams
     cache_pref: CachePreference
+    cache_key: str  # its entries' key (engine/keys.entry_key): model and namespace
     submitted_at: float
     source: PromptInput | None = None  # what the caller sent (None: background job)
     warm: Future | None = None  # set for warm-only jobs (prefill, no decode)
@@ -49,6 +51,9 @@ class Job:
     not_before: float = 0.0  # monotonic time a background job may start
     passovers: int = 0
     ended: bool = False  # its last event was sent; nothing more may follow
+    # The reply's grammar state (response_format); built by the caller, then engine only.
+    constraint: Constraint | None = None
+    stored_to: int = 0  # furthest prompt position its prefill stored in the cache
     # Unique in this process, never reused (unlike id()): names the job to in-flight
     # sharing, and across ranks to a sharded engine (engine/distributed.py).
     serial: int = field(default_factory=itertools.count(1).__next__)
@@ -114,6 +119,7 @@ def usage(
         ttft_s=ttft,
         prefill_tokens_per_s=prefill_tps,
         decode_tokens_per_s=decode_tps,
+        cache_written_tokens=max(0, job.stored_to - reuse),
     )
 
 

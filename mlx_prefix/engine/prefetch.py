@@ -48,10 +48,12 @@ def next_turn_messages(
     received it, and a placeholder for the next message. A reply that calls tools comes
     back as an assistant message with structured calls, named as the server named them
     (every API shape becomes that message), followed by the first call's result; any
-    other reply as its text, followed by a user message."""
+    other reply as its text, followed by a user message. A reply that continues the
+    opening its prompt forced (a forced tool call) is read with that opening, as the
+    server's assembler reads it."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
-    turn = client_reply(syntax, reply, source.tools, ids)
+    turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids)
     if turn.call_ids:
         nxt = {"role": "tool", "tool_call_id": turn.call_ids[0], "content": NEXT_MESSAGE}
     else:
@@ -92,29 +94,35 @@ def next_turn_prompt(
 
 
 class Prefetcher:
-    """Renders next-turn prompts off the engine thread and hands them to `enqueue`."""
+    """Renders next-turn prompts off the engine thread and hands them to `enqueue`,
+    with the entry key (namespace) of the request they follow: a prefetch stores its
+    checkpoints where only that client's next turn can find them."""
 
     def __init__(
         self,
         planner: PromptPlanner,
         syntax: ToolSyntax | None,
-        enqueue: Callable[[RenderedPrompt], None],
+        enqueue: Callable[[RenderedPrompt, str], None],
     ):
         self.planner = planner
         self.syntax = syntax  # the tokenizer's tool-call syntax, as the server parses it
         self.enqueue = enqueue
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-prefix-prefetch")
 
-    def submit(self, source: PromptInput, reply: str, computed: int, request_id: str) -> None:
+    def submit(
+        self, source: PromptInput, reply: str, computed: int, request_id: str, key: str
+    ) -> None:
         try:
-            self._pool.submit(self._render, source, reply, computed, request_id)
+            self._pool.submit(self._render, source, reply, computed, request_id, key)
         except RuntimeError:  # closed: the engine is shutting down
             pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _render(self, source: PromptInput, reply: str, computed: int, request_id: str) -> None:
+    def _render(
+        self, source: PromptInput, reply: str, computed: int, request_id: str, key: str
+    ) -> None:
         try:
             prompt = next_turn_prompt(
                 self.planner, source, reply, computed, self.syntax, request_id
@@ -123,4 +131,4 @@ class Prefetcher:
             log.debug("next-turn render failed", exc_info=True)
             return
         if prompt is not None:
-            self.enqueue(prompt)
+            self.enqueue(prompt, key)

@@ -45,7 +45,6 @@ class PrefillPhase:
         model: LoadedModel,
         planner: PromptPlanner,
         store: PromptCache,
-        model_key: str,
         disk: DiskTier | None,
         cache_config: CacheConfig,
         config: EngineConfig,
@@ -55,7 +54,6 @@ class PrefillPhase:
         self.model = model
         self.planner = planner
         self.store = store
-        self.model_key = model_key
         self.disk = disk
         self.cache_config = cache_config
         self.config = config
@@ -75,7 +73,7 @@ class PrefillPhase:
         if not self.uses_cache(job):
             return 0
         tokens = job.prompt.tokens
-        match = self.store.match(self.model_key, tokens, self.align(tokens), record=False)
+        match = self.store.match(job.cache_key, tokens, self.align(tokens), record=False)
         return match.reuse_tokens
 
     def align(self, tokens) -> Callable[[int], int]:
@@ -101,13 +99,14 @@ class PrefillPhase:
         return False
 
     def start(self, job: Job) -> None:
-        """Restore the longest usable cached prefix and add `job` to the prefilling tasks."""
-        tokens = job.prompt.tokens
+        """Restore the longest usable cached prefix of `job`'s own entry key (its
+        namespace: DESIGN 10) and add `job` to the prefilling tasks."""
+        tokens, key = job.prompt.tokens, job.cache_key
         use_cache = self.uses_cache(job)
         cache, reuse, lease, branch = None, 0, None, 0
         try:
             if use_cache:
-                match = self.store.match(self.model_key, tokens, self.align(tokens))
+                match = self.store.match(key, tokens, self.align(tokens))
                 # Where the prompt leaves the stored sequences: a checkpoint there serves
                 # the next request of either shape (checkpoints.py).
                 branch = self.planner.grid.align(tokens, min(match.matched_tokens, len(tokens) - 1))
@@ -117,7 +116,7 @@ class PrefillPhase:
                         lease = match.entry_id
                         cache, reuse = restore(snapshot, trim=match.trim), match.reuse_tokens
                 if self.disk_on(job):
-                    found = self.disk.lookup(tokens, self.align(tokens), better_than=reuse)
+                    found = self.disk.lookup(key, tokens, self.align(tokens), better_than=reuse)
                     if found is not None:  # a memory miss (or shorter hit) served from disk
                         disk_match, disk_snapshot = found
                         if lease is not None:
@@ -125,9 +124,7 @@ class PrefillPhase:
                             lease = None
                         cache = restore(disk_snapshot, trim=disk_match.trim)
                         reuse = disk_match.reuse_tokens
-                        self.store.insert(
-                            self.model_key, disk_match.tokens, disk_snapshot, disk_match.kind
-                        )
+                        self.store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
             if cache is None:
                 cache = make_prompt_cache(self.model.model)
             checkpointer = self._checkpointer(job, cache, reuse, branch) if use_cache else None
@@ -205,10 +202,10 @@ class PrefillPhase:
         pinned = False
         for position in sorted(positions):
             key = prompt.tokens[:position]
-            if self.store.pin(self.model_key, key):
+            if self.store.pin(job.cache_key, key):
                 pinned = True
             else:
-                self.store.unpin(self.model_key, key)  # nothing there: leave no stray pin
+                self.store.unpin(job.cache_key, key)  # nothing there: leave no stray pin
         return pinned
 
     def _checkpointer(self, job: Job, cache: list, reuse: int, branch: int) -> Checkpointer:
@@ -217,10 +214,12 @@ class PrefillPhase:
         if not always_trimmable(cache):
 
             def waiting() -> list[WaitingPrompt]:
+                # Only requests of the same key may restore what this prefill stores: a
+                # checkpoint made for another namespace would be a hit it can time.
                 return [
                     WaitingPrompt(j.serial, j.prompt.tokens)
                     for j in self._waiting()
-                    if j.cache_pref.enabled
+                    if j.cache_pref.enabled and j.cache_key == job.cache_key
                 ]
 
             shared = SharedPrefixes(
@@ -229,16 +228,23 @@ class PrefillPhase:
         disk_positions: frozenset[int] = frozenset()
         if self.disk_on(job):
             disk_positions = frozenset(
-                self.disk.positions(job.prompt, self.align(tokens), job.cache_pref.scope)
+                self.disk.positions(
+                    job.cache_key, job.prompt, self.align(tokens), job.cache_pref.scope
+                )
             )
+
+        def stored(position: int) -> None:
+            job.stored_to = max(job.stored_to, position)
+
         return Checkpointer(
             job.prompt,
             cache,
             reuse,
             self.store,
-            self.model_key,
+            job.cache_key,
             shared,
             self.disk,
             disk_positions,
             branch,
+            on_stored=stored,
         )

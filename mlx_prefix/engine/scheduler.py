@@ -48,6 +48,7 @@ class WaitingJob(Protocol):
     passovers: int
     background: bool  # a next-turn prefetch: runs only when nothing else would
     not_before: float  # monotonic time a background job may start
+    cache_key: str  # a job restores only from entries of its own key (namespace)
 
     @property
     def tokens(self) -> Sequence[int]: ...
@@ -110,7 +111,7 @@ class WaitingList(Generic[W]):
     def superseded_by(self, job: W) -> list[W]:
         """Remove and return the background jobs `job` extends (mutates): they would only
         recompute what it computes."""
-        return self.take_if(lambda bg: bg.background and extends(job.tokens, bg.tokens))
+        return self.take_if(lambda bg: bg.background and restores_from(job, bg))
 
     def ready_background(self, decoding: bool) -> W | None:
         """The oldest background job allowed to start, removed from the list: only on an
@@ -124,7 +125,13 @@ class WaitingList(Generic[W]):
             self.jobs.remove(job)
         return job
 
-    def preempts(self, prefetch_tokens: Sequence[int]) -> bool:
-        """Whether a waiting request cannot restore from a background prefill of
-        `prefetch_tokens` (so that prefill should give way)."""
-        return any(not j.background and not extends(j.tokens, prefetch_tokens) for j in self.jobs)
+    def preempts(self, prefetch: W) -> bool:
+        """Whether a waiting request cannot restore from the background prefill
+        `prefetch` (so that prefill should give way)."""
+        return any(not j.background and not restores_from(j, prefetch) for j in self.jobs)
+
+
+def restores_from(job: WaitingJob, earlier: WaitingJob) -> bool:
+    """Whether `job` can restore what `earlier` computes: the same entry key (one
+    namespace never restores another's prefill) and a prompt extending its prompt."""
+    return job.cache_key == earlier.cache_key and extends(job.tokens, earlier.tokens)

@@ -17,6 +17,7 @@ class TextStream:
         self._text = ""  # all text so far
         self._sent = 0  # characters handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def add(self, token: int) -> str:
         """Add a token; return the new text that is safe to send ('' if none)."""
@@ -36,9 +37,10 @@ class TextStream:
             return ""
         for s in self.stop:
             at = self._text.find(s, max(0, self._sent - len(s) + 1))
-            if at != -1:
+            if at != -1:  # a later, earlier-starting match cuts further: it wins
                 self._text = self._text[:at]
                 self.stopped = True
+                self.matched = s
                 final = True
         end = len(self._text)
         if not final and self.stop:

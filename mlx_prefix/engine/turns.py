@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from mlx_prefix.cache.trie import TokenIds, packed
+from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job
 from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
@@ -36,6 +37,7 @@ class JobSpec:
     is_chat: bool
     sampling: SamplingParams  # seed resolved on rank 0
     cache_pref: CachePreference
+    cache_key: str  # its entries' key (model and namespace)
     warm: bool
     pin: bool
     background: bool
@@ -52,13 +54,16 @@ class JobSpec:
             prompt.is_chat,
             job.sampling,
             job.cache_pref,
+            job.cache_key,
             job.warm is not None,
             job.pin,
             job.background,
             job.not_before,
         )
 
-    def job(self, submitted_at: float) -> Job:
+    def job(self, submitted_at: float, constraints: ConstraintFactory) -> Job:
+        """This rank's copy; its grammar state (response_format) built here like rank 0's."""
+        fmt = self.sampling.response_format
         ids = array("q")
         ids.frombytes(self.tokens)
         prompt = RenderedPrompt(TokenIds(ids), self.checkpoints, self.is_chat)
@@ -68,8 +73,10 @@ class JobSpec:
             prompt,
             self.sampling,
             self.cache_pref,
+            self.cache_key,
             submitted_at,
             warm=Future() if self.warm else None,
+            constraint=constraints.create(fmt) if fmt is not None else None,
             pin=self.pin,
             background=self.background,
             not_before=self.not_before,
@@ -83,6 +90,7 @@ class CacheAction:
 
     name: str  # "flush" | "pin" | "unpin" | "evict"
     entry_id: int = -1
+    namespace: str | None = None  # flush: of one namespace (None: all)
 
 
 @dataclass(frozen=True, slots=True)

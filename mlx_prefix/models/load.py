@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
+from mlx_prefix.models.template import ensure_template, template_args, template_text
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LoadedModel",
-    "finish_loading",
     "ModelIdentity",
+    "finish_loading",
     "choose_dtype",
     "load_model",
     "resolve_model_path",
@@ -46,6 +47,8 @@ class LoadedModel:
     name: str  # id served in /v1/models: folder basename or repo id
     path: Path
     context_length: int | None  # from config; None if the config does not say
+    # apply_chat_template arguments of every request (--chat-template-args)
+    template_args: dict[str, Any] = field(default_factory=dict)
 
 
 def choose_dtype(device: mx.Device, checkpoint_dtype: str) -> str:
@@ -60,12 +63,20 @@ def choose_dtype(device: mx.Device, checkpoint_dtype: str) -> str:
 
 
 def load_model(
-    spec: str | None = None, *, adapter: str | None = None, dtype: str | None = None
+    spec: str | None = None,
+    *,
+    adapter: str | None = None,
+    dtype: str | None = None,
+    chat_template: str | None = None,
+    use_default_chat_template: bool = False,
+    chat_template_args: str | None = None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve `spec` (see `resolve_model`), load it with mlx-lm, cast, fingerprint.
 
     `dtype` overrides `choose_dtype`. Quantized layers stay quantized; only their
-    floating parameters (scales, biases, norms, embeddings) are cast.
+    floating parameters (scales, biases, norms, embeddings) are cast. The template
+    options are models/template.py's.
     """
     from mlx_lm.utils import load_adapters, load_tokenizer
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -74,6 +85,8 @@ def load_model(
         raise InvalidRequest(
             f"dtype '{dtype}' is not supported (choose from {', '.join(_DTYPES)})", param="dtype"
         )
+    defaults = template_args(chat_template_args)
+    options = tokenizer_config(chat_template, trust_remote_code)
     resolved = resolve_model(spec)
     adapter_path = _resolve_adapter(adapter)
     label = spec if spec is not None else resolved.name
@@ -86,7 +99,8 @@ def load_model(
             model = load_adapters(model, str(adapter_path))
             model.eval()
         part = "tokenizer"
-        tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(resolved.path, options, eos_token_ids=config.get("eos_token_id"))
+        ensure_template(tokenizer, use_default_chat_template)
     except Exception as e:  # noqa: BLE001
         # A damaged, incomplete or unsupported folder fails in mlx-lm, safetensors,
         # transformers or tokenizers with about any exception type (a truncated file:
@@ -95,7 +109,15 @@ def load_model(
         message = f"model '{label}' could not be loaded: {reason}"
         raise ModelNotFound(message, param="adapter" if part == "adapter" else "model") from e
 
-    return finish_loading(model, tokenizer, config, resolved, dtype, adapter_path)
+    return finish_loading(model, tokenizer, config, resolved, dtype, defaults, adapter_path)
+
+
+def tokenizer_config(chat_template: str | None, trust_remote_code: bool) -> dict[str, Any]:
+    """mlx-lm's tokenizer options for --chat-template and --trust-remote-code."""
+    options: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if chat_template is not None:
+        options["chat_template"] = template_text(chat_template)
+    return options
 
 
 def finish_loading(
@@ -104,6 +126,7 @@ def finish_loading(
     config: dict[str, Any],
     resolved: ResolvedModel,
     dtype: str | None,
+    template_defaults: dict[str, Any],
     adapter_path: Path | None = None,
     shard: str | None = None,
 ) -> LoadedModel:
@@ -130,6 +153,7 @@ def finish_loading(
         name=resolved.name,
         path=resolved.path,
         context_length=_context_length(config),
+        template_args=template_defaults,
     )
 
 

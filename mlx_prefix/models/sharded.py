@@ -24,20 +24,33 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.group import Channel, Cluster, RankInfo, host_name
-from mlx_prefix.models.load import LoadedModel, finish_loading
+from mlx_prefix.models.load import LoadedModel, finish_loading, tokenizer_config
 from mlx_prefix.models.resolve import resolve_model
+from mlx_prefix.models.template import ensure_template, template_args
 
 _INDEX = "model.safetensors.index.json"
 
 
 def load_sharded(
-    spec: str | None, channel: Channel, *, pipeline: bool, backend: str, dtype: str | None = None
+    spec: str | None,
+    channel: Channel,
+    *,
+    pipeline: bool,
+    backend: str,
+    dtype: str | None = None,
+    chat_template: str | None = None,
+    use_default_chat_template: bool = False,
+    chat_template_args: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[LoadedModel, Cluster]:
     """This rank's shard of `spec`, and the group's layout. Every rank calls it (it runs
-    collectives). Raises ModelNotFound (one line) for a model that cannot be sharded."""
+    collectives). Raises ModelNotFound (one line) for a model that cannot be sharded.
+    The template options are load_model's (models/template.py)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
     from mlx_lm.utils import sharded_load
 
+    defaults = template_args(chat_template_args)
+    options = tokenizer_config(chat_template, trust_remote_code)
     resolved = resolve_model(spec)
     label = spec if spec is not None else resolved.name
     mode = "pipeline" if pipeline else "tensor"
@@ -45,7 +58,9 @@ def load_sharded(
     refused = f"model '{label}' cannot be served sharded over {world} ranks in {mode} mode"
     try:
         config = json.loads((resolved.path / "config.json").read_text())
-        lazy, _ = mlx_lm_load_model(resolved.path, lazy=True, strict=False)
+        lazy, _ = mlx_lm_load_model(
+            resolved.path, lazy=True, strict=False, trust_remote_code=trust_remote_code
+        )
     except Exception as e:  # noqa: BLE001 - any failure of a damaged folder: one line
         raise ModelNotFound(f"model '{label}' could not be loaded: {e}", param="model") from e
     reason = shard_refusal(config, lazy, world, pipeline, resolved.path)
@@ -59,13 +74,15 @@ def load_sharded(
             pipeline_group=group if pipeline else None,
             tensor_group=None if pipeline else group,
             return_config=True,
-            tokenizer_config={"trust_remote_code": False},
+            tokenizer_config=options,
+            trust_remote_code=trust_remote_code,
         )
+        ensure_template(tokenizer, use_default_chat_template)
     except Exception as e:  # noqa: BLE001 - e.g. a dimension mlx's sharded layers refuse
         raise ModelNotFound(f"{refused}: {' '.join(str(e).split())}", param="model") from e
     part = _part(model, config, world, pipeline)
     shard = f"{mode} {channel.rank}/{world}"
-    loaded = finish_loading(model, tokenizer, config, resolved, dtype, shard=shard)
+    loaded = finish_loading(model, tokenizer, config, resolved, dtype, defaults, shard=shard)
     infos = channel.gather_bytes(json.dumps([host_name(), os.getpid(), part]).encode())
     ranks = tuple(RankInfo(r, *json.loads(b)) for r, b in enumerate(infos))
     check_equal_caches(loaded, channel, refused)

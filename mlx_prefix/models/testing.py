@@ -11,6 +11,10 @@ through `load_model` like any real checkpoint.
 | `qwen3_5`    | qwen3_5        | linear, full, linear, full         | ArraysCache + KVCache   |
 | `nemotron_h` | nemotron_h     | Mamba2, attention, MLP, Mamba2     | ArraysCache + KVCache   |
 | `sliding`    | gemma3_text    | sliding, global, sliding, global   | RotatingKVCache + KVCache |
+
+Every kind has a 4096-token context; `context=` gives a longer one (an agent's 25K-token
+prompt needs 32K). `think_template` swaps in a Qwen3-style template with tools,
+`<tool_call>` JSON calls (mlx-lm's `json_tools` parser) and `<think>` reasoning.
 """
 
 from __future__ import annotations
@@ -110,10 +114,17 @@ _CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_test_model(kind: str, dest: Path, *, think_template: bool = False, seed: int = 0) -> Path:
+def make_test_model(
+    kind: str,
+    dest: Path,
+    *,
+    think_template: bool = False,
+    seed: int = 0,
+    context: int | None = None,
+) -> Path:
     """Write a loadable model folder of `kind` into `dest` (created if missing); return it.
 
-    The same `kind` and `seed` always give the same weights.
+    The same `kind` and `seed` always give the same weights (whatever the context).
     """
     if kind not in _CONFIGS:
         raise ValueError(f"unknown test model kind {kind!r}; choose from {TEST_MODEL_KINDS}")
@@ -126,6 +137,8 @@ def make_test_model(kind: str, dest: Path, *, think_template: bool = False, seed
     for cfg in (config, config.get("text_config", {})):
         if "vocab_size" in cfg:
             cfg["vocab_size"] = vocab_size
+        if context is not None and "max_position_embeddings" in cfg:
+            cfg["max_position_embeddings"] = context
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
@@ -161,24 +174,28 @@ def _write_tokenizer(dest: Path, *, think_template: bool) -> int:
     tok_config_path = dest / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["chat_template"] = THINK_CHAT_TEMPLATE
+    tok_config["tool_parser_type"] = "json_tools"  # what mlx-lm infers for Qwen3
     tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
     return tok.get_vocab_size()
 
 
 _cache_root: Path | None = None
-_cached: dict[tuple[str, bool], Path] = {}
+_cached: dict[tuple[str, bool, int | None], Path] = {}
 
 
-def cached_test_model(kind: str, think_template: bool = False) -> Path:
+def cached_test_model(kind: str, think_template: bool = False, context: int | None = None) -> Path:
     """`make_test_model(kind, ...)` written once per process under a temp dir (seed 0)."""
     global _cache_root
-    key = (kind, think_template)
+    key = (kind, think_template, context)
     if key not in _cached:
         if _cache_root is None:
             _cache_root = Path(tempfile.mkdtemp(prefix="mlx-prefix-test-models-"))
             atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
         name = f"tiny-{kind}" + ("-think" if think_template else "")
-        _cached[key] = make_test_model(kind, _cache_root / name, think_template=think_template)
+        name += f"-{context // 1024}k" if context else ""
+        _cached[key] = make_test_model(
+            kind, _cache_root / name, think_template=think_template, context=context
+        )
     return _cached[key]
 
 

@@ -11,7 +11,9 @@ Checkpoint kinds (see cache.store.CheckpointKind for their eviction order):
   prompt itself (the next turn's history starts with it);
 - PERIODIC: every N tokens, so a divergence deep inside a long document still restores
   close to it; and one tail checkpoint at the last multiple of the chunk size inside the
-  prompt, so "same document, new question at its end" restores next to the question.
+  prompt, so "same document, new question at its end" restores next to the question;
+- BREAKPOINT: where the client marked its stable prefix (`cache_control`), found by
+  prompt/breakpoints.py; kept after the last message's start, before the system prompt.
 Every position is aligned down onto the grid, so a checkpoint is always a point where a
 cold prefill of the same tokens also ends a chunk.
 
@@ -35,6 +37,7 @@ from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.trie import TokenIds
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.prompt.breakpoints import breakpoint_positions
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
 from mlx_prefix.records import PromptInput
@@ -52,6 +55,7 @@ _PROBES = (("system", "user", "assistant", "user"), ("user", "assistant", "user"
 class Checkpoint:
     position: int  # tokens before the cut; a grid point
     kind: CheckpointKind
+    marked: bool = False  # a client breakpoint landed here (whatever kind won)
 
 
 @dataclass(frozen=True)
@@ -164,8 +168,10 @@ def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
 class PromptPlanner:
     """Renders prompts to tokens and plans their checkpoints. Thread-safe (no mutable state)."""
 
-    def __init__(self, tokenizer: Any, config: CacheConfig):
-        self.renderer = ChatRenderer(tokenizer)
+    def __init__(
+        self, tokenizer: Any, config: CacheConfig, template_args: dict[str, Any] | None = None
+    ):
+        self.renderer = ChatRenderer(tokenizer, template_args)
         self.config = config
         self.grid = detect_grid(self.renderer, config.prefill_chunk)
 
@@ -243,4 +249,9 @@ class PromptPlanner:
             add(start(len(messages) - 1), CheckpointKind.LAST_MESSAGE)
             if messages[0]["role"] in ("system", "developer"):
                 add(start(1), CheckpointKind.SYSTEM)
-        return self._with_tail(n, found)
+        marked = set()
+        for position in breakpoint_positions(self.renderer, prompt, messages, tokens, start):
+            add(position, CheckpointKind.BREAKPOINT)
+            marked.add(grid.align(tokens, position))
+        planned = self._with_tail(n, found)
+        return tuple(Checkpoint(c.position, c.kind, c.position in marked) for c in planned)

@@ -109,9 +109,17 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 class ChatRenderer:
     """Renders prompts with one tokenizer's chat template. Holds no MLX state."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, defaults: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        # The server's apply_chat_template arguments (--chat-template-args); a request's
+        # own chat_template_kwargs win over them, as in mlx_lm.server.
+        self.defaults = dict(defaults or {})
+        for key in sorted(self.defaults.keys() & _RESERVED_KWARGS.keys()):
+            raise InvalidRequest(
+                f"--chat-template-args may not set {key!r}: {_RESERVED_KWARGS[key]}",
+                param="chat_template_args",
+            )
 
     def render_text(
         self,
@@ -123,7 +131,7 @@ class ChatRenderer:
     ) -> str:
         if not self.has_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions")
-        kwargs = dict(template_kwargs or {})
+        kwargs = {**self.defaults, **(template_kwargs or {})}
         for key in sorted(kwargs.keys() & _RESERVED_KWARGS.keys()):
             raise InvalidRequest(
                 f"chat_template_kwargs may not set {key!r}: {_RESERVED_KWARGS[key]}",
@@ -150,8 +158,14 @@ class ChatRenderer:
     def encode_completion(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
+    def prompt_tokens(self, prompt: PromptInput) -> list[int]:
+        """The tokens `prompt` renders to (no checkpoint planning, no context check)."""
+        if prompt.text is not None:
+            return self.encode_completion(prompt.text)
+        return self.messages_tokens(prompt, normalize_messages(prompt.messages or ()))
+
     def messages_tokens(self, prompt: PromptInput, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = self.render_text(
             messages, tools=prompt.tools, template_kwargs=prompt.chat_template_kwargs
         )
-        return self.encode_chat(text)
+        return self.encode_chat(text + prompt.assistant_prefix)

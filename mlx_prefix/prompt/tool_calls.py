@@ -49,6 +49,17 @@ class Split:
     calls: list[str]  # complete tool-call bodies, markers stripped
 
 
+# One piece of a reply, in order: (True, a call's body, markers stripped) or (False, text).
+Piece = tuple[bool, str]
+
+
+def joined(pieces: list[Piece]) -> Split:
+    return Split(
+        text="".join(t for is_call, t in pieces if not is_call),
+        calls=[body for is_call, body in pieces if is_call],
+    )
+
+
 @dataclass
 class ToolCallSplitter:
     syntax: ToolSyntax
@@ -56,8 +67,15 @@ class ToolCallSplitter:
     _in_call: bool = False
 
     def feed(self, text: str) -> Split:
+        return joined(self.pieces(text))
+
+    def finish(self) -> Split:
+        return joined(self.last_pieces())
+
+    def pieces(self, text: str) -> list[Piece]:
+        """What `text` completes, in order: text safe to send now, and whole calls."""
         self._pending += text
-        out, calls = [], []
+        out: list[Piece] = []
         while True:
             marker = self.syntax.end if self._in_call else self.syntax.start
             if self._in_call and not marker:
@@ -65,63 +83,68 @@ class ToolCallSplitter:
             at = self._pending.find(marker)
             if at < 0:
                 break
-            if self._in_call:
-                calls.append(self._pending[:at])
-            else:
-                out.append(self._pending[:at])
+            out.append((self._in_call, self._pending[:at]))
             self._pending = self._pending[at + len(marker) :]
             self._in_call = not self._in_call
         if not self._in_call:
-            keep = _partial_suffix(self._pending, self.syntax.start)
-            out.append(self._pending[: len(self._pending) - keep])
+            keep = partial_suffix(self._pending, self.syntax.start)
+            out.append((False, self._pending[: len(self._pending) - keep]))
             self._pending = self._pending[len(self._pending) - keep :]
-        return Split(text="".join(out), calls=calls)
+        return [(is_call, t) for is_call, t in out if is_call or t]
 
-    def finish(self) -> Split:
+    def last_pieces(self) -> list[Piece]:
         # An unterminated call (cut by max_tokens) is still offered to the parser,
         # as mlx_lm.server does; if it fails to parse it comes back as text.
         pending, self._pending = self._pending, ""
         if self._in_call:
             self._in_call = False
-            return Split(text="", calls=[pending] if pending.strip() else [])
-        return Split(text=pending, calls=[])
+            return [(True, pending)] if pending.strip() else []
+        return [(False, pending)] if pending else []
 
 
 @dataclass
 class ReplySplitter:
-    """A ToolCallSplitter that also drops the reply's text when it is only whitespace and
-    the reply calls tools (the newlines a model writes around its calls): held back while
-    all text so far is whitespace, released once anything else arrives. The result
-    depends only on the whole reply, never on how it was cut into deltas."""
+    """A ToolCallSplitter that also drops whitespace-only text around calls (the newlines
+    a model writes before, between and after its calls): the text since the reply's
+    start or the last call is held while it is only whitespace, released once anything
+    else arrives, and dropped when a call follows or the reply ends after a call. A reply
+    without calls keeps its text whatever it is. Anthropic's content blocks cannot carry
+    whitespace-only text, and every family (and the prefetch) must see the same text.
+    The result depends only on the whole reply, never on how it was cut into deltas."""
 
     syntax: ToolSyntax
     _splitter: ToolCallSplitter = field(init=False)
-    _held: str = ""
-    _spoke: bool = False  # non-whitespace text was seen (nothing is held from then on)
+    _held: str = ""  # the current run of text, while it is only whitespace
+    _spoke: bool = False  # the current run has non-whitespace text: nothing is held
     _called: bool = False
 
     def __post_init__(self) -> None:
         self._splitter = ToolCallSplitter(self.syntax)
 
     def feed(self, text: str) -> Split:
-        return self._hold(self._splitter.feed(text), final=False)
+        return joined(self._hold(self._splitter.pieces(text)))
 
     def finish(self) -> Split:
-        return self._hold(self._splitter.finish(), final=True)
+        out = self._hold(self._splitter.last_pieces())
+        if self._held and not self._called:
+            out.append((False, self._held))
+        self._held = ""
+        return joined(out)
 
-    def _hold(self, split: Split, final: bool) -> Split:
-        self._called |= bool(split.calls)
-        if self._spoke:
-            return split
-        self._held += split.text
-        if self._held.strip():
-            self._spoke = True
-            text, self._held = self._held, ""
-            return Split(text, split.calls)
-        if final and not self._called:
-            text, self._held = self._held, ""
-            return Split(text, split.calls)
-        return Split("", split.calls)
+    def _hold(self, pieces: list[Piece]) -> list[Piece]:
+        out: list[Piece] = []
+        for is_call, text in pieces:
+            if is_call:
+                out.append((True, text))
+                self._held, self._spoke, self._called = "", False, True
+            elif self._spoke:
+                out.append((False, text))
+            else:
+                self._held += text
+                if self._held.strip():
+                    out.append((False, self._held))
+                    self._held, self._spoke = "", True
+        return out
 
 
 @dataclass(frozen=True)
@@ -199,7 +222,7 @@ def client_reply(
     return ClientReply(message, tuple(c.id for c in calls))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

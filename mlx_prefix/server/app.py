@@ -19,7 +19,9 @@ from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
-from .protocol.request import Limits
+from .model_names import ModelRegistry, ServedModel
+from .namespaces import Namespaces
+from .protocol.request import Limits, SamplingDefaults
 from .response_store import ResponseStore
 from .routes import ROUTES
 from .routes.common import ServerState
@@ -126,6 +128,9 @@ def _build(
     limits = Limits(
         default_max_tokens=settings.default_max_tokens,
         max_tokens=min(settings.max_tokens_limit, context_length or settings.max_tokens_limit),
+        sampling=SamplingDefaults(
+            settings.temperature, settings.top_p, settings.top_k, settings.min_p
+        ),
     )
     metrics = ServerMetrics(engine.cache_stats)
     middleware = [
@@ -148,8 +153,12 @@ def _build(
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
+    models = ModelRegistry(
+        [ServedModel.of(engine, settings.aliases)], strict=settings.strict_model_names
+    )
     app.state.server = ServerState(
         engine=engine,
+        models=models,
         settings=settings,
         metrics=metrics,
         limits=limits,
@@ -157,4 +166,5 @@ def _build(
         started=int(time.time()),
         responses=ResponseStore(settings.responses_store),
     )
+    app.state.namespaces = Namespaces(settings.cache_sharing, settings.api_key)
     return app

@@ -1,6 +1,17 @@
-"""Engine token events -> text and tool-call deltas, for every API family: tool markup
-never leaks as text, and whitespace-only text around calls is dropped (see
-prompt/tool_calls.py, shared with the engine's next-turn prefetch)."""
+"""Engine token events -> reply deltas (reasoning, text, tool calls, logprobs), for every
+API family (chat, completions, Anthropic messages, Responses).
+
+Tool-call markup never leaks as text: the model's calls come out as structured calls in
+OpenAI's `tool_calls` shape ({"id", "type": "function", "function": {"name",
+"arguments": JSON text}}), the one form each family converts from, named by the
+prompt's `reply_tool_call_ids`. Splitting, parsing and naming are prompt/tool_calls.py's,
+shared with the engine's next-turn prefetch, so the prefetch renders the reply exactly as
+the client receives it (whitespace-only text around calls dropped alike).
+
+A reply whose prompt opened the assistant's turn (a forced tool call, server/tool_choice.py)
+is read as continuing that opening. With a ThinkSplitter (server/thinking.py), reasoning
+at the reply's start is split off before the text is searched for calls.
+"""
 
 from __future__ import annotations
 
@@ -11,34 +22,45 @@ from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
 from . import responses as R
 from .protocol.request import GenerationRequest
-from .tools import ReplySplitter, ToolCallFormatter, ToolSyntax
+from .thinking import ThinkSplitter
+from .tools import ReplySplitter, Split, ToolCallFormatter, ToolSyntax
 
 
 @dataclass(frozen=True)
 class Delta:
     text: str
-    tool_calls: list[dict[str, Any]]
+    tool_calls: list[dict[str, Any]]  # OpenAI's tool_calls shape
     logprobs: list[R.TokenLogprob]
+    reasoning: str = ""
 
     def __bool__(self) -> bool:
-        return bool(self.text or self.tool_calls or self.logprobs)
+        return bool(self.text or self.tool_calls or self.logprobs or self.reasoning)
 
 
 @dataclass
 class Assembler:
-    """Turns token events into text / tool-call deltas (tool markup never leaks as text)."""
-
     logprobs: bool
     splitter: ReplySplitter | None = None
     formatter: ToolCallFormatter | None = None
+    thinking: ThinkSplitter | None = None
     made_tool_call: bool = False
     tokenizer: Any = None  # decodes the tokens of logprobs
     _texts: dict[int, str] = field(default_factory=dict)  # token id -> its text
 
     @classmethod
-    def for_request(cls, req: GenerationRequest, tokenizer: Any, streaming: bool) -> Assembler:
+    def for_request(
+        cls,
+        req: GenerationRequest,
+        tokenizer: Any,
+        streaming: bool,
+        *,
+        split_thinking: bool = False,
+    ) -> Assembler:
         syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
-        return cls.build(req.sampling.logprobs, syntax, req.prompt, streaming, tokenizer)
+        thinking = ThinkSplitter.of(tokenizer) if split_thinking else None
+        return cls.build(
+            req.sampling.logprobs, syntax, req.prompt, streaming, tokenizer, thinking=thinking
+        )
 
     @classmethod
     def build(
@@ -48,16 +70,26 @@ class Assembler:
         prompt: PromptInput,
         streaming: bool,
         tokenizer: Any = None,
+        *,
+        thinking: ThinkSplitter | None = None,
     ) -> Assembler:
         """Tool calls are parsed when `syntax` is given (tools offered, the tokenizer
-        knows their markup), named by the prompt's reply_tool_call_ids."""
+        knows their markup), named by the prompt's reply_tool_call_ids; reasoning is
+        split off when `thinking` is given."""
         if syntax is None:
-            return cls(logprobs=logprobs, tokenizer=tokenizer)
+            return cls(logprobs=logprobs, thinking=thinking, tokenizer=tokenizer)
+        splitter = ReplySplitter(syntax)
+        if prompt.assistant_prefix:
+            # The reply continues the forced call the prompt opened: no reasoning first.
+            thinking = None
+            split = splitter.feed(prompt.assistant_prefix)
+            assert not split.text and not split.calls, "an opening is a call's start"
         ids = prompt.reply_tool_call_ids
         return cls(
             logprobs=logprobs,
-            splitter=ReplySplitter(syntax),
+            splitter=splitter,
             formatter=ToolCallFormatter(syntax, prompt.tools, streaming, ids),
+            thinking=thinking,
             tokenizer=tokenizer,
         )
 
@@ -69,27 +101,33 @@ class Assembler:
             token = self._text(event.token) if event.token is not None else event.text
             top = tuple(R.Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
             lps.append(R.TokenLogprob(token, event.logprob, top))
+        reasoning, text = self.thinking.feed(event.text) if self.thinking else ("", event.text)
         if self.splitter is None:
-            return Delta(event.text, [], lps)
-        return self._split(self.splitter.feed(event.text), lps)
-
-    def _text(self, token: int) -> str:
-        if token not in self._texts:
-            self._texts[token] = self.tokenizer.decode([token])
-        return self._texts[token]
+            return Delta(text, [], lps, reasoning)
+        return self._split(self.splitter.feed(text), lps, reasoning)
 
     def finish(self) -> Delta:
+        reasoning, text = self.thinking.finish() if self.thinking else ("", "")
         if self.splitter is None:
-            return Delta("", [], [])
-        return self._split(self.splitter.finish(), [])
+            return Delta(text, [], [], reasoning)
+        head = self._split(self.splitter.feed(text), [], reasoning) if text else None
+        tail = self._split(self.splitter.finish(), [], "" if head else reasoning)
+        if head is None:
+            return tail
+        return Delta(head.text + tail.text, head.tool_calls + tail.tool_calls, [], reasoning)
 
     def finish_reason(self, done: DoneEvent) -> str:
         if done.finish_reason == "stop" and self.made_tool_call:
             return "tool_calls"
         return done.finish_reason
 
-    def _split(self, split: Any, lps: list[R.TokenLogprob]) -> Delta:
+    def _text(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self.tokenizer.decode([token])
+        return self._texts[token]
+
+    def _split(self, split: Split, lps: list[R.TokenLogprob], reasoning: str) -> Delta:
         assert self.formatter is not None
         calls, failed = self.formatter.format(split.calls) if split.calls else ([], "")
         self.made_tool_call |= bool(calls)
-        return Delta(split.text + failed, calls, lps)
+        return Delta(split.text + failed, calls, lps, reasoning)

@@ -2,8 +2,9 @@
 engine's activity and the last requests; and its single-entry actions.
 
 Who sees what: every listing and every action goes through `visible` with the
-`Caller`. Today a caller that passed the origin policy and the API key sees everything;
-issue 19 (cache namespaces per Origin / API key) narrows it there, in one place.
+`Caller` (server/namespaces.py): a page or extension sees its own namespace's entries,
+jobs and requests; the admin key's holder and local clients without an Origin (this
+page included) see all.
 
 Cost per poll: the engine's read-only views copy references under the store's and the
 disk index's locks (no MLX array is touched); the tree is built outside any lock. Its
@@ -16,32 +17,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from mlx_prefix.cache.records import EvictOutcome
 from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.engine.keys import namespace_of
 from mlx_prefix.errors import MlxPrefixError
 
+from .namespaces import Caller, visible
 from .recent import RecentRequests
 
 HEAD_TOKENS = 24  # tokens detokenized to show the start of what an entry adds
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who is asking: what issue 19's namespaces will be keyed on."""
-
-    origin: str | None  # the page's Origin header (None: not a page, or our own page's GET)
-    api_key: str | None = field(repr=False)  # the bearer key sent (checked if the server has one)
-
-
-def visible(caller: Caller, items: Iterable[T]) -> list[T]:
-    """What of `items` (memory entries, disk files, jobs, request records) `caller` may
-    see and act on: everything until issue 19 gives each caller its own namespace."""
-    return list(items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +84,26 @@ class TreeShapes:
         self._key: tuple[str, ...] | None = None
         self._nodes: list[TreeNode] = []
 
-    def nodes(self, sequences: dict[str, tuple[Any, ...]], tokenizer: Any) -> list[TreeNode]:
+    def nodes(
+        self,
+        sequences: dict[str, tuple[Any, ...]],
+        tokenizer: Any,
+        groups: dict[str, str] | None = None,
+    ) -> list[TreeNode]:
+        """The tree of `sequences`; with `groups` (node id -> its entry key), one tree
+        per key: an entry never nests under another namespace's. A node's group never
+        changes (an entry id or a file name implies its key)."""
         key = tuple(sorted(sequences))
         with self._lock:
             if key != self._key:
+                trees: dict[str, dict[str, tuple[Any, ...]]] = {}
+                for node_id, tokens in sequences.items():
+                    group = groups.get(node_id, "") if groups is not None else ""
+                    trees.setdefault(group, {})[node_id] = tokens
                 self._nodes = [
                     _tree_node(node_id, parent, sequences, tokenizer)
-                    for node_id, parent in nest(sequences).items()
+                    for group in sorted(trees)
+                    for node_id, parent in nest(trees[group]).items()
                 ]
                 self._key = key
             return self._nodes
@@ -131,18 +131,21 @@ def snapshot(engine: Any, recent: RecentRequests, shapes: TreeShapes, caller: Ca
     disk = visible(caller, engine.disk_sequences())
     sequences = {f"m{s.info.entry_id}": s.tokens for s in memory}
     mem_info = {f"m{s.info.entry_id}": s.info for s in memory}
-    by_length: dict[int, list[str]] = {}  # not a dict by tokens: hashing them costs O(length)
+    groups = {node_id: info.model_key for node_id, info in mem_info.items()}
+    # Not a dict by tokens: hashing them costs O(length).
+    by_length: dict[tuple[str, int], list[str]] = {}
     for node_id, tokens in sequences.items():
-        by_length.setdefault(len(tokens), []).append(node_id)
+        by_length.setdefault((groups[node_id], len(tokens)), []).append(node_id)
     disk_info: dict[str, Any] = {}
-    for s in disk:  # a file of a sequence also in memory joins that node
-        same = (n for n in by_length.get(len(s.tokens), ()) if sequences[n] == s.tokens)
-        node_id = next(same, f"d{s.info.name}")
+    for s in disk:  # a file of a sequence also in memory (same key) joins that node
+        candidates = by_length.get((s.info.model_key, len(s.tokens)), ())
+        node_id = next((n for n in candidates if sequences[n] == s.tokens), f"d{s.info.name}")
         disk_info[node_id] = s.info
         sequences[node_id] = s.tokens
+        groups[node_id] = s.info.model_key
     tree = [
         _node_json(n, mem_info.get(n.node_id), disk_info.get(n.node_id))
-        for n in shapes.nodes(sequences, engine.model.tokenizer)
+        for n in shapes.nodes(sequences, engine.model.tokenizer, groups)
     ]
     stats = engine.cache_stats()
     now = time.perf_counter()
@@ -190,6 +193,7 @@ def _node_json(node: TreeNode, mem: Any, disk: Any) -> dict[str, Any]:
         "in_use": mem.refs > 0 if mem else False,
         "trimmable": info.trimmable,
         "disk_bytes": disk.nbytes if disk else None,
+        "namespace": namespace_of(info.model_key),  # an id: never the Origin it came from
     }
 
 

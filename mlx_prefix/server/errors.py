@@ -1,4 +1,6 @@
-"""Every failure leaves the server as one OpenAI-shaped body: {"error": {...}}."""
+"""Every failure leaves the server as one error body in the shape of the API family the
+path belongs to: OpenAI's `{"error": {message, type, param, code}}`, or on the Anthropic
+Messages routes `{"type": "error", "error": {type, message}}`, with the same status."""
 
 from __future__ import annotations
 
@@ -65,12 +67,48 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def body_for(exc: MlxPrefixError) -> dict:
+# Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The Anthropic Messages routes (/v1/messages, /messages/count_tokens, ...)."""
+    return path.removeprefix("/v1").startswith("/messages")
+
+
+def anthropic_error_body(exc: MlxPrefixError) -> dict:
+    kind = _ANTHROPIC_TYPES.get(exc.status)
+    if kind is None:
+        kind = "api_error" if exc.status >= 500 else "invalid_request_error"
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def body_for(exc: MlxPrefixError, *, anthropic: bool = False) -> dict:
+    if anthropic:
+        return anthropic_error_body(exc)
     return error_body(exc.message, exc.type, param=exc.param, code=exc.code)
 
 
-def error_response(exc: MlxPrefixError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(body_for(exc), status_code=exc.status, headers=headers)
+def error_response(
+    exc: MlxPrefixError, headers: dict[str, str] | None = None, *, anthropic: bool = False
+) -> JSONResponse:
+    return JSONResponse(body_for(exc, anthropic=anthropic), status_code=exc.status, headers=headers)
+
+
+def error_response_for(
+    path: str, exc: MlxPrefixError, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The error in the shape of the API family `path` belongs to."""
+    return error_response(exc, headers, anthropic=is_anthropic_path(path))
 
 
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
@@ -78,23 +116,22 @@ _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
 
 async def handle_mlx_prefix_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, MlxPrefixError)
-    return error_response(exc)
+    return error_response_for(request.url.path, exc)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     code = _HTTP_TYPES.get(exc.status_code)
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    body = error_body(message, "invalid_request_error", code=code)
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    err = MlxPrefixError(message, code=code)
+    err.status, err.type = exc.status_code, "invalid_request_error"
+    return error_response_for(request.url.path, err, exc.headers)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    body = error_body(
-        f"internal error: {type(exc).__name__}", "server_error", code="internal_error"
-    )
-    return JSONResponse(body, status_code=500)
+    err = MlxPrefixError(f"internal error: {type(exc).__name__}", code="internal_error")
+    return error_response_for(request.url.path, err)
 
 
 EXCEPTION_HANDLERS = {

@@ -1,4 +1,5 @@
-"""One engine request's events -> an OpenAI response: an SSE stream or one JSON body.
+"""One engine request's events -> a response in any API family: an SSE stream (through
+the family's StreamShaper) or the collected reply for one JSON body.
 
 Whatever way a request ends (done, engine error, client gone, server shutdown), the
 `finally` blocks cancel the engine handle (idempotent) and write the request's one
@@ -12,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -22,9 +23,8 @@ from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, Usage
 
 from . import responses as R
 from .assembler import Assembler, Delta
-from .errors import CancelledByServer, GenerationFailed, body_for
+from .errors import CancelledByServer, GenerationFailed
 from .metrics import ServerMetrics
-from .protocol.request import GenerationRequest
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -62,6 +62,7 @@ class RequestLog:
     request_id: str
     endpoint: str
     metrics: ServerMetrics
+    namespace: str | None = None  # the sender's cache namespace id: who sees the record
     prompt_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     _written: bool = False
@@ -78,7 +79,8 @@ class RequestLog:
         self._written = True
         total_ms = (time.perf_counter() - self.started) * 1000
         self.metrics.recent.add(
-            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish
+            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish,
+            self.namespace,
         )  # fmt: skip
         if usage is None:
             log.info(
@@ -97,53 +99,74 @@ class RequestLog:
         )  # fmt: skip
 
 
+class StreamShaper(Protocol):
+    """One API family's SSE stream: the bytes each step of a reply becomes."""
+
+    def opening(self) -> list[bytes]:
+        """Sent at once, before the engine's first event."""
+        ...
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        """Text, reasoning or tool calls produced (possibly the first)."""
+        ...
+
+    def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
+        """The reply ended (`finish`: the assembler's finish reason); the stream's end."""
+        ...
+
+    def failure(self, error: MlxPrefixError) -> list[bytes]:
+        """The request failed or was cancelled by the server; the stream's end."""
+        ...
+
+
 async def stream_events(
-    handle: Any,
-    req: GenerationRequest,
-    meta: R.ResponseMeta,
-    assembler: Assembler,
-    record: RequestLog,
+    handle: Any, assembler: Assembler, shaper: StreamShaper, record: RequestLog
 ) -> AsyncIterator[bytes]:
+    """Engine events -> SSE bytes in `shaper`'s family. Errors become the family's error
+    events: the stream is the edge, it never cuts the connection."""
     status = "client_disconnected"  # stays so if the response task is cancelled mid-stream
     usage = finish = None
     try:
-        if meta.kind == "chat":
-            yield R.sse(R.chunk(meta, role=True, text="", include_usage=req.include_usage))
+        for chunk in shaper.opening():
+            yield chunk
         try:
             async with aclosing(handle.aevents()) as events:
                 async for event in events:
                     if isinstance(event, TokenEvent):
                         delta = assembler.feed(event)
                         if delta:
-                            yield R.sse(_delta_chunk(meta, delta, req))
+                            for chunk in shaper.delta(delta):
+                                yield chunk
                     elif isinstance(event, DoneEvent):
                         if event.finish_reason == "cancelled":
                             status = "cancelled"
-                            yield R.sse(body_for(CancelledByServer(CANCELLED)))
+                            for chunk in shaper.failure(CancelledByServer(CANCELLED)):
+                                yield chunk
                             return
                         delta = assembler.finish()
                         if delta:
-                            yield R.sse(_delta_chunk(meta, delta, req))
+                            for chunk in shaper.delta(delta):
+                                yield chunk
                         usage, finish = event.usage, assembler.finish_reason(event)
-                        yield R.sse(
-                            R.chunk(meta, finish_reason=finish, include_usage=req.include_usage)
-                        )
-                        if req.include_usage:
-                            yield R.sse(R.usage_chunk(meta, event.usage))
-                        yield R.SSE_DONE
+                        for chunk in shaper.closing(event, finish):
+                            yield chunk
                         status = "200"
                         return
                     elif isinstance(event, ErrorEvent):
                         status = "error"
                         log.error("%s generation failed: %s", record.request_id, event.message)
-                        yield R.sse(body_for(as_error(event)))
+                        for chunk in shaper.failure(as_error(event)):
+                            yield chunk
                         return
             status = "error"
-            yield R.sse(body_for(GenerationFailed("the engine ended the stream without a result")))
-        except Exception as e:  # the stream is the edge: report, never cut the connection
+            ended = GenerationFailed("the engine ended the stream without a result")
+            for chunk in shaper.failure(ended):
+                yield chunk
+        except Exception as e:
             status = "error"
             log.exception("%s generation failed", record.request_id)
-            yield R.sse(body_for(as_error(e)))
+            for chunk in shaper.failure(as_error(e)):
+                yield chunk
     finally:
         handle.cancel()
         record.write(status, usage, finish)
@@ -155,25 +178,39 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class Collected:
-    text: str
-    tool_calls: list[dict[str, Any]]
-    logprobs: list[R.TokenLogprob]
+    """A whole reply: its deltas in order, and the joined views of them."""
+
+    deltas: list[Delta]
     done: DoneEvent
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(d.reasoning for d in self.deltas)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [call for d in self.deltas for call in d.tool_calls]
+
+    @property
+    def logprobs(self) -> list[R.TokenLogprob]:
+        return [lp for d in self.deltas for lp in d.logprobs]
 
 
 async def collect(handle: Any, assembler: Assembler, request: Request) -> Collected:
     """Runs a non-streaming request to its end. If the client goes away it cancels the
     request and returns at once (ClientGone), without waiting for the engine to stop."""
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    lps: list[R.TokenLogprob] = []
+    deltas: list[Delta] = []
 
     async def events() -> DoneEvent | ErrorEvent | None:
         async with aclosing(handle.aevents()) as stream:
             async for event in stream:
                 if not isinstance(event, TokenEvent):
                     return event
-                _add(assembler.feed(event), texts, calls, lps)
+                deltas.append(assembler.feed(event))
         return None
 
     try:
@@ -186,8 +223,8 @@ async def collect(handle: Any, assembler: Assembler, request: Request) -> Collec
         raise GenerationFailed("the engine ended the request without a result")
     if result.finish_reason == "cancelled":
         raise CancelledByServer(CANCELLED)
-    _add(assembler.finish(), texts, calls, lps)
-    return Collected("".join(texts), calls, lps, result)
+    deltas.append(assembler.finish())
+    return Collected([d for d in deltas if d], result)
 
 
 async def until_disconnect(
@@ -224,22 +261,6 @@ async def until_disconnect(
     if failed:
         raise failed[0]
     return done[0]
-
-
-def _add(delta: Delta, texts: list[str], calls: list[dict[str, Any]], lps: list[Any]) -> None:
-    texts.append(delta.text)
-    calls.extend(delta.tool_calls)
-    lps.extend(delta.logprobs)
-
-
-def _delta_chunk(meta: R.ResponseMeta, delta: Delta, req: GenerationRequest) -> dict[str, Any]:
-    return R.chunk(
-        meta,
-        text=delta.text if delta.text or not delta.tool_calls else None,
-        tool_calls=delta.tool_calls,
-        logprobs=delta.logprobs,
-        include_usage=req.include_usage,
-    )
 
 
 def as_error(source: ErrorEvent | Exception) -> MlxPrefixError:

@@ -13,7 +13,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import OriginRefused, Unauthorized, error_response
+from .errors import OriginRefused, Unauthorized, error_response, error_response_for
 from .metrics import ServerMetrics
 
 # Pages served from this machine on any port, and browser extensions. Other web origins
@@ -56,7 +56,7 @@ class OriginPolicy(CORSMiddleware):
         if scope["type"] == "http":
             origin = Headers(scope=scope).get("origin")
             if origin is not None and not self.is_allowed_origin(origin):
-                await _refused(origin)(scope, receive, send)
+                await _refused(scope["path"], origin)(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
@@ -70,34 +70,49 @@ class OriginPolicy(CORSMiddleware):
         return error_response(OriginRefused(f"CORS preflight refused: {reason}"))
 
 
-def _refused(origin: str) -> Response:
+def _refused(path: str, origin: str) -> Response:
     err = OriginRefused(
         f"origin {origin!r} is not allowed: pages on localhost and browser extensions are; "
         "start the server with --allowed-origins to add others"
     )
-    return error_response(err, headers={"Vary": "Origin"})
+    return error_response_for(path, err, headers={"Vary": "Origin"})
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/", "/dashboard"})
+OPEN_PREFIXES = ("/dashboard/static/",)
+
+
+def is_open(path: str) -> bool:
+    """Paths served without the API key."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 class ApiKeyAuth:
-    """Requires `Authorization: Bearer <key>` on /v1/*; /health, /metrics, CORS
-    preflights and the dashboard's page and files (no data: that is /v1/dashboard) stay
-    open."""
+    """Requires the API key on every path but the open ones (/health, /metrics, and the
+    dashboard's page and files: no data, that is /v1/dashboard), the API under /v1 and
+    its unprefixed twins alike (CORS preflights stay open), sent either way clients send
+    it: `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic's)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"].startswith("/v1/")
-            and scope["method"] != "OPTIONS"
-        ):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self._expected):
-                message = "missing API key" if not given else "invalid API key"
-                err = Unauthorized(f"{message}: send 'Authorization: Bearer <key>'")
-                response = error_response(err, headers={"WWW-Authenticate": "Bearer"})
+        if scope["type"] == "http" and not is_open(scope["path"]) and scope["method"] != "OPTIONS":
+            headers = Headers(scope=scope)
+            bearer = headers.get("authorization", "").encode()
+            key = headers.get("x-api-key", "").encode()
+            # Both compared, always: the time taken says nothing about which was close.
+            ok = hmac.compare_digest(bearer, self._bearer) | hmac.compare_digest(key, self._key)
+            if not ok:
+                message = "missing API key" if not (bearer or key) else "invalid API key"
+                err = Unauthorized(
+                    f"{message}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                )
+                response = error_response_for(
+                    scope["path"], err, headers={"WWW-Authenticate": "Bearer"}
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

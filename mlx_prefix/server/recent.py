@@ -31,6 +31,7 @@ class RequestRecord:
     prefill_tokens_per_s: float | None
     decode_tokens_per_s: float | None
     finish: str | None  # "stop", "length", "tool_calls"
+    namespace: str | None = None  # the sender's cache namespace id (server/namespaces.py)
 
 
 class RecentRequests:
@@ -50,6 +51,7 @@ class RecentRequests:
         prompt_tokens: int,
         usage: Usage | None,
         finish: str | None,
+        namespace: str | None = None,
     ) -> None:
         with self._lock:
             self._seq += 1
@@ -68,6 +70,7 @@ class RecentRequests:
                     prefill_tokens_per_s=usage.prefill_tokens_per_s if usage else None,
                     decode_tokens_per_s=usage.decode_tokens_per_s if usage else None,
                     finish=finish,
+                    namespace=namespace,
                 )
             )
 

@@ -1,4 +1,5 @@
-"""OpenAI response bodies and SSE chunks, built from plain values. No I/O here."""
+"""OpenAI response bodies and SSE chunks (chat and completions), built from plain values.
+No I/O here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import Usage
+
+from .errors import body_for
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -152,3 +156,37 @@ def chunk(
 
 def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
     return {**meta.head(True), "choices": [], "usage": usage_body(usage)}
+
+
+@dataclass
+class OpenAIStream:
+    """The chat / completion chunk stream (generation.StreamShaper): a role chunk first
+    (chat), content and tool-call deltas, the finish chunk, optionally a usage chunk,
+    then [DONE]; a failure is one error chunk."""
+
+    meta: ResponseMeta
+    include_usage: bool
+
+    def opening(self) -> list[bytes]:
+        if self.meta.kind != "chat":
+            return []
+        return [sse(chunk(self.meta, role=True, text="", include_usage=self.include_usage))]
+
+    def delta(self, delta: Any) -> list[bytes]:
+        body = chunk(
+            self.meta,
+            text=delta.text if delta.text or not delta.tool_calls else None,
+            tool_calls=delta.tool_calls,
+            logprobs=delta.logprobs,
+            include_usage=self.include_usage,
+        )
+        return [sse(body)]
+
+    def closing(self, done: Any, finish: str) -> list[bytes]:
+        out = [sse(chunk(self.meta, finish_reason=finish, include_usage=self.include_usage))]
+        if self.include_usage:
+            out.append(sse(usage_chunk(self.meta, done.usage)))
+        return [*out, SSE_DONE]
+
+    def failure(self, error: MlxPrefixError) -> list[bytes]:
+        return [sse(body_for(error))]

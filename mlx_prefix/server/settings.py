@@ -16,26 +16,54 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     default_max_tokens: int = 512  # when a request names neither max_tokens form
+    # Sampling defaults for requests that leave the field out (None: the API's own).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     max_tokens_limit: int = 1_000_000  # hard cap when the model's context length is unknown
     shutdown_grace_s: float = 10.0  # in-flight requests get this long, then are cancelled
     warm_timeout_s: float = 600.0  # POST /v1/cache/warm answers 504 after this long
+    # More names for the served model (--alias); see server/model_names.py.
+    aliases: tuple[str, ...] = ()
+    # An unknown model name is a 404 instead of being served by the default model.
+    strict_model_names: bool = False
+    # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
+    # in the prompt (it changes between requests, so by default it is left out).
+    keep_billing_header: bool = False
     responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
+    # Cache namespaces (server/namespaces.py): "origin" keeps each Origin's (and API
+    # key's) entries apart; "global" shares one cache among every client.
+    cache_sharing: str = "origin"
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
         if isinstance(origins, str):  # "a,b" from an env var or a config file
             origins = tuple(o.strip() for o in origins.split(",") if o.strip())
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in origins))
+        if isinstance(self.aliases, str):
+            aliases = tuple(a.strip() for a in self.aliases.split(",") if a.strip())
+            object.__setattr__(self, "aliases", aliases)
+        if any(not a or a != a.strip() for a in self.aliases):
+            raise ValueError(f"aliases: empty or padded names in {self.aliases!r}")
         for origin in self.allowed_origins:
             if origin != "*" and "://" not in origin:
                 raise ValueError(
                     f"allowed_origins: {origin!r} is not an origin such as "
                     "'https://app.example.com' (or '*')"
                 )
+        if self.cache_sharing not in ("origin", "global"):
+            raise ValueError(f"cache_sharing must be origin or global, not {self.cache_sharing!r}")
         if self.responses_store < 0:
             raise ValueError("responses_store must not be negative")
         if min(self.max_body_bytes, self.default_max_tokens, self.max_tokens_limit) < 1:
             raise ValueError("max_body_bytes and the max_tokens settings must be positive")
+        for name, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", 0, 1)):
+            value = getattr(self, name)
+            if value is not None and not lo <= value <= hi:
+                raise ValueError(f"{name} must be between {lo} and {hi}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError("top_k must be at least 0 (0: no limit)")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must not be negative")
         if not self.warm_timeout_s > 0:

@@ -10,19 +10,15 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import PromptInput
 
 from .fields import MISSING, field, integer, json_type
-from .request import GenerationRequest, Limits, generation_request
+from .request import GenerationRequest, Limits, ToolChoice, generation_request
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     tools = read_tools(body)
-    tool_choice = field(body, "tool_choice", (str, dict), None)
-    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
-        raise InvalidRequest(
-            "tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice"
-        )
-    offer_tools = tools is not None and tool_choice != "none"
+    choice = _tool_choice(body, tools)
+    offer_tools = tools is not None and choice.mode != "none"
     prompt = PromptInput(
         messages=parse_messages(body.get("messages", MISSING)),
         tools=tools if offer_tools else None,
@@ -33,8 +29,54 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     if top and not logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
     return generation_request(
-        "chat", body, prompt, limits, logprobs, top_logprobs=top, parse_tools=offer_tools
+        "chat",
+        body,
+        prompt,
+        limits,
+        logprobs,
+        top_logprobs=top,
+        parse_tools=offer_tools,
+        tool_choice=choice,
     )
+
+
+def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
+    """OpenAI's tool_choice: "none" | "auto" | "required" | {"type": "function",
+    "function": {"name": ...}}. A forced choice needs tools that offer it."""
+    value = field(body, "tool_choice", (str, dict), None)
+    parallel = field(body, "parallel_tool_calls", bool, True)
+    if value is None or value == "auto":
+        return ToolChoice(parallel=parallel)
+    if value == "none":
+        return ToolChoice("none")
+    if value == "required":
+        choice = ToolChoice("required", parallel=parallel)
+    elif isinstance(value, dict):
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if value.get("type", "function") != "function" or not isinstance(name, str):
+            raise InvalidRequest(
+                'tool_choice as an object must be {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        choice = ToolChoice("named", name, parallel=parallel)
+    else:
+        raise InvalidRequest(
+            "tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice"
+        )
+    functions = [t.get("function") for t in tools or ()]
+    names = [f.get("name") for f in functions if isinstance(f, dict)]
+    if not names:
+        raise InvalidRequest(
+            "tool_choice forces a tool call, but no tools were given", param="tool_choice"
+        )
+    if choice.name is not None and choice.name not in names:
+        raise InvalidRequest(
+            f"tool_choice names {choice.name!r}, which is not among the tools "
+            f"({', '.join(str(n) for n in names)})",
+            param="tool_choice",
+        )
+    return choice
 
 
 def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:

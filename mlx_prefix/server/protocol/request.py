@@ -1,5 +1,6 @@
 """GenerationRequest, and the body fields chat and completions share: n, stream,
-max_tokens, sampling, stop, model, and the prefix_cache extension."""
+max_tokens, sampling (with mlx_lm.server's fields), stop, response_format, model, the
+prefix_cache extension and cache_salt."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 from .fields import field, integer, number
+from .formats import chat_response_format
+from .sampling_fields import mlx_lm_sampling
 
 MAX_STOP_SEQUENCES = 16
 _SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
@@ -18,9 +21,36 @@ SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The server's values for sampling fields a request leaves out (`serve --temp`,
+    `--top-p`, `--top-k`, `--min-p`, as in mlx_lm.server); None keeps the API's own
+    default (temperature 0 for OpenAI's routes here, 1 for Anthropic's)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+    def get(self, name: str, api_default: Any) -> Any:
+        value = getattr(self, name)
+        return api_default if value is None else value
+
+
+@dataclass(frozen=True)
 class Limits:
     default_max_tokens: int
     max_tokens: int  # largest max_tokens accepted (context length or the server's cap)
+    sampling: SamplingDefaults = SamplingDefaults()
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Whether the reply may, must or must not call a tool (server/tool_choice.py
+    honours the forced modes)."""
+
+    mode: Literal["auto", "none", "required", "named"] = "auto"
+    name: str | None = None  # mode "named": the tool to call
+    parallel: bool = True  # False: at most one call (the reply ends after the first)
 
 
 @dataclass(frozen=True)
@@ -36,6 +66,10 @@ class GenerationRequest:
     max_tokens_param: str | None
     include_usage: bool  # stream_options.include_usage: a final chunk carrying usage
     parse_tools: bool  # tools were offered and tool_choice is not "none"
+    tool_choice: ToolChoice = ToolChoice()
+    # An explicit max_tokens must fit in the context with the prompt (OpenAI's rule, a
+    # 400 otherwise); False: it only bounds the reply, cut at the context's end.
+    fit_reply: bool = True
 
 
 def generation_request(
@@ -47,6 +81,7 @@ def generation_request(
     *,
     top_logprobs: int = 0,
     parse_tools: bool,
+    tool_choice: ToolChoice = ToolChoice(),
 ) -> GenerationRequest:
     n = integer(body, "n", 1, lo=1, hi=None)
     if n != 1:
@@ -58,16 +93,29 @@ def generation_request(
         raise InvalidRequest(
             "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
         )
+    _refuse_unsupported(body)
     max_tokens, max_tokens_param = _max_tokens(body, limits)
     sampling = SamplingParams(
         max_tokens=max_tokens,
-        temperature=number(body, "temperature", 0.0, lo=0.0, hi=2.0),
-        top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        temperature=number(
+            body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
+        ),
+        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
+        # mlx_lm.server's extension
+        top_k=integer(body, "top_k", limits.sampling.get("top_k", 0), lo=0, hi=None),
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         stop=_stop(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        response_format=chat_response_format(body),
+        **mlx_lm_sampling(body, limits.sampling.get("min_p", 0.0)),
     )
+    if parse_tools and sampling.response_format is not None:
+        raise InvalidRequest(
+            "response_format cannot be combined with tools: a reply held to the format "
+            "could never call one (send tool_choice: 'none', or no tools)",
+            param="response_format",
+        )
     return GenerationRequest(
         kind=kind,
         model=field(body, "model", str, None),
@@ -78,7 +126,23 @@ def generation_request(
         max_tokens_param=max_tokens_param,
         include_usage=stream and include_usage,
         parse_tools=parse_tools,
+        tool_choice=tool_choice,
     )
+
+
+# mlx_lm.server's per-request fields this server does not honour: a 400 naming the field
+# rather than a reply computed without it.
+_UNSUPPORTED = {
+    "adapters": "a LoRA adapter per request is not supported; start the server with --adapter",
+    "draft_model": "speculative decoding (draft_model) is not supported",
+    "num_draft_tokens": "speculative decoding (num_draft_tokens) is not supported",
+}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, why in _UNSUPPORTED.items():
+        if body.get(name) not in (None, "", [], {}):
+            raise InvalidRequest(why, param=name)
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
@@ -109,9 +173,14 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def cache_preference(body: dict[str, Any]) -> CachePreference:
+    """The `prefix_cache` object and `cache_salt` (vLLM's name: a request matches only
+    cache entries made with the same salt, inside its namespace)."""
+    salt = field(body, "cache_salt", str, None)
+    if salt == "":
+        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
     pref = field(body, "prefix_cache", dict, None)
     if pref is None:
-        return CachePreference()
+        return CachePreference(salt=salt)
     enabled = pref.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InvalidRequest("prefix_cache.enabled must be a boolean", param="prefix_cache.enabled")
@@ -121,4 +190,4 @@ def cache_preference(body: dict[str, Any]) -> CachePreference:
             "prefix_cache.scope must be one of off, full, auto, auto:N or N",
             param="prefix_cache.scope",
         )
-    return CachePreference(enabled=enabled, scope=scope)
+    return CachePreference(enabled=enabled, scope=scope, salt=salt)

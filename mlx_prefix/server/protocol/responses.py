@@ -2,10 +2,11 @@
 `responses.create` and Codex CLI send it) -> a ResponsesRequest.
 
 Stricter than the other families: a field this server cannot honour (built-in tools,
-`reasoning` options, `background`, `truncation: auto`, structured `text.format`, a field
-it does not know) is refused with a 400 naming it, unless its value is empty (null,
-false, "", [], {}): clients often send defaults. Bookkeeping that changes no output
-(`metadata`, `user`, `prompt_cache_key`, ...) is accepted and echoed.
+`reasoning` options, `background`, `truncation: auto`, a field it does not know) is
+refused with a 400 naming it, unless its value is empty (null, false, "", [], {}):
+clients often send defaults. Bookkeeping that changes no output (`metadata`, `user`,
+`prompt_cache_key`, ...) is accepted and echoed. `text.format` may ask for JSON
+(server/protocol/formats.py).
 `previous_response_id` is only read here; the route resolves it against its store.
 """
 
@@ -19,7 +20,8 @@ from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Too
 
 from .fields import field as read
 from .fields import integer, number
-from .request import SEED_LIMIT, Limits, cache_preference
+from .formats import responses_text_format
+from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
 from .response_items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
@@ -38,7 +40,7 @@ _ACCEPTED = {
     "include", "text", "reasoning", "truncation", "service_tier", "stream_options",
     "top_logprobs", "max_tool_calls", "client_metadata", "prompt_cache_retention",
     # this server's extensions, as in chat completions
-    "prefix_cache", "seed", "chat_template_kwargs",
+    "prefix_cache", "seed", "chat_template_kwargs", "cache_salt",
 }  # fmt: skip
 # Refused when not empty, with why (fields not listed here or above get a generic reason).
 _REFUSED = {
@@ -78,6 +80,24 @@ class ResponsesRequest:
             reply_tool_call_ids=ids,
         )
 
+    def generation(
+        self, history: tuple[dict[str, Any], ...], ids: ToolCallIds
+    ) -> GenerationRequest:
+        """This request as every family's generation flow takes it (routes/flow.py)."""
+        explicit = self.max_output_tokens is not None
+        return GenerationRequest(
+            kind="chat",
+            model=self.model,
+            prompt=self.prompt(history, ids),
+            sampling=self.sampling,
+            cache=self.cache,
+            stream=self.stream,
+            max_tokens_param="max_output_tokens" if explicit else None,
+            include_usage=False,
+            parse_tools=bool(self.tools),
+            tool_choice=ToolChoice(parallel=self.parallel_tool_calls),
+        )
+
 
 def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
     _refuse_unknown(body)
@@ -91,6 +111,14 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         )
     found = chat_tools(body.get("tools"))
     tools, flat_tools = found if found is not None else (None, [])
+    text_format = read(body, "text", dict, {}).get("format")
+    response_format = None if is_empty(text_format) else responses_text_format(text_format)
+    if response_format is not None and tools is not None and tool_choice != "none":
+        raise InvalidRequest(
+            "text.format cannot be combined with tools: a reply held to the format could "
+            "never call one (send tool_choice: 'none', or no tools)",
+            param="text.format",
+        )
     stream = bool(read(body, "stream", bool, False))
     if not stream and not is_empty(body.get("stream_options")):
         raise InvalidRequest("stream_options needs stream: true", param="stream_options")
@@ -103,10 +131,15 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         )
     sampling = SamplingParams(
         max_tokens=max_output_tokens or min(limits.default_max_tokens, limits.max_tokens),
-        temperature=number(body, "temperature", 0.0, lo=0.0, hi=2.0),
-        top_p=number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        temperature=number(
+            body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
+        ),
+        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
+        top_k=limits.sampling.get("top_k", 0),
+        min_p=limits.sampling.get("min_p", 0.0),
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         logprobs=LOGPROBS in _include(body),
+        response_format=response_format,
     )
     if "input" not in body or body["input"] is None:
         raise InvalidRequest("'input' is required", param="input")
@@ -116,7 +149,7 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         "parallel_tool_calls": read(body, "parallel_tool_calls", bool, True),
         "metadata": read(body, "metadata", dict, {}),
         "truncation": "disabled",
-        "text": {"format": {"type": "text"}},
+        "text": {"format": text_format if response_format is not None else {"type": "text"}},
         "reasoning": {"effort": None, "summary": None},
         **{k: body[k] for k in _ECHOED[1:] if isinstance(body.get(k), str)},
     }
@@ -158,11 +191,8 @@ def _check_options(body: dict[str, Any]) -> None:
             )
     text = read(body, "text", dict, {})
     for key, value in text.items():
-        if key == "format" and (is_empty(value) or value == {"type": "text"}):
-            continue
-        if not is_empty(value):
-            what = "structured output" if key == "format" else "this option"
-            raise InvalidRequest(f"text.{key}: {what} is not supported", param=f"text.{key}")
+        if key != "format" and not is_empty(value):  # format: parse_responses reads it
+            raise InvalidRequest(f"text.{key}: this option is not supported", param=f"text.{key}")
     for name, allowed in (
         ("truncation", ("disabled",)),
         ("service_tier", ("auto", "default")),

@@ -7,17 +7,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.records import PromptInput
+from mlx_prefix.records import CachePreference, PromptInput
 
 from .chat import parse_messages, read_tools
 from .completions import prompt_text
 from .fields import field
+from .request import cache_preference
 
 
 @dataclass(frozen=True)
 class WarmRequest:
     prompt: PromptInput
     pin: bool
+    cache: CachePreference  # its cache_salt (the namespace is the sender's)
 
 
 def parse_warm(body: dict[str, Any]) -> WarmRequest:
@@ -31,4 +33,5 @@ def parse_warm(body: dict[str, Any]) -> WarmRequest:
         )
     else:
         prompt = PromptInput(text=prompt_text(body["prompt"]))
-    return WarmRequest(prompt=prompt, pin=bool(field(body, "pin", bool, False)))
+    pin = bool(field(body, "pin", bool, False))
+    return WarmRequest(prompt=prompt, pin=pin, cache=cache_preference(body))

@@ -1,6 +1,14 @@
 """HTTP handlers, one module per family, and the route table. Handlers parse (protocol),
 call the engine off the event loop, and shape the answer (responses / generation).
-Engine calls that may block go through the threadpool."""
+Engine calls that may block go through the threadpool.
+
+One table: every API route is served under /v1 and under its unprefixed path
+(`/chat/completions` as well as `/v1/chat/completions`), as llama.cpp's server and
+mlx_lm.server do, so a client configured with a base URL without `/v1` works. Both
+paths reach the same handler behind the same middleware (CORS, API key, body limits),
+and errors take the shape of the path's API family either way. To add an API route,
+add one row to API_ROUTES.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +17,32 @@ from starlette.routing import Route
 from . import dashboard
 from .cache import cache_flush, cache_info, cache_warm
 from .generate import chat_completions, completions
+from .messages import count_tokens, messages
 from .responses import create_response, delete_response, get_response
 from .status import get_model, health, list_models, metrics
 
+API_PREFIXES = ("/v1", "")
+
+# (path without the version prefix, handler, methods)
+API_ROUTES = [
+    ("/chat/completions", chat_completions, ["POST"]),
+    ("/completions", completions, ["POST"]),
+    ("/messages", messages, ["POST"]),
+    ("/messages/count_tokens", count_tokens, ["POST"]),
+    ("/responses", create_response, ["POST"]),
+    ("/responses/{response_id}", get_response, ["GET"]),
+    ("/responses/{response_id}", delete_response, ["DELETE"]),
+    ("/models", list_models, ["GET"]),
+    ("/models/{model_id:path}", get_model, ["GET"]),
+]
+
 ROUTES = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/responses", create_response, methods=["POST"]),
-    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
-    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+    *(
+        Route(prefix + path, handler, methods=methods)
+        for path, handler, methods in API_ROUTES
+        for prefix in API_PREFIXES
+    ),
+    # mlx-prefix's own endpoints and the dashboard: under /v1 (or their own paths) only.
     Route("/v1/cache", cache_info, methods=["GET"]),
     Route("/v1/cache", cache_flush, methods=["DELETE"]),
     Route("/v1/cache/warm", cache_warm, methods=["POST"]),

@@ -1,5 +1,6 @@
 """The prompt cache over HTTP: GET /v1/cache (stats, entries), DELETE /v1/cache (flush),
-POST /v1/cache/warm (prefill a prompt into the cache without generating)."""
+POST /v1/cache/warm (prefill a prompt into the cache without generating). Entries and
+flushes are the caller's namespace's, warm-ups go into it (server/namespaces.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import enum
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -16,8 +18,10 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import WarmTimeout
 from ..generation import ClientGone, until_disconnect
+from ..namespaces import caller, visible
+from ..protocol.fields import field
 from ..protocol.warm import parse_warm
-from .common import api, read_json, resolve_model, state
+from .common import api, read_json, state
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -26,7 +30,7 @@ log = logging.getLogger("mlx_prefix.server")
 async def cache_info(request: Request) -> Response:
     engine = state(request).engine
     stats = await run_in_threadpool(engine.cache_stats)
-    entries = await run_in_threadpool(engine.cache_entries)
+    entries = visible(caller(request), await run_in_threadpool(engine.cache_entries))
     # The store's CheckpointKind is an IntEnum: show "HISTORY", not 2.
     entries = [
         {k: v.name if isinstance(v, enum.Enum) else v for k, v in entry.items()}
@@ -39,11 +43,12 @@ async def cache_info(request: Request) -> Response:
 async def cache_warm(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
-    resolve_model(st.engine, body.get("model") if isinstance(body.get("model"), str) else None)
+    served = st.models.resolve(field(body, "model", str, None))
     warm = parse_warm(body)
     started = time.perf_counter()
     timeout = st.settings.warm_timeout_s
-    handle, future = await run_in_threadpool(st.engine.start_warm, warm.prompt, warm.pin)
+    cache = replace(warm.cache, namespace=caller(request).namespace)
+    handle, future = await run_in_threadpool(served.engine.start_warm, warm.prompt, warm.pin, cache)
 
     async def finished() -> Any:
         with anyio.fail_after(timeout):
@@ -77,5 +82,7 @@ async def cache_warm(request: Request) -> Response:
 
 @api
 async def cache_flush(request: Request) -> Response:
-    removed = await run_in_threadpool(state(request).engine.flush_cache)
+    who = caller(request)
+    namespace = None if who.admin else who.namespace  # None: every namespace
+    removed = await run_in_threadpool(state(request).engine.flush_cache, namespace)
     return JSONResponse({"removed": removed})

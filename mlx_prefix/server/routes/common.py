@@ -1,5 +1,5 @@
-"""What every handler shares: the app's state, the error wrapper, the JSON body reader
-and the model-name check."""
+"""What every handler shares: the app's state (with the served models), the error
+wrapper and the JSON body reader."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from mlx_prefix.errors import MlxPrefixError, ModelNotFound
+from mlx_prefix.errors import MlxPrefixError
 
 from ..dashboard import TreeShapes
-from ..errors import PayloadTooLarge, UnsupportedMediaType, error_body, error_response
+from ..errors import PayloadTooLarge, UnsupportedMediaType, error_response_for
 from ..generation import InFlight
 from ..metrics import ServerMetrics
+from ..model_names import ModelRegistry
 from ..protocol.fields import parse_json_object
 from ..protocol.request import Limits
 from ..response_store import ResponseStore
@@ -28,7 +29,8 @@ log = logging.getLogger("mlx_prefix.server")
 
 @dataclass(frozen=True)
 class ServerState:
-    engine: Any  # mlx_prefix.engine.Engine, or a fake with the same interface
+    engine: Any  # the default model's mlx_prefix.engine.Engine, or a fake with its interface
+    models: ModelRegistry  # which served model answers a request's `model` name
     settings: ServerSettings
     metrics: ServerMetrics
     limits: Limits
@@ -46,19 +48,20 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def api(handler: Handler) -> Handler:
-    """Errors become the OpenAI error shape here, inside the middleware, so even a 500
-    carries CORS headers a browser page can read."""
+    """Errors become the error shape of the path's API family (OpenAI's, or Anthropic's on
+    the Messages routes) here, inside the middleware, so even a 500 carries CORS headers
+    a browser page can read."""
 
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
         except MlxPrefixError as e:
-            return error_response(e)
+            return error_response_for(request.url.path, e)
         except Exception as e:
             log.exception("unhandled error on %s %s", request.method, request.url.path)
-            body = error_body(f"internal error: {type(e).__name__}: {e}", "server_error")
-            return JSONResponse(body, status_code=500)
+            err = MlxPrefixError(f"internal error: {type(e).__name__}: {e}")
+            return error_response_for(request.url.path, err)
 
     return wrapped
 
@@ -87,20 +90,3 @@ async def read_json(request: Request) -> dict[str, Any]:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return parse_json_object(b"".join(chunks))
-
-
-def resolve_model(engine: Any, requested: str | None) -> str:
-    """The served id for any accepted spelling of it; ModelNotFound otherwise."""
-    model = engine.model
-    if requested is None:
-        return model.name
-    aliases = {model.name, "default"}
-    if model.path is not None:
-        aliases |= {str(model.path), model.path.name}
-    if requested.rstrip("/") in aliases or requested in aliases:
-        return model.name
-    raise ModelNotFound(
-        f"The model {requested!r} does not exist. Served models: {model.name}"
-        + (f" (also accepted: its folder {model.path}, 'default')" if model.path else ""),
-        param="model",
-    )

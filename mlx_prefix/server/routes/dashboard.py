@@ -31,6 +31,7 @@ from mlx_prefix.errors import InvalidRequest
 from .. import dashboard as D
 from ..errors import OriginRefused
 from ..middleware import origin_allowed
+from ..namespaces import caller
 from .common import api, read_json, state
 
 _STATIC = {  # name -> media type: the only files served
@@ -102,12 +103,6 @@ async def evict(request: Request) -> Response:
     entry_id = request.path_params["entry_id"]
     await run_in_threadpool(D.evict, state(request).engine, caller(request), entry_id)
     return JSONResponse({"entry_id": entry_id, "evicted": True})
-
-
-def caller(request: Request) -> D.Caller:
-    auth = request.headers.get("authorization", "")
-    key = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
-    return D.Caller(origin=request.headers.get("origin"), api_key=key)
 
 
 def _check_host(request: Request) -> None:

@@ -8,103 +8,74 @@ after its id, as the engine's next-turn prefetch names them, so an agent's next 
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
-import anyio
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_prefix.errors import ContextLengthExceeded, InvalidRequest, MlxPrefixError
-from mlx_prefix.prompt.tool_calls import ToolSyntax
-from mlx_prefix.records import DoneEvent, ErrorEvent, PromptInput, TokenEvent, ToolCallIds
+from mlx_prefix.errors import InvalidRequest, MlxPrefixError
+from mlx_prefix.records import DoneEvent, ToolCallIds
 
-from ..assembler import Assembler
-from ..errors import CancelledByServer, GenerationFailed
-from ..generation import CANCELLED, ClientGone, RequestLog, as_error, until_disconnect
+from ..assembler import Assembler, Delta
+from ..generation import Collected, RequestLog
+from ..namespaces import caller
 from ..protocol.response_items import reply_messages
 from ..protocol.responses import ResponsesRequest, parse_responses
 from ..response_objects import OutputEvents, ResponseHead, new_id, sse
 from ..response_store import ResponseNotFound, StoredResponse
-from .common import api, read_json, resolve_model, state
-from .generate import SSEResponse
-
-log = logging.getLogger("mlx_prefix.server")
+from ..tool_choice import with_tool_choice
+from .common import api, read_json, state
+from .flow import respond, submit
 
 
 @api
 async def create_response(request: Request) -> Response:
     st = state(request)
     response_id = new_id("resp")
-    record = RequestLog(response_id, request.url.path, st.metrics)
+    who = caller(request)
+    record = RequestLog(response_id, request.url.path, st.metrics, who.namespace_id)
     try:
-        req = parse_responses(await read_json(request), st.limits)
-        model = resolve_model(st.engine, req.model)
-        history = _history(st.responses, req)
-        ids = ToolCallIds(response_id)
-        prompt = req.prompt(history, ids)
-        syntax = ToolSyntax.of(st.engine.model.tokenizer) if req.tools else None
-        sampling = req.sampling
-        if syntax is not None and syntax.end and not req.parallel_tool_calls:
-            sampling = replace(sampling, stop=(syntax.end,))  # one call, then stop
-        with anyio.CancelScope(shield=True):  # see routes/generate.py
-            handle = await run_in_threadpool(_submit, st.engine, prompt, sampling, req, response_id)
+        parsed = parse_responses(await read_json(request), st.limits)
+        served = st.models.resolve(parsed.model)
+        tokenizer = served.engine.model.tokenizer
+        history = _history(st.responses, parsed)
+        req = with_tool_choice(parsed.generation(history, ToolCallIds(response_id)), tokenizer)
+        req = replace(req, cache=replace(req.cache, namespace=who.namespace))
+        handle = await submit(served.engine, req, response_id)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
-    record.prompt_tokens = handle.prompt_tokens
-    st.inflight.add(handle)
-    assembler = Assembler.build(
-        req.sampling.logprobs, syntax, prompt, streaming=False, tokenizer=st.engine.model.tokenizer
-    )
     head = ResponseHead(
         id=response_id,
-        model=model,
-        instructions=req.instructions,
-        max_output_tokens=req.max_output_tokens,
-        previous_response_id=req.previous_response_id,
-        store=req.store,
-        temperature=req.sampling.temperature,
-        top_p=req.sampling.top_p,
-        echo=req.echo,
+        model=served.id,
+        instructions=parsed.instructions,
+        max_output_tokens=parsed.max_output_tokens,
+        previous_response_id=parsed.previous_response_id,
+        store=parsed.store,
+        temperature=parsed.sampling.temperature,
+        top_p=parsed.sampling.top_p,
+        echo=parsed.echo,
     )
-    output = OutputEvents(head, req.sampling.logprobs, single_call=not req.parallel_tool_calls)
+    single_call = not parsed.parallel_tool_calls
+    output = OutputEvents(head, parsed.sampling.logprobs, single_call=single_call)
 
     def save(body: dict[str, Any]) -> None:
-        if req.store:
-            turn = (*history, *req.input, *reply_messages(body["output"]))
+        if parsed.store:
+            turn = (*history, *parsed.input, *reply_messages(body["output"]))
             st.responses.put(response_id, StoredResponse(body, turn))
 
-    if req.stream:
+    def whole(result: Collected, finish: str) -> dict[str, Any]:
+        for delta in result.deltas:
+            output.add(delta)
+        body = output.finish(result.done)[-1]["response"]
+        save(body)
+        return body
 
-        def on_close() -> None:
-            handle.cancel()
-            st.inflight.discard(handle)
-            record.write("client_disconnected")
-
-        return SSEResponse(_stream(handle, assembler, output, record, save), on_close)
-    try:
-        done = await _collect(handle, assembler, output, request)
-    except MlxPrefixError as e:
-        record.write(str(e.status), error=e.message)
-        raise
-    except ClientGone:
-        record.write("client_disconnected")
-        return Response(status_code=499)
-    except BaseException:
-        record.write("client_disconnected")
-        raise
-    finally:
-        handle.cancel()
-        st.inflight.discard(handle)
-    body = output.finish(done)[-1]["response"]
-    save(body)
-    record.write("200", done.usage, done.finish_reason)
-    return JSONResponse(body)
+    assembler = Assembler.for_request(req, tokenizer, streaming=False)
+    shaper = ResponsesStream(output, save)
+    return await respond(request, st, handle, req, record, assembler, shaper, whole)
 
 
 @api
@@ -148,80 +119,24 @@ def _no_query(request: Request) -> None:
         raise InvalidRequest(f"query parameter {name!r} is not supported", param=name)
 
 
-def _submit(
-    engine: Any, prompt: PromptInput, sampling: Any, req: ResponsesRequest, request_id: str
-) -> Any:
-    """engine.submit; an explicit max_output_tokens that does not fit is a 400 naming it."""
-    explicit = req.max_output_tokens is not None
-    try:
-        return engine.submit(prompt, sampling, req.cache, request_id, fit_reply=explicit)
-    except ContextLengthExceeded as e:
-        e.message = e.message.replace("max_tokens", "max_output_tokens")
-        raise
+@dataclass
+class ResponsesStream:
+    """The Responses SSE stream of one request (a generation.StreamShaper); the finished
+    response is stored before its last event goes out, so the client can chain on it."""
 
+    output: OutputEvents
+    save: Callable[[dict[str, Any]], None]
 
-async def _collect(
-    handle: Any, assembler: Assembler, output: OutputEvents, request: Request
-) -> DoneEvent:
-    async def events() -> DoneEvent | ErrorEvent | None:
-        async with aclosing(handle.aevents()) as stream:
-            async for event in stream:
-                if not isinstance(event, TokenEvent):
-                    return event
-                output.add(assembler.feed(event))
-        return None
+    def opening(self) -> list[bytes]:
+        return [sse(e) for e in self.output.start()]
 
-    result = await until_disconnect(request, events, on_gone=handle.cancel)
-    if isinstance(result, ErrorEvent):
-        raise as_error(result)
-    if result is None:
-        raise GenerationFailed("the engine ended the request without a result")
-    if result.finish_reason == "cancelled":
-        raise CancelledByServer(CANCELLED)
-    output.add(assembler.finish())
-    return result
+    def delta(self, delta: Delta) -> list[bytes]:
+        return [sse(e) for e in self.output.add(delta)]
 
+    def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
+        events = self.output.finish(done)
+        self.save(events[-1]["response"])
+        return [sse(e) for e in events]
 
-async def _stream(
-    handle: Any,
-    assembler: Assembler,
-    output: OutputEvents,
-    record: RequestLog,
-    save: Callable[[dict[str, Any]], None],
-) -> AsyncIterator[bytes]:
-    status = "client_disconnected"  # stays so if the response task is cancelled mid-stream
-    usage = finish = None
-    try:
-        for event in output.start():
-            yield sse(event)
-        try:
-            async with aclosing(handle.aevents()) as events:
-                async for event in events:
-                    if isinstance(event, TokenEvent):
-                        for e in output.add(assembler.feed(event)):
-                            yield sse(e)
-                    elif isinstance(event, DoneEvent):
-                        if event.finish_reason == "cancelled":
-                            status = "cancelled"
-                            yield sse(output.fail(CANCELLED))
-                            return
-                        last = [*output.add(assembler.finish()), *output.finish(event)]
-                        save(last[-1]["response"])  # before the client can chain on it
-                        for e in last:
-                            yield sse(e)
-                        status, usage, finish = "200", event.usage, event.finish_reason
-                        return
-                    else:
-                        status = "error"
-                        log.error("%s generation failed: %s", record.request_id, event.message)
-                        yield sse(output.fail(as_error(event).message))
-                        return
-            status = "error"
-            yield sse(output.fail("the engine ended the stream without a result"))
-        except Exception as e:  # the stream is the edge: report, never cut the connection
-            status = "error"
-            log.exception("%s generation failed", record.request_id)
-            yield sse(output.fail(as_error(e).message))
-    finally:
-        handle.cancel()
-        record.write(status, usage, finish)
+    def failure(self, error: MlxPrefixError) -> list[bytes]:
+        return [sse(self.output.fail(error.message))]

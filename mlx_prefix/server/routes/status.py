@@ -1,7 +1,8 @@
-"""Read-only routes: the served model (/v1/models), /health and Prometheus /metrics."""
+"""Read-only routes: the served models (/v1/models), /health and Prometheus /metrics."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -9,30 +10,54 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..metrics import CONTENT_TYPE
-from .common import ServerState, api, resolve_model, state
+from ..model_names import ServedModel
+from .common import ServerState, api, state
 
 
 @api
 async def list_models(request: Request) -> Response:
+    """OpenAI's list: one card per served id and per alias (`alias_of` names its model).
+    A client sending `anthropic-version` (the Anthropic SDKs) gets Anthropic's shape."""
     st = state(request)
-    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+    cards = [card for served in st.models for card in _cards(st, served)]
+    if "anthropic-version" in request.headers:
+        data = [_anthropic_card(st, c["id"]) for c in cards]
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        return JSONResponse({"data": data, "has_more": False, "first_id": first, "last_id": last})
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @api
 async def get_model(request: Request) -> Response:
     st = state(request)
-    resolve_model(st.engine, request.path_params["model_id"])
-    return JSONResponse(_model_card(st))
+    served = st.models.resolve(request.path_params["model_id"])
+    if "anthropic-version" in request.headers:
+        return JSONResponse(_anthropic_card(st, served.id))
+    return JSONResponse(_cards(st, served)[0])
 
 
-def _model_card(st: ServerState) -> dict[str, Any]:
-    model = st.engine.model
-    return {
-        "id": model.name,
+def _cards(st: ServerState, served: ServedModel) -> list[dict[str, Any]]:
+    card = {
+        "id": served.id,
         "object": "model",
         "created": st.started,
         "owned_by": "mlx-prefix",
-        "context_length": model.context_length,
+        "context_length": served.engine.model.context_length,
+        "aliases": list(served.aliases),
+    }
+    aliases = [
+        {**card, "id": alias, "alias_of": served.id, "aliases": []} for alias in served.aliases
+    ]
+    return [card, *aliases]
+
+
+def _anthropic_card(st: ServerState, model_id: str) -> dict[str, Any]:
+    created = datetime.datetime.fromtimestamp(st.started, datetime.timezone.utc)
+    return {
+        "type": "model",
+        "id": model_id,
+        "display_name": model_id,
+        "created_at": created.isoformat().replace("+00:00", "Z"),
     }
 
 

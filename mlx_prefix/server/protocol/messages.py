@@ -1,0 +1,331 @@
+"""POST /v1/messages and /v1/messages/count_tokens bodies (Anthropic's Messages API) ->
+the engine's records.
+
+Every field is honoured or refused with a 400 naming it:
+- `model`, `max_tokens` (required; it bounds the reply, which is cut at the context's
+  end, so an agent asking for 32000 on a small model still gets an answer), `stream`,
+  `stop_sequences`, `temperature` (Anthropic's default 1.0), `top_p`, `top_k`;
+- `system`, `messages` (protocol/anthropic_blocks.py), top-level and block
+  `cache_control` (breakpoints: checkpoints of their own kind);
+- `tools` (custom tools with `input_schema`; `defer_loading` tools stay out of the prompt
+  until a `tool_reference` loads them; server tools and `strict` are refused),
+  `tool_choice` auto / any / tool / none and `disable_parallel_tool_use`;
+- `thinking` enabled / disabled / adaptive -> the template's `enable_thinking` switch
+  (adaptive: the template's default); `budget_tokens` is checked as Anthropic does, and
+  the reasoning is bounded by max_tokens (Anthropic documents the budget as a target);
+  `display: "omitted"` leaves the reasoning out of the reply;
+- `output_config.effort`: a local model has one knob for how hard it works, whether it
+  reasons before answering, so "low" turns the template's thinking off (unless
+  `thinking` enables it) and the other levels leave it as `thinking` says;
+- `context_management` edits `clear_thinking_20251015` (keep all, or the last N turns);
+  `metadata` is ignored (it names the caller, nothing about the reply); `service_tier`
+  has one tier here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import Breakpoint, PromptInput, SamplingParams
+
+from .anthropic_blocks import convert
+from .fields import MISSING, field, integer, json_type, number
+from .request import (
+    MAX_STOP_SEQUENCES,
+    SEED_LIMIT,
+    GenerationRequest,
+    Limits,
+    ToolChoice,
+    cache_preference,
+)
+
+MIN_THINKING_BUDGET = 1024  # Anthropic's minimum budget_tokens
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    generation: GenerationRequest
+    show_thinking: bool  # the reply's reasoning goes out as thinking blocks
+
+
+@dataclass(frozen=True)
+class _Tools:
+    rendered: tuple[dict[str, Any], ...] | None  # OpenAI-shaped, for the template
+    names: tuple[str, ...]  # of the rendered tools
+    deferred: dict[str, dict[str, Any]]  # defer_loading tools by name
+    breakpoints: tuple[Breakpoint, ...]
+
+
+def parse_messages_request(
+    body: dict[str, Any], limits: Limits, *, keep_billing_header: bool = False
+) -> MessagesRequest:
+    model = _model(body)
+    max_tokens = integer(body, "max_tokens", MISSING, lo=1, hi=None)
+    if max_tokens is MISSING:
+        raise InvalidRequest("max_tokens: Field required", param="max_tokens")
+    thinking, show = _thinking(body, max_tokens)
+    prompt, tools = _prompt(body, keep_billing_header, thinking)
+    choice = _tool_choice(body, tools, thinking)
+    sampling = SamplingParams(
+        max_tokens=min(max_tokens, limits.max_tokens),
+        temperature=number(
+            body, "temperature", limits.sampling.get("temperature", 1.0), lo=0.0, hi=1.0
+        ),
+        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
+        top_k=integer(body, "top_k", limits.sampling.get("top_k", 0), lo=0, hi=None),
+        min_p=limits.sampling.get("min_p", 0.0),
+        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),  # mlx-prefix's extension
+        stop=_stop_sequences(body),
+    )
+    offer = prompt.tools is not None
+    generation = GenerationRequest(
+        kind="chat",
+        model=model,
+        prompt=prompt,
+        sampling=sampling,
+        cache=cache_preference(body),
+        stream=bool(field(body, "stream", bool, False)),
+        max_tokens_param="max_tokens",
+        include_usage=False,
+        parse_tools=offer,
+        tool_choice=choice,
+        fit_reply=False,
+    )
+    return MessagesRequest(generation, show_thinking=show)
+
+
+def parse_count_tokens(
+    body: dict[str, Any], *, keep_billing_header: bool = False
+) -> tuple[str, PromptInput]:
+    """The model name and the prompt whose tokens /v1/messages/count_tokens counts."""
+    model = _model(body)
+    thinking, _ = _thinking(body, None)
+    prompt, tools = _prompt(body, keep_billing_header, thinking)
+    _tool_choice(body, tools, thinking)
+    return model, prompt
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = field(body, "model", str, None)
+    if model is None:
+        raise InvalidRequest("model: Field required", param="model")
+    return model
+
+
+def _prompt(
+    body: dict[str, Any], keep_billing_header: bool, thinking: bool | None
+) -> tuple[PromptInput, _Tools]:
+    tools = _tools(body)
+    choice = body.get("tool_choice")
+    offer = tools.rendered is not None and not (
+        isinstance(choice, dict) and choice.get("type") == "none"
+    )
+    conv = convert(
+        body.get("system"),
+        body.get("messages"),
+        deferred_tools=tools.deferred,
+        keep_billing_header=keep_billing_header,
+        keep_thinking_turns=_keep_thinking_turns(body),
+    )
+    breakpoints = [*tools.breakpoints] if offer else []
+    breakpoints += conv.breakpoints
+    if field(body, "cache_control", dict, None) is not None:  # automatic caching
+        breakpoints.append(Breakpoint(message=len(conv.messages) - 1))
+    _refuse_unsupported(body)
+    prompt = PromptInput(
+        messages=tuple(conv.messages),
+        tools=tools.rendered if offer else None,
+        chat_template_kwargs={} if thinking is None else {"enable_thinking": thinking},
+        breakpoints=tuple(breakpoints),
+    )
+    return prompt, tools
+
+
+def _tools(body: dict[str, Any]) -> _Tools:
+    tools = field(body, "tools", list, None) or []
+    rendered, names, deferred, breakpoints = [], [], {}, []
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"{param} must be an object", param=param)
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            raise InvalidRequest(
+                f"{param}.type {kind!r}: only custom tools (name, input_schema) are supported; "
+                "Anthropic's server tools run on Anthropic's servers",
+                param=f"{param}.type",
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"{param}.name must be a non-empty string", param=f"{param}.name")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest(
+                f"{param}.input_schema is required and must be an object",
+                param=f"{param}.input_schema",
+            )
+        if tool.get("strict") is True:
+            raise InvalidRequest(
+                f"{param}.strict: tool inputs are not constrained to their schema here",
+                param=f"{param}.strict",
+            )
+        function: dict[str, Any] = {"name": name, "parameters": schema}
+        description = tool.get("description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise InvalidRequest(
+                    f"{param}.description must be a string", param=f"{param}.description"
+                )
+            function["description"] = description
+        definition = {"type": "function", "function": function}
+        if tool.get("defer_loading") is True:
+            deferred[name] = definition
+            continue
+        if tool.get("cache_control") is not None:
+            breakpoints.append(Breakpoint(tool=len(rendered)))
+        rendered.append(definition)
+        names.append(name)
+    return _Tools(tuple(rendered) or None, tuple(names), deferred, tuple(breakpoints))
+
+
+def _tool_choice(body: dict[str, Any], tools: _Tools, thinking: bool | None) -> ToolChoice:
+    choice = field(body, "tool_choice", dict, None)
+    if choice is None:
+        return ToolChoice()
+    kind = choice.get("type")
+    parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(parallel, bool):
+        raise InvalidRequest(
+            "tool_choice.disable_parallel_tool_use must be a boolean",
+            param="tool_choice.disable_parallel_tool_use",
+        )
+    if kind == "auto":
+        return ToolChoice(parallel=not parallel)
+    if kind == "none":
+        return ToolChoice("none")
+    if kind not in ("any", "tool"):
+        raise InvalidRequest(
+            "tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type"
+        )
+    if not tools.names:
+        raise InvalidRequest(
+            "tool_choice forces a tool call, but no tools were given", param="tool_choice"
+        )
+    if thinking:
+        raise InvalidRequest(
+            "tool_choice 'any' or 'tool' cannot be combined with extended thinking",
+            param="tool_choice",
+        )
+    if kind == "any":
+        return ToolChoice("required", parallel=not parallel)
+    name = choice.get("name")
+    if name not in tools.names:
+        raise InvalidRequest(
+            f"tool_choice.name {name!r} is not among the tools ({', '.join(tools.names)})",
+            param="tool_choice.name",
+        )
+    return ToolChoice("named", name, parallel=not parallel)
+
+
+def _thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[bool | None, bool]:
+    """(the template's enable_thinking: None for its default, whether to show reasoning)."""
+    effort = (field(body, "output_config", dict, None) or {}).get("effort", "high")
+    if effort not in EFFORTS:
+        raise InvalidRequest(
+            f"output_config.effort must be one of {', '.join(EFFORTS)}",
+            param="output_config.effort",
+        )
+    thinking = field(body, "thinking", dict, None)
+    if thinking is None or (effort == "low" and thinking.get("type") != "enabled"):
+        return (False if effort == "low" else None), True
+    kind = thinking.get("type")
+    display = thinking.get("display", "summarized")
+    if display not in ("summarized", "omitted"):
+        raise InvalidRequest(
+            "thinking.display must be 'summarized' or 'omitted'", param="thinking.display"
+        )
+    if kind == "disabled":
+        return False, True
+    if kind == "adaptive":
+        return None, display != "omitted"
+    if kind != "enabled":
+        raise InvalidRequest(
+            "thinking.type must be 'enabled', 'disabled' or 'adaptive'", param="thinking.type"
+        )
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+        raise InvalidRequest(
+            f"thinking.budget_tokens must be an integer of at least {MIN_THINKING_BUDGET}",
+            param="thinking.budget_tokens",
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise InvalidRequest(
+            f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+            param="thinking.budget_tokens",
+        )
+    return True, display != "omitted"
+
+
+def _keep_thinking_turns(body: dict[str, Any]) -> int | None:
+    """context_management's clear_thinking edit: None keeps every turn's thinking."""
+    management = field(body, "context_management", dict, None)
+    if management is None:
+        return None
+    edits = management.get("edits", [])
+    if not isinstance(edits, list):
+        raise InvalidRequest(
+            "context_management.edits must be an array", param="context_management.edits"
+        )
+    keep: int | None = None
+    for i, edit in enumerate(edits):
+        param = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else json_type(edit)
+        if kind != "clear_thinking_20251015":
+            raise InvalidRequest(
+                f"{param}: context edits of type {kind!r} are not supported "
+                "(clear_thinking_20251015 is)",
+                param=param,
+            )
+        value = edit.get("keep", "all")
+        if value == "all":
+            continue
+        turns = value.get("value") if isinstance(value, dict) else None
+        if not (
+            isinstance(value, dict)
+            and value.get("type") == "thinking_turns"
+            and isinstance(turns, int)
+            and not isinstance(turns, bool)
+            and turns >= 0
+        ):
+            raise InvalidRequest(
+                f'{param}.keep must be \'all\' or {{"type": "thinking_turns", "value": N}}',
+                param=f"{param}.keep",
+            )
+        keep = turns if keep is None else min(keep, turns)
+    return keep
+
+
+def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
+    stops = field(body, "stop_sequences", list, None) or []
+    if len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequest(
+            f"stop_sequences must be an array of at most {MAX_STOP_SEQUENCES} non-empty strings",
+            param="stop_sequences",
+        )
+    return tuple(stops)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    field(body, "metadata", dict, None)  # ignored, but it must be an object
+    output = field(body, "output_config", dict, None) or {}
+    if output.get("format") is not None:
+        raise InvalidRequest(
+            "output_config.format: structured outputs are not supported",
+            param="output_config.format",
+        )
+    for name in ("mcp_servers", "container"):
+        if body.get(name):
+            raise InvalidRequest(f"{name} is not supported", param=name)

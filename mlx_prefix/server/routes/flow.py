@@ -1,0 +1,115 @@
+"""The steps every generation route shares, whatever its API family: submit to the
+served model's engine, then stream SSE (through the family's StreamShaper) or collect
+the reply into one JSON body, writing the request's one log line either way."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
+
+from ..assembler import Assembler
+from ..generation import ClientGone, Collected, RequestLog, StreamShaper, collect, stream_events
+from ..protocol.request import GenerationRequest
+from .common import ServerState
+
+
+async def submit(engine: Any, req: GenerationRequest, request_id: str) -> Any:
+    """engine.submit off the event loop. Shielded: a handle created while the caller was
+    being cancelled must still be returned, or nobody would cancel it and the engine
+    would decode for no one."""
+    with anyio.CancelScope(shield=True):
+        return await run_in_threadpool(_submit, engine, req, request_id)
+
+
+def _submit(engine: Any, req: GenerationRequest, request_id: str) -> Any:
+    """OpenAI's rule: a prompt and an explicit max_tokens that do not fit the context
+    together are a 400 (the default max_tokens is clamped instead)."""
+    try:
+        return engine.submit(
+            req.prompt,
+            req.sampling,
+            req.cache,
+            request_id,
+            fit_reply=req.fit_reply and req.max_tokens_param is not None,
+        )
+    except ContextLengthExceeded as e:
+        if req.max_tokens_param is not None and req.max_tokens_param != "max_tokens":
+            e.message = e.message.replace("max_tokens", req.max_tokens_param)
+        raise
+
+
+async def respond(
+    request: Request,
+    st: ServerState,
+    handle: Any,
+    req: GenerationRequest,
+    record: RequestLog,
+    assembler: Assembler,
+    shaper: StreamShaper,
+    whole: Callable[[Collected, str], dict[str, Any]],
+) -> Response:
+    """The reply to a submitted request: SSE through `shaper` when streaming, else the
+    collected reply as `whole(collected, finish_reason)`."""
+    record.prompt_tokens = handle.prompt_tokens
+    st.inflight.add(handle)
+    if req.stream:
+
+        def on_close() -> None:
+            handle.cancel()
+            st.inflight.discard(handle)
+            record.write("client_disconnected")
+
+        return SSEResponse(stream_events(handle, assembler, shaper, record), on_close)
+    try:
+        result = await collect(handle, assembler, request)
+    except MlxPrefixError as e:
+        record.write(str(e.status), error=e.message)
+        raise
+    except ClientGone:
+        record.write("client_disconnected")
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    except BaseException:
+        record.write("client_disconnected")
+        raise
+    finally:
+        handle.cancel()
+        st.inflight.discard(handle)
+    finish = assembler.finish_reason(result.done)
+    record.write("200", result.done.usage, finish)
+    return JSONResponse(whole(result, finish))
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client leaving, whatever ASGI spec
+    version the server speaks, and runs `on_close` however the response ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-write
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
