@@ -83,6 +83,16 @@ def test_concurrent_requests_answer_as_each_alone(tensor_group):
         assert answer(reply) == answer(ask(url, question, cache=False))
 
 
+def test_the_hybrid_in_tensor_mode_reuses_its_checkpoints_exactly(tmp_path):
+    model = cached_test_model("qwen3_5")  # linear attention and KV layers, heads split
+    with launched(model, tmp_path, "--disk-cache", "off") as group:
+        first = ask(group.url, "Note the barometer at noon.")
+        warm = ask(group.url, "Note the barometer at noon.")
+        assert (cached(first), cached(warm) > 0) == (0, True)
+        cold = ask(group.url, "Note the barometer at noon.", cache=False)
+        assert answer(warm) == answer(cold) == answer(first)
+
+
 def test_pipeline_mode_and_a_restart_served_from_each_ranks_disk(tmp_path):
     model = cached_test_model("qwen3_5")
     flags = ("--pipeline", "--disk-cache", "full", "--cache-dir", str(tmp_path / "disk"))
