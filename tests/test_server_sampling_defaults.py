@@ -93,7 +93,12 @@ def test_default_max_tokens_bounds_replies_that_name_none():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("adapters", "/some/lora"), ("draft_model", "tiny-draft"), ("num_draft_tokens", 3)],
+    [
+        ("adapters", "/some/lora"),
+        ("draft_model", "tiny-draft"),
+        ("num_draft_tokens", 3),
+        ("role_mapping", {"user": "USER: "}),
+    ],
 )
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_mlx_lm_fields_this_server_cannot_honour_are_400s_naming_them(field, value, path):

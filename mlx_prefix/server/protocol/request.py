@@ -136,6 +136,8 @@ _UNSUPPORTED = {
     "adapters": "a LoRA adapter per request is not supported; start the server with --adapter",
     "draft_model": "speculative decoding (draft_model) is not supported",
     "num_draft_tokens": "speculative decoding (num_draft_tokens) is not supported",
+    "role_mapping": "role_mapping is not supported: the chat template renders the messages "
+    "(--chat-template, or --use-default-chat-template for a model without one)",
 }
 
 
