@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from mlx_prefix.engine.engine import Engine
@@ -64,3 +65,13 @@ def warm_equals_cold(engine: Engine, prompt: PromptInput) -> Result:
     assert warm.logprobs == cold.logprobs, "a cache hit changed the numbers"
     assert len(warm.logprobs) == len(warm.tokens)
     return warm
+
+
+def wait_for(condition, timeout: float = 60.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run, warm_equals_cold
+from engine_helpers import chat, run, wait_for, warm_equals_cold
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
@@ -18,15 +18,6 @@ from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3
 NOW = EngineConfig(prefetch_delay_s=0.0)
-
-
-def wait_for(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def last_message_start(engine: Engine, prompt: PromptInput) -> int:

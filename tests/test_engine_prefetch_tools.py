@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import warm_equals_cold
+from engine_helpers import wait_for, warm_equals_cold
 from mlx_lm.utils import load_tokenizer
 
 from mlx_prefix.config import EngineConfig
@@ -56,15 +55,6 @@ TOOL_REPLY = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 )
-
-
-def wait_for(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def chat_request(messages: list[dict], ids: ToolCallIds) -> GenerationRequest:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import anthropic
 import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import wait_for
 from server_fakes import serving
 from test_engine_prefetch_tools import ID_TEMPLATE
 
@@ -99,15 +99,6 @@ def live(request, tmp_path_factory):
         with serving(engine) as (url, _):
             with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
                 yield client, engine
-
-
-def wait_for(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def sent_back(message) -> list[dict]:

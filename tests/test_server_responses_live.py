@@ -4,11 +4,10 @@ exactly as a cold run does."""
 
 from __future__ import annotations
 
-import time
-
 import openai
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import wait_for
 from server_fakes import serving
 
 from mlx_prefix.config import EngineConfig
@@ -25,15 +24,6 @@ def live(request):
     engine = Engine(loaded_test_model(request.param), TEST_CACHE, EngineConfig(prefetch_delay_s=0))
     with serving(engine) as (url, _):
         yield url, engine
-
-
-def wait_for(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def ask(client, text: str, previous: str | None = None, **extra):
