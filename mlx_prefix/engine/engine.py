@@ -23,27 +23,26 @@ import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.disk_index import DiskEntryInfo
 from mlx_prefix.cache.eviction import policy_named
-from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine import rowwise
-from mlx_prefix.engine.activity import Activity, ActivityBoard
+from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
+from mlx_prefix.engine.cache_views import CacheViews
 from mlx_prefix.engine.chat_traffic import ChatTraffic
 from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
-from mlx_prefix.engine.keys import cache_key, entry_key, namespace_key
+from mlx_prefix.engine.keys import cache_key, entry_key
 from mlx_prefix.engine.lifecycle import Lifecycle, error_message
 from mlx_prefix.engine.pace import Pace
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
@@ -70,7 +69,7 @@ SHUTDOWN_SAVES_S = 30.0  # after the requests, a shutdown writes queued disk sav
 __all__ = ["Engine", "PrefetchStats", "WarmResult", "cache_key"]
 
 
-class Engine:
+class Engine(CacheViews):
     handle_type: type[RequestHandle] = RequestHandle  # what callers hold for each job
 
     def __init__(
@@ -238,53 +237,6 @@ class Engine:
         sampling, pref, now = SamplingParams(max_tokens=1), CachePreference(), time.perf_counter()
         job = Job(handle, prompt, sampling, pref, key, now, background=True, not_before=not_before)
         self.lifecycle.put_background(job)
-
-    def cache_stats(self) -> dict:
-        stats = asdict(self.store.stats())
-        lookups = stats["hits"] + stats["misses"]
-        stats["hit_ratio"] = stats["hits"] / lookups if lookups else 0.0
-        stats["prefetch"] = asdict(self.prefetch)
-        if self.disk is not None:
-            disk = asdict(self.disk.cache.stats())
-            disk["directory"] = str(disk["directory"])
-            disk["pending_saves"] = self.disk.pending
-            disk["dropped_saves"] = self.disk.dropped  # each logged when dropped
-            stats["disk"] = disk
-        return stats
-
-    def cache_entries(self) -> list[dict]:
-        return [asdict(e) for e in self.store.entries()]
-
-    def flush_cache(self, namespace: str | None = None) -> int:
-        """Drop this model's entries (of one namespace, every salt in it; None: of all)
-        from memory and disk; returns how many."""
-        key = self.model_key if namespace is None else namespace_key(self.model_key, namespace)
-        removed = self.store.clear(key)
-        if self.disk is not None:
-            removed += self.disk.cache.clear(key)
-        return removed
-
-    # -- the dashboard: read-only views (any thread) and single-entry actions ---------
-    def activity(self) -> Activity:
-        """Requests waiting, prefilling and decoding, as of the engine's last turn."""
-        return self._board.current
-
-    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
-        """This model's entries in memory (every namespace: `info.model_key` names each
-        one's), with their token ids. Does not mutate."""
-        return self.store.sequences(self.model_key)
-
-    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
-        """This model's checkpoint files, with their token ids. Does not mutate."""
-        return self.disk.cache.sequences(self.model_key) if self.disk is not None else []
-
-    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
-        """Pin or unpin one of this model's entries; False if there is no such entry."""
-        return self.store.set_pinned(self.model_key, entry_id, pinned)
-
-    def evict_entry(self, entry_id: int) -> EvictOutcome:
-        """Drop one of this model's entries from memory (a disk copy stays)."""
-        return self.store.evict_entry(self.model_key, entry_id)
 
     def shutdown(self, timeout: float = 10.0, save_timeout: float = SHUTDOWN_SAVES_S) -> None:
         """Stop accepting; cancel what waits; let running requests finish until `timeout`,
