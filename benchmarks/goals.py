@@ -166,11 +166,23 @@ def _reuse(doc: dict[str, Any], name: str, what: str, goal: float) -> list[Goal]
 
 
 def _messages_agent(doc: dict[str, Any]) -> list[Goal]:
-    reuse_what = "reuse efficiency on the requests' path, agent session over /v1/messages"
-    ttft_what = "warm-turn TTFT, mlx-prefix / mlx_lm.server (agent session)"
-    same_what = "warm answers equal to their cold runs (agent session)"
+    out: list[Goal] = []
+    for name, header in (
+        ("messages_agent", "constant billing header"),
+        ("messages_agent_cch", "billing header with a new `cch=` per request"),
+    ):
+        out += _agent_session(doc, name, header)
+    return out or [missing(13, "agent session over /v1/messages", "1.00")]
+
+
+def _agent_session(doc: dict[str, Any], name: str, header: str) -> list[Goal]:
+    reuse_what = (
+        f"reuse efficiency on the requests' path, agent session over /v1/messages ({header})"
+    )
+    ttft_what = f"warm-turn TTFT, mlx-prefix / mlx_lm.server (agent session, {header})"
+    same_what = f"warm answers equal to their cold runs (agent session, {header})"
     out = []
-    for w in runs(doc, "messages_agent"):
+    for w in runs(doc, name):
         if w["skipped"]:
             why = f"skipped: {w['skipped']}"
             out.append(Goal(13, reuse_what, w["model"], None, why, "1.00", None))
@@ -199,7 +211,7 @@ def _messages_agent(doc: dict[str, Any]) -> list[Goal]:
         shown = f"{matched}/{len(checks)}" if checks else "not measured"
         met = bool(checks) and matched == len(checks) if checks else None
         out.append(Goal(13, same_what, w["model"], matched if checks else None, shown, "all", met))
-    return out or [missing(13, reuse_what, "1.00")]
+    return out
 
 
 def _warm_ttft(result: dict[str, Any]) -> float | None:

@@ -31,6 +31,7 @@ MODEL_WORKLOADS = (
     "memory",
     "mixed",
     "messages_agent",
+    "messages_agent_cch",
 )
 ONCE_WORKLOADS = ("restore", "blas")  # in-process, once per run, with the first model's plan
 ALL_WORKLOADS = MODEL_WORKLOADS + ONCE_WORKLOADS

@@ -53,6 +53,9 @@ def test_harness_runs_every_workload_against_both_servers(tmp_path: Path) -> Non
     # Our server reports cached tokens, and the shared prefix was actually reused.
     ours = by_name["shared_system"]["servers"][OURS]["samples"]
     assert ours[-1]["cached_tokens"] > 0
+    # A billing header that changes every request costs ours nothing: it is left out.
+    session = by_name["messages_agent_cch"]["servers"][OURS]["samples"]
+    assert all(2 * s["cached_tokens"] > s["prompt_tokens"] for s in session[1:])
     assert by_name["memory"]["servers"][OURS]["extra"]["rss_mib"][-1] > 0
     assert len(by_name["memory"]["servers"][OURS]["samples"]) == 3
     # The restart checks are free: each request's first run before the restart is the

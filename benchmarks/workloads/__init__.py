@@ -15,6 +15,7 @@ from . import (
     edits,
     memory,
     messages_agent,
+    messages_agent_cch,
     mixed,
     restart,
     restore,
@@ -33,6 +34,7 @@ _MODULES = (
     memory,
     mixed,
     messages_agent,
+    messages_agent_cch,
 )
 WORKLOADS: dict[str, ModuleType] = {m.NAME: m for m in (*_MODULES, restore, blas)}
 assert tuple(WORKLOADS) == ALL_WORKLOADS

@@ -7,8 +7,12 @@ as a `tool_result` block, and every request streams.
 mlx-prefix gets the session on POST /v1/messages. mlx_lm.server has no Messages API, so
 it gets the same conversation the way a translating proxy would send it, on POST
 /v1/chat/completions: the system blocks joined (billing header first), tool_use as
-`tool_calls`, tool_result as `tool` messages. The header is the one Claude Code 2.1.328
-sends, constant through a session; mlx-prefix leaves it out of the prompt.
+`tool_calls`, tool_result as `tool` messages. In `messages_agent` the header is the one
+Claude Code 2.1.328 sends in `-p` mode, constant through a session; in
+`messages_agent_cch` it rotates its `cch=` on every request, as Claude Code has done
+since 2.1.29 in interactive sessions (a hash of the request; anthropics/claude-code#68900,
+sgl-project/sglang#21064): the case that wipes a prefix cache which renders the header
+first. mlx-prefix leaves the header out of the prompt either way.
 
 The random-weight models' replies are noise, so the assistant turns are scripted (an
 agent framework replaying a transcript): every request is a real generation whose
@@ -18,6 +22,7 @@ default) has no reply of the session to prefill. Reuse is judged on the requests
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any
@@ -70,8 +75,9 @@ def _anthropic_tools() -> list[dict[str, Any]]:
 class Session:
     """One session's conversation, kept in both wire forms as it grows."""
 
-    def __init__(self, system: str, task: str):
+    def __init__(self, system: str, task: str, *, rotating_header: bool = False):
         self.system = system
+        self.rotating_header = rotating_header
         self.blocks: list[dict[str, Any]] = [{"role": "user", "content": [_text(task)]}]
         self.chat: list[dict[str, Any]] = [{"role": "user", "content": task}]
 
@@ -106,6 +112,16 @@ class Session:
         )
         self.chat.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": result})
 
+    def header(self) -> str:
+        """The billing header of the next request: constant, or with a `cch=` hashed
+        from the conversation so far, so it changes with every request."""
+        if not self.rotating_header:
+            return BILLING
+        digest = hashlib.sha256(json.dumps(self.blocks).encode()).hexdigest()[:5]
+        return (
+            f"x-anthropic-billing-header: cc_version=2.1.175.01c; cc_entrypoint=cli; cch={digest};"
+        )
+
     def messages_body(self, max_tokens: int, *, cold: bool = False) -> dict[str, Any]:
         messages = json.loads(json.dumps(self.blocks))
         messages[-1]["content"][-1]["cache_control"] = EPHEMERAL  # as Claude Code marks it
@@ -114,7 +130,7 @@ class Session:
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,
-            "system": [_text(BILLING), {**_text(self.system), "cache_control": EPHEMERAL}],
+            "system": [_text(self.header()), {**_text(self.system), "cache_control": EPHEMERAL}],
             "tools": _anthropic_tools(),
             "messages": messages,
         }
@@ -123,7 +139,7 @@ class Session:
         return body
 
     def chat_request(self, max_tokens: int, *, header: bool) -> Request:
-        system = (BILLING if header else "") + self.system
+        system = (self.header() if header else "") + self.system
         return Request(
             messages=[{"role": "system", "content": system}, *self.chat],
             tools=TOOLS,
@@ -178,14 +194,28 @@ async def send_messages(client: httpx.AsyncClient, base_url: str, body: dict[str
 
 
 async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> ServerResult:
+    return await run_session(ctx, server, client, rotating_header=False, offset=_OFFSET)
+
+
+async def run_session(
+    ctx: Context,
+    server: Server,
+    client: httpx.AsyncClient,
+    *,
+    rotating_header: bool,
+    offset: int,
+) -> ServerResult:
+    """One session; `offset` picks its reference text, so a second session shares no
+    prefix with the first beyond the opening sentence."""
     p, count = ctx.sizes, ctx.tokens.count
     res = ServerResult(server.name)
     system = (
         "You are a research agent for a Bible study group. Think about what you still "
         "need, call one tool at a time, and cite every verse as Book chapter:verse. "
-        "Reference material follows.\n\n" + passage(_OFFSET, p.messages_system_tokens, count)
+        "Reference material follows.\n\n" + passage(offset, p.messages_system_tokens, count)
     )
-    session = Session(system, "What does Genesis say about the firmament, and where is it echoed?")
+    task = "What does Genesis say about the firmament, and where is it echoed?"
+    session = Session(system, task, rotating_header=rotating_header)
     ours = server.name == OURS
     sent: list[tuple[str, Any, Reply]] = []
     start = time.perf_counter()
@@ -202,7 +232,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
             sent.append((label, request, reply))
         res.samples.append(ctx.account(server.name, label, request, reply))
         if turn < p.messages_turns:
-            result = passage(_OFFSET + 4000 + 200 * turn, p.messages_result_tokens, count)
+            result = passage(offset + 4000 + 200 * turn, p.messages_result_tokens, count)
             session.add_turn(turn, result)
     res.wall_s = time.perf_counter() - start
     warm = sent[1:]
