@@ -9,9 +9,10 @@
   but its compute and cache structure are those of a real hybrid model.
 - sharded-dense, sharded-hybrid (issue 16): both servers on 2 ranks under mlx.launch.
   SmolLM2's 9 heads and 3 KV heads do not split in two, so the dense one is a random
-  llama of SmolLM2-135M's shape (30 layers, hidden 576) with 8 heads and 2 KV heads,
-  SmolLM2's tokenizer and template; the hybrid one is the hybrid model above (8 heads,
-  2 KV heads, 8/4 linear heads).
+  llama of SmolLM2-135M's width (hidden 576, MLP 1536) with 8 heads and 2 KV heads and
+  8 layers, SmolLM2's tokenizer and template; the hybrid one is the hybrid model above
+  (8 heads, 2 KV heads, 8/4 linear heads, 8 layers). With SmolLM2's 30 layers, 2-rank
+  mlx-prefix hung in its startup batching probe here (both ranks waiting in mx.eval).
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ HYBRID_CONFIG: dict[str, Any] = {
 }
 
 
-# SmolLM2-135M's shape with head counts that divide by 2 (its own: 9 and 3).
+# SmolLM2-135M's width with head counts that divide by 2 (its own: 9 and 3).
 SHARDED_DENSE_CONFIG: dict[str, Any] = {
     "model_type": "llama",
     "hidden_size": 576,
     "intermediate_size": 1536,
-    "num_hidden_layers": 30,
+    "num_hidden_layers": 8,
     "num_attention_heads": 8,
     "num_key_value_heads": 2,
     "head_dim": 64,
@@ -117,8 +118,8 @@ def sharded_model(key: str) -> BenchModel:
         return BenchModel(key, base.path, base.description + on, SHARDED_RANKS)
     c = SHARDED_DENSE_CONFIG
     desc = (
-        f"random llama of SmolLM2-135M's shape (hidden {c['hidden_size']}, "
-        f"{c['num_hidden_layers']} layers) with {c['num_attention_heads']} heads and "
+        f"random llama of SmolLM2-135M's width (hidden {c['hidden_size']}), "
+        f"{c['num_hidden_layers']} layers, {c['num_attention_heads']} heads and "
         f"{c['num_key_value_heads']} KV heads, SmolLM2's tokenizer"
     )
     return BenchModel(key, _built("llama", c, None), desc + on, SHARDED_RANKS)
