@@ -13,7 +13,9 @@
   TTFT at most 0.3x mlx_lm.server's on the same conversation, every warm answer equal
   to its cold run; dense and hybrid.
 
-Issues 14 and 15's goals are in goals_hybrid_batch.py.
+Issues 14 and 15's goals are in goals_hybrid_batch.py, issue 16's (information only, for
+the models served on 2 ranks) in goals_sharded.py. The other issues' goals are computed
+on the models served on one rank.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Goal:
 
 
 def evaluate(doc: dict[str, Any]) -> list[Goal]:
-    from . import goals_hybrid_batch
+    from . import goals_hybrid_batch, goals_sharded
 
     return [
         *_restore(doc),
@@ -55,12 +57,19 @@ def evaluate(doc: dict[str, Any]) -> list[Goal]:
         *_restart(doc),
         *_messages_agent(doc),
         *goals_hybrid_batch.evaluate(doc),
+        *goals_sharded.evaluate(doc),
     ]
 
 
-def runs(doc: dict[str, Any], name: str) -> Iterator[dict[str, Any]]:
+def ranks(doc: dict[str, Any], model: str) -> int:
+    """How many ranks each server of `model` ran on (1 for a run that did not say)."""
+    return int(doc.get("models", {}).get(model, {}).get("ranks", 1))
+
+
+def runs(doc: dict[str, Any], name: str, sharded: bool = False) -> Iterator[dict[str, Any]]:
+    """The runs of workload `name` on one rank (`sharded`: on several)."""
     for w in doc["workloads"]:
-        if w["workload"] == name:
+        if w["workload"] == name and (ranks(doc, w["model"]) > 1) == sharded:
             yield w
 
 

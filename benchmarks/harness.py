@@ -22,7 +22,7 @@ import numpy as np
 from .client import Reply, Request, send
 from .models import BenchModel, Tokens
 from .profiles import Sizes
-from .servers import OURS, PEER, Server, ServerSpec
+from .servers import OURS, PEER, Server, ServerSpec, new_server
 
 
 @dataclass(slots=True)
@@ -196,10 +196,12 @@ class Context:
         )
 
     def peer_cold(self) -> Server:
-        """An mlx_lm.server that keeps no prompt cache: every request runs cold."""
+        """An mlx_lm.server that keeps no prompt cache: every request runs cold (on as
+        many ranks as the measured servers)."""
         if self._peer_cold is None:
-            spec = ServerSpec(PEER, self.model.path, ("--prompt-cache-size", "0"), "peer-cold")
-            self._peer_cold = Server(spec, self.out_dir / "logs").start()
+            args = ("--prompt-cache-size", "0")
+            spec = ServerSpec(PEER, self.model.path, args, "peer-cold", self.model.ranks)
+            self._peer_cold = new_server(spec, self.out_dir / "logs").start()
         return self._peer_cold
 
     async def cold(self, client: httpx.AsyncClient, server: Server, request: Request) -> Reply:

@@ -5,7 +5,8 @@ prefill tok/s on the dense model, ~3x that on the hybrid one; about 8.3 minutes 
 when the box is otherwise idle, see RESULTS.md's run-time table) before issues 14 and
 15's workloads; those (the edit sweep, the mixed traffic on three servers, the burst
 with unique snippets, 16 clients, the restart after one request) add an estimated 10
-minutes, not yet measured. It spends its time where the issues' sizes matter: the
+minutes, not yet measured; the chat and burst on 2 ranks (issue 16, both servers under
+mlx.launch) add a few more. It spends its time where the issues' sizes matter: the
 4K-token documents on the faster hybrid model (2K on the dense one), the 2K-token
 restart and the 200 memory requests on both (short requests, 1-token replies), one
 cold-run twin per workload, one request per client for requests/s.
@@ -33,6 +34,8 @@ MODEL_WORKLOADS = (
     "messages_agent",
     "messages_agent_cch",
 )
+# What the sharded models (issue 16: both servers on 2 ranks) run; others run on 1 rank.
+SHARDED_WORKLOADS = ("chat", "burst")
 ONCE_WORKLOADS = ("restore", "blas")  # in-process, once per run, with the first model's plan
 ALL_WORKLOADS = MODEL_WORKLOADS + ONCE_WORKLOADS
 
@@ -158,6 +161,8 @@ PROFILES = {
         (
             ModelPlan("dense", ALL_WORKLOADS, _QUICK_DENSE),
             ModelPlan("hybrid", MODEL_WORKLOADS, _QUICK_HYBRID),
+            ModelPlan("sharded-dense", SHARDED_WORKLOADS, _QUICK_DENSE),
+            ModelPlan("sharded-hybrid", SHARDED_WORKLOADS, _QUICK_HYBRID),
         ),
     ),
     "full": Profile(
@@ -165,6 +170,8 @@ PROFILES = {
         (
             ModelPlan("dense", ALL_WORKLOADS, _FULL),
             ModelPlan("hybrid", MODEL_WORKLOADS, replace(_FULL, mixed_budget=64 * MiB)),
+            ModelPlan("sharded-dense", SHARDED_WORKLOADS, _FULL),
+            ModelPlan("sharded-hybrid", SHARDED_WORKLOADS, _FULL),
         ),
     ),
     # For the smoke test: a tiny model and the smallest sizes that still exercise reuse.

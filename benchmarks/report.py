@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import claims
+from . import claims, report_sharded
 from .report_hybrid_batch import edit_lines, edit_plot, itl_lines, mixed_lines
 from .servers import OURS, PEER, SERVERS
 
@@ -186,7 +186,7 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
                 f"{_reuse(res['reuse'])} | {_checks(res)}{' ' + err if err else ''} |"
             )
     lines += _burst_lines(doc) + _concurrency_lines(doc) + itl_lines(doc)
-    lines += edit_lines(doc) + _memory_lines(doc) + mixed_lines(doc)
+    lines += edit_lines(doc) + _memory_lines(doc) + mixed_lines(doc) + report_sharded.lines(doc)
     lines += _restore_lines(doc) + _blas_lines(doc) + _runtime_lines(doc)
     lines += _per_request_lines(doc)
     if skipped:

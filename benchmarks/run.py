@@ -20,8 +20,8 @@ from pathlib import Path
 from . import goals, profiles, report, screenshot
 from .harness import Context, ServerResult, WorkloadResult, run_async
 from .models import BenchModel, Tokens, resolve
-from .profiles import MODEL_WORKLOADS, ONCE_WORKLOADS, Sizes
-from .servers import OURS, PEER, SERVERS, ServerSpec, start_all
+from .profiles import MODEL_WORKLOADS, ONCE_WORKLOADS, SHARDED_WORKLOADS, Sizes
+from .servers import OURS, PEER, SERVERS, ServerFailed, ServerSpec, start_all
 from .workloads import WORKLOADS
 from .workloads.restart import Skip
 
@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         if not names and not once_names:
             continue
         model = resolve(key)
+        if model.ranks > 1:  # the other workloads would start their own 1-rank servers
+            dropped = [w for w in names if w not in SHARDED_WORKLOADS]
+            names = [w for w in names if w in SHARDED_WORKLOADS]
+            if dropped:
+                log(f"{model.key}: {', '.join(dropped)} not run on {model.ranks} ranks")
         plans.append(
             {
                 "model": model.key,
@@ -177,17 +182,25 @@ def main(argv: list[str] | None = None) -> int:
         if not names:
             continue
         log(f"model {model.key}: {model.description} ({model.path})")
-        specs = [ServerSpec(OURS, model.path, (), "ours"), ServerSpec(PEER, model.path, (), "peer")]
+        specs = [
+            ServerSpec(OURS, model.path, (), "ours", model.ranks),
+            ServerSpec(PEER, model.path, (), "peer", model.ranks),
+        ]
+        info = {"path": str(model.path), "description": model.description, "ranks": model.ranks}
+        models[model.key] = info
         t = time.perf_counter()
-        servers = start_all(specs, args.out / "logs")
+        try:
+            servers = start_all(specs, args.out / "logs")
+        except ServerFailed as e:
+            if model.ranks == 1:
+                raise
+            log(f"  {model.key}: skipped: {e}")
+            results += [WorkloadResult(n, WORKLOADS[n].TITLE, model.key, {}, str(e)) for n in names]
+            continue
         up = time.perf_counter() - t
         log(f"servers up in {up:.1f}s")
-        models[model.key] = {
-            "path": str(model.path),
-            "description": model.description,
-            "servers_up_s": up,
-            "blas": {s.name: s.blas() for s in servers},  # what each process mapped
-        }
+        info["servers_up_s"] = up
+        info["blas"] = {s.name: s.blas() for s in servers}  # what each process mapped
         ctx = Context(
             plan.sizes, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log
         )

@@ -31,6 +31,7 @@ class ServerSpec:
     model: Path
     extra_args: tuple[str, ...] = ()
     label: str = ""  # for logs: "ours", "peer", "peer-cold"
+    ranks: int = 1  # above 1: one group of ranks under mlx.launch (servers_sharded.py)
 
     def argv(self, port: int) -> list[str]:
         py = sys.executable
@@ -150,9 +151,18 @@ class Server:
         return self.start()
 
 
+def new_server(spec: ServerSpec, log_dir: Path) -> Server:
+    """A Server for `spec`: one process, or a group of ranks when spec.ranks > 1."""
+    if spec.ranks > 1:
+        from .servers_sharded import ShardedServer
+
+        return ShardedServer(spec, log_dir)
+    return Server(spec, log_dir)
+
+
 def start_all(specs: list[ServerSpec], log_dir: Path) -> list[Server]:
     """Launch every server at once (their model loads overlap), then wait for each."""
-    servers = [Server(s, log_dir).launch() for s in specs]
+    servers = [new_server(s, log_dir).launch() for s in specs]
     try:
         for s in servers:
             s.wait_ready()
