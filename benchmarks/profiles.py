@@ -79,9 +79,13 @@ class Sizes:
     mixed_agent_steps: int = 3
     mixed_oneshots: int = 6
     mixed_oneshot_tokens: int = 60
-    # Bytes, every server: well under what the traffic would keep (the dense model's KV
-    # is 45 KiB a token, so 128 MiB holds about two of the documents and nothing else).
-    mixed_budget: int = 128 * MiB
+    # Bytes, every server, sized from the model's bytes per cached token: about half of
+    # what the workload's prefills would store, plus its largest running prefill (the
+    # budget counts it), so some prefixes must go and the eviction order decides which.
+    # Dense (45 KiB of KV a token): ~11K prompt tokens, each request's end a whole KV
+    # copy, ~485 MiB kept; half of it + an 830-token document's 37 MiB ~ 288 MiB. Too
+    # little (128 MiB) and both orders keep nothing; too much and both keep everything.
+    mixed_budget: int = 288 * MiB
     restore_tokens: tuple[int, ...] = (1024, 8192, 32768)
     restore_repeat: int = 3
     blas_tokens: int = 64  # prompt tokens for the prefill speed with and without fast BLAS
@@ -116,9 +120,10 @@ class Profile:
 
 
 _QUICK_DENSE = Sizes(document_tokens=2048, edit_doc_tokens=(1024, 2048))
-# The hybrid model's KV is 2 KiB a token, each checkpoint's recurrent state ~0.8 MiB.
+# The hybrid model's KV is 2 KiB a token, each checkpoint's recurrent state 840 KiB: its
+# mixed traffic keeps ~96 MiB (shared KV, ~100 checkpoints); half + a running prefill.
 _QUICK_HYBRID = replace(
-    _QUICK_DENSE, document_tokens=4096, edit_doc_tokens=(1024, 4096), mixed_budget=16 * MiB
+    _QUICK_DENSE, document_tokens=4096, edit_doc_tokens=(1024, 4096), mixed_budget=56 * MiB
 )
 _FULL = Sizes(
     max_tokens=64,

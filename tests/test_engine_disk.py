@@ -189,7 +189,8 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
     # A non-trimmable cache restored from memory past the chosen position can only save
     # it from an exact state memory holds; when none is there the save is dropped, and
     # says so (seed 004's "a chosen save never fires", issue 20 item 8).
-    prompt = chat(("system", SYSTEM), ("user", "Is breakfast included?"))
+    # Long enough for a multiple of the chunk size that no checkpoint is planned at.
+    prompt = chat(("system", SYSTEM), ("user", "Is breakfast included? " * 12))
     probe = engine_on("qwen3_5", tmp_path / "probe", "full")
     try:
         plan = probe.plan(prompt)

@@ -222,7 +222,10 @@ def test_no_tail_outside_the_last_message(reply):
     last = max(pos for pos, kind in found.items() if kind == LAST)
     history_cut = min(pos for pos, kind in found.items() if kind == HISTORY)
     assert not last < tail < history_cut  # precondition
-    assert PERIODIC not in found.values()
+    # Only the periodic series (the early points, then powers of two below the
+    # interval: prompt/grid.py), no tail.
+    periodic = {pos for pos, kind in found.items() if kind == PERIODIC}
+    assert periodic <= set(p.grid.periodic(len(rendered.tokens), 4096))
 
 
 def test_text_completions_get_periodic_checkpoints_and_a_tail():
@@ -231,9 +234,10 @@ def test_text_completions_get_periodic_checkpoints_and_a_tail():
     rendered = p.plan(PromptInput(text=text))
     assert len(rendered.tokens) == 200
     assert not rendered.is_chat
-    assert kinds(rendered) == {64: PERIODIC, 128: PERIODIC, 192: PERIODIC}  # the tail: 192
+    # The series (one chunk, then every interval: prompt/grid.py) and the tail: 192.
+    assert kinds(rendered) == {32: PERIODIC, 64: PERIODIC, 128: PERIODIC, 192: PERIODIC}
     shorter = p.plan(PromptInput(text="word" + " word" * 179))  # 180 tokens: tail at 160
-    assert kinds(shorter) == {64: PERIODIC, 128: PERIODIC, 160: PERIODIC}
+    assert kinds(shorter) == {32: PERIODIC, 64: PERIODIC, 128: PERIODIC, 160: PERIODIC}
 
 
 CASES = [

@@ -6,7 +6,8 @@ computed before (the most any cache could reuse). mlx_lm.server trims a dense mo
 cached prefix to the exact edit; mlx-prefix resumes on its prefill grid (multiples of
 `--prefill-chunk`, 256), so it recomputes up to 255 tokens before the edit even there.
 A hybrid model resumes only from a stored checkpoint, so this measures where
-checkpoints sit (mlx-prefix: every 512 tokens and at branch points)."""
+checkpoints sit (mlx-prefix: at 64, 128, 256, then every 512 tokens, and at branch
+points)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ Checkpoint kinds (see cache.store.CheckpointKind for their eviction order):
   always a prefix of the full render);
 - HISTORY: the end of the history before the generation prompt, and the end of the
   prompt itself (the next turn's history starts with it);
-- PERIODIC: every N tokens, so a divergence deep inside a long document still restores
-  close to it; and one tail checkpoint at the last multiple of the chunk size inside the
-  prompt, so "same document, new question at its end" restores next to the question;
+- PERIODIC: geometrically spaced near the start (64, 128, 256), then every N tokens
+  (prompt/grid.py: ChunkGrid.periodic), so a divergence anywhere restores within
+  max(63, p/2) and N tokens before it; and one tail checkpoint at the last multiple of
+  the chunk size inside the prompt, so "same document, new question at its end"
+  restores next to the question;
 - BREAKPOINT: where the client marked its stable prefix (`cache_control`), found by
   prompt/breakpoints.py; kept after the last message's start, before the system prompt.
 Every position is aligned down onto the grid, so a checkpoint is always a point where a
@@ -189,10 +191,8 @@ class PromptPlanner:
         return RenderedPrompt(tuple(tokens), self._chat_checkpoints(prompt, messages, tokens), True)
 
     def _periodic(self, tokens: Sequence[int]) -> tuple[Checkpoint, ...]:
-        step = self.config.checkpoint_interval
-        return tuple(
-            Checkpoint(p, CheckpointKind.PERIODIC) for p in range(step, len(tokens) + 1, step)
-        )
+        positions = self.grid.periodic(len(tokens), self.config.checkpoint_interval)
+        return tuple(Checkpoint(p, CheckpointKind.PERIODIC) for p in positions)
 
     def _with_tail(self, n: int, found: dict[int, CheckpointKind]) -> tuple[Checkpoint, ...]:
         """`found` as checkpoints, plus the tail: the last multiple of the chunk size before

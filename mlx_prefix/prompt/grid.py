@@ -4,6 +4,9 @@ Prefill numerics depend on how a prompt is cut into chunks (with a real BLAS a 5
 split and a 300|212|188 split give different logits). So chunk boundaries are a pure
 function of the token prefix: position b (0 < b) is on the grid iff
   - b is a multiple of `chunk_size`, or
+  - b is one of the early points: chunk_size/2, chunk_size/4, ... down to EARLY_MIN
+    (64 and 128 for the default 256), so a prompt's first chunk is cut geometrically
+    and a divergence near its start still restores close to it, or
   - b >= 2 and tokens[b-1] is a segment token: the special token just before a
     message's content (`<|im_start|>` in ChatML, `<|end_header_id|>` in Llama 3, or an
     end-of-turn token like `</s>` for templates without one; see
@@ -19,6 +22,14 @@ re-rendering; a cut after plain text (`...assistant\\n`) only counts when the wh
 generation prompt matches. A segment token at position 0 (a BOS, ChatML's first
 `<|im_start|>`) is no point: a one-token first chunk costs a forward pass and no
 checkpoint wants it.
+
+Periodic checkpoints (`periodic`) sit on a geometric-then-regular series: the early
+points, then chunk_size x 2^k below the interval, then every multiple of the interval
+(64, 128, 256, 512, 1024, 1536, ... for the defaults). A divergence at position p then
+finds a periodic checkpoint r with p - r < interval and p - r <= max(63, p // 2): the
+recompute is a bounded share of what came before it, at most 512 tokens, and the series
+costs log2(interval / EARLY_MIN) checkpoints more than the regular grid (a hybrid pays
+its recurrent state for each; their attention KV is shared: engine/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ from dataclasses import dataclass
 
 # Bump when the rules above change: entries cut by other rules (on disk, say) must not
 # match, so the version is part of `signature()` and thereby of every cache key.
-GRID_RULES = 2
+GRID_RULES = 3
+# The smallest early point: a shorter first chunk costs a forward pass for too little.
+EARLY_MIN = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +63,30 @@ class ChunkGrid:
             return False
         if b % self.chunk_size == 0 or (b >= 2 and tokens[b - 1] in self.segment_tokens):
             return True
+        if b < self.chunk_size and b >= EARLY_MIN and self.chunk_size % b == 0:
+            if (self.chunk_size // b) & (self.chunk_size // b - 1) == 0:  # a power of 2
+                return True
         k = len(self.generation_suffix)
         return k > 0 and b >= k and tuple(tokens[b - k : b]) == self.generation_suffix
+
+    def early_points(self) -> tuple[int, ...]:
+        """chunk_size/2, chunk_size/4, ... down to EARLY_MIN, ascending."""
+        out, b = [], self.chunk_size
+        while b % 2 == 0 and b // 2 >= EARLY_MIN:
+            b //= 2
+            out.append(b)
+        return tuple(reversed(out))
+
+    def periodic(self, n: int, interval: int) -> list[int]:
+        """Periodic checkpoint positions <= n (the module docstring's series); every one
+        is a grid point of any prompt. `interval` is a multiple of the chunk size."""
+        out = [b for b in self.early_points() if b <= n]
+        b = self.chunk_size
+        while b < interval and b <= n:
+            out.append(b)
+            b *= 2
+        out += range(interval, n + 1, interval)
+        return out
 
     def points(self, tokens: Sequence[int], start: int = 0, end: int | None = None) -> list[int]:
         """Grid points p with start < p <= end, ascending."""
