@@ -284,3 +284,28 @@ def test_generate_takes_the_flags(tmp_path):
         [*argv[:6], "--kv-bits", "4", "Hello"], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 1 and "--kv-group-size 64 does not divide" in bad.stderr
+
+
+def test_the_server_reports_packed_bytes_and_answers_hits_as_cold_runs(engines):
+    import httpx
+    from server_fakes import serving
+
+    engine = engines("dense", 4, start=32)
+    body = {
+        "model": "default",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=120) as http:
+        first, warm = (http.post("/v1/chat/completions", json=body).json() for _ in range(2))
+        cold = http.post(
+            "/v1/chat/completions", json={**body, "prefix_cache": {"enabled": False}}
+        ).json()
+        cache = http.get("/v1/cache").json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 32
+    assert warm["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
+    assert cache["stats"]["bytes"] == engine.cache_stats()["bytes"] > 0
+    assert all(not e["trimmable"] for e in cache["entries"] if e["tokens"] > 32)
