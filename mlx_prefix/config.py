@@ -20,6 +20,8 @@ T = TypeVar("T")
 GiB = 1024**3
 
 EVICTION_POLICIES = ("value", "kind")
+KV_BITS = (2, 3, 4, 5, 6, 8)  # --kv-bits: what mx.quantize supports
+KV_GROUP_SIZES = (32, 64, 128)  # --kv-group-size
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,14 +109,31 @@ class EngineConfig:
     # that reply again on the chunk grid so the next turn restores the whole history.
     prefetch_next_turn: bool = True
     prefetch_delay_s: float = 0.5
+    # Quantized KV cache, mlx_lm's --kv-bits / --kv-group-size / --quantized-kv-start
+    # (engine/kv_quant.py). None: float KV. The start is mlx_lm's DEFAULT_QUANTIZED_KV_START.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
 
     def __post_init__(self) -> None:
+        check_kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
         if min(self.max_running, self.prefill_tokens_per_step, self.max_prefilling) < 1:
             raise ValueError(
                 "max_running, prefill_tokens_per_step and max_prefilling must be at least 1"
             )
         if self.max_queued < 0 or self.decode_latency_s <= 0:
             raise ValueError("max_queued must be >= 0 and decode_latency_s > 0")
+
+
+def check_kv_quant(bits: int | None, group_size: int, start: int) -> None:
+    """ValueError naming the flag when a KV quantization setting is out of range."""
+    if bits is not None and bits not in KV_BITS:
+        raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, not {bits}")
+    if group_size not in KV_GROUP_SIZES:
+        sizes = ", ".join(map(str, KV_GROUP_SIZES))
+        raise ValueError(f"--kv-group-size must be one of {sizes}, not {group_size}")
+    if start < 0:
+        raise ValueError(f"--quantized-kv-start must be >= 0, not {start}")
 
 
 _BYTE_UNITS = {

@@ -153,8 +153,12 @@ def cache_nbytes(cache: list[Any]) -> int:
 
 
 def is_trimmable(cache: list[Any]) -> bool:
-    """Whether every layer can drop tokens from its end. Does not mutate."""
-    return all(c.is_trimmable() for c in cache)
+    """Whether every layer can drop tokens from its end. Does not mutate.
+
+    Quantized KV counts as not trimmable: positions below --quantized-kv-start are
+    float in a cold run, so a quantized state restores only exactly (engine/kv_quant.py).
+    """
+    return all(c.is_trimmable() and not isinstance(c, QuantizedKVCache) for c in cache)
 
 
 # -- per class ----------------------------------------------------------------

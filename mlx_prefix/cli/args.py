@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from mlx_prefix.config import (
     EVICTION_POLICIES,
+    KV_BITS,
+    KV_GROUP_SIZES,
     CacheConfig,
     DiskConfig,
     EngineConfig,
@@ -151,6 +153,30 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="don't prefill a chat's reply again while idle (next-turn prefetch)",
     )
+    kv_quant_args(p)
+
+
+def kv_quant_args(p: argparse.ArgumentParser) -> None:
+    """mlx_lm's quantized KV cache flags (engine/kv_quant.py)."""
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        help="quantize the KV cache to this many bits (default: no quantization); "
+        "one request at a time, as mlx_lm.server",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        help="group size for KV cache quantization (default 64)",
+    )
+    p.add_argument(
+        "--quantized-kv-start",
+        type=number_type(int, lo=0, hi=float("inf"), what="at least 0"),
+        help="with --kv-bits, quantize a request's KV once it holds this many tokens "
+        "(default 5000, mlx_lm's)",
+    )
 
 
 def disk_args(p: argparse.ArgumentParser, default_scope: str) -> None:
@@ -208,6 +234,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_prefilling",
         "decode_latency_s",
         "prefetch_next_turn",
+        "kv_bits",
+        "kv_group_size",
+        "quantized_kv_start",
     )
     return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
 

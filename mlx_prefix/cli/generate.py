@@ -16,6 +16,8 @@ from .args import (
     cache_config,
     disk_args,
     disk_config,
+    engine_config,
+    kv_quant_args,
     model_args,
     model_from_args,
     number_type,
@@ -34,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # One request per process: `auto` would have no earlier request to compare with, so
     # generate persists every checkpoint and a second run with the same --system hits.
     disk_args(p, "full")
+    kv_quant_args(p)
     p.add_argument("-s", "--system", help="system prompt")
     p.add_argument("--messages", type=Path, help="OpenAI messages JSON file (array)")
     p.add_argument("-n", "--max-tokens", type=_max_tokens, default=256)
@@ -82,7 +85,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = chat_prompt(prompt_text, system=args.system, messages=messages)
     sampling = SamplingParams(args.max_tokens, args.temp, args.top_p, args.seed, tuple(args.stop))
     session = PrefixCacheSession(
-        model_from_args(args), cache_config=cache_config(args), disk_config=disk_config(args)
+        model_from_args(args),
+        cache_config=cache_config(args),
+        engine_config=engine_config(args),
+        disk_config=disk_config(args),
     )
     with session:
         parts = []

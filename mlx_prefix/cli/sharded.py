@@ -47,7 +47,7 @@ def launched_group() -> mx.distributed.Group | None:
 def serve_sharded(
     args: argparse.Namespace, group: mx.distributed.Group, settings: ServerSettings
 ) -> int:
-    from mlx_prefix.engine.distributed import DistributedEngine
+    from mlx_prefix.engine.distributed import QUANTIZED_KV_SHARDED, DistributedEngine
     from mlx_prefix.models.sharded import load_sharded
     from mlx_prefix.server.app import serve
 
@@ -56,6 +56,8 @@ def serve_sharded(
     cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
     if cfg.adapter is not None:
         raise InvalidRequest("--adapter is not supported on a model sharded over ranks")
+    if engine_config(args).kv_bits is not None:
+        raise InvalidRequest(QUANTIZED_KV_SHARDED)
     channel = Channel(group)
     backend = detect_backend()
     model, cluster = load_sharded(

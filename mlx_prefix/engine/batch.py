@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, RotatingKVCache
 
 from mlx_prefix.cache.snapshot import cache_nbytes
+from mlx_prefix.engine.kv_quant import KvQuant
 from mlx_prefix.engine.rowwise import batched
 from mlx_prefix.engine.sampling import TokenSampler, normalize, top_logprobs
 
@@ -86,17 +87,23 @@ class DecodeBatch:
 
     A step runs batch-invariant (engine/rowwise.py): projections in groups of at most
     `rows` rows, attention per row over its own keys, so each row's numbers are those
-    of the same request decoding alone."""
+    of the same request decoding alone.
+
+    With `kv` (quantized KV, engine/kv_quant.py) the batch holds one row, its cache
+    unmerged (mlx-lm has no batched quantized cache), quantized after each step as
+    mlx_lm does."""
 
     def __init__(
         self,
         model: nn.Module,
         rows: int = 1,
         agree: Callable[[mx.array], mx.array] | None = None,
+        kv: KvQuant | None = None,
     ):
         self.model = model
         self.rows = rows  # rows one matmul may hold and still compute each like alone
         self.agree = agree  # sharded: every rank goes on with rank 0's tokens (group.py)
+        self.kv = kv
         self.cache: list = []
         self.members: list[Any] = []
         self._samplers: list[TokenSampler] = []
@@ -108,7 +115,11 @@ class DecodeBatch:
 
     def add(self, member: Any, cache: list, sampler: TokenSampler, first_token: int) -> None:
         """Join a sequence whose prompt is fully in `cache`; its next input is first_token."""
-        single = [_batch_of_one(c) for c in cache]
+        if self.kv is not None:
+            assert not self.cache, "a quantized-KV engine decodes one request at a time"
+            single = list(cache)
+        else:
+            single = [_batch_of_one(c) for c in cache]
         if not self.cache:
             self.cache = single
         else:
@@ -140,8 +151,12 @@ class DecodeBatch:
         only when asked: computed with the tokens, in the same evaluation."""
         inputs = mx.array(self._inputs)[:, None]  # [B, 1]
         self._lengths = [n + 1 for n in self._lengths]
-        with batched(self.rows, self._lengths):
-            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+        if self.kv is not None:
+            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [1, V]
+            self.kv.apply(self.cache)
+        else:
+            with batched(self.rows, self._lengths):
+                logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
         logprobs = normalize(logits)
         tokens = mx.concatenate(
             [s(logprobs[i : i + 1], logits[i : i + 1]) for i, s in enumerate(self._samplers)]

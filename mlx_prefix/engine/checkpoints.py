@@ -106,13 +106,16 @@ class Checkpointer:
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
     branch: int = 0  # a grid point where the prompt leaves a stored sequence (0: none)
     on_stored: Callable[[int], None] = lambda position: None  # a prefix went into memory
+    # Keep every grid checkpoint even if the cache is all KV now: it will be quantized
+    # in this prefill, and quantized states restore only exactly (engine/kv_quant.py).
+    exact_only: bool = False
 
     def __post_init__(self) -> None:
         self.planned = {
             c.position: c.kind for c in self.prompt.checkpoints if c.position > self.reuse
         }
         # An all-KV cache needs only its end-of-prompt snapshot: trimming serves the rest.
-        self.keep_every_checkpoint = not always_trimmable(self.cache)
+        self.keep_every_checkpoint = self.exact_only or not always_trimmable(self.cache)
         if self.keep_every_checkpoint and self.reuse < self.branch < len(self.prompt.tokens):
             self._plan(self.branch, CheckpointKind.LAST_MESSAGE)
         self._deferred: list[_Deferred] = []
@@ -205,6 +208,18 @@ class Checkpointer:
     def _thinnable(kind: CheckpointKind, to_disk: bool) -> bool:
         return kind is CheckpointKind.PERIODIC and not to_disk
 
+    def settle(self) -> None:
+        """Complete and store the deferred checkpoints now, from the KV buffers the cache
+        holds now: before its KV layers are replaced (quantized, engine/kv_quant.py),
+        which `complete` must not see. Mutates the store and the disk queue."""
+        if self.finished:
+            return
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            kv = kv_buffer(self.cache)
+            for d in deferred:
+                self._keep(complete(d.pending, self.cache, kv), d.kind, d.in_memory, d.to_disk)
+
     def finish(self, *, keep: bool = True) -> None:
         """The prefill ended, or stopped between chunks: complete the deferred
         checkpoints from the cache's KV buffers and store / queue them (mutates the
@@ -212,13 +227,10 @@ class Checkpointer:
         failed, the cache may be broken) drops them. Idempotent."""
         if self.finished:
             return
+        if keep:
+            self.settle()
+        self._deferred = []
         self.finished = True
-        deferred, self._deferred = self._deferred, []
-        if not keep or not deferred:
-            return
-        kv = kv_buffer(self.cache)
-        for d in deferred:
-            self._keep(complete(d.pending, self.cache, kv), d.kind, d.in_memory, d.to_disk)
 
     def _keep(self, snapshot: Snapshot, kind: CheckpointKind, in_memory: bool, to_disk: bool):
         tokens = self.prompt.tokens[: snapshot.length]

@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
+from mlx_prefix.engine.kv_quant import KvQuant
 from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.models.load import LoadedModel
@@ -33,6 +34,7 @@ class DecodePhase:
         bytes_key: str,
         end: Callable[[Job, DoneEvent | ErrorEvent], None],
         on_reply: Callable[[Job, str], None],
+        kv: KvQuant | None = None,
     ):
         self.model = model
         self.rows = rows  # decode rows one matmul may hold (engine/rowwise.py)
@@ -42,7 +44,8 @@ class DecodePhase:
         self._on_reply = on_reply  # a request finished with this reply (not cancelled)
         # Sharded: the tokens every rank goes on with, rank 0's (engine/distributed.py).
         self.agree_tokens: Callable[[mx.array], mx.array] | None = None
-        self.batch = DecodeBatch(model.model, rows)
+        self.kv = kv  # quantized KV: one request at a time, unmerged (engine/batch.py)
+        self.batch = DecodeBatch(model.model, rows, kv=kv)
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
 
@@ -56,7 +59,7 @@ class DecodePhase:
         """Decode rows one matmul may hold (engine/rowwise.py); before any request runs."""
         assert not len(self.batch)
         self.rows = rows
-        self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens)
+        self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens, self.kv)
 
     def admit(self, task: PrefillTask, logits: mx.array, limit: int) -> None:
         """Sample the first token from the prefill `logits` [1, V]; the request joins the
@@ -120,7 +123,7 @@ class DecodePhase:
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
         jobs = [r.job for r in self.batch.members]
-        self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens)
+        self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens, self.kv)
         self.store.drop_active(self._bytes_key)
         return jobs
 

@@ -66,6 +66,12 @@ class _Asked:
     future: Future
 
 
+QUANTIZED_KV_SHARDED = (
+    "--kv-bits is not supported on a model sharded over ranks (a quantized KV row "
+    "decodes unbatched, and that path is not built for the group's agreed steps)"
+)
+
+
 class DistributedEngine(Engine):
     handle_type = LatchedHandle
 
@@ -78,6 +84,8 @@ class DistributedEngine(Engine):
         engine_config: EngineConfig | None = None,
         disk_config: DiskConfig | None = None,
     ):
+        if engine_config is not None and engine_config.kv_bits is not None:
+            raise ValueError(QUANTIZED_KV_SHARDED)
         self.cluster = cluster
         self.channel = channel
         self.failure: str | None = None  # why the group stopped (None: serving)

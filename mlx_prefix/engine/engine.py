@@ -43,6 +43,7 @@ from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
 from mlx_prefix.engine.keys import cache_key, entry_key
+from mlx_prefix.engine.kv_quant import KvQuant, check_model
 from mlx_prefix.engine.lifecycle import Lifecycle, error_message
 from mlx_prefix.engine.pace import Pace
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
@@ -92,17 +93,22 @@ class Engine(CacheViews):
             self.cache_config.max_entries,
             policy=policy_named(self.cache_config.eviction),
         )
-        self.model_key = cache_key(model.identity, self.planner.grid)
+        c = self.config  # quantized KV (engine/kv_quant.py): in the key, one request at a time
+        self.kv_quant = KvQuant.of(c.kv_bits, c.kv_group_size, c.quantized_kv_start)
+        if self.kv_quant is not None:
+            check_model(model.model, self.kv_quant)
+        self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
-        self.batchable = batchable(fresh_cache)  # until the engine thread's probe says more
+        # Until the engine thread's probe says more.
+        self.batchable = batchable(fresh_cache) and self.kv_quant is None
         self.capacity = 1  # requests decoding at once: set by `_calibrate`
         # A server-wide scope of "off" disables the tier: no folder, no files, and no
         # per-request scope can turn it back on.
         self.disk = (
             DiskTier(
                 disk_config,
-                always_trimmable(fresh_cache),
+                always_trimmable(fresh_cache) and self.kv_quant is None,
                 self.store,
                 bytes_key=f"engine-{id(self):x}-disk",
             )
@@ -124,6 +130,7 @@ class Engine(CacheViews):
             lambda: self._waiting,
             bytes_key=f"engine-{id(self):x}-prefill",
         )
+        self._prefill.kv_quant = self.kv_quant
         self._decode = DecodePhase(
             model,
             1,
@@ -131,6 +138,7 @@ class Engine(CacheViews):
             f"engine-{id(self):x}-batch",
             self.lifecycle.end,
             self._maybe_prefetch,
+            kv=self.kv_quant,
         )
         self._pace = Pace(self.config)
         self.prefetch = PrefetchStats()

@@ -12,6 +12,7 @@ cache key) are never matched by a request: they only age out or get flushed.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -20,15 +21,21 @@ from mlx_prefix.platform import device_name, loaded_blas
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.records import CachePreference
 
+if TYPE_CHECKING:
+    from mlx_prefix.engine.kv_quant import KvQuant
+
 SEPARATOR = "/"
 
 
-def cache_key(identity: ModelIdentity, grid: ChunkGrid) -> str:
+def cache_key(identity: ModelIdentity, grid: ChunkGrid, kv: KvQuant | None = None) -> str:
     """The model part of every cache entry's key. An entry reproduces a cold run
-    only for the same weights (identity), the same chunk grid and the same kernels
-    (device, BLAS, MLX version), so all of them are in it (DESIGN 4 and 7); a server
-    restarted with another --prefill-chunk or BLAS never reads the old files."""
+    only for the same weights (identity), the same chunk grid, the same kernels
+    (device, BLAS, MLX version) and the same KV quantization (`kv`; None: float), so
+    all of them are in it (DESIGN 4 and 7); a server restarted with another
+    --prefill-chunk, BLAS or --kv-bits never reads the old files."""
     parts = [identity.key(), grid.signature(), device_name(), loaded_blas(), mx.__version__]
+    if kv is not None:  # float keys stay as they were: their files remain valid
+        parts.append(kv.signature())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

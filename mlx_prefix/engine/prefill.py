@@ -25,6 +25,7 @@ from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.jobs import Job, PrefillTask
+from mlx_prefix.engine.kv_quant import KvQuant
 from mlx_prefix.engine.runner import ChunkWork, PrefillCursor, always_trimmable, compute_chunks
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
@@ -64,6 +65,7 @@ class PrefillPhase:
         self.group = True  # stack equal-shape chunks (engine/rowwise.py; the probe may say no)
         self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
         self.stacked = 0  # chunks computed in a stacked forward with others
+        self.kv_quant: KvQuant | None = None  # quantize KV after each chunk (engine/kv_quant.py)
 
     def uses_cache(self, job: Job) -> bool:
         return self.cache_config.enabled and job.cache_pref.enabled
@@ -166,6 +168,7 @@ class PrefillPhase:
             result.tokens += tokens
             for task, logits in zip(chosen, outputs, strict=True):
                 end = task.cursor.advance()
+                self._quantize(task)
                 pending = 0
                 if task.checkpointer is not None:
                     task.checkpointer(end)
@@ -179,6 +182,15 @@ class PrefillPhase:
                 break  # those join the decode batch now
         result.seconds = time.perf_counter() - started
         return result
+
+    def _quantize(self, task: PrefillTask) -> None:
+        """mlx_lm's check after a forward: KV layers past --quantized-kv-start quantize.
+        Checkpoints still waiting for the float KV are completed from it first."""
+        if self.kv_quant is None or not self.kv_quant.due(task.cache):
+            return
+        if task.checkpointer is not None:
+            task.checkpointer.settle()
+        self.kv_quant.apply(task.cache)
 
     def close(self, task: PrefillTask, *, failed: bool = False) -> PrefillTask:
         """End a task (done, cancelled or `failed`); returns it. A cancelled prefill
@@ -247,4 +259,5 @@ class PrefillPhase:
             disk_positions,
             branch,
             on_stored=stored,
+            exact_only=self.kv_quant is not None and len(tokens) >= self.kv_quant.start,
         )

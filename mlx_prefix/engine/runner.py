@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
 from mlx_prefix.engine.rowwise import batched
 from mlx_prefix.prompt.grid import ChunkGrid
 
-# Layers whose state can always be trimmed back to any earlier position.
-_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+# Layers whose state can always be trimmed back to any earlier position (not quantized
+# KV: it restores only exactly, engine/kv_quant.py).
+_ALWAYS_TRIMMABLE = (KVCache, ConcatenateKVCache)
 
 
 def always_trimmable(cache: list) -> bool:

@@ -15,6 +15,8 @@ through `load_model` like any real checkpoint.
 Every kind has a 4096-token context; `context=` gives a longer one (an agent's 25K-token
 prompt needs 32K). `think_template` swaps in a Qwen3-style template with tools,
 `<tool_call>` JSON calls (mlx-lm's `json_tools` parser) and `<think>` reasoning.
+`head_dim=` widens the attention heads (quantized KV needs a head size that its group
+size, at least 32, divides).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def make_test_model(
     think_template: bool = False,
     seed: int = 0,
     context: int | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a loadable model folder of `kind` into `dest` (created if missing); return it.
 
@@ -139,6 +142,8 @@ def make_test_model(
             cfg["vocab_size"] = vocab_size
         if context is not None and "max_position_embeddings" in cfg:
             cfg["max_position_embeddings"] = context
+        if head_dim is not None and "head_dim" in cfg:
+            cfg["head_dim"] = head_dim
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
@@ -183,18 +188,25 @@ _cache_root: Path | None = None
 _cached: dict[tuple[str, bool, int | None], Path] = {}
 
 
-def cached_test_model(kind: str, think_template: bool = False, context: int | None = None) -> Path:
+def cached_test_model(
+    kind: str, think_template: bool = False, context: int | None = None, head_dim: int | None = None
+) -> Path:
     """`make_test_model(kind, ...)` written once per process under a temp dir (seed 0)."""
     global _cache_root
-    key = (kind, think_template, context)
+    key = (kind, think_template, context, head_dim)
     if key not in _cached:
         if _cache_root is None:
             _cache_root = Path(tempfile.mkdtemp(prefix="mlx-prefix-test-models-"))
             atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
         name = f"tiny-{kind}" + ("-think" if think_template else "")
         name += f"-{context // 1024}k" if context else ""
+        name += f"-hd{head_dim}" if head_dim else ""
         _cached[key] = make_test_model(
-            kind, _cache_root / name, think_template=think_template, context=context
+            kind,
+            _cache_root / name,
+            think_template=think_template,
+            context=context,
+            head_dim=head_dim,
         )
     return _cached[key]
 
