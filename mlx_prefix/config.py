@@ -35,6 +35,7 @@ class ModelConfig:
     # '{"enable_thinking": false}'); a request's chat_template_kwargs win over them.
     chat_template_args: str | None = None
     trust_remote_code: bool = False  # let the tokenizer run the model folder's own code
+    draft_model: str | None = None  # speculative decoding's draft (engine/speculative.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,8 @@ class EngineConfig:
     # that reply again on the chunk grid so the next turn restores the whole history.
     prefetch_next_turn: bool = True
     prefetch_delay_s: float = 0.5
+    # Speculative decoding (--draft-model): draft tokens per verify step by default.
+    num_draft_tokens: int = 3
 
     def __post_init__(self) -> None:
         if min(self.max_running, self.prefill_tokens_per_step, self.max_prefilling) < 1:

@@ -56,6 +56,8 @@ def serve_sharded(
     cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
     if cfg.adapter is not None:
         raise InvalidRequest("--adapter is not supported on a model sharded over ranks")
+    if getattr(args, "draft_model", None) is not None:
+        raise InvalidRequest("--draft-model is not supported on a model sharded over ranks")
     channel = Channel(group)
     backend = detect_backend()
     model, cluster = load_sharded(

@@ -17,6 +17,7 @@ from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
 from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.speculative import Speculator
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
@@ -43,6 +44,8 @@ class DecodePhase:
         # Sharded: the tokens every rank goes on with, rank 0's (engine/distributed.py).
         self.agree_tokens: Callable[[mx.array], mx.array] | None = None
         self.batch = DecodeBatch(model.model, rows)
+        # With --draft-model: a request decoding alone speculates (engine/speculative.py).
+        self.speculator: Speculator | None = None
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
 
@@ -95,6 +98,13 @@ class DecodePhase:
         if not len(self.batch):
             return
         self.peak_batch = max(self.peak_batch, len(self.batch))
+        if self.speculator is not None and len(self.batch) == 1:
+            running = self.batch.members[0]
+            if k := self.speculator.tokens_for(running):
+                accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
+                self.speculator.step(self.batch, running, k, accept)
+                self.steps += 1
+                return
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
         members = list(self.batch.members)
@@ -122,6 +132,8 @@ class DecodePhase:
         jobs = [r.job for r in self.batch.members]
         self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens)
         self.store.drop_active(self._bytes_key)
+        if self.speculator is not None:
+            self.speculator.clear()
         return jobs
 
     def _accept_token(
@@ -140,6 +152,7 @@ class DecodePhase:
             self._finish(running, "stop")
             return True
         running.count += 1
+        running.emitted.append(token)
         delta = running.stream.add(token)
         running.job.handle.emit(TokenEvent(delta, token, logprob, top))
         if running.stream.stopped or (constraint is not None and constraint.finished):
@@ -156,6 +169,8 @@ class DecodePhase:
         if tail:
             job.handle.emit(TokenEvent(tail, None, None))
         self.batch.remove([running])
+        if self.speculator is not None:
+            self.speculator.forget(running)
         if len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
         else:

@@ -50,6 +50,7 @@ from mlx_prefix.engine.prefill import PrefillPhase
 from mlx_prefix.engine.probe import probe
 from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.engine.scheduler import WaitingList
+from mlx_prefix.engine.speculative import SpeculationStats, Speculator, check_draft, check_request
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
@@ -79,9 +80,14 @@ class Engine(CacheViews):
         engine_config: EngineConfig | None = None,
         store: PromptCache | None = None,
         disk_config: DiskConfig | None = None,
+        draft: LoadedModel | None = None,
     ):
-        """`disk_config` None or scope "off": no disk tier (memory only)."""
+        """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
+        draft model for speculative decoding (engine/speculative.py)."""
+        if draft is not None:
+            check_draft(model, draft)
         self.model = model
+        self.draft = draft
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
         self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
@@ -132,6 +138,8 @@ class Engine(CacheViews):
             self.lifecycle.end,
             self._maybe_prefetch,
         )
+        if draft is not None:
+            self._decode.speculator = Speculator(draft, self.config.num_draft_tokens)
         self._pace = Pace(self.config)
         self.prefetch = PrefetchStats()
         self._chat_traffic = ChatTraffic()  # engine thread only
@@ -150,6 +158,12 @@ class Engine(CacheViews):
     def peak_batch(self) -> int:
         """Most requests ever decoded together (observability, tests)."""
         return self._decode.peak_batch
+
+    @property
+    def speculation(self) -> SpeculationStats | None:
+        """Draft tokens proposed and accepted (None: no draft model)."""
+        spec = self._decode.speculator
+        return spec.stats if spec is not None else None
 
     @property
     def _pending(self) -> int:
@@ -183,6 +197,7 @@ class Engine(CacheViews):
         for the reply; otherwise the reply is cut at the context's end. The request
         reads and writes only the entries of `cache.namespace` (and `cache.salt`)."""
         check_sampling(sampling, cache, self.vocab_size)
+        check_request(sampling, self._decode.speculator)
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)

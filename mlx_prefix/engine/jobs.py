@@ -102,6 +102,7 @@ class Running:
     prefill_tps: float
     first_at: float
     count: int = 0
+    emitted: list[int] = field(default_factory=list)  # its reply's token ids so far
 
 
 def usage(

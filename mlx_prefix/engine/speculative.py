@@ -1,0 +1,187 @@
+"""Speculative decoding: a small draft model proposes tokens, the target checks them in
+one forward, and the reply is exactly the target's own (mlx_lm.server's --draft-model).
+
+Exact, not just "the same distribution": a request decoding alone runs the verify
+forward of its input token and k drafted tokens [1, k+1] batch-invariant
+(engine/rowwise.py, `verify`): every projection row in a group that computes like one
+row, query i attending over exactly the keys the decode step at its position would hold,
+with that step's mask. So row i's logits equal, bit for bit, those of the i-th plain
+decode step. The request's own sampler then draws at each position in order (the same
+PRNG key chain, logits processors and constraint as plain decoding); a drafted token is
+accepted only when it equals that draw, and the first draw that differs (or the one
+after k accepted tokens) is emitted as the target's own. Greedy or seeded, the tokens
+and logprobs are those of plain decoding. Rejected positions are trimmed from both
+caches (only always-trimmable caches may speculate: `check_draft`).
+
+The draft proposes greedily from its own KV cache of the sequence, which lives beside
+the request (not in the batch) and catches up on whatever the request emitted while it
+shared the batch with others: with several requests decoding, the plain batched step
+runs (as mlx_lm.server, which serves one request at a time with a draft). The draft's
+numbers never reach the reply, so its cache needs no grid or batch invariance.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_prefix.engine.batch import DecodeBatch
+from mlx_prefix.engine.jobs import Running
+from mlx_prefix.engine.runner import always_trimmable
+from mlx_prefix.engine.sampling import alternatives, normalize, top_logprobs
+from mlx_prefix.errors import InvalidRequest, MlxPrefixError
+from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.records import SamplingParams, TopLogprob
+
+MAX_DRAFT_TOKENS = 32  # a request's num_draft_tokens above this is refused
+DRAFT_CHUNK = 512  # draft catch-up tokens per forward (its numbers never matter)
+
+# Hands one token to its request: (token, logprob, top) -> True if the request ended.
+Accept = Callable[[int, float | None, tuple[TopLogprob, ...]], bool]
+
+
+class DraftMismatch(MlxPrefixError):
+    """The draft model cannot serve this target (refused at startup)."""
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse, in one line, a draft that does not share the target's vocabulary or a
+    pair whose caches cannot trim rejected tokens (recurrent or sliding-window layers:
+    mlx_lm refuses those too)."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        raise DraftMismatch(
+            f"--draft-model {draft.name}: its tokenizer differs from {target.name}'s "
+            f"({len(d_vocab)} vs {len(t_vocab)} tokens); a draft must share the vocabulary"
+        )
+    for role, loaded in (("model", target), ("draft model", draft)):
+        if not always_trimmable(make_prompt_cache(loaded.model)):
+            raise DraftMismatch(
+                f"--draft-model needs caches that can trim rejected tokens; the {role} "
+                f"{loaded.name} has recurrent or sliding-window layers"
+            )
+
+
+def check_request(sampling: SamplingParams, speculator: Speculator | None) -> None:
+    """A request's num_draft_tokens: refused without a draft model or out of bounds."""
+    k = sampling.num_draft_tokens
+    if k is None:
+        return
+    if speculator is None:
+        raise InvalidRequest(
+            "num_draft_tokens needs a server started with --draft-model", param="num_draft_tokens"
+        )
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidRequest(
+            f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}", param="num_draft_tokens"
+        )
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Verify steps run and the draft tokens they checked (observability, tests)."""
+
+    steps: int = 0
+    drafted: int = 0  # tokens the draft proposed
+    accepted: int = 0  # of those, tokens the target drew too
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass(slots=True)
+class _DraftState:
+    cache: list  # the draft's KV of the sequence's first `held` tokens
+    held: int = 0
+
+
+@dataclass(slots=True)
+class Speculator:
+    draft: LoadedModel
+    num_draft_tokens: int  # the server's default k (a request may ask for another)
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    _states: dict[int, _DraftState] = field(default_factory=dict)  # by id(Running)
+
+    def tokens_for(self, running: Running) -> int:
+        """Draft tokens for this request's next step (0: a plain decode step)."""
+        asked = running.job.sampling.num_draft_tokens
+        k = self.num_draft_tokens if asked is None else asked
+        return max(0, min(k, running.limit - running.count - 1))
+
+    def forget(self, running: Running) -> None:
+        self._states.pop(id(running), None)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def step(self, batch: DecodeBatch, running: Running, k: int, accept: Accept) -> None:
+        """One verify step for the batch's only request: up to k+1 tokens handed to
+        `accept`, in order, until one ends the request or differs from the draft."""
+        assert len(batch) == 1 and k > 0
+        sequence = (*running.job.tokens, *running.emitted)  # the last is the batch's input
+        held = len(sequence) - 1  # tokens in the target's cache
+        drafted = self._propose(running, sequence, k)
+        logits = batch.verify([sequence[-1], *drafted])  # [k+1, V]
+        sampler = batch.sampler(0)
+        params = running.job.sampling
+        kept = 0  # positions of the verify forward the reply keeps
+        while True:
+            row = logits[kept : kept + 1]  # [1, V]
+            logprobs = normalize(row)
+            token = sampler(logprobs, row)  # [1]
+            out = [token]
+            if params.logprobs:
+                out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])
+                if params.top_logprobs:
+                    out.extend(top_logprobs(logprobs, params.top_logprobs))
+            mx.eval(*out)
+            value = int(token.item())
+            logprob, top = None, ()
+            if params.logprobs:
+                logprob = out[1].item()
+                if params.top_logprobs:
+                    ids, values = out[2][0].tolist(), out[3][0].tolist()
+                    top = alternatives(ids, values, params.top_logprobs)
+            kept += 1
+            matched = kept <= k and value == drafted[kept - 1]
+            self.stats.accepted += int(matched)
+            if accept(value, logprob, top):
+                break  # the request ended (and left the batch)
+            if not matched:
+                batch.settle(held + kept, value, k + 1 - kept)
+                break
+        self.stats.steps += 1
+        self.stats.drafted += k
+        state = self._states.get(id(running))
+        if state is not None:  # drop the draft's rejected tokens
+            keep = min(held + kept, state.held)
+            for layer in state.cache:
+                layer.trim(state.held - keep)
+            state.held = keep
+
+    def _propose(self, running: Running, sequence: Sequence[int], k: int) -> list[int]:
+        """k greedy draft tokens after `sequence` (the draft's cache catches up first)."""
+        state = self._states.get(id(running))
+        if state is None:
+            state = self._states[id(running)] = _DraftState(make_prompt_cache(self.draft.model))
+        model: nn.Module = self.draft.model
+        start = state.held
+        while len(sequence) - start > DRAFT_CHUNK:  # a long catch-up (the prompt) in chunks
+            model(mx.array(sequence[start : start + DRAFT_CHUNK])[None], cache=state.cache)
+            mx.eval([c.state for c in state.cache])
+            start += DRAFT_CHUNK
+        logits = model(mx.array(sequence[start:])[None], cache=state.cache)[:, -1, :]
+        tokens = [mx.argmax(logits, axis=-1)]  # [1]
+        for _ in range(k - 1):
+            logits = model(tokens[-1][:, None], cache=state.cache)[:, -1, :]
+            tokens.append(mx.argmax(logits, axis=-1))
+        drafted = mx.concatenate(tokens)
+        mx.eval(drafted)
+        state.held = len(sequence) + k - 1
+        return drafted.tolist()
