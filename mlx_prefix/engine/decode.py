@@ -86,7 +86,9 @@ class DecodePhase:
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
         if not self._accept_token(running, token, logprob, top):
             self.batch.add(running, task.cache, sampler, token)
-            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+            if self.speculator is not None and task.draft is not None:
+                self.speculator.adopt(running, task.draft)
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
 
     def step(self, stopping: bool) -> None:
         """Drop cancelled requests (all of them when `stopping`), then one token for every
@@ -118,7 +120,12 @@ class DecodePhase:
             self._accept_token(running, row.token, row.logprob, top)
         self.steps += 1
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
-            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def _nbytes(self) -> int:
+        """The batch's resident bytes, the draft caches beside it included."""
+        spec = self.speculator.nbytes() if self.speculator is not None else 0
+        return self.batch.nbytes() + spec
 
     def _sampler(self, job: Job) -> TokenSampler:
         special: list[int] = []
@@ -172,7 +179,7 @@ class DecodePhase:
         if self.speculator is not None:
             self.speculator.forget(running)
         if len(self.batch):
-            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
         else:
             self.store.drop_active(self._bytes_key)
         if error is not None:

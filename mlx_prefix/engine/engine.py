@@ -139,7 +139,8 @@ class Engine(CacheViews):
             self._maybe_prefetch,
         )
         if draft is not None:
-            self._decode.speculator = Speculator(draft, self.config.num_draft_tokens)
+            speculator = Speculator(draft, self.config.num_draft_tokens)
+            self._decode.speculator = self._prefill.speculator = speculator
         self._pace = Pace(self.config)
         self.prefetch = PrefetchStats()
         self._chat_traffic = ChatTraffic()  # engine thread only

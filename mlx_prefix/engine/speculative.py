@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, restore
 from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.jobs import Running
 from mlx_prefix.engine.runner import always_trimmable
@@ -89,6 +90,8 @@ class SpeculationStats:
     steps: int = 0
     drafted: int = 0  # tokens the draft proposed
     accepted: int = 0  # of those, tokens the target drew too
+    draft_restored: int = 0  # prompt tokens of the draft's cache restored with the target's
+    draft_computed: int = 0  # prompt tokens the draft computed (a miss, or an entry without it)
 
     @property
     def acceptance(self) -> float:
@@ -96,9 +99,34 @@ class SpeculationStats:
 
 
 @dataclass(slots=True)
-class _DraftState:
-    cache: list  # the draft's KV of the sequence's first `held` tokens
+class DraftCache:
+    """The draft model's KV of a sequence's first `held` tokens."""
+
+    model: nn.Module
+    cache: list
     held: int = 0
+
+    def extend(self, tokens: Sequence[int], end: int) -> mx.array | None:
+        """Compute tokens[held:end] into the cache; the last position's logits [1, V]
+        (lazy), None if there was nothing to compute."""
+        logits = None
+        for start in range(self.held, end, DRAFT_CHUNK):
+            stop = min(start + DRAFT_CHUNK, end)
+            logits = self.model(mx.array(tokens[start:stop])[None], cache=self.cache)[:, -1, :]
+            if stop < end:
+                mx.eval([c.state for c in self.cache])
+        self.held = max(self.held, end)
+        return logits
+
+    def trim(self, keep: int) -> None:
+        """Keep the first `keep` tokens."""
+        if keep < self.held:
+            for layer in self.cache:
+                layer.trim(self.held - keep)
+            self.held = keep
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self.cache)
 
 
 @dataclass(slots=True)
@@ -106,7 +134,29 @@ class Speculator:
     draft: LoadedModel
     num_draft_tokens: int  # the server's default k (a request may ask for another)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
-    _states: dict[int, _DraftState] = field(default_factory=dict)  # by id(Running)
+    _states: dict[int, DraftCache] = field(default_factory=dict)  # by id(Running)
+
+    def draft_for(self, snapshot: Snapshot | None, trim: int, reuse: int) -> DraftCache:
+        """A prefill's draft cache: restored beside the target's from the entry's draft
+        part, or empty (prefill computes the draft over the prefix: `prefill_to`)."""
+        part = snapshot.draft if snapshot is not None else None
+        if part is not None and part.length - trim == reuse:
+            self.stats.draft_restored += reuse
+            return DraftCache(self.draft.model, restore(part, trim=trim), reuse)
+        return DraftCache(self.draft.model, make_prompt_cache(self.draft.model))
+
+    def prefill_to(self, draft: DraftCache, tokens: Sequence[int], end: int) -> None:
+        """The draft follows the target's prefill to `end` (before its checkpoint)."""
+        self.stats.draft_computed += max(0, end - draft.held)
+        draft.extend(tokens, end)
+        mx.eval([c.state for c in draft.cache])
+
+    def adopt(self, running: Running, draft: DraftCache) -> None:
+        """`running` joined the decode batch with the prompt in `draft`."""
+        self._states[id(running)] = draft
+
+    def nbytes(self) -> int:
+        return sum(d.nbytes() for d in self._states.values())
 
     def tokens_for(self, running: Running) -> int:
         """Draft tokens for this request's next step (0: a plain decode step)."""
@@ -160,26 +210,20 @@ class Speculator:
         self.stats.drafted += k
         state = self._states.get(id(running))
         if state is not None:  # drop the draft's rejected tokens
-            keep = min(held + kept, state.held)
-            for layer in state.cache:
-                layer.trim(state.held - keep)
-            state.held = keep
+            state.trim(held + kept)
 
     def _propose(self, running: Running, sequence: Sequence[int], k: int) -> list[int]:
-        """k greedy draft tokens after `sequence` (the draft's cache catches up first)."""
+        """k greedy draft tokens after `sequence` (the draft's cache catches up first:
+        with what the request emitted, or the whole prompt if it has no cache yet)."""
         state = self._states.get(id(running))
         if state is None:
-            state = self._states[id(running)] = _DraftState(make_prompt_cache(self.draft.model))
-        model: nn.Module = self.draft.model
-        start = state.held
-        while len(sequence) - start > DRAFT_CHUNK:  # a long catch-up (the prompt) in chunks
-            model(mx.array(sequence[start : start + DRAFT_CHUNK])[None], cache=state.cache)
-            mx.eval([c.state for c in state.cache])
-            start += DRAFT_CHUNK
-        logits = model(mx.array(sequence[start:])[None], cache=state.cache)[:, -1, :]
+            state = DraftCache(self.draft.model, make_prompt_cache(self.draft.model))
+            self._states[id(running)] = state
+        logits = state.extend(sequence, len(sequence))
+        assert logits is not None, "the draft holds the whole sequence"
         tokens = [mx.argmax(logits, axis=-1)]  # [1]
         for _ in range(k - 1):
-            logits = model(tokens[-1][:, None], cache=state.cache)[:, -1, :]
+            logits = state.model(tokens[-1][:, None], cache=state.cache)[:, -1, :]
             tokens.append(mx.argmax(logits, axis=-1))
         drafted = mx.concatenate(tokens)
         mx.eval(drafted)
