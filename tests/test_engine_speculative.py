@@ -179,3 +179,20 @@ def _other_weights(tmp_path: Path) -> Path:
     folder = make_test_model("dense", tmp_path / "other", seed=5)
     shutil.rmtree(folder / "unused", ignore_errors=True)
     return folder
+
+
+def test_the_startup_check_holds_and_fails_when_the_verify_forward_is_not_exact(monkeypatch):
+    from mlx_prefix.engine import rowwise
+    from mlx_prefix.engine.speculative import verify_matches
+
+    model = loaded_test_model("dense").model
+    rowwise.install(model)
+    vocab = loaded_test_model("dense").tokenizer.vocab_size
+    assert verify_matches(model, rowwise.consistent_rows(model), vocab)
+
+    def shifted(base, length, queries, keys, values, cache, scale, mask, sinks):
+        # Every query over all the keys (a later position's too): not a decode step.
+        return base(queries, keys, values, cache=cache, scale=scale, mask=None, sinks=sinks)
+
+    monkeypatch.setattr(rowwise, "_verify_sdpa", shifted)
+    assert not verify_matches(model, rowwise.consistent_rows(model), vocab)

@@ -50,7 +50,13 @@ from mlx_prefix.engine.prefill import PrefillPhase
 from mlx_prefix.engine.probe import probe
 from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.engine.scheduler import WaitingList
-from mlx_prefix.engine.speculative import SpeculationStats, Speculator, check_draft, check_request
+from mlx_prefix.engine.speculative import (
+    SpeculationStats,
+    Speculator,
+    check_draft,
+    check_request,
+    verify_matches,
+)
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
@@ -285,6 +291,10 @@ class Engine(CacheViews):
         self._prefill.group = checked.stacked_prefill
         self._decode.set_rows(rows)
         self.capacity = self.config.max_running if self.batchable else 1
+        spec = self._decode.speculator
+        if spec is not None and not verify_matches(model, rows, self.model.tokenizer.vocab_size):
+            log.warning("a verify forward changes this model's numbers here: decoding plainly")
+            spec.enabled = False  # the replies are the same, only not sped up
 
     def _loop(self) -> None:
         try:

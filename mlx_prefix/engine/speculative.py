@@ -33,8 +33,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, restore
 from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.jobs import Running
-from mlx_prefix.engine.runner import always_trimmable
-from mlx_prefix.engine.sampling import alternatives, normalize, top_logprobs
+from mlx_prefix.engine.runner import ChunkWork, always_trimmable, compute_chunks
+from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import SamplingParams, TopLogprob
@@ -81,6 +81,29 @@ def check_request(sampling: SamplingParams, speculator: Speculator | None) -> No
         raise InvalidRequest(
             f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}", param="num_draft_tokens"
         )
+
+
+def verify_matches(model: nn.Module, rows: int, vocab: int, k: int = 3) -> bool:
+    """Startup check (engine thread): a verify forward of k+1 tokens gives the tokens and
+    logprobs of k+1 plain decode steps on a synthetic prompt, bit for bit. A model whose
+    layers bypass the batch-invariant ones (engine/rowwise.py) would fail it."""
+    prompt = [10 + (7 * i) % max(2, min(vocab, 1000) - 10) for i in range(40)]
+
+    def fresh() -> DecodeBatch:
+        cache = make_prompt_cache(model)
+        compute_chunks(model, [ChunkWork(cache, prompt, 0, len(prompt))], group=False)
+        batch = DecodeBatch(model, rows)
+        batch.add(0, cache, TokenSampler(SamplingParams(temperature=0.0)), prompt[-1])
+        return batch
+
+    batch = fresh()
+    steps = [batch.step(want_logprobs=True)[0] for _ in range(k + 1)]
+    inputs = [prompt[-1], *(s.token for s in steps[:-1])]
+    logprobs = [normalize(row[None]) for row in fresh().verify(inputs)]
+    return all(
+        int(mx.argmax(lp, axis=-1).item()) == s.token and lp[0, s.token].item() == s.logprob
+        for lp, s in zip(logprobs, steps, strict=True)
+    )
 
 
 @dataclass(slots=True)
@@ -134,6 +157,7 @@ class Speculator:
     draft: LoadedModel
     num_draft_tokens: int  # the server's default k (a request may ask for another)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+    enabled: bool = True  # False: the startup check found the verify forward inexact
     _states: dict[int, DraftCache] = field(default_factory=dict)  # by id(Running)
 
     def draft_for(self, snapshot: Snapshot | None, trim: int, reuse: int) -> DraftCache:
@@ -160,6 +184,8 @@ class Speculator:
 
     def tokens_for(self, running: Running) -> int:
         """Draft tokens for this request's next step (0: a plain decode step)."""
+        if not self.enabled:
+            return 0
         asked = running.job.sampling.num_draft_tokens
         k = self.num_draft_tokens if asked is None else asked
         return max(0, min(k, running.limit - running.count - 1))
