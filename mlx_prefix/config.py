@@ -37,6 +37,7 @@ class ModelConfig:
     # '{"enable_thinking": false}'); a request's chat_template_kwargs win over them.
     chat_template_args: str | None = None
     trust_remote_code: bool = False  # let the tokenizer run the model folder's own code
+    draft_model: str | None = None  # speculative decoding's draft (engine/speculative.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,8 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
+    # Speculative decoding (--draft-model): draft tokens per verify step by default.
+    num_draft_tokens: int = 3
 
     def __post_init__(self) -> None:
         check_kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)

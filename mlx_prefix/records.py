@@ -47,6 +47,9 @@ class SamplingParams:
     presence_context_size: int = 20
     frequency_penalty: float = 0.0  # subtracted per occurrence; 0 = off
     frequency_context_size: int = 20
+    # Speculative decoding with the server's --draft-model: draft tokens per verify step;
+    # None: the server's --num-draft-tokens, 0: plain decoding (engine/speculative.py).
+    num_draft_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

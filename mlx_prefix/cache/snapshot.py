@@ -33,7 +33,7 @@ KV buffer, listed in `buffers` under one key so the store counts it once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -67,6 +67,19 @@ class Snapshot:
     nbytes: int  # bytes it keeps alive (the sum of `buffers`)
     layers: tuple[LayerSnapshot, ...]  # one per model layer
     buffers: tuple[Buffer, ...] = ()  # what it keeps alive; () = one buffer of its own
+    # Speculative decoding: the draft model's cache at the same `length` (counted in
+    # `nbytes` and `buffers`); restored beside the target's (engine/speculative.py).
+    draft: Snapshot | None = None
+
+
+def with_draft(snapshot: Snapshot, draft: Snapshot) -> Snapshot:
+    """`snapshot` carrying the draft model's capture of the same prefix."""
+    assert draft.length == snapshot.length and draft.draft is None
+    own = snapshot.buffers or (Buffer(new_buffer_key(), snapshot.nbytes),)
+    extra = draft.buffers or (Buffer(new_buffer_key(), draft.nbytes),)
+    return replace(
+        snapshot, nbytes=snapshot.nbytes + draft.nbytes, buffers=own + extra, draft=draft
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,30 @@ def model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, as mlx_lm.server's flags (engine/speculative.py)."""
+    p.add_argument(
+        "--draft-model",
+        help="a smaller model with the same tokenizer that proposes tokens for the model "
+        "to verify (speculative decoding; the reply is the model's own)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=number_type(int, lo=1, hi=32, what="between 1 and 32"),
+        help="draft tokens per verify step (default 3; a request's num_draft_tokens wins)",
+    )
+
+
+def draft_from_args(args: argparse.Namespace, target: LoadedModel) -> LoadedModel | None:
+    """The --draft-model, loaded in the target's dtype (None: no speculative decoding)."""
+    from mlx_prefix.models.load import load_model
+
+    cfg = from_env(ModelConfig, "MODEL", {"draft_model": getattr(args, "draft_model", None)})
+    if cfg.draft_model is None:
+        return None
+    return load_model(cfg.draft_model, dtype=target.identity.dtype)
+
+
 def cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-budget",
@@ -237,6 +261,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "kv_bits",
         "kv_group_size",
         "quantized_kv_start",
+        "num_draft_tokens",
     )
     return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlx_prefix.config import EngineConfig, from_env
 from mlx_prefix.errors import MlxPrefixError
 
 from .args import (
@@ -18,6 +19,8 @@ from .args import (
     disk_config,
     engine_config,
     kv_quant_args,
+    draft_args,
+    draft_from_args,
     model_args,
     model_from_args,
     number_type,
@@ -32,6 +35,7 @@ _seed = number_type(int, lo=0, hi=2**64 - 1, what="0 to 2**64-1")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="the user message (or - for stdin)")
     model_args(p)
+    draft_args(p)
     cache_args(p)
     # One request per process: `auto` would have no earlier request to compare with, so
     # generate persists every checkpoint and a second run with the same --system hits.
@@ -84,11 +88,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         prompt = chat_prompt(prompt_text, system=args.system, messages=messages)
     sampling = SamplingParams(args.max_tokens, args.temp, args.top_p, args.seed, tuple(args.stop))
+    model = model_from_args(args)
     session = PrefixCacheSession(
-        model_from_args(args),
+        model,
         cache_config=cache_config(args),
         engine_config=engine_config(args),
         disk_config=disk_config(args),
+        draft=draft_from_args(args, model),
     )
     with session:
         parts = []

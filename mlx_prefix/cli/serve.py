@@ -14,6 +14,8 @@ from .args import (
     cache_config,
     disk_args,
     disk_config,
+    draft_args,
+    draft_from_args,
     engine_args,
     engine_config,
     model_args,
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model_args(p)
+    draft_args(p)
     cache_args(p)
     disk_args(p, "auto")
     engine_args(p)
@@ -142,11 +145,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--pipeline needs a sharded launch: mlx.launch -n 2 --backend ring "
             "--python <venv>/bin/python -m mlx_prefix serve --model M --pipeline"
         )
+    model = model_from_args(args)
     engine = Engine(
-        model_from_args(args),
+        model,
         cache_config(args),
         engine_config(args),
         disk_config=disk_config(args),
+        draft=draft_from_args(args, model),
     )
     serve(engine, settings)
     return 0

@@ -58,6 +58,8 @@ def serve_sharded(
         raise InvalidRequest("--adapter is not supported on a model sharded over ranks")
     if engine_config(args).kv_bits is not None:
         raise InvalidRequest(QUANTIZED_KV_SHARDED)
+    if getattr(args, "draft_model", None) is not None:
+        raise InvalidRequest("--draft-model is not supported on a model sharded over ranks")
     channel = Channel(group)
     backend = detect_backend()
     model, cluster = load_sharded(

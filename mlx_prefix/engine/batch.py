@@ -177,5 +177,27 @@ class DecodeBatch:
         values = out[3].tolist() if len(out) > 2 else [[]] * rows
         return [RowSample(*row) for row in zip(token_list, chosen, ids, values, strict=True)]
 
+    def sampler(self, row: int) -> TokenSampler:
+        return self._samplers[row]
+
+    def verify(self, tokens: Sequence[int]) -> mx.array:
+        """The only row's input and the L-1 tokens after it, computed in one forward
+        like L decode steps (engine/speculative.py): logits [L, V]. The cache then holds
+        all L; `settle` says which stay."""
+        assert len(self.members) == 1 and tokens[0] == self._inputs[0]
+        length = self._lengths[0] + len(tokens)
+        with batched(self.rows, [length], verify=True):
+            logits = self.model(mx.array(tokens)[None], cache=self.cache)[0]  # [L, V]
+        return logits
+
+    def settle(self, length: int, next_input: int, rejected: int) -> None:
+        """After `verify`: drop its last `rejected` positions; the row then holds
+        `length` tokens and goes on with `next_input`."""
+        if rejected:
+            for c in self.cache:
+                c.trim(rejected)
+        self._lengths = [length]
+        self._inputs = [next_input]
+
     def nbytes(self) -> int:
         return cache_nbytes(self.cache) if self.cache else 0

@@ -36,6 +36,8 @@ class CacheViews:
             disk["pending_saves"] = self.disk.pending
             disk["dropped_saves"] = self.disk.dropped  # each logged when dropped
             stats["disk"] = disk
+        if (spec := getattr(self, "speculation", None)) is not None:  # --draft-model
+            stats["speculative"] = {**asdict(spec), "acceptance": spec.acceptance}
         return stats
 
     def cache_entries(self) -> list[dict]:

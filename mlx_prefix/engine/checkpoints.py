@@ -37,6 +37,7 @@ from mlx_prefix.cache.snapshot import (
     is_trimmable,
     kv_buffer,
     restore,
+    with_draft,
 )
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.disk_tier import DiskTier
@@ -109,6 +110,9 @@ class Checkpointer:
     # Keep every grid checkpoint even if the cache is all KV now: it will be quantized
     # in this prefill, and quantized states restore only exactly (engine/kv_quant.py).
     exact_only: bool = False
+    # --draft-model: the draft's cache, at each checkpoint's position too; captured
+    # beside the target's (engine/speculative.py). Only with always-trimmable caches.
+    draft: list | None = None
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -187,7 +191,10 @@ class Checkpointer:
             self._deferred.append(_Deferred(pending, kind, in_memory, to_disk))
             self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
             return
-        self._keep(capture(self.cache, position), kind, in_memory, to_disk)
+        snapshot = capture(self.cache, position)
+        if self.draft is not None:
+            snapshot = with_draft(snapshot, capture(self.draft, position))
+        self._keep(snapshot, kind, in_memory, to_disk)
 
     def _thin(self, room: int) -> None:
         """While pending states take more than `room` bytes (a big hybrid's state is

@@ -18,6 +18,7 @@ from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
 from mlx_prefix.engine.kv_quant import KvQuant
 from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.speculative import Speculator
 from mlx_prefix.engine.text import TextStream
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
@@ -46,6 +47,8 @@ class DecodePhase:
         self.agree_tokens: Callable[[mx.array], mx.array] | None = None
         self.kv = kv  # quantized KV: one request at a time, unmerged (engine/batch.py)
         self.batch = DecodeBatch(model.model, rows, kv=kv)
+        # With --draft-model: a request decoding alone speculates (engine/speculative.py).
+        self.speculator: Speculator | None = None
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
 
@@ -86,7 +89,9 @@ class DecodePhase:
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
         if not self._accept_token(running, token, logprob, top):
             self.batch.add(running, task.cache, sampler, token)
-            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+            if self.speculator is not None and task.draft is not None:
+                self.speculator.adopt(running, task.draft)
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
 
     def step(self, stopping: bool) -> None:
         """Drop cancelled requests (all of them when `stopping`), then one token for every
@@ -98,6 +103,13 @@ class DecodePhase:
         if not len(self.batch):
             return
         self.peak_batch = max(self.peak_batch, len(self.batch))
+        if self.speculator is not None and len(self.batch) == 1:
+            running = self.batch.members[0]
+            if k := self.speculator.tokens_for(running):
+                accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
+                self.speculator.step(self.batch, running, k, accept)
+                self.steps += 1
+                return
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
         members = list(self.batch.members)
@@ -111,7 +123,12 @@ class DecodePhase:
             self._accept_token(running, row.token, row.logprob, top)
         self.steps += 1
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
-            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def _nbytes(self) -> int:
+        """The batch's resident bytes, the draft caches beside it included."""
+        spec = self.speculator.nbytes() if self.speculator is not None else 0
+        return self.batch.nbytes() + spec
 
     def _sampler(self, job: Job) -> TokenSampler:
         special: list[int] = []
@@ -125,6 +142,8 @@ class DecodePhase:
         jobs = [r.job for r in self.batch.members]
         self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens, self.kv)
         self.store.drop_active(self._bytes_key)
+        if self.speculator is not None:
+            self.speculator.clear()
         return jobs
 
     def _accept_token(
@@ -143,6 +162,7 @@ class DecodePhase:
             self._finish(running, "stop")
             return True
         running.count += 1
+        running.emitted.append(token)
         delta = running.stream.add(token)
         running.job.handle.emit(TokenEvent(delta, token, logprob, top))
         if running.stream.stopped or (constraint is not None and constraint.finished):
@@ -159,8 +179,10 @@ class DecodePhase:
         if tail:
             job.handle.emit(TokenEvent(tail, None, None))
         self.batch.remove([running])
+        if self.speculator is not None:
+            self.speculator.forget(running)
         if len(self.batch):
-            self.store.set_active_bytes(self._bytes_key, self.batch.nbytes())
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
         else:
             self.store.drop_active(self._bytes_key)
         if error is not None:

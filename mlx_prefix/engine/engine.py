@@ -51,6 +51,14 @@ from mlx_prefix.engine.prefill import PrefillPhase
 from mlx_prefix.engine.probe import probe
 from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.engine.scheduler import WaitingList
+from mlx_prefix.engine.speculative import (
+    DraftMismatch,
+    SpeculationStats,
+    Speculator,
+    check_draft,
+    check_request,
+    verify_matches,
+)
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
@@ -80,9 +88,17 @@ class Engine(CacheViews):
         engine_config: EngineConfig | None = None,
         store: PromptCache | None = None,
         disk_config: DiskConfig | None = None,
+        draft: LoadedModel | None = None,
     ):
-        """`disk_config` None or scope "off": no disk tier (memory only)."""
+        """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
+        draft model for speculative decoding (engine/speculative.py)."""
+        if draft is not None:
+            check_draft(model, draft)
+            if engine_config is not None and engine_config.kv_bits is not None:
+                # Not shown exact yet: the verify forward over quantized keys.
+                raise DraftMismatch("--draft-model cannot be combined with --kv-bits yet")
         self.model = model
+        self.draft = draft
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
         self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
@@ -140,6 +156,9 @@ class Engine(CacheViews):
             self._maybe_prefetch,
             kv=self.kv_quant,
         )
+        if draft is not None:
+            speculator = Speculator(draft, self.config.num_draft_tokens)
+            self._decode.speculator = self._prefill.speculator = speculator
         self._pace = Pace(self.config)
         self.prefetch = PrefetchStats()
         self._chat_traffic = ChatTraffic()  # engine thread only
@@ -158,6 +177,12 @@ class Engine(CacheViews):
     def peak_batch(self) -> int:
         """Most requests ever decoded together (observability, tests)."""
         return self._decode.peak_batch
+
+    @property
+    def speculation(self) -> SpeculationStats | None:
+        """Draft tokens proposed and accepted (None: no draft model)."""
+        spec = self._decode.speculator
+        return spec.stats if spec is not None else None
 
     @property
     def _pending(self) -> int:
@@ -191,6 +216,7 @@ class Engine(CacheViews):
         for the reply; otherwise the reply is cut at the context's end. The request
         reads and writes only the entries of `cache.namespace` (and `cache.salt`)."""
         check_sampling(sampling, cache, self.vocab_size)
+        check_request(sampling, self._decode.speculator)
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
@@ -277,6 +303,10 @@ class Engine(CacheViews):
         self._prefill.group = checked.stacked_prefill
         self._decode.set_rows(rows)
         self.capacity = self.config.max_running if self.batchable else 1
+        spec = self._decode.speculator
+        if spec is not None and not verify_matches(model, rows, self.model.tokenizer.vocab_size):
+            log.warning("a verify forward changes this model's numbers here: decoding plainly")
+            spec.enabled = False  # the replies are the same, only not sped up
 
     def _loop(self) -> None:
         try:

@@ -17,6 +17,7 @@ from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, Sampling
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.checkpoints import Checkpointer
+    from mlx_prefix.engine.speculative import DraftCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class PrefillTask:
     started_at: float
     bytes_key: str  # its cache's bytes in the store's budget
     checkpointer: Checkpointer | None = None  # what this prefill stores (None: no cache)
+    draft: DraftCache | None = None  # --draft-model: the draft's cache of the same prefix
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -102,6 +104,7 @@ class Running:
     prefill_tps: float
     first_at: float
     count: int = 0
+    emitted: list[int] = field(default_factory=list)  # its reply's token ids so far
 
 
 def usage(

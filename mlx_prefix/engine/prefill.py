@@ -27,6 +27,7 @@ from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.jobs import Job, PrefillTask
 from mlx_prefix.engine.kv_quant import KvQuant
 from mlx_prefix.engine.runner import ChunkWork, PrefillCursor, always_trimmable, compute_chunks
+from mlx_prefix.engine.speculative import Speculator
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
 
@@ -66,6 +67,9 @@ class PrefillPhase:
         self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
         self.stacked = 0  # chunks computed in a stacked forward with others
         self.kv_quant: KvQuant | None = None  # quantize KV after each chunk (engine/kv_quant.py)
+        # With --draft-model: the draft follows each prefill, restored and checkpointed
+        # beside the target's cache (engine/speculative.py).
+        self.speculator: Speculator | None = None
 
     def uses_cache(self, job: Job) -> bool:
         return self.cache_config.enabled and job.cache_pref.enabled
@@ -106,6 +110,7 @@ class PrefillPhase:
         tokens, key = job.prompt.tokens, job.cache_key
         use_cache = self.uses_cache(job)
         cache, reuse, lease, branch = None, 0, None, 0
+        restored, trim = None, 0  # the snapshot restored (its draft part may serve too)
         try:
             if use_cache:
                 match = self.store.match(key, tokens, self.align(tokens))
@@ -117,6 +122,7 @@ class PrefillPhase:
                     if snapshot is not None:
                         lease = match.entry_id
                         cache, reuse = restore(snapshot, trim=match.trim), match.reuse_tokens
+                        restored, trim = snapshot, match.trim
                 if self.disk_on(job):
                     found = self.disk.lookup(key, tokens, self.align(tokens), better_than=reuse)
                     if found is not None:  # a memory miss (or shorter hit) served from disk
@@ -126,10 +132,16 @@ class PrefillPhase:
                             lease = None
                         cache = restore(disk_snapshot, trim=disk_match.trim)
                         reuse = disk_match.reuse_tokens
+                        restored, trim = disk_snapshot, disk_match.trim
                         self.store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
             if cache is None:
                 cache = make_prompt_cache(self.model.model)
+            draft = None
+            if self.speculator is not None:
+                draft = self.speculator.draft_for(restored, trim, reuse)
             checkpointer = self._checkpointer(job, cache, reuse, branch) if use_cache else None
+            if checkpointer is not None and draft is not None:
+                checkpointer.draft = draft.cache
             cursor = PrefillCursor(tokens, reuse, self.planner.grid)
         except BaseException:
             if lease is not None:
@@ -137,7 +149,7 @@ class PrefillPhase:
             raise
         bytes_key = f"task{next(self._serial)}/{self._bytes_key}"
         now = time.perf_counter()
-        task = PrefillTask(job, cache, reuse, lease, cursor, now, bytes_key, checkpointer)
+        task = PrefillTask(job, cache, reuse, lease, cursor, now, bytes_key, checkpointer, draft)
         self.tasks.append(task)
         self.peak_tasks = max(self.peak_tasks, len(self.tasks))
 
@@ -170,11 +182,14 @@ class PrefillPhase:
                 end = task.cursor.advance()
                 self._quantize(task)
                 pending = 0
+                if task.draft is not None:  # at `end` before the checkpoint captures it
+                    self.speculator.prefill_to(task.draft, task.tokens, end)
+                    pending += task.draft.nbytes()
                 if task.checkpointer is not None:
                     task.checkpointer(end)
                     if logits is not None:
                         task.checkpointer.finish()  # before decode writes into the cache
-                    pending = task.checkpointer.pending_bytes
+                    pending += task.checkpointer.pending_bytes
                 self.store.set_active_bytes(task.bytes_key, cache_nbytes(task.cache) + pending)
                 if logits is not None:
                     result.finished.append((task, logits))

@@ -39,6 +39,9 @@ from mlx.nn.layers.distributed import (
 class Batched:
     rows: int  # decode rows one matmul may hold (1: each row alone)
     lengths: tuple[int, ...] | None = None  # decode: keys of each row after this step
+    # A speculative verify (engine/speculative.py): one sequence's L positions computed
+    # as L consecutive decode steps of a batch of one.
+    verify: bool = False
 
 
 _mode = threading.local()
@@ -49,11 +52,15 @@ def _current() -> Batched | None:
 
 
 @contextmanager
-def batched(rows: int = 1, lengths: Sequence[int] | None = None) -> Iterator[None]:
+def batched(
+    rows: int = 1, lengths: Sequence[int] | None = None, verify: bool = False
+) -> Iterator[None]:
     """Batch-invariant forwards built in this thread inside the block: stacked prefill
-    chunks (no `lengths`) or a decode step (`lengths`: each row's keys after it)."""
+    chunks (no `lengths`), a decode step (`lengths`: each row's keys after it), or with
+    `verify` the positions of one sequence [1, L] computed like L decode steps
+    (`lengths`: its keys after the last)."""
     before = _current()
-    _mode.batched = Batched(rows, tuple(lengths) if lengths is not None else None)
+    _mode.batched = Batched(rows, tuple(lengths) if lengths is not None else None, verify)
     try:
         yield
     finally:
@@ -62,6 +69,13 @@ def batched(rows: int = 1, lengths: Sequence[int] | None = None) -> Iterator[Non
 
 def _split(base, x: mx.array, *args) -> mx.array:
     mode = _current()
+    if mode is not None and mode.verify and x.ndim == 3 and x.shape[1] > 1:
+        # [1, L, D] -> L decode rows [L, 1, D], in groups that compute like one row each.
+        assert x.shape[0] == 1, "a verify forward holds one sequence"
+        rows = x.reshape(x.shape[1], 1, x.shape[2])
+        per = mode.rows
+        out = mx.concatenate([base(rows[i : i + per], *args) for i in range(0, len(rows), per)])
+        return out.reshape(1, x.shape[1], out.shape[-1])
     if mode is None or x.ndim < 3 or x.shape[0] == 1:
         return base(x, *args)
     per = mode.rows if x.shape[1] == 1 else 1  # a prefill sequence's rows stay together
@@ -87,6 +101,10 @@ def _split_as_linear(base_as_linear):
 def _per_row_sdpa(base):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         mode = _current()
+        if mode is not None and mode.verify and mode.lengths is not None:
+            return _verify_sdpa(
+                base, mode.lengths[0], queries, keys, values, cache, scale, mask, sinks
+            )
         if mode is None or mode.lengths is None or queries.shape[2] != 1:
             return base(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         # A decode step over left-padded batch caches: each row's valid keys are its last
@@ -111,6 +129,31 @@ def _per_row_sdpa(base):
 
     scaled_dot_product_attention._batch_invariant = True
     return scaled_dot_product_attention
+
+
+def _verify_sdpa(base, length, queries, keys, values, cache, scale, mask, sinks) -> mx.array:
+    """Query i of L attends as the decode step at its position would: over the keys held
+    then (the last L-1-i are later positions') with that step's mask (`length`: the
+    sequence's keys after the last position)."""
+    n = queries.shape[2]
+    held = keys.shape[2]
+    outs = []
+    for i in range(n):
+        end = held - (n - 1 - i)
+        start = end - min(length - (n - 1 - i), end)
+        row_mask = mask[..., i : i + 1, start:end] if isinstance(mask, mx.array) else None
+        outs.append(
+            base(
+                queries[:, :, i : i + 1],
+                keys[:, :, start:end],
+                values[:, :, start:end],
+                cache=cache,
+                scale=scale,
+                mask=row_mask,
+                sinks=sinks,
+            )
+        )
+    return mx.concatenate(outs, axis=2)
 
 
 _subclasses: dict[type, type] = {}

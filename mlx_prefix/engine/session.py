@@ -64,10 +64,14 @@ class PrefixCacheSession:
         cache_config: CacheConfig | None = None,
         engine_config: EngineConfig | None = None,
         disk_config: DiskConfig | None = None,
+        draft: LoadedModel | None = None,
     ):
-        """`disk_config`: persist checkpoints across processes (None: memory only)."""
+        """`disk_config`: persist checkpoints across processes (None: memory only).
+        `draft`: a draft model for speculative decoding (engine/speculative.py)."""
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
-        self.engine = Engine(loaded, cache_config, engine_config, disk_config=disk_config)
+        self.engine = Engine(
+            loaded, cache_config, engine_config, disk_config=disk_config, draft=draft
+        )
 
     def __enter__(self) -> PrefixCacheSession:
         return self

@@ -121,6 +121,12 @@ class _GracefulServer(uvicorn.Server):
             log.warning("grace period over: cancelled %d request(s)", n)
 
 
+def _draft_names(engine: Any) -> tuple[str, ...]:
+    """How a request's draft_model may name the server's --draft-model."""
+    draft = getattr(engine, "draft", None)
+    return () if draft is None else (draft.name, str(draft.path))
+
+
 def _build(
     engine: Any, settings: ServerSettings, on_shutdown: Callable[[], None] | None
 ) -> Starlette:
@@ -131,6 +137,7 @@ def _build(
         sampling=SamplingDefaults(
             settings.temperature, settings.top_p, settings.top_k, settings.min_p
         ),
+        draft_names=_draft_names(engine),
     )
     metrics = ServerMetrics(engine.cache_stats)
     middleware = [

@@ -77,6 +77,7 @@ class CacheCollector(Collector):
             log.exception("cache_stats() failed during a /metrics scrape")
             return
         yield from _cluster_metrics(stats.pop("distributed", None))
+        yield from _speculative_metrics(stats.pop("speculative", None))
         disk = stats.pop("disk", None)
         if isinstance(disk, dict):
             for key, value in sorted(disk.items()):
@@ -107,6 +108,18 @@ class CacheCollector(Collector):
 
 
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _speculative_metrics(spec: dict | None) -> Iterator[Metric]:
+    """--draft-model: draft tokens proposed and accepted (engine/speculative.py)."""
+    if not isinstance(spec, dict):
+        return
+    for key, doc in (
+        ("steps", "Speculative verify steps"),
+        ("drafted", "Draft tokens proposed"),
+        ("accepted", "Draft tokens the model drew too (accepted)"),
+    ):
+        yield CounterMetricFamily(f"mlx_prefix_speculative_{key}", doc, value=spec[key])
 
 
 def _cluster_metrics(cluster: dict | None) -> Iterator[Metric]:

@@ -41,6 +41,8 @@ class Limits:
     default_max_tokens: int
     max_tokens: int  # largest max_tokens accepted (context length or the server's cap)
     sampling: SamplingDefaults = SamplingDefaults()
+    # The server's --draft-model as a request may name it (its id, its path); empty: none.
+    draft_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ def generation_request(
         top_logprobs=top_logprobs,
         response_format=chat_response_format(body),
         **mlx_lm_sampling(body, limits.sampling.get("min_p", 0.0)),
+        num_draft_tokens=_num_draft_tokens(body, limits),
     )
     if parse_tools and sampling.response_format is not None:
         raise InvalidRequest(
@@ -134,8 +137,6 @@ def generation_request(
 # rather than a reply computed without it.
 _UNSUPPORTED = {
     "adapters": "a LoRA adapter per request is not supported; start the server with --adapter",
-    "draft_model": "speculative decoding (draft_model) is not supported",
-    "num_draft_tokens": "speculative decoding (num_draft_tokens) is not supported",
     "role_mapping": "role_mapping is not supported: the chat template renders the messages "
     "(--chat-template, or --use-default-chat-template for a model without one)",
 }
@@ -145,6 +146,26 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, "", [], {}):
             raise InvalidRequest(why, param=name)
+
+
+def _num_draft_tokens(body: dict[str, Any], limits: Limits) -> int | None:
+    """mlx_lm.server's speculative decoding fields: honoured with the server's own draft
+    model (the engine bounds the count), refused otherwise."""
+    needs = "speculative decoding needs a server started with --draft-model"
+    draft = field(body, "draft_model", str, None)
+    if draft:
+        if not limits.draft_names:
+            raise InvalidRequest(f"{needs} (draft_model)", param="draft_model")
+        if draft not in limits.draft_names:
+            raise InvalidRequest(
+                f"draft_model {draft!r} is not this server's draft model "
+                f"({limits.draft_names[0]}); one draft model per server (--draft-model)",
+                param="draft_model",
+            )
+    count = integer(body, "num_draft_tokens", None, lo=0, hi=None)
+    if count is not None and not limits.draft_names:
+        raise InvalidRequest(f"{needs} (num_draft_tokens)", param="num_draft_tokens")
+    return count
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
