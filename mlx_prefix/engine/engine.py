@@ -28,6 +28,7 @@ from dataclasses import replace
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.disk import DiskCache
 from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
@@ -79,8 +80,10 @@ class Engine(CacheViews):
         engine_config: EngineConfig | None = None,
         store: PromptCache | None = None,
         disk_config: DiskConfig | None = None,
+        disk_cache: DiskCache | None = None,
     ):
-        """`disk_config` None or scope "off": no disk tier (memory only)."""
+        """`disk_config` None or scope "off": no disk tier (memory only). `store` and
+        `disk_cache` may be shared with other engines (server/model_pool.py)."""
         self.model = model
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
@@ -105,6 +108,7 @@ class Engine(CacheViews):
                 always_trimmable(fresh_cache),
                 self.store,
                 bytes_key=f"engine-{id(self):x}-disk",
+                cache=disk_cache,
             )
             if disk_config is not None and disk_config.scope != "off" and self.cache_config.enabled
             else None
