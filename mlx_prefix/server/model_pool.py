@@ -2,10 +2,10 @@
 
 One engine per (model folder, adapter). A name selects, in this order: the default
 model (its id, folder, --alias names, or "default"), a `--model-alias NAME=PATH`, a
-resident model by its id or folder, a local folder, a Hugging Face repo id already in
-the local hub cache (never downloaded). A path that does not exist is a 404; any other
-name is answered by the default model (server/model_names.py: clients send names of
-their own), or is a 404 with --strict-model-names.
+local folder, a Hugging Face repo id already in the local hub cache (never downloaded).
+A path that does not exist is a 404; any other name is answered by the default model
+(server/model_names.py: clients send names of their own), or is a 404 with
+--strict-model-names.
 
 At most `max_models` engines are resident. A model not resident is loaded on its own
 thread (never on the event loop), after a memory check: its weight files' size must
@@ -195,8 +195,8 @@ class ModelPool:
                     param="model",
                 )
             return ModelSpec(found.path, None, name, found.path == self.default_spec.folder)
-        for slot in self._slots.values():
-            if slot.spec.adapter is None and name in slot.served.spellings():
+        for slot in self._slots.values():  # what the lookups below would find again
+            if slot.spec.adapter is None and name == slot.spec.id:
                 return slot.spec
         found = find_local_model(name)
         if found is not None:
