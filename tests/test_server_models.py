@@ -304,3 +304,33 @@ def test_serve_flags_and_the_sharded_refusal(monkeypatch):
     monkeypatch.setattr(sharded, "launched_group", lambda: object())
     with pytest.raises(InvalidRequest, match="unsharded"):
         cmd_serve(args)
+
+
+def test_unloading_waits_for_the_running_requests_of_the_model(folders):
+    import threading
+
+    b = str(folders["b"])
+    with served(folders, max_models=1) as (url, pool):
+        first_chunk = threading.Event()
+        lines: list[str] = []
+
+        def stream_a() -> None:
+            body = {"model": "tiny-a", "prompt": "Once upon a time", "max_tokens": 48}
+            body |= {"temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    first_chunk.set()
+
+        streamer = threading.Thread(target=stream_a)
+        streamer.start()
+        assert first_chunk.wait(60)
+        engine_a = pool.primary()
+        r = ask(url, b, "Hello?")  # needs a's place: waits for the stream to end
+        streamer.join(60)
+    assert r.status_code == 200 and pool.unloads == 1
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert all("error" not in e for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
+    assert engine_a.lifecycle.pending == 0
