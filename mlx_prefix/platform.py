@@ -131,3 +131,21 @@ def startup_line() -> str:
             f", or set {BLAS_ENV})"
         )
     return line
+
+
+def available_memory() -> int | None:
+    """Bytes a model may still take: on Metal, MLX's recommended working set less what
+    MLX holds; elsewhere the system's MemAvailable. None when unknown."""
+    import mlx.core as mx
+
+    if sys.platform == "darwin" and mx.metal.is_available():
+        info = mx.device_info()
+        limit = int(info.get("max_recommended_working_set_size", 0))
+        return max(limit - mx.get_active_memory(), 0) if limit else None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlx_prefix.config import EngineConfig, from_env
 from mlx_prefix.errors import MlxPrefixError
 
 from .args import (
@@ -17,10 +16,10 @@ from .args import (
     cache_config,
     disk_args,
     disk_config,
-    engine_config,
-    kv_quant_args,
     draft_args,
     draft_from_args,
+    engine_config,
+    kv_quant_args,
     model_args,
     model_from_args,
     number_type,

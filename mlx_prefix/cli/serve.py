@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.config import from_env
 from mlx_prefix.errors import InvalidRequest
@@ -23,6 +23,7 @@ from .args import (
 )
 
 if TYPE_CHECKING:
+    from mlx_prefix.server.model_pool import EngineLoader, ModelSpec
     from mlx_prefix.server.settings import ServerSettings
 
 
@@ -58,6 +59,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="answer an unknown model name with 404 (default: the served model answers it)",
+    )
+    p.add_argument(
+        "--max-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="models (or model+adapter pairs) resident at once, least recently used "
+        "unloaded first (default 1: a request naming another model swaps it in)",
+    )
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        dest="model_aliases",
+        default=None,
+        metavar="NAME=PATH",
+        help="a model name selecting another model folder or cached hub id, loaded on "
+        "demand (repeatable)",
     )
     p.add_argument(
         "--keep-billing-header",
@@ -125,6 +143,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         else None,
         "aliases": tuple(args.aliases) if args.aliases is not None else None,
         "strict_model_names": args.strict_model_names,
+        "max_models": args.max_models,
+        "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
     }
     return from_env(ServerSettings, "SERVER", overrides)
@@ -139,19 +159,59 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     group = launched_group()
     if group is not None:
+        if settings.max_models > 1 or settings.model_aliases:
+            raise InvalidRequest("--max-models > 1 and --model-alias need an unsharded server")
         return serve_sharded(args, group, settings)
     if args.pipeline:
         raise InvalidRequest(
             "--pipeline needs a sharded launch: mlx.launch -n 2 --backend ring "
             "--python <venv>/bin/python -m mlx_prefix serve --model M --pipeline"
         )
+    # No local name for the engine: the server owns it and may unload it.
     model = model_from_args(args)
-    engine = Engine(
-        model,
-        cache_config(args),
-        engine_config(args),
-        disk_config=disk_config(args),
-        draft=draft_from_args(args, model),
+    serve(
+        Engine(
+            model,
+            cache_config(args),
+            engine_config(args),
+            disk_config=disk_config(args),
+            draft=draft_from_args(args, model),  # the default model's; others decode plainly
+        ),
+        settings,
+        engine_loader(args),
     )
-    serve(engine, settings)
     return 0
+
+
+def engine_loader(args: argparse.Namespace) -> EngineLoader:
+    """How the server loads a model on demand (server/model_pool.py): the model flags,
+    except that --chat-template applies to the default model only, and the cache and
+    engine flags; the engine shares the store and disk cache it is given."""
+    from mlx_prefix.config import ModelConfig
+    from mlx_prefix.engine.engine import Engine
+    from mlx_prefix.models.load import load_model
+
+    keys = ("model", "dtype", "chat_template", "use_default_chat_template",
+            "chat_template_args", "trust_remote_code")  # fmt: skip
+    cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
+
+    def load(spec: ModelSpec, store: Any, disk_cache: Any) -> Engine:
+        model = load_model(
+            cfg.model if spec.default else str(spec.folder),
+            adapter=str(spec.adapter) if spec.adapter else None,
+            dtype=cfg.dtype,
+            chat_template=cfg.chat_template if spec.default else None,
+            use_default_chat_template=cfg.use_default_chat_template,
+            chat_template_args=cfg.chat_template_args,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        return Engine(
+            model,
+            cache_config(args),
+            engine_config(args),
+            store=store,
+            disk_config=disk_config(args),
+            disk_cache=disk_cache,
+        )
+
+    return load

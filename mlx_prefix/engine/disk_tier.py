@@ -50,10 +50,13 @@ class DiskTier:
         trimmable: bool,
         store: PromptCache,
         bytes_key: str,
+        cache: DiskCache | None = None,
     ):
+        """`cache`: a DiskCache shared with other engines (several models served at once:
+        one index, one disk budget); None opens the configured folder."""
         self.config = config
         self.trimmable = trimmable  # one snapshot serves every shorter prefix
-        self.cache = DiskCache(config.path(), config.budget_bytes)
+        self.cache = cache or DiskCache(config.path(), config.budget_bytes)
         self.policy = DiskPolicy(config.scope, min_tokens=config.min_tokens)
         self.store = store  # the queued snapshots' bytes count in its budget
         self._bytes_key = bytes_key

@@ -28,6 +28,7 @@ from dataclasses import replace
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.disk import DiskCache
 from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
@@ -89,9 +90,11 @@ class Engine(CacheViews):
         store: PromptCache | None = None,
         disk_config: DiskConfig | None = None,
         draft: LoadedModel | None = None,
+        disk_cache: DiskCache | None = None,
     ):
         """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
-        draft model for speculative decoding (engine/speculative.py)."""
+        draft model for speculative decoding (engine/speculative.py). `store` and
+        `disk_cache` may be shared with other engines (server/model_pool.py)."""
         if draft is not None:
             check_draft(model, draft)
             if engine_config is not None and engine_config.kv_bits is not None:
@@ -127,6 +130,7 @@ class Engine(CacheViews):
                 always_trimmable(fresh_cache) and self.kv_quant is None,
                 self.store,
                 bytes_key=f"engine-{id(self):x}-disk",
+                cache=disk_cache,
             )
             if disk_config is not None and disk_config.scope != "off" and self.cache_config.enabled
             else None

@@ -98,6 +98,9 @@ def load_model(
             part = "adapter"
             model = load_adapters(model, str(adapter_path))
             model.eval()
+            # Not lazy: the LoRA layers' arrays would belong to this thread's stream, and
+            # a server loads on a thread of its own (server/model_pool.py).
+            mx.eval(model.parameters())
         part = "tokenizer"
         tokenizer = load_tokenizer(resolved.path, options, eos_token_ids=config.get("eos_token_id"))
         ensure_template(tokenizer, use_default_chat_template)

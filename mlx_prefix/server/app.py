@@ -19,7 +19,7 @@ from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, RequestCounter, cors
-from .model_names import ModelRegistry, ServedModel
+from .model_pool import EngineLoader, ModelPool
 from .namespaces import Namespaces
 from .protocol.request import Limits, SamplingDefaults
 from .response_store import ResponseStore
@@ -30,26 +30,32 @@ from .settings import ServerSettings
 log = logging.getLogger("mlx_prefix.server")
 
 
-def create_app(engine: Any, settings: ServerSettings) -> Starlette:
-    """An app serving `engine`. It never shuts the engine down: whoever made it owns it."""
-    return _build(engine, settings, on_shutdown=None)
+def create_app(
+    engine: Any, settings: ServerSettings, loader: EngineLoader | None = None
+) -> Starlette:
+    """An app serving `engine`. Without a `loader` it never shuts the engine down: whoever
+    made it owns it. With one, other models are loaded on demand (server/model_pool.py)
+    and the app owns `engine` too: it may unload it (shut down, weights dropped)."""
+    return _build(engine, settings, on_shutdown=None, loader=loader)
 
 
-def serve(engine: Any, settings: ServerSettings) -> None:
+def serve(engine: Any, settings: ServerSettings, loader: EngineLoader | None = None) -> None:
     """Serves until SIGINT/SIGTERM, then: stop accepting connections, give in-flight
-    requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engine down."""
+    requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engines down."""
     logging.getLogger("mlx_prefix").setLevel(settings.log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shut_down = False
 
+    app = _build(engine, settings, on_shutdown=lambda: shutdown_engine(), loader=loader)
+    pool: ModelPool = app.state.server.models
+
     def shutdown_engine() -> None:
         nonlocal shut_down
         if not shut_down:
             shut_down = True
-            engine.shutdown(timeout=settings.shutdown_grace_s)
+            pool.close(timeout=settings.shutdown_grace_s)
 
-    app = _build(engine, settings, on_shutdown=shutdown_engine)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -66,7 +72,8 @@ def serve(engine: Any, settings: ServerSettings) -> None:
     cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/distributed.py)
     if cluster is not None:
         log.info("%s", cluster.describe())
-    failed = lambda: getattr(engine, "failure", None) is not None  # noqa: E731
+    del engine  # the pool owns it: once unloaded, nothing here may keep its weights alive
+    failed = lambda: getattr(pool.primary(), "failure", None) is not None  # noqa: E731
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
@@ -128,7 +135,10 @@ def _draft_names(engine: Any) -> tuple[str, ...]:
 
 
 def _build(
-    engine: Any, settings: ServerSettings, on_shutdown: Callable[[], None] | None
+    engine: Any,
+    settings: ServerSettings,
+    on_shutdown: Callable[[], None] | None,
+    loader: EngineLoader | None = None,
 ) -> Starlette:
     context_length = engine.model.context_length
     limits = Limits(
@@ -139,7 +149,15 @@ def _build(
         ),
         draft_names=_draft_names(engine),
     )
-    metrics = ServerMetrics(engine.cache_stats)
+    models = ModelPool(
+        engine,
+        settings.aliases,
+        strict=settings.strict_model_names,
+        loader=loader,
+        max_models=settings.max_models,
+        model_aliases=settings.model_alias_map(),
+    )
+    metrics = ServerMetrics(lambda: models.primary().cache_stats())
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
         cors(settings.allowed_origins),
@@ -160,11 +178,7 @@ def _build(
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    models = ModelRegistry(
-        [ServedModel.of(engine, settings.aliases)], strict=settings.strict_model_names
-    )
     app.state.server = ServerState(
-        engine=engine,
         models=models,
         settings=settings,
         metrics=metrics,

@@ -8,8 +8,9 @@ clients send names of their own (`gpt-4o-mini` from the openai examples, Claude 
 reply's `model` field then names the model that answered. With `strict` such a name
 is a 404 instead. Nothing here ever downloads a model: only served models are chosen.
 
-Several served models (one engine each) register one ServedModel each; the first is
-the default, and the rule above is unchanged. Pure: no I/O, no MLX.
+Other models (folders, cached hub ids, --model-alias) are found and loaded by
+server/model_pool.py, which asks this registry first and keeps the rule above for
+names that select nothing. Pure: no I/O, no MLX.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ class ServerSettings:
     aliases: tuple[str, ...] = ()
     # An unknown model name is a 404 instead of being served by the default model.
     strict_model_names: bool = False
+    # Several models (server/model_pool.py): how many engines stay resident at once
+    # (LRU), and "NAME=PATH" names for other model folders or cached hub ids.
+    max_models: int = 1
+    model_aliases: tuple[str, ...] = ()
     # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
@@ -46,6 +50,12 @@ class ServerSettings:
             object.__setattr__(self, "aliases", aliases)
         if any(not a or a != a.strip() for a in self.aliases):
             raise ValueError(f"aliases: empty or padded names in {self.aliases!r}")
+        if isinstance(self.model_aliases, str):
+            pairs = tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())
+            object.__setattr__(self, "model_aliases", pairs)
+        self.model_alias_map()  # ValueError for a malformed pair
+        if self.max_models < 1:
+            raise ValueError("max_models must be at least 1")
         for origin in self.allowed_origins:
             if origin != "*" and "://" not in origin:
                 raise ValueError(
@@ -68,3 +78,13 @@ class ServerSettings:
             raise ValueError("shutdown_grace_s must not be negative")
         if not self.warm_timeout_s > 0:
             raise ValueError("warm_timeout_s must be positive")
+
+    def model_alias_map(self) -> dict[str, str]:
+        """--model-alias NAME=PATH pairs as {NAME: PATH}."""
+        pairs = {}
+        for item in self.model_aliases:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"model_aliases: {item!r} is not NAME=PATH")
+            pairs[name.strip()] = path.strip()
+        return pairs

@@ -93,6 +93,7 @@ def parse_messages_request(
         parse_tools=offer,
         tool_choice=choice,
         fit_reply=False,
+        adapter=field(body, "adapters", str, None) or None,  # as mlx_lm.server's chat field
     )
     return MessagesRequest(generation, show_thinking=show)
 

@@ -72,6 +72,9 @@ class GenerationRequest:
     # An explicit max_tokens must fit in the context with the prompt (OpenAI's rule, a
     # 400 otherwise); False: it only bounds the reply, cut at the context's end.
     fit_reply: bool = True
+    # mlx_lm.server's `adapters`: a LoRA adapter folder; its engine is the model's with
+    # the adapter applied (server/model_pool.py), its cache apart from the base model's.
+    adapter: str | None = None
 
 
 def generation_request(
@@ -130,13 +133,13 @@ def generation_request(
         include_usage=stream and include_usage,
         parse_tools=parse_tools,
         tool_choice=tool_choice,
+        adapter=field(body, "adapters", str, None) or None,
     )
 
 
 # mlx_lm.server's per-request fields this server does not honour: a 400 naming the field
 # rather than a reply computed without it.
 _UNSUPPORTED = {
-    "adapters": "a LoRA adapter per request is not supported; start the server with --adapter",
     "role_mapping": "role_mapping is not supported: the chat template renders the messages "
     "(--chat-template, or --use-default-chat-template for a model without one)",
 }

@@ -21,7 +21,7 @@ from ..generation import ClientGone, until_disconnect
 from ..namespaces import caller, visible
 from ..protocol.fields import field
 from ..protocol.warm import parse_warm
-from .common import api, read_json, state
+from .common import api, model_for, read_json, state
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -43,7 +43,7 @@ async def cache_info(request: Request) -> Response:
 async def cache_warm(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
-    served = st.models.resolve(field(body, "model", str, None))
+    served = await model_for(request, field(body, "model", str, None))
     warm = parse_warm(body)
     started = time.perf_counter()
     timeout = st.settings.warm_timeout_s

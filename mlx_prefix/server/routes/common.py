@@ -1,5 +1,5 @@
-"""What every handler shares: the app's state (with the served models), the error
-wrapper and the JSON body reader."""
+"""What every handler shares: the app's state (with the served models), the model
+lookup, the error wrapper and the JSON body reader."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from ..dashboard import TreeShapes
 from ..errors import PayloadTooLarge, UnsupportedMediaType, error_response_for
 from ..generation import InFlight
 from ..metrics import ServerMetrics
-from ..model_names import ModelRegistry
+from ..model_names import ServedModel
+from ..model_pool import ModelPool
 from ..protocol.fields import parse_json_object
 from ..protocol.request import Limits
 from ..response_store import ResponseStore
@@ -29,8 +30,7 @@ log = logging.getLogger("mlx_prefix.server")
 
 @dataclass(frozen=True)
 class ServerState:
-    engine: Any  # the default model's mlx_prefix.engine.Engine, or a fake with its interface
-    models: ModelRegistry  # which served model answers a request's `model` name
+    models: ModelPool  # which served model answers a request's `model` name
     settings: ServerSettings
     metrics: ServerMetrics
     limits: Limits
@@ -39,9 +39,26 @@ class ServerState:
     responses: ResponseStore  # past /v1/responses answers, for previous_response_id
     tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
 
+    @property
+    def engine(self) -> Any:
+        """The engine the cache routes, dashboard and /metrics show (ModelPool.primary):
+        an mlx_prefix.engine.Engine, or a fake with its interface."""
+        return self.models.primary()
+
 
 def state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+async def model_for(request: Request, name: str | None, adapter: str | None = None) -> ServedModel:
+    """The served model answering `name` (with the LoRA `adapter`), loaded if need be;
+    it stays resident at least until the handler returns (`api` releases the lease)."""
+    served, lease = await state(request).models.acquire(name, adapter)
+    leases = getattr(request.state, "model_leases", None)
+    if leases is None:
+        leases = request.state.model_leases = []
+    leases.append(lease)
+    return served
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -62,6 +79,9 @@ def api(handler: Handler) -> Handler:
             log.exception("unhandled error on %s %s", request.method, request.url.path)
             err = MlxPrefixError(f"internal error: {type(e).__name__}: {e}")
             return error_response_for(request.url.path, err)
+        finally:
+            for lease in getattr(request.state, "model_leases", ()):
+                lease.release()
 
     return wrapped
 

@@ -20,7 +20,7 @@ from ..namespaces import caller
 from ..protocol.chat import parse_chat
 from ..protocol.completions import parse_completion
 from ..tool_choice import with_tool_choice
-from .common import api, read_json, state
+from .common import api, model_for, read_json, state
 from .flow import respond, submit
 
 
@@ -45,7 +45,7 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         ids = ToolCallIds(record.request_id)
         req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
-        served = st.models.resolve(req.model)
+        served = await model_for(request, req.model, req.adapter)
         tokenizer = served.engine.model.tokenizer
         req = with_tool_choice(req, tokenizer)
         handle = await submit(served.engine, req, record.request_id)

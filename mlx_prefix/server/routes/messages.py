@@ -26,7 +26,7 @@ from ..generation import Collected, RequestLog
 from ..namespaces import caller
 from ..protocol.messages import parse_count_tokens, parse_messages_request
 from ..tool_choice import with_tool_choice
-from .common import api, read_json, state
+from .common import api, model_for, read_json, state
 from .flow import respond, submit
 
 
@@ -40,7 +40,7 @@ async def messages(request: Request) -> Response:
     try:
         body = await read_json(request)
         parsed = parse_messages_request(body, st.limits, keep_billing_header=keep)
-        served = st.models.resolve(parsed.generation.model)
+        served = await model_for(request, parsed.generation.model, parsed.generation.adapter)
         tokenizer = served.engine.model.tokenizer
         # tool_use ids named after the message, as the engine's next-turn prefetch names
         # them, so the client's next turn (which sends them back) finds its prefix cached.
@@ -73,6 +73,6 @@ async def count_tokens(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
     model, prompt = parse_count_tokens(body, keep_billing_header=st.settings.keep_billing_header)
-    served = st.models.resolve(model)
+    served = await model_for(request, model)
     count = await run_in_threadpool(served.engine.count_tokens, prompt)
     return JSONResponse({"input_tokens": count})

@@ -26,7 +26,7 @@ from ..protocol.responses import ResponsesRequest, parse_responses
 from ..response_objects import OutputEvents, ResponseHead, new_id, sse
 from ..response_store import ResponseNotFound, StoredResponse
 from ..tool_choice import with_tool_choice
-from .common import api, read_json, state
+from .common import api, model_for, read_json, state
 from .flow import respond, submit
 
 
@@ -38,7 +38,7 @@ async def create_response(request: Request) -> Response:
     record = RequestLog(response_id, request.url.path, st.metrics, who.namespace_id)
     try:
         parsed = parse_responses(await read_json(request), st.limits)
-        served = st.models.resolve(parsed.model)
+        served = await model_for(request, parsed.model)
         tokenizer = served.engine.model.tokenizer
         history = _history(st.responses, parsed)
         req = with_tool_choice(parsed.generation(history, ToolCallIds(response_id)), tokenizer)

@@ -10,16 +10,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..metrics import CONTENT_TYPE
-from ..model_names import ServedModel
+from ..model_pool import ModelCard
 from .common import ServerState, api, state
 
 
 @api
 async def list_models(request: Request) -> Response:
-    """OpenAI's list: one card per served id and per alias (`alias_of` names its model).
-    A client sending `anthropic-version` (the Anthropic SDKs) gets Anthropic's shape."""
+    """OpenAI's list: one card per served id and per alias (`alias_of` names its model),
+    each --model-alias, and the other models resident (server/model_pool.py). A client
+    sending `anthropic-version` (the Anthropic SDKs) gets Anthropic's shape."""
     st = state(request)
-    cards = [card for served in st.models for card in _cards(st, served)]
+    cards = [card for row in st.models.cards() for card in _cards(st, row)]
     if "anthropic-version" in request.headers:
         data = [_anthropic_card(st, c["id"]) for c in cards]
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
@@ -30,24 +31,29 @@ async def list_models(request: Request) -> Response:
 @api
 async def get_model(request: Request) -> Response:
     st = state(request)
-    served = st.models.resolve(request.path_params["model_id"])
+    spec = st.models.spec_for(request.path_params["model_id"])
+    unloaded = ModelCard(spec.id, None, resident=False)
+    row = next((c for c in st.models.cards() if c.id == spec.id), unloaded)
     if "anthropic-version" in request.headers:
-        return JSONResponse(_anthropic_card(st, served.id))
-    return JSONResponse(_cards(st, served)[0])
+        return JSONResponse(_anthropic_card(st, row.id))
+    return JSONResponse(_cards(st, row)[0])
 
 
-def _cards(st: ServerState, served: ServedModel) -> list[dict[str, Any]]:
+def _cards(st: ServerState, row: ModelCard) -> list[dict[str, Any]]:
     card = {
-        "id": served.id,
+        "id": row.id,
         "object": "model",
         "created": st.started,
         "owned_by": "mlx-prefix",
-        "context_length": served.engine.model.context_length,
-        "aliases": list(served.aliases),
+        "context_length": row.context_length,
+        "aliases": list(row.aliases),
     }
-    aliases = [
-        {**card, "id": alias, "alias_of": served.id, "aliases": []} for alias in served.aliases
-    ]
+    if row.alias_of is not None:
+        card["alias_of"] = row.alias_of
+    if st.models.loader is not None:  # several models: say which are loaded
+        card["resident"] = row.resident
+        card["adapters"] = list(row.adapters)
+    aliases = [{**card, "id": alias, "alias_of": row.id, "aliases": []} for alias in row.aliases]
     return [card, *aliases]
 
 

@@ -1,0 +1,336 @@
+"""Several models behind one live server (server/model_pool.py): the request's `model`
+and `adapters` select the engine, each with its own cache in one shared byte budget;
+models load on demand and the least recently used is unloaded past --max-models."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from conftest import TEST_CACHE
+from mlx.utils import tree_flatten
+from server_fakes import LiveServer, wait_until
+
+from mlx_prefix.config import CacheConfig, DiskConfig
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.models.load import load_model
+from mlx_prefix.models.testing import make_test_model
+from mlx_prefix.server import ServerSettings, create_app
+from mlx_prefix.server.model_pool import ModelSpec
+
+SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    a = make_test_model("dense", root / "tiny-a", seed=0)
+    b = make_test_model("dense", root / "tiny-b", seed=1)
+    broken = make_test_model("dense", root / "tiny-broken", seed=2)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated: loading fails
+    return {"a": a, "b": b, "broken": broken, "lora": _lora_adapter(a, root / "lora-a")}
+
+
+def _lora_adapter(model_folder: Path, dest: Path) -> Path:
+    """A LoRA adapter for `model_folder` with random non-zero lora_b (a fresh adapter's
+    lora_b is zero and would change nothing), saved as mlx-lm saves one."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = load_model(str(model_folder)).model
+    params = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, params)
+    mx.random.seed(3)
+    lora = {
+        k: (mx.random.normal(v.shape) * 0.5 if k.endswith("lora_b") else v)
+        for k, v in tree_flatten(model.trainable_parameters())
+        if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
+    }
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "adapters.safetensors"), lora)
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": params}
+    (dest / "adapter_config.json").write_text(json.dumps(config))
+    return dest
+
+
+@contextlib.contextmanager
+def served(folders, cache=TEST_CACHE, disk=None, **settings) -> Iterator[tuple[str, object]]:
+    """A live server of model a (the default) that loads others on demand."""
+
+    def loader(spec: ModelSpec, store, disk_cache) -> Engine:
+        adapter = str(spec.adapter) if spec.adapter else None
+        model = load_model(str(spec.folder), adapter=adapter)
+        return Engine(model, cache, store=store, disk_config=disk, disk_cache=disk_cache)
+
+    default = loader(ModelSpec(folders["a"], None, "tiny-a", True), None, None)
+    app = create_app(default, ServerSettings(**settings), loader)
+    pool = app.state.server.models
+    try:
+        with LiveServer(app) as server:
+            yield server.url, pool
+    finally:
+        pool.close()
+
+
+def ask(url: str, model: str | None, question: str, path="/v1/chat/completions", **extra):
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 8,
+        "temperature": 0,
+        **extra,
+    }
+    if model is not None:
+        body["model"] = model
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+def answer(r: httpx.Response) -> tuple[str, int]:
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"][
+        "cached_tokens"
+    ]
+
+
+COLD = {"prefix_cache": {"enabled": False}}
+
+
+def test_two_models_served_alternately_each_cache_hits_and_equals_its_cold_run(folders):
+    budget = CacheConfig(budget_bytes=1 << 30, prefill_chunk=32, checkpoint_interval=64)
+    b = str(folders["b"])
+    with served(folders, cache=budget, max_models=2) as (url, pool):
+        first = {m: answer(ask(url, m, "Where are the atlases?")) for m in ("default", b)}
+        warm = {m: answer(ask(url, m, "When does it close?")) for m in ("default", b)}
+        cold = {m: answer(ask(url, m, "When does it close?", **COLD)) for m in ("default", b)}
+        reply = ask(url, b, "When does it close?").json()
+        engines = [s.engine for s in pool.resident()]
+        for path in ("/v1/cache", "/metrics", "/v1/dashboard", "/health"):
+            assert httpx.get(url + path).status_code == 200, path
+    for m in ("default", b):
+        assert first[m][1] == 0 and warm[m][1] > 40  # each hits its own cache
+        assert warm[m][0] == cold[m][0] and cold[m][1] == 0
+    assert warm["default"][0] != warm[b][0]  # two models really answered
+    assert reply["model"] == b
+    assert len(engines) == 2 and engines[0].store is engines[1].store  # one byte budget
+    assert engines[0].model_key != engines[1].model_key
+    engines[0].store.check_integrity()
+    assert pool.loads == 1 and pool.unloads == 0
+
+
+def test_shared_budget_holds_both_models_entries_under_one_limit(folders):
+    small = CacheConfig(budget_bytes=600_000, prefill_chunk=32, checkpoint_interval=64)
+    b = str(folders["b"])
+    with served(folders, cache=small, max_models=2) as (url, pool):
+        for i in range(4):
+            for m in ("default", b):
+                answer(ask(url, m, f"Question number {i} about the opening hours?"))
+        store = pool.resident()[0].engine.store
+        stats = store.stats()
+    assert stats.budget_bytes == 600_000
+    assert stats.bytes + stats.active_bytes <= stats.budget_bytes
+    assert stats.evictions > 0  # the two models' entries competed for the one budget
+    store.check_integrity()
+
+
+def test_max_models_1_unloads_the_least_recently_used_and_reloads_it(folders):
+    b = str(folders["b"])
+    with served(folders, max_models=1) as (url, pool):
+        a1 = answer(ask(url, "tiny-a", "Can I renew online?"))
+        first_a = pool.primary()
+        b1 = answer(ask(url, b, "Can I renew online?"))
+        assert [s.id for s in pool.resident()] == [b]
+        assert pool.unloads == 1 and first_a.lifecycle.pending == 0
+        # the unloaded engine let go of its weights
+        assert all(p.size == 0 for _, p in tree_flatten(first_a.model.model.parameters()))
+        a2 = answer(ask(url, "tiny-a", "Can I renew online?"))
+        b2 = answer(ask(url, b, "Can I renew online?"))
+        models = httpx.get(url + "/v1/models").json()["data"]
+    assert a2[0] == a1[0] and b2[0] == b1[0]  # reloaded: the same answers
+    assert pool.loads == 3 and pool.unloads == 3
+    resident = {c["id"]: c["resident"] for c in models}
+    assert resident == {"tiny-a": False, b: True}
+
+
+def test_an_unloaded_model_finds_its_disk_entries_again(folders, tmp_path):
+    disk = DiskConfig(scope="full", directory=str(tmp_path / "disk"), min_tokens=16)
+    b = str(folders["b"])
+    with served(folders, disk=disk, max_models=1) as (url, pool):
+        first = answer(ask(url, "default", "Is there a reading room?"))
+        assert wait_until(lambda: pool.primary().disk.pending == 0)
+        answer(ask(url, b, "Is there a reading room?"))  # unloads a: its memory entries go
+        assert wait_until(lambda: pool.primary().disk.pending == 0)
+        again = answer(ask(url, "default", "Is there a reading room?"))
+        disk_cache = pool.primary().disk.cache
+        files = {e.model_key.split("/")[0] for e in disk_cache.entries()}
+    assert again[0] == first[0] and again[1] > 40  # restored from a's own files
+    assert len(files) == 2  # one shared disk cache, each model's files under its key
+    assert pool.unloads == 2
+
+
+def test_unknown_names_keep_the_default_but_a_missing_folder_is_a_404(folders):
+    with served(folders, max_models=2) as (url, pool):
+        r = ask(url, "claude-sonnet-4-5", "Hello?")
+        assert r.status_code == 200 and r.json()["model"] == "tiny-a"
+        missing = ask(url, "/no/such/model", "Hello?")
+        assert missing.status_code == 404
+        err = missing.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert "/no/such/model" in err["message"] and "no such folder" in err["message"]
+        m = httpx.post(
+            url + "/v1/messages",
+            json={
+                "model": "./no/such/model",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hello?"}],
+            },
+        )
+        assert m.status_code == 404
+        assert m.json()["type"] == "error" and m.json()["error"]["type"] == "not_found_error"
+        assert "no such folder" in m.json()["error"]["message"]
+        assert pool.loads == 0
+
+
+def test_strict_model_names_refuses_unknown_names(folders):
+    with served(folders, max_models=2, strict_model_names=True) as (url, _):
+        assert ask(url, "claude-sonnet-4-5", "Hello?").status_code == 404
+        assert ask(url, "tiny-a", "Hello?").status_code == 200
+
+
+def test_a_model_that_fails_to_load_is_one_clear_error_and_the_default_keeps_serving(folders):
+    broken = str(folders["broken"])
+    with served(folders, max_models=2) as (url, pool):
+        r = ask(url, broken, "Hello?")
+        assert r.status_code in (404, 500)
+        message = r.json()["error"]["message"]
+        assert "could not be loaded" in message and "\n" not in message
+        assert ask(url, "default", "Hello?").status_code == 200
+        assert pool.loads == 0 and [s.id for s in pool.resident()] == ["tiny-a"]
+
+
+def test_a_model_too_large_for_memory_is_refused(folders, monkeypatch):
+    import mlx_prefix.server.model_pool as model_pool
+
+    monkeypatch.setattr(model_pool, "available_memory", lambda: 1000)  # bytes
+    with served(folders, max_models=2) as (url, pool):
+        r = ask(url, str(folders["b"]), "Hello?")
+        assert r.status_code == 507 and "GiB" in r.json()["error"]["message"]
+        assert pool.loads == 0 and ask(url, None, "Hello?").status_code == 200
+    # With one model resident at most, unloading it frees what the other needs.
+    monkeypatch.setattr(model_pool, "available_memory", lambda: 0)
+    with served(folders, max_models=1) as (url, pool):
+        assert ask(url, str(folders["b"]), "Hello?").status_code == 200
+        assert pool.unloads == 1
+
+
+def test_model_alias_selects_its_folder_and_is_listed(folders):
+    with served(folders, max_models=2, model_aliases=(f"second={folders['b']}",)) as (url, _):
+        listed = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+        second = listed["second"]
+        assert second["alias_of"] == str(folders["b"]) and not second["resident"]
+        via_alias = ask(url, "second", "Where is the map room?")
+        via_folder = ask(url, str(folders["b"]), "Where is the map room?", **COLD)
+        assert via_alias.json()["model"] == "second"
+        assert answer(via_alias)[0] == answer(via_folder)[0]
+        listed = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+        assert listed["second"]["resident"] and listed["second"]["context_length"] == 4096
+
+
+def test_an_adapter_is_its_own_engine_and_cache(folders):
+    lora = str(folders["lora"])
+    with served(folders, max_models=3) as (url, pool):
+        base = answer(ask(url, None, "Which floor has the periodicals?"))
+        first = answer(ask(url, None, "Which floor has the periodicals?", adapters=lora))
+        assert first[1] == 0  # the base model's entries are not the adapter's
+        assert first[0] != base[0]  # the adapter changes the answer
+        warm = answer(ask(url, None, "Which floor has the periodicals?", adapters=lora))
+        cold = answer(ask(url, None, "Which floor has the periodicals?", adapters=lora, **COLD))
+        assert warm[1] > 40 and warm[0] == cold[0] == first[0]
+        again = answer(ask(url, None, "Which floor has the periodicals?"))
+        assert again[0] == base[0] and again[1] > 40
+        listed = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+        assert listed["tiny-a"]["adapters"] == [str(Path(lora).resolve())]
+        keys = {s.engine.model_key for s in pool.resident()}
+        assert len(keys) == 2
+        messages = {
+            "model": "tiny-a",
+            "max_tokens": 8,
+            "temperature": 0,
+            "system": SYSTEM,
+            "messages": [{"role": "user", "content": "Which floor has the periodicals?"}],
+        }
+        with_lora = httpx.post(url + "/v1/messages", json={**messages, "adapters": lora})
+        assert with_lora.status_code == 200, with_lora.text
+        assert with_lora.json()["content"][0]["text"] == first[0]
+        assert with_lora.json()["usage"]["cache_read_input_tokens"] > 40
+        missing = ask(url, None, "Hello?", adapters="/no/such/adapter")
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "adapters"
+
+
+def test_count_tokens_and_warm_use_the_named_model(folders):
+    b = str(folders["b"])
+    with served(folders, max_models=2) as (url, pool):
+        body = {"model": b, "messages": [{"role": "user", "content": "Count these words."}]}
+        r = httpx.post(url + "/v1/messages/count_tokens", json=body)
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0
+        assert [s.id for s in pool.resident()] == ["tiny-a", b]
+        warm = httpx.post(url + "/v1/cache/warm", json={**body, "model": "default"}, timeout=60)
+        assert warm.status_code == 200
+
+
+def test_settings_refuse_a_malformed_model_alias():
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        ServerSettings(model_aliases=("no-equals-sign",))
+    assert ServerSettings(model_aliases="x=/a, y=/b").model_alias_map() == {"x": "/a", "y": "/b"}
+    with pytest.raises(ValueError, match="max_models"):
+        replace(ServerSettings(), max_models=0)
+
+
+def test_serve_flags_and_the_sharded_refusal(monkeypatch):
+    import mlx_prefix.cli.sharded as sharded
+    from mlx_prefix.cli import build_parser
+    from mlx_prefix.cli.serve import cmd_serve, server_settings
+    from mlx_prefix.errors import InvalidRequest
+
+    argv = ["serve", "--max-models", "3", "--model-alias", "x=/a", "--model-alias", "y=org/r"]
+    args = build_parser().parse_args(argv)
+    settings = server_settings(args)
+    assert settings.max_models == 3 and settings.model_alias_map() == {"x": "/a", "y": "org/r"}
+    monkeypatch.setattr(sharded, "launched_group", lambda: object())
+    with pytest.raises(InvalidRequest, match="unsharded"):
+        cmd_serve(args)
+
+
+def test_unloading_waits_for_the_running_requests_of_the_model(folders):
+    import threading
+
+    b = str(folders["b"])
+    with served(folders, max_models=1) as (url, pool):
+        first_chunk = threading.Event()
+        lines: list[str] = []
+
+        def stream_a() -> None:
+            body = {"model": "tiny-a", "prompt": "Once upon a time", "max_tokens": 48}
+            body |= {"temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    first_chunk.set()
+
+        streamer = threading.Thread(target=stream_a)
+        streamer.start()
+        assert first_chunk.wait(60)
+        engine_a = pool.primary()
+        r = ask(url, b, "Hello?")  # needs a's place: waits for the stream to end
+        streamer.join(60)
+    assert r.status_code == 200 and pool.unloads == 1
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert all("error" not in e for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
+    assert engine_a.lifecycle.pending == 0
