@@ -127,7 +127,10 @@ def main() -> None:
     print(startup_line(), file=sys.stderr)
     model = load_model(args.model)
     settings = [None if b == "float" else int(b) for b in args.bits.split(",")]
-    rows = [bench(model, bits, args) for bits in settings]
+    rows = []
+    for bits in settings:
+        rows.append(bench(model, bits, args))
+        print(f"done: {rows[-1]}", file=sys.stderr, flush=True)
     base = next((r.bytes_per_token for r in rows if r.kv == "float"), None)
     print(f"{'kv':>6} {'tokens':>6} {'B/token':>9} {'vs float':>8} {'resident MiB':>12} "
           f"{'cached':>6} {'ttft cold':>9} {'ttft hit':>8} {'decode':>7}  hit==cold")  # fmt: skip
