@@ -204,6 +204,10 @@ class Speculator:
         held = len(sequence) - 1  # tokens in the target's cache
         drafted = self._propose(running, sequence, k)
         logits = batch.verify([sequence[-1], *drafted])  # [k+1, V]
+        # Counted before any token is handed on: the last one may end the request, and
+        # its client may read the counters as soon as it has its reply.
+        self.stats.steps += 1
+        self.stats.drafted += k
         sampler = batch.sampler(0)
         params = running.job.sampling
         kept = 0  # positions of the verify forward the reply keeps
@@ -232,8 +236,6 @@ class Speculator:
             if not matched:
                 batch.settle(held + kept, value, k + 1 - kept)
                 break
-        self.stats.steps += 1
-        self.stats.drafted += k
         state = self._states.get(id(running))
         if state is not None:  # drop the draft's rejected tokens
             state.trim(held + kept)
