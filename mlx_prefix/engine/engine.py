@@ -1,18 +1,16 @@
-"""The engine: one thread owns the model and every MLX array (DESIGN invariant 1).
+"""The engine's request-facing side: one thread owns the model and every MLX array
+(DESIGN invariant 1), and this class is how every other thread reaches it.
 
 Callers (HTTP handlers, the CLI, library users) call `submit`, which renders and
-validates the prompt in the caller's thread and queues a job; the engine thread runs
-jobs and reports typed events through each request's handle. Cache statistics are
-read straight from the thread-safe store.
+validates the prompt in the caller's thread and queues a job; the engine thread
+(engine/loop.py) runs jobs and reports typed events through each request's handle.
+Cache statistics are read straight from the thread-safe store (engine/cache_views.py).
 
-Each turn of the loop reads as three steps: `_schedule` (take new jobs, drop cancelled
-ones, start the next prefill), the prefill phase (grid chunks of the request being
-prefilled, engine/prefill.py) and the decode phase (one token for every running
-request, engine/decode.py). A request's path: match the longest usable cached prefix
--> restore it (shared arrays) -> prefill the rest chunk by chunk on the grid,
-capturing checkpoints at planned positions and at prefixes shared with waiting
-requests -> join the decode batch -> stream tokens -> leave the batch. Every job ends
-with exactly one final event (engine/lifecycle.py).
+A request's path: match the longest usable cached prefix -> restore it (shared arrays)
+-> prefill the rest chunk by chunk on the grid, capturing checkpoints at planned
+positions and at prefixes shared with waiting requests -> join the decode batch ->
+stream tokens -> leave the batch. Every job ends with exactly one final event
+(engine/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -25,52 +23,37 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
-import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.disk import DiskCache
 from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
-from mlx_prefix.engine import rowwise
 from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
 from mlx_prefix.engine.batch import batchable
 from mlx_prefix.engine.cache_views import CacheViews
+from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.chat_traffic import ChatTraffic
 from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.handle import RequestHandle
-from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
+from mlx_prefix.engine.jobs import Job, PrefetchStats, WarmResult
 from mlx_prefix.engine.keys import cache_key, entry_key
-from mlx_prefix.engine.kv_quant import KvQuant, check_model
-from mlx_prefix.engine.lifecycle import Lifecycle, error_message
+from mlx_prefix.engine.lifecycle import Lifecycle
+from mlx_prefix.engine.loop import EngineLoop
 from mlx_prefix.engine.pace import Pace
-from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
+from mlx_prefix.engine.prefetch import Prefetcher
 from mlx_prefix.engine.prefill import PrefillPhase
-from mlx_prefix.engine.probe import probe
 from mlx_prefix.engine.runner import always_trimmable
 from mlx_prefix.engine.scheduler import WaitingList
-from mlx_prefix.engine.speculative import (
-    DraftMismatch,
-    SpeculationStats,
-    Speculator,
-    check_draft,
-    check_request,
-    verify_matches,
-)
-from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.engine.speculative import SpeculationStats, Speculator, check_request
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.prompt.tool_calls import ToolSyntax
-from mlx_prefix.records import (
-    CachePreference,
-    ErrorEvent,
-    PromptInput,
-    SamplingParams,
-)
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -79,7 +62,7 @@ SHUTDOWN_SAVES_S = 30.0  # after the requests, a shutdown writes queued disk sav
 __all__ = ["Engine", "PrefetchStats", "WarmResult", "cache_key"]
 
 
-class Engine(CacheViews):
+class Engine(CacheViews, EngineLoop):
     handle_type: type[RequestHandle] = RequestHandle  # what callers hold for each job
 
     def __init__(
@@ -95,11 +78,7 @@ class Engine(CacheViews):
         """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
         draft model for speculative decoding (engine/speculative.py). `store` and
         `disk_cache` may be shared with other engines (server/model_pool.py)."""
-        if draft is not None:
-            check_draft(model, draft)
-            if engine_config is not None and engine_config.kv_bits is not None:
-                # Not shown exact yet: the verify forward over quantized keys.
-                raise DraftMismatch("--draft-model cannot be combined with --kv-bits yet")
+        check_draft_config(model, draft, engine_config)
         self.model = model
         self.draft = draft
         self.cache_config = cache_config or CacheConfig()
@@ -112,10 +91,8 @@ class Engine(CacheViews):
             self.cache_config.max_entries,
             policy=policy_named(self.cache_config.eviction),
         )
-        c = self.config  # quantized KV (engine/kv_quant.py): in the key, one request at a time
-        self.kv_quant = KvQuant.of(c.kv_bits, c.kv_group_size, c.quantized_kv_start)
-        if self.kv_quant is not None:
-            check_model(model.model, self.kv_quant)
+        # Quantized KV (engine/kv_quant.py): in the key, one request at a time.
+        self.kv_quant = quantized_kv(model, self.config)
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
@@ -196,7 +173,6 @@ class Engine(CacheViews):
     def _steps(self) -> int:
         return self._decode.steps
 
-    # -- caller side ---------------------------------------------------------------
     def plan(self, prompt: PromptInput) -> RenderedPrompt:
         return plan_prompt(self.planner, self.model.context_length, prompt)
 
@@ -293,185 +269,3 @@ class Engine(CacheViews):
         if self._thread.is_alive():
             pending = self.disk.pending if self.disk is not None else 0
             log.warning("the engine thread is still busy; %d queued disk save(s) lost", pending)
-
-    # -- engine thread -------------------------------------------------------------
-    def _calibrate(self) -> None:
-        """Make batched forwards batch-invariant (engine/rowwise.py) and check it on this
-        model and backend (engine/probe.py); what does not hold runs alone. Requests
-        submitted meanwhile wait in the inbox."""
-        model = self.model.model
-        rowwise.install(model)
-        rows = rowwise.consistent_rows(model)
-        checked = probe(model, rows, self.model.tokenizer.vocab_size)
-        self.batchable = self.batchable and checked.batched_decode
-        self._prefill.group = checked.stacked_prefill
-        self._decode.set_rows(rows)
-        self.capacity = self.config.max_running if self.batchable else 1
-        spec = self._decode.speculator
-        if spec is not None and not verify_matches(model, rows, self.model.tokenizer.vocab_size):
-            log.warning("a verify forward changes this model's numbers here: decoding plainly")
-            spec.enabled = False  # the replies are the same, only not sped up
-
-    def _loop(self) -> None:
-        try:
-            self._calibrate()
-            self._run_until_closed()
-        finally:
-            # Normally nothing is left; if the loop itself died, no request may wait forever.
-            self.lifecycle.stop_accepting()
-            self._take_inbox(block=False)
-            self._fail_all(MlxPrefixError("the engine stopped"), waiting_too=True)
-            if self.disk is not None:
-                self.disk.drop_pending("the engine stopped")
-            # MLX requires each thread to destroy its own streams before it exits, or
-            # the process may abort at exit ("terminate called without an active exception").
-            mx.clear_streams()
-
-    def _run_until_closed(self) -> None:
-        while True:
-            idle = not (self._waiting.has_requests() or self._prefill.tasks or len(self._decode))
-            saving = self.disk is not None and self.disk.pending > 0
-            if saving and self._abandon_saves:
-                self.disk.drop_pending("the shutdown's time for disk saves ran out")
-                saving = False
-            if self._closing and idle and not saving:
-                return  # queued saves are written first: a shutdown keeps what disk should
-            try:
-                if saving:
-                    self.disk.write_pending(busy=not idle)  # off the requests' critical path
-                block = idle and not self._closing and not saving
-                self._take_inbox(block, timeout=self._waiting.background_wait() if block else None)
-                self._step()
-            except Exception as e:  # a bug in one request must not stop the engine
-                log.exception("engine step failed")
-                self._fail_all(e)
-            self._board.publish(
-                self._waiting, self._prefill.tasks, self._decode.running(), self.capacity
-            )
-
-    def _step(self) -> None:
-        """Prefill: the next grid chunks of the prefilling requests (each on its own grid,
-        equal-shape chunks stacked), as many tokens as fit between two decode steps; then
-        one decode step for every running request."""
-        self._schedule()
-        if self._prefill.tasks:
-            self._prefill_step(self._pace.prefill_budget(len(self._decode)))
-            # Requests that arrived meanwhile are visible to in-flight sharing at the
-            # next chunk boundary, and can start right after.
-            self._take_inbox(block=False)
-            self._schedule()
-        if len(self._decode):
-            started = time.perf_counter()
-            self._decode.step(self._stopping)
-            self._pace.decoded(time.perf_counter() - started)
-
-    def _take_inbox(self, block: bool, timeout: float | None = None) -> None:
-        """Move submitted jobs into the waiting list (waiting up to `timeout` for one
-        when `block`); after the shutdown marker, cancel what waits."""
-        jobs, closing = self.lifecycle.take(block, timeout)
-        self._waiting.add(jobs)
-        self._closing = self._closing or closing
-        if self._closing:
-            for job in self._waiting:
-                job.handle.cancel()
-
-    def _schedule(self) -> None:
-        gone = self._waiting.take_if(lambda j: j.handle.cancelled.is_set() or self._stopping)
-        for job in gone:
-            self.lifecycle.end(job, cancelled(job))
-        for task in list(self._prefill.tasks):
-            self._preempt_background(task)
-        while len(self._waiting) and self._room():
-            startable = lambda j: not self._prefill.waits_for_sharing(j)  # noqa: E731
-            job = self._waiting.next_request(
-                self._prefill.peek_reuse, self.config.max_passovers, startable
-            )
-            if job is not None:
-                for bg in self._waiting.superseded_by(job):
-                    self.lifecycle.end(bg, cancelled(bg))
-            else:
-                busy = len(self._decode) > 0 or bool(self._prefill.tasks)
-                job = self._waiting.ready_background(decoding=busy)
-                if job is None:
-                    return
-                self.prefetch.started += 1
-            try:
-                self._prefill.start(job)
-            except Exception as e:
-                log.exception("%s: could not start", job.handle.request_id)
-                self.lifecycle.end(job, ErrorEvent(error_message(e)))
-
-    def _room(self) -> bool:
-        """Whether another request may start prefilling: it will join the decode batch."""
-        busy = len(self._decode) + len(self._prefill.tasks)
-        return busy < self.capacity and len(self._prefill.tasks) < self.config.max_prefilling
-
-    def _preempt_background(self, task: PrefillTask) -> None:
-        """A background prefill gives way to any waiting request that cannot restore from
-        it (another namespace's, or one not extending its prompt); one that can will, so
-        it goes on."""
-        if task.job.background and (self._closing or self._waiting.preempts(task.job)):
-            self.prefetch.cancelled += 1
-            self.prefetch.tokens += task.computed
-            self._prefill.close(task)
-            self.lifecycle.end(task.job, cancelled(task.job))
-
-    def _prefill_step(self, budget: int) -> None:
-        """Advance the prefilling requests by up to `budget` tokens of grid chunks."""
-        for task in list(self._prefill.tasks):
-            if task.job.handle.cancelled.is_set() or self._stopping:
-                self._prefill.close(task)
-                self.lifecycle.end(task.job, cancelled(task.job, task.reuse))
-        if not self._prefill.tasks:
-            return
-        step = self._prefill.step(budget)
-        self._pace.prefilled(step.tokens, step.seconds)
-        for task, logits in step.finished:
-            self._finish_prefill(task, logits)
-
-    def _finish_prefill(self, task: PrefillTask, logits: mx.array) -> None:
-        """The prompt is in the cache: join the decode batch, or complete a warm-up or
-        a prefetch. The task stays listed until the request is in the batch, so an
-        error on the way still reaches it (`_fail_all`)."""
-        job = task.job
-        if job.background:
-            self.prefetch.completed += 1
-            self.prefetch.tokens += task.computed
-            self._prefill.close(task)
-        elif job.warm is not None:
-            pinned = self._prefill.pin_checkpoints(job) if job.pin else False
-            self._prefill.close(task)
-            if not job.warm.done():  # a caller may have cancelled the future itself
-                job.warm.set_result(WarmResult(len(job.tokens), task.reuse, pinned))
-        else:
-            limit = job.sampling.max_tokens
-            if self.model.context_length is not None:  # the reply is cut at the context's end
-                limit = min(limit, self.model.context_length - len(job.tokens))
-            self._decode.admit(task, logits, limit)
-            self._prefill.close(task)
-            return
-        self.lifecycle.finished(job)
-
-    def _maybe_prefetch(self, job: Job, reply: str) -> None:
-        if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:
-            return
-        # A chat's first turn, known from its client's earlier traffic in the same
-        # namespace (chat_traffic.py); later turns and tool-call turns from the request.
-        first_turn = self._chat_traffic.finished(job.source, reply, job.cache_key)
-        if first_turn or wants_prefetch(job.source):
-            self._prefetcher.submit(
-                job.source, reply, len(job.tokens), job.handle.request_id, job.cache_key
-            )
-
-    def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:
-        """After an unexpected error, end every request in flight with an error event:
-        their state may be inconsistent. Waiting requests are unaffected unless
-        `waiting_too` (the engine is going away)."""
-        event = ErrorEvent(error_message(error))
-        for task in list(self._prefill.tasks):
-            self.lifecycle.end(self._prefill.close(task, failed=True).job, event)
-        for job in self._decode.drop_all():
-            self.lifecycle.end(job, event)
-        if waiting_too:
-            for job in self._waiting.take_if(lambda j: True):
-                self.lifecycle.end(job, event)
