@@ -1,5 +1,5 @@
 """What rank 0 sends the other ranks of a sharded engine at the start of every turn
-(engine/distributed.py), and the request handles on either side.
+(engine/lockstep.py), and the request handles on either side.
 
 A turn's plan carries every input that is not a pure function of what the ranks
 already share: the jobs that arrived (token ids, checkpoint plan, sampling with its
