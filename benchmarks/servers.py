@@ -45,10 +45,25 @@ class ServerSpec:
         return [py, "-m", "mlx_prefix.blas_exec", *cmd, "--port", str(port), *self.extra_args]
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
+    """A loopback port p with p .. p+span-1 free now (the ring backend listens on one per
+    rank). The tests' launches (tests/sharded_launch.py) take theirs here too."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span <= 65536 and all(_bindable(port + i) for i in range(1, span)):
+            return port
+    raise ServerFailed(f"no free range of {span} loopback ports")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

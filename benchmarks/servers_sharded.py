@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,24 +33,6 @@ def launcher_problem() -> str | None:
 
 def launch_prefix(ranks: int, ring_port: int) -> list[str]:
     return [str(LAUNCHER), "-n", str(ranks), "--backend", BACKEND, "-p", str(ring_port)]
-
-
-def free_ports(span: int) -> int:
-    """A port p with p .. p+span-1 free now (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        port = free_port()
-        if port + span < 65535 and all(_free(port + i) for i in range(1, span)):
-            return port
-    raise ServerFailed("no free range of ports for the ring backend")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def group_members(pgid: int) -> list[int]:
@@ -100,7 +81,7 @@ class ShardedServer(Server):
         if problem is not None:
             raise ServerFailed(f"{label}: cannot launch {self.spec.ranks} ranks: {problem}")
         self.port = free_port()
-        self.ring_port = free_ports(self.spec.ranks)
+        self.ring_port = free_port(self.spec.ranks)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_dir / f"{label}-{self.port}.log", "wb")  # noqa: SIM115
         # The one-process argv is [python, -m, mlx_prefix.blas_exec, ...]; the launcher

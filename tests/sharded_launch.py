@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,31 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.servers import free_port
+
 REPO = Path(__file__).parent.parent
 LAUNCHER = Path(sys.executable).parent / "mlx.launch"
 START_S = 300.0  # two ranks importing MLX, loading and probing on 2 busy cores
 _PROBE = "import mlx.core as mx\nprint(mx.distributed.all_sum(mx.array([1.0])).item())\n"
 _checked: list[str | None] = []
-
-
-def free_port(span: int = 1) -> int:
-    """A port p with p .. p+span-1 free now (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span < 65535 and all(_free(port + i) for i in range(1, span)):
-            return port
-    raise RuntimeError("no free port range")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def require_launcher() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from benchmarks.servers import free_port
 
 TESTS = Path(__file__).parent
 SCRIPT = """
@@ -33,12 +34,6 @@ engine.shutdown = shutdown
 serve(engine, ServerSettings(port=int(sys.argv[1]), shutdown_grace_s=float(sys.argv[2]),
                              log_level="warning"))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_shutdown(grace_s: float, reply_words: int, delay: float) -> tuple[str, str, int, float]:
