@@ -20,8 +20,8 @@ and 840 KiB of recurrent state a checkpoint):
 - `prefetch`: whether the queued next-turn prefetches complete and store what they
   reach. They did in the hybrid run (53 background tokens; each chat's third turn
   restored from one); in the dense run they were preempted (nothing of theirs reused).
-Run as it ran, the kind order reproduces the run's cached tokens per request (dense;
-the hybrid's total), and the value order the dense run's.
+Run as it ran, the kind order and the value order as the run had it (alpha 1.5)
+reproduce the run's cached tokens request by request, dense and hybrid.
 """
 
 from __future__ import annotations
