@@ -11,15 +11,15 @@ and 840 KiB of recurrent state a checkpoint):
 - prefill runs chunk by chunk on the grid from the restored position, the running
   cache's KV growing in mlx-lm's 256-token steps (what `cache_nbytes` counts) and
   reported as active bytes after each chunk; the restored entry stays locked until
-  the prefill ends; a decode step follows, the reply's cache counted while the end
-  snapshot is stored;
+  the prefill ends; the reply's decode batch is counted before the prefill's
+  bytes are dropped and that lock released (engine order);
 - a dense model stores its prompt's end and its system prompt (a capture keeps the
   step-padded buffer it views); a hybrid stores every planned checkpoint and the
   branch point, sharing the prefill's KV, and captures the system prompt whole
   (engine/checkpoints.py);
-- `prefetch`: whether the queued next-turn prefetches complete and store what they
-  reach. They did in the hybrid run (53 background tokens; each chat's third turn
-  restored from one); in the dense run they were preempted (nothing of theirs reused).
+- a queued next-turn prefetch runs once the engine is idle past its delay: in the
+  dense run, after the next request (its log of store calls shows it); in the hybrid
+  run, before it.
 Run as it ran, the kind order and the value order as the run had it (alpha 1.5)
 reproduce the run's cached tokens request by request, dense and hybrid.
 """
@@ -47,16 +47,16 @@ class TraceModel:
     kv_per_token: int  # bytes
     state_bytes: int  # recurrent state per checkpoint (0: all attention, trimmable)
     cost: PrefillCost  # estimate_prefill_cost of the run's model
-    prefetch: bool  # whether the run's next-turn prefetches completed
+    prefetch_lag: int  # a next-turn prefetch ran after this many more requests
 
     @property
     def hybrid(self) -> bool:
         return self.state_bytes > 0
 
 
-DENSE = TraceModel("dense", 30 * 3 * 64 * 2 * 4, 0, PrefillCost(212406912.0, 69120.0), False)
+DENSE = TraceModel("dense", 30 * 3 * 64 * 2 * 4, 0, PrefillCost(212406912.0, 69120.0), 1)
 _STATE = 6 * (8 * 64 * 64 + 3 * 1024) * 4  # 6 Gated DeltaNet layers: state + conv
-HYBRID = TraceModel("hybrid", 2 * 2 * 64 * 2 * 4, _STATE, PrefillCost(55347648.0, 4096.0), True)
+HYBRID = TraceModel("hybrid", 2 * 2 * 64 * 2 * 4, _STATE, PrefillCost(55347648.0, 4096.0), 0)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class _Replay:
     def nbytes(self, kv: _KV, pending: int = 0) -> int:
         return kv.size * self.model.kv_per_token + self.model.state_bytes * (1 + pending)
 
-    def prefill(self, p: Prompt) -> tuple[int, _KV]:
+    def prefill(self, p: Prompt, decode: bool = True) -> int:
         store, model, n = self.store, self.model, len(p.tokens)
         match = store.match(KEY, p.tokens, p.align)
         branch = p.align(min(match.matched_tokens, n - 1))
@@ -174,15 +174,13 @@ class _Replay:
                     store.insert(KEY, p.tokens[:q], payload, k)
                 deferred = []
             store.set_active_bytes(key, self.nbytes(kv, len(deferred)))
+        if decode:  # the reply's batch joins (its cache: the prompt's tokens, no padding)
+            store.set_active_bytes("batch", n * model.kv_per_token + model.state_bytes)
         store.drop_active(key)
         if lease is not None:
             store.release(lease)
-        return reuse, kv
-
-    def decode(self, kv: _KV) -> None:
-        kv.update(1)
-        self.store.set_active_bytes("decode", self.nbytes(kv))
-        self.store.drop_active("decode")
+        store.drop_active("batch")  # a few tokens later
+        return reuse
 
 
 def replay(trace: Trace, model: TraceModel, budget: int, policy: EvictionPolicy) -> list[int]:
@@ -190,12 +188,13 @@ def replay(trace: Trace, model: TraceModel, budget: int, policy: EvictionPolicy)
     run = _Replay(model, budget, policy)
     # The harness's warm-up: a 4-token completion, stored like any prompt's end.
     run.prefill(Prompt(tuple(range(-4, 0)), (), {}))
-    out = []
-    for r in trace.requests:
-        reuse, kv = run.prefill(r.prompt)
-        out.append(reuse)
-        run.decode(kv)
-        if model.prefetch and r.prefetch is not None:
-            run.prefill(r.prefetch)
+    out, queued = [], []
+    for i, r in enumerate(trace.requests):
+        out.append(run.prefill(r.prompt))
+        if r.prefetch is not None:
+            queued.append((i + model.prefetch_lag, r.prefetch))
+        for due, p in [q for q in queued if q[0] <= i]:
+            queued.remove((due, p))
+            run.prefill(p, decode=False)  # one token, sampled from the prefill's logits
     run.store.check_integrity()
     return out
