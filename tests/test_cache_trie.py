@@ -91,6 +91,19 @@ def test_extensions_are_strict():
     assert {e.tokens for e in t.extensions([1, 2, 3, 4])} == {(1, 2, 3, 4, 5)}
 
 
+def test_sharing_lists_every_other_entry_sharing_a_prefix_deepest_first():
+    t: TokenTrie[str] = TokenTrie()
+    for seq, v in (([1, 2, 3, 4], "own"), ([1, 2], "prefix"), ([1, 2, 3, 9], "sibling"),
+                   ([1, 2, 3, 4, 5], "extension"), ([1, 7], "far"), ([8], "none")):  # fmt: skip
+        t.insert(seq, v)
+    got = list(t.sharing([1, 2, 3, 4]))
+    assert got[0] == ("extension", 4)  # all of the query
+    assert got[1:] == [("sibling", 3), ("prefix", 2), ("far", 1)]  # never itself, nor [8]
+    got = list(t.sharing([1, 2, 3, 6]))  # not stored: every entry past [1, 2, 3] shares 3
+    assert set(got[:3]) == {("own", 3), ("sibling", 3), ("extension", 3)}
+    assert got[3:] == [("prefix", 2), ("far", 1)]
+
+
 def test_random_operations_agree_with_a_dict():
     rng = random.Random(0)
     t: TokenTrie[int] = TokenTrie()
@@ -122,6 +135,11 @@ def test_random_operations_agree_with_a_dict():
         assert {e.tokens for e in t.extensions(q)} == {
             k for k in ref if len(k) > len(q) and k[: len(q)] == q
         }
+        shared = list(t.sharing(q))
+        assert sorted(shared) == sorted(
+            (v, _lcp(q, k)) for k, v in ref.items() if k != q and _lcp(q, k) > 0
+        )
+        assert [d for _, d in shared] == sorted((d for _, d in shared), reverse=True)
         if step % 100 == 0:
             t.check_integrity()
             assert {e.tokens: e.value for e in t.items()} == ref

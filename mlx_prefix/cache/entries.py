@@ -2,10 +2,16 @@
 
 `EntryTable` keeps the entries by id and, per model key, in a token trie; the buffers
 they hold, each counted once (`residency.py`); and for the value policy each entry's
-`parent`, its longest stored strict prefix (which would serve instead if it went),
-its `saved_work`, the prefill cost (per model key) of the tokens from its parent's end
-to its own, and its number of `children` (entries whose parent it is). Parents change
-as entries come and go, so adding or removing an entry updates its extensions.
+`parent`, its longest stored strict prefix, its number of `children` (entries whose
+parent it is), and what it saves: `covered`, the tokens of it another stored entry
+would serve if it went, and `saved_work`, the prefill cost (per model key) of the rest,
+from `covered` to its end. Any stored prefix serves exactly (its parent); a trimmable
+entry serves every prefix it shares (DESIGN 3), so an entry's common prefix with any
+other trimmable one is covered too: a dense model's second question on a document
+stored beside its first leaves the first saving only its question's tokens. (Raw
+common prefixes: the grid point the match aligns down to is a little shorter; the
+store does not know the grid.) Entries come and go, so adding or removing one updates
+the parents and coverage of the entries sharing a prefix with it.
 
 Pure Python (no MLX). Not thread-safe: the store calls it with its lock held.
 """
@@ -42,7 +48,8 @@ class Entry:
     last_access: float
     buffers: tuple[Buffer, ...]
     parent: Entry | None  # its longest stored strict prefix
-    saved_work: float  # prefill cost of tokens [base, len(tokens))
+    saved_work: float  # prefill cost of tokens [covered, len(tokens))
+    covered: int = 0  # tokens another stored entry serves (>= base)
     share_bytes: float = 0.0  # its buffers, each split among their holders
     children: int = 0  # entries whose parent it is
     hits: int = 0
@@ -69,6 +76,7 @@ class EntryTable:
         self.tries: dict[str, TokenTrie[int]] = {}
         self.resident = Residency()
         self._costs: dict[str, PrefillCost] = {}
+        self._trimmable: dict[str, int] = {}  # stored trimmable entries per model key
         self._next_id = 0
 
     def trie(self, model_key: str) -> TokenTrie[int]:
@@ -89,7 +97,8 @@ class EntryTable:
     ) -> Candidate:
         """How the policy would rank a new entry for `key` (not stored) under `parent`
         (`parent_of(key)`). Does not mutate."""
-        work = self.work(model_key, len(parent.tokens) if parent else 0, len(key))
+        covered = self._covered(model_key, key, len(parent.tokens) if parent else 0)
+        work = self.work(model_key, covered, len(key))
         return Candidate(kind, len(key), work, self.resident.share(buffers, joining=True))
 
     def add(
@@ -117,21 +126,38 @@ class EntryTable:
                 self._adopt(other, e)
         trie.insert(key, e.entry_id)
         self.by_id[e.entry_id] = e
+        if e.trimmable:
+            self._trimmable[model_key] = self._trimmable.get(model_key, 0) + 1
+        self._recover(e)
+        if e.trimmable:  # it now serves what it shares with the others
+            for other_id, shared in trie.sharing(key):
+                other = self.by_id[other_id]
+                if shared > other.covered:
+                    other.covered = shared
+                    other.saved_work = self.work(model_key, shared, len(other.tokens))
         self._reshare(self.resident.add(e.entry_id, buffers))
         return e
 
     def remove(self, e: Entry) -> None:
         """Forget `e` (mutates): its buffers are freed unless another entry holds them."""
         trie = self.tries[e.model_key]
-        for ext in trie.extensions(e.tokens):  # its children go to its parent
-            other = self.by_id[ext.value]
-            if other.parent is e:
-                self._adopt(other, e.parent)
-        self._adopt(e, None)
+        served = self._served_by(e, trie) if e.trimmable else []
+        children = [self.by_id[x.value] for x in trie.extensions(e.tokens)]
         trie.remove(e.tokens)
         if not len(trie):
             del self.tries[e.model_key]
         del self.by_id[e.entry_id]
+        if e.trimmable:
+            self._trimmable[e.model_key] -= 1
+            if not self._trimmable[e.model_key]:
+                del self._trimmable[e.model_key]
+        parent = e.parent
+        self._adopt(e, None)
+        for other in children:  # its children go to its parent
+            if other.parent is e:
+                self._adopt(other, parent)
+        for other in served:
+            self._recover(other)
         self._reshare(self.resident.remove(e.entry_id, e.buffers))
 
     def set_cost(self, model_key: str, cost: PrefillCost) -> None:
@@ -139,7 +165,7 @@ class EntryTable:
         self._costs[model_key] = cost
         for e in self.by_id.values():
             if covers(model_key, e.model_key):
-                self._adopt(e, e.parent)
+                self._recover(e)
 
     def work(self, key: str, start: int, end: int) -> float:
         cost = self._costs.get(key)
@@ -179,7 +205,9 @@ class EntryTable:
         for e in self.by_id.values():
             assert e.payload.length == len(e.tokens)
             assert e.parent is self._parent(e.model_key, e.tokens), "stale parent"
-            assert e.saved_work == self.work(e.model_key, e.base, len(e.tokens)), "stale work"
+            covered = self._covered(e.model_key, e.tokens, e.base)
+            assert e.covered == covered, "stale coverage"
+            assert e.saved_work == self.work(e.model_key, covered, len(e.tokens)), "stale work"
             assert e.share_bytes == self.resident.share(e.buffers), "stale share"
             if e.parent is not None:
                 children[e.parent.entry_id] += 1
@@ -198,7 +226,41 @@ class EntryTable:
         e.parent = parent
         if parent is not None:
             parent.children += 1
-        e.saved_work = self.work(e.model_key, e.base, len(e.tokens))
+        if e.entry_id in self.by_id:  # a new entry: `add` recovers it once it is in the trie
+            self._recover(e)
+
+    def _covered(self, model_key: str, key: tuple[int, ...], base: int) -> int:
+        """Tokens of `key` the stored entries other than its own would serve: its
+        longest stored prefix's (`base`), or more, shared with a trimmable entry."""
+        if not self._trimmable.get(model_key):
+            return base
+        shared = (d for i, d in self.trie(model_key).sharing(key) if self.by_id[i].trimmable)
+        return max(base, next(shared, 0))  # deepest first: the first shares the most
+
+    def _served_by(self, e: Entry, trie: TokenTrie[int]) -> list[Entry]:
+        """The entries whose coverage only `e` (stored, trimmable) gives: they share
+        their `covered` tokens with it and with no other trimmable entry. Entries
+        sharing d tokens with `e` share at least d with every entry sharing as much."""
+        out: list[Entry] = []
+        at_least = 0  # trimmable entries sharing at least the current depth with `e`
+        group: list[Entry] = []
+        depth = None
+        for i, d in [*trie.sharing(e.tokens), (None, -1)]:  # deepest first; then a stop
+            if d != depth:
+                for other in group:
+                    if other.covered == depth and at_least - other.trimmable < 1:
+                        out.append(other)
+                group, depth = [], d
+            if i is not None:
+                other = self.by_id[i]
+                at_least += other.trimmable
+                group.append(other)
+        return out
+
+    def _recover(self, e: Entry) -> None:
+        """Recompute what `e` (stored) saves."""
+        e.covered = self._covered(e.model_key, e.tokens, e.base)
+        e.saved_work = self.work(e.model_key, e.covered, len(e.tokens))
 
     def _reshare(self, entry_ids: set[int]) -> None:
         for i in entry_ids:

@@ -15,11 +15,34 @@ Two policies:
   recency: the entry's rank from least (0) to most (1) recently used; efficiency:
   log(saved_work / share_bytes), scaled to 0..1 over the entries ranked. `saved_work`
   is the prefill work (model cost of the tokens, attention's growth with position
-  included) lost if the entry goes: from the longest stored prefix of it, which would
-  serve instead, to its end. `share_bytes` splits buffers shared between entries (one
+  included) lost if the entry goes: from what the other stored entries would serve
+  of it (`entries.py`: its longest stored prefix, or more for a dense model, whose
+  trimmable entries serve every prefix they share) to its end. An entry that saves
+  nothing goes first. `share_bytes` splits buffers shared between entries (one
   prefill's checkpoints share its KV) among their holders. Log scale: work per byte
   spans orders of magnitude (a recurrent-state-only checkpoint against a whole KV
-  prefix), and a raw scale would let the extremes flatten everyone else.
+  prefix), and a raw scale would let the extremes flatten everyone else. An entry
+  with one stored extension (`children == 1`: a later checkpoint of the same path
+  serves every request that continues past it) counts `passed_weight` of its work;
+  for trimmable entries the coverage above already says so (an extension serves all
+  of it), so this weighs the exact-only checkpoints of hybrid models.
+
+  Why alpha = 2.5 (Marconi tunes it per workload; it was 1.5): it is how much work
+  per byte outweighs recency. With the scale's span of log(100), an entry e^(span /
+  alpha) times as efficient, ~6x, outlasts one the whole recency range newer (~21x
+  at 1.5). In the benchmark's mixed traffic (issue 14) a document's end saves ~20
+  tokens of work per MiB, a chat's or a one-shot's ~5; at 1.5 the newest entry
+  always outranked a document asked about again later. Replayed through this store
+  (tests/trace_sim.py: the run's recorded requests, reproducing its figures request
+  by request), 2.5 and the coverage restore, against the kind order, on the dense
+  model 1.48x at 256 MiB, 1.22x at 320, 1.86x at 384, 1.51x at 448 and 1.21x at 512
+  (1.5: 1.00, 0.99, 1.78, 1.45, 1.21); on the hybrid 1.12x at 40 MiB (1.5: 0.84),
+  1.48x at 48, 1.28x at 56-64, as before. At the dense benchmark's 288 MiB it keeps
+  no document's end past the next request, as the kind order does (1.00x; the test
+  of tests/trace_sim.py says why); alpha 4 would (1.65x) but loses 5% on the hybrid
+  at 40 MiB and 6% on the synthetic hybrid at 2 GiB. On the synthetic mixed workload
+  (tests/cache_sim.py) 2.5 is ahead of the kind order at 4 GiB (1.11x dense and
+  hybrid) and level (1.00-1.04x) at 2 and 8 GiB.
 
 A policy is not thread-safe: the store calls it with its lock held. It holds the
 store's entries by reference and may read their fields at any time; the store tells
@@ -42,6 +65,8 @@ from mlx_prefix.cache.records import CheckpointKind
 # Efficiency is scaled to 0..1 over at least this range of its log: entries within a
 # factor of 100 of each other in work per byte never span the whole recency range.
 _MIN_SPAN = math.log(100.0)
+# Efficiency's weight against recency (the module docstring says why this value).
+ALPHA = 2.5
 
 # Kinds above this one are protected: evicted after every other entry, by kind then LRU.
 PROTECTED_ABOVE = CheckpointKind.LAST_MESSAGE
@@ -158,7 +183,7 @@ class KindLRU(Generic[E]):
 class ValueLRU(Generic[E]):
     """Protected kinds last (kind, then LRU); the others by recency + alpha * efficiency."""
 
-    def __init__(self, alpha: float = 1.5, passed_weight: float = 0.1) -> None:
+    def __init__(self, alpha: float = ALPHA, passed_weight: float = 0.1) -> None:
         self.alpha = alpha
         self.passed_weight = passed_weight
         self._lru: OrderedDict[int, E] = OrderedDict()  # least recently used first
@@ -202,11 +227,18 @@ class ValueLRU(Generic[E]):
         n = len(values)
         if not n:
             return []
+        weighted = [work * (self.passed_weight if kids == 1 else 1.0) for work, _, kids in values]
+        # None: saves nothing (another entry serves all of it): first to go, whatever its
+        # recency, and kept out of the scale, which its log would stretch without bound.
         eff = [
-            math.log(max(work * (self.passed_weight if kids == 1 else 1.0), 1e-9) / max(share, 1.0))
-            for work, share, kids in values
+            math.log(w / max(share, 1.0)) if w > 0 else None
+            for w, (_, share, _) in zip(weighted, values, strict=True)
         ]
-        lo, hi = min(eff), max(eff)
+        known = [v for v in eff if v is not None]
+        lo, hi = (min(known), max(known)) if known else (0.0, 0.0)
         span = max(hi - lo, _MIN_SPAN)
         recency = [i / (n - 1) if n > 1 else 1.0 for i in range(n)]
-        return [r + self.alpha * (v - lo) / span for r, v in zip(recency, eff, strict=True)]
+        return [
+            r + self.alpha * (v - lo) / span if v is not None else -1.0
+            for r, v in zip(recency, eff, strict=True)
+        ]

@@ -236,6 +236,21 @@ class TokenTrie(Generic[V]):
         walk = self._walk(_Query(tokens))
         return TrieLookup(self._match(walk), self._nearest(walk, accept))
 
+    def sharing(self, tokens: Sequence[int]) -> Iterator[tuple[V, int]]:
+        """(value, tokens shared) of every entry sharing a prefix with `tokens`, the
+        entry stored under exactly `tokens` excepted, deepest first: no later entry
+        shares more. Builds no token tuples. Does not mutate; do not mutate while
+        iterating."""
+        walk = self._walk(_Query(tokens))
+        skip = None
+        if walk.partial is not None:
+            skip, shared = walk.partial
+            yield from ((v, shared) for v in self._values_under(skip, None))
+        for node, depth in zip(reversed(walk.nodes[1:]), reversed(walk.depths[1:]), strict=True):
+            values = self._values_under(node, skip, own=depth < len(tokens))
+            yield from ((v, depth) for v in values)
+            skip = node
+
     def items(self) -> Iterator[TrieEntry[V]]:
         """All entries, depth first. Does not mutate; do not mutate while iterating."""
         yield from self._items_under(self._root, b"")
@@ -323,6 +338,18 @@ class TokenTrie(Generic[V]):
             if n.value is not _MISSING:
                 yield TrieEntry(_ids(raw), n.value)  # type: ignore[arg-type]
             stack.extend((c, raw) for c in n.children.values())
+
+    @staticmethod
+    def _values_under(node: _Node, skip: _Node | None, own: bool = True) -> Iterator[V]:
+        """Values in `node`'s subtree but not in `skip`'s; `own`: `node`'s value too."""
+        if own and node.value is not _MISSING:
+            yield node.value  # type: ignore[misc]
+        stack = [c for c in node.children.values() if c is not skip]
+        while stack:
+            n = stack.pop()
+            if n.value is not _MISSING:
+                yield n.value  # type: ignore[misc]
+            stack.extend(n.children.values())
 
     @staticmethod
     def _shortest_accepted(
