@@ -232,8 +232,8 @@ def test_the_replay_reproduces_the_benchmark_run(model):
     trace = trace_sim.load(model.name)
     assert trace.budget_bytes == {"dense": 288, "hybrid": 56}[model.name] * MiB
 
-    def cached(policy) -> list[int]:
-        return trace_sim.replay(trace, model, trace.budget_bytes, policy)
+    def cached(policy) -> list[int]:  # as that engine counted (a shared buffer twice)
+        return trace_sim.replay(trace, model, trace.budget_bytes, policy, shared_once=False)
 
     assert cached(KindLRU()) == [r.cached["kind"] for r in trace.requests]
     # The value order as that run had it (alpha 1.5; the coverage changes nothing there).
@@ -242,12 +242,14 @@ def test_the_replay_reproduces_the_benchmark_run(model):
 
 @pytest.mark.parametrize(
     ("model", "budget_mib"),
-    [(trace_sim.DENSE, b) for b in (256, 320, 384, 448, 512)]
+    [(trace_sim.DENSE, b) for b in (224, 256, 288, 320, 384, 448)]
     + [(trace_sim.HYBRID, b) for b in (40, 48, 56, 64)],
     ids=lambda x: getattr(x, "name", f"{x}MiB"),
 )
 def test_value_eviction_restores_more_of_the_benchmarks_mixed_traffic(model, budget_mib):
-    # 56 MiB is the hybrid benchmark's budget.
+    # 288 MiB is the dense benchmark's budget, 56 MiB the hybrid's. At 288 MiB a prefill's
+    # end snapshot and its live cache (one buffer) counted twice left no room for the
+    # other document: value equalled kind (see `shared_once=False`).
     trace = trace_sim.load(model.name)
     kind = sum(trace_sim.replay(trace, model, budget_mib * MiB, KindLRU()))
     value = sum(trace_sim.replay(trace, model, budget_mib * MiB, ValueLRU()))
@@ -256,14 +258,10 @@ def test_value_eviction_restores_more_of_the_benchmarks_mixed_traffic(model, bud
     assert value >= 1.08 * kind, margin
 
 
-@pytest.mark.parametrize("budget_mib", [192, 224, 288])
-def test_value_eviction_is_no_worse_where_the_dense_budget_keeps_no_document(budget_mib):
-    # 288 MiB is the dense benchmark's budget. There ~90 MiB of system-prompt entries
-    # stay, and while a document request ends its end snapshot, its prefill's cache
-    # (the same buffer, counted again until the prefill's bytes are dropped) and its
-    # reply's decode batch are counted together: the other document's end goes at
-    # every such moment unless efficiency outweighs recency far more than alpha 2.5
-    # lets it (eviction.py's docstring). Counting that buffer once would leave room.
+@pytest.mark.parametrize("budget_mib", [192, 512])
+def test_value_eviction_is_no_worse_at_the_dense_extremes(budget_mib):
+    # 192 MiB keeps no second document beside the system prompts; 512 MiB keeps nearly
+    # everything either way.
     trace = trace_sim.load("dense")
     kind = sum(trace_sim.replay(trace, trace_sim.DENSE, budget_mib * MiB, KindLRU()))
     value = sum(trace_sim.replay(trace, trace_sim.DENSE, budget_mib * MiB, ValueLRU()))

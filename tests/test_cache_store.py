@@ -162,6 +162,65 @@ def test_eviction_order_by_kind_then_lru():
     c.check_integrity()
 
 
+@dataclass(frozen=True, slots=True)
+class SharingSnapshot:
+    length: int
+    trimmable: bool
+    nbytes: int
+    buffers: tuple[Buffer, ...]
+
+
+def shares(tokens, *buffers: Buffer) -> SharingSnapshot:
+    return SharingSnapshot(len(tokens), True, sum(b.nbytes for b in buffers), buffers)
+
+
+def test_a_live_cache_sharing_a_stored_entrys_buffer_counts_it_once():
+    c = PromptCache(100)
+    kv = Buffer(new_buffer_key(), 50)  # the prefill cache's KV, which its end snapshot views
+    c.set_active_bytes("r", 60, [kv])  # 50 shared + 10 of its own, no entry holds kv yet
+    assert (c.stats().bytes, c.stats().active_bytes) == (0, 60)
+    assert c.insert(M, seq[:10], shares(seq[:10], kv), K.HISTORY)
+    s = c.stats()
+    assert (s.bytes, s.active_bytes) == (50, 10)  # used 60, not 110
+    # Room for 40 more: the end is not evicted to make room for what it shares.
+    assert c.insert(M, seq[20:30], snap(seq[20:30], nbytes=40), K.HISTORY)
+    assert c.stats().entries == 2 and c.stats().evictions == 0
+    c.check_integrity()
+
+
+def test_evicting_a_shared_entry_frees_nothing_while_the_request_runs():
+    c = PromptCache(100)
+    kv = Buffer(new_buffer_key(), 50)
+    c.set_active_bytes("r", 50, [kv])
+    c.insert(M, seq[:10], shares(seq[:10], kv), K.HISTORY)
+    c.insert(M, seq[20:30], snap(seq[20:30], nbytes=30), K.SYSTEM)
+    assert c.evict_entry(M, c.match(M, seq[:11], ident).entry_id).value == "evicted"
+    s = c.stats()
+    assert (s.bytes, s.active_bytes) == (30, 50)  # still 80 used: the request holds kv
+    # So 21 more bytes do not fit with the request running...
+    assert not c.insert(M, seq[30:40], snap(seq[30:40], nbytes=21), K.GENERATED)
+    c.drop_active("r")  # ...and do once it is gone, which frees kv
+    assert (c.stats().bytes, c.stats().active_bytes) == (30, 0)
+    assert c.insert(M, seq[30:40], snap(seq[30:40], nbytes=21), K.GENERATED)
+    c.check_integrity()
+
+
+def test_a_shared_buffer_stays_stored_after_its_request_ends():
+    c = PromptCache(100)
+    kv = Buffer(new_buffer_key(), 50)
+    c.set_active_bytes("r", 70, [kv])
+    c.insert(M, seq[:10], shares(seq[:10], kv), K.HISTORY)
+    c.set_active_bytes("r2", 50, [kv])  # another request sharing it: still counted once
+    assert c.stats().bytes + c.stats().active_bytes == 70
+    c.drop_active("r")
+    c.drop_active("r2")
+    s = c.stats()
+    assert (s.bytes, s.active_bytes, s.entries, s.active_requests) == (50, 0, 1, 0)
+    with pytest.raises(ValueError):  # shared buffers are part of what it reports
+        c.set_active_bytes("r", 49, [kv])
+    c.check_integrity()
+
+
 def test_budget_counts_active_request_bytes():
     c = PromptCache(100)
     for i in range(5):
@@ -341,14 +400,6 @@ def test_payload_length_must_match_tokens():
         c.insert(M, [1, 2, 3], FakeSnapshot(2), K.SYSTEM)
 
 
-@dataclass(frozen=True, slots=True)
-class SharingSnapshot:
-    length: int
-    trimmable: bool
-    nbytes: int
-    buffers: tuple[Buffer, ...]
-
-
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_random_operations_keep_integrity_and_reuse_rules(policy):
     rng = random.Random(1)
@@ -380,7 +431,9 @@ def test_random_operations_keep_integrity_and_reuse_rules(policy):
         elif op < 0.9 and locked:
             c.release(locked.pop(rng.randrange(len(locked))))
         elif op < 0.95:
-            c.set_active_bytes(rng.choice("xyz"), rng.randrange(0, 200))
+            live = rng.sample(shared, rng.randrange(3))  # its live cache may share some
+            own = rng.randrange(0, 200)
+            c.set_active_bytes(rng.choice("xyz"), own + sum(b.nbytes for b in live), live)
         elif op < 0.97:
             c.pin(model, toks)
         else:

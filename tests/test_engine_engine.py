@@ -73,8 +73,8 @@ class SpyStore(PromptCache):
         super().__init__(budget)
         self.reported: dict[str, int] = {}  # key suffix -> largest bytes reported
 
-    def set_active_bytes(self, request_id: str, nbytes: int) -> None:
-        super().set_active_bytes(request_id, nbytes)
+    def set_active_bytes(self, request_id: str, nbytes: int, shared=()) -> None:
+        super().set_active_bytes(request_id, nbytes, shared)
         suffix = request_id.rsplit("-", 1)[-1]
         self.reported[suffix] = max(self.reported.get(suffix, 0), nbytes)
         self.check_integrity()  # includes: over budget only if nothing is evictable
@@ -96,6 +96,47 @@ def test_byte_budget_holds_with_running_requests_counted():
         store.check_integrity()
     finally:
         engine.shutdown()
+
+
+class SharingSpy(PromptCache):
+    """Records, when a reply's decode batch is first counted (its prefill's cache still
+    live, its end stored), the bytes counted and what the prefill last reported."""
+
+    def __init__(self, budget: int):
+        super().__init__(budget)
+        self.prefill: tuple[int, tuple] = (0, ())  # last nbytes, shared buffers reported
+        self.at_batch: list[tuple] = []  # (stats, prefill nbytes, batch nbytes, end payload)
+
+    def set_active_bytes(self, request_id: str, nbytes: int, shared=()) -> None:
+        super().set_active_bytes(request_id, nbytes, shared)
+        if request_id.endswith("-prefill"):
+            self.prefill = (nbytes, tuple(shared))
+        elif request_id.endswith("-batch") and self.stats().active_requests == 2:
+            end = max(self.entries(), key=lambda e: e.tokens)
+            [tokens] = [
+                s.tokens for s in self.sequences(end.model_key) if s.info.entry_id == end.entry_id
+            ]
+            payload = self.get(end.model_key, tokens)
+            self.at_batch.append((self.stats(), self.prefill[0], nbytes, payload))
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_a_stored_end_and_its_live_prefill_cache_count_once(kind):
+    store = SharingSpy(1 << 30)
+    engine = Engine(loaded_test_model(kind), TEST_CACHE, store=store)
+    try:
+        run(engine, chat(("user", "Tell me about the sea. " * 12)))
+    finally:
+        engine.shutdown()
+    [(stats, prefill_bytes, batch_bytes, end_payload)] = store.at_batch
+    # The end snapshot views the prefill cache's final KV: one buffer (dense: all of
+    # the cache; hybrid: its attention layers, shared by every checkpoint).
+    kv = end_payload.buffers[0]
+    assert (kv.nbytes == prefill_bytes) == (kind == "dense") and 0 < kv.nbytes <= prefill_bytes
+    # Counted: the stored entries, the batch's merged copy, and of the live prefill cache
+    # only what no entry holds (before: all of it again).
+    assert stats.active_bytes == batch_bytes + prefill_bytes - kv.nbytes
+    store.check_integrity()
 
 
 def test_prompt_longer_than_the_context_is_refused(make_engine):

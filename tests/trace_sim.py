@@ -10,8 +10,10 @@ the tokens each of that run's servers reported cached. `replay` plays it through
 and 840 KiB of recurrent state a checkpoint):
 - prefill runs chunk by chunk on the grid from the restored position, the running
   cache's KV growing in mlx-lm's 256-token steps (what `cache_nbytes` counts) and
-  reported as active bytes after each chunk; the restored entry stays locked until
-  the prefill ends; the reply's decode batch is counted before the prefill's
+  reported as active bytes after each chunk, naming the buffers it shares with the
+  snapshots stored at that chunk's end (counted once: cache/active.py), and also just
+  before each such insert (engine/checkpoints.py); the restored entry stays locked
+  until the prefill ends; the reply's decode batch is counted before the prefill's
   bytes are dropped and that lock released (engine order);
 - a dense model stores its prompt's end and its system prompt (a capture keeps the
   step-padded buffer it views); a hybrid stores every planned checkpoint and the
@@ -20,8 +22,10 @@ and 840 KiB of recurrent state a checkpoint):
 - a queued next-turn prefetch runs once the engine is idle past its delay: in the
   dense run, after the next request (its log of store calls shows it); in the hybrid
   run, before it.
-Run as it ran, the kind order and the value order as the run had it (alpha 1.5)
-reproduce the run's cached tokens request by request, dense and hybrid.
+Run as it ran (`shared_once=False`: that engine counted a stored snapshot's buffers
+again in its prefill's active bytes), the kind order and the value order as the run
+had it (alpha 1.5) reproduce the run's cached tokens request by request, dense and
+hybrid.
 """
 
 from __future__ import annotations
@@ -134,8 +138,10 @@ def _payload(model: TraceModel, length: int, *sizes: int, shared: Buffer | None 
 
 
 class _Replay:
-    def __init__(self, model: TraceModel, budget: int, policy: EvictionPolicy) -> None:
-        self.model = model
+    def __init__(
+        self, model: TraceModel, budget: int, policy: EvictionPolicy, shared_once: bool
+    ) -> None:
+        self.model, self.shared_once = model, shared_once
         self.store = PromptCache(budget, policy=policy, clock=iter(range(1 << 40)).__next__)
         self.store.set_prefill_cost(KEY, model.cost)
         self.tasks = 0
@@ -160,20 +166,34 @@ class _Replay:
         begin, deferred = reuse, []
         for end in ends:  # each chunk, then its checkpoint, then the active bytes
             kv.update(end - begin)
-            begin, kind = end, planned.get(end)
+            begin, kind, live = end, planned.get(end), ()  # the chunk wrote new buffers
+
+            def store_sharing(q: int, k: CheckpointKind, payload: Payload) -> None:
+                nonlocal live  # the live cache holds these: reported before the insert
+                if self.shared_once:
+                    live = tuple({b.key: b for b in (*live, *payload.buffers)}.values())
+                    store.set_active_bytes(key, self.nbytes(kv, len(deferred)), live)
+                store.insert(KEY, p.tokens[:q], payload, k)
+
             if kind is not None and kind > PROTECTED_ABOVE:  # captured whole, now
-                store.insert(KEY, p.tokens[:end], _payload(model, end, self.nbytes(kv)), kind)
+                payload = _payload(model, end, self.nbytes(kv))
+                if model.hybrid:  # its recurrent state may be a copy: not claimed shared
+                    store.insert(KEY, p.tokens[:end], payload, kind)
+                else:
+                    store_sharing(end, kind, payload)
             elif kind is not None and model.hybrid:  # bound to the final KV at the end
                 deferred.append((end, kind))
             elif kind is not None and end == n:  # a dense model: its end
-                store.insert(KEY, p.tokens[:end], _payload(model, end, self.nbytes(kv)), kind)
+                store_sharing(end, kind, _payload(model, end, self.nbytes(kv)))
             if end == n:  # the prefill's end: the deferred ones complete
                 shared = Buffer(new_buffer_key(), kv.size * model.kv_per_token)
-                for q, k in deferred:
+                while deferred:  # each counted as pending until stored
+                    q, k = deferred[0]
                     payload = _payload(model, q, model.state_bytes, shared=shared)
-                    store.insert(KEY, p.tokens[:q], payload, k)
-                deferred = []
-            store.set_active_bytes(key, self.nbytes(kv, len(deferred)))
+                    store_sharing(q, k, payload)
+                    deferred.pop(0)
+                    live = tuple(b for b in live if b == shared or b not in payload.buffers)
+            store.set_active_bytes(key, self.nbytes(kv, len(deferred)), live)
         if decode:  # the reply's batch joins (its cache: the prompt's tokens, no padding)
             store.set_active_bytes("batch", n * model.kv_per_token + model.state_bytes)
         store.drop_active(key)
@@ -183,9 +203,18 @@ class _Replay:
         return reuse
 
 
-def replay(trace: Trace, model: TraceModel, budget: int, policy: EvictionPolicy) -> list[int]:
-    """Tokens restored per request, as `trace`'s requests come, under `budget` bytes."""
-    run = _Replay(model, budget, policy)
+def replay(
+    trace: Trace,
+    model: TraceModel,
+    budget: int,
+    policy: EvictionPolicy,
+    *,
+    shared_once: bool = True,
+) -> list[int]:
+    """Tokens restored per request, as `trace`'s requests come, under `budget` bytes.
+    `shared_once=False`: as the engine that recorded the trace counted, a stored
+    snapshot's buffers again in its live prefill cache's active bytes."""
+    run = _Replay(model, budget, policy, shared_once)
     # The harness's warm-up: a 4-token completion, stored like any prompt's end.
     run.prefill(Prompt(tuple(range(-4, 0)), (), {}))
     out, queued = [], []

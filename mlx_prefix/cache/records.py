@@ -79,7 +79,7 @@ class CacheStats:
     bytes: int  # bytes of stored checkpoints
     bytes_by_kind: dict[str, int]  # CheckpointKind name -> bytes
     entries_by_kind: dict[str, int]  # CheckpointKind name -> count
-    active_bytes: int  # bytes reported by running requests
+    active_bytes: int  # bytes running requests hold besides what stored entries hold
     active_requests: int  # requests with reported bytes
     evictions: int  # entries evicted for budget or count (not clear())
     budget_bytes: int  # the one budget covering bytes + active_bytes

@@ -75,6 +75,10 @@ class Residency:
                 seen[b.key] = b.nbytes
         return sum(seen.values())
 
+    def holds(self, key: int) -> bool:
+        """Whether an entry holds the buffer `key`. Does not mutate."""
+        return key in self._held
+
     def holders(self, key: int) -> frozenset[int]:
         held = self._held.get(key)
         return frozenset(held.holders) if held else frozenset()

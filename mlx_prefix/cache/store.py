@@ -15,7 +15,8 @@ Invariants (checked by `check_integrity`):
   the namespace, DESIGN 10, are in the key); listings and flushes select the keys a
   selector `covers`;
 - stored bytes (distinct buffers: one prefill's checkpoints share its KV) + active
-  request bytes <= budget, unless every remaining entry is pinned or locked (DESIGN 6);
+  request bytes (less the buffers they share with stored entries: `active.py`) <=
+  budget, unless every remaining entry is pinned or locked (DESIGN 6);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
 - a reuse always leaves at least one prompt token to compute (DESIGN 3).
 """
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_prefix.cache.active import ActiveBytes
 from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
 from mlx_prefix.cache.eviction import Candidate, EvictionPolicy, KindLRU
 from mlx_prefix.cache.records import (
@@ -70,8 +72,7 @@ class PromptCache:
         self._entries = self._table.by_id  # read-only alias: the table mutates it
         self._policy: EvictionPolicy[Entry] = policy if policy is not None else KindLRU()
         self._pins: set[tuple[str, tuple[int, ...]]] = set()
-        self._active: dict[str, int] = {}
-        self._active_bytes = 0
+        self._active = ActiveBytes()
         self._counters = _Counters()
 
     # -- lookup ------------------------------------------------------------
@@ -260,18 +261,21 @@ class PromptCache:
             self._remove(e)
             return EvictOutcome.EVICTED
 
-    def set_active_bytes(self, request_id: str, nbytes: int) -> None:
-        """Report a running request's cache size (mutates); evicts to make room."""
+    def set_active_bytes(self, request_id: str, nbytes: int, shared: Sequence[Buffer] = ()) -> None:
+        """Report a running request's cache size (mutates); evicts to make room.
+
+        `shared`: buffers among those `nbytes` that stored entries may hold too (views
+        of the live cache a stored snapshot keeps); each counts once, as an entry's
+        while one holds it, else as the request's. ValueError if they exceed `nbytes`."""
         assert nbytes >= 0
         with self._lock:
-            self._active_bytes += nbytes - self._active.get(request_id, 0)
-            self._active[request_id] = nbytes
+            self._active.set(request_id, nbytes, shared)
             self._evict()
 
     def drop_active(self, request_id: str) -> None:
         """Forget a finished request's bytes (mutates). Unknown ids are ignored."""
         with self._lock:
-            self._active_bytes -= self._active.pop(request_id, 0)
+            self._active.drop(request_id)
 
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget (mutates); evicts down to it."""
@@ -320,7 +324,7 @@ class PromptCache:
                 bytes=self._table.resident.total,
                 bytes_by_kind=self._table.bytes_by_kind(),
                 entries_by_kind=counts,
-                active_bytes=self._active_bytes,
+                active_bytes=self._active_bytes(),
                 active_requests=len(self._active),
                 evictions=c.evictions,
                 budget_bytes=self.budget_bytes,
@@ -349,7 +353,7 @@ class PromptCache:
     def check_integrity(self) -> None:
         """Assert the store's invariants. Does not mutate."""
         with self._lock:
-            assert self._active_bytes == sum(self._active.values()), "active byte total"
+            self._active.check_integrity()
             self._table.check_integrity()
             self._policy.check_integrity(self._entries)
             for e in self._entries.values():
@@ -386,15 +390,19 @@ class PromptCache:
         # listing and eviction check, held the lock for ~50 ms at 500 entries of 5K tokens.
         return e.pinned
 
+    def _active_bytes(self) -> int:
+        return self._active.total(self._table.resident.holds)
+
     def _over_limits(self) -> bool:
-        if self._table.resident.total + self._active_bytes > self.budget_bytes:
+        if self._table.resident.total + self._active_bytes() > self.budget_bytes:
             return True
         return self.max_entries is not None and len(self._entries) > self.max_entries
 
     def _fits(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> bool:
         """Whether `new`, holding `buffers`, would survive eviction once the `leaving`
         entries are gone: what stays is what the policy evicts after it, plus the
-        pinned and locked entries (buffers they share with it count once)."""
+        pinned and locked entries (buffers they share with it, or with running
+        requests, count once)."""
         gone = {e.entry_id for e in leaving}
         outlasting = self._policy.outlasting(new)
         kept = [
@@ -403,8 +411,9 @@ class PromptCache:
             if e.entry_id not in gone
             and (e.refs > 0 or self._pinned(e) or e.entry_id in outlasting)
         ]
-        kept_bytes = self._table.resident.union([buffers, *(e.buffers for e in kept)])
-        if kept_bytes + self._active_bytes > self.budget_bytes:
+        groups = [buffers, *(e.buffers for e in kept), self._active.shared()]
+        kept_bytes = self._table.resident.union(groups)
+        if kept_bytes + self._active.own_total > self.budget_bytes:
             return False
         return self.max_entries is None or len(kept) + 1 <= self.max_entries
 

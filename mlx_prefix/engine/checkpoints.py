@@ -15,6 +15,12 @@ them. Checkpoints of the protected kinds (above LAST_MESSAGE: the system prompt,
 client's cache breakpoint) are captured whole at once: they outlive the rest, and a
 share of a long prefill's buffer would keep all of it alive for a short prefix.
 
+The snapshots stored at the boundary just reached view the cache's current memory
+(a capture's views; a completed checkpoint's KV buffer): `live` lists those buffers,
+so the request's active bytes count them once with the stored entries (cache/active.py).
+A later write into the cache copies or grows its buffers (MLX writes in place only
+into a buffer nothing else references), so `live` starts empty at each boundary.
+
 Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
 past the restored position (an edit, a new question, another tool result), the grid
 point at or before the divergence becomes a checkpoint, so the next request of
@@ -27,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from mlx_prefix.cache.eviction import PROTECTED_ABOVE
+from mlx_prefix.cache.records import Buffer
 from mlx_prefix.cache.snapshot import (
     PendingSnapshot,
     Snapshot,
@@ -113,8 +120,12 @@ class Checkpointer:
     # --draft-model: the draft's cache, at each checkpoint's position too; captured
     # beside the target's (engine/speculative.py). Only with always-trimmable caches.
     draft: list | None = None
+    # Reports the request's active bytes (its cache, `pending_bytes`, `live`) to the
+    # store; called before storing a snapshot that shares the cache's memory.
+    report: Callable[[], None] = lambda: None
 
     def __post_init__(self) -> None:
+        self.live: tuple[Buffer, ...] = ()
         self.planned = {
             c.position: c.kind for c in self.prompt.checkpoints if c.position > self.reuse
         }
@@ -162,6 +173,7 @@ class Checkpointer:
     def __call__(self, position: int) -> None:
         tokens = self.prompt.tokens
         assert not self.finished, "boundary after finish"
+        self.live = ()  # the chunk just computed wrote new buffers
         if self.shared is not None:
             for p in self.shared.positions():
                 if p >= position:
@@ -194,7 +206,9 @@ class Checkpointer:
         snapshot = capture(self.cache, position)
         if self.draft is not None:
             snapshot = with_draft(snapshot, capture(self.draft, position))
-        self._keep(snapshot, kind, in_memory, to_disk)
+        # Views of the cache's buffers, but a recurrent layer's state may be a copy
+        # (snapshot.py): only an all-KV cache's capture is all its memory.
+        self._keep(snapshot, kind, in_memory, to_disk, shares=always_trimmable(self.cache))
 
     def _thin(self, room: int) -> None:
         """While pending states take more than `room` bytes (a big hybrid's state is
@@ -221,11 +235,14 @@ class Checkpointer:
         which `complete` must not see. Mutates the store and the disk queue."""
         if self.finished:
             return
-        deferred, self._deferred = self._deferred, []
-        if deferred:
+        if self._deferred:
             kv = kv_buffer(self.cache)
-            for d in deferred:
-                self._keep(complete(d.pending, self.cache, kv), d.kind, d.in_memory, d.to_disk)
+            while self._deferred:  # each counted in `pending_bytes` until it is stored
+                d = self._deferred[0]
+                snapshot = complete(d.pending, self.cache, kv)
+                self._keep(snapshot, d.kind, d.in_memory, d.to_disk, shares=True)
+                self._deferred.pop(0)
+                self.live = tuple(b for b in self.live if b == kv or b not in snapshot.buffers)
 
     def finish(self, *, keep: bool = True) -> None:
         """The prefill ended, or stopped between chunks: complete the deferred
@@ -239,9 +256,22 @@ class Checkpointer:
         self._deferred = []
         self.finished = True
 
-    def _keep(self, snapshot: Snapshot, kind: CheckpointKind, in_memory: bool, to_disk: bool):
+    def _keep(
+        self,
+        snapshot: Snapshot,
+        kind: CheckpointKind,
+        in_memory: bool,
+        to_disk: bool,
+        shares: bool = False,
+    ) -> None:
+        """Store and/or queue `snapshot`; `shares`: it holds no memory but the cache's
+        current buffers and `live` (the request reports them before the insert, so that
+        the store never counts them twice)."""
         tokens = self.prompt.tokens[: snapshot.length]
         if in_memory:
+            if shares:
+                self.live = tuple({b.key: b for b in (*self.live, *snapshot.buffers)}.values())
+                self.report()
             self.store.insert(self.key, tokens, snapshot, kind)
             self.on_stored(snapshot.length)
         if to_disk:

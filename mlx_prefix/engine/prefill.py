@@ -150,6 +150,8 @@ class PrefillPhase:
         bytes_key = f"task{next(self._serial)}/{self._bytes_key}"
         now = time.perf_counter()
         task = PrefillTask(job, cache, reuse, lease, cursor, now, bytes_key, checkpointer, draft)
+        if checkpointer is not None:
+            checkpointer.report = lambda: self._report(task)
         self.tasks.append(task)
         self.peak_tasks = max(self.peak_tasks, len(self.tasks))
 
@@ -181,22 +183,30 @@ class PrefillPhase:
             for task, logits in zip(chosen, outputs, strict=True):
                 end = task.cursor.advance()
                 self._quantize(task)
-                pending = 0
                 if task.draft is not None:  # at `end` before the checkpoint captures it
                     self.speculator.prefill_to(task.draft, task.tokens, end)
-                    pending += task.draft.nbytes()
                 if task.checkpointer is not None:
                     task.checkpointer(end)
                     if logits is not None:
                         task.checkpointer.finish()  # before decode writes into the cache
-                    pending += task.checkpointer.pending_bytes
-                self.store.set_active_bytes(task.bytes_key, cache_nbytes(task.cache) + pending)
+                self._report(task)
                 if logits is not None:
                     result.finished.append((task, logits))
             if result.finished:
                 break  # those join the decode batch now
         result.seconds = time.perf_counter() - started
         return result
+
+    def _report(self, task: PrefillTask) -> None:
+        """The task's active bytes: its cache, its draft's, its checkpoints' captured
+        layers not yet stored; those that stored snapshots hold too count once."""
+        nbytes, live = cache_nbytes(task.cache), ()
+        if task.draft is not None:
+            nbytes += task.draft.nbytes()
+        if task.checkpointer is not None:
+            nbytes += task.checkpointer.pending_bytes
+            live = task.checkpointer.live
+        self.store.set_active_bytes(task.bytes_key, nbytes, live)
 
     def _quantize(self, task: PrefillTask) -> None:
         """mlx_lm's check after a forward: KV layers past --quantized-kv-start quantize.
