@@ -46,7 +46,7 @@ from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, 
 from mlx_prefix.engine.keys import cache_key, entry_key
 from mlx_prefix.engine.kv_quant import KvQuant, check_model
 from mlx_prefix.engine.lifecycle import Lifecycle, error_message
-from mlx_prefix.engine.pace import Pace
+from mlx_prefix.engine.pace import Pace, gathers
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
 from mlx_prefix.engine.prefill import PrefillPhase
 from mlx_prefix.engine.probe import probe
@@ -360,6 +360,7 @@ class Engine(CacheViews):
             # next chunk boundary, and can start right after.
             self._take_inbox(block=False)
             self._schedule()
+        self._admit_held()
         if len(self._decode):
             started = time.perf_counter()
             self._decode.step(self._stopping)
@@ -404,7 +405,7 @@ class Engine(CacheViews):
     def _room(self) -> bool:
         """Whether another request may start prefilling: it will join the decode batch."""
         busy = len(self._decode) + len(self._prefill.tasks)
-        return busy < self.capacity and len(self._prefill.tasks) < self.config.max_prefilling
+        return busy < self.capacity and self._prefill.computing < self.config.max_prefilling
 
     def _preempt_background(self, task: PrefillTask) -> None:
         """A background prefill gives way to any waiting request that cannot restore from
@@ -444,13 +445,25 @@ class Engine(CacheViews):
             if not job.warm.done():  # a caller may have cancelled the future itself
                 job.warm.set_result(WarmResult(len(job.tokens), task.reuse, pinned))
         else:
-            limit = job.sampling.max_tokens
-            if self.model.context_length is not None:  # the reply is cut at the context's end
-                limit = min(limit, self.model.context_length - len(job.tokens))
-            self._decode.admit(task, logits, limit)
-            self._prefill.close(task)
+            task.logits = logits  # joins the decode batch in `_admit_held`
             return
         self.lifecycle.finished(job)
+
+    def _admit_held(self) -> None:
+        """Requests whose prompt is computed join the decode batch, unless they wait for
+        the rest of their burst (engine/pace.py)."""
+        held = self._prefill.held()
+        if not held or gathers(self.config, len(self._decode), self._prefill.left_to_compute()):
+            return
+        arrivals = []
+        for task in held:
+            job, limit = task.job, task.job.sampling.max_tokens
+            if self.model.context_length is not None:  # the reply is cut at the context's end
+                limit = min(limit, self.model.context_length - len(job.tokens))
+            arrivals.append((task, task.logits, limit))
+        self._decode.admit(arrivals)
+        for task in held:
+            self._prefill.close(task)
 
     def _maybe_prefetch(self, job: Job, reply: str) -> None:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:

@@ -104,6 +104,25 @@ class PrefillPhase:
                 return True
         return False
 
+    @property
+    def computing(self) -> int:
+        """Tasks with chunks left to compute (the others hold their logits)."""
+        return sum(1 for t in self.tasks if not t.cursor.done)
+
+    def left_to_compute(self) -> int:
+        """Prompt tokens the tasks still computing have left, background prefetches
+        aside (they give way to requests; nobody waits for them)."""
+        return sum(
+            len(t.tokens) - t.position
+            for t in self.tasks
+            if not t.cursor.done and not t.job.background
+        )
+
+    def held(self) -> list[PrefillTask]:
+        """Requests whose prompt is computed, waiting to join the decode batch (oldest
+        first)."""
+        return [t for t in self.tasks if t.logits is not None]
+
     def start(self, job: Job) -> None:
         """Restore the longest usable cached prefix of `job`'s own entry key (its
         namespace: DESIGN 10) and add `job` to the prefilling tasks."""
