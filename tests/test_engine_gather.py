@@ -15,6 +15,7 @@ from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.pace import gathers
+from mlx_prefix.engine.prefill import choose_chunks
 from mlx_prefix.engine.sampling import TokenSampler
 from mlx_prefix.records import CachePreference, DoneEvent, SamplingParams, TokenEvent
 
@@ -120,3 +121,36 @@ def test_joining_sequences_merge_once_into_a_buffer_with_room():
     rows = [[s.token for s in batch.step()] for _ in range(4)]
     assert kv.keys.shape[2] == buffer  # no growth copy in the first steps
     assert [list(r) for r in zip(*rows, strict=True)] == alone
+
+
+class _Cursor:
+    def __init__(self, *ends: int):
+        self.ends, self.position = list(ends), 0
+
+    @property
+    def done(self) -> bool:
+        return not self.ends
+
+    def next_chunk(self) -> tuple[int, int]:
+        return self.position, self.ends[0]
+
+
+class _Task:
+    def __init__(self, *ends: int):
+        self.cursor = _Cursor(*ends)
+
+
+def test_a_step_takes_one_chunk_over_budget_and_never_a_later_one():
+    """The step's first chunk goes whatever its size; a later round does not add a
+    chunk past the budget (it did: each round's first chunk went unconditionally, so a
+    step meant for 100 tokens ran 58 + 3 + 62 + 256)."""
+    a, b = _Task(58, 61), _Task(62, 318)
+    assert choose_chunks([a, b], budget=100, spent=0) == ([a], 58)
+    a.cursor.position = 58
+    a.cursor.ends.pop(0)
+    assert choose_chunks([a, b], budget=100, spent=58) == ([a], 3)  # 58 + 3 fits
+    a.cursor.ends.clear()
+    assert choose_chunks([a, b], budget=100, spent=61) == ([], 0)  # 61 + 62 does not
+    assert choose_chunks([a, b], budget=1, spent=0) == ([b], 62)  # at least one chunk
+    big = _Task(300)
+    assert choose_chunks([big], budget=256, spent=0) == ([big], 300)

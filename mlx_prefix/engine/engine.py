@@ -338,7 +338,8 @@ class Engine(CacheViews):
                 return  # queued saves are written first: a shutdown keeps what disk should
             try:
                 if saving:
-                    self.disk.write_pending(busy=not idle)  # off the requests' critical path
+                    # Off the requests' critical path: never between two tokens.
+                    self.disk.write_pending(busy=not idle, decoding=len(self._decode) > 0)
                 block = idle and not self._closing and not saving
                 self._take_inbox(block, timeout=self._waiting.background_wait() if block else None)
                 self._step()

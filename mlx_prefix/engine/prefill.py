@@ -41,6 +41,23 @@ class PrefillStep:
     finished: list[tuple[PrefillTask, mx.array]] = field(default_factory=list)  # + logits [1, V]
 
 
+def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tuple[list, int]:
+    """One round of a step: the next chunk of each task in order, while the step's
+    tokens (`spent` in earlier rounds) stay within `budget`. The step's first chunk goes
+    whatever its size (a chunk cannot be split: DESIGN 4); no later one overruns the
+    budget, or a running request would wait for several chunks where one fits."""
+    chosen, tokens = [], 0
+    for task in tasks:
+        if task.cursor.done:
+            continue
+        begin, end = task.cursor.next_chunk()
+        if (chosen or spent) and spent + tokens + end - begin > budget:
+            break
+        chosen.append(task)
+        tokens += end - begin
+    return chosen, tokens
+
+
 class PrefillPhase:
     def __init__(
         self,
@@ -180,15 +197,7 @@ class PrefillPhase:
         result = PrefillStep()
         started = time.perf_counter()
         while result.tokens < budget:
-            chosen, tokens = [], 0
-            for task in self.tasks:
-                if task.cursor.done:
-                    continue
-                begin, end = task.cursor.next_chunk()
-                if chosen and result.tokens + tokens + end - begin > budget:
-                    break
-                chosen.append(task)
-                tokens += end - begin
+            chosen, tokens = choose_chunks(self.tasks, budget, result.tokens)
             if not chosen:
                 break
             works = [ChunkWork(t.cache, t.tokens, *t.cursor.next_chunk()) for t in chosen]
