@@ -91,8 +91,8 @@ def test_a_burst_decodes_together_and_answers_as_alone(kind, gather):
 
 def test_joining_sequences_merge_once_into_a_buffer_with_room():
     """Sequences joining the decode batch are merged together into a KV buffer with room
-    for the next steps: the first step copies nothing more, and every row decodes as
-    it would alone."""
+    for the steps they may take (no more: it counts as resident memory): those steps
+    copy nothing more, and every row decodes as it would alone."""
     model = loaded_test_model("dense").model
     rowwise.install(model)
     prompts = [[(7 * i + j) % 200 + 10 for j in range(40 + 9 * i)] for i in range(3)]
@@ -113,11 +113,12 @@ def test_joining_sequences_merge_once_into_a_buffer_with_room():
         alone.append([one.step()[0].token for _ in range(4)])
     batch = DecodeBatch(model, rowwise.consistent_rows(model))
     for i, tokens in enumerate(prompts):
-        batch.add(i, *(lambda c, f: (c, greedy(), f))(*prefilled(tokens)))
+        cache, first = prefilled(tokens)
+        batch.add(i, cache, greedy(), first, steps=4)
     batch.join()
     kv = batch.cache[0]
     buffer = kv.keys.shape[2]
-    assert buffer > kv._idx == max(len(p) for p in prompts)
+    assert buffer == kv._idx + 4 and kv._idx == max(len(p) for p in prompts)
     rows = [[s.token for s in batch.step()] for _ in range(4)]
     assert kv.keys.shape[2] == buffer  # no growth copy in the first steps
     assert [list(r) for r in zip(*rows, strict=True)] == alone

@@ -82,25 +82,28 @@ def _tokens_in(cache: list) -> int:
     return max(offsets, default=0)
 
 
-def _merged(layers: Sequence[Any]) -> Any:
-    """One layer of several sequences' caches as one batch cache."""
+def _merged(layers: Sequence[Any], steps: int) -> Any:
+    """One layer of several sequences' caches as one batch cache, with room for `steps`
+    more tokens where that saves a copy."""
     if isinstance(layers[0], RotatingKVCache):
         return TemporalBatchRotatingKVCache.merge(list(layers))
-    if all(type(c) is KVCache and c.keys is not None for c in layers):
-        return _merged_kv(layers)
+    if steps and all(type(c) is KVCache and c.keys is not None for c in layers):
+        return _merged_kv(layers, steps)
     return type(layers[0]).merge(list(layers))
 
 
-def _merged_kv(layers: Sequence[KVCache]) -> BatchKVCache:
-    """mlx_lm's BatchKVCache.merge into a buffer with room for the next decode steps: its
-    own holds exactly the longest sequence, so the first step would copy the whole batch
-    again to grow it. The keys a step returns (the buffer up to `_idx`) are the same."""
+def _merged_kv(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
+    """mlx_lm's BatchKVCache.merge into a buffer with room for the next `steps` tokens
+    (at most up to the next multiple of its growth step): its own holds exactly the
+    longest sequence, so the first decode step would copy the whole batch again to grow
+    it. The keys a step returns (the buffer up to `_idx`) are the same. The room is
+    resident memory, counted as such (DESIGN 6): no more than the sequences may use."""
     longest = max(c.offset for c in layers)
-    room = (longest // BatchKVCache.step + 1) * BatchKVCache.step
+    size = min(longest + steps, (longest // BatchKVCache.step + 1) * BatchKVCache.step)
     first = layers[0]
     _, heads, _, k_dim = first.keys.shape
-    keys = mx.zeros((len(layers), heads, room, k_dim), first.keys.dtype)
-    values = mx.zeros((len(layers), heads, room, first.values.shape[3]), first.values.dtype)
+    keys = mx.zeros((len(layers), heads, size, k_dim), first.keys.dtype)
+    values = mx.zeros((len(layers), heads, size, first.values.shape[3]), first.values.dtype)
     padding = [longest - c.offset for c in layers]
     for i, (pad, c) in enumerate(zip(padding, layers, strict=True)):
         keys[i : i + 1, :, pad:longest] = c.keys[..., : c.offset, :]
@@ -138,6 +141,7 @@ class DecodeBatch:
         # Caches of sequences that joined since the last step: merged into `cache` all at
         # once (one copy of the batch, not one per joining sequence).
         self._joining: list[list] = []
+        self._room = 0  # tokens the joining sequences may still decode (the most of them)
         self.members: list[Any] = []
         self._samplers: list[TokenSampler] = []
         self._inputs: list[int] = []  # next input token per row
@@ -146,13 +150,17 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.members)
 
-    def add(self, member: Any, cache: list, sampler: TokenSampler, first_token: int) -> None:
-        """Join a sequence whose prompt is fully in `cache`; its next input is first_token."""
+    def add(
+        self, member: Any, cache: list, sampler: TokenSampler, first_token: int, steps: int = 0
+    ) -> None:
+        """Join a sequence whose prompt is fully in `cache`; its next input is first_token.
+        `steps`: decode steps it may take (the merged buffer makes room for them)."""
         if self.kv is not None:
             assert not self.cache, "a quantized-KV engine decodes one request at a time"
             self.cache = list(cache)
         else:
             self._joining.append(list(cache))
+            self._room = max(self._room, steps)
         self.members.append(member)
         self._samplers.append(sampler)
         self._inputs.append(first_token)
@@ -163,8 +171,8 @@ class DecodeBatch:
         the next evaluation copies them)."""
         if not self._joining:
             return
-        new = [_merged(layers) for layers in zip(*self._joining, strict=True)]
-        self._joining = []
+        new = [_merged(layers, self._room) for layers in zip(*self._joining, strict=True)]
+        self._joining, self._room = [], 0
         if not self.cache:
             self.cache = new
             return

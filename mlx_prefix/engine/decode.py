@@ -102,7 +102,7 @@ class DecodePhase:
                 top = alternatives(ids[0].tolist(), values[0].tolist(), n)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
-        self.batch.add(running, task.cache, sampler, token)
+        self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0))
         if self.speculator is not None and task.draft is not None:
             self.speculator.adopt(running, task.draft)
         return running, token, logprob, top
