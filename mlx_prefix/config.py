@@ -106,6 +106,10 @@ class EngineConfig:
     # prefill share of a step is sized from measured cost to fit (engine/pace.py), but
     # at least one grid chunk runs.
     decode_latency_s: float = 0.25
+    # A burst decodes together: a request whose prefill ends while nothing decodes waits
+    # for the other requests still prefilling when they have at most this many prompt
+    # tokens left, so no prefill step runs between its tokens (engine/pace.py). 0: never.
+    gather_tokens: int = 1024
     # Next-turn prefetch (engine/prefetch.py): once idle this long after a reply, prefill
     # that reply again on the chunk grid so the next turn restores the whole history.
     prefetch_next_turn: bool = True
@@ -124,8 +128,8 @@ class EngineConfig:
             raise ValueError(
                 "max_running, prefill_tokens_per_step and max_prefilling must be at least 1"
             )
-        if self.max_queued < 0 or self.decode_latency_s <= 0:
-            raise ValueError("max_queued must be >= 0 and decode_latency_s > 0")
+        if self.max_queued < 0 or self.gather_tokens < 0 or self.decode_latency_s <= 0:
+            raise ValueError("max_queued and gather_tokens must be >= 0, decode_latency_s > 0")
 
 
 def check_kv_quant(bits: int | None, group_size: int, start: int) -> None:

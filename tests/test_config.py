@@ -1,6 +1,6 @@
 import pytest
 
-from mlx_prefix.config import CacheConfig, from_env
+from mlx_prefix.config import CacheConfig, EngineConfig, from_env
 from mlx_prefix.server.settings import ServerSettings
 
 
@@ -42,6 +42,10 @@ def test_engine_flags_and_variables_reach_the_engine_config(monkeypatch):
     config = engine_config(args)
     assert (config.max_running, config.max_queued, config.prefetch_next_turn) == (3, 7, False)
     assert engine_config(build_parser().parse_args(["serve"])).prefetch_next_turn is True
+    gather = build_parser().parse_args(["serve", "--gather-tokens", "0"])
+    assert engine_config(gather).gather_tokens == 0
+    with pytest.raises(ValueError, match="gather_tokens"):
+        EngineConfig(gather_tokens=-1)
 
 
 def test_responses_store_size_from_flag_or_variable(monkeypatch):

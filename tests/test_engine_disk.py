@@ -323,3 +323,23 @@ def test_the_save_queue_is_bounded_and_counted_in_the_byte_budget(tmp_path, monk
     assert store.stats().active_bytes == 0 and tier.dropped == 0
     assert tier.cache.stats().saves == len(snaps) + 1
     store.check_integrity()
+
+
+def test_no_save_is_written_between_two_tokens_of_a_running_request(tmp_path, monkeypatch):
+    """An overdue save waits while requests decode (a dense snapshot's write was a whole
+    gap between two tokens of every running request), and goes once only prefill runs;
+    a full queue still writes its oldest."""
+    monkeypatch.setattr(disk_tier, "MAX_SAVE_DELAY_S", 0.0)  # every queued save overdue
+    store = PromptCache(budget_bytes=1 << 30)
+    config = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=1)
+    tier = DiskTier(config, True, store, bytes_key="disk")
+    tier.defer("m", [1] * 8, _kv_snapshot(8, 1), CheckpointKind.HISTORY)
+    assert not tier.due(busy=True, decoding=True)
+    tier.write_pending(busy=True, decoding=True)
+    assert tier.pending == 1 and tier.cache.stats().saves == 0
+    tier.write_pending(busy=True)  # prefill only: the overdue save goes
+    assert tier.pending == 0 and tier.cache.stats().saves == 1
+    for i in range(MAX_PENDING_SAVES + 1):
+        tier.defer("m", [2 + i] * 8, _kv_snapshot(8, 2 + i), CheckpointKind.HISTORY)
+        tier.write_pending(busy=True, decoding=True)
+    assert tier.pending == MAX_PENDING_SAVES and tier.cache.stats().saves == 2

@@ -171,6 +171,13 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "prefill (default 0.25; at least one prefill chunk runs)",
     )
     p.add_argument(
+        "--gather-tokens",
+        type=int,
+        help="a request whose prefill ends while nothing decodes waits for the other "
+        "requests prefilling when they have at most this many prompt tokens left, so a "
+        "burst decodes together (default 1024; 0: never wait)",
+    )
+    p.add_argument(
         "--no-prefetch",
         action="store_false",
         dest="prefetch_next_turn",
@@ -257,6 +264,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "prefill_tokens_per_step",
         "max_prefilling",
         "decode_latency_s",
+        "gather_tokens",
         "prefetch_next_turn",
         "kv_bits",
         "kv_group_size",

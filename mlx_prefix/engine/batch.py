@@ -20,7 +20,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, RotatingKVCache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+)
 
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.engine.kv_quant import KvQuant
@@ -76,10 +82,37 @@ def _tokens_in(cache: list) -> int:
     return max(offsets, default=0)
 
 
-def _batch_of_one(c: Any) -> Any:
-    if isinstance(c, RotatingKVCache):
-        return TemporalBatchRotatingKVCache.merge([c])
-    return type(c).merge([c])
+def _merged(layers: Sequence[Any], steps: int) -> Any:
+    """One layer of several sequences' caches as one batch cache, with room for `steps`
+    more tokens where that saves a copy."""
+    if isinstance(layers[0], RotatingKVCache):
+        return TemporalBatchRotatingKVCache.merge(list(layers))
+    if steps and all(type(c) is KVCache and c.keys is not None for c in layers):
+        return _merged_kv(layers, steps)
+    return type(layers[0]).merge(list(layers))
+
+
+def _merged_kv(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
+    """mlx_lm's BatchKVCache.merge into a buffer with room for the next `steps` tokens
+    (at most up to the next multiple of its growth step): its own holds exactly the
+    longest sequence, so the first decode step would copy the whole batch again to grow
+    it. The keys a step returns (the buffer up to `_idx`) are the same. The room is
+    resident memory, counted as such (DESIGN 6): no more than the sequences may use."""
+    longest = max(c.offset for c in layers)
+    size = min(longest + steps, (longest // BatchKVCache.step + 1) * BatchKVCache.step)
+    first = layers[0]
+    _, heads, _, k_dim = first.keys.shape
+    keys = mx.zeros((len(layers), heads, size, k_dim), first.keys.dtype)
+    values = mx.zeros((len(layers), heads, size, first.values.shape[3]), first.values.dtype)
+    padding = [longest - c.offset for c in layers]
+    for i, (pad, c) in enumerate(zip(padding, layers, strict=True)):
+        keys[i : i + 1, :, pad:longest] = c.keys[..., : c.offset, :]
+        values[i : i + 1, :, pad:longest] = c.values[..., : c.offset, :]
+    cache = BatchKVCache(padding)
+    cache.keys, cache.values = keys, values
+    cache.offset += longest
+    cache._idx = longest
+    return cache
 
 
 class DecodeBatch:
@@ -105,6 +138,10 @@ class DecodeBatch:
         self.agree = agree  # sharded: every rank goes on with rank 0's tokens (group.py)
         self.kv = kv
         self.cache: list = []
+        # Caches of sequences that joined since the last step: merged into `cache` all at
+        # once (one copy of the batch, not one per joining sequence).
+        self._joining: list[list] = []
+        self._room = 0  # tokens the joining sequences may still decode (the most of them)
         self.members: list[Any] = []
         self._samplers: list[TokenSampler] = []
         self._inputs: list[int] = []  # next input token per row
@@ -113,24 +150,37 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.members)
 
-    def add(self, member: Any, cache: list, sampler: TokenSampler, first_token: int) -> None:
-        """Join a sequence whose prompt is fully in `cache`; its next input is first_token."""
+    def add(
+        self, member: Any, cache: list, sampler: TokenSampler, first_token: int, steps: int = 0
+    ) -> None:
+        """Join a sequence whose prompt is fully in `cache`; its next input is first_token.
+        `steps`: decode steps it may take (the merged buffer makes room for them)."""
         if self.kv is not None:
             assert not self.cache, "a quantized-KV engine decodes one request at a time"
-            single = list(cache)
+            self.cache = list(cache)
         else:
-            single = [_batch_of_one(c) for c in cache]
-        if not self.cache:
-            self.cache = single
-        else:
-            for batched, new in zip(self.cache, single, strict=True):
-                batched.extend(new)
+            self._joining.append(list(cache))
+            self._room = max(self._room, steps)
         self.members.append(member)
         self._samplers.append(sampler)
         self._inputs.append(first_token)
         self._lengths.append(_tokens_in(cache))
 
+    def join(self) -> None:
+        """Merge the sequences that joined into the batch cache, in joining order (lazy:
+        the next evaluation copies them)."""
+        if not self._joining:
+            return
+        new = [_merged(layers, self._room) for layers in zip(*self._joining, strict=True)]
+        self._joining, self._room = [], 0
+        if not self.cache:
+            self.cache = new
+            return
+        for layer, joined in zip(self.cache, new, strict=True):
+            layer.extend(joined)
+
     def remove(self, members: Sequence[Any]) -> None:
+        self.join()
         gone = {id(m) for m in members}
         keep = [i for i, m in enumerate(self.members) if id(m) not in gone]
         if len(keep) == len(self.members):
@@ -149,6 +199,7 @@ class DecodeBatch:
     def step(self, want_logprobs: bool = False, top_n: int = 0) -> list[RowSample]:
         """One decode step for every row. Logprobs (and the `top_n` most likely tokens)
         only when asked: computed with the tokens, in the same evaluation."""
+        self.join()
         inputs = mx.array(self._inputs)[:, None]  # [B, 1]
         self._lengths = [n + 1 for n in self._lengths]
         if self.kv is not None:
@@ -185,6 +236,7 @@ class DecodeBatch:
         like L decode steps (engine/speculative.py): logits [L, V]. The cache then holds
         all L; `settle` says which stay."""
         assert len(self.members) == 1 and tokens[0] == self._inputs[0]
+        self.join()
         length = self._lengths[0] + len(tokens)
         with batched(self.rows, [length], verify=True):
             logits = self.model(mx.array(tokens)[None], cache=self.cache)[0]  # [L, V]
@@ -200,4 +252,5 @@ class DecodeBatch:
         self._inputs = [next_input]
 
     def nbytes(self) -> int:
-        return cache_nbytes(self.cache) if self.cache else 0
+        joining = sum(cache_nbytes(c) for c in self._joining)
+        return (cache_nbytes(self.cache) if self.cache else 0) + joining

@@ -9,7 +9,7 @@ batch's resident bytes count against the store's byte budget. Engine thread only
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -64,10 +64,25 @@ class DecodePhase:
         self.rows = rows
         self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens, self.kv)
 
-    def admit(self, task: PrefillTask, logits: mx.array, limit: int) -> None:
-        """Sample the first token from the prefill `logits` [1, V]; the request joins the
-        batch unless that token already ends it, and may produce `limit` tokens. The
-        caller closes the prefill after."""
+    def admit(self, arrivals: Sequence[tuple[PrefillTask, mx.array, int]]) -> None:
+        """Requests whose prompt is computed join the batch: each (task, its prefill
+        logits [1, V], limit) samples its first token from the logits and may produce
+        `limit` tokens; one its first token ends leaves at once. The batch cache is
+        merged before the first tokens go out, so that copy never sits between a
+        request's first and second token. The caller closes the prefills after."""
+        firsts = [self._arrive(task, logits, limit) for task, logits, limit in arrivals]
+        self.batch.join()
+        mx.eval([c.state for c in self.batch.cache])
+        for running, token, logprob, top in firsts:
+            self._accept_token(running, token, logprob, top)
+        if len(self.batch):
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def _arrive(
+        self, task: PrefillTask, logits: mx.array, limit: int
+    ) -> tuple[Running, int, float | None, tuple[TopLogprob, ...]]:
+        """Sample `task`'s first token and add it to the batch; the token is not handed
+        on yet."""
         job = task.job
         job.handle.cached_tokens = task.reuse
         job.handle.cache_written_tokens = max(0, job.stored_to - task.reuse)
@@ -87,11 +102,10 @@ class DecodePhase:
                 top = alternatives(ids[0].tolist(), values[0].tolist(), n)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
-        if not self._accept_token(running, token, logprob, top):
-            self.batch.add(running, task.cache, sampler, token)
-            if self.speculator is not None and task.draft is not None:
-                self.speculator.adopt(running, task.draft)
-            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+        self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0))
+        if self.speculator is not None and task.draft is not None:
+            self.speculator.adopt(running, task.draft)
+        return running, token, logprob, top
 
     def step(self, stopping: bool) -> None:
         """Drop cancelled requests (all of them when `stopping`), then one token for every

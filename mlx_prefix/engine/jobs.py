@@ -16,6 +16,8 @@ from mlx_prefix.prompt.boundaries import RenderedPrompt
 from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, SamplingParams, Usage
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from mlx_prefix.engine.checkpoints import Checkpointer
     from mlx_prefix.engine.speculative import DraftCache
 
@@ -77,6 +79,9 @@ class PrefillTask:
     bytes_key: str  # its cache's bytes in the store's budget
     checkpointer: Checkpointer | None = None  # what this prefill stores (None: no cache)
     draft: DraftCache | None = None  # --draft-model: the draft's cache of the same prefix
+    # The prompt is computed: its last logits [1, V], held until the request joins the
+    # decode batch with the rest of its burst (engine/pace.py `gathers`).
+    logits: mx.array | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:

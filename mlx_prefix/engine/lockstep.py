@@ -116,7 +116,8 @@ class Lockstep(Engine):
                 return
             block = idle and not self._closing and not saving
             jobs, closing = self.lifecycle.take(block, self._idle_wait() if block else None)
-            write = saving and self.disk is not None and self.disk.due(busy=not idle)
+            decoding = len(self._decode) > 0
+            write = saving and self.disk is not None and self.disk.due(not idle, decoding)
             plan = self._gather(jobs, closing, write, drop)
             self._exchange(plan)
             self._turn_step(plan, jobs)

@@ -24,7 +24,7 @@ from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
 from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
 from mlx_prefix.engine.lifecycle import Lifecycle, error_message
-from mlx_prefix.engine.pace import Pace
+from mlx_prefix.engine.pace import Pace, gathers
 from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
 from mlx_prefix.engine.prefill import PrefillPhase
 from mlx_prefix.engine.scheduler import WaitingList
@@ -97,7 +97,8 @@ class EngineLoop:
                 return  # queued saves are written first: a shutdown keeps what disk should
             try:
                 if saving:
-                    self.disk.write_pending(busy=not idle)  # off the requests' critical path
+                    # Off the requests' critical path: never between two tokens.
+                    self.disk.write_pending(busy=not idle, decoding=len(self._decode) > 0)
                 block = idle and not self._closing and not saving
                 self._take_inbox(block, timeout=self._waiting.background_wait() if block else None)
                 self._step()
@@ -119,6 +120,7 @@ class EngineLoop:
             # next chunk boundary, and can start right after.
             self._take_inbox(block=False)
             self._schedule()
+        self._admit_held()
         if len(self._decode):
             started = time.perf_counter()
             self._decode.step(self._stopping)
@@ -163,7 +165,7 @@ class EngineLoop:
     def _room(self) -> bool:
         """Whether another request may start prefilling: it will join the decode batch."""
         busy = len(self._decode) + len(self._prefill.tasks)
-        return busy < self.capacity and len(self._prefill.tasks) < self.config.max_prefilling
+        return busy < self.capacity and self._prefill.computing < self.config.max_prefilling
 
     def _preempt_background(self, task: PrefillTask) -> None:
         """A background prefill gives way to any waiting request that cannot restore from
@@ -203,13 +205,25 @@ class EngineLoop:
             if not job.warm.done():  # a caller may have cancelled the future itself
                 job.warm.set_result(WarmResult(len(job.tokens), task.reuse, pinned))
         else:
-            limit = job.sampling.max_tokens
-            if self.model.context_length is not None:  # the reply is cut at the context's end
-                limit = min(limit, self.model.context_length - len(job.tokens))
-            self._decode.admit(task, logits, limit)
-            self._prefill.close(task)
+            task.logits = logits  # joins the decode batch in `_admit_held`
             return
         self.lifecycle.finished(job)
+
+    def _admit_held(self) -> None:
+        """Requests whose prompt is computed join the decode batch, unless they wait for
+        the rest of their burst (engine/pace.py)."""
+        held = self._prefill.held()
+        if not held or gathers(self.config, len(self._decode), self._prefill.left_to_compute()):
+            return
+        arrivals = []
+        for task in held:
+            job, limit = task.job, task.job.sampling.max_tokens
+            if self.model.context_length is not None:  # the reply is cut at the context's end
+                limit = min(limit, self.model.context_length - len(job.tokens))
+            arrivals.append((task, task.logits, limit))
+        self._decode.admit(arrivals)
+        for task in held:
+            self._prefill.close(task)
 
     def _maybe_prefetch(self, job: Job, reply: str) -> None:
         if self._prefetcher is None or job.source is None or not job.cache_pref.enabled:

@@ -41,6 +41,23 @@ class PrefillStep:
     finished: list[tuple[PrefillTask, mx.array]] = field(default_factory=list)  # + logits [1, V]
 
 
+def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tuple[list, int]:
+    """One round of a step: the next chunk of each task in order, while the step's
+    tokens (`spent` in earlier rounds) stay within `budget`. The step's first chunk goes
+    whatever its size (a chunk cannot be split: DESIGN 4); no later one overruns the
+    budget, or a running request would wait for several chunks where one fits."""
+    chosen, tokens = [], 0
+    for task in tasks:
+        if task.cursor.done:
+            continue
+        begin, end = task.cursor.next_chunk()
+        if (chosen or spent) and spent + tokens + end - begin > budget:
+            break
+        chosen.append(task)
+        tokens += end - begin
+    return chosen, tokens
+
+
 class PrefillPhase:
     def __init__(
         self,
@@ -104,6 +121,25 @@ class PrefillPhase:
                 return True
         return False
 
+    @property
+    def computing(self) -> int:
+        """Tasks with chunks left to compute (the others hold their logits)."""
+        return sum(1 for t in self.tasks if not t.cursor.done)
+
+    def left_to_compute(self) -> int:
+        """Prompt tokens the tasks still computing have left, background prefetches
+        aside (they give way to requests; nobody waits for them)."""
+        return sum(
+            len(t.tokens) - t.position
+            for t in self.tasks
+            if not t.cursor.done and not t.job.background
+        )
+
+    def held(self) -> list[PrefillTask]:
+        """Requests whose prompt is computed, waiting to join the decode batch (oldest
+        first)."""
+        return [t for t in self.tasks if t.logits is not None]
+
     def start(self, job: Job) -> None:
         """Restore the longest usable cached prefix of `job`'s own entry key (its
         namespace: DESIGN 10) and add `job` to the prefilling tasks."""
@@ -163,15 +199,7 @@ class PrefillPhase:
         result = PrefillStep()
         started = time.perf_counter()
         while result.tokens < budget:
-            chosen, tokens = [], 0
-            for task in self.tasks:
-                if task.cursor.done:
-                    continue
-                begin, end = task.cursor.next_chunk()
-                if chosen and result.tokens + tokens + end - begin > budget:
-                    break
-                chosen.append(task)
-                tokens += end - begin
+            chosen, tokens = choose_chunks(self.tasks, budget, result.tokens)
             if not chosen:
                 break
             works = [ChunkWork(t.cache, t.tokens, *t.cursor.next_chunk()) for t in chosen]
