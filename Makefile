@@ -65,7 +65,7 @@ endif
 	  || echo "warning: could not install Codex CLI; its end-to-end tests skip"; fi
 
 test: install test-deps
-	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 serve: install
 	$(VENV)/bin/mlx-prefix serve $(ARGS)
