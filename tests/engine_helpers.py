@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
@@ -29,9 +30,13 @@ class Result:
 
 
 def run(engine: Engine, prompt: PromptInput, *, cache: bool = True, sampling=GREEDY) -> Result:
-    handle = engine.submit(prompt, sampling, CachePreference(enabled=cache))
+    return collect(engine.submit(prompt, sampling, CachePreference(enabled=cache)))
+
+
+def collect(handle: RequestHandle, timeout: float = 120) -> Result:
+    """A submitted request's whole answer (an engine error fails the test)."""
     text, tokens, logprobs = [], [], []
-    for event in handle.events(timeout=120):
+    for event in handle.events(timeout=timeout):
         if isinstance(event, TokenEvent):
             text.append(event.text)
             if event.token is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from conftest import loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import chat, collect, run
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import CacheConfig, EngineConfig
@@ -17,7 +17,7 @@ from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.pace import gathers
 from mlx_prefix.engine.prefill import choose_chunks
 from mlx_prefix.engine.sampling import TokenSampler
-from mlx_prefix.records import CachePreference, DoneEvent, SamplingParams, TokenEvent
+from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
 
 WORDS = ("river", "lamp", "orchard", "copper", "signal", "meadow", "ledger", "harbor")
 CACHE = CacheConfig(budget_bytes=1 << 30, prefill_chunk=64, checkpoint_interval=1 << 16)
@@ -62,21 +62,13 @@ def test_a_burst_decodes_together_and_answers_as_alone(kind, gather):
         ]
         # Submitted while the engine calibrates: they start together.
         handles = [engine.submit(p, SAMPLING, CachePreference()) for p in prompts]
-        results = []
-        for handle in handles:
-            tokens, logprobs = [], []
-            for event in handle.events(timeout=300):
-                if isinstance(event, TokenEvent) and event.token is not None:
-                    tokens.append(event.token)
-                    logprobs.append(event.logprob)
-                elif isinstance(event, DoneEvent):
-                    assert event.finish_reason == "length"
-            results.append((tokens, logprobs))
+        results = [collect(handle, timeout=300) for handle in handles]
+        assert all(r.finish_reason == "length" for r in results)
         engine.handle_type = RequestHandle
-        for prompt, (tokens, logprobs) in zip(prompts, results, strict=True):
+        for prompt, together in zip(prompts, results, strict=True):
             alone = run(engine, prompt, cache=False, sampling=SAMPLING)
-            assert tokens == alone.tokens, "decoding together changed an answer"
-            assert logprobs == alone.logprobs, "decoding together changed the numbers"
+            assert together.tokens == alone.tokens, "decoding together changed an answer"
+            assert together.logprobs == alone.logprobs, "decoding together changed the numbers"
         last_first = max(i for i, (_, n) in enumerate(emitted) if n == 1)
         first_second = min(i for i, (_, n) in enumerate(emitted) if n == 2)
         if gather:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import chat, collect, run
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import EngineConfig
@@ -119,10 +119,10 @@ def test_a_second_request_falls_back_to_the_batched_step(engines, draft):
     alone = [run(engines(), p, sampling=GREEDY) for p in (PROMPT, other)]
     spec = engines(draft)
     handles = [spec.submit(p, GREEDY, CachePreference()) for p in (PROMPT, other)]
-    together = [_collect(h) for h in handles]
+    together = [collect(h) for h in handles]
     assert spec.peak_batch == 2
     for a, t in zip(alone, together, strict=True):
-        assert t == (a.tokens, a.logprobs)
+        assert (t.tokens, t.logprobs) == (a.tokens, a.logprobs)
 
 
 def test_a_requests_num_draft_tokens_is_honoured(engines, draft):
@@ -158,19 +158,6 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
 def test_a_model_whose_cache_cannot_trim_is_refused(draft):
     with pytest.raises(DraftMismatch, match="trim rejected tokens"):
         Engine(loaded_test_model("qwen3_5"), TEST_CACHE, draft=draft)
-
-
-def _collect(handle) -> tuple[list[int], list[float]]:
-    from mlx_prefix.records import DoneEvent, TokenEvent
-
-    tokens, logprobs = [], []
-    for event in handle.events(timeout=120):
-        if isinstance(event, TokenEvent) and event.token is not None:
-            tokens.append(event.token)
-            logprobs.append(event.logprob)
-        elif isinstance(event, DoneEvent):
-            return tokens, logprobs
-    raise AssertionError("no DoneEvent")
 
 
 def _other_weights(tmp_path: Path) -> Path:
