@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from mlx_prefix.cache.snapshot import Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
-from mlx_prefix.cache.trie import TokenIds
+from mlx_prefix.cache.token_ids import TokenIds
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from mlx_prefix.cache.trie import TokenIds, TokenTrie
+from mlx_prefix.cache.token_ids import TokenIds
+from mlx_prefix.cache.trie import TokenTrie
 
 
 def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:

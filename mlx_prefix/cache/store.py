@@ -43,7 +43,7 @@ from mlx_prefix.cache.records import (
     covers,
 )
 from mlx_prefix.cache.reuse import best_reuse
-from mlx_prefix.cache.trie import TokenIds
+from mlx_prefix.cache.token_ids import TokenIds
 
 
 @dataclass(slots=True)

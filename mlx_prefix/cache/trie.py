@@ -1,6 +1,6 @@
 """A radix tree of token sequences: one per model key, values opaque.
 
-Pure Python (no MLX). Edges carry token ids packed as int64 bytes (`TokenIds.packed`),
+Pure Python (no MLX). Edges carry token ids packed as int64 bytes (cache/token_ids.py),
 so walking a query compares memory blocks (memcmp) instead of Python ints: a lookup
 costs one pass over the matched tokens at C speed, and copies nothing of the query or
 of the stored sequences. Siblings differ in their first token. Invariants (checked by
@@ -17,46 +17,17 @@ Not thread-safe: the owner (the store) serialises access.
 
 from __future__ import annotations
 
-import struct
 import sys
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from mlx_prefix.cache.token_ids import ids, packed
 
 V = TypeVar("V")
 
 _W = 8  # bytes per packed token id (int64, native byte order)
 _BLOCK = 32 * 1024  # bytes compared per call before galloping on
-
-
-class TokenIds(tuple):
-    """A tuple of token ids that also holds them packed (`packed`: int64 bytes), built
-    once per prompt (at render time, in the caller's thread) so that every trie lookup
-    of it compares memory without converting it. Equal to, and hashes like, the plain
-    tuple; slices are plain tuples."""
-
-    packed: bytes
-
-    def __new__(cls, tokens: Sequence[int] = ()) -> TokenIds:
-        self = super().__new__(cls, tokens)
-        self.packed = _pack(self)
-        return self
-
-
-def packed(tokens: Sequence[int]) -> bytes:
-    """`tokens` as int64 bytes: free for TokenIds, one conversion otherwise."""
-    return tokens.packed if isinstance(tokens, TokenIds) else _pack(tokens)
-
-
-def _pack(tokens: Sequence[int]) -> bytes:
-    return struct.pack(f"{len(tokens)}q", *tokens)  # the fastest pure-Python packing
-
-
-def _ids(raw: bytes) -> tuple[int, ...]:
-    a = array("q")
-    a.frombytes(raw)
-    return tuple(a)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +307,7 @@ class TokenTrie(Generic[V]):
             n, p = stack.pop()
             raw = p + n.edge
             if n.value is not _MISSING:
-                yield TrieEntry(_ids(raw), n.value)  # type: ignore[arg-type]
+                yield TrieEntry(ids(raw), n.value)  # type: ignore[arg-type]
             stack.extend((c, raw) for c in n.children.values())
 
     @staticmethod

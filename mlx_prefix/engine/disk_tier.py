@@ -25,7 +25,7 @@ from mlx_prefix.cache.disk import DiskCache, DiskMatch
 from mlx_prefix.cache.disk_policy import DiskPolicy, DiskScope, ScopeMode
 from mlx_prefix.cache.snapshot import Snapshot
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
-from mlx_prefix.cache.trie import TokenIds
+from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.config import DiskConfig
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.boundaries import RenderedPrompt

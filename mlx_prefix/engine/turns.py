@@ -18,7 +18,7 @@ from array import array
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from mlx_prefix.cache.trie import TokenIds, packed
+from mlx_prefix.cache.token_ids import TokenIds, packed
 from mlx_prefix.engine.constraints import ConstraintFactory
 from mlx_prefix.engine.handle import RequestHandle
 from mlx_prefix.engine.jobs import Job

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.cache.trie import TokenIds
+from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.breakpoints import breakpoint_positions
