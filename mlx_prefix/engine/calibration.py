@@ -46,7 +46,7 @@ def quantized_kv(model: LoadedModel, config: EngineConfig) -> KvQuant | None:
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    rows: int  # decode rows per BLAS-consistent group (engine/rowwise.py)
+    rows: int  # most decode rows per BLAS-consistent group (engine/rowwise.py)
     stacked_prefill: bool  # equal-shape chunks may share a forward
     batched_decode: bool  # requests may decode in one batch
 
@@ -55,8 +55,9 @@ class Agreement:
     """How the ranks of a sharded engine combine what each measured
     (engine/lockstep.py); an engine on its own keeps its own figures."""
 
-    def rows(self, rows: int) -> int:
-        return rows
+    def rows(self, found: list[int]) -> list[int]:
+        """Each layer shape's decode row group (engine/rowwise.py `measure_rows`)."""
+        return found
 
     def verdicts(self, checked: ProbeResult) -> ProbeResult:
         return checked
@@ -68,7 +69,7 @@ def calibrate(model: LoadedModel, agreement: Agreement | None = None) -> Calibra
     agree = agreement or Agreement()
     net = model.model
     rowwise.install(net)
-    rows = agree.rows(rowwise.consistent_rows(net))
+    rows = rowwise.assign_rows(net, agree.rows(rowwise.measure_rows(net)))
     checked = agree.verdicts(probe(net, rows, model.tokenizer.vocab_size))
     return Calibration(rows, checked.stacked_prefill, checked.batched_decode)
 

@@ -54,8 +54,13 @@ class RankAgreement(Agreement):
     def __init__(self, channel: Channel):
         self.channel = channel
 
-    def rows(self, rows: int) -> int:
-        return min(self.channel.gather(rows))
+    def rows(self, found: list[int]) -> list[int]:
+        # Every rank groups each layer's rows alike: a sharded layer sums over the ranks
+        # once per group.
+        if len(set(self.channel.gather(len(found)))) > 1:  # shapes differ between ranks
+            least = min(self.channel.gather(min(found, default=1)))
+            return [least] * len(found)
+        return [min(self.channel.gather(rows)) for rows in found]
 
     def verdicts(self, checked: ProbeResult) -> ProbeResult:
         votes = self.channel.gather(int(checked.stacked_prefill) | 2 * int(checked.batched_decode))

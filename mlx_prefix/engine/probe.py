@@ -27,6 +27,7 @@ from mlx_prefix.records import SamplingParams
 log = logging.getLogger("mlx_prefix.engine")
 
 _STEPS = 4  # decode steps compared
+_MOST_PROMPTS = 5  # rows in the compared decode batch, at most (each also runs alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +39,11 @@ class ProbeResult:
 def probe(model: nn.Module, rows: int, vocab: int) -> ProbeResult:
     """Compare batched and alone forwards of `model` on synthetic tokens (engine thread)."""
     span = max(2, min(vocab, 1000) - 10)
-    prompts = [[10 + (7 * i + 13 * k) % span for k in range(24 + 5 * i)] for i in range(3)]
+    # Decode: one row more than a group holds, so groups split as they will in service.
+    count = max(3, min(rows + 1, _MOST_PROMPTS))
+    prompts = [[10 + (7 * i + 13 * k) % span for k in range(24 + 5 * i)] for i in range(count)]
     try:
-        stacked = _prefill_matches(model, prompts)
+        stacked = _prefill_matches(model, prompts[:3])
         decode = _decode_matches(model, prompts, rows)
     except Exception:  # a model whose caches cannot merge, say: run everything alone
         log.warning("batching probe failed; requests prefill and decode alone", exc_info=True)

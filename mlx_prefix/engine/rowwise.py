@@ -12,8 +12,10 @@ call (measured with OpenBLAS on this CPU; docs/ARCHITECTURE.md):
   that reduction differently (diverged after ~20 steps at 300 keys on SmolLM2).
 So inside `batched(...)` the model's linear layers project each sequence's rows in their
 own matmul (stacked prefill chunks), or decode rows in groups no larger than the BLAS
-computes like a single row (`consistent_rows`), and attention runs per row over exactly
-that row's keys. Everything else (norms, RoPE, convolutions, recurrent scans) computes
+computes like a single row for that layer's shape (`consistent_rows`: on this CPU 12 rows
+for the wide projections and the output head, which hold nearly all the weight bytes a
+decode step reads, but 3 for narrow ones such as a 128-wide value projection), and
+attention runs per row over exactly that row's keys. Everything else (norms, RoPE, convolutions, recurrent scans) computes
 each batch row on its own. Outside the block the modules behave exactly as before.
 """
 
@@ -67,33 +69,49 @@ def batched(
         _mode.batched = before
 
 
-def _split(base, x: mx.array, *args) -> mx.array:
+def _split(base, x: mx.array, layer_rows: int) -> mx.array:
+    """`base(x)` with decode rows in groups of at most the step's `rows` and the layer's
+    own `layer_rows` (what its shape computes like one row)."""
     mode = _current()
     if mode is not None and mode.verify and x.ndim == 3 and x.shape[1] > 1:
         # [1, L, D] -> L decode rows [L, 1, D], in groups that compute like one row each.
         assert x.shape[0] == 1, "a verify forward holds one sequence"
         rows = x.reshape(x.shape[1], 1, x.shape[2])
-        per = mode.rows
-        out = mx.concatenate([base(rows[i : i + per], *args) for i in range(0, len(rows), per)])
+        per = min(mode.rows, layer_rows)
+        out = mx.concatenate([base(rows[i : i + per]) for i in range(0, len(rows), per)])
         return out.reshape(1, x.shape[1], out.shape[-1])
     if mode is None or x.ndim < 3 or x.shape[0] == 1:
-        return base(x, *args)
-    per = mode.rows if x.shape[1] == 1 else 1  # a prefill sequence's rows stay together
+        return base(x)
+    # A prefill sequence's rows stay together.
+    per = _even(x.shape[0], min(mode.rows, layer_rows)) if x.shape[1] == 1 else 1
     if per >= x.shape[0]:
-        return base(x, *args)
-    return mx.concatenate([base(x[i : i + per], *args) for i in range(0, x.shape[0], per)])
+        return base(x)
+    return mx.concatenate([base(x[i : i + per]) for i in range(0, x.shape[0], per)])
+
+
+def _even(n: int, most: int) -> int:
+    """Rows per group when n rows split into as few groups of at most `most` as they can,
+    as even as they can be (16 in groups of 12: 8 and 8, not 12 and 4): any group of up
+    to `most` rows computes each like alone."""
+    groups = -(-n // most)
+    return -(-n // groups)
+
+
+def _layer_rows(layer: nn.Module) -> int:
+    # Set by `consistent_rows`; a layer it has not measured computes each row alone.
+    return getattr(layer, "_consistent_rows", 1)
 
 
 def _split_call(base_call):
     def __call__(self, x: mx.array) -> mx.array:
-        return _split(lambda v: base_call(self, v), x)
+        return _split(lambda v: base_call(self, v), x, _layer_rows(self))
 
     return __call__
 
 
 def _split_as_linear(base_as_linear):
     def as_linear(self, x: mx.array) -> mx.array:
-        return _split(lambda v: base_as_linear(self, v), x)
+        return _split(lambda v: base_as_linear(self, v), x, _layer_rows(self))
 
     return as_linear
 
@@ -199,19 +217,16 @@ def install(model: nn.Module) -> None:
             source.scaled_dot_product_attention = _per_row_sdpa(sdpa)
 
 
-def consistent_rows(model: nn.Module, most: int = 8) -> int:
-    """The largest row count m <= `most` such that, for every linear layer shape in the
-    model, each row of a matmul of up to m rows equals that row computed alone (random
-    data: the BLAS picks its kernels by shape, not by values)."""
-    shapes: dict[tuple, nn.Module] = {}
-    for _, module in model.named_modules():
-        if isinstance(module, _MEASURED):
-            shapes.setdefault((type(module), module.weight.shape), module)
-        elif isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
-            shapes.setdefault((type(module), module.weight.shape, "as_linear"), module)
+MOST_ROWS = 16  # the largest decode row group measured
+
+
+def measure_rows(model: nn.Module, most: int = MOST_ROWS) -> list[int]:
+    """For each linear layer shape in the model (in `layer_shapes` order), the largest
+    row count m <= `most` such that each row of a matmul of up to m rows equals that row
+    computed alone (random data: the BLAS picks its kernels by shape, not by values)."""
     key = mx.random.key(0)
-    good = most
-    for layer in shapes.values():
+    found = []
+    for layer in layer_shapes(model).values():
         if isinstance(layer, _SHARDED):  # this rank's part alone: no sum over the ranks
             project = lambda v, w=layer.weight: v @ w.T  # noqa: E731
         elif isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
@@ -221,10 +236,47 @@ def consistent_rows(model: nn.Module, most: int = 8) -> int:
         dims = layer.weight.shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
         x = mx.random.normal((most, 1, dims), key=key)
         alone = [project(x[i : i + 1]) for i in range(most)]
-        for m in range(2, good + 1):
+        good = most
+        for m in range(2, most + 1):
             rows = project(x[:m])
             mx.eval(rows, alone[:m])
             if not all(mx.array_equal(rows[i : i + 1], alone[i]).item() for i in range(m)):
                 good = m - 1
                 break
-    return max(good, 1)
+        found.append(good)
+    return found
+
+
+def layer_shapes(model: nn.Module) -> dict[tuple, nn.Module]:
+    """One layer per measured (kind, weight shape), in the model's module order (the
+    same on every rank of a sharded model)."""
+    shapes: dict[tuple, nn.Module] = {}
+    for _, module in model.named_modules():
+        if isinstance(module, (*_MEASURED, nn.Embedding, nn.QuantizedEmbedding)):
+            shapes.setdefault(_shape_key(module), module)
+    return shapes
+
+
+def _shape_key(module: nn.Module) -> tuple:
+    cls = type(module)
+    plain = cls.__mro__[1] if cls in _subclasses.values() else cls
+    return (plain, tuple(module.weight.shape))
+
+
+def assign_rows(model: nn.Module, found: list[int]) -> int:
+    """Give each batch-invariant layer the row count measured for its shape (`found`,
+    from `measure_rows`); kinds not measured get the smallest. Returns the largest: the
+    most rows a decode step's matmul may then hold."""
+    by_shape = dict(zip(layer_shapes(model), found, strict=True))
+    fallback = max(1, min(found, default=1))
+    for _, module in model.named_modules():
+        if type(module) in _subclasses.values():
+            module._consistent_rows = max(1, by_shape.get(_shape_key(module), fallback))
+    return max(1, max(found, default=1))
+
+
+def consistent_rows(model: nn.Module, most: int = MOST_ROWS) -> int:
+    """Measure and assign each layer's decode row group (`install` first); returns the
+    most rows a decode step's matmul may hold (an engine on its own, and the tests; a
+    sharded engine agrees on the measurements between its ranks first)."""
+    return assign_rows(model, measure_rows(model, most))

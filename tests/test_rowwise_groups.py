@@ -1,0 +1,85 @@
+"""Decode row groups per layer shape (engine/rowwise.py): each linear layer projects a
+decode batch's rows in groups no larger than its own shape computes like one row, so the
+wide projections and the output head (nearly all the weight bytes a step reads) take
+many rows at once while narrow ones split finer, and every row still gets its alone
+numbers bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import loaded_test_model
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_prefix.engine import rowwise
+from mlx_prefix.engine.batch import DecodeBatch
+from mlx_prefix.engine.lockstep import RankAgreement
+from mlx_prefix.engine.runner import ChunkWork, compute_chunks
+from mlx_prefix.engine.sampling import TokenSampler
+from mlx_prefix.records import SamplingParams
+
+
+def test_rows_split_into_as_few_even_groups_as_fit():
+    assert rowwise._even(16, 12) == 8  # 8 + 8, not 12 + 4
+    assert rowwise._even(13, 12) == 7
+    assert rowwise._even(12, 12) == 12
+    assert rowwise._even(5, 3) == 3
+    assert rowwise._even(7, 1) == 1
+
+
+def test_every_batch_invariant_layer_gets_its_measured_group():
+    model = loaded_test_model("qwen3_5").model
+    rowwise.install(model)
+    found = rowwise.measure_rows(model)
+    cap = rowwise.assign_rows(model, found)
+    assert cap == max(found)
+    groups = {
+        (type(m).__mro__[1].__name__, tuple(m.weight.shape)): m._consistent_rows
+        for _, m in model.named_modules()
+        if hasattr(m, "_consistent_rows")
+    }
+    # Every projection and the embedding's output head, each with its shape's figure.
+    assert {"Linear", "Embedding"} <= {kind for kind, _ in groups}
+    by_shape = dict(zip(rowwise.layer_shapes(model), found, strict=True))
+    assert sorted(set(groups.values())) == sorted(set(by_shape.values()))
+
+
+def _decode(model, prompts, rows, steps=4):
+    batch = DecodeBatch(model, rows)
+    for i, prompt in enumerate(prompts):
+        cache = make_prompt_cache(model)
+        compute_chunks(model, [ChunkWork(cache, prompt, 0, len(prompt))], group=False)
+        batch.add(i, cache, TokenSampler(SamplingParams(temperature=0.0)), prompt[-1])
+    out = [[] for _ in prompts]
+    for _ in range(steps):
+        for i, row in enumerate(batch.step(want_logprobs=True)):
+            out[i].append((row.token, row.logprob))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h", "sliding"])
+def test_a_decode_batch_wider_than_every_group_gives_alone_logprobs(kind):
+    """More rows than any layer's group holds: every layer splits its rows (unevenly
+    across layers), and each row's tokens and logprobs are still its alone run's."""
+    model = loaded_test_model(kind).model
+    rowwise.install(model)
+    rows = rowwise.consistent_rows(model)
+    prompts = [[10 + (7 * i + 13 * k) % 180 for k in range(20 + 3 * i)] for i in range(rows + 2)]
+    together = _decode(model, prompts, rows)
+    alone = [_decode(model, [p], rows)[0] for p in prompts]
+    assert together == alone
+
+
+class _Channel:
+    """Two ranks: this one's figures and the other's."""
+
+    def __init__(self, other: list[int]):
+        self.other = list(other)
+
+    def gather(self, value: int) -> list[int]:
+        return [value, self.other.pop(0)]
+
+
+def test_sharded_ranks_take_each_shapes_smallest_group():
+    assert RankAgreement(_Channel([3, 12, 2, 8])).rows([12, 3, 8]) == [12, 2, 8]
+    # Ranks that measured different shapes (never with an even shard): the least for all.
+    assert RankAgreement(_Channel([2, 5])).rows([12, 3, 8]) == [3, 3, 3]
