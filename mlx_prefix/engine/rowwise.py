@@ -15,8 +15,9 @@ own matmul (stacked prefill chunks), or decode rows in groups no larger than the
 computes like a single row for that layer's shape (`consistent_rows`: on this CPU 12 rows
 for the wide projections and the output head, which hold nearly all the weight bytes a
 decode step reads, but 3 for narrow ones such as a 128-wide value projection), and
-attention runs per row over exactly that row's keys. Everything else (norms, RoPE, convolutions, recurrent scans) computes
-each batch row on its own. Outside the block the modules behave exactly as before.
+attention runs per row over exactly that row's keys. Everything else (norms, RoPE,
+convolutions, recurrent scans) computes each batch row on its own. Outside the block the
+modules behave exactly as before.
 """
 
 from __future__ import annotations
