@@ -89,7 +89,7 @@ class DiskConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_running: int = 8  # requests decoding together in one batch
+    max_running: int = 16  # requests decoding together in one batch
     max_queued: int = 64  # waiting requests beyond this get a busy error
     max_passovers: int = 4  # a waiting request is overtaken at most this many times
     # In-flight sharing: a waiting request sharing at least this many prompt tokens with

@@ -6,6 +6,7 @@ numbers bit for bit."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from conftest import loaded_test_model
@@ -14,8 +15,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_prefix.engine import rowwise
 from mlx_prefix.engine.batch import DecodeBatch
 from mlx_prefix.engine.lockstep import RankAgreement
+from mlx_prefix.engine.rowwise import Grouping
 from mlx_prefix.engine.runner import ChunkWork, compute_chunks
 from mlx_prefix.engine.sampling import TokenSampler
+from mlx_prefix.platform import loaded_blas
 from mlx_prefix.records import SamplingParams
 
 
@@ -32,13 +35,36 @@ def test_every_batch_invariant_layer_gets_its_measured_group():
     rowwise.install(model)
     found = rowwise.measure_rows(model)
     cap = rowwise.assign_rows(model, found)
-    assert cap == max(found)
-    layers = [m for _, m in model.named_modules() if hasattr(m, "_consistent_rows")]
+    assert cap == max(g.most for g in found)
+    layers = [m for _, m in model.named_modules() if hasattr(m, "_grouping")]
     # Every projection and the embedding's output head, each with its shape's figure.
     assert {nn.Linear, nn.Embedding} <= {type(m).__mro__[1] for m in layers}
     by_shape = dict(zip(rowwise.layer_shapes(model), found, strict=True))
-    assert all(m._consistent_rows == by_shape[rowwise._shape_key(m)] for m in layers)
+    assert all(m._grouping == by_shape[rowwise._shape_key(m)] for m in layers)
     assert len(set(found)) > 1  # the test model's layers differ: groups are per layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_layers_rows_past_its_row_group_compute_as_alone_as_columns(bias):
+    """Rows the matmul no longer computes like one row alone (past `as_rows`) go as its
+    columns, each still equal to the layer called on that row alone."""
+    layer = nn.Linear(256, 768, bias=bias)
+    model = nn.Sequential(layer)
+    rowwise.install(model)
+    (grouping,) = rowwise.measure_rows(model, most=24)
+    cap = rowwise.assign_rows(model, [grouping])
+    if mx.default_device() == mx.cpu and loaded_blas() == "openblas":  # measured here
+        assert grouping.as_columns > grouping.as_rows, grouping
+    elif grouping.as_columns <= grouping.as_rows:
+        pytest.skip(f"this backend keeps no more columns than rows apart: {grouping}")
+    x = mx.random.normal((cap, 1, 256), key=mx.random.key(3))
+    alone = [layer(x[i : i + 1]) for i in range(cap)]  # outside `batched`: plain rows
+    with rowwise.batched(cap, lengths=[1] * cap):
+        together = layer(x)
+    assert all(mx.array_equal(together[i : i + 1], alone[i]).item() for i in range(cap))
+    # The same rows as one matmul's rows do not (what the columns are there for).
+    plain = x @ layer.weight.T + (layer.bias if bias else 0)
+    assert not all(mx.array_equal(plain[i : i + 1], alone[i]).item() for i in range(cap))
 
 
 def _decode(model, prompts, rows, steps=4):
@@ -78,6 +104,10 @@ class _Channel:
 
 
 def test_sharded_ranks_take_each_shapes_smallest_group():
-    assert RankAgreement(_Channel([3, 12, 2, 8])).rows([12, 3, 8]) == [12, 2, 8]
+    # Gathered per shape: the length, then each shape's rows and columns.
+    mine = [Grouping(12, 30), Grouping(3, 14), Grouping(8, 0)]
+    other = [3, 12, 20, 2, 14, 8, 0]
+    agreed = RankAgreement(_Channel(other)).rows(mine)
+    assert agreed == [Grouping(12, 20), Grouping(2, 14), Grouping(8, 0)]
     # Ranks that measured different shapes (never with an even shard): the least for all.
-    assert RankAgreement(_Channel([2, 5])).rows([12, 3, 8]) == [3, 3, 3]
+    assert RankAgreement(_Channel([2, 5])).rows(mine) == [Grouping(3)] * 3

@@ -146,7 +146,7 @@ def cache_args(p: argparse.ArgumentParser) -> None:
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--max-running", type=int, help="requests decoding together in one batch (default 8)"
+        "--max-running", type=int, help="requests decoding together in one batch (default 16)"
     )
     p.add_argument(
         "--max-queued",

@@ -18,6 +18,7 @@ from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine import rowwise
 from mlx_prefix.engine.kv_quant import KvQuant, check_model
 from mlx_prefix.engine.probe import ProbeResult, probe
+from mlx_prefix.engine.rowwise import Grouping
 from mlx_prefix.engine.speculative import DraftMismatch, Speculator, check_draft, verify_matches
 from mlx_prefix.models.load import LoadedModel
 
@@ -55,7 +56,7 @@ class Agreement:
     """How the ranks of a sharded engine combine what each measured
     (engine/lockstep.py); an engine on its own keeps its own figures."""
 
-    def rows(self, found: list[int]) -> list[int]:
+    def rows(self, found: list[Grouping]) -> list[Grouping]:
         """Each layer shape's decode row group (engine/rowwise.py `measure_rows`)."""
         return found
 

@@ -29,6 +29,7 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.jobs import Job
 from mlx_prefix.engine.pace import Pace
 from mlx_prefix.engine.probe import ProbeResult
+from mlx_prefix.engine.rowwise import Grouping
 from mlx_prefix.engine.turns import CacheAction, JobSpec, LatchedHandle, TurnPlan
 from mlx_prefix.group import Channel, Cluster
 
@@ -54,13 +55,16 @@ class RankAgreement(Agreement):
     def __init__(self, channel: Channel):
         self.channel = channel
 
-    def rows(self, found: list[int]) -> list[int]:
+    def rows(self, found: list[Grouping]) -> list[Grouping]:
         # Every rank groups each layer's rows alike: a sharded layer sums over the ranks
         # once per group.
         if len(set(self.channel.gather(len(found)))) > 1:  # shapes differ between ranks
-            least = min(self.channel.gather(min(found, default=1)))
-            return [least] * len(found)
-        return [min(self.channel.gather(rows)) for rows in found]
+            least = min(self.channel.gather(min((g.as_rows for g in found), default=1)))
+            return [Grouping(least)] * len(found)
+        return [
+            Grouping(min(self.channel.gather(g.as_rows)), min(self.channel.gather(g.as_columns)))
+            for g in found
+        ]
 
     def verdicts(self, checked: ProbeResult) -> ProbeResult:
         votes = self.channel.gather(int(checked.stacked_prefill) | 2 * int(checked.batched_decode))

@@ -12,9 +12,12 @@ call (measured with OpenBLAS on this CPU; docs/ARCHITECTURE.md):
   that reduction differently (diverged after ~20 steps at 300 keys on SmolLM2).
 So inside `batched(...)` the model's linear layers project each sequence's rows in their
 own matmul (stacked prefill chunks), or decode rows in groups no larger than the BLAS
-computes like a single row for that layer's shape (`consistent_rows`: on this CPU 12 rows
-for the wide projections and the output head, which hold nearly all the weight bytes a
-decode step reads, but 3 for narrow ones such as a 128-wide value projection), and
+computes like that row alone for the layer's shape (`measure_rows`): on this CPU 12 rows
+as the matmul's rows for the wide projections and the output head, which hold nearly all
+the weight bytes a decode step reads, 3 for narrow ones such as a 128-wide value
+projection; past that a float layer takes the rows as the matmul's columns (W @ X^T),
+which the BLAS keeps apart for up to 30 of them here, each still equal to the row alone
+as rows (so neither the form nor the group changes a number), and
 attention runs per row over exactly that row's keys. Everything else (norms, RoPE,
 convolutions, recurrent scans) computes each batch row on its own. Outside the block the
 modules behave exactly as before.
@@ -27,6 +30,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +40,21 @@ from mlx.nn.layers.distributed import (
     QuantizedShardedToAllLinear,
     ShardedToAllLinear,
 )
+
+
+class Grouping(NamedTuple):
+    """How many decode rows one call of a linear layer may project and still compute
+    each exactly like the layer called on that row alone (`measure_rows`)."""
+
+    as_rows: int  # as the matmul's rows, its own call (at least 1)
+    as_columns: int = 0  # as its columns, W @ X^T (float layers; 0: never alike)
+
+    @property
+    def most(self) -> int:
+        return max(self.as_rows, self.as_columns)
+
+
+ALONE = Grouping(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,24 +89,42 @@ def batched(
         _mode.batched = before
 
 
-def _split(base, x: mx.array, layer_rows: int) -> mx.array:
-    """`base(x)` with decode rows in groups of at most the step's `rows` and the layer's
-    own `layer_rows` (what its shape computes like one row)."""
+def _split(base, x: mx.array, layer: nn.Module) -> mx.array:
+    """`base(x)`, with decode rows (a decode step's, a verify's) in groups that compute
+    each row like `base` of that row alone: at most the step's `rows` and the layer's
+    own measured group (`Grouping`); a stacked prefill sequence's rows stay together."""
     mode = _current()
+    grouping = _grouping(layer)
+
+    def project(group: mx.array) -> mx.array:
+        if group.shape[0] <= grouping.as_rows or group.shape[1] != 1:
+            return base(group)
+        return _as_columns(layer, group)
+
     if mode is not None and mode.verify and x.ndim == 3 and x.shape[1] > 1:
         # [1, L, D] -> L decode rows [L, 1, D], in groups that compute like one row each.
         assert x.shape[0] == 1, "a verify forward holds one sequence"
         rows = x.reshape(x.shape[1], 1, x.shape[2])
-        per = min(mode.rows, layer_rows)
-        out = mx.concatenate([base(rows[i : i + per]) for i in range(0, len(rows), per)])
+        per = min(mode.rows, grouping.most)
+        out = mx.concatenate([project(rows[i : i + per]) for i in range(0, len(rows), per)])
         return out.reshape(1, x.shape[1], out.shape[-1])
     if mode is None or x.ndim < 3 or x.shape[0] == 1:
         return base(x)
-    # A prefill sequence's rows stay together.
-    per = _even(x.shape[0], min(mode.rows, layer_rows)) if x.shape[1] == 1 else 1
+    per = _even(x.shape[0], min(mode.rows, grouping.most)) if x.shape[1] == 1 else 1
     if per >= x.shape[0]:
-        return base(x)
-    return mx.concatenate([base(x[i : i + per]) for i in range(0, x.shape[0], per)])
+        return project(x)
+    return mx.concatenate([project(x[i : i + per]) for i in range(0, x.shape[0], per)])
+
+
+def _as_columns(layer: nn.Module, x: mx.array) -> mx.array:
+    """A float linear layer (or an embedding's output head) on decode rows [n, 1, D]
+    computed as W @ X^T: the rows are the matmul's columns, which the BLAS keeps apart
+    for more of them than it does a matmul's rows (`measure_rows`)."""
+    n, _, dims = x.shape
+    y = (layer.weight @ x.reshape(n, dims).T).T  # [n, out]
+    if "bias" in layer:
+        y = y + layer.bias
+    return y[:, None, :]
 
 
 def _even(n: int, most: int) -> int:
@@ -98,21 +135,21 @@ def _even(n: int, most: int) -> int:
     return -(-n // groups)
 
 
-def _layer_rows(layer: nn.Module) -> int:
-    # Set by `consistent_rows`; a layer it has not measured computes each row alone.
-    return getattr(layer, "_consistent_rows", 1)
+def _grouping(layer: nn.Module) -> Grouping:
+    # Set by `assign_rows`; a layer it has not measured computes each row alone.
+    return getattr(layer, "_grouping", ALONE)
 
 
 def _split_call(base_call):
     def __call__(self, x: mx.array) -> mx.array:
-        return _split(lambda v: base_call(self, v), x, _layer_rows(self))
+        return _split(lambda v: base_call(self, v), x, self)
 
     return __call__
 
 
 def _split_as_linear(base_as_linear):
     def as_linear(self, x: mx.array) -> mx.array:
-        return _split(lambda v: base_as_linear(self, v), x, _layer_rows(self))
+        return _split(lambda v: base_as_linear(self, v), x, self)
 
     return as_linear
 
@@ -200,7 +237,7 @@ def _rowwise_class(cls: type) -> type:
 
 
 _TARGETS = (*_CALLED, nn.Embedding, nn.QuantizedEmbedding)
-# Layers whose row-consistency `consistent_rows` measures (quantized sharded ones are
+# Layers whose row groups `measure_rows` measures (quantized sharded ones are
 # left to the startup probe).
 _MEASURED = (nn.Linear, nn.QuantizedLinear, AllToShardedLinear, ShardedToAllLinear)
 
@@ -218,34 +255,48 @@ def install(model: nn.Module) -> None:
             source.scaled_dot_product_attention = _per_row_sdpa(sdpa)
 
 
-MOST_ROWS = 16  # the largest decode row group measured
+MOST_ROWS = 32  # the largest decode row group measured
 
 
-def measure_rows(model: nn.Module, most: int = MOST_ROWS) -> list[int]:
-    """For each linear layer shape in the model (in `layer_shapes` order), the largest
-    row count m <= `most` such that each row of a matmul of up to m rows equals that row
-    computed alone (random data: the BLAS picks its kernels by shape, not by values)."""
+def measure_rows(model: nn.Module, most: int = MOST_ROWS) -> list[Grouping]:
+    """For each linear layer shape in the model (in `layer_shapes` order), how many rows
+    (up to `most`) one call may hold such that each row equals the layer called on that
+    row alone (random data: the BLAS picks its kernels by shape, not by values), as the
+    matmul's rows and, for a float layer, as its columns."""
     key = mx.random.key(0)
     found = []
     for layer in layer_shapes(model).values():
-        if isinstance(layer, _SHARDED):  # this rank's part alone: no sum over the ranks
-            project = lambda v, w=layer.weight: v @ w.T  # noqa: E731
-        elif isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
-            project = layer
-        else:
-            project = layer.as_linear
         dims = layer.weight.shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
         x = mx.random.normal((most, 1, dims), key=key)
-        alone = [project(x[i : i + 1]) for i in range(most)]
-        good = most
-        for m in range(2, most + 1):
-            rows = project(x[:m])
-            mx.eval(rows, alone[:m])
-            if not all(mx.array_equal(rows[i : i + 1], alone[i]).item() for i in range(m)):
-                good = m - 1
-                break
-        found.append(good)
+        as_rows = _as_rows(layer)
+        alone = [as_rows(x[i : i + 1]) for i in range(most)]
+        grouping = Grouping(_alike_rows(as_rows, x, alone))
+        if _shape_key(layer)[0] in (nn.Linear, nn.Embedding):  # float, not sharded
+            columns = _alike_rows(lambda v, layer=layer: _as_columns(layer, v), x, alone)
+            grouping = grouping._replace(as_columns=columns)
+        found.append(grouping)
     return found
+
+
+def _as_rows(layer: nn.Module):
+    """The layer's own projection of rows (this rank's part alone, for a sharded one:
+    no sum over the ranks)."""
+    if isinstance(layer, _SHARDED):
+        return lambda v, w=layer.weight: v @ w.T
+    if isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
+        return layer
+    return layer.as_linear
+
+
+def _alike_rows(project, x: mx.array, alone: list[mx.array]) -> int:
+    """The largest m such that `project` of up to m of x's rows gives each its `alone`
+    result (0 if not even one)."""
+    for m in range(1, len(x) + 1):
+        rows = project(x[:m])
+        mx.eval(rows, alone[:m])
+        if not all(mx.array_equal(rows[i : i + 1], alone[i]).item() for i in range(m)):
+            return m - 1
+    return len(x)
 
 
 def layer_shapes(model: nn.Module) -> dict[tuple, nn.Module]:
@@ -264,16 +315,16 @@ def _shape_key(module: nn.Module) -> tuple:
     return (plain, tuple(module.weight.shape))
 
 
-def assign_rows(model: nn.Module, found: list[int]) -> int:
-    """Give each batch-invariant layer the row count measured for its shape (`found`,
-    from `measure_rows`); kinds not measured get the smallest. Returns the largest: the
-    most rows a decode step's matmul may then hold."""
+def assign_rows(model: nn.Module, found: list[Grouping]) -> int:
+    """Give each batch-invariant layer the grouping measured for its shape (`found`,
+    from `measure_rows`); kinds not measured get the smallest row group measured.
+    Returns the largest group: the most rows a decode step may then hold."""
     by_shape = dict(zip(layer_shapes(model), found, strict=True))
-    fallback = max(1, min(found, default=1))
+    fallback = Grouping(max(1, min((g.as_rows for g in found), default=1)))
     for _, module in model.named_modules():
         if type(module) in _subclasses.values():
-            module._consistent_rows = max(1, by_shape.get(_shape_key(module), fallback))
-    return max(1, max(found, default=1))
+            module._grouping = by_shape.get(_shape_key(module), fallback)
+    return max(1, max((g.most for g in found), default=1))
 
 
 def consistent_rows(model: nn.Module, most: int = MOST_ROWS) -> int:
