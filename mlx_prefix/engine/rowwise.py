@@ -270,7 +270,7 @@ def measure_rows(model: nn.Module, most: int = MOST_ROWS) -> list[Grouping]:
         x = mx.random.normal((most, 1, dims), key=key)
         as_rows = _as_rows(layer)
         alone = [as_rows(x[i : i + 1]) for i in range(most)]
-        grouping = Grouping(_alike_rows(as_rows, x, alone))
+        grouping = Grouping(max(1, _alike_rows(as_rows, x, alone)))  # 1: alone as ever
         if _shape_key(layer)[0] in (nn.Linear, nn.Embedding):  # float, not sharded
             columns = _alike_rows(lambda v, layer=layer: _as_columns(layer, v), x, alone)
             grouping = grouping._replace(as_columns=columns)
