@@ -39,7 +39,8 @@ class ProbeResult:
 def probe(model: nn.Module, rows: int, vocab: int) -> ProbeResult:
     """Compare batched and alone forwards of `model` on synthetic tokens (engine thread)."""
     span = max(2, min(vocab, 1000) - 10)
-    # Decode: one row more than a group holds, so groups split as they will in service.
+    # Decode: up to 5 rows, past a narrow layer's row group (its rows then go as columns,
+    # as in service); each layer's own groups are checked by rowwise.measure_rows.
     count = max(3, min(rows + 1, _MOST_PROMPTS))
     prompts = [[10 + (7 * i + 13 * k) % span for k in range(24 + 5 * i)] for i in range(count)]
     try:

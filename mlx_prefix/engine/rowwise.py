@@ -17,10 +17,10 @@ as the matmul's rows for the wide projections and the output head, which hold ne
 the weight bytes a decode step reads, 3 for narrow ones such as a 128-wide value
 projection; past that a float layer takes the rows as the matmul's columns (W @ X^T),
 which the BLAS keeps apart for up to 30 of them here, each still equal to the row alone
-as rows (so neither the form nor the group changes a number), and
-attention runs per row over exactly that row's keys. Everything else (norms, RoPE,
-convolutions, recurrent scans) computes each batch row on its own. Outside the block the
-modules behave exactly as before.
+as rows (so neither the form nor the group changes a number), and attention runs per row
+over exactly that row's keys. Everything else (norms, RoPE, convolutions, recurrent
+scans) computes each batch row on its own. Outside the block the modules behave exactly
+as before.
 """
 
 from __future__ import annotations
