@@ -62,9 +62,11 @@ def rows_equal(layer: nn.Module, mine: int, others: tuple[int, ...], block: int)
     multiple of `block` rows, its own matmul included (1: as they come)."""
     project = _project(layer)
     dims = _inputs(layer)
+    dtype = layer.scales.dtype if hasattr(layer, "scales") else layer.weight.dtype
     chunks = [
-        mx.random.normal((n, dims), key=mx.random.key(i)) for i, n in enumerate((mine, *others))
-    ]
+        mx.random.normal((n, dims), dtype, key=mx.random.key(i))
+        for i, n in enumerate((mine, *others))
+    ]  # the layer's own dtype: a bfloat16 model on Metal is measured in bfloat16
     blocks = [_padded(c, block) for c in chunks]
     alone = project(blocks[0])[:mine]
     first = project(mx.concatenate(blocks))[:mine]
