@@ -43,14 +43,6 @@ CASES = ((40, (45, 38, 51, 40, 47)), (150, (160, 140)), (256, (256,)), (7, (300,
 BLOCK = 64  # the padded layout: each request's rows start on a multiple of this
 
 
-def _project(layer: nn.Module):
-    return layer if isinstance(layer, (nn.Linear, nn.QuantizedLinear)) else layer.as_linear
-
-
-def _inputs(layer: nn.Module) -> int:
-    return layer.weight.shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
-
-
 def _padded(x: mx.array, block: int) -> mx.array:
     extra = -x.shape[0] % block
     return mx.concatenate([x, mx.zeros((extra, x.shape[1]), x.dtype)]) if extra else x
@@ -60,8 +52,8 @@ def rows_equal(layer: nn.Module, mine: int, others: tuple[int, ...], block: int)
     """Whether `mine` rows projected inside one matmul with `others` rows equal their own
     matmul's, with the chunk placed first and then last; every request padded to a
     multiple of `block` rows, its own matmul included (1: as they come)."""
-    project = _project(layer)
-    dims = _inputs(layer)
+    project = rowwise.own_projection(layer)
+    dims = rowwise.input_width(layer)
     dtype = layer.scales.dtype if hasattr(layer, "scales") else layer.weight.dtype
     chunks = [
         mx.random.normal((n, dims), dtype, key=mx.random.key(i))
@@ -79,7 +71,7 @@ def rows_equal(layer: nn.Module, mine: int, others: tuple[int, ...], block: int)
 def rows_table(model: nn.Module) -> list[dict]:
     table = []
     for (kind, shape), layer in rowwise.layer_shapes(model).items():
-        row = {"layer": kind.__name__, "inputs": _inputs(layer), "outputs": shape[0]}
+        row = {"layer": kind.__name__, "inputs": rowwise.input_width(layer), "outputs": shape[0]}
         row["cases"] = 2 * len(CASES)
         for name, block in (("as_they_come", 1), ("padded", BLOCK)):
             row[name] = sum(sum(rows_equal(layer, m, o, block)) for m, o in CASES)

@@ -266,9 +266,8 @@ def measure_rows(model: nn.Module, most: int = MOST_ROWS) -> list[Grouping]:
     key = mx.random.key(0)
     found = []
     for layer in layer_shapes(model).values():
-        dims = layer.weight.shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
-        x = mx.random.normal((most, 1, dims), key=key)
-        as_rows = _as_rows(layer)
+        x = mx.random.normal((most, 1, input_width(layer)), key=key)
+        as_rows = own_projection(layer)
         alone = [as_rows(x[i : i + 1]) for i in range(most)]
         grouping = Grouping(max(1, _alike_rows(as_rows, x, alone)))  # 1: alone as ever
         if _shape_key(layer)[0] in (nn.Linear, nn.Embedding):  # float, not sharded
@@ -278,7 +277,12 @@ def measure_rows(model: nn.Module, most: int = MOST_ROWS) -> list[Grouping]:
     return found
 
 
-def _as_rows(layer: nn.Module):
+def input_width(layer: nn.Module) -> int:
+    """The width of the rows a linear layer (or an embedding's output head) projects."""
+    return layer.weight.shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
+
+
+def own_projection(layer: nn.Module):
     """The layer's own projection of rows (this rank's part alone, for a sharded one:
     no sum over the ranks)."""
     if isinstance(layer, _SHARDED):
