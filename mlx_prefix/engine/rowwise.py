@@ -333,6 +333,6 @@ def assign_rows(model: nn.Module, found: list[Grouping]) -> int:
 
 def consistent_rows(model: nn.Module, most: int = MOST_ROWS) -> int:
     """Measure and assign each layer's decode row group (`install` first); returns the
-    most rows a decode step's matmul may hold (an engine on its own, and the tests; a
-    sharded engine agrees on the measurements between its ranks first)."""
+    most rows a decode step's matmul may hold. The tests' shorthand: the engine's
+    calibration (engine/calibration.py) lets a sharded model's ranks agree in between."""
     return assign_rows(model, measure_rows(model, most))
