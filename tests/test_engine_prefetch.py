@@ -13,7 +13,7 @@ from engine_helpers import chat, run, wait_for, warm_equals_cold
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
-from mlx_prefix.engine.prefetch import next_turn_prompt, wants_prefetch
+from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3

@@ -1,4 +1,4 @@
-from mlx_prefix.engine.text import TextStream
+from mlx_prefix.engine.decode.text import TextStream
 
 
 class CharDetokenizer:

@@ -1,4 +1,4 @@
-"""The disk tier: checkpoints as files that outlive the process (DESIGN 8).
+"""The disk tier: checkpoints as files that outlive the process (invariant 8).
 
 One safetensors file per checkpoint (format: `disk_header`, `disk_payload`), named by
 a strong hash of (model key, token ids). `DiskCache` is the tier's one entry point; its
@@ -29,7 +29,7 @@ sharing a directory each keep their own view (each enforces the budget on it).
 
 Thread-safety: every public method may be called from any thread; the index is
 guarded by one lock. `save` and `load` read and build MLX arrays: call them on the
-engine thread (DESIGN 1). File I/O runs outside the lock.
+engine thread (invariant 1). File I/O runs outside the lock.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class DiskCache:
     def match(
         self, model_key: str, tokens: Sequence[int], align: Callable[[int], int]
     ) -> DiskMatch | None:
-        """The stored checkpoint giving the longest reuse for `tokens` (DESIGN 3), or None.
+        """The stored checkpoint giving the longest reuse for `tokens` (invariant 3), or None.
 
         `align(n)` is the largest grid point <= n. Same rules as the memory store:
         trimmable entries reuse their common prefix with `tokens`, aligned and capped

@@ -1,6 +1,6 @@
 """The disk tier's file I/O: survey the directory, write atomically, remove, touch.
 
-Never serve a wrong file (DESIGN 8):
+Never serve a wrong file (invariant 8):
 - writes are atomic: a temp file `<name>.tmp-<pid>-<rand>` in the same directory,
   locked (flock) by its writer, flushed and fsynced, then `os.replace`d onto its name;
   a crash leaves at most a temp file, which a later scan removes once nobody holds its

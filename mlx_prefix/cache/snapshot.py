@@ -1,6 +1,6 @@
 """Immutable captures of a request's per-layer cache, restored copy-on-write.
 
-Besides `disk_payload`, the only cache module that touches MLX. Why sharing is safe (DESIGN 2):
+Besides `disk_payload`, the only cache module that touches MLX. Why sharing is safe (invariant 2):
 - MLX arrays are values: `x[a:b] = y` builds a new array and rebinds that one
   Python object to it. It writes into the old buffer only when that buffer is
   donatable (no other array or view references it). A snapshot's arrays are
@@ -15,7 +15,7 @@ Besides `disk_payload`, the only cache module that touches MLX. Why sharing is s
 Memory: a view keeps its whole buffer alive, and a live KVCache's buffer is
 step-padded (up to `KVCache.step - 1` tokens per layer past its offset). So a
 snapshot's `nbytes` counts the buffers it keeps alive, not just the tokens it
-covers: the byte budget holds what is really resident (DESIGN 6). Recurrent state
+covers: the byte budget holds what is really resident (invariant 6). Recurrent state
 arrays can be views of a whole chunk's input (Nemotron-H's conv state): they are
 copied down to their own size.
 
@@ -68,7 +68,7 @@ class Snapshot:
     layers: tuple[LayerSnapshot, ...]  # one per model layer
     buffers: tuple[Buffer, ...] = ()  # what it keeps alive; () = one buffer of its own
     # Speculative decoding: the draft model's cache at the same `length` (counted in
-    # `nbytes` and `buffers`); restored beside the target's (engine/speculative.py).
+    # `nbytes` and `buffers`); restored beside the target's (engine/decode/speculative.py).
     draft: Snapshot | None = None
 
 
@@ -169,7 +169,7 @@ def is_trimmable(cache: list[Any]) -> bool:
     """Whether every layer can drop tokens from its end. Does not mutate.
 
     Quantized KV counts as not trimmable: positions below --quantized-kv-start are
-    float in a cold run, so a quantized state restores only exactly (engine/kv_quant.py).
+    float in a cold run, so a quantized state restores only exactly (engine/forward/kv_quant.py).
     """
     return all(c.is_trimmable() and not isinstance(c, QuantizedKVCache) for c in cache)
 

@@ -11,14 +11,14 @@ insertion, pins and the budget are decided here; the entries and their bookkeepi
 (buffers held, each counted once; work each saves) live in `entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
-- each key has its own trie; a lookup never crosses keys (the model, DESIGN 7, and
-  the namespace, DESIGN 10, are in the key); listings and flushes select the keys a
+- each key has its own trie; a lookup never crosses keys (the model, invariant 7, and
+  the namespace, invariant 10, are in the key); listings and flushes select the keys a
   selector `covers`;
 - stored bytes (distinct buffers: one prefill's checkpoints share its KV) + active
   request bytes (less the buffers they share with stored entries: `active.py`) <=
-  budget, unless every remaining entry is pinned or locked (DESIGN 6);
+  budget, unless every remaining entry is pinned or locked (invariant 6);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
-- a reuse always leaves at least one prompt token to compute (DESIGN 3).
+- a reuse always leaves at least one prompt token to compute (invariant 3).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class PromptCache:
         *,
         record: bool = True,
     ) -> CacheMatch:
-        """Find the entry giving the longest reuse for `tokens` (DESIGN 3).
+        """Find the entry giving the longest reuse for `tokens` (invariant 3).
 
         `align(n)` is the largest grid position <= n. Trimmable entries reuse their
         common prefix with `tokens`, aligned and capped at len(tokens) - 1;

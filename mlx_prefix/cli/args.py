@@ -85,7 +85,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
 
 
 def draft_args(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding, as mlx_lm.server's flags (engine/speculative.py)."""
+    """Speculative decoding, as mlx_lm.server's flags (engine/decode/speculative.py)."""
     p.add_argument(
         "--draft-model",
         help="a smaller model with the same tokenizer that proposes tokens for the model "
@@ -196,7 +196,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_quant_args(p: argparse.ArgumentParser) -> None:
-    """mlx_lm's quantized KV cache flags (engine/kv_quant.py)."""
+    """mlx_lm's quantized KV cache flags (engine/forward/kv_quant.py)."""
     p.add_argument(
         "--kv-bits",
         type=int,

@@ -69,7 +69,7 @@ def serve(engine: Any, settings: ServerSettings, loader: EngineLoader | None = N
         lifespan="on",
     )
     log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
-    cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/distributed.py)
+    cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/sharded/distributed.py)
     if cluster is not None:
         log.info("%s", cluster.describe())
     del engine  # the pool owns it: once unloaded, nothing here may keep its weights alive

@@ -1,4 +1,4 @@
-"""Cache namespaces over HTTP (issue 19, DESIGN 10): which part of the prompt cache a
+"""Cache namespaces over HTTP (issue 19, invariant 10): which part of the prompt cache a
 request reads and writes, and which entries a caller may list and act on.
 
 Every response reports `cached_tokens`, and a hit answers sooner than a miss, so a

@@ -4,7 +4,7 @@
 Both families say the same thing in two shapes: chat nests the schema
 (`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`), Responses
 flattens it (`{"type": "json_schema", "name", "schema", "strict"}`). The schema is
-compiled by the engine (engine/constraints.py), which blames `ResponseFormat.param`
+compiled by the engine (engine/decode/constraints.py), which blames `ResponseFormat.param`
 when it cannot be used. The reply always follows the schema: `strict: false` asks for
 less than that, so it is accepted too.
 """

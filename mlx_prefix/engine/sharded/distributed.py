@@ -6,7 +6,7 @@ with the same shapes, in the same order. So every rank runs this engine, with th
 code for matching, restoring, prefill chunks, checkpoints, eviction and decoding, and
 every input that is not already the same on every rank comes from rank 0: once per
 turn, before any forward, rank 0 sends the turn's plan and every rank applies it, then
-takes the step (engine/lockstep.py, the engine thread). Inside a step the remaining
+takes the step (engine/sharded/lockstep.py, the engine thread). Inside a step the remaining
 inputs are agreed where they arise: the sampled tokens are rank 0's
 (group.Channel.agree_tokens), a disk hit is used only when every rank's disk has it,
 and the startup probe's verdicts are combined. The stores then hold the same entries
@@ -35,10 +35,10 @@ from typing import Any
 from mlx_prefix.cache.records import EvictOutcome
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import SHUTDOWN_SAVES_S
-from mlx_prefix.engine.handle import RequestHandle
-from mlx_prefix.engine.jobs import Job, WarmResult
-from mlx_prefix.engine.lockstep import Asked, Diverged, Lockstep, PlannedPace, drain
-from mlx_prefix.engine.turns import CacheAction, LatchedHandle, TurnPlan
+from mlx_prefix.engine.requests.handle import RequestHandle
+from mlx_prefix.engine.requests.jobs import Job, WarmResult
+from mlx_prefix.engine.sharded.lockstep import Asked, Diverged, Lockstep, PlannedPace, drain
+from mlx_prefix.engine.sharded.plan import CacheAction, LatchedHandle, TurnPlan
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.group import Channel, Cluster
 from mlx_prefix.models.load import LoadedModel

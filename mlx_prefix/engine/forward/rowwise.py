@@ -61,7 +61,7 @@ ALONE = Grouping(1)
 class Batched:
     rows: int  # decode rows one matmul may hold (1: each row alone)
     lengths: tuple[int, ...] | None = None  # decode: keys of each row after this step
-    # A speculative verify (engine/speculative.py): one sequence's L positions computed
+    # A speculative verify (engine/decode/speculative.py): one sequence's L positions computed
     # as L consecutive decode steps of a batch of one.
     verify: bool = False
 
@@ -334,5 +334,5 @@ def assign_rows(model: nn.Module, found: list[Grouping]) -> int:
 def consistent_rows(model: nn.Module, most: int = MOST_ROWS) -> int:
     """Measure and assign each layer's decode row group (`install` first); returns the
     most rows a decode step's matmul may hold. The tests' shorthand: the engine's
-    calibration (engine/calibration.py) lets a sharded model's ranks agree in between."""
+    calibration (engine/forward/calibration.py) lets a sharded model's ranks agree in between."""
     return assign_rows(model, measure_rows(model, most))

@@ -64,7 +64,7 @@ class ChatTraffic:
         """A request got `reply` (mutates). Returns whether it is a first turn (no reply
         in its history) of a client seen continuing a conversation before: then the
         next turn is worth prefetching. What one cache namespace (`scope`: the request's
-        entry key) teaches never applies to another's requests (DESIGN 10)."""
+        entry key) teaches never applies to another's requests (invariant 10)."""
         if source.messages is None:
             return False
         messages = list(source.messages)

@@ -4,7 +4,7 @@ mlx_lm.generate.maybe_quantize_kv_cache runs after every forward: each KVCache l
 whose offset has reached `start` becomes a QuantizedKVCache (its whole buffer quantized
 at once; later tokens quantized as they are written). Here the same check runs after
 every forward too: each prefill grid chunk and each decode step. Because the chunk grid
-is a pure function of the prefix (DESIGN 4), a cold run and a run restored from any
+is a pure function of the prefix (invariant 4), a cold run and a run restored from any
 checkpoint quantize at the same offset (the first grid point at or past `start`), so a
 hit reproduces a cold run bit for bit:
 - a checkpoint at p < start holds float KV (one bound after the switch would hold the
@@ -18,7 +18,7 @@ Only plain attention KVCache layers quantize (what mlx_lm converts): recurrent s
 (ArraysCache) and sliding-window layers (RotatingKVCache, which mlx_lm cannot quantize)
 stay float. Quantized caches have no batched form in mlx-lm (no merge, no batched
 quantized attention), so a quantized server runs one request at a time, as
-mlx_lm.server does with --kv-bits (engine/batch.py decodes such a row unmerged).
+mlx_lm.server does with --kv-bits (engine/decode/batch.py decodes such a row unmerged).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The engine thread of a sharded engine (engine/distributed.py): every rank takes the
+"""The engine thread of a sharded engine (engine/sharded/distributed.py): every rank takes the
 same turns in lockstep, rank 0 decides.
 
 Once per turn, before any forward, rank 0 gathers the turn's inputs into a plan
-(engine/turns.py: new jobs with their seeds drawn, latched cancels, its clock and
+(engine/sharded/plan.py: new jobs with their seeds drawn, latched cancels, its clock and
 prefill budget, cache actions, disk-save timing, shutdown flags); every rank exchanges
 it together with a digest of its engine state, applies it, then takes the base
 engine's step (engine/loop.py). A digest that differs raises Diverged: the group
@@ -24,13 +24,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_prefix.engine.calibration import PLAIN, Agreement, calibrate
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.jobs import Job
-from mlx_prefix.engine.pace import Pace
-from mlx_prefix.engine.probe import ProbeResult
-from mlx_prefix.engine.rowwise import Grouping
-from mlx_prefix.engine.turns import CacheAction, JobSpec, LatchedHandle, TurnPlan
+from mlx_prefix.engine.forward.calibration import PLAIN, Agreement, calibrate
+from mlx_prefix.engine.forward.probe import ProbeResult
+from mlx_prefix.engine.forward.rowwise import Grouping
+from mlx_prefix.engine.requests.jobs import Job
+from mlx_prefix.engine.requests.pace import Pace
+from mlx_prefix.engine.sharded.plan import CacheAction, JobSpec, LatchedHandle, TurnPlan
 from mlx_prefix.group import Channel, Cluster
 
 HEARTBEAT_S = 2.0  # an idle rank 0 exchanges a plan at least this often
@@ -114,7 +114,7 @@ class Lockstep(Engine):
                 self._lead()
             else:
                 self._follow()
-        except Exception as e:  # noqa: BLE001 - the group ends (engine/distributed.py)
+        except Exception as e:  # noqa: BLE001 - the group ends (engine/sharded/distributed.py)
             self._fail(e)
 
     def _lead(self) -> None:

@@ -9,8 +9,8 @@ an immutable snapshot: the request goes on writing into its own cache meanwhile.
 
 The queue is bounded (MAX_PENDING_SAVES: a full queue writes its oldest save at once),
 and the queued snapshots' bytes that the memory store does not already hold count in
-its byte budget (DESIGN 6) as one active entry. A queued save is written, or dropped
-with a log line naming it (DESIGN 11: a shutdown that runs out of time).
+its byte budget (invariant 6) as one active entry. A queued save is written, or dropped
+with a log line naming it (invariant 11: a shutdown that runs out of time).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class _PendingSave:
     queued_at: float
 
 
-class DiskTier:
+class DiskAccess:
     def __init__(
         self,
         config: DiskConfig,
@@ -63,7 +63,7 @@ class DiskTier:
         self.store = store  # the queued snapshots' bytes count in its budget
         self._bytes_key = bytes_key
         self._pending: deque[_PendingSave] = deque()
-        # Sharded (engine/distributed.py): whether every rank has the same value, a
+        # Sharded (engine/sharded/distributed.py): whether every rank has the same value, a
         # collective; a disk hit is used only when every rank has it.
         self.agree: Callable[[int], bool] | None = None
         self.dropped = 0  # saves given up (logged each): shutdown out of time, a lost state

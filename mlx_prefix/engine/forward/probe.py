@@ -1,6 +1,6 @@
 """Startup check that batching keeps this model's numbers, on this device and BLAS.
 
-engine/rowwise.py makes batched forwards batch-invariant for what was measured on this
+engine/forward/rowwise.py makes batched forwards batch-invariant for what was measured on this
 CPU (OpenBLAS) and reasoned from MLX's Metal dispatch; a model with other layers (an
 attention that bypasses mlx-lm's function, mixture-of-experts routing) or a backend
 with other kernels could still break it. So once per engine the model computes a short
@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.engine.batch import DecodeBatch
-from mlx_prefix.engine.runner import ChunkWork, compute_chunks
-from mlx_prefix.engine.sampling import TokenSampler
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.sampling import TokenSampler
+from mlx_prefix.engine.forward.runner import ChunkWork, compute_chunks
 from mlx_prefix.records import SamplingParams
 
 log = logging.getLogger("mlx_prefix.engine")

@@ -8,18 +8,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mlx_prefix.engine.constraints import Constraint
-from mlx_prefix.engine.handle import RequestHandle
-from mlx_prefix.engine.runner import PrefillCursor
-from mlx_prefix.engine.text import TextStream
+from mlx_prefix.engine.decode.constraints import Constraint
+from mlx_prefix.engine.decode.text import TextStream
+from mlx_prefix.engine.forward.runner import PrefillCursor
+from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.prompt.boundaries import RenderedPrompt
 from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, SamplingParams, Usage
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlx_prefix.engine.checkpoints import Checkpointer
-    from mlx_prefix.engine.speculative import DraftCache
+    from mlx_prefix.engine.decode.speculative import DraftCache
+    from mlx_prefix.engine.prefill.checkpoints import Checkpointer
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class WarmResult:
 
 @dataclass(slots=True)
 class PrefetchStats:
-    """Next-turn prefetch (engine/prefetch.py): background prefills and their tokens."""
+    """Next-turn prefetch (engine/requests/prefetch.py): background prefills and their tokens."""
 
     started: int = 0
     completed: int = 0
@@ -58,7 +58,7 @@ class Job:
     constraint: Constraint | None = None
     stored_to: int = 0  # furthest prompt position its prefill stored in the cache
     # Unique in this process, never reused (unlike id()): names the job to in-flight
-    # sharing, and across ranks to a sharded engine (engine/distributed.py).
+    # sharing, and across ranks to a sharded engine (engine/sharded/distributed.py).
     serial: int = field(default_factory=itertools.count(1).__next__)
 
     @property
@@ -80,7 +80,7 @@ class PrefillTask:
     checkpointer: Checkpointer | None = None  # what this prefill stores (None: no cache)
     draft: DraftCache | None = None  # --draft-model: the draft's cache of the same prefix
     # The prompt is computed: its last logits [1, V], held until the request joins the
-    # decode batch with the rest of its burst (engine/pace.py `gathers`).
+    # decode batch with the rest of its burst (engine/requests/pace.py `gathers`).
     logits: mx.array | None = None
 
     @property

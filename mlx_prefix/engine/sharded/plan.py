@@ -1,10 +1,10 @@
 """What rank 0 sends the other ranks of a sharded engine at the start of every turn
-(engine/lockstep.py), and the request handles on either side.
+(engine/sharded/lockstep.py), and the request handles on either side.
 
 A turn's plan carries every input that is not a pure function of what the ranks
 already share: the jobs that arrived (token ids, checkpoint plan, sampling with its
 seed resolved), the cancels rank 0 latched, its clock (when background prefetches may
-start) and prefill budget (engine/pace.py, from its own timings), the cache actions
+start) and prefill budget (engine/requests/pace.py, from its own timings), the cache actions
 callers asked for (flush, pin, evict), whether a queued disk save is written this turn,
 and the shutdown flags. Given the same plans in the same order, every rank's engine
 takes the same steps, so every rank's cache holds the same entries for its shard.
@@ -19,9 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from mlx_prefix.cache.token_ids import TokenIds, packed
-from mlx_prefix.engine.constraints import ConstraintFactory
-from mlx_prefix.engine.handle import RequestHandle
-from mlx_prefix.engine.jobs import Job
+from mlx_prefix.engine.decode.constraints import ConstraintFactory
+from mlx_prefix.engine.requests.handle import RequestHandle
+from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
 from mlx_prefix.records import CachePreference, Event, SamplingParams
 
@@ -96,7 +96,7 @@ class CacheAction:
 @dataclass(frozen=True, slots=True)
 class TurnPlan:
     now: float  # rank 0's monotonic clock: which background jobs may start
-    budget: int  # prefill tokens this turn (rank 0's engine/pace.py)
+    budget: int  # prefill tokens this turn (rank 0's engine/requests/pace.py)
     jobs: tuple[JobSpec, ...] = ()  # arrived since the last turn, in order
     cancels: tuple[int, ...] = ()  # serials of jobs whose cancel rank 0 latched
     actions: tuple[CacheAction, ...] = ()

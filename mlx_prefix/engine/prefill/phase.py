@@ -3,9 +3,9 @@
 Start: match the longest usable cached prefix in memory (or on disk when that gives
 more), restore it (shared arrays, the entry locked while they may be shared), and plan
 the checkpoints this prefill leaves behind (a Checkpointer per request, at its own
-offsets: DESIGN 5). Step: the next grid chunk of several requests, exactly the chunks a
-cold run of each computes, evaluated together (engine/runner.py). Each prefilling
-request's cache counts against the store's byte budget (DESIGN 6). Engine thread only.
+offsets: invariant 5). Step: the next grid chunk of several requests, exactly the chunks a
+cold run of each computes, evaluated together (engine/forward/runner.py). Each prefilling
+request's cache counts against the store's byte budget (invariant 6). Engine thread only.
 """
 
 from __future__ import annotations
@@ -22,12 +22,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_prefix.cache.snapshot import cache_nbytes, restore
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.engine.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
-from mlx_prefix.engine.disk_tier import DiskTier
-from mlx_prefix.engine.jobs import Job, PrefillTask
-from mlx_prefix.engine.kv_quant import KvQuant
-from mlx_prefix.engine.runner import ChunkWork, PrefillCursor, always_trimmable, compute_chunks
-from mlx_prefix.engine.speculative import Speculator
+from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.forward.runner import (
+    ChunkWork,
+    PrefillCursor,
+    always_trimmable,
+    compute_chunks,
+)
+from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.requests.jobs import Job, PrefillTask
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
 
@@ -44,7 +49,7 @@ class PrefillStep:
 def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tuple[list, int]:
     """One round of a step: the next chunk of each task in order, while the step's
     tokens (`spent` in earlier rounds) stay within `budget`. The step's first chunk goes
-    whatever its size (a chunk cannot be split: DESIGN 4); no later one overruns the
+    whatever its size (a chunk cannot be split: invariant 4); no later one overruns the
     budget, or a running request would wait for several chunks where one fits."""
     chosen, tokens = [], 0
     for task in tasks:
@@ -64,7 +69,7 @@ class PrefillPhase:
         model: LoadedModel,
         planner: PromptPlanner,
         store: PromptCache,
-        disk: DiskTier | None,
+        disk: DiskAccess | None,
         cache_config: CacheConfig,
         config: EngineConfig,
         waiting: Callable[[], Iterable[Job]],
@@ -81,13 +86,15 @@ class PrefillPhase:
         self._serial = itertools.count()
         self.tasks: list[PrefillTask] = []  # oldest first
         # Stack equal-shape chunks in one forward: only batch-invariant (--deterministic)
-        # engines whose probe agreed (engine/calibration.py); otherwise each runs alone.
+        # engines whose probe agreed (engine/forward/calibration.py); otherwise each runs alone.
         self.group = False
         self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
         self.stacked = 0  # chunks computed in a stacked forward with others
-        self.kv_quant: KvQuant | None = None  # quantize KV after each chunk (engine/kv_quant.py)
+        self.kv_quant: KvQuant | None = (
+            None  # quantize KV after each chunk (engine/forward/kv_quant.py)
+        )
         # With --draft-model: the draft follows each prefill, restored and checkpointed
-        # beside the target's cache (engine/speculative.py).
+        # beside the target's cache (engine/decode/speculative.py).
         self.speculator: Speculator | None = None
 
     def uses_cache(self, job: Job) -> bool:
@@ -144,7 +151,7 @@ class PrefillPhase:
 
     def start(self, job: Job) -> None:
         """Restore the longest usable cached prefix of `job`'s own entry key (its
-        namespace: DESIGN 10) and add `job` to the prefilling tasks."""
+        namespace: invariant 10) and add `job` to the prefilling tasks."""
         tokens, key = job.prompt.tokens, job.cache_key
         use_cache = self.uses_cache(job)
         cache, reuse, lease, branch = None, 0, None, 0

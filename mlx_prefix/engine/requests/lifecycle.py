@@ -12,11 +12,11 @@ import queue
 import threading
 from collections.abc import Callable
 
-from mlx_prefix.engine.jobs import Job
+from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.errors import EngineBusy, MlxPrefixError
 from mlx_prefix.records import DoneEvent, ErrorEvent
 
-_WAKE = object()  # wakes the engine without a job (engine/distributed.py's cache actions)
+_WAKE = object()  # wakes the engine without a job (engine/sharded/distributed.py's cache actions)
 
 
 class Lifecycle:

@@ -3,7 +3,7 @@
 Each request owns its PRNG key chain (from its seed, or a random one), so a seeded
 request samples the same tokens whether it decodes alone or next to others. Its row
 goes, alone, through mlx_lm.server's steps in mlx_lm's order: logits processors
-(engine/logits.py), then, with a constraint (engine/constraints.py), only the tokens
+(engine/decode/logits.py), then, with a constraint (engine/decode/constraints.py), only the tokens
 it allows, then top_p, min_p, XTC, top_k (mlx_lm.sample_utils' filters), then a draw at
 the temperature - or the argmax at temperature 0. mlx_lm draws XTC's coin and the token
 from the global PRNG; here both come from the request's own keys.
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
-from mlx_prefix.engine.constraints import Constraint
-from mlx_prefix.engine.logits import LogitsAdjuster
+from mlx_prefix.engine.decode.constraints import Constraint
+from mlx_prefix.engine.decode.logits import LogitsAdjuster
 from mlx_prefix.records import SamplingParams, TopLogprob
 
 XTC_SALT = 0x58_54_43  # "XTC": a different seed for the coin chain, still in 64 bits

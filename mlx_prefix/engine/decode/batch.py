@@ -2,7 +2,7 @@
 
 mlx-lm's batch caches (BatchKVCache, ArraysCache, CacheList, ...) left-pad shorter
 sequences and mask the padding; a step is one forward of every row, as mlx_lm.server
-decodes. Batch invariance (--deterministic) adds engine/rowwise.py's row groups and
+decodes. Batch invariance (--deterministic) adds engine/forward/rowwise.py's row groups and
 per-row attention. mlx-lm's BatchRotatingKVCache writes each token in place at one ring
 index shared by all rows, and re-linearizes rows when another joins, so a row's keys
 sit in an order that depends on its neighbours, and attention sums them in that order
@@ -30,9 +30,9 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_prefix.cache.snapshot import cache_nbytes
-from mlx_prefix.engine.kv_quant import KvQuant
-from mlx_prefix.engine.rowwise import batched
-from mlx_prefix.engine.sampling import TokenSampler, normalize, top_logprobs
+from mlx_prefix.engine.decode.sampling import TokenSampler, normalize, top_logprobs
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.forward.rowwise import batched
 
 
 class TemporalBatchRotatingKVCache(BatchRotatingKVCache):
@@ -98,7 +98,7 @@ def _merged_kv(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
     (at most up to the next multiple of its growth step): its own holds exactly the
     longest sequence, so the first decode step would copy the whole batch again to grow
     it. The keys a step returns (the buffer up to `_idx`) are the same. The room is
-    resident memory, counted as such (DESIGN 6): no more than the sequences may use."""
+    resident memory, counted as such (invariant 6): no more than the sequences may use."""
     longest = max(c.offset for c in layers)
     size = min(longest + steps, (longest // BatchKVCache.step + 1) * BatchKVCache.step)
     first = layers[0]
@@ -122,11 +122,11 @@ class DecodeBatch:
     By default (`rows` None) a step is one forward of every row, as mlx_lm.server
     decodes: a row's numbers may then move with what shares its step (batching, never
     the cache: no decode state is stored). With `rows` (--deterministic) a step runs
-    batch-invariant (engine/rowwise.py): projections in groups of at most `rows` rows,
+    batch-invariant (engine/forward/rowwise.py): projections in groups of at most `rows` rows,
     attention per row over its own keys, so each row's numbers are those of the same
     request decoding alone.
 
-    With `kv` (quantized KV, engine/kv_quant.py) the batch holds one row, its cache
+    With `kv` (quantized KV, engine/forward/kv_quant.py) the batch holds one row, its cache
     unmerged (mlx-lm has no batched quantized cache), quantized after each step as
     mlx_lm does."""
 
@@ -239,7 +239,7 @@ class DecodeBatch:
 
     def verify(self, tokens: Sequence[int]) -> mx.array:
         """The only row's input and the L-1 tokens after it, computed in one forward
-        like L decode steps (engine/speculative.py): logits [L, V]. The cache then holds
+        like L decode steps (engine/decode/speculative.py): logits [L, V]. The cache then holds
         all L; `settle` says which stay."""
         assert len(self.members) == 1 and tokens[0] == self._inputs[0]
         self.join()

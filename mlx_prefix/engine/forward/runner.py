@@ -2,7 +2,7 @@
 
 A step computes the next grid chunk of each sequence given. Chunks that start at the
 same position and have the same length are stacked into one forward [B, L] with
-row-wise projections (engine/rowwise.py), which reproduces each sequence's alone run bit
+row-wise projections (engine/forward/rowwise.py), which reproduces each sequence's alone run bit
 for bit; every other chunk runs its own forward. Either way the whole step is evaluated
 at once. Runs only on the engine thread (MLX streams are thread-local).
 """
@@ -16,11 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
-from mlx_prefix.engine.rowwise import batched
+from mlx_prefix.engine.forward.rowwise import batched
 from mlx_prefix.prompt.grid import ChunkGrid
 
 # Layers whose state can always be trimmed back to any earlier position (not quantized
-# KV: it restores only exactly, engine/kv_quant.py).
+# KV: it restores only exactly, engine/forward/kv_quant.py).
 _ALWAYS_TRIMMABLE = (KVCache, ConcatenateKVCache)
 
 

@@ -8,9 +8,9 @@ By default nothing is measured: prefill computes each request alone on its grid 
 what the cache stores is exact by construction) and decode batches every running row
 in one forward, as mlx_lm.server does (`PLAIN`). Only `--deterministic` (batch
 invariance) measures, on the engine thread before the first job: `calibrate` makes
-batched forwards batch-invariant (engine/rowwise.py) and checks it on this model and
-backend (engine/probe.py). With a draft model, `check_speculator` checks that a verify
-forward keeps plain decoding's numbers (engine/speculative.py); what does not hold
+batched forwards batch-invariant (engine/forward/rowwise.py) and checks it on this model and
+backend (engine/forward/probe.py). With a draft model, `check_speculator` checks that a verify
+forward keeps plain decoding's numbers (engine/decode/speculative.py); what does not hold
 runs alone, or plainly.
 """
 
@@ -20,11 +20,16 @@ import logging
 from dataclasses import dataclass
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine import rowwise
-from mlx_prefix.engine.kv_quant import KvQuant, check_model
-from mlx_prefix.engine.probe import ProbeResult, probe
-from mlx_prefix.engine.rowwise import Grouping
-from mlx_prefix.engine.speculative import DraftMismatch, Speculator, check_draft, verify_matches
+from mlx_prefix.engine.decode.speculative import (
+    DraftMismatch,
+    Speculator,
+    check_draft,
+    verify_matches,
+)
+from mlx_prefix.engine.forward import rowwise
+from mlx_prefix.engine.forward.kv_quant import KvQuant, check_model
+from mlx_prefix.engine.forward.probe import ProbeResult, probe
+from mlx_prefix.engine.forward.rowwise import Grouping
 from mlx_prefix.models.load import LoadedModel
 
 log = logging.getLogger("mlx_prefix.engine")
@@ -43,7 +48,7 @@ def check_draft_config(
 
 
 def quantized_kv(model: LoadedModel, config: EngineConfig) -> KvQuant | None:
-    """The engine's quantized-KV setting (engine/kv_quant.py), checked against the model."""
+    """The engine's quantized-KV setting (engine/forward/kv_quant.py), checked against the model."""
     kv = KvQuant.of(config.kv_bits, config.kv_group_size, config.quantized_kv_start)
     if kv is not None:
         check_model(model.model, kv)
@@ -52,7 +57,7 @@ def quantized_kv(model: LoadedModel, config: EngineConfig) -> KvQuant | None:
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    # Most decode rows per BLAS-consistent group (engine/rowwise.py); None: a decode
+    # Most decode rows per BLAS-consistent group (engine/forward/rowwise.py); None: a decode
     # step is one plain forward of every row (not batch-invariant).
     rows: int | None
     stacked_prefill: bool  # equal-shape chunks may share a forward
@@ -65,10 +70,10 @@ PLAIN = Calibration(rows=None, stacked_prefill=False, batched_decode=True)
 
 class Agreement:
     """How the ranks of a sharded engine combine what each measured
-    (engine/lockstep.py); an engine on its own keeps its own figures."""
+    (engine/sharded/lockstep.py); an engine on its own keeps its own figures."""
 
     def rows(self, found: list[Grouping]) -> list[Grouping]:
-        """Each layer shape's decode row group (engine/rowwise.py `measure_rows`)."""
+        """Each layer shape's decode row group (engine/forward/rowwise.py `measure_rows`)."""
         return found
 
     def verdicts(self, checked: ProbeResult) -> ProbeResult:

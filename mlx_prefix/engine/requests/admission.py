@@ -3,7 +3,7 @@ a bad request is refused with a 4xx before it reaches the engine)."""
 
 from __future__ import annotations
 
-from mlx_prefix.engine.disk_tier import DiskTier
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.errors import ContextLengthExceeded, InvalidRequest
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
@@ -45,7 +45,7 @@ def check_sampling(sampling: SamplingParams, cache: CachePreference, vocab_size:
                 f"(0 to {vocab_size - 1})",
                 param="logit_bias",
             )
-    DiskTier.parse_scope(cache.scope)
+    DiskAccess.parse_scope(cache.scope)
 
 
 def _check_filters(s: SamplingParams) -> None:

@@ -4,7 +4,7 @@ Every engine step prefills some grid chunks, then advances every running request
 token, so a running request waits one step between two tokens. While requests decode,
 the prefill share of a step is sized so that step stays within `decode_latency_s`: the
 budget is (target - measured decode step) / measured seconds per prefill token, both
-running averages. A grid chunk cannot be split (DESIGN 4), so at least one chunk runs:
+running averages. A grid chunk cannot be split (invariant 4), so at least one chunk runs:
 the time between tokens is then bounded by the larger of the target and one chunk.
 
 A burst decodes together. Requests arriving together (a browser extension's parallel

@@ -3,7 +3,7 @@ one forward, and the reply is exactly the target's own (mlx_lm.server's --draft-
 
 Exact, not just "the same distribution": a request decoding alone runs the verify
 forward of its input token and k drafted tokens [1, k+1] batch-invariant
-(engine/rowwise.py, `verify`): every projection row in a group that computes like one
+(engine/forward/rowwise.py, `verify`): every projection row in a group that computes like one
 row, query i attending over exactly the keys the decode step at its position would hold,
 with that step's mask. So row i's logits equal, bit for bit, those of the i-th plain
 decode step. The request's own sampler then draws at each position in order (the same
@@ -31,10 +31,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, restore
-from mlx_prefix.engine.batch import DecodeBatch
-from mlx_prefix.engine.jobs import Running
-from mlx_prefix.engine.runner import ChunkWork, always_trimmable, compute_chunks
-from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.forward.runner import ChunkWork, always_trimmable, compute_chunks
+from mlx_prefix.engine.requests.jobs import Running
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import SamplingParams, TopLogprob
@@ -86,7 +86,7 @@ def check_request(sampling: SamplingParams, speculator: Speculator | None) -> No
 def verify_matches(model: nn.Module, rows: int, vocab: int, k: int = 3) -> bool:
     """Startup check (engine thread): a verify forward of k+1 tokens gives the tokens and
     logprobs of k+1 plain decode steps on a synthetic prompt, bit for bit. A model whose
-    layers bypass the batch-invariant ones (engine/rowwise.py) would fail it."""
+    layers bypass the batch-invariant ones (engine/forward/rowwise.py) would fail it."""
     prompt = [10 + (7 * i) % max(2, min(vocab, 1000) - 10) for i in range(40)]
 
     def fresh() -> DecodeBatch:

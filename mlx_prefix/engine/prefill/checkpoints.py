@@ -47,8 +47,8 @@ from mlx_prefix.cache.snapshot import (
     with_draft,
 )
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
-from mlx_prefix.engine.disk_tier import DiskTier
-from mlx_prefix.engine.runner import always_trimmable
+from mlx_prefix.engine.forward.runner import always_trimmable
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
 from mlx_prefix.prompt.grid import ChunkGrid
 
@@ -110,15 +110,15 @@ class Checkpointer:
     store: PromptCache
     key: str  # the request's entry key (model and namespace: engine/keys.py)
     shared: SharedPrefixes | None
-    disk: DiskTier | None = None
+    disk: DiskAccess | None = None
     disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
     branch: int = 0  # a grid point where the prompt leaves a stored sequence (0: none)
     on_stored: Callable[[int], None] = lambda position: None  # a prefix went into memory
     # Keep every grid checkpoint even if the cache is all KV now: it will be quantized
-    # in this prefill, and quantized states restore only exactly (engine/kv_quant.py).
+    # in this prefill, and quantized states restore only exactly (engine/forward/kv_quant.py).
     exact_only: bool = False
     # --draft-model: the draft's cache, at each checkpoint's position too; captured
-    # beside the target's (engine/speculative.py). Only with always-trimmable caches.
+    # beside the target's (engine/decode/speculative.py). Only with always-trimmable caches.
     draft: list | None = None
     # Reports the request's active bytes (its cache, `pending_bytes`, `live`) to the
     # store; called before storing a snapshot that shares the cache's memory.
@@ -231,7 +231,7 @@ class Checkpointer:
 
     def settle(self) -> None:
         """Complete and store the deferred checkpoints now, from the KV buffers the cache
-        holds now: before its KV layers are replaced (quantized, engine/kv_quant.py),
+        holds now: before its KV layers are replaced (quantized, engine/forward/kv_quant.py),
         which `complete` must not see. Mutates the store and the disk queue."""
         if self.finished:
             return

@@ -1,7 +1,7 @@
 """The decode phase: requests whose prompt is computed, one token per step each.
 
 A request joins with its prefill logits: the first token is sampled from them, then its
-cache is merged into the decode batch (engine/batch.py). Each token becomes a
+cache is merged into the decode batch (engine/decode/batch.py). Each token becomes a
 TokenEvent; a request ends at EOS, a stop string, its token limit or a cancel. The
 batch's resident bytes count against the store's byte budget. Engine thread only.
 """
@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from mlx_prefix.cache.store import PromptCache
-from mlx_prefix.engine.batch import DecodeBatch
-from mlx_prefix.engine.jobs import Job, PrefillTask, Running, usage
-from mlx_prefix.engine.kv_quant import KvQuant
-from mlx_prefix.engine.sampling import TokenSampler, alternatives, normalize, top_logprobs
-from mlx_prefix.engine.speculative import Speculator
-from mlx_prefix.engine.text import TextStream
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.decode.text import TextStream
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.requests.jobs import Job, PrefillTask, Running, usage
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
 
@@ -38,16 +38,16 @@ class DecodePhase:
         kv: KvQuant | None = None,
     ):
         self.model = model
-        self.rows = rows  # decode rows one matmul may hold (engine/rowwise.py); None: all
+        self.rows = rows  # decode rows one matmul may hold (engine/forward/rowwise.py); None: all
         self.store = store
         self._bytes_key = bytes_key  # this engine's batch bytes in the store's budget
         self._end = end  # sends a job's final event
         self._on_reply = on_reply  # a request finished with this reply (not cancelled)
-        # Sharded: the tokens every rank goes on with, rank 0's (engine/distributed.py).
+        # Sharded: the tokens every rank goes on with, rank 0's (engine/sharded/distributed.py).
         self.agree_tokens: Callable[[mx.array], mx.array] | None = None
-        self.kv = kv  # quantized KV: one request at a time, unmerged (engine/batch.py)
+        self.kv = kv  # quantized KV: one request at a time, unmerged (engine/decode/batch.py)
         self.batch = DecodeBatch(model.model, rows, kv=kv)
-        # With --draft-model: a request decoding alone speculates (engine/speculative.py).
+        # With --draft-model: a request decoding alone speculates (engine/decode/speculative.py).
         self.speculator: Speculator | None = None
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
@@ -59,7 +59,7 @@ class DecodePhase:
         return list(self.batch.members)
 
     def set_rows(self, rows: int | None) -> None:
-        """Decode rows one matmul may hold (engine/rowwise.py; None: one plain forward of
+        """Decode rows one matmul may hold (engine/forward/rowwise.py; None: one plain forward of
         every row); before any request runs."""
         assert not len(self.batch)
         self.rows = rows
