@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mlx_prefix.cache.eviction import POLICIES
+
 T = TypeVar("T")
 
 GiB = 1024**3
 
-EVICTION_POLICIES = ("value", "kind")
+EVICTION_POLICIES = tuple(POLICIES)  # cache/eviction.py registers them
 KV_BITS = (2, 3, 4, 5, 6, 8)  # --kv-bits: what mx.quantize supports
 KV_GROUP_SIZES = (32, 64, 128)  # --kv-group-size
 
