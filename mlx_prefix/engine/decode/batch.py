@@ -2,15 +2,9 @@
 
 mlx-lm's batch caches (BatchKVCache, ArraysCache, CacheList, ...) left-pad shorter
 sequences and mask the padding; a step is one forward of every row, as mlx_lm.server
-decodes. Batch invariance (--deterministic) adds engine/forward/rowwise.py's row groups and
-per-row attention. mlx-lm's BatchRotatingKVCache writes each token in place at one ring
-index shared by all rows, and re-linearizes rows when another joins, so a row's keys
-sit in an order that depends on its neighbours, and attention sums them in that order
-(measured: differences from the first step for a row shorter than the window, ~1e-6),
-which no row grouping can undo. Sliding-window layers therefore use
-TemporalBatchRotatingKVCache: every row's window kept in temporal order (oldest key
-dropped, newest appended, shorter rows left-padded and masked), which is what a row
-decoding alone holds.
+decodes. Each layer kind merges its own way (cache/layers/: sliding-window rows kept in
+temporal order, KV with room for the next steps). Batch invariance (--deterministic)
+adds engine/forward/rowwise.py's row groups and per-row attention.
 """
 
 from __future__ import annotations
@@ -21,50 +15,17 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import (
-    BatchKVCache,
-    BatchRotatingKVCache,
-    CacheList,
-    KVCache,
-    RotatingKVCache,
-)
 
+from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.engine.decode.sampling import TokenSampler, normalize, top_logprobs
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.forward.rowwise import batched
 
 
-class TemporalBatchRotatingKVCache(BatchRotatingKVCache):
-    """A batch of sliding-window caches whose rows stay in temporal order at every
-    decode step, whatever the other rows do (see the module docstring)."""
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        # The concat path keeps temporal order: for one new token it drops the oldest
-        # key once the window is full, so the buffer is exactly the attended window.
-        return self._update_concat(keys, values)
-
-    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
-        if N > 1:
-            return super().make_mask(N, window_size=window_size, return_array=return_array)
-        # [B, 1, 1, T]: after this step's write the buffer holds T keys, all inside the
-        # window; only each row's left padding is masked.
-        held = self._idx if self.keys is not None else 0
-        trim = max(0, held + 1 - self.max_size)
-        length = held + 1 - trim
-        left_padding = self.left_padding - trim
-        return mx.arange(length)[None] >= mx.expand_dims(left_padding, (1, 2, 3))
-
-
 def batchable(cache: list) -> bool:
-    """Whether this cache may decode batched without changing its numbers."""
-
-    def ok(c: Any) -> bool:
-        if isinstance(c, CacheList):
-            return all(ok(child) and not isinstance(child, RotatingKVCache) for child in c.caches)
-        return hasattr(c, "merge")
-
-    return all(ok(c) for c in cache)
+    """Whether this cache may decode batched (every layer's kind can merge)."""
+    return all(kind_of(c).batchable(c) for c in cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,35 +46,8 @@ def _tokens_in(cache: list) -> int:
 
 def _merged(layers: Sequence[Any], steps: int) -> Any:
     """One layer of several sequences' caches as one batch cache, with room for `steps`
-    more tokens where that saves a copy."""
-    if isinstance(layers[0], RotatingKVCache):
-        return TemporalBatchRotatingKVCache.merge(list(layers))
-    if steps and all(type(c) is KVCache and c.keys is not None for c in layers):
-        return _merged_kv(layers, steps)
-    return type(layers[0]).merge(list(layers))
-
-
-def _merged_kv(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
-    """mlx_lm's BatchKVCache.merge into a buffer with room for the next `steps` tokens
-    (at most up to the next multiple of its growth step): its own holds exactly the
-    longest sequence, so the first decode step would copy the whole batch again to grow
-    it. The keys a step returns (the buffer up to `_idx`) are the same. The room is
-    resident memory, counted as such (invariant 6): no more than the sequences may use."""
-    longest = max(c.offset for c in layers)
-    size = min(longest + steps, (longest // BatchKVCache.step + 1) * BatchKVCache.step)
-    first = layers[0]
-    _, heads, _, k_dim = first.keys.shape
-    keys = mx.zeros((len(layers), heads, size, k_dim), first.keys.dtype)
-    values = mx.zeros((len(layers), heads, size, first.values.shape[3]), first.values.dtype)
-    padding = [longest - c.offset for c in layers]
-    for i, (pad, c) in enumerate(zip(padding, layers, strict=True)):
-        keys[i : i + 1, :, pad:longest] = c.keys[..., : c.offset, :]
-        values[i : i + 1, :, pad:longest] = c.values[..., : c.offset, :]
-    cache = BatchKVCache(padding)
-    cache.keys, cache.values = keys, values
-    cache.offset += longest
-    cache._idx = longest
-    return cache
+    more tokens where that saves a copy (cache/layers/: each kind merges its own way)."""
+    return kind_of(layers[0]).merge(layers, steps)
 
 
 class DecodeBatch:

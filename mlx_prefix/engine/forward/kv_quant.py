@@ -30,8 +30,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.config import check_kv_quant
 
 __all__ = ["DEFAULT_QUANTIZED_KV_START", "KvQuant", "check_model", "is_quantized"]
@@ -72,13 +73,13 @@ class KvQuant:
         return any(self._due(c) for c in cache)
 
     def _due(self, c: Any) -> bool:
-        # Exactly KVCache: sliding-window, chunked and recurrent layers stay float.
-        return type(c) is KVCache and c.offset >= self.start
+        # Plain KV only: sliding-window, chunked and recurrent layers stay float.
+        return kind_of(c).quantizes(c, self.start)
 
 
 def is_quantized(cache: list[Any]) -> bool:
     """Whether any layer of `cache` holds quantized KV. Does not mutate."""
-    return any(isinstance(c, QuantizedKVCache) for c in cache)
+    return any(kind_of(c).quantized for c in cache)
 
 
 def check_model(model: nn.Module, kv: KvQuant) -> None:
@@ -87,7 +88,7 @@ def check_model(model: nn.Module, kv: KvQuant) -> None:
     Logs which layers quantize. Runs one token through a fresh cache."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
-    layers = [c for c in cache if type(c) is KVCache]
+    layers = [c for c in cache if kind_of(c).quantizes(c, 0)]
     sizes = sorted({n for c in layers for n in (c.keys.shape[-1], c.values.shape[-1])})
     bad = [n for n in sizes if n % kv.group_size]
     if bad:

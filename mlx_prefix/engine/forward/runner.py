@@ -14,20 +14,17 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
+from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.engine.forward.rowwise import batched
 from mlx_prefix.prompt.grid import ChunkGrid
 
-# Layers whose state can always be trimmed back to any earlier position (not quantized
-# KV: it restores only exactly, engine/forward/kv_quant.py).
-_ALWAYS_TRIMMABLE = (KVCache, ConcatenateKVCache)
-
 
 def always_trimmable(cache: list) -> bool:
-    """True when no layer can ever lose trimmability (no recurrent or rotating state):
-    then one snapshot at the end of the prompt serves every shorter prefix."""
-    return all(type(c) in _ALWAYS_TRIMMABLE for c in cache)
+    """True when no layer can ever lose trimmability (no recurrent, rotating or
+    quantized state: cache/layers/): then one snapshot at the end of the prompt serves
+    every shorter prefix."""
+    return all(kind_of(c).always_trimmable for c in cache)
 
 
 class PrefillCursor:
