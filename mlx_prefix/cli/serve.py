@@ -42,6 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="extra CORS origins beyond localhost pages and browser extensions",
     )
     p.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=None,
+        metavar="HOST",
+        help="Host header names accepted besides localhost, 127.0.0.1, [::1] and the --host "
+        "address (DNS rebinding defence): e.g. llm.example.com, .example.com (and its "
+        "subdomains), or * for any (behind a proxy that rewrites Host). Bound to 0.0.0.0 "
+        "or ::, IP addresses and this machine's own name are accepted too",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
@@ -141,6 +151,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,
+        "allowed_hosts": tuple(args.allowed_hosts) if args.allowed_hosts is not None else None,
         "aliases": tuple(args.aliases) if args.aliases is not None else None,
         "strict_model_names": args.strict_model_names,
         "max_models": args.max_models,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .hosts import check_allowed_host
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -12,6 +14,10 @@ class ServerSettings:
     # Origins allowed besides the defaults (loopback pages, browser extensions):
     # exact origins such as "https://app.example.com", or "*" for any.
     allowed_origins: tuple[str, ...] = ()
+    # Host header names accepted besides loopback names and the bound address (DNS
+    # rebinding, server/hosts.py): "llm.example.com", ".example.com" (with subdomains),
+    # or "*" for any (behind a proxy that rewrites Host).
+    allowed_hosts: tuple[str, ...] = ()
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
@@ -45,6 +51,10 @@ class ServerSettings:
         if isinstance(origins, str):  # "a,b" from an env var or a config file
             origins = tuple(o.strip() for o in origins.split(",") if o.strip())
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in origins))
+        hosts = self.allowed_hosts
+        if isinstance(hosts, str):
+            hosts = tuple(h.strip() for h in hosts.split(",") if h.strip())
+        object.__setattr__(self, "allowed_hosts", tuple(check_allowed_host(h) for h in hosts))
         if isinstance(self.aliases, str):
             aliases = tuple(a.strip() for a in self.aliases.split(",") if a.strip())
             object.__setattr__(self, "aliases", aliases)
