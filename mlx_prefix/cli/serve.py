@@ -88,6 +88,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "demand (repeatable)",
     )
     p.add_argument(
+        "--allowed-models",
+        nargs="*",
+        default=None,
+        metavar="PATH_OR_ID",
+        help="model folders, cached hub ids or LoRA adapter folders a request may name, "
+        "loaded on demand (a request may select only these, the --model, its --alias and "
+        "--model-alias names)",
+    )
+    p.add_argument(
         "--keep-billing-header",
         action="store_true",
         default=None,
@@ -155,6 +164,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "aliases": tuple(args.aliases) if args.aliases is not None else None,
         "strict_model_names": args.strict_model_names,
         "max_models": args.max_models,
+        "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
     }
@@ -170,8 +180,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     group = launched_group()
     if group is not None:
-        if settings.max_models > 1 or settings.model_aliases:
-            raise InvalidRequest("--max-models > 1 and --model-alias need an unsharded server")
+        if settings.max_models > 1 or settings.model_aliases or settings.allowed_models:
+            raise InvalidRequest(
+                "--max-models > 1, --model-alias and --allowed-models need an unsharded server"
+            )
         return serve_sharded(args, group, settings)
     if args.pipeline:
         raise InvalidRequest(

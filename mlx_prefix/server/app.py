@@ -161,6 +161,7 @@ def _build(
         loader=loader,
         max_models=settings.max_models,
         model_aliases=settings.model_alias_map(),
+        allowed_models=settings.allowed_models,
     )
     metrics = ServerMetrics(lambda: models.primary().cache_stats())
     middleware = [

@@ -38,6 +38,9 @@ class ServerSettings:
     # (LRU), and "NAME=PATH" names for other model folders or cached hub ids.
     max_models: int = 1
     model_aliases: tuple[str, ...] = ()
+    # Model folders, cached hub ids and LoRA adapter folders a request may name, loaded
+    # on demand (besides the served model and the model_aliases); nothing else is.
+    allowed_models: tuple[str, ...] = ()
     # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
@@ -63,6 +66,9 @@ class ServerSettings:
         if isinstance(self.model_aliases, str):
             pairs = tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())
             object.__setattr__(self, "model_aliases", pairs)
+        if isinstance(self.allowed_models, str):
+            models = tuple(m.strip() for m in self.allowed_models.split(",") if m.strip())
+            object.__setattr__(self, "allowed_models", models)
         self.model_alias_map()  # ValueError for a malformed pair
         if self.max_models < 1:
             raise ValueError("max_models must be at least 1")
