@@ -371,6 +371,11 @@ def test_serve_flags_and_the_sharded_refusal(monkeypatch):
     args = build_parser().parse_args(argv)
     settings = server_settings(args)
     assert settings.max_models == 3 and settings.model_alias_map() == {"x": "/a", "y": "org/r"}
+    allowed = build_parser().parse_args(["serve", "--allowed-models", "/m/b", "org/r"])
+    assert server_settings(allowed).allowed_models == ("/m/b", "org/r")
+    monkeypatch.setenv("MLX_PREFIX_SERVER_ALLOWED_MODELS", "/m/c, org/s")
+    from_env = server_settings(build_parser().parse_args(["serve"]))
+    assert from_env.allowed_models == ("/m/c", "org/s")
     monkeypatch.setattr(sharded, "launched_group", lambda: object())
     with pytest.raises(InvalidRequest, match="unsharded"):
         cmd_serve(args)
