@@ -69,6 +69,18 @@ def test_the_api_key_is_in_the_namespace_as_a_slow_digest_and_makes_an_admin():
     assert not wrong.admin and wrong.namespace == "origin=" + MAIL["Origin"]
 
 
+def test_the_key_sent_as_x_api_key_is_the_same_holder_as_bearer():
+    # Anthropic's SDK and Claude Code send the key as x-api-key: same namespace, admin.
+    ns = Namespaces("origin", KEY)
+    bearer = ns.caller(request({**MAIL, "Authorization": f"Bearer {KEY}"}))
+    x_api_key = ns.caller(request({**MAIL, "x-api-key": KEY}))
+    assert x_api_key == bearer and x_api_key.admin
+    remote = {"x-api-key": KEY}  # another machine, no Origin: admin by the key alone
+    assert ns.caller(request(remote, peer="192.168.1.20")).admin
+    assert not ns.caller(request({**MAIL, "x-api-key": "nope"})).admin
+    assert not Namespaces("origin", None).caller(request({**MAIL, "x-api-key": KEY})).admin
+
+
 def test_global_sharing_is_one_namespace():
     ns = Namespaces("global", None)
     assert ns.caller(request(MAIL)).namespace == ns.caller(request(PAGE)).namespace == ""
@@ -168,6 +180,17 @@ def test_the_admin_key_sees_every_namespace():
         chat(c, {**PAGE, **auth}, "A question from a page.")
         assert len(listing(c, {**MAIL, **auth})) == 2
         assert c.delete("/v1/cache", headers={**MAIL, **auth}).json() == {"removed": 2}
+
+
+def test_x_api_key_and_bearer_share_one_namespace_over_http():
+    bearer = {**MAIL, "Authorization": f"Bearer {KEY}"}
+    x_api_key = {**MAIL, "x-api-key": KEY}
+    with serving(api_key=KEY) as (url, _), httpx.Client(base_url=url, timeout=10) as c:
+        assert chat(c, bearer) == 0
+        assert chat(c, x_api_key) > 0  # the Bearer request's entries are its own
+        chat(c, {**PAGE, **x_api_key}, "A question from a page.")
+        assert len(listing(c, x_api_key)) == 2  # admin: sees the page's entries too
+        assert c.delete("/v1/cache", headers=x_api_key).json() == {"removed": 2}
 
 
 def test_global_sharing_shares_between_origins():

@@ -17,8 +17,9 @@ from starlette.middleware import Middleware
 
 from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
+from .hosts import HostPolicy
 from .metrics import ServerMetrics
-from .middleware import ApiKeyAuth, RequestCounter, cors
+from .middleware import ApiKeyAuth, HostGuard, RequestCounter, cors
 from .model_pool import EngineLoader, ModelPool
 from .namespaces import Namespaces
 from .protocol.request import Limits, SamplingDefaults
@@ -134,6 +135,10 @@ def _draft_names(engine: Any) -> tuple[str, ...]:
     return () if draft is None else (draft.name, str(draft.path))
 
 
+def host_policy(settings: ServerSettings) -> HostPolicy:
+    return HostPolicy(settings.host, settings.allowed_hosts, settings.allowed_origins)
+
+
 def _build(
     engine: Any,
     settings: ServerSettings,
@@ -156,10 +161,12 @@ def _build(
         loader=loader,
         max_models=settings.max_models,
         model_aliases=settings.model_alias_map(),
+        allowed_models=settings.allowed_models,
     )
     metrics = ServerMetrics(lambda: models.primary().cache_stats())
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
+        Middleware(HostGuard, policy=host_policy(settings)),
         cors(settings.allowed_origins),
     ]
     if settings.api_key:
