@@ -82,6 +82,7 @@ BAD_CHAT_BODIES = {
     "stream a string": (chat(stream="yes"), "stream"),
     "stop not strings": (chat(stop=[1, 2]), "stop"),
     "stop too many": (chat(stop=[str(i) for i in range(17)]), "stop"),
+    "stop too long": (chat(stop=["ok", "x" * 1025]), "stop"),
     "seed a string": (chat(seed="x"), "seed"),
     "seed negative": (chat(seed=-1), "seed"),
     "seed 2**64": (chat(seed=2**64), "seed"),

@@ -261,6 +261,7 @@ BAD = {
         "context_management.edits[0]",
     ),
     "stop_sequences type": ({"stop_sequences": "END"}, "stop_sequences"),
+    "stop_sequences too long": ({"stop_sequences": ["y" * 1025]}, "stop_sequences"),
     "mcp servers": ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
 }
 

@@ -39,6 +39,7 @@ from .request import (
     Limits,
     ToolChoice,
     cache_preference,
+    check_stop_lengths,
 )
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's minimum budget_tokens
@@ -316,6 +317,7 @@ def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
             f"stop_sequences must be an array of at most {MAX_STOP_SEQUENCES} non-empty strings",
             param="stop_sequences",
         )
+    check_stop_lengths(stops, "stop_sequences")
     return tuple(stops)
 
 

@@ -16,6 +16,8 @@ from .formats import chat_response_format
 from .sampling_fields import mlx_lm_sampling
 
 MAX_STOP_SEQUENCES = 16
+# Characters in one stop string: the engine's matcher holds a node per character.
+MAX_STOP_CHARS = 1024
 _SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
 SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 
@@ -195,7 +197,17 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
             f"'stop' must be a string or an array of at most {MAX_STOP_SEQUENCES} strings",
             param="stop",
         )
+    check_stop_lengths(stops, "stop")
     return tuple(s for s in stops if s)
+
+
+def check_stop_lengths(stops: list[str], param: str) -> None:
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidRequest(
+            f"{param}: a stop string of {longest} characters; at most {MAX_STOP_CHARS}",
+            param=param,
+        )
 
 
 def cache_preference(body: dict[str, Any]) -> CachePreference:
