@@ -92,6 +92,11 @@ BAD_CHAT_BODIES = {
     "bad tool_choice": (chat(tool_choice="sometimes"), "tool_choice"),
     "bad prefix_cache scope": (chat(prefix_cache={"scope": "forever"}), "prefix_cache.scope"),
     "prefix_cache not an object": (chat(prefix_cache=True), "prefix_cache"),
+    "prefix_cache key typo": (chat(prefix_cache={"enable": False}), "prefix_cache.enable"),
+    "stop with response_format": (
+        chat(stop=["}"], response_format={"type": "json_object"}),
+        "stop",
+    ),
     "include_usage not a bool": (
         chat(stream=True, stream_options={"include_usage": "yes"}),
         "stream_options.include_usage",

@@ -19,6 +19,7 @@ MAX_STOP_SEQUENCES = 16
 # Characters in one stop string: the engine's matcher holds a node per character.
 MAX_STOP_CHARS = 1024
 _SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
+_PREFIX_CACHE_KEYS = frozenset({"enabled", "scope"})
 SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 
 
@@ -118,6 +119,7 @@ def generation_request(
         **mlx_lm_sampling(body, limits.sampling.get("min_p", 0.0)),
         num_draft_tokens=_num_draft_tokens(body, limits),
     )
+    refuse_stop_with_format(sampling, "stop")
     if parse_tools and sampling.response_format is not None:
         raise InvalidRequest(
             "response_format cannot be combined with tools: a reply held to the format "
@@ -201,6 +203,17 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def refuse_stop_with_format(sampling: SamplingParams, param: str) -> None:
+    """A stop string would cut a structured reply short of the closing brace: invalid
+    JSON, while the format promises a reply that parses."""
+    if sampling.stop and sampling.response_format is not None:
+        raise InvalidRequest(
+            f"{param} cannot be combined with {sampling.response_format.param.split('.')[0]}: "
+            "a stop string could cut the structured reply into invalid JSON",
+            param=param,
+        )
+
+
 def check_stop_lengths(stops: list[str], param: str) -> None:
     longest = max((len(s) for s in stops), default=0)
     if longest > MAX_STOP_CHARS:
@@ -219,6 +232,12 @@ def cache_preference(body: dict[str, Any]) -> CachePreference:
     pref = field(body, "prefix_cache", dict, None)
     if pref is None:
         return CachePreference(salt=salt)
+    unknown = sorted(set(pref) - _PREFIX_CACHE_KEYS)
+    if unknown:
+        raise InvalidRequest(
+            f"prefix_cache has no key {unknown[0]!r} (its keys: enabled, scope)",
+            param=f"prefix_cache.{unknown[0]}",
+        )
     enabled = pref.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InvalidRequest("prefix_cache.enabled must be a boolean", param="prefix_cache.enabled")
