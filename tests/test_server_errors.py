@@ -90,6 +90,22 @@ BAD_CHAT_BODIES = {
     "top_logprobs over 20": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     "tools not a list": (chat(tools={"type": "function"}), "tools"),
     "bad tool_choice": (chat(tool_choice="sometimes"), "tool_choice"),
+    "functions and tools": (
+        chat(functions=[{"name": "f"}], tools=[{"type": "function", "function": {"name": "f"}}]),
+        "functions",
+    ),
+    "function_call unknown": (
+        chat(functions=[{"name": "f"}], function_call="always"),
+        "function_call",
+    ),
+    "function_call names no function": (
+        chat(functions=[{"name": "f"}], function_call={"name": "g"}),
+        "tool_choice",
+    ),
+    "function message without name": (
+        chat(messages=[{"role": "function", "content": "x"}]),
+        "messages[0].name",
+    ),
     "bad prefix_cache scope": (chat(prefix_cache={"scope": "forever"}), "prefix_cache.scope"),
     "prefix_cache not an object": (chat(prefix_cache=True), "prefix_cache"),
     "prefix_cache key typo": (chat(prefix_cache={"enable": False}), "prefix_cache.enable"),

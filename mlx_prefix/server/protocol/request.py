@@ -78,6 +78,8 @@ class GenerationRequest:
     # mlx_lm.server's `adapters`: a LoRA adapter folder; its engine is the model's with
     # the adapter applied (server/model_pool.py), its cache apart from the base model's.
     adapter: str | None = None
+    # The body used the deprecated `functions`: a call comes back as `function_call`.
+    legacy_functions: bool = False
 
 
 def generation_request(

@@ -52,7 +52,7 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
-    meta = R.ResponseMeta(kind, served.id, record.request_id)
+    meta = R.ResponseMeta(kind, served.id, record.request_id, legacy_functions=req.legacy_functions)
     assembler = Assembler.for_request(req, tokenizer, req.stream)
 
     def whole(result: Collected, finish: str) -> dict:
