@@ -90,6 +90,7 @@ class Engine(CacheViews, EngineLoop):
             self.cache_config.budget_bytes,
             self.cache_config.max_entries,
             policy=policy_named(self.cache_config.eviction),
+            pin_share=self.cache_config.pin_share,
         )
         # Quantized KV (engine/kv_quant.py): in the key, one request at a time.
         self.kv_quant = quantized_kv(model, self.config)

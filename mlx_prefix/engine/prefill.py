@@ -28,6 +28,7 @@ from mlx_prefix.engine.jobs import Job, PrefillTask
 from mlx_prefix.engine.kv_quant import KvQuant
 from mlx_prefix.engine.runner import ChunkWork, PrefillCursor, always_trimmable, compute_chunks
 from mlx_prefix.engine.speculative import Speculator
+from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
 
@@ -264,14 +265,12 @@ class PrefillPhase:
         warm-up stored them or an earlier request did. True if any is pinned."""
         prompt = job.prompt
         positions = {c.position for c in prompt.checkpoints} | {len(prompt.tokens)}
-        pinned = False
-        for position in sorted(positions):
-            key = prompt.tokens[:position]
-            if self.store.pin(job.cache_key, key):
-                pinned = True
-            else:
-                self.store.unpin(job.cache_key, key)  # nothing there: leave no stray pin
-        return pinned
+        try:
+            return self.store.pin_stored(job.cache_key, [prompt.tokens[:p] for p in positions]) > 0
+        except PinQuotaExceeded as e:  # over the namespace's share: the warm-up's answer
+            if job.warm is not None and not job.warm.done():
+                job.warm.set_exception(e)
+            return False
 
     def _checkpointer(self, job: Job, cache: list, reuse: int, branch: int) -> Checkpointer:
         tokens = job.prompt.tokens
