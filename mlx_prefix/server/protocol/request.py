@@ -5,7 +5,7 @@ prefix_cache extension and cache_salt."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from mlx_prefix.errors import InvalidRequest
@@ -42,7 +42,9 @@ class SamplingDefaults:
 @dataclass(frozen=True)
 class Limits:
     default_max_tokens: int
-    max_tokens: int  # largest max_tokens accepted (context length or the server's cap)
+    # Largest max_tokens accepted: the served model's context length or the server's cap
+    # (parsing uses the cap; `fit_to_model` then the model's own).
+    max_tokens: int
     sampling: SamplingDefaults = SamplingDefaults()
     # The server's --draft-model as a request may name it (its id, its path); empty: none.
     draft_names: tuple[str, ...] = ()
@@ -175,6 +177,24 @@ def _num_draft_tokens(body: dict[str, Any], limits: Limits) -> int | None:
     if count is not None and not limits.draft_names:
         raise InvalidRequest(f"{needs} (num_draft_tokens)", param="num_draft_tokens")
     return count
+
+
+def fit_to_model(req: GenerationRequest, limits: Limits) -> GenerationRequest:
+    """Bound the reply by the served model's own limit. A body is parsed before its model
+    is known (loading one waits for the body's checks), under the server's cap only."""
+    limit, asked = limits.max_tokens, req.sampling.max_tokens
+    if req.max_tokens_param is None:
+        n = min(limits.default_max_tokens, limit)
+    elif asked <= limit:
+        return req
+    elif req.fit_reply:
+        raise InvalidRequest(
+            f"{req.max_tokens_param} is {asked}, more than this model allows ({limit})",
+            param=req.max_tokens_param,
+        )
+    else:
+        n = limit
+    return replace(req, sampling=replace(req.sampling, max_tokens=n))
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
