@@ -148,3 +148,12 @@ def test_the_automaton_takes_amortised_constant_steps_a_character():
     for ch in text:
         assert matcher.feed(ch) is None or ch == "c"
     assert matcher.steps <= 2 * len(text)
+
+
+def test_stop_matchers_of_one_stop_list_share_the_tables_not_the_state():
+    from mlx_prefix.engine.text import StopMatcher
+
+    a, b = StopMatcher(["ab", "c"]), StopMatcher(("ab", "c"))
+    assert a._a is b._a  # built once
+    assert a.feed("a") is None and a.held == 1 and b.held == 0
+    assert a.feed("b") == "ab" and b.feed("c") == "c"

@@ -100,7 +100,7 @@ BAD_CHAT_BODIES = {
     ),
     "function_call names no function": (
         chat(functions=[{"name": "f"}], function_call={"name": "g"}),
-        "tool_choice",
+        "function_call",
     ),
     "function message without name": (
         chat(messages=[{"role": "function", "content": "x"}]),

@@ -2,8 +2,57 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class _Automaton:
+    """Aho-Corasick tables over a set of stop strings; read-only once built."""
+
+    goto: list[dict[str, int]]  # node -> character -> node (the trie of the strings)
+    depth: list[int]  # node -> characters from the root
+    fail: list[int]  # node -> the node of its longest proper suffix in the trie
+    out: list[str | None]  # node -> the longest stop string ending there
+
+
+# Clients send the same few stop lists again and again; building one costs time linear in
+# its characters (MAX_STOP_CHARS each, server/protocol/request.py) on the engine thread.
+@functools.lru_cache(maxsize=8)
+def _automaton(stops: tuple[str, ...]) -> _Automaton:
+    goto: list[dict[str, int]] = [{}]
+    depth = [0]
+    word: list[str | None] = [None]  # the stop string ending at this node
+    for s in stops:
+        node = 0
+        for ch in s:
+            nxt = goto[node].get(ch)
+            if nxt is None:
+                nxt = len(goto)
+                goto[node][ch] = nxt
+                goto.append({})
+                depth.append(depth[node] + 1)
+                word.append(None)
+            node = nxt
+        word[node] = s
+    fail = [0] * len(goto)
+    out = list(word)  # then inherited along failure links
+    frontier = list(goto[0].values())
+    while frontier:  # breadth first: a failure link points to a shallower node
+        deeper = []
+        for node in frontier:
+            for ch, child in goto[node].items():
+                f = fail[node]
+                while f and ch not in goto[f]:
+                    f = fail[f]
+                fail[child] = goto[f].get(ch, 0)
+                if out[child] is None:
+                    out[child] = out[fail[child]]
+                deeper.append(child)
+        frontier = deeper
+    return _Automaton(goto, depth, fail, out)
 
 
 class StopMatcher:
@@ -16,56 +65,25 @@ class StopMatcher:
     back."""
 
     def __init__(self, stops: Sequence[str]):
-        self._goto: list[dict[str, int]] = [{}]
-        self._depth = [0]
-        self._word: list[str | None] = [None]  # the stop string ending at this node
-        for s in stops:
-            node = 0
-            for ch in s:
-                nxt = self._goto[node].get(ch)
-                if nxt is None:
-                    nxt = len(self._goto)
-                    self._goto[node][ch] = nxt
-                    self._goto.append({})
-                    self._depth.append(self._depth[node] + 1)
-                    self._word.append(None)
-                node = nxt
-            self._word[node] = s
-        self._fail = [0] * len(self._goto)
-        # A node's output: the longest stop string ending there (itself or via failure links).
-        self._out = list(self._word)
-        frontier = list(self._goto[0].values())
-        while frontier:  # breadth first: a failure link points to a shallower node
-            nxt_frontier = []
-            for node in frontier:
-                for ch, child in self._goto[node].items():
-                    f = self._fail[node]
-                    while f and ch not in self._goto[f]:
-                        f = self._fail[f]
-                    target = self._goto[f].get(ch, 0)
-                    self._fail[child] = target if target != child else 0
-                    if self._out[child] is None:
-                        self._out[child] = self._out[self._fail[child]]
-                    nxt_frontier.append(child)
-            frontier = nxt_frontier
+        self._a = _automaton(tuple(stops))
         self._state = 0
         self.steps = 0  # transitions taken, failure steps included (tests bound the work)
 
     def feed(self, ch: str) -> str | None:
         """Advance by one character; the stop string that now ends the text (the longest
-        if several do), or None. Mutates the automaton's state."""
-        state = self._state
-        while state and ch not in self._goto[state]:
-            state = self._fail[state]
+        if several do), or None. Mutates the matcher's state (never the shared tables)."""
+        a, state = self._a, self._state
+        while state and ch not in a.goto[state]:
+            state = a.fail[state]
             self.steps += 1
         self.steps += 1
-        state = self._goto[state].get(ch, 0)
+        state = a.goto[state].get(ch, 0)
         self._state = state
-        return self._out[state]
+        return a.out[state]
 
     @property
     def held(self) -> int:
-        return self._depth[self._state]
+        return self._a.depth[self._state]
 
 
 class TextStream:

@@ -62,6 +62,11 @@ def _functions_as_tools(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(choice, dict):
         if not isinstance(choice.get("name"), str):
             raise InvalidRequest('function_call must be {"name": ...}', param="function_call")
+        if choice["name"] not in [f["name"] for f in functions]:
+            raise InvalidRequest(
+                f"function_call names {choice['name']!r}, which is not among the functions",
+                param="function_call",
+            )
         choice = {"type": "function", "function": {"name": choice["name"]}}
     elif choice not in (None, "auto", "none"):
         raise InvalidRequest(
