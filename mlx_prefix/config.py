@@ -56,8 +56,13 @@ class CacheConfig:
     # Which stored checkpoint goes first: "value" (recency mixed with the prefill work it
     # saves per byte; cache/eviction.py) or "kind" (fixed kind order, then LRU).
     eviction: str = "value"
+    # What one namespace (a page's origin, an API key) may pin, as a share of budget_bytes:
+    # pins are never evicted, so without a bound one client could starve the others.
+    pin_share: float = 0.25
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.pin_share <= 1.0:
+            raise ValueError("pin_share must be between 0 and 1")
         if (
             min(self.prefill_chunk, self.checkpoint_interval) <= 0
             or self.checkpoint_interval % self.prefill_chunk

@@ -555,3 +555,54 @@ def test_pinned_flags_follow_the_pins_through_insert_unpin_and_clear():
     assert c.pin(M, seq[:10]) and c.entries()[0].pinned
     assert c.unpin(M, seq[:10]) and not c.entries()[0].pinned
     c.check_integrity()
+
+
+def test_one_namespace_pins_at_most_its_share_and_others_keep_inserting():
+    from mlx_prefix.errors import PinQuotaExceeded
+
+    a, a_salted, a_other_model, b = "m/ns-a", "m/ns-a/salt", "m2/ns-a", "m/ns-b"
+    c = PromptCache(100, pin_share=0.3)
+    for i, key in enumerate((a, a_salted)):
+        seq = [i + 1] * 4
+        assert c.insert(key, seq, snap(seq), K.SYSTEM)
+        assert c.pin(key, seq) is True  # 10 + 10 bytes pinned by ns-a
+    third = [3] * 4
+    assert c.insert(a_other_model, third, snap(third), K.SYSTEM)
+    assert c.pin_stored(a_other_model, [third, [9] * 4]) == 1  # 30: the whole share
+    fourth = [4] * 4
+    assert c.insert(a, fourth, snap(fourth), K.SYSTEM)
+    with pytest.raises(PinQuotaExceeded, match="--pin-share 0.3"):
+        c.pin(a, fourth)
+    entry = next(e for e in c.entries() if e.model_key == a and not e.pinned)
+    with pytest.raises(PinQuotaExceeded):
+        c.set_pinned(a, entry.entry_id, True)
+    with pytest.raises(PinQuotaExceeded):
+        c.pin_stored(a, [fourth])
+    assert [e.pinned for e in c.entries() if e.model_key == a] == [True, False]  # unchanged
+    # The pin refused, ns-a's fourth entry stays evictable, and ns-b keeps inserting.
+    for i in range(10, 20):
+        seq = [i] * 4
+        assert c.insert(b, seq, snap(seq), K.SYSTEM)
+        c.check_integrity()
+    assert c.pin(b, [19] * 4) is True  # its own share
+    c.check_integrity()
+
+
+def test_a_pin_before_its_entry_does_not_overrun_the_share():
+    c = PromptCache(100, pin_share=0.1)
+    first, second = [1] * 4, [2] * 4
+    assert c.insert("m/a", first, snap(first), K.SYSTEM) and c.pin("m/a", first)
+    assert c.pin("m/a", second) is False  # no entry yet
+    assert c.insert("m/a", second, snap(second), K.SYSTEM)
+    assert [e.pinned for e in c.entries()] == [True, False]
+    c.check_integrity()
+
+
+def test_shared_buffers_count_once_against_the_share():
+    shared = Buffer(new_buffer_key(), 20)  # one prefill's KV, held by both checkpoints
+    c = PromptCache(100, pin_share=0.3)
+    for n in (4, 8):
+        s = SharingSnapshot(n, False, 23, (shared, Buffer(new_buffer_key(), 3)))
+        assert c.insert("m/a", [5] * n, s, K.SYSTEM)
+    assert c.pin_stored("m/a", [[5] * 4, [5] * 8]) == 2  # 26 bytes held, not 46
+    c.check_integrity()

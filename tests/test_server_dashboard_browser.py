@@ -19,12 +19,13 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import serving
 
+from mlx_prefix.browsers import NO_CHROMIUM, find_chromium
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = find_chromium()
 WEB = Path(__file__).parent / "web"
 FLAGS = [
     "--headless",
@@ -49,8 +50,8 @@ def _env_without_preload() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is absent (install Debian's `chromium` package to run this)")
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
     preload = os.environ.pop("LD_PRELOAD", None)
     try:
         pw = sync_api.sync_playwright().start()  # the driver process starts here

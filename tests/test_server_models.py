@@ -32,10 +32,17 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     a = make_test_model("dense", root / "tiny-a", seed=0)
     b = make_test_model("dense", root / "tiny-b", seed=1)
+    long = make_test_model("dense", root / "tiny-long", seed=4, context=8192)
     broken = make_test_model("dense", root / "tiny-broken", seed=2)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated: loading fails
-    return {"a": a, "b": b, "broken": broken, "lora": _lora_adapter(a, root / "lora-a")}
+    return {
+        "a": a,
+        "b": b,
+        "long": long,
+        "broken": broken,
+        "lora": _lora_adapter(a, root / "lora-a"),
+    }
 
 
 def _lora_adapter(model_folder: Path, dest: Path) -> Path:
@@ -351,6 +358,42 @@ def test_count_tokens_and_warm_use_the_named_model(folders):
         assert [s.id for s in pool.resident()] == ["tiny-a", b]
         warm = httpx.post(url + "/v1/cache/warm", json={**body, "model": "default"}, timeout=60)
         assert warm.status_code == 200
+
+
+def test_flush_removes_every_resident_models_entries(folders):
+    b = str(folders["b"])
+    with served(folders, max_models=2) as (url, pool):
+        for m in ("default", b):
+            answer(ask(url, m, "Where are the atlases?"))
+        store = pool.resident()[0].engine.store
+        assert len({e.model_key.split("/")[0] for e in store.entries()}) == 2
+        removed = httpx.delete(url + "/v1/cache").json()["removed"]
+        assert removed > 0 and store.entries() == []
+        for m in ("default", b):  # neither model hits what was flushed
+            assert answer(ask(url, m, "Where are the atlases?"))[1] == 0
+
+
+def test_each_model_has_its_own_context_limit(folders):
+    long = str(folders["long"])
+    with served(folders, max_models=2) as (url, pool):
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6000}
+        short = httpx.post(url + "/v1/chat/completions", json=body)
+        assert short.status_code == 400 and "(4096)" in short.json()["error"]["message"]
+        # The 8192-token model accepts what the default model's context could not hold
+        # (streamed, and left after its first event: the reply itself is not the point).
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json={**body, "model": long, "stream": True},
+            timeout=120,
+        ) as r:
+            assert r.status_code == 200, r.read()
+            next(r.iter_lines())
+        over = httpx.post(
+            url + "/v1/chat/completions", json={**body, "model": long, "max_tokens": 9000}
+        )
+        assert over.status_code == 400 and "(8192)" in over.json()["error"]["message"]
+        assert over.json()["error"]["param"] == "max_tokens"
 
 
 def test_settings_refuse_a_malformed_model_alias():

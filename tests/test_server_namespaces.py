@@ -230,3 +230,38 @@ def test_two_extensions_over_http_with_a_real_model(tmp_path):
             assert ask({})[0] == 0  # nor does curl see the extensions' entries
     finally:
         engine.shutdown()
+
+
+def test_a_client_pins_only_its_share_and_others_still_cache(tmp_path):
+    """Pins are never evicted: without a bound, one page could warm-and-pin the budget
+    full and no one else's prompt would be stored again."""
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
+    try:
+        with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+
+            def warm(headers: dict, text: str) -> httpx.Response:
+                body = {"messages": [SYSTEM, {"role": "user", "content": text}], "pin": True}
+                return c.post("/v1/cache/warm", json=body, headers=headers)
+
+            assert warm(PAGE, "A page's own prompt.").json()["pinned"] is True
+            one = sum(e.nbytes for e in engine.store.entries() if e.pinned)
+            engine.store.pin_share = 1.5 * one / engine.store.budget_bytes
+            assert warm(MAIL, "Reply to Bob.").json()["pinned"] is True
+            refused = warm(MAIL, "Reply to Alice, at length, about the mail you got today.")
+            assert refused.status_code == 409, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "pin_quota_exceeded" and "--pin-share" in error["message"]
+            entries = c.get("/v1/cache", headers=MAIL).json()["entries"]
+            assert [e["pinned"] for e in entries].count(True) >= 1
+            assert not all(e["pinned"] for e in entries)  # stored, but not pinned
+            unpinned = next(e["entry_id"] for e in entries if not e["pinned"])
+            pin = c.post(f"/v1/cache/entries/{unpinned}/pin", json={"pinned": True}, headers=MAIL)
+            assert pin.status_code == 409 and pin.json()["error"]["code"] == "pin_quota_exceeded"
+            # Everyone else's prompts are still stored and hit.
+            body = {"messages": [{"role": "user", "content": "Hello there, " * 20}]}
+            for cached in (False, True):
+                r = c.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+                hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert (hit > 0) is cached
+    finally:
+        engine.shutdown()

@@ -45,6 +45,7 @@ from pathlib import Path
 from mlx_prefix.cache import disk_files as files
 from mlx_prefix.cache import disk_header as hdr
 from mlx_prefix.cache import disk_payload as payload
+from mlx_prefix.cache import disk_trust as trust
 from mlx_prefix.cache.disk_files import DiskListing
 from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
 from mlx_prefix.cache.records import CheckpointKind, StoredTokens, covers
@@ -103,10 +104,7 @@ class DiskCache:
         self._index = DiskIndex(self.runtime)
         self._counters = _Counters()
         self._warned_errnos: set[int] = set()
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            log.warning("disk cache: cannot create %s: %s", self.directory, e)
+        trust.make_private(self.directory)
         if scan:
             self.scan()
 
@@ -354,6 +352,9 @@ class DiskCache:
             if isinstance(error, FileNotFoundError):
                 self._index.drop(name)
                 log.warning("disk cache: %s vanished; dropped from the index", name)
+            elif isinstance(error, trust.Untrusted):
+                self._index.drop(name)  # another user's doing, perhaps: not ours to delete
+                log.warning("disk cache: %s is not served: %s", name, error)
             elif isinstance(error, hdr.ForeignRuntime):
                 self._index.drop(name)  # another server's valid file: leave it on disk
                 log.warning("disk cache: %s is now %s; left on disk, not served", name, error)

@@ -117,6 +117,12 @@ def cache_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cache-max-entries", type=int, dest="max_entries")
     p.add_argument(
+        "--pin-share",
+        type=number_type(float, lo=0.0, hi=1.0, what="between 0 and 1"),
+        dest="pin_share",
+        help="share of the cache budget one client (namespace) may pin (default 0.25)",
+    )
+    p.add_argument(
         "--prefill-chunk",
         type=int,
         dest="prefill_chunk",
@@ -261,6 +267,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         "prefill_chunk",
         "checkpoint_interval",
         "eviction",
+        "pin_share",
     )
     return from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
 

@@ -90,6 +90,7 @@ class Engine(CacheViews, EngineLoop):
             self.cache_config.budget_bytes,
             self.cache_config.max_entries,
             policy=policy_named(self.cache_config.eviction),
+            pin_share=self.cache_config.pin_share,
         )
         # Quantized KV (engine/forward/kv_quant.py): in the key, one request at a time.
         self.kv_quant = quantized_kv(model, self.config)
@@ -235,20 +236,23 @@ class Engine(CacheViews, EngineLoop):
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = self.handle_type(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
-        # A pinned warm-up is meant to last: persist all of its checkpoints to disk too.
-        pref = replace(cache, enabled=True, scope="full" if pin else None)
+        # A pinned warm-up is meant to last: persist all of its checkpoints to disk too,
+        # unless the caller chose its disk scope.
+        scope = cache.scope if cache.scope is not None else "full" if pin else None
+        pref = replace(cache, enabled=True, scope=scope)
         key, sampling = entry_key(self.model_key, pref), SamplingParams(max_tokens=1)
         now = time.perf_counter()
         job = Job(handle, rendered, sampling, pref, key, now, warm=future, pin=pin)
         self.lifecycle.put(job)
         return handle, future
 
-    def _enqueue_prefetch(self, prompt: RenderedPrompt, key: str) -> None:
-        """Queue a next-turn prefetch under the entry key of the request it follows
-        (from the prefetcher's thread)."""
+    def _enqueue_prefetch(self, prompt: RenderedPrompt, key: str, scope: str | None = None) -> None:
+        """Queue a next-turn prefetch under the entry key and disk scope of the request it
+        follows (from the prefetcher's thread)."""
         handle = self.handle_type(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
         not_before = time.monotonic() + self.config.prefetch_delay_s
-        sampling, pref, now = SamplingParams(max_tokens=1), CachePreference(), time.perf_counter()
+        pref = CachePreference(scope=scope)
+        sampling, now = SamplingParams(max_tokens=1), time.perf_counter()
         job = Job(handle, prompt, sampling, pref, key, now, background=True, not_before=not_before)
         self.lifecycle.put_background(job)
 

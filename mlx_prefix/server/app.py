@@ -145,10 +145,9 @@ def _build(
     on_shutdown: Callable[[], None] | None,
     loader: EngineLoader | None = None,
 ) -> Starlette:
-    context_length = engine.model.context_length
-    limits = Limits(
+    limits = Limits(  # for parsing: each served model's own limit comes after (limits_for)
         default_max_tokens=settings.default_max_tokens,
-        max_tokens=min(settings.max_tokens_limit, context_length or settings.max_tokens_limit),
+        max_tokens=settings.max_tokens_limit,
         sampling=SamplingDefaults(
             settings.temperature, settings.top_p, settings.top_k, settings.min_p
         ),

@@ -33,6 +33,7 @@ from mlx_prefix.engine.forward.runner import (
 from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.requests.jobs import Job, PrefillTask
+from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
 
@@ -282,14 +283,12 @@ class PrefillPhase:
         warm-up stored them or an earlier request did. True if any is pinned."""
         prompt = job.prompt
         positions = {c.position for c in prompt.checkpoints} | {len(prompt.tokens)}
-        pinned = False
-        for position in sorted(positions):
-            key = prompt.tokens[:position]
-            if self.store.pin(job.cache_key, key):
-                pinned = True
-            else:
-                self.store.unpin(job.cache_key, key)  # nothing there: leave no stray pin
-        return pinned
+        try:
+            return self.store.pin_stored(job.cache_key, [prompt.tokens[:p] for p in positions]) > 0
+        except PinQuotaExceeded as e:  # over the namespace's share: the warm-up's answer
+            if job.warm is not None and not job.warm.done():
+                job.warm.set_exception(e)
+            return False
 
     def _checkpointer(self, job: Job, cache: list, reuse: int, branch: int) -> Checkpointer:
         tokens = job.prompt.tokens

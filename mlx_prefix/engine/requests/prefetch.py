@@ -95,14 +95,15 @@ def next_turn_prompt(
 
 class Prefetcher:
     """Renders next-turn prompts off the engine thread and hands them to `enqueue`,
-    with the entry key (namespace) of the request they follow: a prefetch stores its
-    checkpoints where only that client's next turn can find them."""
+    with the entry key (namespace) and disk scope of the request they follow: a prefetch
+    stores its checkpoints where only that client's next turn can find them, and writes
+    to disk only what that request allowed."""
 
     def __init__(
         self,
         planner: PromptPlanner,
         syntax: ToolSyntax | None,
-        enqueue: Callable[[RenderedPrompt, str], None],
+        enqueue: Callable[[RenderedPrompt, str, str | None], None],
     ):
         self.planner = planner
         self.syntax = syntax  # the tokenizer's tool-call syntax, as the server parses it
@@ -110,10 +111,16 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-prefix-prefetch")
 
     def submit(
-        self, source: PromptInput, reply: str, computed: int, request_id: str, key: str
+        self,
+        source: PromptInput,
+        reply: str,
+        computed: int,
+        request_id: str,
+        key: str,
+        scope: str | None = None,
     ) -> None:
         try:
-            self._pool.submit(self._render, source, reply, computed, request_id, key)
+            self._pool.submit(self._render, source, reply, computed, request_id, key, scope)
         except RuntimeError:  # closed: the engine is shutting down
             pass
 
@@ -121,7 +128,13 @@ class Prefetcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _render(
-        self, source: PromptInput, reply: str, computed: int, request_id: str, key: str
+        self,
+        source: PromptInput,
+        reply: str,
+        computed: int,
+        request_id: str,
+        key: str,
+        scope: str | None,
     ) -> None:
         try:
             prompt = next_turn_prompt(
@@ -131,4 +144,4 @@ class Prefetcher:
             log.debug("next-turn render failed", exc_info=True)
             return
         if prompt is not None:
-            self.enqueue(prompt, key)
+            self.enqueue(prompt, key, scope)

@@ -23,6 +23,7 @@ from mlx_prefix.records import DoneEvent, ToolCallIds
 from ..assembler import Assembler, Delta
 from ..generation import Collected, RequestLog
 from ..namespaces import caller
+from ..protocol.request import fit_to_model
 from ..protocol.response_items import reply_messages
 from ..protocol.responses import ResponsesRequest, parse_responses
 from ..response_objects import OutputEvents, ResponseHead, new_id, sse
@@ -43,7 +44,8 @@ async def create_response(request: Request) -> Response:
         served = await model_for(request, parsed.model)
         tokenizer = served.engine.model.tokenizer
         history = _history(st.responses, who.namespace, parsed)
-        req = with_tool_choice(parsed.generation(history, ToolCallIds(response_id)), tokenizer)
+        req = parsed.generation(history, ToolCallIds(response_id))
+        req = with_tool_choice(fit_to_model(req, st.limits_for(served.engine)), tokenizer)
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         handle = await submit(served.engine, req, response_id)
     except MlxPrefixError as e:
