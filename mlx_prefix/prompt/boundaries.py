@@ -193,7 +193,7 @@ def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, 
     """The token runs that open an assistant turn, one per message it may follow (a user
     message, a tool result): the end of what a generation prompt and every probed
     history turn share, common to every ending of the message before. A run of plain
-    text must be two tokens at least, so that it rarely occurs elsewhere."""
+    text must be distinctive, so that it rarely occurs elsewhere."""
     leads = (
         lambda e: [{"role": "user", "content": e}],
         lambda e: [
@@ -208,10 +208,20 @@ def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, 
         if None in heads:
             continue  # not a conversation this template accepts
         run = common_suffix(heads)
-        if len(run) >= 2 or (run and run[-1] in specials):
+        if _distinctive(renderer, run, specials):
             runs.append(run)
+    runs = list(dict.fromkeys(runs))
     # A run that ends another makes the longer one redundant.
     return tuple(r for r in runs if not any(o != r and r[len(r) - len(o) :] == o for o in runs))
+
+
+def _distinctive(renderer: ChatRenderer, run: tuple[int, ...], specials: set[int]) -> bool:
+    """Whether `run` rarely occurs but where a turn opens: a special token, two tokens,
+    or one of plain text at least 4 characters long (Mistral's `INST`, whose `]` merges
+    with what follows), never a lone `\n` that would cut a chunk at every line."""
+    if len(run) >= 2 or (run and run[-1] in specials):
+        return True
+    return bool(run) and len(renderer.tokenizer.decode(list(run)).strip()) >= 4
 
 
 def _turn_head(renderer: ChatRenderer, before: list[dict[str, Any]]) -> tuple[int, ...] | None:

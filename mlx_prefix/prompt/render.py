@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.prompt.call_ids import CallIdForm, detect, map_call_ids
 from mlx_prefix.records import PromptInput
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -120,6 +121,14 @@ class ChatRenderer:
                 f"--chat-template-args may not set {key!r}: {_RESERVED_KWARGS[key]}",
                 param="chat_template_args",
             )
+        # The tool-call ids this template accepts (prompt/call_ids.py): found once.
+        self.call_ids = CallIdForm.AS_SENT
+        if self.has_template:
+            self.call_ids = detect(
+                lambda messages: tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=False, **self.defaults
+                )
+            )
 
     def render_text(
         self,
@@ -141,7 +150,7 @@ class ChatRenderer:
             kwargs["tools"] = [_sorted_json(t) for t in tools]
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages),
+                map_call_ids(messages, self.call_ids),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
