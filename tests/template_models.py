@@ -6,8 +6,17 @@ through them. Nothing here touches the network."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from mlx_prefix.engine import loop
+from mlx_prefix.engine.calibration import Calibration
+from mlx_prefix.models.identity import chat_template_hash
 from mlx_prefix.models.load import LoadedModel, load_model
 from mlx_prefix.models.testing import cached_test_model
 
@@ -35,18 +44,45 @@ TEMPLATES: dict[str, str] = {
 # grows (they drop its reasoning, or render it only while no user message follows).
 RERENDERING = ("GLM-4.7", "DeepSeek V3.1", "MiniMax M2")
 
+_weights: dict[str, LoadedModel] = {}
 _loaded: dict[tuple[str, str], LoadedModel] = {}
+_calibrations: dict[int, Calibration] = {}  # by the model object's id (kept alive above)
 
 
 def template_model(family: str, kind: str = "dense") -> LoadedModel:
-    """A tiny `kind` model with Qwen3's tokenizer, served with `family`'s template
-    (loaded once per process; the weights folder is shared by every template)."""
+    """A tiny `kind` model with Qwen3's tokenizer, served with `family`'s template.
+    Loaded once per process; every template shares one model object (its weights and
+    the engine's calibration of them), each with its own tokenizer wrapper (mlx-lm
+    picks the tool parser from the template) and cache identity."""
     key = (family, kind)
     if key not in _loaded:
-        folder = cached_test_model(kind, tokenizer=QWEN3_TOKENIZER)
-        template = DATA / "templates" / TEMPLATES[family]
-        _loaded[key] = load_model(str(folder), chat_template=str(template))
+        if kind not in _weights:
+            _weights[kind] = load_model(str(cached_test_model(kind, tokenizer=QWEN3_TOKENIZER)))
+        base = _weights[kind]
+        template = (DATA / "templates" / TEMPLATES[family]).read_text(encoding="utf-8")
+        config = json.loads((base.path / "config.json").read_text())
+        tokenizer = load_tokenizer(
+            base.path, {"chat_template": template}, eos_token_ids=config.get("eos_token_id")
+        )
+        identity = replace(base.identity, chat_template_hash=chat_template_hash(template))
+        _loaded[key] = replace(base, tokenizer=tokenizer, identity=identity)
     return _loaded[key]
+
+
+@contextmanager
+def calibrated_once() -> Iterator[None]:
+    """Engines of one shared model object calibrate it once (engine/calibration.py
+    measures the model's layers; the templates change nothing it measures)."""
+    original = loop.calibrate
+
+    def once(model: LoadedModel) -> Calibration:
+        if id(model.model) not in _calibrations:
+            _calibrations[id(model.model)] = original(model)
+        return _calibrations[id(model.model)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "calibrate", once)
+        yield
 
 
 # -- an agent's conversation, in chat completions' shape -----------------------------------
