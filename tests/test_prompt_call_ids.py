@@ -10,6 +10,8 @@ from template_models import FIRST_ID, SECOND_ID, TOOLS, chat_messages, template_
 
 from mlx_prefix.prompt.call_ids import CallIdForm, map_call_ids, nine_alnum
 from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
+from mlx_prefix.records import ToolCallIds
 
 
 def renderer(family: str) -> ChatRenderer:
@@ -88,3 +90,17 @@ def test_kimi_results_answer_the_call_the_template_named():
     text = render("Kimi K2", 3)
     assert "## Return of functions.read_file:0" in text
     assert FIRST_ID not in text and SECOND_ID not in text
+
+
+def test_a_reply_is_named_in_the_clients_form_and_renders_back_in_the_templates():
+    model = template_model("Mistral Small 3.2")
+    ids = ToolCallIds(seed="req-1", prefix="toolu_")  # an Anthropic client's reply
+    written = '[TOOL_CALLS]read_file[ARGS]{"path": "a.py"}'
+    reply = client_reply(ToolSyntax.of(model.tokenizer), written, TOOLS, ids)
+    assert reply.call_ids == (ids.id(0),)  # the client's own form, never the template's
+    result = {"role": "tool", "tool_call_id": ids.id(0), "content": "x = 1"}
+    # What the next-turn prefetch renders, and the client's next request alike.
+    messages = normalize_messages([*chat_messages(0), reply.message, result])
+    text = ChatRenderer(model.tokenizer).render_text(messages, tools=TOOLS)
+    mapped = nine_alnum(ids.id(0))
+    assert f"[CALL_ID]{mapped}[ARGS]" in text and f"[TOOL_RESULTS]{mapped}[" in text
