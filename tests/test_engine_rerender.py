@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import EXACT, run
-from template_models import RERENDERING, TOOLS, chat_messages, template_model
+from template_models import RERENDERING, TOOLS, calibrated_once, chat_messages, template_model
 
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
@@ -20,9 +20,14 @@ CACHE = CacheConfig(budget_bytes=1 << 30, prefill_chunk=32, checkpoint_interval=
 
 @pytest.mark.parametrize("family", RERENDERING)
 def test_each_turn_restores_at_its_divergence_and_answers_as_cold(family):
-    engine = Engine(
-        template_model(family, "qwen3_5"), CACHE, EngineConfig(prefetch_next_turn=False)
-    )
+    with calibrated_once():
+        engine = Engine(
+            template_model(family, "qwen3_5"), CACHE, EngineConfig(prefetch_next_turn=False)
+        )
+        converse(engine)
+
+
+def converse(engine: Engine) -> None:
     grid = engine.planner.grid
     try:
         previous: tuple[int, ...] | None = None
