@@ -216,12 +216,12 @@ def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, 
 
 
 def _distinctive(renderer: ChatRenderer, run: tuple[int, ...], specials: set[int]) -> bool:
-    """Whether `run` rarely occurs but where a turn opens: a special token, two tokens,
-    or one of plain text at least 4 characters long (Mistral's `INST`, whose `]` merges
-    with what follows), never a lone `\n` that would cut a chunk at every line."""
-    if len(run) >= 2 or (run and run[-1] in specials):
+    """Whether `run` rarely occurs but where a turn opens: it holds a special token, or
+    at least 4 characters of plain text (Mistral's `INST`, whose `]` merges with what
+    follows; GLM's `assistant|>`), never a `\n` alone that would cut at every line."""
+    if any(t in specials for t in run):
         return True
-    return bool(run) and len(renderer.tokenizer.decode(list(run)).strip()) >= 4
+    return len(renderer.tokenizer.decode(list(run)).strip()) >= 4
 
 
 def _turn_head(renderer: ChatRenderer, before: list[dict[str, Any]]) -> tuple[int, ...] | None:
