@@ -81,7 +81,8 @@ class Breakpoint:
 class ToolCallIds:
     """How the API layer names the tool calls of one request's reply: the i-th call is
     `prefix` + a digest of (`seed`, i). Deterministic, so the engine's next-turn prefetch
-    renders the ids the client will send back (Mistral and Kimi templates print them)."""
+    renders the ids the client will send back (Mistral and Kimi templates print them,
+    in their own form: prompt/call_ids.py maps them at render time, never in replies)."""
 
     seed: str  # the request's id
     prefix: str = "call_"  # OpenAI's; Anthropic's tool_use ids start "toolu_"

@@ -1,59 +1,211 @@
-"""What a request may do to the chat template over HTTP, on a real tiny model: template
-variables only (no template of its own, no tokenisation switches), and a bounded
-rendering time, after which the server keeps serving."""
+"""The real chat templates of 14 model families, served with Qwen3's real tokenizer on a
+tiny random-weight model, over chat completions, Anthropic Messages and Responses: an
+agent's conversation (system prompt, tools, a call with reasoning, its result, an
+answer, a new question, another call) renders and answers 200 (or a 400 naming the
+template's own refusal, never a 5xx), and every turn reuses what it shares with the
+turn before, up to the grid point at the divergence."""
 
 from __future__ import annotations
 
-import time
+import json
 
 import httpx
 import pytest
 from conftest import TEST_CACHE
 from server_fakes import serving
-
-from mlx_prefix.engine.engine import Engine
-from mlx_prefix.models.load import load_model
-from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt import render
-
-SPIN = (  # ChatML, looping for hours when a request sets the template variable `spin`
-    "{% if spin %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
-    "{% endfor %}{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+from template_models import (
+    AGENT_TURNS,
+    SYSTEM,
+    TEMPLATES,
+    TOOLS,
+    calibrated_once,
+    chat_messages,
+    template_model,
 )
 
+from mlx_prefix.config import EngineConfig
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
+from mlx_prefix.records import PromptInput
 
-def chat(c: httpx.Client, **kwargs) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
-    return c.post("/v1/chat/completions", json=body)
-
-
-@pytest.fixture(scope="module")
-def live():
-    engine = Engine(load_model(str(cached_test_model("dense")), chat_template=SPIN), TEST_CACHE)
-    with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=120) as c:
-        yield c
+TURNS = len(AGENT_TURNS)
 
 
-def test_a_request_cannot_replace_the_template(live):
-    pwned = {"chat_template": "PWNED {{ messages[0].content }}"}
-    r = chat(live, chat_template_kwargs=pwned)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "chat_template_kwargs.chat_template"
-    assert "'chat_template'" in error["message"]
-    for key in ("tokenize", "continue_final_message", "documents"):
-        r = chat(live, chat_template_kwargs={key: True})
-        assert r.status_code == 400 and f"'{key}'" in r.json()["error"]["message"]
+class RecordingEngine(Engine):
+    """The engine, keeping every request's rendered prompt."""
+
+    def plan(self, prompt: PromptInput) -> RenderedPrompt:
+        rendered = super().plan(prompt)
+        self.plans.append(rendered)
+        return rendered
 
 
-def test_a_template_loop_ends_with_a_400_and_the_server_keeps_serving(live, monkeypatch):
-    monkeypatch.setattr(render, "RENDER_TIMEOUT_S", 0.5)
-    started = time.monotonic()
-    r = chat(live, chat_template_kwargs={"spin": True})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["code"] == "template_timeout"
-    assert time.monotonic() - started < 60  # bounded, generously for any machine
-    ok = chat(live)
-    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+@pytest.fixture(scope="module", params=list(TEMPLATES))
+def served(request):
+    with calibrated_once():
+        engine = RecordingEngine(
+            template_model(request.param), TEST_CACHE, EngineConfig(prefetch_next_turn=False)
+        )
+        engine.plans, engine.family = [], request.param
+        with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=120) as client:
+            yield client, engine
+
+
+# family -> the refusal its template raises for this conversation (a 400 naming it).
+# None today: Mistral's "Tool call IDs should be alphanumeric strings with length 9!"
+# is met by mapping the ids (prompt/call_ids.py).
+REFUSALS: dict[str, str] = {}
+
+
+def post(client: httpx.Client, path: str, body: dict, family: str) -> dict | None:
+    """The answer's JSON, or None for the template's own refusal (a 400 saying so)."""
+    response = client.post(path, json=body)
+    if family in REFUSALS and response.status_code == 400:
+        assert REFUSALS[family] in response.json()["error"]["message"]
+        return None
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def converse(client, engine, path: str, bodies: list[dict], cached_of) -> None:
+    engine.flush_cache()
+    previous = None
+    for turn, body in enumerate(bodies):
+        answer = post(client, path, body, engine.family)
+        if answer is None:
+            previous = None
+            continue
+        tokens = engine.plans[-1].tokens
+        if previous is not None:
+            shared = common_prefix_length(previous, tokens)
+            expected = engine.planner.grid.align(tokens, min(shared, len(tokens) - 1))
+            assert cached_of(answer) >= expected > 0, (turn, shared, len(previous))
+        previous = tokens
+
+
+def test_chat_completions(served):
+    client, engine = served
+    bodies = [
+        {
+            "model": "m",
+            "messages": chat_messages(turn),
+            "tools": TOOLS,
+            "max_tokens": 3,
+            "temperature": 0,
+        }
+        for turn in range(TURNS)
+    ]
+    converse(
+        client,
+        engine,
+        "/v1/chat/completions",
+        bodies,
+        lambda a: a["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
+
+
+def _anthropic_messages(turn: int) -> list[dict]:
+    out: list[dict] = []
+    for m in AGENT_TURNS[turn]:
+        if m["role"] == "user":
+            out.append({"role": "user", "content": [{"type": "text", "text": m["content"]}]})
+        elif m["role"] == "tool":
+            result = {
+                "type": "tool_result",
+                "tool_use_id": m["tool_call_id"],
+                "content": m["content"],
+            }
+            out.append({"role": "user", "content": [result]})
+        else:
+            blocks: list[dict] = []
+            if m.get("reasoning_content"):
+                blocks.append(
+                    {"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}
+                )
+            if m["content"]:
+                blocks.append({"type": "text", "text": m["content"]})
+            for c in m.get("tool_calls", ()):
+                f = c["function"]
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": c["id"],
+                        "name": f["name"],
+                        "input": json.loads(f["arguments"]),
+                    }
+                )
+            out.append({"role": "assistant", "content": blocks})
+    return out
+
+
+def test_anthropic_messages(served):
+    client, engine = served
+    tools = [
+        {"name": t["function"]["name"], "description": t["function"]["description"],
+         "input_schema": t["function"]["parameters"]}
+        for t in TOOLS
+    ]  # fmt: skip
+    bodies = [
+        {
+            "model": "m",
+            "system": SYSTEM,
+            "messages": _anthropic_messages(turn),
+            "tools": tools,
+            "max_tokens": 3,
+            "temperature": 0,
+        }
+        for turn in range(TURNS)
+    ]
+    converse(
+        client, engine, "/v1/messages", bodies, lambda a: a["usage"]["cache_read_input_tokens"]
+    )
+
+
+def _response_items(turn: int) -> list[dict]:
+    out: list[dict] = []
+    for m in AGENT_TURNS[turn]:
+        if m["role"] == "user":
+            out.append({"type": "message", "role": "user", "content": m["content"]})
+        elif m["role"] == "tool":
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "call_id": m["tool_call_id"],
+                    "output": m["content"],
+                }
+            )
+        else:
+            if m["content"]:
+                text = {"type": "output_text", "text": m["content"]}
+                out.append({"type": "message", "role": "assistant", "content": [text]})
+            for c in m.get("tool_calls", ()):
+                f = c["function"]
+                out.append(
+                    {"type": "function_call", "call_id": c["id"], "name": f["name"],
+                     "arguments": f["arguments"]}
+                )  # fmt: skip
+    return out
+
+
+def test_responses(served):
+    client, engine = served
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    bodies = [
+        {
+            "model": "m",
+            "instructions": SYSTEM,
+            "input": _response_items(turn),
+            "tools": tools,
+            "max_output_tokens": 3,
+            "temperature": 0,
+            "store": False,
+        }
+        for turn in range(TURNS)
+    ]
+    converse(
+        client,
+        engine,
+        "/v1/responses",
+        bodies,
+        lambda a: a["usage"]["input_tokens_details"]["cached_tokens"],
+    )

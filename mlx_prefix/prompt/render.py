@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.prompt.call_ids import CallIdForm, detect, map_call_ids
 from mlx_prefix.records import PromptInput
 
 from .bounded import Timeout, call_bounded
@@ -159,6 +160,14 @@ class ChatRenderer:
                 f"--chat-template-args may not set {key!r}: {self.reserved[key]}",
                 param="chat_template_args",
             )
+        # The tool-call ids this template accepts (prompt/call_ids.py): found once.
+        self.call_ids = CallIdForm.AS_SENT
+        if self.has_template:
+            self.call_ids = detect(
+                lambda messages: tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=False, **self.defaults
+                )
+            )
 
     def render_text(
         self,
@@ -181,7 +190,7 @@ class ChatRenderer:
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
-                list(messages),
+                map_call_ids(messages, self.call_ids),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
