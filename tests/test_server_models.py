@@ -70,7 +70,7 @@ def _lora_adapter(model_folder: Path, dest: Path) -> Path:
 def served(folders, cache=TEST_CACHE, disk=None, **settings) -> Iterator[tuple[str, object]]:
     """A live server of model a (the default) that loads others on demand: by default
     the other folders are --allowed-models (a request may name only what is allowed)."""
-    allowed = tuple(str(folders[k]) for k in ("b", "broken", "lora"))
+    allowed = tuple(str(folders[k]) for k in ("b", "broken", "lora", "long") if k in folders)
     settings.setdefault("allowed_models", allowed)
 
     def loader(spec: ModelSpec, store, disk_cache) -> Engine:
