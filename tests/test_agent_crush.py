@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from agent_e2e import (
     DONE,
-    NODE_MODULES,
     RUN_TIMEOUT_S,
     Counted,
     call,
@@ -33,14 +32,12 @@ VERSION = "0.96.1"
 
 def crush_binary() -> tuple[Path | None, str]:
     folder, why = npm_package("@charmland/crush", VERSION)
+    download = "its npm postinstall downloads the binary from GitHub releases"
     if folder is None:
-        return None, why
-    binary = NODE_MODULES / "@charmland" / "crush" / "bin" / "crush"
+        return None, f"{why}; {download}, so npm cannot install it where GitHub is out of reach"
+    binary = folder / "bin" / "crush"
     if not binary.exists():
-        return None, (
-            "Crush's npm package has no binary: its postinstall downloads one from GitHub "
-            "releases, which this machine cannot reach"
-        )
+        return None, f"Crush has no binary: {download} and it did not"
     return binary, ""
 
 
