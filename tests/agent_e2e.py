@@ -32,6 +32,13 @@ CLIENTS = ROOT / ".test-clients"
 NODE_MODULES = CLIENTS / "node_modules"
 DONE = "All done."
 DONE_DIRECTIVE = f"[[reply:{DONE}]]"
+# Tests never touch the network: a Node agent's fetch reaches loopback only (Continue's
+# CLI asks its hub for the latest version at start), and npm, which OpenCode runs to
+# install its plugin package, stays offline.
+OFFLINE = {
+    "NODE_OPTIONS": f"--require {json.dumps(str(ROOT / 'tests' / 'agent_offline.cjs'))}",
+    "npm_config_offline": "true",
+}
 # The agents' runs take minutes on two shared cores: the first run prefills the
 # agent's whole prompt (7K to 15K tokens) on the CPU.
 RUN_TIMEOUT_S = 900

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from agent_e2e import (
     DONE,
+    OFFLINE,
     RUN_TIMEOUT_S,
     Counted,
     call,
@@ -60,6 +61,7 @@ def run_cn(url: str, tmp: Path, prompt: str) -> str:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
+        **OFFLINE,
         "CONTINUE_METRICS_ENABLED": "0",
     }
     assert FOLDER is not None

@@ -20,6 +20,7 @@ import pytest
 from agent_e2e import (
     DONE,
     NODE_MODULES,
+    OFFLINE,
     RUN_TIMEOUT_S,
     Counted,
     call,
@@ -80,6 +81,7 @@ def run_opencode(url: str, tmp: Path, prompt: str) -> list[dict]:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
+        **OFFLINE,
         "OPENCODE_DISABLE_MODELS_FETCH": "1",
         "OPENCODE_DISABLE_AUTOUPDATE": "1",
     }

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from agent_e2e import (
     DONE,
+    OFFLINE,
     RUN_TIMEOUT_S,
     Counted,
     call,
@@ -46,6 +47,7 @@ def run_qwen(url: str, tmp: Path, prompt: str) -> list[dict]:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
+        **OFFLINE,
         "OPENAI_BASE_URL": f"{url}/v1",
         "OPENAI_API_KEY": "local",
         "OPENAI_MODEL": "default",
