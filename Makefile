@@ -40,29 +40,45 @@ $(STAMP): pyproject.toml
 
 install: system-deps $(STAMP)
 
-# Headless Chromium for the browser (CORS + streaming fetch) test, and Claude Code and
-# Codex CLI for the agents' end-to-end tests: their native binaries from npm, without the
-# postinstall, into a git-ignored folder (the tests find them there).
+# Headless Chromium for the browser (CORS + streaming fetch) test, and the coding agents
+# for their end-to-end tests, pinned, into a git-ignored folder (the tests find them
+# there and skip with the reason without them): the npm ones without their postinstall
+# (Claude Code and OpenCode ship their native binaries as npm packages; Crush's
+# postinstall downloads its binary from GitHub, so it runs for Crush alone), and Aider
+# in a venv of its own (its dependencies pin old versions of ours).
 CLAUDE_CODE_VERSION := 2.1.328
 CODEX_VERSION := 0.169.0
+OPENCODE_VERSION := 1.18.33
+QWEN_CODE_VERSION := 0.24.4
+CONTINUE_CLI_VERSION := 1.5.47
+CRUSH_VERSION := 0.96.1
+AIDER_VERSION := 0.86.2
 TEST_CLIENTS := .test-clients
+
+# $(call npm_client,PACKAGE,VERSION,NAME[,NPM FLAGS]): install PACKAGE@VERSION unless present.
+define npm_client
+	@if ! command -v npm >/dev/null; then echo "warning: no npm; the $(3) test skips"; \
+	elif ! grep -qs '"version": "$(2)"' $(TEST_CLIENTS)/node_modules/$(1)/package.json; then \
+	  npm install --prefix $(TEST_CLIENTS) $(if $(4),$(4),--ignore-scripts) --no-audit \
+	    --no-fund $(1)@$(2) || echo "warning: could not install $(3); its end-to-end tests skip"; fi
+endef
 
 test-deps:
 ifeq ($(HOST_OS),Linux)
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq chromium || echo "warning: no chromium; browser test skips"; }
 endif
-	@if ! command -v npm >/dev/null; then echo "warning: no npm; the Claude Code test skips"; \
-	elif ! grep -qs '"version": "$(CLAUDE_CODE_VERSION)"' \
-	    $(TEST_CLIENTS)/node_modules/@anthropic-ai/claude-code/package.json; then \
-	  npm install --prefix $(TEST_CLIENTS) --ignore-scripts --no-audit --no-fund \
-	    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
-	  || echo "warning: could not install Claude Code; its end-to-end test skips"; fi
-	@if command -v npm >/dev/null && ! grep -qs '"version": "$(CODEX_VERSION)"' \
-	    $(TEST_CLIENTS)/node_modules/@openai/codex/package.json; then \
-	  npm install --prefix $(TEST_CLIENTS) --ignore-scripts --no-audit --no-fund \
-	    @openai/codex@$(CODEX_VERSION) \
-	  || echo "warning: could not install Codex CLI; its end-to-end tests skip"; fi
+	$(call npm_client,@anthropic-ai/claude-code,$(CLAUDE_CODE_VERSION),Claude Code)
+	$(call npm_client,@openai/codex,$(CODEX_VERSION),Codex CLI)
+	$(call npm_client,opencode-ai,$(OPENCODE_VERSION),OpenCode)
+	$(call npm_client,@qwen-code/qwen-code,$(QWEN_CODE_VERSION),Qwen Code)
+	$(call npm_client,@continuedev/cli,$(CONTINUE_CLI_VERSION),Continue CLI)
+	$(call npm_client,@charmland/crush,$(CRUSH_VERSION),Crush,--foreground-scripts)
+	@if ! grep -qs '^Version: $(AIDER_VERSION)$$' \
+	    $(TEST_CLIENTS)/aider/lib/python*/site-packages/aider_chat-*.dist-info/METADATA; then \
+	  { [ -x $(TEST_CLIENTS)/aider/bin/pip ] || $(PYTHON) -m venv $(TEST_CLIENTS)/aider; } && \
+	  $(TEST_CLIENTS)/aider/bin/pip install -q "aider-chat==$(AIDER_VERSION)" \
+	  || echo "warning: could not install Aider; its end-to-end tests skip"; fi
 
 test: install test-deps
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q -rs $(PYTEST_ARGS)

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions bodies: messages, content parts, tool calls, tools,
-tool_choice, logprobs, and the deprecated `functions` / `function_call` (with `function`
-role messages and assistant `function_call`s in the history), read as tools."""
+tool_choice, logprobs, reasoning_effort, and the deprecated `functions` / `function_call`
+(with `function` role messages and assistant `function_call`s in the history), read as
+tools."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     prompt = PromptInput(
         messages=parse_messages(body.get("messages", MISSING)),
         tools=tools if offer_tools else None,
-        chat_template_kwargs=field(body, "chat_template_kwargs", dict, None) or {},
+        chat_template_kwargs=_template_kwargs(body),
     )
     logprobs = bool(field(body, "logprobs", bool, False))
     top = integer(body, "top_logprobs", 0, lo=0, hi=20)
@@ -78,6 +79,29 @@ def _functions_as_tools(body: dict[str, Any]) -> dict[str, Any]:
     out["tool_choice"] = choice
     out["parallel_tool_calls"] = False
     return out
+
+
+# OpenAI's reasoning_effort levels. A local model has one knob for how hard it works:
+# whether its template lets it reason before answering. The lower levels turn that off
+# (as Anthropic's output_config.effort "low" does), the others on; a template without
+# the switch reasons as it always does.
+_REASONS = {"none": False, "minimal": False, "low": False}
+_REASONS |= dict.fromkeys(("medium", "high", "xhigh"), True)
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs, with reasoning_effort as its `enable_thinking` switch (a
+    switch the request sets itself wins)."""
+    kwargs = dict(field(body, "chat_template_kwargs", dict, None) or {})
+    effort = field(body, "reasoning_effort", str, None)
+    if effort is None:
+        return kwargs
+    if effort not in _REASONS:
+        raise InvalidRequest(
+            f"reasoning_effort must be one of {', '.join(_REASONS)}", param="reasoning_effort"
+        )
+    kwargs.setdefault("enable_thinking", _REASONS[effort])
+    return kwargs
 
 
 def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
