@@ -51,6 +51,7 @@ from mlx_prefix.engine.scheduler import WaitingList
 from mlx_prefix.engine.speculative import SpeculationStats, Speculator, check_request
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.platform import cap_buffer_cache
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.prompt.tool_calls import ToolSyntax
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
@@ -91,6 +92,7 @@ class Engine(CacheViews, EngineLoop):
             self.cache_config.max_entries,
             policy=policy_named(self.cache_config.eviction),
         )
+        cap_buffer_cache(self.store.budget_bytes)  # freed MLX buffers count too
         # Quantized KV (engine/kv_quant.py): in the key, one request at a time.
         self.kv_quant = quantized_kv(model, self.config)
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
