@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -57,6 +58,16 @@ def chat(client: httpx.Client, index: int) -> dict[str, Any]:
     return reply.json()
 
 
+def machine() -> str:
+    cpu = platform.processor()
+    try:
+        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    except OSError:
+        pass
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
+
+
 def parse_size(text: str) -> int:
     units = {"KIB": 1 << 10, "MIB": MiB, "GIB": 1 << 30}
     for unit, scale in units.items():
@@ -69,6 +80,7 @@ def measure(budget: str, prompts: int, warmups: int, log_dir: Path) -> dict[str,
     model = dense_model()
     spec = ServerSpec(OURS, model.path, ("--cache-budget", budget), label="memory")
     server = Server(spec, log_dir).start()
+    blas = server.blas()
     try:
         with httpx.Client(base_url=server.url, timeout=600.0) as client:
             for i in range(warmups):
@@ -89,8 +101,8 @@ def measure(budget: str, prompts: int, warmups: int, log_dir: Path) -> dict[str,
     growth = rss[-1] - base
     return {
         "model": model.description,
-        "machine": f"{platform.machine()} {platform.system()} {platform.processor()}".strip(),
-        "blas": "see the server log",
+        "machine": machine(),
+        "blas": blas,
         "budget_bytes": budget_bytes,
         "warmups": warmups,
         "prompts": prompts,
