@@ -149,3 +149,19 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def cap_buffer_cache(budget_bytes: int) -> int:
+    """Cap MLX's cache of freed buffers at a quarter of the prompt cache's byte budget,
+    never raising it; returns the limit now in force. The freed buffers MLX keeps for
+    reuse are process memory outside the budget: Metal keeps up to its memory limit by
+    default, the CPU allocator 32 MiB. Process-wide, so engines sharing a process keep
+    the smallest of their caps."""
+    import mlx.core as mx
+
+    cap = budget_bytes // 4
+    previous = mx.set_cache_limit(cap)
+    if previous < cap:
+        mx.set_cache_limit(previous)
+        return previous
+    return cap

@@ -51,6 +51,7 @@ from mlx_prefix.engine.requests.prefetch import Prefetcher
 from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.platform import cap_buffer_cache
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
 from mlx_prefix.prompt.tool_calls import ToolSyntax
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
@@ -92,6 +93,7 @@ class Engine(CacheViews, EngineLoop):
             policy=policy_named(self.cache_config.eviction),
             pin_share=self.cache_config.pin_share,
         )
+        cap_buffer_cache(self.store.budget_bytes)  # freed MLX buffers count too
         # Quantized KV (engine/forward/kv_quant.py): in the key, one request at a time.
         self.kv_quant = quantized_kv(model, self.config)
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)

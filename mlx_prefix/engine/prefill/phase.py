@@ -271,6 +271,9 @@ class PrefillPhase:
         self.tasks.remove(task)
         if task.checkpointer is not None:
             task.checkpointer.finish(keep=not failed)
+            # Its report callback holds the task: a cycle that kept the whole cache
+            # alive, outside the budget, until Python's rare full collection.
+            task.checkpointer.report = lambda: None
         self.store.drop_active(task.bytes_key)
         if task.lease is not None:
             # The request's cache no longer shares the snapshot's arrays once prefill
