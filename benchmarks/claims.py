@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .servers import OURS, PEER, SERVERS
+from .names import OURS, PEER, SERVERS
 
 COPY_SHARE = 0.01  # more memory than this share of the prefix is a copy
 

@@ -5,9 +5,19 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
+
+
+class Endpoint(Protocol):
+    """A running server, as a request needs it."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def request_model(self) -> str | None: ...  # the `model` to name (None: leave it out)
 
 
 @dataclass(slots=True)
@@ -41,7 +51,7 @@ class Request:
     max_tokens: int = 8
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def body(self, *, cold: bool = False) -> tuple[str, dict[str, Any]]:
+    def body(self, *, cold: bool = False, model: str | None = None) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
@@ -49,6 +59,8 @@ class Request:
             "stream_options": {"include_usage": True},
             **self.extra,
         }
+        if model is not None:
+            body["model"] = model
         if self.messages is not None:
             path, body["messages"] = "/v1/chat/completions", self.messages
             if self.tools:
@@ -72,9 +84,11 @@ def _delta_text(choice: dict[str, Any]) -> str:
 
 
 async def send(
-    client: httpx.AsyncClient, base_url: str, request: Request, *, cold: bool = False
+    client: httpx.AsyncClient, to: Endpoint | str, request: Request, *, cold: bool = False
 ) -> Reply:
-    path, body = request.body(cold=cold)
+    """`request` streamed to a server (or a base URL: no `model` named), timed."""
+    base_url, model = (to, None) if isinstance(to, str) else (to.url, to.request_model)
+    path, body = request.body(cold=cold, model=model)
     texts: list[str] = []
     usage: dict[str, Any] = {}
     finish = None

@@ -154,7 +154,7 @@ class Context:
     model: BenchModel
     tokens: Tokens
     out_dir: Path
-    servers: dict[str, Server]  # OURS, PEER: started with default cache settings
+    servers: dict[str, Server]  # OURS, PEER (and VLLM): started with default cache settings
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     _peer_cold: Server | None = None
     log: Callable[[str], None] = print
@@ -206,8 +206,8 @@ class Context:
 
     async def cold(self, client: httpx.AsyncClient, server: Server, request: Request) -> Reply:
         if server.name == OURS:
-            return await send(client, server.url, request, cold=True)
-        return await send(client, self.peer_cold().url, request)
+            return await send(client, server, request, cold=True)
+        return await send(client, self.peer_cold(), request)
 
     async def check(
         self,
@@ -219,7 +219,10 @@ class Context:
         warm: Reply,
     ) -> None:
         cold = await self.cold(client, server, request)
-        how = "prefix_cache disabled" if server.name == OURS else "fresh process, no prompt cache"
+        how = {
+            OURS: "prefix_cache disabled",
+            PEER: "fresh process, no prompt cache",
+        }.get(server.name, "a fresh mlx_lm.server with no prompt cache")  # vllm-mlx: no switch
         result.checks.append(Check(label, warm.text == cold.text, warm.text, cold.text, how))
 
     def should_check(self, index: int, count: int) -> bool:
