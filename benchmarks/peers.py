@@ -40,6 +40,20 @@ def vllm_mlx_problem(venv: Path = VENV) -> str | None:
     return None
 
 
+def installed_versions(venv: Path = VENV) -> dict[str, str]:
+    """vllm-mlx's version and the mlx / mlx-lm it runs on (its pins may differ from the
+    other servers'), read from the venv's package metadata; {} where not installed."""
+    out = {}
+    for dist in ("vllm_mlx", "mlx", "mlx_lm"):
+        found = sorted(venv.glob(f"lib/python*/site-packages/{dist}-*.dist-info"))
+        if found:
+            version = found[-1].name[len(dist) + 1 : -len(".dist-info")]
+            out["vllm-mlx" if dist == "vllm_mlx" else f"{dist.replace('_', '-')} (vllm-mlx)"] = (
+                version
+            )
+    return out
+
+
 def install(venv: Path = VENV) -> str | None:
     """Create the venv and install the pinned requirements (idempotent). Returns why it
     failed, or None."""

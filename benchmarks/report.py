@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import claims, report_sharded, report_throughput
+from . import claims, peers, report_sharded, report_throughput
 from .goals import Goal, evaluate
 from .names import GENERATE, OURS, PEER, SERVERS, VLLM
 from .report_format import _cached, _checks, _label, _reuse, _s, _short, _ttfts
@@ -67,7 +67,7 @@ def versions() -> dict[str, str]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = "?"
-    return out
+    return out | peers.installed_versions()
 
 
 # ---------------------------------------------------------------- markdown
@@ -165,6 +165,10 @@ def _runs_lines(doc: dict[str, Any]) -> list[str]:
         "",
         "## Runs",
         "",
+        "*load*: the machine's 1-minute load average when the run started / ended; above "
+        "its core count, other work shared the cores and the times are inflated (token "
+        "counts, reuse and answer checks are exact either way).",
+        "",
         "| run | profile | took | machine | versions | rows it gave |",
         "|---|---|---:|---|---|---|",
     ]
@@ -174,6 +178,9 @@ def _runs_lines(doc: dict[str, Any]) -> list[str]:
             f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, "
             f"BLAS {m.get('blas') or 'default'}"
         )
+        load = m.get("load") or [None, None]
+        if any(x is not None for x in load):  # above the core count: others ran too
+            machine += f"; load {' / '.join('?' if x is None else f'{x:g}' for x in load)}"
         versions = ", ".join(f"{k} {x}" for k, x in v.items()) + f", Python {m.get('python')}"
         took = "-" if run.get("elapsed_s") is None else f"{run['elapsed_s'] / 60:.1f} min"
         lines.append(
@@ -220,7 +227,7 @@ def _check_text(check_last: int | None) -> str:
 
 def _size_lines(doc: dict[str, Any]) -> list[str]:
     """Per workload, the sizes of this run's models and of the other standard profile."""
-    cols = [(f"{doc['profile']}: {p['model']}", p) for p in doc.get("plans", [])]
+    cols = [(f"{p.get('profile', doc['profile'])}: {p['model']}", p) for p in doc.get("plans", [])]
     for name, plans in doc.get("other_profiles", {}).items():
         cols += [(f"{name}: {p['model']}", p) for p in plans]
     if not cols:
@@ -230,9 +237,10 @@ def _size_lines(doc: dict[str, Any]) -> list[str]:
         "",
         "## Sizes",
         "",
-        f"What each workload sent, per model: this run (`{doc['profile']}`) and the other "
-        "profile, next to what the issue asks for; '-' = not run. Token counts are of "
-        "the pasted text, at least that many (whole verses), before the chat template.",
+        "What each workload sent, per model: the runs above (their profile first) and the "
+        "other standard profile, next to what the issue asks for; '-' = not run. Token "
+        "counts are of the pasted text, at least that many (whole verses), before the chat "
+        "template.",
         "",
         "| workload | issue asks | " + " | ".join(c for c, _ in cols) + " |",
         "|---|---|" + "---|" * len(cols),

@@ -47,7 +47,7 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     plans: dict[str, Any] = {}
     for d in docs:
         models.update(d.get("models", {}))
-        plans.update({p["model"]: p for p in d.get("plans", [])})
+        plans.update({p["model"]: dict(p, profile=d["profile"]) for p in d.get("plans", [])})
         for w in d["workloads"]:
             results[w["workload"], w["model"]] = dict(w, run=d["timestamp"])
     used = {w["run"] for w in results.values()}

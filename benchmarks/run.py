@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    load_before = _load()
     results: list[WorkloadResult] = []
     models: dict[str, dict] = {}
     plans: list[dict] = []
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile": prof.name,
         "timestamp": stamp,
         "elapsed_s": time.perf_counter() - started,
-        "machine": report.machine_info(),
+        # What else ran: the 1-minute load average before and after (None: not known).
+        "machine": report.machine_info() | {"load": [load_before, _load()]},
         "versions": report.versions(),
         "models": models,
         "servers": [s for s in SERVERS if any(s in m.get("servers", ()) for m in models.values())],
@@ -282,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     md_path = render(results_doc.kept(args.report_dir), args.report_dir)
     log(f"wrote {json_path}, {md_path} ({doc['elapsed_s']:.0f}s)")
     return 0
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 1)
+    except OSError:
+        return None
 
 
 def render(docs: list[dict], report_dir: Path) -> Path:

@@ -490,3 +490,5 @@ def test_results_state_what_was_measured_not_fixed_claims() -> None:
         r["mlx_lm_extra_mib"] = 0.0
     text = "\n".join(report._restore_lines(doc) + report._blas_lines(doc))
     assert "neither side copied the prefix" in text and "which both servers ran with" in text
+    doc["models"]["dense"]["blas"][VLLM] = "openblas"
+    assert claims.servers_blas(doc) == "all 3 with openblas"
