@@ -121,6 +121,10 @@ class EngineConfig:
     quantized_kv_start: int = 5000
     # Speculative decoding (--draft-model): draft tokens per verify step by default.
     num_draft_tokens: int = 3
+    # Batch invariance (--deterministic): a request's answer never depends on what else
+    # runs. Off: decode batches every running row in one forward, as mlx_lm.server does;
+    # the cache stays exact either way (prefill always computes alone, on the grid).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)

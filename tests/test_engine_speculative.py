@@ -117,7 +117,7 @@ def test_rejected_drafts_are_trimmed_and_the_reply_stays_exact(engines, tmp_path
 def test_a_second_request_falls_back_to_the_batched_step(engines, draft):
     other = chat(("system", SYSTEM), ("user", "And what about the old fishing boats?"))
     alone = [run(engines(), p, sampling=GREEDY) for p in (PROMPT, other)]
-    spec = engines(draft)
+    spec = engines(draft, deterministic=True)  # batched == alone is batch invariance
     handles = [spec.submit(p, GREEDY, CachePreference()) for p in (PROMPT, other)]
     together = [collect(h) for h in handles]
     assert spec.peak_batch == 2

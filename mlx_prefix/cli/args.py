@@ -184,6 +184,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="don't prefill a chat's reply again while idle (next-turn prefetch)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="batch invariance: a request's reply never depends on the requests decoding "
+        "beside it (measured at startup; slower decode batches). Cache hits never change "
+        "a reply in either mode",
+    )
     kv_quant_args(p)
 
 
@@ -270,6 +278,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "kv_group_size",
         "quantized_kv_start",
         "num_draft_tokens",
+        "deterministic",
     )
     return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
 

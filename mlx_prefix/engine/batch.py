@@ -1,15 +1,16 @@
 """DecodeBatch: the running requests' caches merged into one batched cache (MLX).
 
 mlx-lm's batch caches (BatchKVCache, ArraysCache, CacheList, ...) left-pad shorter
-sequences and mask the padding. Measured here, a batched decode step then gives
-bit-identical logits to the same sequence decoding alone (a batch of one) for attention
-and recurrent layers. mlx-lm's BatchRotatingKVCache does not: it writes each token in
-place at one ring index shared by all rows, and re-linearizes rows when another joins,
-so a row's keys sit in an order that depends on its neighbours, and attention sums them
-in that order (measured: differences from the first step for a row shorter than the
-window, ~1e-6). Sliding-window layers therefore use TemporalBatchRotatingKVCache: every
-row's window kept in temporal order (oldest key dropped, newest appended, shorter rows
-left-padded and masked), which is what a row decoding alone computes.
+sequences and mask the padding; a step is one forward of every row, as mlx_lm.server
+decodes. Batch invariance (--deterministic) adds engine/rowwise.py's row groups and
+per-row attention. mlx-lm's BatchRotatingKVCache writes each token in place at one ring
+index shared by all rows, and re-linearizes rows when another joins, so a row's keys
+sit in an order that depends on its neighbours, and attention sums them in that order
+(measured: differences from the first step for a row shorter than the window, ~1e-6),
+which no row grouping can undo. Sliding-window layers therefore use
+TemporalBatchRotatingKVCache: every row's window kept in temporal order (oldest key
+dropped, newest appended, shorter rows left-padded and masked), which is what a row
+decoding alone holds.
 """
 
 from __future__ import annotations
@@ -118,9 +119,12 @@ def _merged_kv(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
 class DecodeBatch:
     """Rows in insertion order; row i belongs to `members[i]`. Engine thread only.
 
-    A step runs batch-invariant (engine/rowwise.py): projections in groups of at most
-    `rows` rows, attention per row over its own keys, so each row's numbers are those
-    of the same request decoding alone.
+    By default (`rows` None) a step is one forward of every row, as mlx_lm.server
+    decodes: a row's numbers may then move with what shares its step (batching, never
+    the cache: no decode state is stored). With `rows` (--deterministic) a step runs
+    batch-invariant (engine/rowwise.py): projections in groups of at most `rows` rows,
+    attention per row over its own keys, so each row's numbers are those of the same
+    request decoding alone.
 
     With `kv` (quantized KV, engine/kv_quant.py) the batch holds one row, its cache
     unmerged (mlx-lm has no batched quantized cache), quantized after each step as
@@ -129,7 +133,7 @@ class DecodeBatch:
     def __init__(
         self,
         model: nn.Module,
-        rows: int = 1,
+        rows: int | None = None,
         agree: Callable[[mx.array], mx.array] | None = None,
         kv: KvQuant | None = None,
     ):
@@ -205,6 +209,8 @@ class DecodeBatch:
         if self.kv is not None:
             logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [1, V]
             self.kv.apply(self.cache)
+        elif self.rows is None:
+            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
         else:
             with batched(self.rows, self._lengths):
                 logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
@@ -238,7 +244,7 @@ class DecodeBatch:
         assert len(self.members) == 1 and tokens[0] == self._inputs[0]
         self.join()
         length = self._lengths[0] + len(tokens)
-        with batched(self.rows, [length], verify=True):
+        with batched(self.rows or 1, [length], verify=True):
             logits = self.model(mx.array(tokens)[None], cache=self.cache)[0]  # [L, V]
         return logits
 

@@ -2,11 +2,16 @@
 
 In the constructor (the caller's thread), features that cannot serve together are
 refused in one line: a draft model that does not fit the target, or a draft with
-quantized KV; quantized KV is checked against the model's head sizes. On the engine
-thread, before the first job, `calibrate` makes batched forwards batch-invariant
-(engine/rowwise.py) and checks it on this model and backend (engine/probe.py), and
-`check_speculator` checks that a verify forward keeps plain decoding's numbers
-(engine/speculative.py); what does not hold runs alone, or plainly.
+quantized KV; quantized KV is checked against the model's head sizes.
+
+By default nothing is measured: prefill computes each request alone on its grid (so
+what the cache stores is exact by construction) and decode batches every running row
+in one forward, as mlx_lm.server does (`PLAIN`). Only `--deterministic` (batch
+invariance) measures, on the engine thread before the first job: `calibrate` makes
+batched forwards batch-invariant (engine/rowwise.py) and checks it on this model and
+backend (engine/probe.py). With a draft model, `check_speculator` checks that a verify
+forward keeps plain decoding's numbers (engine/speculative.py); what does not hold
+runs alone, or plainly.
 """
 
 from __future__ import annotations
@@ -47,9 +52,15 @@ def quantized_kv(model: LoadedModel, config: EngineConfig) -> KvQuant | None:
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    rows: int  # most decode rows per BLAS-consistent group (engine/rowwise.py)
+    # Most decode rows per BLAS-consistent group (engine/rowwise.py); None: a decode
+    # step is one plain forward of every row (not batch-invariant).
+    rows: int | None
     stacked_prefill: bool  # equal-shape chunks may share a forward
     batched_decode: bool  # requests may decode in one batch
+
+
+# The default: each prefill alone, decode batched plainly; nothing measured.
+PLAIN = Calibration(rows=None, stacked_prefill=False, batched_decode=True)
 
 
 class Agreement:
@@ -75,8 +86,14 @@ def calibrate(model: LoadedModel, agreement: Agreement | None = None) -> Calibra
     return Calibration(rows, checked.stacked_prefill, checked.batched_decode)
 
 
-def check_speculator(model: LoadedModel, rows: int, spec: Speculator | None) -> None:
-    """Turn off a speculator whose verify forward changes this model's numbers here."""
-    if spec is not None and not verify_matches(model.model, rows, model.tokenizer.vocab_size):
+def check_speculator(model: LoadedModel, rows: int | None, spec: Speculator | None) -> None:
+    """Turn off a speculator whose verify forward changes this model's numbers here.
+    Its verify forward needs the batch-invariant layers, installed here if the engine
+    runs plainly (outside a verify they compute as before)."""
+    if spec is None:
+        return
+    if rows is None:
+        rowwise.install(model.model)
+    if not verify_matches(model.model, rows or 1, model.tokenizer.vocab_size):
         log.warning("a verify forward changes this model's numbers here: decoding plainly")
         spec.enabled = False  # the replies are the same, only not sped up

@@ -30,7 +30,7 @@ class DecodePhase:
     def __init__(
         self,
         model: LoadedModel,
-        rows: int,
+        rows: int | None,
         store: PromptCache,
         bytes_key: str,
         end: Callable[[Job, DoneEvent | ErrorEvent], None],
@@ -38,7 +38,7 @@ class DecodePhase:
         kv: KvQuant | None = None,
     ):
         self.model = model
-        self.rows = rows  # decode rows one matmul may hold (engine/rowwise.py)
+        self.rows = rows  # decode rows one matmul may hold (engine/rowwise.py); None: all
         self.store = store
         self._bytes_key = bytes_key  # this engine's batch bytes in the store's budget
         self._end = end  # sends a job's final event
@@ -58,8 +58,9 @@ class DecodePhase:
     def running(self) -> list[Running]:
         return list(self.batch.members)
 
-    def set_rows(self, rows: int) -> None:
-        """Decode rows one matmul may hold (engine/rowwise.py); before any request runs."""
+    def set_rows(self, rows: int | None) -> None:
+        """Decode rows one matmul may hold (engine/rowwise.py; None: one plain forward of
+        every row); before any request runs."""
         assert not len(self.batch)
         self.rows = rows
         self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens, self.kv)

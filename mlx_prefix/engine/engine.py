@@ -96,7 +96,7 @@ class Engine(CacheViews, EngineLoop):
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
-        # Until the engine thread's probe says more.
+        # Until the engine thread's calibration (the probe, with --deterministic) says more.
         self.batchable = batchable(fresh_cache) and self.kv_quant is None
         self.capacity = 1  # requests decoding at once: set by `_calibrate`
         # A server-wide scope of "off" disables the tier: no folder, no files, and no
@@ -130,7 +130,7 @@ class Engine(CacheViews, EngineLoop):
         self._prefill.kv_quant = self.kv_quant
         self._decode = DecodePhase(
             model,
-            1,
+            None,
             self.store,
             f"engine-{id(self):x}-batch",
             self.lifecycle.end,

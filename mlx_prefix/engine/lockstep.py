@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_prefix.engine.calibration import Agreement, calibrate
+from mlx_prefix.engine.calibration import PLAIN, Agreement, calibrate
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.jobs import Job
 from mlx_prefix.engine.pace import Pace
@@ -94,7 +94,11 @@ class Lockstep(Engine):
         super()._loop()
 
     def _calibrate(self) -> None:
-        """The base engine's calibration, in lockstep, with every rank's verdicts combined."""
+        """The base engine's calibration, in lockstep, with every rank's verdicts combined
+        (--deterministic; the plain default measures nothing to agree on)."""
+        if not self.config.deterministic:
+            self._calibrated(PLAIN)
+            return
         try:
             found = calibrate(self.model, RankAgreement(self.channel))
         except Exception as e:  # noqa: BLE001 - a rank gone, say: the group is over

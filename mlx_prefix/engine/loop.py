@@ -1,12 +1,13 @@
 """The engine thread: the Engine's side that owns the model and every MLX array
 (DESIGN invariant 1); callers only reach it through the inbox (engine/lifecycle.py).
 
-It calibrates first (engine/calibration.py), then each turn of the loop reads as three
-steps: `_schedule` (take new jobs, drop cancelled ones, start the next prefill), the
-prefill phase (grid chunks of the requests being prefilled, engine/prefill.py) and the
-decode phase (one token for every running request, engine/decode.py). Every job ends
-with exactly one final event (engine/lifecycle.py); an error inside a step ends the
-requests in flight (`_fail_all`) and the engine goes on.
+It calibrates first (engine/calibration.py; only `--deterministic` measures), then
+each turn of the loop reads as three steps: `_schedule` (take new jobs, drop cancelled
+ones, start the next prefill), the prefill phase (grid chunks of the requests being
+prefilled, engine/prefill.py) and the decode phase (one token for every running
+request, engine/decode.py). Every job ends with exactly one final event
+(engine/lifecycle.py); an error inside a step ends the requests in flight
+(`_fail_all`) and the engine goes on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import mlx.core as mx
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
-from mlx_prefix.engine.calibration import Calibration, calibrate, check_speculator
+from mlx_prefix.engine.calibration import PLAIN, Calibration, calibrate, check_speculator
 from mlx_prefix.engine.chat_traffic import ChatTraffic
 from mlx_prefix.engine.decode import DecodePhase
 from mlx_prefix.engine.disk_tier import DiskTier
@@ -58,10 +59,10 @@ class EngineLoop:
     _abandon_saves: bool
 
     def _calibrate(self) -> None:
-        """Make batched forwards batch-invariant and check them on this model and
-        backend (engine/calibration.py); what does not hold runs alone. Requests
-        submitted meanwhile wait in the inbox."""
-        found = calibrate(self.model)
+        """With --deterministic, make batched forwards batch-invariant and check them on
+        this model and backend (engine/calibration.py; what does not hold runs alone);
+        requests submitted meanwhile wait in the inbox. Otherwise nothing is measured."""
+        found = calibrate(self.model) if self.config.deterministic else PLAIN
         self._calibrated(found)
         check_speculator(self.model, found.rows, self._decode.speculator)
 

@@ -80,7 +80,9 @@ class PrefillPhase:
         self._bytes_key = bytes_key  # this engine's prefill bytes in the store's budget
         self._serial = itertools.count()
         self.tasks: list[PrefillTask] = []  # oldest first
-        self.group = True  # stack equal-shape chunks (engine/rowwise.py; the probe may say no)
+        # Stack equal-shape chunks in one forward: only batch-invariant (--deterministic)
+        # engines whose probe agreed (engine/calibration.py); otherwise each runs alone.
+        self.group = False
         self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
         self.stacked = 0  # chunks computed in a stacked forward with others
         self.kv_quant: KvQuant | None = None  # quantize KV after each chunk (engine/kv_quant.py)
@@ -192,14 +194,14 @@ class PrefillPhase:
         self.peak_tasks = max(self.peak_tasks, len(self.tasks))
 
     def step(self, budget: int) -> PrefillStep:
-        """Compute the next grid chunk of the oldest tasks, up to `budget` tokens (at least
-        one chunk), then more rounds while the budget lasts. Tasks whose prompt is now all
-        in the cache come back with their logits; they stay in `tasks` until `close`, so
-        an error on the way still reaches them."""
+        """Compute the next grid chunk of each task in turn (`_in_order`), up to `budget`
+        tokens (at least one chunk), then more rounds while the budget lasts. Tasks whose
+        prompt is now all in the cache come back with their logits; they stay in `tasks`
+        until `close`, so an error on the way still reaches them."""
         result = PrefillStep()
         started = time.perf_counter()
         while result.tokens < budget:
-            chosen, tokens = choose_chunks(self.tasks, budget, result.tokens)
+            chosen, tokens = choose_chunks(self._in_order(), budget, result.tokens)
             if not chosen:
                 break
             works = [ChunkWork(t.cache, t.tokens, *t.cursor.next_chunk()) for t in chosen]
@@ -224,6 +226,15 @@ class PrefillPhase:
                 break  # those join the decode batch now
         result.seconds = time.perf_counter() - started
         return result
+
+    def _in_order(self) -> list[PrefillTask]:
+        """The order a step takes chunks in. Stacked forwards want the oldest-first
+        rounds (equal shapes meet there). Alone, the request with the fewest tokens left
+        goes first (background prefetches last): the burst's total prefill is the same
+        in any order, and this one gets each request into the decode batch soonest."""
+        if self.group:
+            return self.tasks
+        return sorted(self.tasks, key=lambda t: (t.job.background, len(t.tokens) - t.position))
 
     def _report(self, task: PrefillTask) -> None:
         """The task's active bytes: its cache, its draft's, its checkpoints' captured
