@@ -39,6 +39,7 @@ class Sample:
     text: str  # greedy output, for the warm/cold comparison
     group: str = ""  # requests measured together (a burst) share a group
     gaps_s: list[float] = field(default_factory=list)  # inter-token latency, see Reply
+    retries: int = 0  # connections the server dropped before answering (see client.send)
 
 
 def itl(samples: list[Sample]) -> dict[str, Any]:
@@ -193,6 +194,7 @@ class Context:
             reply.text,
             group,
             reply.gaps_s,
+            reply.retries,
         )
 
     def peer_cold(self) -> Server:

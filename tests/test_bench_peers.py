@@ -1,12 +1,16 @@
 """The benchmarks' peers: vllm-mlx in its own venv (left out, with the reason, where it
 is not installed), how it is started and addressed, and mlx-prefix flags the benchmark
-passes only where `mlx-prefix serve --help` lists them. Where vllm-mlx is installed
-(`make peers`), it serves the workloads' requests on a tiny model."""
+passes only where `mlx-prefix serve --help` lists them; a connection a peer drops before
+answering is sent again. Where vllm-mlx is installed (`make peers`), it serves the
+workloads' requests on a tiny model."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from benchmarks import peers, servers
@@ -99,3 +103,58 @@ def test_vllm_mlx_serves_a_workload_request(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert not home.exists()  # nothing it saved is there for the next run
+
+
+def _sse(*chunks: str) -> bytes:
+    return "".join(f"data: {c}\n\n" for c in (*chunks, "[DONE]")).encode()
+
+
+def test_a_connection_dropped_before_any_response_is_sent_again() -> None:
+    calls = []
+    done = _sse(
+        '{"choices": [{"delta": {"content": "Hi"}, "finish_reason": null}]}',
+        '{"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}',
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=done)
+
+    async def go() -> object:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await send(client, "http://peer", Request(prompt="Hello"))
+
+    reply = asyncio.run(go())
+    assert len(calls) == 2 and reply.retries == 1 and reply.text == "Hi"
+    assert reply.completion_tokens == 1
+
+
+def test_a_failure_after_the_response_began_is_not_sent_again() -> None:
+    calls = []
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n'
+        raise httpx.ReadError("connection reset")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(200, stream=_Stream(broken()))
+
+    async def go() -> object:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await send(client, "http://peer", Request(prompt="Hello"))
+
+    with pytest.raises(RuntimeError, match="ReadError"):
+        asyncio.run(go())
+    assert len(calls) == 1  # served once: a second try would be a second request
+
+
+class _Stream(httpx.AsyncByteStream):
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for c in self._chunks:
+            yield c

@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 
 import httpx
 
@@ -219,12 +220,14 @@ def run_standalone(ctx: Context) -> dict[str, ServerResult]:
         try:
             out[server.name] = run_async(lambda c, s=server: measure(ctx, s.name, s, c))
         except Exception as e:  # one server's failure leaves the others' rows
-            ctx.log(f"  {server.name} failed: {e}")
-            out[server.name] = ServerResult(server.name, notes=[f"error: {e}"])
+            traceback.print_exc()
+            ctx.log(f"  {server.name} failed: {e!r}")
+            out[server.name] = ServerResult(server.name, notes=[f"error: {e!r}"])
     try:
         out[OURS_DETERMINISTIC] = _deterministic(ctx)
     except Exception as e:
-        ctx.log(f"  {OURS_DETERMINISTIC} failed: {e}")
-        out[OURS_DETERMINISTIC] = ServerResult(OURS_DETERMINISTIC, notes=[f"error: {e}"])
+        traceback.print_exc()
+        ctx.log(f"  {OURS_DETERMINISTIC} failed: {e!r}")
+        out[OURS_DETERMINISTIC] = ServerResult(OURS_DETERMINISTIC, notes=[f"error: {e!r}"])
     out[GENERATE] = generate_reference(ctx)
     return out
