@@ -198,7 +198,7 @@ def _goal_lines(doc: dict[str, Any]) -> list[str]:
         "",
         "## Goals",
         "",
-        "The goals the issues set for these benchmarks, computed from this run. Issue 5's "
+        "The goals the issues set for these benchmarks, computed from the runs below. Issue 5's "
         "goal is stated for the default (dense) model; other models are held to it too. "
         "Issue 14's edit goal is stated for hybrid models (dense ones are held to it too) "
         "and for 1K and 4K+ documents: a length under 4K is held to the 1K goal. "
