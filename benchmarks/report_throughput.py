@@ -30,7 +30,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
         return []
     levels = _clients(runs)
     head = " | ".join(f"{v} {n}" for v in ("shared", "unique") for n in levels)
-    rows = []
+    rows, notes = [], []
     for w in runs:
         for name in ROWS:
             res = w["servers"].get(name)
@@ -45,6 +45,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
             p99 = (e.get("itl", {}).get("burst") or {}).get("p99_ms")
             cells = [*rps, _s(e.get("warm_burst_wall_s")), _s(p99, 0), _s(e.get("decode_tps"), 1)]
             rows.append(f"| {w['model']} | {name} | " + " | ".join(cells) + " |")
+            notes += [f"- {w['model']}, {name}: {n}" for n in res.get("notes", [])]
     return [
         "",
         "## Throughput (issue 33)",
@@ -61,4 +62,5 @@ def lines(doc: dict[str, Any]) -> list[str]:
         f"| model | server | {head} | warm burst s | burst p99 ITL ms | decode tok/s |",
         "|---|---|" + "---:|" * (len(levels) * 2 + 3),
         *rows,
+        *(["", *notes] if notes else []),
     ]

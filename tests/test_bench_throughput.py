@@ -75,7 +75,9 @@ def test_without_vllm_mlx_the_goals_compare_with_mlx_lm_and_say_why_a_row_is_mis
     assert shared.value == 1.5 and shared.met is True and PEER in shared.shown
     cost = by[f"warm burst wall time, {OURS_DETERMINISTIC} / {OURS}"]
     assert cost.value is None and cost.shown == "not run: no --deterministic"
+    servers[PEER]["notes"] = ["2 connections dropped before an answer, sent again"]
     md = "\n".join(report_throughput.lines(_run(servers)))
+    assert f"- dense, {PEER}: 2 connections dropped before an answer, sent again" in md
     assert f"| dense | {OURS_DETERMINISTIC} | not run: no --deterministic |" in md
     assert f"| dense | {OURS} | 3.00 | 3.00 | 3.00 | 2.00 | 2.00 | 2.00 | 1.50 | 100 | 30.0 |" in md
     assert f"| dense | {GENERATE} | - | - | - | - | - | - | - | - | 32.0 |" in md

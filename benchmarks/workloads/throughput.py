@@ -175,6 +175,9 @@ async def measure(
     await _warm_burst(ctx, key, server, client, res)
     await _decode(ctx, key, server, client, res)
     res.wall_s = time.perf_counter() - start
+    dropped = sum(s.retries for s in res.samples)
+    if dropped:  # their time is in the figures: a retried request waited for both tries
+        res.notes.append(f"{dropped} connections dropped before an answer, sent again")
     if last:  # a batched reply against the same request served cold
         await ctx.check(client, server, res, *last)
     return res
