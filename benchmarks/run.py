@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if not set(peers) <= set(PEERS):
         raise SystemExit(f"unknown peers {sorted(set(peers) - set(PEERS))}; choose from {PEERS}")
     model_keys = args.model or list(prof.models)
-    left_out: dict[str, str] = {}  # server -> why it did not take part
+    left_out: dict[str, str] = {}  # "server (model)" -> why it did not take part
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             if why is None:
                 specs.append(ServerSpec(name, model.path, (), label, model.ranks))
             else:
-                left_out.setdefault(name, why)
+                left_out[f"{name} ({model.key})"] = why
                 log(f"{model.key}: {name} left out: {why}")
         info = {"path": str(model.path), "description": model.description, "ranks": model.ranks}
         models[model.key] = info
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         info["servers"] = [s.name for s in servers]
         for spec in specs:
             if spec.name not in info["servers"]:
-                left_out.setdefault(spec.name, f"did not start (see {args.out / 'logs'})")
+                why = f"did not start (see {args.out / 'logs'})"
+                left_out[f"{spec.name} ({model.key})"] = why
         ctx = Context(
             plan.sizes, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log
         )
