@@ -1,7 +1,8 @@
 """The runs RESULTS.md is generated from: every run's JSON document is kept in
 `benchmarks/results/runs/`, and RESULTS.md shows, per workload and model, the newest run
 that measured it. A rerun of a few workloads replaces those rows and leaves the others
-as the run that measured them; the runs table says which run gave which rows. History
+as the run that measured them; the runs table says which run gave which rows, and a run
+with no row left is dropped. History
 (what earlier code measured) is benchmarks/HISTORY.md, written by hand."""
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ def runs_dir(report_dir: Path) -> Path:
 
 
 def keep(doc: dict[str, Any], report_dir: Path) -> Path:
-    """Store a run's document beside the ones RESULTS.md is generated from."""
+    """Store a run's document beside the ones RESULTS.md is generated from, and drop the
+    kept runs none of whose rows is shown any more (newer runs measured all of them:
+    what mattered in them belongs in HISTORY.md)."""
     folder = runs_dir(report_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{doc['timestamp']}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
+    shown = {r["timestamp"] for r in merge(kept(report_dir))["runs"]}
+    for old in folder.glob("*.json"):
+        if old.stem not in shown:
+            old.unlink()
     return path
 
 

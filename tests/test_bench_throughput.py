@@ -127,7 +127,10 @@ def test_results_show_the_newest_run_of_each_workload(tmp_path: Path) -> None:
     lines = "\n".join(report._runs_lines(doc))
     assert "| 20261120T100000Z | `quick` |" in lines and "| chat (dense) |" in lines
     assert "burst (dense), burst (hybrid)" in lines
-    # A run whose every row a newer one replaced is no longer listed.
+    # A run whose every row a newer one replaced is no longer listed, nor kept.
     newest = _doc("20261127T100000Z", [("chat", "dense", 1.0)])
-    doc = results_doc.merge([old, new, newest])
+    results_doc.keep(newest, tmp_path)
+    doc = results_doc.merge(results_doc.kept(tmp_path))
     assert [r["timestamp"] for r in doc["runs"]] == [new["timestamp"], newest["timestamp"]]
+    kept = sorted(p.stem for p in results_doc.runs_dir(tmp_path).glob("*.json"))
+    assert kept == [new["timestamp"], newest["timestamp"]]
