@@ -89,7 +89,7 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
         f"{claims.servers_blas(doc)} (read from each process's memory map); requests are "
         "streamed, greedy (temperature 0), timed client-side. `python -m benchmarks "
         "--help` lists the options (`--model`, `--workloads`, `--peers`, `--out`).",
-        *_left_out_lines(doc),
+        *_caveat_lines(doc),
     ]
     lines += _goal_lines(doc)
     lines += report_throughput.lines(doc) + _burst_lines(doc) + _concurrency_lines(doc)
@@ -152,11 +152,22 @@ def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: doc.get(k) for k in keys} | {"supplied": supplied}]
 
 
-def _left_out_lines(doc: dict[str, Any]) -> list[str]:
+def _caveat_lines(doc: dict[str, Any]) -> list[str]:
+    """What a reader must know before the figures: a server left out, a busy machine."""
     out = []
     for run in _runs(doc):
         for name, why in (run.get("left_out") or {}).items():
             out.append(f"- {name} was left out of run {run['timestamp']}: {why}.")
+        m = run.get("machine") or {}
+        load = [x for x in m.get("load") or () if x is not None]
+        if load and m.get("cores") and max(load) > m["cores"]:
+            out.append(
+                f"- **Run {run['timestamp']} shared its machine** (load average "
+                f"{' / '.join(f'{x:g}' for x in m['load'])} at its start / end on "
+                f"{m['cores']} cores): its times are inflated and their ratios noisy, since "
+                "the servers measured one after another met different loads; token counts, "
+                "reuse and answer checks are exact."
+            )
     return ["", *out] if out else []
 
 

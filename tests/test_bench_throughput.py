@@ -127,6 +127,11 @@ def test_results_show_the_newest_run_of_each_workload(tmp_path: Path) -> None:
     lines = "\n".join(report._runs_lines(doc))
     assert "| 20261120T100000Z | `quick` |" in lines and "| chat (dense) |" in lines
     assert "burst (dense), burst (hybrid)" in lines
+    # A run on a busy machine says so before its figures.
+    assert not report._caveat_lines(doc)
+    doc["runs"][-1]["machine"]["load"] = [9.5, 1.0]
+    (caveat,) = [line for line in report._caveat_lines(doc) if line]
+    assert "20261126T100000Z shared its machine** (load average 9.5 / 1 " in caveat
     # A run whose every row a newer one replaced is no longer listed, nor kept.
     newest = _doc("20261127T100000Z", [("chat", "dense", 1.0)])
     results_doc.keep(newest, tmp_path)
