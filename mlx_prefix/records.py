@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    """Structured output: the reply must be JSON (engine/constraints.py enforces it)."""
+    """Structured output: the reply must be JSON (engine/decode/constraints.py enforces it)."""
 
     kind: Literal["json_object", "json_schema"]
     schema: str | None = None  # the JSON schema as JSON text; None: any JSON object
@@ -35,7 +35,7 @@ class SamplingParams:
     top_logprobs: int = 0  # and this many most likely tokens at each position (with logprobs)
     response_format: ResponseFormat | None = None  # None: free text
     # mlx_lm.server's sampling fields, with its defaults and meanings (mlx_lm.sample_utils;
-    # engine/sampling.py and engine/logits.py apply them per request).
+    # engine/decode/sampling.py and engine/decode/logits.py apply them per request).
     top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
     min_p: float = 0.0  # drop tokens less likely than min_p x the top token's; 0 = off
     xtc_probability: float = 0.0  # XTC: the chance, each step, of excluding top choices
@@ -48,7 +48,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence; 0 = off
     frequency_context_size: int = 20
     # Speculative decoding with the server's --draft-model: draft tokens per verify step;
-    # None: the server's --num-draft-tokens, 0: plain decoding (engine/speculative.py).
+    # None: the server's --num-draft-tokens, 0: plain decoding (engine/decode/speculative.py).
     num_draft_tokens: int | None = None
 
 
@@ -58,7 +58,7 @@ class CachePreference:
 
     enabled: bool = True  # False: neither read nor write the prefix cache
     scope: str | None = None  # disk policy override: off | full | auto[:N] | N
-    # The cache namespace (DESIGN 10): a request matches only entries of its own. The
+    # The cache namespace (invariant 10): a request matches only entries of its own. The
     # server derives it from who sent the request (server/namespaces.py); "" is the one
     # of clients without an Origin, the CLI and library callers.
     namespace: str = ""
@@ -81,7 +81,8 @@ class Breakpoint:
 class ToolCallIds:
     """How the API layer names the tool calls of one request's reply: the i-th call is
     `prefix` + a digest of (`seed`, i). Deterministic, so the engine's next-turn prefetch
-    renders the ids the client will send back (Mistral and Kimi templates print them)."""
+    renders the ids the client will send back (Mistral and Kimi templates print them,
+    in their own form: prompt/call_ids.py maps them at render time, never in replies)."""
 
     seed: str  # the request's id
     prefix: str = "call_"  # OpenAI's; Anthropic's tool_use ids start "toolu_"

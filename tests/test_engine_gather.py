@@ -10,13 +10,13 @@ from engine_helpers import chat, collect, run
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.engine import rowwise
-from mlx_prefix.engine.batch import DecodeBatch
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.handle import RequestHandle
-from mlx_prefix.engine.pace import gathers
-from mlx_prefix.engine.prefill import choose_chunks
-from mlx_prefix.engine.sampling import TokenSampler
+from mlx_prefix.engine.forward import rowwise
+from mlx_prefix.engine.prefill.phase import choose_chunks
+from mlx_prefix.engine.requests.handle import RequestHandle
+from mlx_prefix.engine.requests.pace import gathers
 from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
 
 WORDS = ("river", "lamp", "orchard", "copper", "signal", "meadow", "ledger", "harbor")

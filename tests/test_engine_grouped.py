@@ -1,6 +1,7 @@
-"""Grouped prefill (engine/runner.py compute_chunks, engine/rowwise.py): chunks of several
-sequences computed together give each sequence the numbers of its alone run, bit for
-bit (--deterministic's stacked prefill; the default computes each chunk alone)."""
+"""Grouped prefill (engine/forward/runner.py compute_chunks, engine/forward/rowwise.py):
+chunks of several sequences computed together give each sequence the numbers of its
+alone run, bit for bit (--deterministic's stacked prefill; the default computes each
+chunk alone)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from conftest import loaded_test_model
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
-from mlx_prefix.engine import rowwise, runner
-from mlx_prefix.engine.runner import ChunkWork, PrefillCursor, compute_chunks, prefill
+from mlx_prefix.engine.forward import rowwise, runner
+from mlx_prefix.engine.forward.runner import ChunkWork, PrefillCursor, compute_chunks, prefill
 from mlx_prefix.prompt.grid import ChunkGrid
 
 GRID = ChunkGrid(16)

@@ -9,7 +9,7 @@ from engine_helpers import chat
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
-from mlx_prefix.engine.runner import prefill
+from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.prompt.boundaries import PromptPlanner
 
 PROMPT = chat(

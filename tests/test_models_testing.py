@@ -119,3 +119,14 @@ def test_plain_template_is_chatml() -> None:
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_real_tokenizer_brings_its_vocabulary_think_and_tool_tokens() -> None:
+    folder = cached_test_model("dense", tokenizer=Path(__file__).parent / "data/tokenizers/qwen3")
+    loaded = load_model(str(folder))
+    tok = loaded.tokenizer
+    assert tok.has_thinking and tok.has_tool_calling  # <think>, <tool_call>: single tokens
+    assert len(tok.encode("<think>", add_special_tokens=False)) == 1
+    assert tok.eos_token_ids >= {tok.convert_tokens_to_ids("<|im_end|>")}
+    embed = dict(tree_flatten(loaded.model.parameters()))["model.embed_tokens.weight"]
+    assert embed.shape == (len(tok.get_vocab()), 128)  # every id embedded, 128 wide

@@ -166,8 +166,11 @@ def test_chatml_boundaries_sit_just_after_each_message_start_token():
     after_start = [i + 1 for i, t in enumerate(tokens) if t == im_start]
     assert len(after_start) == 5  # system, user, assistant, user, generation prompt
     assert tokens[after_start[4] - 1 :] == p.grid.generation_suffix
+    reply, generation = p.grid.turn_starts(tokens)
+    assert after_start[2] < reply < after_start[3] and generation == n
     assert kinds(rendered) == {
         after_start[1]: SYSTEM,  # the system prompt and the next message's start token
+        reply: HISTORY,  # where the assistant's turn opens: a re-rendered reply differs here
         after_start[3]: LAST,
         after_start[4]: HISTORY,  # the generation prompt's special token
         n: HISTORY,  # the whole prompt: the next turn starts with it
@@ -307,7 +310,9 @@ def test_thinking_template_cuts_the_history_after_the_generation_prompts_start_t
     n, suffix = len(rendered.tokens), p.grid.generation_suffix
     assert tok.decode(list(suffix)) == "<|im_start|>assistant\n"
     history = sorted(pos for pos, kind in kinds(rendered).items() if kind == HISTORY)
-    assert history == [n - len(suffix) + 1, n]
+    reply = p.grid.turn_starts(rendered.tokens)[0]  # the assistant message's turn opens
+    assert reply < n - len(suffix)
+    assert history == [reply, n - len(suffix) + 1, n]
 
 
 def test_a_template_without_special_tokens_warns_and_falls_back_to_multiples(caplog):
@@ -318,9 +323,12 @@ def test_a_template_without_special_tokens_warns_and_falls_back_to_multiples(cap
     rendered = p.plan(chat(*CONVERSATION))
     suffix = p.grid.generation_suffix
     assert rendered.tokens[-len(suffix) :] == suffix == encode("plain", "assistant:")
+    turns = p.grid.turn_starts(rendered.tokens)  # "assistant:" opens a turn here too
     for c in rendered.checkpoints:
         assert (
-            c.position % 32 == 0 or rendered.tokens[c.position - len(suffix) : c.position] == suffix
+            c.position % 32 == 0
+            or rendered.tokens[c.position - len(suffix) : c.position] == suffix
+            or c.position in turns
         )
 
 

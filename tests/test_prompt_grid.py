@@ -52,3 +52,20 @@ def test_align_and_chunk_ends_resume_like_a_cold_run():
 
 def test_last_chunk_ends_at_the_prompt_end_even_off_grid():
     assert ChunkGrid(4).chunk_ends([9] * 10, 4) == [8, 10]
+
+
+def test_a_turn_start_run_is_a_grid_point_wherever_it_ends_the_prefix():
+    g = ChunkGrid(16, turn_start=((A, NL),))
+    tokens = [9, 9, A, NL, 9, 9, 9, A, NL, 3]
+    assert g.turn_starts(tokens) == [4, 9]
+    assert g.points(tokens) == [4, 9]
+    assert g.align(tokens, 8) == 4
+    assert g.chunk_ends(tokens, 4) == [9, 10]
+
+
+def test_the_turn_start_is_in_the_signature():
+    assert ChunkGrid(4, turn_start=((A, NL),)).signature() != ChunkGrid(4).signature()
+    assert (
+        ChunkGrid(4, turn_start=((A, NL),)).signature()
+        != ChunkGrid(4, turn_start=((A,),)).signature()
+    )

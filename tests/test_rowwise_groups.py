@@ -1,4 +1,4 @@
-"""Decode row groups per layer shape (engine/rowwise.py): each linear layer projects a
+"""Decode row groups per layer shape (engine/forward/rowwise.py): each linear layer projects a
 decode batch's rows in groups no larger than its own shape computes like one row, so the
 wide projections and the output head (nearly all the weight bytes a step reads) take
 many rows at once while narrow ones split finer, and every row still gets its alone
@@ -12,12 +12,12 @@ import pytest
 from conftest import loaded_test_model
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.engine import rowwise
-from mlx_prefix.engine.batch import DecodeBatch
-from mlx_prefix.engine.lockstep import RankAgreement
-from mlx_prefix.engine.rowwise import Grouping
-from mlx_prefix.engine.runner import ChunkWork, compute_chunks
-from mlx_prefix.engine.sampling import TokenSampler
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.sampling import TokenSampler
+from mlx_prefix.engine.forward import rowwise
+from mlx_prefix.engine.forward.rowwise import Grouping
+from mlx_prefix.engine.forward.runner import ChunkWork, compute_chunks
+from mlx_prefix.engine.sharded.lockstep import RankAgreement
 from mlx_prefix.records import SamplingParams
 
 

@@ -42,7 +42,10 @@ def cached(reply: dict) -> int:
 @pytest.fixture(scope="module")
 def tensor_group(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded-tensor")
-    with launched(cached_test_model("dense"), tmp, "--disk-cache", "off") as group:
+    # Batch-invariant, so requests answered together equal each alone (and the ranks'
+    # startup calibration agrees); the hybrid tests below run the plain default.
+    flags = ("--disk-cache", "off", "--deterministic")
+    with launched(cached_test_model("dense"), tmp, *flags) as group:
         yield group
 
 

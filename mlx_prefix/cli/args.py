@@ -85,7 +85,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
 
 
 def draft_args(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding, as mlx_lm.server's flags (engine/speculative.py)."""
+    """Speculative decoding, as mlx_lm.server's flags (engine/decode/speculative.py)."""
     p.add_argument(
         "--draft-model",
         help="a smaller model with the same tokenizer that proposes tokens for the model "
@@ -116,6 +116,12 @@ def cache_args(p: argparse.ArgumentParser) -> None:
         help="bytes for cached snapshots plus running requests (default 4GiB)",
     )
     p.add_argument("--cache-max-entries", type=int, dest="max_entries")
+    p.add_argument(
+        "--pin-share",
+        type=number_type(float, lo=0.0, hi=1.0, what="between 0 and 1"),
+        dest="pin_share",
+        help="share of the cache budget one client (namespace) may pin (default 0.25)",
+    )
     p.add_argument(
         "--prefill-chunk",
         type=int,
@@ -196,7 +202,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_quant_args(p: argparse.ArgumentParser) -> None:
-    """mlx_lm's quantized KV cache flags (engine/kv_quant.py)."""
+    """mlx_lm's quantized KV cache flags (engine/forward/kv_quant.py)."""
     p.add_argument(
         "--kv-bits",
         type=int,
@@ -261,6 +267,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         "prefill_chunk",
         "checkpoint_interval",
         "eviction",
+        "pin_share",
     )
     return from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
 

@@ -16,12 +16,16 @@ Every kind has a 4096-token context; `context=` gives a longer one (an agent's 2
 prompt needs 32K). `think_template` swaps in a Qwen3-style template with tools,
 `<tool_call>` JSON calls (mlx-lm's `json_tools` parser) and `<think>` reasoning.
 `head_dim=` widens the attention heads (quantized KV needs a head size that its group
-size, at least 32, divides).
+size, at least 32, divides). `tokenizer=` takes a real model's tokenizer files instead
+(a folder with `tokenizer.json`, or `tokenizer.json.gz`, and `tokenizer_config.json`, as
+vendored under tests/data/tokenizers): its vocabulary, special tokens and chat template,
+with a 128-wide model so that a 150K-entry vocabulary still builds in a second.
 """
 
 from __future__ import annotations
 
 import atexit
+import gzip
 import importlib
 import json
 import shutil
@@ -42,6 +46,8 @@ SLIDING_WINDOW = 32  # small, so a few hundred prompt tokens wrap the rotating c
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _BOS, _EOS = 1, 2  # <|im_start|>, <|im_end|>
 _THINK_TOKENS = ("<think>", "</think>")
+# A real tokenizer's vocabulary dwarfs the layers: wider layers cost little more.
+_REAL_TOKENIZER_WIDTH = {"hidden_size": 128, "intermediate_size": 256}
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,
@@ -124,6 +130,7 @@ def make_test_model(
     seed: int = 0,
     context: int | None = None,
     head_dim: int | None = None,
+    tokenizer: Path | None = None,
 ) -> Path:
     """Write a loadable model folder of `kind` into `dest` (created if missing); return it.
 
@@ -131,15 +138,23 @@ def make_test_model(
     """
     if kind not in _CONFIGS:
         raise ValueError(f"unknown test model kind {kind!r}; choose from {TEST_MODEL_KINDS}")
+    if tokenizer is not None and think_template:
+        raise ValueError("think_template rewrites the default tokenizer; a real one has its own")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    vocab_size = _write_tokenizer(dest, think_template=think_template)
+    if tokenizer is None:
+        vocab_size = _write_tokenizer(dest, think_template=think_template)
+        bos, eos = _BOS, _EOS
+    else:
+        vocab_size, bos, eos = _copy_tokenizer(Path(tokenizer), dest)
 
     config = json.loads(json.dumps(_CONFIGS[kind]))  # deep copy
-    config.update({"bos_token_id": _BOS, "eos_token_id": _EOS, "torch_dtype": "float32"})
+    config.update({"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32"})
     for cfg in (config, config.get("text_config", {})):
         if "vocab_size" in cfg:
             cfg["vocab_size"] = vocab_size
+        if tokenizer is not None and "hidden_size" in cfg:
+            cfg.update(_REAL_TOKENIZER_WIDTH)
         if context is not None and "max_position_embeddings" in cfg:
             cfg["max_position_embeddings"] = context
         if head_dim is not None and "head_dim" in cfg:
@@ -184,16 +199,41 @@ def _write_tokenizer(dest: Path, *, think_template: bool) -> int:
     return tok.get_vocab_size()
 
 
+def _copy_tokenizer(source: Path, dest: Path) -> tuple[int, int | None, list[int]]:
+    """Copy a real tokenizer's files into `dest`, unpacking a gzipped tokenizer.json;
+    return its vocab size (added tokens included), BOS id and EOS ids."""
+    packed = source / "tokenizer.json.gz"
+    if packed.is_file():
+        (dest / "tokenizer.json").write_bytes(gzip.decompress(packed.read_bytes()))
+    else:
+        shutil.copyfile(source / "tokenizer.json", dest / "tokenizer.json")
+    shutil.copyfile(source / "tokenizer_config.json", dest / "tokenizer_config.json")
+    tok = Tokenizer.from_file(str(dest / "tokenizer.json"))
+    tok_config = json.loads((dest / "tokenizer_config.json").read_text())
+
+    def token_id(name: str) -> int | None:
+        value = tok_config.get(name)
+        content = value.get("content") if isinstance(value, dict) else value
+        return tok.token_to_id(content) if content else None
+
+    eos = [t for t in (token_id("eos_token"), token_id("pad_token")) if t is not None]
+    return tok.get_vocab_size(), token_id("bos_token"), eos
+
+
 _cache_root: Path | None = None
-_cached: dict[tuple[str, bool, int | None], Path] = {}
+_cached: dict[tuple[str, bool, int | None, int | None, str | None], Path] = {}
 
 
 def cached_test_model(
-    kind: str, think_template: bool = False, context: int | None = None, head_dim: int | None = None
+    kind: str,
+    think_template: bool = False,
+    context: int | None = None,
+    head_dim: int | None = None,
+    tokenizer: Path | None = None,
 ) -> Path:
     """`make_test_model(kind, ...)` written once per process under a temp dir (seed 0)."""
     global _cache_root
-    key = (kind, think_template, context, head_dim)
+    key = (kind, think_template, context, head_dim, str(tokenizer) if tokenizer else None)
     if key not in _cached:
         if _cache_root is None:
             _cache_root = Path(tempfile.mkdtemp(prefix="mlx-prefix-test-models-"))
@@ -201,12 +241,14 @@ def cached_test_model(
         name = f"tiny-{kind}" + ("-think" if think_template else "")
         name += f"-{context // 1024}k" if context else ""
         name += f"-hd{head_dim}" if head_dim else ""
+        name += f"-{Path(tokenizer).name}" if tokenizer else ""
         _cached[key] = make_test_model(
             kind,
             _cache_root / name,
             think_template=think_template,
             context=context,
             head_dim=head_dim,
+            tokenizer=tokenizer,
         )
     return _cached[key]
 

@@ -48,6 +48,10 @@ log = logging.getLogger("mlx_prefix.prompt")
 
 SENTINEL = "\u2063"  # invisible separator: short, and never merges across a message start
 
+# Checkpoints at the starts of this many of a prompt's last assistant turns (see
+# _chat_checkpoints): each costs a hybrid model its recurrent state.
+TURN_CHECKPOINTS = 4
+
 # Conversations rendered once per model to find the template's segment tokens; the second
 # is for templates that refuse a system message (Mistral, Gemma 1).
 _PROBES = (("system", "user", "assistant", "user"), ("user", "assistant", "user"))
@@ -158,13 +162,92 @@ def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
     suffix_specials = [t for t in suffix if t in specials]
     if suffix_specials and not segment.intersection(suffix_specials):
         segment.add(suffix_specials[0])
+    turn = _turn_start(renderer, specials)
     if not segment:
         log.warning(
             "the chat template puts no special token before a message: chat boundaries "
             "fall back to multiples of %d tokens, so hybrid models reuse less of a prompt",
             chunk_size,
         )
-    return ChunkGrid(chunk_size, segment_tokens=frozenset(segment), generation_suffix=suffix)
+    return ChunkGrid(
+        chunk_size, segment_tokens=frozenset(segment), generation_suffix=suffix, turn_start=turn
+    )
+
+
+# What precedes an assistant turn in the probes: the previous message's last characters,
+# varied so that plain-text markup merging into them (`?<|` is one BPE piece) falls off
+# the turn start, which keeps only what every context tokenizes alike.
+_ENDINGS = ("zqprobe", "zqprobe?", "zqprobe.", 'zqprobe"}', "zqprobe)\n", "zqprobe ")
+_CALL = {"type": "function", "id": "call_0", "function": {"name": "f", "arguments": {}}}
+# How an assistant turn may render: with and without reasoning, a call, and as an earlier
+# turn once a new question follows (templates drop or move reasoning there).
+_REPLIES = (
+    {"role": "assistant", "content": SENTINEL},
+    {"role": "assistant", "content": "zqanswer", "reasoning_content": "zqthought"},
+    {"role": "assistant", "content": "", "reasoning_content": "zqthought", "tool_calls": [_CALL]},
+)
+_LATER = {"role": "user", "content": "zqnext"}
+
+
+def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, ...], ...]:
+    """The token runs that open an assistant turn, one per message it may follow (a user
+    message, a tool result): the end of what a generation prompt and every probed
+    history turn share, common to every ending of the message before. A run of plain
+    text must be distinctive, so that it rarely occurs elsewhere."""
+    leads = (
+        lambda e: [{"role": "user", "content": e}],
+        lambda e: [
+            {"role": "user", "content": "zqask"},
+            {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+            {"role": "tool", "tool_call_id": "call_0", "name": "f", "content": e},
+        ],
+    )
+    runs: list[tuple[int, ...]] = []
+    for lead in leads:
+        heads = [_turn_head(renderer, lead(ending)) for ending in _ENDINGS]
+        if None in heads:
+            continue  # not a conversation this template accepts
+        run = common_suffix(heads)
+        if _distinctive(renderer, run, specials):
+            runs.append(run)
+    runs = list(dict.fromkeys(runs))
+    # A run that ends another makes the longer one redundant.
+    return tuple(r for r in runs if not any(o != r and r[len(r) - len(o) :] == o for o in runs))
+
+
+def _distinctive(renderer: ChatRenderer, run: tuple[int, ...], specials: set[int]) -> bool:
+    """Whether `run` rarely occurs but where a turn opens: it holds a special token, or
+    at least 4 characters of plain text (Mistral's `INST`, whose `]` merges with what
+    follows; GLM's `assistant|>`), never a `\n` alone that would cut at every line."""
+    if any(t in specials for t in run):
+        return True
+    return len(renderer.tokenizer.decode(list(run)).strip()) >= 4
+
+
+def _turn_head(renderer: ChatRenderer, before: list[dict[str, Any]]) -> tuple[int, ...] | None:
+    """The tokens the generation prompt after `before` shares with every probed history
+    turn there, or None if the template refuses `before`."""
+    try:
+        generation = renderer.encode_chat(renderer.render_text(before, add_generation_prompt=True))
+    except InvalidRequest:
+        return None
+    shared = len(generation)
+    for reply in _REPLIES:
+        for after in ([], [_LATER]):
+            try:
+                text = renderer.render_text([*before, reply, *after], add_generation_prompt=False)
+            except InvalidRequest:
+                continue
+            shared = min(shared, common_prefix_length(generation, renderer.encode_chat(text)))
+    return tuple(generation[:shared])
+
+
+def common_suffix(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    n = min(len(r) for r in runs)
+    k = 0
+    while k < n and len({r[len(r) - 1 - k] for r in runs}) == 1:
+        k += 1
+    return tuple(runs[0][len(runs[0]) - k :])
 
 
 class PromptPlanner:
@@ -253,5 +336,13 @@ class PromptPlanner:
         for position in breakpoint_positions(self.renderer, prompt, messages, tokens, start):
             add(position, CheckpointKind.BREAKPOINT)
             marked.add(grid.align(tokens, position))
-        planned = self._with_tail(n, found)
-        return tuple(Checkpoint(c.position, c.kind, c.position in marked) for c in planned)
+        planned = {c.position: c.kind for c in self._with_tail(n, found)}
+        # Where the last assistant turns open: a template that re-renders an earlier reply
+        # once the conversation grows (GLM-4.7, DeepSeek V3.1 and MiniMax M2 drop its
+        # reasoning) makes the next request diverge at the first of them, and a client
+        # that sends back other replies than the server's at the last (the generation
+        # prompt's). Each was the last once, so a conversation built turn by turn has one
+        # at every turn; a long history arriving cold gets the recent ones.
+        for position in grid.turn_starts(tokens)[-TURN_CHECKPOINTS:]:
+            planned.setdefault(position, CheckpointKind.HISTORY)
+        return tuple(Checkpoint(p, planned[p], p in marked) for p in sorted(planned))

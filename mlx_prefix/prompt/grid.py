@@ -1,4 +1,4 @@
-"""The canonical chunk grid (DESIGN invariant 4).
+"""The canonical chunk grid (invariant 4).
 
 Prefill numerics depend on how a prompt is cut into chunks (with a real BLAS a 512|188
 split and a 300|212|188 split give different logits). So chunk boundaries are a pure
@@ -11,7 +11,12 @@ function of the token prefix: position b (0 < b) is on the grid iff
     message's content (`<|im_start|>` in ChatML, `<|end_header_id|>` in Llama 3, or an
     end-of-turn token like `</s>` for templates without one; see
     boundaries.detect_grid), or
-  - tokens[:b] ends with the template's generation prompt (`<|im_start|>assistant\\n`).
+  - tokens[:b] ends with the template's generation prompt (`<|im_start|>assistant\\n`), or
+  - tokens[:b] ends with the template's turn start: the tokens that open an assistant
+    turn in the history as in the generation prompt (`<|assistant|>` in GLM-4.7, whose
+    generation prompt goes on with `<think>` while an earlier turn goes on with
+    `</think>`; boundaries.detect_grid finds them), so a conversation whose template
+    re-renders an earlier reply (drops or moves its reasoning) diverges on the grid.
 Whether b is on the grid depends on tokens[:b] alone, so two prompts sharing a prefix
 agree on every grid point inside it. Checkpoints are taken only on grid points and
 prefill always runs chunk by chunk between consecutive grid points: a request restored
@@ -29,7 +34,7 @@ points, then chunk_size x 2^k below the interval, then every multiple of the int
 finds a periodic checkpoint r with p - r < interval and p - r <= max(63, p // 2): the
 recompute is a bounded share of what came before it, at most 512 tokens, and the series
 costs log2(interval / EARLY_MIN) checkpoints more than the regular grid (a hybrid pays
-its recurrent state for each; their attention KV is shared: engine/checkpoints.py).
+its recurrent state for each; their attention KV is shared: engine/prefill/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 
 # Bump when the rules above change: entries cut by other rules (on disk, say) must not
 # match, so the version is part of `signature()` and thereby of every cache key.
-GRID_RULES = 3
+GRID_RULES = 4
 # The smallest early point: a shorter first chunk costs a forward pass for too little.
 EARLY_MIN = 64
 
@@ -49,13 +54,19 @@ class ChunkGrid:
     chunk_size: int
     segment_tokens: frozenset[int] = frozenset()  # a grid point falls right after these
     generation_suffix: tuple[int, ...] = ()  # ... and right after this token sequence
+    # ... and right after any of these: the runs that open an assistant turn (after a
+    # user message, after a tool result)
+    turn_start: tuple[tuple[int, ...], ...] = ()
 
     def signature(self) -> str:
         """What decides where chunks end: part of every cache key (entries computed on
         another grid would not reproduce a cold run's numbers)."""
         specials = ",".join(map(str, sorted(self.segment_tokens)))
         suffix = ",".join(map(str, self.generation_suffix))
-        return f"rules={GRID_RULES};chunk={self.chunk_size};after={specials};gen={suffix}"
+        turn = "|".join(",".join(map(str, run)) for run in self.turn_start)
+        return (
+            f"rules={GRID_RULES};chunk={self.chunk_size};after={specials};gen={suffix};turn={turn}"
+        )
 
     def is_point(self, tokens: Sequence[int], b: int) -> bool:
         """Whether position b (0 < b <= len(tokens)) is on the grid of `tokens`."""
@@ -66,8 +77,19 @@ class ChunkGrid:
         if b < self.chunk_size and b >= EARLY_MIN and self.chunk_size % b == 0:
             if (self.chunk_size // b) & (self.chunk_size // b - 1) == 0:  # a power of 2
                 return True
-        k = len(self.generation_suffix)
-        return k > 0 and b >= k and tuple(tokens[b - k : b]) == self.generation_suffix
+        if any(_ends_with(tokens, b, run) for run in self.turn_start):
+            return True
+        return _ends_with(tokens, b, self.generation_suffix)
+
+    def turn_starts(self, tokens: Sequence[int]) -> list[int]:
+        """Where assistant turns open in `tokens` (ascending): grid points, each the
+        place a template that re-renders an earlier reply makes a conversation diverge."""
+        lasts = {run[-1] for run in self.turn_start}
+        return [
+            i + 1
+            for i, t in enumerate(tokens)
+            if t in lasts and any(_ends_with(tokens, i + 1, run) for run in self.turn_start)
+        ]
 
     def early_points(self) -> tuple[int, ...]:
         """chunk_size/2, chunk_size/4, ... down to EARLY_MIN, ascending."""
@@ -109,3 +131,8 @@ class ChunkGrid:
         if not ends or ends[-1] != end:
             ends.append(end)
         return ends
+
+
+def _ends_with(tokens: Sequence[int], b: int, run: tuple[int, ...]) -> bool:
+    k = len(run)
+    return k > 0 and b >= k and tuple(tokens[b - k : b]) == run
