@@ -7,7 +7,7 @@ HOST_OS := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null && echo "sudo -n"))
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps python-venv test-deps test serve lint format bench bench-full clean
+.PHONY: install system-deps python-venv test-deps test serve lint format peers bench bench-full clean
 
 # Linux: a fast BLAS for MLX's CPU backend (the mlx[cpu] wheel's own is ~65x slower).
 system-deps:
@@ -94,11 +94,16 @@ format: install
 	$(VENV)/bin/ruff format mlx_prefix tests benchmarks
 	$(VENV)/bin/ruff check --fix mlx_prefix tests benchmarks
 
-bench: install
+# The benchmarks' second peer, vllm-mlx 0.6.0, in its own git-ignored venv (.peers/vllm-mlx,
+# see benchmarks/peers.py); where it cannot be installed, the benchmarks run without it.
+peers: install
+	$(PY) -m benchmarks.peers
+
+bench: install peers
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile quick
 
-bench-full: install
+bench-full: install peers
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile full
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache $(TEST_CLIENTS)
+	rm -rf $(VENV) build *.egg-info .pytest_cache $(TEST_CLIENTS) .peers

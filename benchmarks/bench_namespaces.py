@@ -47,7 +47,7 @@ def origin(name: str) -> dict[str, str]:
 
 async def ask(server: Server, who: dict[str, str], request: Request) -> Reply:
     async with httpx.AsyncClient(headers=who, timeout=None) as client:
-        return await send(client, server.url, request)
+        return await send(client, server, request)
 
 
 def chat(system: str, *turns: dict[str, str], max_tokens: int = 1) -> Request:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .servers import OURS, PEER, SERVERS
+from .names import OURS, PEER
 
 COPY_SHARE = 0.01  # more memory than this share of the prefix is a copy
 
@@ -36,12 +36,13 @@ def _servers_blas(doc: dict[str, Any]) -> dict[str, str]:
 
 
 def servers_blas(doc: dict[str, Any]) -> str:
-    """'both with openblas', or each server's, or that it was not recorded."""
+    """'both with openblas' ('all 3 with'), or each server's, or that it was not recorded."""
     per = _servers_blas(doc)
     if not per:
         return "the BLAS each server loaded was not recorded"
-    if set(per) == set(SERVERS) and len(set(per.values())) == 1:
-        return f"both with {_blas_name(per[OURS])}"
+    if len(per) > 1 and len(set(per.values())) == 1:
+        every = "both" if len(per) == 2 else f"all {len(per)}"
+        return f"{every} with {_blas_name(next(iter(per.values())))}"
     return ", ".join(f"{s} with {_blas_name(b)}" for s, b in per.items())
 
 
@@ -51,7 +52,8 @@ def fast_blas_used(doc: dict[str, Any], fast: str) -> str:
     if not per:
         return "the servers' BLAS was not recorded"
     if all(b == fast for b in per.values()):
-        return "which both servers ran with here" if len(per) > 1 else "which the server ran with"
+        every = "both servers" if len(per) == 2 else "every server"
+        return f"which {every} ran with here" if len(per) > 1 else "which the server ran with"
     return "the servers ran with " + ", ".join(f"{_blas_name(b)} ({s})" for s, b in per.items())
 
 

@@ -5,9 +5,19 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
+
+
+class Endpoint(Protocol):
+    """A running server, as a request needs it."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def request_model(self) -> str | None: ...  # the `model` to name (None: leave it out)
 
 
 @dataclass(slots=True)
@@ -23,6 +33,7 @@ class Reply:
     # first is the TTFT, the gaps between them the inter-token latency (both servers
     # stream one chunk per token; a chunk the detokenizer held back joins the next).
     chunk_times: list[float] = field(default_factory=list)
+    retries: int = 0  # connections that failed before any response (see send)
 
     @property
     def gaps_s(self) -> list[float]:
@@ -41,7 +52,7 @@ class Request:
     max_tokens: int = 8
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def body(self, *, cold: bool = False) -> tuple[str, dict[str, Any]]:
+    def body(self, *, cold: bool = False, model: str | None = None) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
@@ -49,6 +60,8 @@ class Request:
             "stream_options": {"include_usage": True},
             **self.extra,
         }
+        if model is not None:
+            body["model"] = model
         if self.messages is not None:
             path, body["messages"] = "/v1/chat/completions", self.messages
             if self.tools:
@@ -58,6 +71,11 @@ class Request:
         if cold:
             body["prefix_cache"] = {"enabled": False}  # mlx-prefix only
         return path, body
+
+
+RETRIES = 2
+# Failures of a connection before any response came back: the request was not served.
+BEFORE_RESPONSE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 def _delta_text(choice: dict[str, Any]) -> str:
@@ -72,39 +90,55 @@ def _delta_text(choice: dict[str, Any]) -> str:
 
 
 async def send(
-    client: httpx.AsyncClient, base_url: str, request: Request, *, cold: bool = False
+    client: httpx.AsyncClient, to: Endpoint | str, request: Request, *, cold: bool = False
 ) -> Reply:
-    path, body = request.body(cold=cold)
+    """`request` streamed to a server (or a base URL: no `model` named), timed."""
+    base_url, model = (to, None) if isinstance(to, str) else (to.url, to.request_model)
+    path, body = request.body(cold=cold, model=model)
+    start = time.perf_counter()  # a retried connection's time counts
+    for retries in range(RETRIES + 1):
+        responded = False
+        try:
+            async with client.stream("POST", base_url + path, json=body, timeout=None) as resp:
+                responded = True
+                return await _read(resp, f"{base_url}{path}", start, retries)
+        except BEFORE_RESPONSE as e:
+            # A kept-alive connection the server dropped under load (mlx_lm.server's
+            # ThreadingHTTPServer listens with a backlog of 5): send the request again.
+            if responded or retries == RETRIES:
+                raise RuntimeError(f"{base_url}{path}: {e!r} (try {retries + 1})") from e
+    raise AssertionError("unreachable")
+
+
+async def _read(resp: httpx.Response, where: str, start: float, retries: int) -> Reply:
+    if resp.status_code != 200:
+        detail = (await resp.aread()).decode(errors="replace")[:500]
+        raise RuntimeError(f"{where}: HTTP {resp.status_code}: {detail}")
     texts: list[str] = []
     usage: dict[str, Any] = {}
     finish = None
     times: list[float] = []
-    start = time.perf_counter()
-    async with client.stream("POST", base_url + path, json=body, timeout=None) as resp:
-        if resp.status_code != 200:
-            detail = (await resp.aread()).decode(errors="replace")[:500]
-            raise RuntimeError(f"{base_url}{path}: HTTP {resp.status_code}: {detail}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators and ': keepalive' comments
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            arrived = time.perf_counter() - start
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"{base_url}{path}: {chunk['error']}")
-            carried = False
-            for choice in chunk.get("choices") or ():
-                text = _delta_text(choice)
-                if text:
-                    carried = True
-                    texts.append(text)
-                finish = choice.get("finish_reason") or finish
-            if carried:
-                times.append(arrived)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators and ': keepalive' comments
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        arrived = time.perf_counter() - start
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"{where}: {chunk['error']}")
+        carried = False
+        for choice in chunk.get("choices") or ():
+            text = _delta_text(choice)
+            if text:
+                carried = True
+                texts.append(text)
+            finish = choice.get("finish_reason") or finish
+        if carried:
+            times.append(arrived)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
     total = time.perf_counter() - start
     details = usage.get("prompt_tokens_details") or {}
     return Reply(
@@ -116,4 +150,5 @@ async def send(
         total_s=total,
         finish_reason=finish,
         chunk_times=times,
+        retries=retries,
     )

@@ -14,41 +14,24 @@
   to its cold run; dense and hybrid.
 
 Issues 14 and 15's goals are in goals_hybrid_batch.py, issue 16's (information only, for
-the models served on 2 ranks) in goals_sharded.py. The other issues' goals are computed
+the models served on 2 ranks) in goals_sharded.py, issue 33's (throughput against the
+faster of mlx_lm.server and vllm-mlx) in goals_throughput.py; what they share in
+goals_common.py. The other issues' goals are computed
 on the models served on one rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from .servers import OURS, PEER
+from . import goals_hybrid_batch, goals_sharded, goals_throughput
+from .goals_common import Goal, burst_wall, missing, ratio, runs, tokens, ttft
+from .names import OURS, PEER
 
-
-@dataclass(frozen=True)
-class Goal:
-    issue: int
-    what: str  # the measure
-    model: str  # "dense", "hybrid", "synthetic KV", or "-" when nothing ran
-    value: float | None  # the measured ratio / efficiency / ms / MiB (None: not measured)
-    shown: str  # the value with what it was computed from, for RESULTS.md
-    target: str  # "<= 0.40x"; "" for a row given for information
-    met: bool | None  # None: information only, or not measured
-
-    @property
-    def status(self) -> str:
-        if self.met is not None:
-            return "met" if self.met else "not met"
-        if not self.target:
-            return "(information)"
-        return "not measured" if self.value is None else "not judged"  # `shown` says why
+__all__ = ["Goal", "evaluate"]
 
 
 def evaluate(doc: dict[str, Any]) -> list[Goal]:
-    from . import goals_hybrid_batch, goals_sharded
-
     return [
         *_restore(doc),
         *_reuse(doc, "chat", "reuse efficiency, multi-turn chat", 1.0),
@@ -58,68 +41,13 @@ def evaluate(doc: dict[str, Any]) -> list[Goal]:
         *_messages_agent(doc),
         *goals_hybrid_batch.evaluate(doc),
         *goals_sharded.evaluate(doc),
+        *goals_throughput.evaluate(doc),
     ]
-
-
-def ranks(doc: dict[str, Any], model: str) -> int:
-    """How many ranks each server of `model` ran on (1 for a run that did not say)."""
-    return int(doc.get("models", {}).get(model, {}).get("ranks", 1))
-
-
-def runs(doc: dict[str, Any], name: str, sharded: bool = False) -> Iterator[dict[str, Any]]:
-    """The runs of workload `name` on one rank (`sharded`: on several)."""
-    for w in doc["workloads"]:
-        if w["workload"] == name and (ranks(doc, w["model"]) > 1) == sharded:
-            yield w
-
-
-def missing(issue: int, what: str, target: str, why: str = "not measured") -> Goal:
-    return Goal(issue, what, "-", None, why, target, None)
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
 
 
 def _burst(doc: dict[str, Any]) -> list[Goal]:
     what = "cold burst wall time, mlx-prefix / mlx_lm.server"
     return burst_wall(doc, 5, "cold", what, 0.4)
-
-
-def burst_wall(doc: dict[str, Any], issue: int, phase: str, what: str, limit: float) -> list[Goal]:
-    """A burst phase's wall time against mlx_lm.server's, judged only where both servers
-    generated as many tokens."""
-    target = f"<= {limit:.2f}x"
-    out = []
-    for w in runs(doc, "burst"):
-        if w["skipped"]:
-            out.append(
-                Goal(issue, what, w["model"], None, f"skipped: {w['skipped']}", target, None)
-            )
-            continue
-        ours_x = w["servers"].get(OURS, {}).get("extra", {})
-        peer_x = w["servers"].get(PEER, {}).get("extra", {})
-        ours, peer = ours_x.get(f"{phase}_wall_s"), peer_x.get(f"{phase}_wall_s")
-        r = ratio(ours, peer)
-        if r is None:
-            out.append(Goal(issue, what, w["model"], None, "not measured", target, None))
-            continue
-        shown = f"{r:.2f}x ({ours:.1f} s / {peer:.1f} s)"
-        key = f"{phase}_completion_tokens"
-        n_ours, n_peer = ours_x.get(key), peer_x.get(key)
-        if n_ours != n_peer or n_ours is None:
-            shown += f"; not comparable: completion tokens {n_ours} vs {n_peer}"
-            out.append(Goal(issue, what, w["model"], r, shown, target, None))
-            continue
-        out.append(Goal(issue, what, w["model"], r, shown, target, r <= limit))
-    return out or [missing(issue, what, target)]
-
-
-def ttft(res: dict[str, Any] | None, label: str) -> float | None:
-    for s in (res or {}).get("samples", []):
-        if s["label"] == label:
-            return s["ttft_s"]
-    return None
 
 
 def _restart(doc: dict[str, Any]) -> list[Goal]:
@@ -231,10 +159,6 @@ def _warm_ttft(result: dict[str, Any]) -> float | None:
 
 def _efficiency(x: float) -> str:
     return f"{x:.3f}"  # three places: 0.996 is not 1.00
-
-
-def tokens(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def _restore(doc: dict[str, Any]) -> list[Goal]:

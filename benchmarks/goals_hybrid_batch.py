@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .goals import Goal, burst_wall, missing, ratio, runs, tokens, ttft
-from .servers import OURS, PEER
+from .goals_common import Goal, burst_wall, missing, ratio, runs, tokens, ttft
+from .names import OURS, PEER
 
 RPS_CLIENTS = (4, 8, 16)
 

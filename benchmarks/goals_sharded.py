@@ -9,8 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .goals import Goal, missing, ranks, ratio, runs
-from .servers import OURS, PEER
+from .goals_common import Goal, missing, ranks, ratio, runs
+from .names import OURS, PEER
 
 ISSUE = 16
 WHAT = {"chat": "multi-turn chat", "burst": "parallel burst"}

@@ -39,6 +39,7 @@ class Sample:
     text: str  # greedy output, for the warm/cold comparison
     group: str = ""  # requests measured together (a burst) share a group
     gaps_s: list[float] = field(default_factory=list)  # inter-token latency, see Reply
+    retries: int = 0  # connections the server dropped before answering (see client.send)
 
 
 def itl(samples: list[Sample]) -> dict[str, Any]:
@@ -154,7 +155,7 @@ class Context:
     model: BenchModel
     tokens: Tokens
     out_dir: Path
-    servers: dict[str, Server]  # OURS, PEER: started with default cache settings
+    servers: dict[str, Server]  # OURS, PEER (and VLLM): started with default cache settings
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     _peer_cold: Server | None = None
     log: Callable[[str], None] = print
@@ -193,6 +194,7 @@ class Context:
             reply.text,
             group,
             reply.gaps_s,
+            reply.retries,
         )
 
     def peer_cold(self) -> Server:
@@ -206,8 +208,8 @@ class Context:
 
     async def cold(self, client: httpx.AsyncClient, server: Server, request: Request) -> Reply:
         if server.name == OURS:
-            return await send(client, server.url, request, cold=True)
-        return await send(client, self.peer_cold().url, request)
+            return await send(client, server, request, cold=True)
+        return await send(client, self.peer_cold(), request)
 
     async def check(
         self,
@@ -219,7 +221,10 @@ class Context:
         warm: Reply,
     ) -> None:
         cold = await self.cold(client, server, request)
-        how = "prefix_cache disabled" if server.name == OURS else "fresh process, no prompt cache"
+        how = {
+            OURS: "prefix_cache disabled",
+            PEER: "fresh process, no prompt cache",
+        }.get(server.name, "a fresh mlx_lm.server with no prompt cache")  # vllm-mlx: no switch
         result.checks.append(Check(label, warm.text == cold.text, warm.text, cold.text, how))
 
     def should_check(self, index: int, count: int) -> bool:

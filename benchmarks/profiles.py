@@ -2,7 +2,7 @@
 
 `quick` was sized for under 10 minutes on a 2-core Linux box (float32 on the CPU: ~150
 prefill tok/s on the dense model, ~3x that on the hybrid one; about 8.3 minutes in all
-when the box is otherwise idle, see RESULTS.md's run-time table) before issues 14 and
+when the box is otherwise idle, see HISTORY.md's run-time table) before issues 14 and
 15's workloads; those (the edit sweep, the mixed traffic on three servers, the burst
 with unique snippets, 16 clients, the restart after one request) add an estimated 10
 minutes, not yet measured; the chat and burst on 2 ranks (issue 16, both servers under
@@ -33,6 +33,7 @@ MODEL_WORKLOADS = (
     "mixed",
     "messages_agent",
     "messages_agent_cch",
+    "throughput",
 )
 # What the sharded models (issue 16: both servers on 2 ranks) run; others run on 1 rank.
 SHARDED_WORKLOADS = ("chat", "burst")
@@ -92,6 +93,15 @@ class Sizes:
     messages_turns: int = 8  # tool turns after the task (issue 13 asks 8)
     messages_system_tokens: int = 1500  # issue 13 asks ~20K (full)
     messages_result_tokens: int = 120
+    # Issue 33's throughput workload (workloads/throughput.py).
+    throughput_clients: tuple[int, ...] = (4, 8, 16)
+    throughput_requests_per_client: int = 1
+    throughput_prompt_tokens: int = 200  # the shared system prompt, or each request's own text
+    throughput_max_tokens: int = 16  # reply length for the requests/s and the burst
+    throughput_burst_size: int = 6
+    throughput_burst_instruction_tokens: int = 500
+    throughput_burst_item_tokens: int = 40
+    throughput_decode_tokens: int = 64  # single-stream decode, against mlx_lm.generate
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,11 @@ _FULL = Sizes(
     blas_tokens=512,
     messages_system_tokens=20000,
     messages_result_tokens=400,
+    throughput_requests_per_client=4,
+    throughput_prompt_tokens=600,
+    throughput_max_tokens=64,
+    throughput_burst_item_tokens=120,
+    throughput_decode_tokens=256,
 )
 
 PROFILES = {
@@ -185,7 +200,17 @@ PROFILES = {
         (
             ModelPlan(
                 "dense",
-                ("chat", "burst", "concurrency", "document", "edits", "memory", "mixed", "restore"),
+                (
+                    "chat",
+                    "burst",
+                    "concurrency",
+                    "document",
+                    "edits",
+                    "memory",
+                    "mixed",
+                    "restore",
+                    "throughput",
+                ),  # fmt: skip
                 Sizes(
                     max_tokens=3,
                     chat_turns=3,
@@ -221,6 +246,13 @@ PROFILES = {
                     restore_tokens=(256,),
                     restore_repeat=1,
                     blas_tokens=16,
+                    throughput_clients=(4, 8, 16),
+                    throughput_prompt_tokens=30,
+                    throughput_max_tokens=4,
+                    throughput_burst_size=3,
+                    throughput_burst_instruction_tokens=60,
+                    throughput_burst_item_tokens=10,
+                    throughput_decode_tokens=16,
                 ),
             ),
         ),
@@ -229,9 +261,13 @@ PROFILES = {
 
 
 def get(name: str, max_tokens: int | None = None) -> Profile:
-    """A profile, with every plan's reply length overridden when `max_tokens` is given."""
+    """A profile, with every plan's reply length overridden when `max_tokens` is given
+    (the throughput workload's too; its single-stream decode keeps its length)."""
     prof = PROFILES[name]
     if max_tokens is None:
         return prof
-    plans = tuple(replace(p, sizes=replace(p.sizes, max_tokens=max_tokens)) for p in prof.plans)
+    plans = tuple(
+        replace(p, sizes=replace(p.sizes, max_tokens=max_tokens, throughput_max_tokens=max_tokens))
+        for p in prof.plans
+    )
     return replace(prof, plans=plans)

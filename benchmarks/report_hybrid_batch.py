@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .goals_hybrid_batch import edit_reuse
-from .servers import OURS, PEER, SERVERS
+from .names import OURS, PEER, SERVERS
 
 
 def _s(x: float | None, digits: int = 0) -> str:

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .goals import ranks
-from .servers import SERVERS
+from .goals_common import ranks
+from .names import SERVERS
+from .report_format import _cached, _checks, _reuse, _s, _ttfts
 from .servers_sharded import BACKEND
 
 NAMES = ("chat", "burst")
 
 
 def lines(doc: dict[str, Any]) -> list[str]:
-    from .report import _cached, _checks, _reuse, _s, _ttfts
-
     sharded = [w for w in doc["workloads"] if w["workload"] in NAMES and ranks(doc, w["model"]) > 1]
     if not sharded:
         return []

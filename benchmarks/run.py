@@ -1,6 +1,6 @@
-"""`python -m benchmarks`: mlx-prefix and mlx_lm.server side by side, same model, same
-machine, same run. Writes <out>/<timestamp>.json, <report-dir>/RESULTS.md and PNG plots
-in <report-dir>/results/.
+"""`python -m benchmarks`: mlx-prefix, mlx_lm.server and vllm-mlx side by side, same model,
+same machine, same run (vllm-mlx where `make peers` installed it). Writes
+<out>/<timestamp>.json, <report-dir>/RESULTS.md and PNG plots in <report-dir>/results/.
 
 Run it under `python -m mlx_prefix.blas_exec` (as `make bench` does) so the in-process
 restore benchmark gets the fast BLAS too; the servers always get it.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -17,11 +18,21 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import goals, profiles, report, screenshot
+from . import goals, profiles, report, results_doc, screenshot
 from .harness import Context, ServerResult, WorkloadResult, run_async
 from .models import BenchModel, Tokens, resolve
 from .profiles import MODEL_WORKLOADS, ONCE_WORKLOADS, SHARDED_WORKLOADS, Sizes
-from .servers import OURS, PEER, SERVERS, ServerFailed, ServerSpec, start_all
+from .servers import (
+    OURS,
+    PEER,
+    PEERS,
+    SERVERS,
+    VLLM,
+    ServerFailed,
+    ServerSpec,
+    start_all,
+    unavailable,
+)
 from .workloads import WORKLOADS
 from .workloads.restart import Skip
 
@@ -57,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, help="override the profile's reply length")
     p.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"comma-separated peers to run beside mlx-prefix (default: {','.join(PEERS)}; "
+        "vllm-mlx only where `make peers` installed it)",
+    )
+    p.add_argument(
         "--dashboard-png",
         action="store_true",
         help="after the first chat workload, save a screenshot of mlx-prefix's dashboard "
@@ -65,8 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--report",
         type=Path,
+        nargs="*",
         metavar="JSON",
-        help="only re-render RESULTS.md and the plots from an earlier run's JSON",
+        help="only re-render RESULTS.md and the plots: from these runs' JSON, or without "
+        "one from the runs kept in <report-dir>/results/runs/",
     )
     return p.parse_args(argv)
 
@@ -101,7 +120,7 @@ def run_model(ctx: Context, names: list[str], png: Path | None = None) -> list[W
             log(f"  skipped: {e}")
         except Exception as e:
             traceback.print_exc()
-            wr.servers = {s: ServerResult(s, notes=[f"error: {e}"]) for s in SERVERS}
+            wr.servers = {s: ServerResult(s, notes=[f"error: {e}"]) for s in ctx.servers}
         wr.elapsed_s = time.perf_counter() - t
         for name_, res in sorted(wr.servers.items()):
             log(
@@ -138,19 +157,25 @@ def describe(plan_sizes: Sizes, names: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report is not None:
-        doc = json.loads(args.report.read_text())
-        doc["goals"] = [asdict(g) for g in goals.evaluate(doc)]
-        log(f"wrote {report.write(doc, args.report_dir)}")
+        docs = results_doc.load(args.report) if args.report else results_doc.kept(args.report_dir)
+        if not docs:
+            raise SystemExit(f"no runs in {results_doc.runs_dir(args.report_dir)}")
+        log(f"wrote {render(docs, args.report_dir)}")
         return 0
     prof = profiles.get(args.profile, max_tokens=args.max_tokens)
     selected = args.workloads.split(",") if args.workloads else None
     unknown = [w for w in selected or () if w not in WORKLOADS]
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    peers = [p for p in args.peers.split(",") if p]
+    if not set(peers) <= set(PEERS):
+        raise SystemExit(f"unknown peers {sorted(set(peers) - set(PEERS))}; choose from {PEERS}")
     model_keys = args.model or list(prof.models)
+    left_out: dict[str, str] = {}  # "server (model)" -> why it did not take part
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    load_before = _load()
     results: list[WorkloadResult] = []
     models: dict[str, dict] = {}
     plans: list[dict] = []
@@ -182,15 +207,20 @@ def main(argv: list[str] | None = None) -> int:
         if not names:
             continue
         log(f"model {model.key}: {model.description} ({model.path})")
-        specs = [
-            ServerSpec(OURS, model.path, (), "ours", model.ranks),
-            ServerSpec(PEER, model.path, (), "peer", model.ranks),
-        ]
+        specs = [ServerSpec(OURS, model.path, (), "ours", model.ranks)]
+        for name, label in ((PEER, "peer"), (VLLM, "vllm-mlx")):
+            why = None if name in peers else "not asked for (--peers)"
+            why = why or unavailable(name, model.ranks)
+            if why is None:
+                specs.append(ServerSpec(name, model.path, (), label, model.ranks))
+            else:
+                left_out[f"{name} ({model.key})"] = why
+                log(f"{model.key}: {name} left out: {why}")
         info = {"path": str(model.path), "description": model.description, "ranks": model.ranks}
         models[model.key] = info
         t = time.perf_counter()
         try:
-            servers = start_all(specs, args.out / "logs")
+            servers = start_all(specs, args.out / "logs", optional=(VLLM,), log=log)
         except ServerFailed as e:
             if model.ranks == 1:
                 raise
@@ -201,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"servers up in {up:.1f}s")
         info["servers_up_s"] = up
         info["blas"] = {s.name: s.blas() for s in servers}  # what each process mapped
+        info["servers"] = [s.name for s in servers]
+        for spec in specs:
+            if spec.name not in info["servers"]:
+                why = f"did not start (see {args.out / 'logs'})"
+                left_out[f"{spec.name} ({model.key})"] = why
         ctx = Context(
             plan.sizes, model, Tokens(model.path), args.out, {s.name: s for s in servers}, log=log
         )
@@ -221,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         "profile": prof.name,
         "timestamp": stamp,
         "elapsed_s": time.perf_counter() - started,
-        "machine": report.machine_info(),
+        # What else ran: the 1-minute load average before and after (None: not known).
+        "machine": report.machine_info() | {"load": [load_before, _load()]},
         "versions": report.versions(),
         "models": models,
-        "servers": list(SERVERS),
+        "servers": [s for s in SERVERS if any(s in m.get("servers", ()) for m in models.values())],
+        "left_out": left_out,
         "settings": {"temperature": 0.0},
         "plans": plans,
         "other_profiles": {
@@ -245,6 +282,21 @@ def main(argv: list[str] | None = None) -> int:
     doc["goals"] = [asdict(g) for g in goals.evaluate(doc)]
     json_path = args.out / f"{stamp}.json"
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    md_path = report.write(doc, args.report_dir)
+    results_doc.keep(doc, args.report_dir)
+    md_path = render(results_doc.kept(args.report_dir), args.report_dir)
     log(f"wrote {json_path}, {md_path} ({doc['elapsed_s']:.0f}s)")
     return 0
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 1)
+    except OSError:
+        return None
+
+
+def render(docs: list[dict], report_dir: Path) -> Path:
+    """RESULTS.md and the plots from these runs: per workload and model, the newest."""
+    doc = results_doc.merge(docs)
+    doc["goals"] = [asdict(g) for g in goals.evaluate(doc)]
+    return report.write(doc, report_dir)

@@ -1,193 +1,73 @@
-"""Server subprocesses: mlx-prefix and mlx_lm.server on free loopback ports.
-
-Both are spawned through `python -m mlx_prefix.blas_exec`, which execs the server with
-the fast BLAS preloaded (LD_PRELOAD on Linux), so the PID we hold is the server's own.
-"""
+"""The servers a run starts: one process each (server_process.py), or a group of ranks
+under mlx.launch (servers_sharded.py); which ones a run can start here."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
-import httpx
+from .names import OURS, PEER, PEERS, SERVERS, VLLM
+from .peers import vllm_mlx_problem
+from .server_process import Server, ServerFailed, ServerSpec, free_port
+from .servers_sharded import ShardedServer
 
-OURS = "mlx-prefix"
-PEER = "mlx_lm.server"
-SERVERS = (OURS, PEER)
+__all__ = [
+    "OURS", "PEER", "PEERS", "SERVERS", "VLLM", "Server", "ServerFailed", "ServerSpec",
+    "free_port", "new_server", "start_all", "ours_help", "has_flag", "unavailable",
+]  # fmt: skip
 
-
-class ServerFailed(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    name: str  # OURS or PEER (a peer-cold reference is PEER with no cache)
-    model: Path
-    extra_args: tuple[str, ...] = ()
-    label: str = ""  # for logs: "ours", "peer", "peer-cold"
-    ranks: int = 1  # above 1: one group of ranks under mlx.launch (servers_sharded.py)
-
-    def argv(self, port: int) -> list[str]:
-        py = sys.executable
-        if self.name == OURS:
-            cmd = [py, "-m", "mlx_prefix", "serve", "--model", str(self.model)]
-            if "--cache-dir" not in self.extra_args:
-                # Memory only, like the peer, and never a hit from an earlier run's files.
-                cmd += ["--disk-cache", "off"]
-        else:
-            cmd = [py, "-m", "mlx_lm.server", "--model", str(self.model), "--log-level", "WARNING"]
-        return [py, "-m", "mlx_prefix.blas_exec", *cmd, "--port", str(port), *self.extra_args]
-
-
-def free_port(span: int = 1) -> int:
-    """A loopback port p with p .. p+span-1 free now (the ring backend listens on one per
-    rank). The tests' launches (tests/sharded_launch.py) take theirs here too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span <= 65536 and all(_bindable(port + i) for i in range(1, span)):
-            return port
-    raise ServerFailed(f"no free range of {span} loopback ports")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-@dataclass
-class Server:
-    """One running server process. `start` blocks until /health answers."""
-
-    spec: ServerSpec
-    log_dir: Path
-    port: int = 0
-    proc: subprocess.Popen | None = None
-    _log: object = field(default=None, repr=False)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def launch(self) -> Server:
-        self.port = free_port()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        label = self.spec.label or self.spec.name
-        self._log = open(self.log_dir / f"{label}-{self.port}.log", "wb")  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            self.spec.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env
-        )
-        return self
-
-    def wait_ready(self, timeout_s: float = 300.0) -> Server:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerFailed(
-                    f"{self.spec.label or self.name} exited ({self.proc.returncode});"
-                    f" see {self._log.name}"
-                )  # type: ignore[union-attr]
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    self._warm_up()
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise ServerFailed(f"{self.spec.label or self.name} not ready after {timeout_s:.0f}s")
-
-    def _warm_up(self) -> None:
-        # The first request pays one-time costs (lazy init, kernel set-up); keep it out of
-        # every workload. A raw completion shares no chat-template prefix with workloads.
-        body = {"prompt": "Warm up.", "max_tokens": 1, "temperature": 0.0}
-        httpx.post(self.url + "/v1/completions", json=body, timeout=300.0).raise_for_status()
-
-    def start(self) -> Server:
-        return self.launch().wait_ready()
-
-    def blas(self) -> str | None:
-        """The BLAS the server process loaded (None: cannot tell on this system)."""
-        from .claims import loaded_blas
-
-        return "accelerate" if sys.platform == "darwin" else loaded_blas(self.pid)
-
-    def rss_bytes(self) -> int | None:
-        """Resident set size of the server process (Linux /proc; psutil elsewhere)."""
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        try:
-            import psutil  # type: ignore[import-not-found]
-
-            return psutil.Process(self.pid).memory_info().rss
-        except Exception:
-            return None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        if self._log is not None:
-            self._log.close()  # type: ignore[attr-defined]
-            self._log = None
-
-    def restart(self) -> Server:
-        self.stop()
-        return self.start()
+DETERMINISTIC = "--deterministic"  # batch-invariant mode (issue 33)
 
 
 def new_server(spec: ServerSpec, log_dir: Path) -> Server:
     """A Server for `spec`: one process, or a group of ranks when spec.ranks > 1."""
     if spec.ranks > 1:
-        from .servers_sharded import ShardedServer
-
         return ShardedServer(spec, log_dir)
     return Server(spec, log_dir)
 
 
-def start_all(specs: list[ServerSpec], log_dir: Path) -> list[Server]:
-    """Launch every server at once (their model loads overlap), then wait for each."""
+def start_all(
+    specs: list[ServerSpec],
+    log_dir: Path,
+    optional: tuple[str, ...] = (),
+    log: Callable[[str], None] | None = None,
+) -> list[Server]:
+    """Launch every server at once (their model loads overlap), then wait for each. A
+    server named in `optional` that fails to start is stopped and left out (logged);
+    any other failure stops them all and raises."""
     servers = [new_server(s, log_dir).launch() for s in specs]
+    up = []
     try:
         for s in servers:
-            s.wait_ready()
+            try:
+                up.append(s.wait_ready())
+            except ServerFailed as e:
+                if s.name not in optional:
+                    raise
+                s.stop()
+                if log is not None:
+                    log(f"  {s.name} left out of this run: {e}")
     except BaseException:
         for s in servers:
             s.stop()
         raise
-    return servers
+    return up
 
 
+def unavailable(name: str, ranks: int = 1) -> str | None:
+    """Why server `name` cannot take part here (None: it can)."""
+    if name == VLLM:
+        if ranks > 1:
+            return "vllm-mlx is compared on one rank only"
+        return vllm_mlx_problem()
+    return None
+
+
+@cache
 def ours_help() -> str:
     """`mlx-prefix serve --help`, to detect flags other engineers are still adding."""
     out = subprocess.run(
@@ -196,3 +76,8 @@ def ours_help() -> str:
         env=dict(os.environ, MLX_PREFIX_BLAS="none"),
     )  # fmt: skip
     return out.stdout
+
+
+def has_flag(flag: str) -> bool:
+    """Whether `mlx-prefix serve` takes `flag` (as a whole word of its --help)."""
+    return any(w.strip(",[]") == flag for w in ours_help().split())

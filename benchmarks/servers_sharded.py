@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .servers import Server, ServerFailed, free_port
+from .server_process import Server, ServerFailed, free_port
 
 LAUNCHER = Path(sys.executable).parent / "mlx.launch"
 BACKEND = "ring"

@@ -1,5 +1,6 @@
-"""The benchmark harness end to end on a tiny model: both servers start, every selected
-workload runs against both, and the JSON, RESULTS.md and plots are written. No timing
+"""The benchmark harness end to end on a tiny model: mlx-prefix and mlx_lm.server start
+(vllm-mlx, the optional peer, is left out here: tests/test_bench_peers.py covers it),
+every selected workload runs against both, and the JSON, RESULTS.md and plots are written. No timing
 assertions: this machine's speed is not the point. Plus the goals table and the sizes
 table, rendered from a made-up run so that every status shows."""
 
@@ -13,8 +14,9 @@ import pytest
 
 from benchmarks import claims, goals, profiles, report, report_hybrid_batch
 from benchmarks.goals_hybrid_batch import edit_reuse
+from benchmarks.names import GENERATE, OURS_DETERMINISTIC, VLLM
 from benchmarks.run import main
-from benchmarks.servers import OURS, PEER, SERVERS
+from benchmarks.servers import DETERMINISTIC, OURS, PEER, has_flag
 from benchmarks.workloads import WORKLOADS
 from benchmarks.workloads.mixed import OURS_KIND
 from benchmarks.workloads.restart import ONCE, ONCE_AFTER
@@ -23,28 +25,42 @@ from mlx_prefix.models.testing import cached_test_model
 
 # Every workload, restart (the disk tier) and the in-process ones included.
 SELECTED = tuple(WORKLOADS)
+SERVERS = (OURS, PEER)
 
 
 def test_harness_runs_every_workload_against_both_servers(tmp_path: Path) -> None:
     model = cached_test_model("dense")
     out, report_dir = tmp_path / "out", tmp_path / "report"
     argv = ["--profile", "smoke", "--model", str(model), "--out", str(out),
-            "--report-dir", str(report_dir), "--workloads", ",".join(SELECTED)]  # fmt: skip
+            "--report-dir", str(report_dir), "--workloads", ",".join(SELECTED),
+            "--peers", PEER]  # fmt: skip
     assert main(argv) == 0
 
     (json_path,) = out.glob("*.json")
     doc = json.loads(json_path.read_text())
     assert doc["profile"] == "smoke"
+    assert doc["servers"] == list(SERVERS)
+    assert doc["left_out"] == {f"{VLLM} ({model.name})": "not asked for (--peers)"}
+    # The run is kept beside the others RESULTS.md is generated from.
+    (kept,) = (report_dir / "results" / "runs").glob("*.json")
+    assert json.loads(kept.read_text())["timestamp"] == doc["timestamp"]
     by_name = {w["workload"]: w for w in doc["workloads"]}
     assert set(by_name) == set(SELECTED)
     for name, w in by_name.items():
         assert w["skipped"] is None, name
         assert w["elapsed_s"] > 0, name
-        expected = {"blas": {OURS}, "mixed": {OURS, OURS_KIND, PEER}}.get(name, set(SERVERS))
+        expected = {
+            "blas": {OURS},
+            "mixed": {OURS, OURS_KIND, PEER},
+            "throughput": {*SERVERS, OURS_DETERMINISTIC, GENERATE},
+        }.get(name, set(SERVERS))
         assert set(w["servers"]) == expected, name
         for server, res in w["servers"].items():
             assert not [n for n in res["notes"] if n.startswith("error")], (name, server)
-            if name in ("restore", "blas"):
+            if name in ("restore", "blas") or server == GENERATE:
+                continue
+            if server == OURS_DETERMINISTIC and not has_flag(DETERMINISTIC):
+                assert res["notes"][0].startswith("not run") and not res["samples"]
                 continue
             assert res["samples"], (name, server)
             assert all(s["prompt_tokens"] for s in res["samples"]), (name, server)
@@ -82,6 +98,22 @@ def test_harness_runs_every_workload_against_both_servers(tmp_path: Path) -> Non
         assert itl["all"]["gaps"] == len(gaps) > 0 and all(g >= 0 for g in gaps)
         assert itl["all"]["p50_ms"] <= itl["all"]["p99_ms"] <= itl["all"]["max_ms"]
         assert sum(itl[p]["gaps"] for p in ("cold", "warm", "unique")) == len(gaps)
+    # Issue 33's throughput: requests/s per client count with and without a shared
+    # prompt, the warm burst and its inter-token latency, decode beside mlx_lm.generate.
+    thr = by_name["throughput"]["servers"]
+    for server in SERVERS:
+        e = thr[server]["extra"]
+        for variant in ("shared", "unique"):
+            for n in (4, 8, 16):
+                assert e[f"{variant}_rps_{n}"] > 0 and e[f"{variant}_completion_tokens_{n}"] > 0
+        assert e["warm_burst_wall_s"] > 0 and e["itl"]["burst"]["gaps"] > 0
+        assert e["decode_tps"] > 0 and e["decode_tokens"] > 1
+        groups = [s["group"] for s in thr[server]["samples"]]
+        assert groups.count("shared 16") == groups.count("unique 16") == 16
+    assert thr[GENERATE]["extra"]["decode_tps"] > 0
+    # The shared prompt is reused; a request with its own text is not.
+    ours = {s["group"]: s for s in thr[OURS]["samples"]}
+    assert ours["shared 16"]["cached_tokens"] > ours["unique 16"]["cached_tokens"]
     for server, res in by_name["concurrency"]["servers"].items():
         assert set(res["extra"]["itl"]) == {"1", "2"}, server
         assert res["extra"]["completion_tokens_2"] > 0
@@ -123,7 +155,7 @@ def test_harness_runs_every_workload_against_both_servers(tmp_path: Path) -> Non
     assert blas_rows and all(r["tokens"] == 16 and r["tokens_per_s"] > 0 for r in blas_rows)
     # Goals were computed from this run (whatever they say on this machine).
     measured = {(g["issue"], g["what"]) for g in doc["goals"] if g["value"] is not None}
-    assert {3, 4, 5, 7, 14, 15} <= {issue for issue, _ in measured}
+    assert {3, 4, 5, 7, 14, 15, 33} <= {issue for issue, _ in measured}
     # The sizes actually used are recorded, with the other profiles' for comparison.
     (plan,) = doc["plans"]
     assert plan["sizes"]["document_tokens"] == 150
@@ -142,6 +174,8 @@ def test_harness_runs_every_workload_against_both_servers(tmp_path: Path) -> Non
         "## Inter-token latency",
         "## Document edited",
         "## Mixed traffic under a small budget",
+        "## Throughput (issue 33)",
+        "## Runs",
     ):
         assert section in md
     assert "mlx-prefix" in md and "mlx_lm.server" in md and OURS_KIND in md
@@ -458,3 +492,5 @@ def test_results_state_what_was_measured_not_fixed_claims() -> None:
         r["mlx_lm_extra_mib"] = 0.0
     text = "\n".join(report._restore_lines(doc) + report._blas_lines(doc))
     assert "neither side copied the prefix" in text and "which both servers ran with" in text
+    doc["models"]["dense"]["blas"][VLLM] = "openblas"
+    assert claims.servers_blas(doc) == "all 3 with openblas"

@@ -20,6 +20,7 @@ from . import (
     restart,
     restore,
     shared_system,
+    throughput,
 )
 
 _MODULES = (
@@ -35,6 +36,7 @@ _MODULES = (
     mixed,
     messages_agent,
     messages_agent_cch,
+    throughput,
 )
 WORKLOADS: dict[str, ModuleType] = {m.NAME: m for m in (*_MODULES, restore, blas)}
 assert tuple(WORKLOADS) == ALL_WORKLOADS

@@ -134,7 +134,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
 
     async def request(label: str) -> None:
         req = Request(messages=list(messages), tools=TOOLS, max_tokens=p.max_tokens)
-        reply = await send(client, server.url, req)
+        reply = await send(client, server, req)
         res.samples.append(ctx.account(server.name, label, req, reply))
         sent.append((label, req, reply))
 

@@ -80,7 +80,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
     for phase in PHASES:
         reqs = _requests(ctx, phase)
         t = time.perf_counter()
-        replies = await asyncio.gather(*(send(client, server.url, r) for r in reqs))
+        replies = await asyncio.gather(*(send(client, server, r) for r in reqs))
         res.extra[f"{phase}_wall_s"] = time.perf_counter() - t
         # Wall times compare like with like only if both servers generated as much.
         res.extra[f"{phase}_completion_tokens"] = sum(r.completion_tokens or 0 for r in replies)

@@ -57,7 +57,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
         verse = passage(_OFFSET + 500 + 40 * turn, p.chat_user_tokens, count)
         messages.append({"role": "user", "content": f"What does this mean? {verse}"})
         req = Request(messages=list(messages), max_tokens=p.max_tokens)
-        reply = await send(client, server.url, req)
+        reply = await send(client, server, req)
         res.samples.append(ctx.account(server.name, f"turn {turn}", req, reply))
         messages.append({"role": "assistant", "content": reply.text})
         turns.append((f"turn {turn}", req, reply))

@@ -55,7 +55,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
                     ],
                     max_tokens=p.max_tokens,
                 )
-                reply = await send(client, server.url, req)
+                reply = await send(client, server, req)
                 label = f"{clients} clients"
                 res.samples.append(ctx.account(server.name, label, req, reply, group=str(clients)))
                 last[:] = [label, req, reply]

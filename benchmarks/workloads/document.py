@@ -52,7 +52,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
             ],
             max_tokens=p.max_tokens,
         )
-        reply = await send(client, server.url, req)
+        reply = await send(client, server, req)
         res.samples.append(ctx.account(server.name, label, req, reply))
         sent.append((label, req, reply))
     res.wall_s = time.perf_counter() - start

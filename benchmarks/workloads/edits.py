@@ -73,7 +73,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
         for label, fraction, text in plan:
             req = _request(ctx, text)
             common = ctx.ledger(server.name).common(ctx.prompt_ids(req))
-            reply = await send(client, server.url, req)
+            reply = await send(client, server, req)
             sample = ctx.account(server.name, f"{_tokens(n)} {label}", req, reply, group=str(n))
             res.samples.append(sample)
             if fraction is None:

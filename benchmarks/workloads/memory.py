@@ -46,7 +46,7 @@ async def _drive(ctx: Context, server: Server, client: httpx.AsyncClient) -> Ser
             messages=[{"role": "system", "content": system}, {"role": "user", "content": text}],
             max_tokens=p.memory_max_tokens,
         )
-        reply = await send(client, server.url, req)
+        reply = await send(client, server, req)
         res.samples.append(
             ctx.account(
                 server.name,

@@ -228,7 +228,7 @@ async def run_session(
             reply = await send_messages(client, server.url, body)
             sent.append((label, session.messages_body(p.max_tokens, cold=True), reply))
         else:
-            reply = await send(client, server.url, request)
+            reply = await send(client, server, request)
             sent.append((label, request, reply))
         res.samples.append(ctx.account(server.name, label, request, reply))
         if turn < p.messages_turns:

@@ -146,7 +146,7 @@ async def _drive(ctx: Context, server: Server, client: httpx.AsyncClient, key: s
     for actor, step in schedule(actors, shots):
         req = actor.build(step)
         common = ledger.common(ctx.prompt_ids(req))
-        reply = await send(client, server.url, req)
+        reply = await send(client, server, req)
         actor.reply(reply)
         label = actor.name if actor.steps == 1 else f"{actor.name} #{step + 1}"
         res.samples.append(ctx.account(key, label, req, reply, group=actor.kind, ledger=ledger))

@@ -98,7 +98,7 @@ async def _before(
     replies = []
     labels = [f"before restart #{i + 1}" for i in range(len(reqs) - 1)] + [ONCE]
     for label, req in zip(labels, reqs, strict=True):
-        reply = await send(client, server.url, req)
+        reply = await send(client, server, req)
         res.samples.append(ctx.account(server.name, label, req, reply, ledger=ledger))
         replies.append(reply)
     disk = await _disk_stats(server, client)
@@ -136,11 +136,11 @@ def run_standalone(ctx: Context) -> dict[str, ServerResult]:
                 t = time.perf_counter()
                 server.restart()
                 res.extra["restart_s"] = time.perf_counter() - t
-                again = run_async(lambda c, s=server: send(c, s.url, reqs[0]))
+                again = run_async(lambda c, s=server: send(c, s, reqs[0]))
                 res.samples.append(
                     ctx.account(name, "after restart", reqs[0], again, ledger=ledger)
                 )
-                once = run_async(lambda c, s=server: send(c, s.url, reqs[-1]))
+                once = run_async(lambda c, s=server: send(c, s, reqs[-1]))
                 res.samples.append(ctx.account(name, ONCE_AFTER, reqs[-1], once, ledger=ledger))
                 res.wall_s = time.perf_counter() - start - res.extra["restart_s"]
                 res.extra["disk_after_restart"] = run_async(lambda c, s=server: _disk_stats(s, c))

@@ -38,7 +38,7 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
             messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
             max_tokens=p.max_tokens,
         )
-        reply = await send(client, server.url, req)
+        reply = await send(client, server, req)
         res.samples.append(ctx.account(server.name, f"user {i}", req, reply))
         sent.append((f"user {i}", req, reply))
     res.wall_s = time.perf_counter() - start
