@@ -61,7 +61,13 @@ def serve(
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shut_down = False
 
-    app = _build(engine, settings, on_shutdown=lambda: shutdown_engine(), loader=loader)
+    app = _build(
+        engine,
+        settings,
+        on_shutdown=lambda: shutdown_engine(),
+        loader=loader,
+        embeddings=embeddings,
+    )
     pool: ModelPool = app.state.server.models
 
     def shutdown_engine() -> None:
@@ -69,6 +75,8 @@ def serve(
         if not shut_down:
             shut_down = True
             pool.close(timeout=settings.shutdown_grace_s)
+            if embeddings is not None:
+                embeddings.close(timeout=settings.shutdown_grace_s)
 
     config = uvicorn.Config(
         app,
