@@ -21,7 +21,8 @@ chunks over mlx-lm's KV cache, so attention never holds more than chunk x length
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ class EmbeddingModel:
     context_length: int | None
     dtype: str
     weights_bytes: int  # what the weights hold in memory (reported beside the chat model's)
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def allowed_dimensions(self, dims: int) -> bool:
         if dims == self.dimensions:
@@ -71,9 +73,12 @@ class EmbeddingModel:
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids as the model's tokenizer adds them (special tokens included: Qwen3-
-        Embedding's appends the end-of-text token its last-token pooling reads). Pure
-        Python and Rust, no MLX: any thread."""
-        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        Embedding's appends the end-of-text token its last-token pooling reads). No MLX:
+        any thread, one at a time (a call sets the Rust tokenizer's truncation and
+        padding, and two threads doing so at once fail with "Already borrowed")."""
+        with self._tokenizer_lock:
+            encoded = self.tokenizer(texts, add_special_tokens=True)["input_ids"]
+        return [list(ids) for ids in encoded]
 
     def embed(self, rows: list[list[int]], chunk: int = CHUNK_TOKENS) -> np.ndarray:
         """Pooled (and normalised, if the model does) float32 vectors [len(rows), dimensions]
