@@ -216,14 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.peer_url:
             peer_model = args.peer_model or (str(folder) if folder else model)
             targets.append(Target(args.peer_label, args.peer_url.rstrip("/"), peer_model))
-        cells = [
-            measure(t, w, b, c, args.inputs)
-            for w in workloads
-            for b in batches
-            for c in concurrency
-            for t in targets
-        ]
-        print(table(cells))
+        print(table([]), flush=True)
+        cells = []
+        for w in workloads:
+            for b in batches:
+                for c in concurrency:
+                    for t in targets:  # interleaved: the machine's load falls on both
+                        cells.append(measure(t, w, b, c, args.inputs))
+                        print(table(cells[-1:]).splitlines()[-1], flush=True)
         check = None
         if args.check and len(targets) == 2:
             check = {w: agreement(targets[0], targets[1], w) for w in workloads}
