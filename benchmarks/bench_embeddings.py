@@ -176,7 +176,7 @@ def table(cells: list[Cell]) -> str:
     ]
     for c in cells:
         lines.append(
-            f"| {c.server} | {c.workload} | {c.batch} | {c.concurrency} | {c.inputs_per_s:.1f} "
+            f"| {c.server} | {c.workload} | {c.batch} | {c.concurrency} | {c.inputs_per_s:.2f} "
             f"| {c.tokens_per_s:.0f} | {c.p50_request_s * 1000:.0f} ms |"
         )
     return "\n".join(lines)
