@@ -220,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for w in workloads:
             for b in batches:
+                requests = -(-args.inputs // b)
                 for c in concurrency:
+                    if c > requests and c != min(concurrency):
+                        continue  # more clients than requests: the same as fewer
                     for t in targets:  # interleaved: the machine's load falls on both
                         cells.append(measure(t, w, b, c, args.inputs))
                         print(table(cells[-1:]).splitlines()[-1], flush=True)
