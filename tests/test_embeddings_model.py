@@ -155,7 +155,9 @@ def test_plan_batches_covers_every_row_within_the_budget():
         width = max(lengths[i] for i in batch)
         assert len(batch) == 1 or len(batch) * width <= 512
         assert len(batch) <= 3
+        assert all(2 * lengths[i] >= width for i in batch)  # at most half padding
     assert [6] in plan  # longer than the budget: alone
+    assert plan_batches([10, 9, 4, 3]) == [[0, 1], [2, 3]]
 
 
 class _Gate:

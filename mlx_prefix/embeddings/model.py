@@ -88,13 +88,14 @@ class EmbeddingModel:
         lengths = mx.array([len(r) for r in rows])  # [B]
         width = max(len(r) for r in rows)
         ids = mx.array([r + [0] * (width - len(r)) for r in rows])  # [B, L], right-padded
-        cache = make_prompt_cache(self.model)
+        # One forward needs no cache (and its buffer copies); longer rows go in chunks.
+        cache = make_prompt_cache(self.model) if width > chunk else None
         pooled = None  # [B, D] float32
         for start in range(0, width, chunk):
             h = self.model.model(ids[:, start : start + chunk], cache=cache)  # [B, C, D]
             part = _pool_chunk(h.astype(mx.float32), lengths, start, self.pooling.mode)
             pooled = part if pooled is None else pooled + part
-            mx.eval(pooled, [c.state for c in cache])
+            mx.eval(pooled, [c.state for c in cache or ()])
         assert pooled is not None
         if self.pooling.mode == "mean":
             pooled = pooled / lengths[:, None].astype(mx.float32)
