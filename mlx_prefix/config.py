@@ -40,6 +40,10 @@ class ModelConfig:
     chat_template_args: str | None = None
     trust_remote_code: bool = False  # let the tokenizer run the model folder's own code
     draft_model: str | None = None  # speculative decoding's draft (engine/decode/speculative.py)
+    # /v1/embeddings' model (mlx_prefix/embeddings/), and whether it is Matryoshka-trained
+    # when its config.json does not say (then `dimensions` may shorten its vectors).
+    embedding_model: str | None = None
+    embedding_matryoshka: bool = False
 
 
 @dataclass(frozen=True, slots=True)

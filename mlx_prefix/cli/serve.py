@@ -87,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a model name selecting another model folder or cached hub id, loaded on "
         "demand (repeatable)",
     )
+    embedding_args(p)
     p.add_argument(
         "--allowed-models",
         nargs="*",
@@ -141,6 +142,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def embedding_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("embeddings (/v1/embeddings)")
+    g.add_argument(
+        "--embedding-model",
+        metavar="MODEL",
+        help="an embedding model (folder or cached hub id: a decoder such as "
+        "Qwen3-Embedding) served on /v1/embeddings beside the chat model",
+    )
+    g.add_argument(
+        "--embedding-alias",
+        action="append",
+        dest="embedding_aliases",
+        default=None,
+        metavar="NAME",
+        help="another model name that selects the embedding model (repeatable)",
+    )
+    g.add_argument(
+        "--embedding-matryoshka",
+        action="store_true",
+        default=None,
+        help="the embedding model was trained Matryoshka-style (Qwen3-Embedding is): "
+        "a request's `dimensions` shortens its vectors (read from config.json's "
+        "is_matryoshka / matryoshka_dimensions when present)",
+    )
+
+
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     """Flags, else MLX_PREFIX_SERVER_* variables, else defaults."""
     from mlx_prefix.server.settings import ServerSettings
@@ -167,6 +194,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
+        "embedding_aliases": tuple(args.embedding_aliases)
+        if getattr(args, "embedding_aliases", None) is not None
+        else None,
     }
     return from_env(ServerSettings, "SERVER", overrides)
 
@@ -184,6 +214,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidRequest(
                 "--max-models > 1, --model-alias and --allowed-models need an unsharded server"
             )
+        if embedding_config(args).embedding_model is not None:
+            raise InvalidRequest("--embedding-model needs an unsharded server")
         return serve_sharded(args, group, settings)
     if args.pipeline:
         raise InvalidRequest(
@@ -192,6 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     # No local name for the engine: the server owns it and may unload it.
     model = model_from_args(args)
+    embeddings = embedding_worker(args)
     serve(
         Engine(
             model,
@@ -202,8 +235,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ),
         settings,
         engine_loader(args),
+        embeddings,
     )
     return 0
+
+
+def embedding_config(args: argparse.Namespace) -> Any:
+    from mlx_prefix.config import ModelConfig
+
+    keys = ("embedding_model", "embedding_matryoshka", "dtype")
+    return from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
+
+
+def embedding_worker(args: argparse.Namespace) -> Any:
+    """The --embedding-model (in --dtype, else float32 on CPU), on its worker thread
+    (None without the flag). Its weights must fit the memory the chat model left, the
+    check the model pool makes before loading another model; once loaded they are part
+    of what every later check sees as taken."""
+    from mlx_prefix.embeddings.model import load_embedding_model
+    from mlx_prefix.embeddings.worker import EmbeddingWorker
+    from mlx_prefix.models.catalog import load_estimate
+    from mlx_prefix.models.resolve import resolve_model
+    from mlx_prefix.platform import available_memory
+    from mlx_prefix.server.model_pool import InsufficientMemory
+
+    cfg = embedding_config(args)
+    if cfg.embedding_model is None:
+        return None
+    import mlx.core as mx
+
+    folder = resolve_model(cfg.embedding_model).path
+    need = load_estimate(folder, None, mx.default_device() == mx.cpu)
+    free = available_memory()
+    if free is not None and need > free:
+        raise InsufficientMemory(
+            f"embedding model '{cfg.embedding_model}' needs about {need / 2**30:.1f} GiB for "
+            f"its weights; {free / 2**30:.1f} GiB are available beside the chat model"
+        )
+    model = load_embedding_model(
+        cfg.embedding_model, dtype=cfg.dtype, matryoshka=cfg.embedding_matryoshka
+    )
+    return EmbeddingWorker(model)
 
 
 def engine_loader(args: argparse.Namespace) -> EngineLoader:

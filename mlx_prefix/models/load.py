@@ -22,7 +22,9 @@ __all__ = [
     "LoadedModel",
     "ModelIdentity",
     "finish_loading",
+    "cast_weights",
     "choose_dtype",
+    "context_length",
     "load_model",
     "resolve_model_path",
 ]
@@ -108,7 +110,7 @@ def load_model(
         # A damaged, incomplete or unsupported folder fails in mlx-lm, safetensors,
         # transformers or tokenizers with about any exception type (a truncated file:
         # RuntimeError; bad JSON: ValueError; a config missing a field: TypeError).
-        reason = _load_failure(part, e, resolved.path)
+        reason = load_failure(part, e, resolved.path)
         message = f"model '{label}' could not be loaded: {reason}"
         raise ModelNotFound(message, param="adapter" if part == "adapter" else "model") from e
 
@@ -135,8 +137,7 @@ def finish_loading(
 ) -> LoadedModel:
     """Cast the floating weights (`dtype`, else `choose_dtype`) and compute the identity:
     the steps after mlx-lm's load, shared with sharded loading (models/sharded.py)."""
-    target = dtype or choose_dtype(mx.default_device(), _dominant_dtype(model))
-    _cast_floating(model, _DTYPES[target])
+    target = cast_weights(model, dtype)
 
     weight_files = [resolved.path / "config.json", *resolved.path.glob("model*.safetensors")]
     if adapter_path is not None:
@@ -155,12 +156,19 @@ def finish_loading(
         identity=identity,
         name=resolved.name,
         path=resolved.path,
-        context_length=_context_length(config),
+        context_length=context_length(config),
         template_args=template_defaults,
     )
 
 
-def _load_failure(part: str, error: Exception, path: Path) -> str:
+def cast_weights(model: nn.Module, dtype: str | None) -> str:
+    """Cast `model`'s floating weights to `dtype` (else `choose_dtype`'s); return it."""
+    target = dtype or choose_dtype(mx.default_device(), _dominant_dtype(model))
+    _cast_floating(model, _DTYPES[target])
+    return target
+
+
+def load_failure(part: str, error: Exception, path: Path) -> str:
     """One line: which part failed and why (library messages can span several lines)."""
     if part == "tokenizer" and not _has_tokenizer_files(path):
         return f"no tokenizer files ({' or '.join(_TOKENIZER_FILES[:2])}) in {path}"
@@ -211,7 +219,7 @@ def _cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
         mx.eval(model.parameters())
 
 
-def _context_length(config: dict[str, Any]) -> int | None:
+def context_length(config: dict[str, Any]) -> int | None:
     for cfg in (config, config.get("text_config") or {}):
         for key in _CONTEXT_KEYS:
             if isinstance(value := cfg.get(key), int) and value > 0:

@@ -8,7 +8,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -26,29 +26,49 @@ from .protocol.request import Limits, SamplingDefaults
 from .response_store import ResponseStore
 from .routes import ROUTES
 from .routes.common import ServerState
+from .served_embeddings import ServedEmbeddings
 from .settings import ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_prefix.embeddings.worker import EmbeddingWorker
 
 log = logging.getLogger("mlx_prefix.server")
 
 
 def create_app(
-    engine: Any, settings: ServerSettings, loader: EngineLoader | None = None
+    engine: Any,
+    settings: ServerSettings,
+    loader: EngineLoader | None = None,
+    embeddings: EmbeddingWorker | None = None,
 ) -> Starlette:
     """An app serving `engine`. Without a `loader` it never shuts the engine down: whoever
     made it owns it. With one, other models are loaded on demand (server/model_pool.py)
-    and the app owns `engine` too: it may unload it (shut down, weights dropped)."""
-    return _build(engine, settings, on_shutdown=None, loader=loader)
+    and the app owns `engine` too: it may unload it (shut down, weights dropped).
+    `embeddings` serves /v1/embeddings; its owner closes it."""
+    return _build(engine, settings, on_shutdown=None, loader=loader, embeddings=embeddings)
 
 
-def serve(engine: Any, settings: ServerSettings, loader: EngineLoader | None = None) -> None:
+def serve(
+    engine: Any,
+    settings: ServerSettings,
+    loader: EngineLoader | None = None,
+    embeddings: EmbeddingWorker | None = None,
+) -> None:
     """Serves until SIGINT/SIGTERM, then: stop accepting connections, give in-flight
-    requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engines down."""
+    requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engines
+    (and the embedding worker) down."""
     logging.getLogger("mlx_prefix").setLevel(settings.log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shut_down = False
 
-    app = _build(engine, settings, on_shutdown=lambda: shutdown_engine(), loader=loader)
+    app = _build(
+        engine,
+        settings,
+        on_shutdown=lambda: shutdown_engine(),
+        loader=loader,
+        embeddings=embeddings,
+    )
     pool: ModelPool = app.state.server.models
 
     def shutdown_engine() -> None:
@@ -56,6 +76,8 @@ def serve(engine: Any, settings: ServerSettings, loader: EngineLoader | None = N
         if not shut_down:
             shut_down = True
             pool.close(timeout=settings.shutdown_grace_s)
+            if embeddings is not None:
+                embeddings.close(timeout=settings.shutdown_grace_s)
 
     config = uvicorn.Config(
         app,
@@ -70,6 +92,8 @@ def serve(engine: Any, settings: ServerSettings, loader: EngineLoader | None = N
         lifespan="on",
     )
     log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
+    if embeddings is not None:
+        log.info("%s", embeddings_line(embeddings))
     cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/sharded/distributed.py)
     if cluster is not None:
         log.info("%s", cluster.describe())
@@ -90,6 +114,17 @@ def serving_line(model_name: str, host: str, port: int) -> str:
     return (
         f"serving {model_name} on http://{bind}:{port} "
         f"(dashboard: http://{browse}:{port}/dashboard)"
+    )
+
+
+def embeddings_line(worker: EmbeddingWorker) -> str:
+    """What /v1/embeddings serves, and what its weights take beside the chat model's."""
+    m = worker.model
+    return (
+        f"embeddings: {m.name} ({m.dimensions} dimensions, {m.pooling.mode} pooling"
+        f"{', normalised' if m.pooling.normalize else ''}"
+        f"{', Matryoshka' if m.pooling.matryoshka else ''}; "
+        f"weights {m.weights_bytes / 2**20:.0f} MiB {m.dtype})"
     )
 
 
@@ -144,6 +179,7 @@ def _build(
     settings: ServerSettings,
     on_shutdown: Callable[[], None] | None,
     loader: EngineLoader | None = None,
+    embeddings: EmbeddingWorker | None = None,
 ) -> Starlette:
     limits = Limits(  # for parsing: each served model's own limit comes after (limits_for)
         default_max_tokens=settings.default_max_tokens,
@@ -192,6 +228,9 @@ def _build(
         inflight=InFlight(),
         started=int(time.time()),
         responses=ResponseStore(settings.responses_store),
+        embeddings=ServedEmbeddings.of(embeddings, settings.embedding_aliases)
+        if embeddings is not None
+        else None,
     )
     app.state.namespaces = Namespaces(settings.cache_sharing, settings.api_key)
     return app

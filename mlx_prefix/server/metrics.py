@@ -47,6 +47,16 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
+        self.embedding_inputs = Counter(
+            "mlx_prefix_embedding_inputs",
+            "Inputs embedded",
+            registry=self.registry,
+        )
+        self.embedding_tokens = Counter(
+            "mlx_prefix_embedding_tokens",
+            "Tokens embedded",
+            registry=self.registry,
+        )
         self.registry.register(CacheCollector(cache_stats))
         self.recent = RecentRequests()  # for the dashboard; fed by generation.RequestLog
 
@@ -56,6 +66,10 @@ class ServerMetrics:
         self.completion_tokens.inc(usage.completion_tokens)
         if usage.completion_tokens:
             self.ttft.observe(usage.ttft_s)
+
+    def observe_embeddings(self, inputs: int, tokens: int) -> None:
+        self.embedding_inputs.inc(inputs)
+        self.embedding_tokens.inc(tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,6 +48,11 @@ class ServerSettings:
     # Cache namespaces (server/namespaces.py): "origin" keeps each Origin's (and API
     # key's) entries apart; "global" shares one cache among every client.
     cache_sharing: str = "origin"
+    # /v1/embeddings (with --embedding-model): more names for the embedding model, and
+    # OpenAI's bounds on one request (inputs, tokens over all inputs).
+    embedding_aliases: tuple[str, ...] = ()
+    embedding_max_inputs: int = 2048
+    embedding_max_tokens: int = 300_000
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
@@ -58,11 +63,15 @@ class ServerSettings:
         if isinstance(hosts, str):
             hosts = tuple(h.strip() for h in hosts.split(",") if h.strip())
         object.__setattr__(self, "allowed_hosts", tuple(check_allowed_host(h) for h in hosts))
-        if isinstance(self.aliases, str):
-            aliases = tuple(a.strip() for a in self.aliases.split(",") if a.strip())
-            object.__setattr__(self, "aliases", aliases)
-        if any(not a or a != a.strip() for a in self.aliases):
-            raise ValueError(f"aliases: empty or padded names in {self.aliases!r}")
+        for name in ("aliases", "embedding_aliases"):
+            names = getattr(self, name)
+            if isinstance(names, str):
+                names = tuple(a.strip() for a in names.split(",") if a.strip())
+                object.__setattr__(self, name, names)
+            if any(not a or a != a.strip() for a in names):
+                raise ValueError(f"{name}: empty or padded names in {names!r}")
+        if min(self.embedding_max_inputs, self.embedding_max_tokens) < 1:
+            raise ValueError("embedding_max_inputs and embedding_max_tokens must be positive")
         if isinstance(self.model_aliases, str):
             pairs = tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())
             object.__setattr__(self, "model_aliases", pairs)

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from . import dashboard
 from .cache import cache_flush, cache_info, cache_warm
+from .embeddings import embeddings
 from .generate import chat_completions, completions
 from .messages import count_tokens, messages
 from .responses import create_response, delete_response, get_response
@@ -27,6 +28,7 @@ API_PREFIXES = ("/v1", "")
 API_ROUTES = [
     ("/chat/completions", chat_completions, ["POST"]),
     ("/completions", completions, ["POST"]),
+    ("/embeddings", embeddings, ["POST"]),
     ("/messages", messages, ["POST"]),
     ("/messages/count_tokens", count_tokens, ["POST"]),
     ("/responses", create_response, ["POST"]),

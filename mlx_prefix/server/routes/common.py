@@ -23,6 +23,7 @@ from ..model_pool import ModelPool
 from ..protocol.fields import parse_json_object
 from ..protocol.request import Limits
 from ..response_store import ResponseStore
+from ..served_embeddings import ServedEmbeddings
 from ..settings import ServerSettings
 
 log = logging.getLogger("mlx_prefix.server")
@@ -38,6 +39,7 @@ class ServerState:
     started: int  # unix time, reported as the model's `created`
     responses: ResponseStore  # past /v1/responses answers, for previous_response_id
     tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
+    embeddings: ServedEmbeddings | None = None  # --embedding-model, for /v1/embeddings
 
     def limits_for(self, engine: Any) -> Limits:
         """The request limits of the model `engine` serves: its own context length."""

@@ -17,20 +17,26 @@ from .common import ServerState, api, state
 @api
 async def list_models(request: Request) -> Response:
     """OpenAI's list: one card per served id and per alias (`alias_of` names its model),
-    each --model-alias, and the other models resident (server/model_pool.py). A client
-    sending `anthropic-version` (the Anthropic SDKs) gets Anthropic's shape."""
+    each --model-alias, and the other models resident (server/model_pool.py), then the
+    embedding model's. A client sending `anthropic-version` (the Anthropic SDKs) gets
+    Anthropic's shape, chat models only."""
     st = state(request)
     cards = [card for row in st.models.cards() for card in _cards(st, row)]
     if "anthropic-version" in request.headers:
         data = [_anthropic_card(st, c["id"]) for c in cards]
         first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
         return JSONResponse({"data": data, "has_more": False, "first_id": first, "last_id": last})
-    return JSONResponse({"object": "list", "data": cards})
+    return JSONResponse({"object": "list", "data": cards + _embedding_cards(st)})
 
 
 @api
 async def get_model(request: Request) -> Response:
     st = state(request)
+    name = request.path_params["model_id"]
+    embedding = st.embeddings is not None and st.embeddings.names.find(name) is not None
+    if embedding and name != "default" and "anthropic-version" not in request.headers:
+        cards = _embedding_cards(st)
+        return JSONResponse(next((c for c in cards if c["id"] == name), cards[0]))
     spec = st.models.spec_for(request.path_params["model_id"])
     unloaded = ModelCard(spec.id, None, resident=False)
     row = next((c for c in st.models.cards() if c.id == spec.id), unloaded)
@@ -54,6 +60,30 @@ def _cards(st: ServerState, row: ModelCard) -> list[dict[str, Any]]:
         card["resident"] = row.resident
         card["adapters"] = list(row.adapters)
     aliases = [{**card, "id": alias, "alias_of": row.id, "aliases": []} for alias in row.aliases]
+    return [card, *aliases]
+
+
+def _embedding_cards(st: ServerState) -> list[dict[str, Any]]:
+    """The --embedding-model's card (and its aliases'): its vector size, pooling and the
+    memory its weights hold beside the chat model's."""
+    if st.embeddings is None:
+        return []
+    model = st.embeddings.worker.model
+    card = {
+        "id": model.name,
+        "object": "model",
+        "created": st.started,
+        "owned_by": "mlx-prefix",
+        "type": "embedding",
+        "context_length": model.context_length,
+        "dimensions": model.dimensions,
+        "matryoshka": model.pooling.matryoshka,
+        "pooling": model.pooling.mode,
+        "normalized": model.pooling.normalize,
+        "weights_bytes": model.weights_bytes,
+        "aliases": list(st.embeddings.names.default.aliases),
+    }
+    aliases = [{**card, "id": a, "alias_of": model.name, "aliases": []} for a in card["aliases"]]
     return [card, *aliases]
 
 

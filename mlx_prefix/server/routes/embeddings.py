@@ -1,0 +1,128 @@
+"""POST /v1/embeddings (and /embeddings): OpenAI's embeddings API over the server's
+--embedding-model. Parse the body, check the model name, tokenize in the threadpool
+(bounded: inputs, tokens per input and per request), queue the ids on the embedding
+worker's thread (embeddings/worker.py), then shape the vectors: floats or base64.
+
+Embeddings keep no cache, so there is nothing for a namespace to keep apart; the
+caller's namespace goes into the log line as on the other routes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import uuid
+from typing import Any
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlx_prefix.embeddings.model import EmbeddingModel, truncate
+from mlx_prefix.errors import InvalidRequest, MlxPrefixError
+
+from ..generation import RequestLog
+from ..namespaces import caller
+from ..protocol.embeddings import EmbeddingRequest, parse_embeddings
+from ..served_embeddings import require
+from .common import api, read_json, state
+
+log = logging.getLogger("mlx_prefix.server")
+
+DEFAULT_MAX_INPUT_TOKENS = 8192  # OpenAI's, for a model whose config names no context
+
+
+@api
+async def embeddings(request: Request) -> Response:
+    st = state(request)
+    record = RequestLog(f"embd-{uuid.uuid4().hex}", request.url.path, st.metrics,
+                        caller(request).namespace_id)  # fmt: skip
+    try:
+        body = await read_json(request)
+        req = parse_embeddings(body, st.settings.embedding_max_inputs)
+        served = require(st.embeddings)
+        served.select(req.model, st.models.names)
+        model = served.worker.model
+        dims = _dimensions(model, req.dimensions)
+        rows = await run_in_threadpool(_token_rows, model, req, st.settings.embedding_max_tokens)
+        record.prompt_tokens = sum(map(len, rows))
+        vectors = await asyncio.wrap_future(served.worker.submit(rows))
+    except MlxPrefixError as e:
+        record.write(str(e.status), error=e.message)
+        raise
+    if dims != model.dimensions:
+        vectors = truncate(vectors, dims, model.pooling.normalize)
+    st.metrics.observe_embeddings(len(rows), record.prompt_tokens)
+    record.write("200")
+    if req.user is not None:  # OpenAI's end-user id, for the operator's monitoring
+        log.debug("%s user=%r", record.request_id, req.user[:256])
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
+                for i, v in enumerate(vectors)
+            ],
+            "model": served.id,
+            "usage": {"prompt_tokens": record.prompt_tokens, "total_tokens": record.prompt_tokens},
+        }
+    )
+
+
+def _dimensions(model: EmbeddingModel, asked: int | None) -> int:
+    if asked is None or model.allowed_dimensions(asked):
+        return asked or model.dimensions
+    if not model.pooling.matryoshka:
+        reason = (
+            f"model '{model.name}' gives {model.dimensions}-dimensional vectors and was not "
+            "trained for shorter ones (Matryoshka); start the server with "
+            "--embedding-matryoshka if it was"
+        )
+    elif model.pooling.matryoshka_dimensions:
+        sizes = ", ".join(map(str, (*model.pooling.matryoshka_dimensions, model.dimensions)))
+        reason = f"model '{model.name}' gives vectors of {sizes} dimensions"
+    else:
+        reason = f"model '{model.name}' gives vectors of 1 to {model.dimensions} dimensions"
+    raise InvalidRequest(f"'dimensions' {asked} is not supported: {reason}", param="dimensions")
+
+
+def _token_rows(model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int) -> list[list[int]]:
+    """Every input as token ids, checked: non-empty, in the vocabulary, within the model's
+    context, and within `max_tokens` over the request."""
+    if req.texts is not None:
+        rows = model.tokenize(list(req.texts))
+    else:
+        rows = [list(ids) for ids in req.token_ids or ()]
+        for i, ids in enumerate(rows):
+            bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"input[{i}] holds token id {bad}, outside the model's vocabulary "
+                    f"(0 to {model.vocab_size - 1})",
+                    param="input",
+                )
+    limit = model.context_length or DEFAULT_MAX_INPUT_TOKENS
+    for i, ids in enumerate(rows):
+        if not ids:
+            raise InvalidRequest(f"input[{i}] has no tokens", param="input")
+        if len(ids) > limit:
+            raise InvalidRequest(
+                f"input[{i}] is {len(ids)} tokens; model '{model.name}' takes at most {limit} "
+                "per input",
+                param="input",
+                code="context_length_exceeded",
+            )
+    total = sum(map(len, rows))
+    if total > max_tokens:
+        raise InvalidRequest(
+            f"the inputs hold {total} tokens together; at most {max_tokens} per request",
+            param="input",
+        )
+    return rows
+
+
+def _encoded(vector: np.ndarray, encoding: str) -> Any:
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
