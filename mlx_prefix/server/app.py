@@ -8,7 +8,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from starlette.applications import Starlette
@@ -30,13 +30,16 @@ from .served_embeddings import ServedEmbeddings
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
+    from mlx_prefix.engine.interface import EngineAPI
+
+if TYPE_CHECKING:
     from mlx_prefix.embeddings.worker import EmbeddingWorker
 
 log = logging.getLogger("mlx_prefix.server")
 
 
 def create_app(
-    engine: Any,
+    engine: EngineAPI,
     settings: ServerSettings,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
@@ -49,7 +52,7 @@ def create_app(
 
 
 def serve(
-    engine: Any,
+    engine: EngineAPI,
     settings: ServerSettings,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
@@ -164,7 +167,7 @@ class _GracefulServer(uvicorn.Server):
             log.warning("grace period over: cancelled %d request(s)", n)
 
 
-def _draft_names(engine: Any) -> tuple[str, ...]:
+def _draft_names(engine: EngineAPI) -> tuple[str, ...]:
     """How a request's draft_model may name the server's --draft-model."""
     draft = getattr(engine, "draft", None)
     return () if draft is None else (draft.name, str(draft.path))
@@ -175,7 +178,7 @@ def host_policy(settings: ServerSettings) -> HostPolicy:
 
 
 def _build(
-    engine: Any,
+    engine: EngineAPI,
     settings: ServerSettings,
     on_shutdown: Callable[[], None] | None,
     loader: EngineLoader | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.cache.records import EvictOutcome
 from mlx_prefix.cache.trie import TokenTrie
@@ -27,6 +27,9 @@ from mlx_prefix.errors import MlxPrefixError
 
 from .namespaces import Caller, visible
 from .recent import RecentRequests
+
+if TYPE_CHECKING:
+    from mlx_prefix.engine.interface import EngineAPI
 
 HEAD_TOKENS = 24  # tokens detokenized to show the start of what an entry adds
 
@@ -125,7 +128,7 @@ def _decode(tokenizer: Any, tokens: tuple[Any, ...]) -> str:
         return ""
 
 
-def snapshot(engine: Any, recent: RecentRequests, shapes: TreeShapes, caller: Caller) -> dict:
+def snapshot(engine: EngineAPI, recent: RecentRequests, shapes: TreeShapes, caller: Caller) -> dict:
     """Everything the page shows, as JSON-ready values. Does not mutate the cache."""
     memory = visible(caller, engine.cache_sequences())
     disk = visible(caller, engine.disk_sequences())
@@ -216,13 +219,13 @@ class EntryBusy(MlxPrefixError):
     code = "entry_busy"
 
 
-def set_pinned(engine: Any, caller: Caller, entry_id: int, pinned: bool) -> None:
+def set_pinned(engine: EngineAPI, caller: Caller, entry_id: int, pinned: bool) -> None:
     _find(engine, caller, entry_id)
     if not engine.set_pinned(entry_id, pinned):
         raise _missing(entry_id)
 
 
-def evict(engine: Any, caller: Caller, entry_id: int) -> None:
+def evict(engine: EngineAPI, caller: Caller, entry_id: int) -> None:
     _find(engine, caller, entry_id)
     outcome = engine.evict_entry(entry_id)
     if outcome is EvictOutcome.MISSING:
@@ -233,7 +236,7 @@ def evict(engine: Any, caller: Caller, entry_id: int) -> None:
         raise EntryBusy(f"cache entry {entry_id} is in use by a running request; try again")
 
 
-def _find(engine: Any, caller: Caller, entry_id: int) -> None:
+def _find(engine: EngineAPI, caller: Caller, entry_id: int) -> None:
     """Act only on an entry the caller can see (`visible`)."""
     if not any(s.info.entry_id == entry_id for s in visible(caller, engine.cache_sequences())):
         raise _missing(entry_id)

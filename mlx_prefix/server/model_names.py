@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlx_prefix.errors import ModelNotFound
+
+if TYPE_CHECKING:
+    from mlx_prefix.engine.interface import EngineAPI
 
 DEFAULT_NAME = "default"
 
@@ -28,12 +31,12 @@ DEFAULT_NAME = "default"
 @dataclass(frozen=True)
 class ServedModel:
     id: str  # the served name, reported in every reply's `model` field
-    engine: Any  # mlx_prefix.engine.Engine, or a fake with its interface
+    engine: EngineAPI  # an Engine, a DistributedEngine, or a test's fake of the interface
     aliases: tuple[str, ...] = ()  # --alias names, listed by /v1/models
     folder: str | None = None  # the model's folder, as loaded
 
     @classmethod
-    def of(cls, engine: Any, aliases: Sequence[str] = ()) -> ServedModel:
+    def of(cls, engine: EngineAPI, aliases: Sequence[str] = ()) -> ServedModel:
         model = engine.model
         path = getattr(model, "path", None)
         return cls(model.name, engine, tuple(dict.fromkeys(aliases)), str(path) if path else None)

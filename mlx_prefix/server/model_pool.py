@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError, ModelNotFound
 from mlx_prefix.models.catalog import (
@@ -53,6 +53,9 @@ from mlx_prefix.models.catalog import (
 from mlx_prefix.platform import available_memory
 
 from .model_names import ModelRegistry, ServedModel
+
+if TYPE_CHECKING:
+    from mlx_prefix.engine.interface import EngineAPI
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -80,7 +83,7 @@ class ModelSpec:
 
 
 # (spec, shared PromptCache, shared DiskCache or None) -> a started Engine
-EngineLoader = Callable[[ModelSpec, Any, Any], Any]
+EngineLoader = Callable[[ModelSpec, Any, Any], "EngineAPI"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ class Lease:
 class ModelPool:
     def __init__(
         self,
-        engine: Any,
+        engine: EngineAPI,
         aliases: tuple[str, ...] = (),
         *,
         strict: bool = False,
@@ -154,7 +157,7 @@ class ModelPool:
         self._slots[self.default_spec.key] = _Slot(self.default_spec, default)
         self._loading: dict[tuple[str, str | None], asyncio.Future[_Slot]] = {}
         self._lock: asyncio.Lock | None = None  # made on the event loop
-        self._last: Any = engine  # the views' engine when none is resident
+        self._last: EngineAPI = engine  # the views' engine when none is resident
         self.loads = 0  # models loaded on demand (observability, tests)
         self.unloads = 0
 
@@ -252,7 +255,7 @@ class ModelPool:
         )
 
     # -- views ----------------------------------------------------------------------
-    def primary(self) -> Any:
+    def primary(self) -> EngineAPI:
         """The engine the cache routes, dashboard, /metrics and /health show: the
         default model's when resident, else the most recently used one."""
         slot = self._slots.get(self.default_spec.key)
@@ -367,7 +370,7 @@ class ModelPool:
             )
         return need <= free
 
-    def _swap(self, victims: list[_Slot], spec: ModelSpec, alongside: bool) -> Any:
+    def _swap(self, victims: list[_Slot], spec: ModelSpec, alongside: bool) -> EngineAPI:
         """On a loader thread: load `spec` and unload `victims` (drained). With room for
         both (`alongside`), the load comes first; else the folder is checked, then the
         victims go. Either way a malformed folder fails before anything is unloaded."""
@@ -388,7 +391,7 @@ class ModelPool:
             self._unload(v)
         return self._load_engine(spec)
 
-    def _load_engine(self, spec: ModelSpec) -> Any:
+    def _load_engine(self, spec: ModelSpec) -> EngineAPI:
         log.info(
             "loading model %s%s", spec.id, f" with adapter {spec.adapter}" if spec.adapter else ""
         )
@@ -456,7 +459,7 @@ def is_path(name: str) -> bool:
     return name.startswith(_PATH_PREFIXES) or "\\" in name or name.count("/") > 1
 
 
-def _busy(engine: Any) -> bool:
+def _busy(engine: EngineAPI) -> bool:
     lifecycle = getattr(engine, "lifecycle", None)
     return lifecycle is not None and lifecycle.pending > 0
 

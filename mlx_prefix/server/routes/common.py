@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,6 +26,9 @@ from ..response_store import ResponseStore
 from ..served_embeddings import ServedEmbeddings
 from ..settings import ServerSettings
 
+if TYPE_CHECKING:
+    from mlx_prefix.engine.interface import EngineAPI
+
 log = logging.getLogger("mlx_prefix.server")
 
 
@@ -41,13 +44,13 @@ class ServerState:
     tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
     embeddings: ServedEmbeddings | None = None  # --embedding-model, for /v1/embeddings
 
-    def limits_for(self, engine: Any) -> Limits:
+    def limits_for(self, engine: EngineAPI) -> Limits:
         """The request limits of the model `engine` serves: its own context length."""
         cap = self.settings.max_tokens_limit
         return replace(self.limits, max_tokens=min(cap, engine.model.context_length or cap))
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> EngineAPI:
         """The engine the cache routes, dashboard and /metrics show (ModelPool.primary):
         an mlx_prefix.engine.Engine, or a fake with its interface."""
         return self.models.primary()

@@ -5,7 +5,7 @@ the reply into one JSON body, writing the request's one log line either way."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.concurrency import run_in_threadpool
@@ -20,8 +20,12 @@ from ..generation import ClientGone, Collected, RequestLog, StreamShaper, collec
 from ..protocol.request import GenerationRequest
 from .common import ServerState
 
+if TYPE_CHECKING:
+    from mlx_prefix.engine.interface import EngineAPI
+    from mlx_prefix.engine.requests.handle import RequestHandle
 
-async def submit(engine: Any, req: GenerationRequest, request_id: str) -> Any:
+
+async def submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> RequestHandle:
     """engine.submit off the event loop. Shielded: a handle created while the caller was
     being cancelled must still be returned, or nobody would cancel it and the engine
     would decode for no one."""
@@ -29,7 +33,7 @@ async def submit(engine: Any, req: GenerationRequest, request_id: str) -> Any:
         return await run_in_threadpool(_submit, engine, req, request_id)
 
 
-def _submit(engine: Any, req: GenerationRequest, request_id: str) -> Any:
+def _submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> RequestHandle:
     """OpenAI's rule: a prompt and an explicit max_tokens that do not fit the context
     together are a 400 (the default max_tokens is clamped instead)."""
     try:
@@ -49,7 +53,7 @@ def _submit(engine: Any, req: GenerationRequest, request_id: str) -> Any:
 async def respond(
     request: Request,
     st: ServerState,
-    handle: Any,
+    handle: RequestHandle,
     req: GenerationRequest,
     record: RequestLog,
     assembler: Assembler,
