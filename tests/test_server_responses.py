@@ -289,7 +289,10 @@ def test_the_store_keeps_the_most_recent_responses(client):
         ({"conversation": "conv_1"}, "conversation"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        (
+            {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]},
+            "input[0].encrypted_content",
+        ),
         ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ],
 )

@@ -204,6 +204,10 @@ class Engine(CacheViews, EngineLoop):
         constraint = self.constraints.create(fmt) if fmt is not None else None
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         handle = self.handle_type(request_id, len(rendered.tokens))
+        handle.opens_reasoning = rendered.opens_reasoning
+        handle.breakpoint_end = max(
+            (c.position for c in rendered.checkpoints if c.marked), default=0
+        )
         key = entry_key(self.model_key, cache)
         now = time.perf_counter()
         self.lifecycle.put(

@@ -233,7 +233,12 @@ class EngineLoop:
         first_turn = self._chat_traffic.finished(job.source, reply, job.cache_key)
         if first_turn or wants_prefetch(job.source):
             self._prefetcher.submit(
-                job.source, reply, len(job.tokens), job.handle.request_id, job.cache_key
+                job.source,
+                reply,
+                len(job.tokens),
+                job.handle.request_id,
+                job.cache_key,
+                job.prompt.opens_reasoning,
             )
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:

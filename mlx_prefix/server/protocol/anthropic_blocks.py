@@ -11,7 +11,8 @@ renders, plus the client's cache breakpoints (`cache_control`) found on them.
   nothing is a 400), its `is_error` marked as an `Error: ` prefix. A `tool_reference`
   inside a result renders the referenced (deferred) tool's definition there.
 - assistant text blocks join into the content, `tool_use` blocks become `tool_calls`,
-  `thinking` blocks the `reasoning_content` templates render; `redacted_thinking` holds
+  `thinking` blocks the `reasoning_content` templates render (a block this server sent
+  with its text omitted carries the reasoning in its signature); `redacted_thinking` holds
   only reasoning encrypted by Anthropic's servers, which no local template can render,
   so it is left out.
 - Other block types (images, documents, server tools) are refused with a 400 naming them.
@@ -20,6 +21,8 @@ Pure: no engine, no I/O.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from dataclasses import dataclass, field
@@ -34,6 +37,27 @@ ROLES = ("user", "assistant", "system")
 _BILLING_HEADER = re.compile(
     r"\s*x-[A-Za-z0-9-]+:\s*[A-Za-z0-9_.-]+=[^;\n]*(?:;\s*[A-Za-z0-9_.-]+=[^;\n]*)*;?\s*"
 )
+
+
+# A thinking block sent with display "omitted" has no text; its signature holds the
+# reasoning (a local server signs nothing: a client could send the text as well).
+_OMITTED = "mlx-prefix-reasoning."
+
+
+def omitted_signature(reasoning: str) -> str:
+    return _OMITTED + base64.urlsafe_b64encode(reasoning.encode()).decode()
+
+
+def _block_reasoning(block: dict[str, Any]) -> str:
+    """A thinking block's reasoning: its text, or what its signature carries when this
+    server omitted the text."""
+    text, signature = block["thinking"], block.get("signature")
+    if text or not isinstance(signature, str) or not signature.startswith(_OMITTED):
+        return text
+    try:
+        return base64.urlsafe_b64decode(signature[len(_OMITTED) :]).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return ""
 
 
 def is_billing_header(text: str) -> bool:
@@ -177,7 +201,7 @@ def _assistant(
                     f"{where}.thinking must be a string", param=f"{where}.thinking"
                 )
             if keep_thinking:
-                reasoning.append(block["thinking"])
+                reasoning.append(_block_reasoning(block))
         elif kind != "redacted_thinking":
             raise _unsupported(kind, where)
         marked |= block.get("cache_control") is not None

@@ -128,6 +128,13 @@ def _message(message: Any, i: int) -> dict[str, Any]:
         out["tool_calls"] = [
             _tool_call(tc, f"{param}.tool_calls[{j}]") for j, tc in enumerate(tool_calls)
         ]
+    for key in ("reasoning_content", "reasoning"):
+        # An assistant turn's reasoning, rendered where the template puts it.
+        value = message.get(key)
+        if value is not None and (role != "assistant" or not isinstance(value, str)):
+            raise InvalidRequest(
+                f"{param}.{key} must be a string on an assistant message", param=f"{param}.{key}"
+            )
     content = message.get("content", MISSING)
     if content is MISSING or content is None:
         if role != "assistant":

@@ -5,7 +5,10 @@ become chat messages: a run of assistant message and `function_call` items becom
 assistant message with `content` and `tool_calls`, exactly the message a chat
 completions client sends back for the same reply, so all API shapes render a
 conversation to the same tokens (and the engine's next-turn prefetch matches them).
-`function_call_output` becomes a `tool` message. Function tools are turned from the
+`function_call_output` becomes a `tool` message. A `reasoning` item (its
+`reasoning_text` content, else its summary) becomes the `reasoning_content` of the
+assistant message its run builds, the field templates render reasoning from.
+Function tools are turned from the
 Responses' flat shape into the chat shape templates expect.
 
 Pure: validates, never touches the engine. Fields this server cannot honour are refused
@@ -50,11 +53,15 @@ def input_messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             reply = None
             messages.append(_function_call_output(item, where))
+        elif kind == "reasoning":
+            reply = reply or _new_reply(messages)
+            reply["reasoning_content"] = reply.get("reasoning_content", "") + _reasoning(
+                item, where
+            )
         else:
             raise InvalidRequest(
-                f"{where}.type {kind!r} is not supported: give messages, function_call and "
-                "function_call_output items"
-                + (" (this server produces no reasoning items)" if kind == "reasoning" else ""),
+                f"{where}.type {kind!r} is not supported: give messages, reasoning, "
+                "function_call and function_call_output items",
                 param=f"{where}.type",
             )
     if not messages:
@@ -110,6 +117,31 @@ def _text_part(part: Any, where: str) -> str:
     # Annotations and logprobs come back on output_text parts the server sent: not prompt.
     _no_other_fields(part, where, {"type", "text", "annotations", "logprobs"})
     return part["text"]
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary's texts."""
+    if not is_empty(item.get("encrypted_content")):
+        raise InvalidRequest(
+            f"{where}.encrypted_content: reasoning encrypted by another server cannot be "
+            "rendered here; send its content (reasoning_text parts) instead",
+            param=f"{where}.encrypted_content",
+        )
+    _no_other_fields(item, where, {"summary", "content", "encrypted_content"})
+    texts = {}
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise InvalidRequest(f"{where}.{key} must be an array", param=f"{where}.{key}")
+        texts[key] = []
+        for j, part in enumerate(parts):
+            at = f"{where}.{key}[{j}]"
+            if not isinstance(part, dict) or part.get("type") != part_type:
+                raise InvalidRequest(f"{at} must be a {part_type} part", param=at)
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{at}.text must be a string", param=f"{at}.text")
+            texts[key].append(part["text"])
+    return "".join(texts["content"]) if texts["content"] else "\n\n".join(texts["summary"])
 
 
 def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
