@@ -274,7 +274,7 @@ def test_the_store_keeps_the_most_recent_responses(client):
     ("extra", "param"),
     [
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [{**WEATHER, "strict": True}]}, "tools[0].strict"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

@@ -137,6 +137,7 @@ class Engine(CacheViews, EngineLoop):
             self._maybe_prefetch,
             kv=self.kv_quant,
         )
+        self._decode.reasoning = self.planner.reasoning  # reasoning budgets' markers
         if draft is not None:
             speculator = Speculator(draft, self.config.num_draft_tokens)
             self._decode.speculator = self._prefill.speculator = speculator

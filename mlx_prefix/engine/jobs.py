@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from mlx_prefix.engine.checkpoints import Checkpointer
+    from mlx_prefix.engine.reasoning_budget import ReasoningBudget
     from mlx_prefix.engine.speculative import DraftCache
 
 
@@ -110,6 +111,7 @@ class Running:
     first_at: float
     count: int = 0
     emitted: list[int] = field(default_factory=list)  # its reply's token ids so far
+    reasoning: ReasoningBudget | None = None  # its reasoning budget, if it has one
 
 
 def usage(

@@ -1,14 +1,16 @@
 """POST /v1/chat/completions bodies: messages, content parts, tool calls, tools,
-tool_choice, logprobs."""
+tool_choice, logprobs, reasoning_effort and thinking_token_budget (protocol/effort.py)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import PromptInput
 
+from .effort import effort_bound, token_budget
 from .fields import MISSING, field, integer, json_type
 from .request import GenerationRequest, Limits, ToolChoice, generation_request
 
@@ -19,16 +21,20 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     tools = read_tools(body)
     choice = _tool_choice(body, tools)
     offer_tools = tools is not None and choice.mode != "none"
+    bound = effort_bound(body.get("reasoning_effort"), "reasoning_effort")
+    budget = token_budget(body.get("thinking_token_budget"), "thinking_token_budget")
     prompt = PromptInput(
         messages=parse_messages(body.get("messages", MISSING)),
         tools=tools if offer_tools else None,
-        chat_template_kwargs=field(body, "chat_template_kwargs", dict, None) or {},
+        chat_template_kwargs=bound.kwargs_under(
+            field(body, "chat_template_kwargs", dict, None) or {}
+        ),
     )
     logprobs = bool(field(body, "logprobs", bool, False))
     top = integer(body, "top_logprobs", 0, lo=0, hi=20)
     if top and not logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-    return generation_request(
+    req = generation_request(
         "chat",
         body,
         prompt,
@@ -38,6 +44,8 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
         parse_tools=offer_tools,
         tool_choice=choice,
     )
+    budget = budget if budget is not None else bound.budget
+    return replace(req, sampling=replace(req.sampling, reasoning_budget=budget))
 
 
 def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
