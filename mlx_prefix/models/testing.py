@@ -16,12 +16,14 @@ Every kind has a 4096-token context; `context=` gives a longer one (an agent's 2
 prompt needs 32K). `think_template` swaps in a Qwen3-style template with tools,
 `<tool_call>` JSON calls (mlx-lm's `json_tools` parser) and `<think>` reasoning.
 `head_dim=` widens the attention heads (quantized KV needs a head size that its group
-size, at least 32, divides).
+size, at least 32, divides). `make_real_tokenizer_model` builds a qwen3_5 hybrid around a
+real tokenizer instead (Qwen3's: 151,936-entry vocabulary, so 128 hidden and 2 layers).
 """
 
 from __future__ import annotations
 
 import atexit
+import gzip
 import importlib
 import json
 import shutil
@@ -184,26 +186,97 @@ def _write_tokenizer(dest: Path, *, think_template: bool) -> int:
     return tok.get_vocab_size()
 
 
+def make_real_tokenizer_model(
+    dest: Path,
+    tokenizer_dir: Path,
+    *,
+    layers: int = 2,
+    seed: int = 0,
+    context: int | None = None,
+) -> Path:
+    """A random-weight `qwen3_5` hybrid (128 hidden; linear attention, then full attention,
+    alternating) carrying a real tokenizer: `tokenizer_dir` holds `tokenizer.json` (or
+    `tokenizer.json.gz`) and `tokenizer_config.json`, e.g. Qwen3's vendored under
+    tests/data/tokenizers/qwen3, whose think and tool-call markers are single tokens.
+    Serve it with the chat template under test (`load_model(..., chat_template=...)`)."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = Path(tokenizer_dir)
+    packed = tokenizer_dir / "tokenizer.json.gz"
+    if packed.is_file():
+        (dest / "tokenizer.json").write_bytes(gzip.decompress(packed.read_bytes()))
+    else:
+        shutil.copyfile(tokenizer_dir / "tokenizer.json", dest / "tokenizer.json")
+    shutil.copyfile(tokenizer_dir / "tokenizer_config.json", dest / "tokenizer_config.json")
+    tok = Tokenizer.from_file(str(dest / "tokenizer.json"))
+    vocab_size = -(-tok.get_vocab_size() // 128) * 128  # padded, as real checkpoints are
+    eos = tok.token_to_id("<|im_end|>")
+    text = json.loads(json.dumps(_CONFIGS["qwen3_5"]["text_config"]))
+    text.update(
+        hidden_size=128,
+        intermediate_size=256,
+        head_dim=32,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        num_hidden_layers=layers,
+        vocab_size=vocab_size,
+        max_position_embeddings=context or 4096,
+    )
+    config = {
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "text_config": text,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+    _save_model(config, dest, seed)
+    return dest
+
+
+def _save_model(config: dict[str, Any], dest: Path, seed: int) -> None:
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(weights), "model.safetensors")}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 _cache_root: Path | None = None
-_cached: dict[tuple[str, bool, int | None], Path] = {}
+_cached: dict[tuple[Any, ...], Path] = {}
+
+
+def cached_real_tokenizer_model(tokenizer_dir: Path, layers: int = 2) -> Path:
+    """`make_real_tokenizer_model` written once per process under a temp dir (seed 0)."""
+    key = ("real", str(tokenizer_dir), layers)
+    if key not in _cached:
+        name = f"tiny-qwen3_5-{Path(tokenizer_dir).name}-{layers}l"
+        _cached[key] = make_real_tokenizer_model(_root() / name, tokenizer_dir, layers=layers)
+    return _cached[key]
+
+
+def _root() -> Path:
+    global _cache_root
+    if _cache_root is None:
+        _cache_root = Path(tempfile.mkdtemp(prefix="mlx-prefix-test-models-"))
+        atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
+    return _cache_root
 
 
 def cached_test_model(
     kind: str, think_template: bool = False, context: int | None = None, head_dim: int | None = None
 ) -> Path:
     """`make_test_model(kind, ...)` written once per process under a temp dir (seed 0)."""
-    global _cache_root
     key = (kind, think_template, context, head_dim)
     if key not in _cached:
-        if _cache_root is None:
-            _cache_root = Path(tempfile.mkdtemp(prefix="mlx-prefix-test-models-"))
-            atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
         name = f"tiny-{kind}" + ("-think" if think_template else "")
         name += f"-{context // 1024}k" if context else ""
         name += f"-hd{head_dim}" if head_dim else ""
         _cached[key] = make_test_model(
             kind,
-            _cache_root / name,
+            _root() / name,
             think_template=think_template,
             context=context,
             head_dim=head_dim,
