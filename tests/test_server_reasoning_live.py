@@ -50,6 +50,8 @@ TOOL_REPLY = (
     "<tool_call>\n<function=Read>\n<parameter=path>\nmain.py\n</parameter>\n</function>\n</tool_call>"
 )
 SCRIPT_SEED = 8001
+ANSWER_REPLY = "The user greets me.\n</think>\n\nHello there."
+ANSWER_SEED = 8002
 
 
 class ScriptedSampler:
@@ -67,13 +69,14 @@ def live():
     folder = cached_real_tokenizer_model(DATA / "tokenizers" / "qwen3")
     model = load_model(str(folder), chat_template=str(TEMPLATE))
     tokenizer = model.tokenizer
-    script = tokenizer.encode(TOOL_REPLY, add_special_tokens=False)
-    assert tokenizer.decode(script) == TOOL_REPLY
+    scripts = {SCRIPT_SEED: TOOL_REPLY, ANSWER_SEED: ANSWER_REPLY}
+    scripts = {s: tokenizer.encode(t, add_special_tokens=False) for s, t in scripts.items()}
+    assert tokenizer.decode(scripts[SCRIPT_SEED]) == TOOL_REPLY
     eos = min(tokenizer.eos_token_ids)
 
     def sampler(params, *args):
-        if params.seed == SCRIPT_SEED:
-            return ScriptedSampler(script, eos)
+        if params.seed in scripts:
+            return ScriptedSampler(scripts[params.seed], eos)
         return TokenSampler(params, *args)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -341,3 +344,18 @@ def test_anthropic_usage_counts_creation_at_breakpoints_only(claude):
             model="m", system=system, messages=user("count me as well, please, all of these words")
         ).input_tokens
     )
+
+
+def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat(chat, live):
+    """The next-turn prefetch of a chat's first turns waits until its client is seen
+    sending one of the server's replies back: as its answer, without the reasoning."""
+    _, engine = live
+    system = {"role": "system", "content": "A chat app's own system prompt. " * 4}
+    ask = dict(model="m", max_tokens=16, temperature=0)
+    known = engine._chat_traffic.chat_clients
+    first = chat.chat.completions.create(**ask, messages=[system, *user("Hi")], seed=ANSWER_SEED)
+    reply = first.choices[0].message
+    assert reply.content == "Hello there." and reply.model_extra["reasoning_content"]
+    back = {"role": "assistant", "content": reply.content}
+    chat.chat.completions.create(**ask, messages=[system, *user("Hi"), back, *user("q2")])
+    assert wait_for(lambda: engine._chat_traffic.chat_clients == known + 1)

@@ -87,10 +87,7 @@ def next_turn_prompt(
     begins (sentinel substitution) exactly as it will for the real next request.
     """
     markers = planner.reasoning
-    thinking = None
-    if markers is not None:
-        state = "thinking" if opens_reasoning else "opening"
-        thinking = ThinkSplitter(markers.start_text, markers.end_text, _state=state)
+    thinking = markers.splitter(opens_reasoning) if markers is not None else None
     probe = PromptInput(
         messages=next_turn_messages(source, reply, syntax, request_id, thinking),
         tools=source.tools,

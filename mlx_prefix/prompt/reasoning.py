@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.thinking import ThinkSplitter
 
 log = logging.getLogger("mlx_prefix.prompt")
 
@@ -67,6 +68,19 @@ class ReasoningMarkers:
             if token == first_end and _at(tokens, i, self.end):
                 return False
         return False
+
+    def splitter(self, opened: bool) -> ThinkSplitter:
+        """A reply's reasoning apart from its text, as the server splits it; `opened`:
+        the prompt left the block open."""
+        return ThinkSplitter(
+            self.start_text, self.end_text, _state="thinking" if opened else "opening"
+        )
+
+    def answer(self, reply: str, opened: bool) -> str:
+        """`reply` without its leading reasoning: the text a client shows and sends back."""
+        splitter = self.splitter(opened)
+        (_, text), (_, rest) = splitter.feed(reply), splitter.finish()
+        return text + rest
 
     def opens_text(self, text: str) -> bool:
         """`opens` on text (a prompt before it is tokenized)."""
