@@ -359,3 +359,23 @@ def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat
     back = {"role": "assistant", "content": reply.content}
     chat.chat.completions.create(**ask, messages=[system, *user("Hi"), back, *user("q2")])
     assert wait_for(lambda: engine._chat_traffic.chat_clients == known + 1)
+
+
+def test_gpt_oss_renders_reasoning_sent_back_as_its_analysis_channel():
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+
+    folder = cached_real_tokenizer_model(DATA / "tokenizers" / "qwen3")
+    template = (DATA / "templates" / "openai-gpt-oss-120b.jinja").read_text()
+    renderer = ChatRenderer(load_tokenizer(folder, {"chat_template": template}))
+    call = {"id": "c1", "function": {"name": "Read", "arguments": {"path": "a"}}}
+    messages = [
+        *user(ASK),
+        {"role": "assistant", "content": "", "reasoning": "Look first.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]
+    read = {"name": "Read", "description": "Read a file.", "parameters": PATH_SCHEMA}
+    tools = [{"type": "function", "function": read}]
+    text = renderer.render_text(normalize_messages(messages), tools=tools)
+    assert "<|start|>assistant<|channel|>analysis<|message|>Look first.<|end|>" in text

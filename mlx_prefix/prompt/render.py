@@ -107,6 +107,11 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if role == "assistant" and "reasoning_content" not in normalized:
             if isinstance(message.get("reasoning"), str):
                 normalized["reasoning_content"] = message["reasoning"]
+        reasoning = normalized.get("reasoning_content")
+        if reasoning and not (normalized["content"] and normalized.get("tool_calls")):
+            # gpt-oss's template reads an assistant turn's analysis from `thinking` (and
+            # refuses it beside both text and a tool call, where it renders the text).
+            normalized["thinking"] = reasoning
         if role != "assistant" and "content" not in message:
             raise InvalidRequest(f"messages[{i}] has no content", param="messages")
         out.append(normalized)
