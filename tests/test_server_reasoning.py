@@ -103,6 +103,16 @@ def test_responses_reply_has_a_reasoning_item(chat, engine):
     assert sent[1]["content"] == "It is sunny."
     chat.responses.create(model="m", input="more", previous_response_id=r.id)
     assert engine.submissions[-1].prompt.messages[1] == sent[1]
+    # Codex sends reasoning items back without their text: encrypted_content carries it.
+    codex = {"type": "reasoning", "id": r.output[0].id, "summary": []}
+    codex["encrypted_content"] = r.output[0].encrypted_content
+    chat.responses.create(
+        model="m", input=[*ask("Weather?"), codex, {"role": "user", "content": "ok"}]
+    )
+    assert (
+        engine.submissions[-1].prompt.messages[1]["reasoning_content"]
+        == sent[1]["reasoning_content"]
+    )
 
 
 def test_chat_reasoning_sent_back_under_either_name_renders_as_reasoning_content():

@@ -243,9 +243,13 @@ def test_responses_agent_turn(chat, live):
     assert [i.type for i in first.output] == ["reasoning", "message", "function_call"]
     assert first.output[0].content[0].text == REASONING
     call = first.output[2]
+    # Sent back as Codex sends it: the reasoning item without its text (which its
+    # encrypted_content carries).
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    del items[0]["content"]
     turns = [
         *user(question),
-        *[item.model_dump(exclude_none=True) for item in first.output],
+        *items,
         {"type": "function_call_output", "call_id": call.call_id, "output": "x"},
     ]
     assert wait_for(lambda: engine.prefetch.completed > before)

@@ -29,7 +29,7 @@ from mlx_prefix.records import DoneEvent, Usage
 
 from .assembler import Delta
 from .errors import anthropic_error_body
-from .protocol.anthropic_blocks import omitted_signature
+from .protocol.sealed import seal
 
 
 def new_message_id() -> str:
@@ -162,7 +162,7 @@ class BlockWriter:
             return []
         events = []
         if self._open == "thinking" and not self.show_thinking:
-            signature = omitted_signature(self._hidden)
+            signature = seal(self._hidden)
             self.blocks[-1]["signature"], self._hidden = signature, ""
             delta = {"type": "signature_delta", "signature": signature}
             events.append(self._event("content_block_delta", delta=delta))

@@ -22,6 +22,7 @@ from typing import Any
 from mlx_prefix.records import DoneEvent, Usage
 
 from .assembler import Delta
+from .protocol.sealed import seal
 
 
 def new_id(prefix: str) -> str:
@@ -121,8 +122,10 @@ class _Reasoning:
 
     def item(self, status: str) -> dict[str, Any]:
         content = [self.part()] if status != "in_progress" else []
+        # encrypted_content carries the text back for clients that drop `content` (Codex).
+        sealed = seal(self.part()["text"]) if status != "in_progress" else None
         return {"id": self.id, "type": "reasoning", "status": status, "summary": [],
-                "content": content, "encrypted_content": None}  # fmt: skip
+                "content": content, "encrypted_content": sealed}  # fmt: skip
 
 
 @dataclass

@@ -21,8 +21,6 @@ Pure: no engine, no I/O.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import re
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint
 
 from .fields import json_type
+from .sealed import unseal
 
 ROLES = ("user", "assistant", "system")
 _BILLING_HEADER = re.compile(
@@ -39,25 +38,13 @@ _BILLING_HEADER = re.compile(
 )
 
 
-# A thinking block sent with display "omitted" has no text; its signature holds the
-# reasoning (a local server signs nothing: a client could send the text as well).
-_OMITTED = "mlx-prefix-reasoning."
-
-
-def omitted_signature(reasoning: str) -> str:
-    return _OMITTED + base64.urlsafe_b64encode(reasoning.encode()).decode()
-
-
 def _block_reasoning(block: dict[str, Any]) -> str:
     """A thinking block's reasoning: its text, or what its signature carries when this
-    server omitted the text."""
+    server omitted the text (protocol/sealed.py)."""
     text, signature = block["thinking"], block.get("signature")
-    if text or not isinstance(signature, str) or not signature.startswith(_OMITTED):
+    if text or not isinstance(signature, str):
         return text
-    try:
-        return base64.urlsafe_b64decode(signature[len(_OMITTED) :]).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        return ""
+    return unseal(signature) or ""
 
 
 def is_billing_header(text: str) -> bool:

@@ -6,7 +6,8 @@ assistant message with `content` and `tool_calls`, exactly the message a chat
 completions client sends back for the same reply, so all API shapes render a
 conversation to the same tokens (and the engine's next-turn prefetch matches them).
 `function_call_output` becomes a `tool` message. A `reasoning` item (its
-`reasoning_text` content, else its summary) becomes the `reasoning_content` of the
+`reasoning_text` content, else the text this server sealed in its `encrypted_content`,
+else its summary) becomes the `reasoning_content` of the
 assistant message its run builds, the field templates render reasoning from.
 Function tools are turned from the
 Responses' flat shape into the chat shape templates expect.
@@ -22,6 +23,7 @@ from typing import Any
 from mlx_prefix.errors import InvalidRequest
 
 from .fields import json_type
+from .sealed import unseal
 
 INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # Item fields that carry nothing the model sees (bookkeeping a client echoes back).
@@ -120,28 +122,35 @@ def _text_part(part: Any, where: str) -> str:
 
 
 def _reasoning(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text: its reasoning_text parts, else its summary's texts."""
-    if not is_empty(item.get("encrypted_content")):
+    """A reasoning item's text: its reasoning_text (or text) parts, else what this
+    server sealed in its encrypted_content (protocol/sealed.py), else its summary."""
+    _no_other_fields(item, where, {"summary", "content", "encrypted_content"})
+    sealed = item.get("encrypted_content")
+    opened = unseal(sealed) if isinstance(sealed, str) else None
+    if not is_empty(sealed) and opened is None:
         raise InvalidRequest(
             f"{where}.encrypted_content: reasoning encrypted by another server cannot be "
             "rendered here; send its content (reasoning_text parts) instead",
             param=f"{where}.encrypted_content",
         )
-    _no_other_fields(item, where, {"summary", "content", "encrypted_content"})
     texts = {}
-    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+    for key, kinds in (("content", ("reasoning_text", "text")), ("summary", ("summary_text",))):
         parts = item.get(key) or []
         if not isinstance(parts, list):
             raise InvalidRequest(f"{where}.{key} must be an array", param=f"{where}.{key}")
         texts[key] = []
         for j, part in enumerate(parts):
             at = f"{where}.{key}[{j}]"
-            if not isinstance(part, dict) or part.get("type") != part_type:
-                raise InvalidRequest(f"{at} must be a {part_type} part", param=at)
+            if not isinstance(part, dict) or part.get("type") not in kinds:
+                raise InvalidRequest(f"{at} must be a {' or '.join(kinds)} part", param=at)
             if not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"{at}.text must be a string", param=f"{at}.text")
             texts[key].append(part["text"])
-    return "".join(texts["content"]) if texts["content"] else "\n\n".join(texts["summary"])
+    if texts["content"]:
+        return "".join(texts["content"])
+    if opened is not None:
+        return opened
+    return "\n\n".join(texts["summary"])
 
 
 def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_pr
 from .response_items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
-# Asks for a field of reasoning items; this server's carry their text in `content` and
-# no encrypted copy (null), so there is nothing more to include. Codex always sends it.
+# Asks for a field of reasoning items; this server's always carry it (their text, sealed:
+# protocol/sealed.py), so there is nothing more to include. Codex always sends it.
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 # Accepted as sent and echoed in the response; they change nothing generated.
