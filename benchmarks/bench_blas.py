@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_prefix.models.load import load_model
 from mlx_prefix.platform import loaded_blas
 from mlx_prefix.prompt.grid import ChunkGrid
-from mlx_prefix.engine.runner import prefill
+from mlx_prefix.engine.forward.runner import prefill
 
 n, spec = int(sys.argv[1]), (sys.argv[2] or None)
 loaded = load_model(spec)

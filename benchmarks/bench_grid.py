@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.engine.runner import prefill
+from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.models.load import load_model
 from mlx_prefix.prompt.boundaries import PromptPlanner
 from mlx_prefix.prompt.grid import ChunkGrid

@@ -3,7 +3,7 @@
 That is the one thing mlx_lm.server's batched prefill does that mlx-prefix does not
 (issue 15): it puts every request's chunk in one forward [B, L], so each linear layer
 projects B x L rows in one matmul. mlx-prefix projects each request's rows in their own
-matmul (engine/rowwise.py), because with a real BLAS a row's result can depend on how
+matmul (engine/forward/rowwise.py), because with a real BLAS a row's result can depend on how
 many rows share the call. Two measurements, on one model:
 
 1. rows: for each linear layer shape, a request's chunk projected in its own matmul (its
@@ -34,8 +34,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from benchmarks.models import resolve
-from mlx_prefix.engine import rowwise
-from mlx_prefix.engine.runner import ChunkWork, compute_chunks
+from mlx_prefix.engine.forward import rowwise
+from mlx_prefix.engine.forward.runner import ChunkWork, compute_chunks
 from mlx_prefix.models.load import load_model
 
 # (the request's chunk length, the other requests' chunk lengths)

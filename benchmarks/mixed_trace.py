@@ -25,8 +25,8 @@ from .workloads.mixed import OURS_KIND, _actors, schedule
 
 def record(run: dict[str, Any], model: str) -> dict[str, Any]:
     from mlx_prefix.config import CacheConfig
-    from mlx_prefix.engine.chat_traffic import ChatTraffic
-    from mlx_prefix.engine.prefetch import next_turn_prompt, wants_prefetch
+    from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
+    from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
     from mlx_prefix.models.load import load_model
     from mlx_prefix.prompt.boundaries import PromptPlanner
     from mlx_prefix.records import PromptInput

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dashboard-png",
         action="store_true",
         help="after the first chat workload, save a screenshot of mlx-prefix's dashboard "
-        "as <report-dir>/results/dashboard.png (needs playwright and /usr/bin/chromium)",
+        "as <report-dir>/results/dashboard.png (needs playwright and Chrome or Chromium)",
     )
     p.add_argument(
         "--report",

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-CHROMIUM = "/usr/bin/chromium"
+from mlx_prefix.browsers import NO_CHROMIUM, find_chromium
+
 FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -28,8 +29,9 @@ def dashboard_png(url: str, path: Path, log: Callable[[str], None]) -> bool:
     except ImportError:
         log("dashboard screenshot skipped: playwright is not installed (pip install playwright)")
         return False
-    if not Path(CHROMIUM).exists():
-        log(f"dashboard screenshot skipped: no {CHROMIUM}")
+    chromium = find_chromium()
+    if chromium is None:
+        log(f"dashboard screenshot skipped: no Chrome or Chromium found ({NO_CHROMIUM})")
         return False
     # The benchmark runs with the fast BLAS preloaded; Chromium and node must not get it.
     preload = os.environ.pop("LD_PRELOAD", None)
@@ -40,7 +42,7 @@ def dashboard_png(url: str, path: Path, log: Callable[[str], None]) -> bool:
             os.environ["LD_PRELOAD"] = preload
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     try:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, env=env)
+        browser = pw.chromium.launch(executable_path=chromium, args=FLAGS, env=env)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(url + "/dashboard")
         expect(page.locator("#status")).to_contain_text("live", timeout=30_000)

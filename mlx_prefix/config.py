@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mlx_prefix.cache.eviction import POLICIES
+
 T = TypeVar("T")
 
 GiB = 1024**3
 
-EVICTION_POLICIES = ("value", "kind")
+EVICTION_POLICIES = tuple(POLICIES)  # cache/eviction.py registers them
 KV_BITS = (2, 3, 4, 5, 6, 8)  # --kv-bits: what mx.quantize supports
 KV_GROUP_SIZES = (32, 64, 128)  # --kv-group-size
 
@@ -37,7 +39,7 @@ class ModelConfig:
     # '{"enable_thinking": false}'); a request's chat_template_kwargs win over them.
     chat_template_args: str | None = None
     trust_remote_code: bool = False  # let the tokenizer run the model folder's own code
-    draft_model: str | None = None  # speculative decoding's draft (engine/speculative.py)
+    draft_model: str | None = None  # speculative decoding's draft (engine/decode/speculative.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +56,13 @@ class CacheConfig:
     # Which stored checkpoint goes first: "value" (recency mixed with the prefill work it
     # saves per byte; cache/eviction.py) or "kind" (fixed kind order, then LRU).
     eviction: str = "value"
+    # What one namespace (a page's origin, an API key) may pin, as a share of budget_bytes:
+    # pins are never evicted, so without a bound one client could starve the others.
+    pin_share: float = 0.25
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.pin_share <= 1.0:
+            raise ValueError("pin_share must be between 0 and 1")
         if (
             min(self.prefill_chunk, self.checkpoint_interval) <= 0
             or self.checkpoint_interval % self.prefill_chunk
@@ -100,27 +107,32 @@ class EngineConfig:
     # prompts arrive together; lower: steadier token pace for requests already decoding.
     prefill_tokens_per_step: int = 256
     # Requests prefilling at once (their next grid chunks computed in one step; chunks of
-    # equal shape in one stacked forward: engine/runner.py).
+    # equal shape in one stacked forward: engine/forward/runner.py).
     max_prefilling: int = 4
     # Target time between two tokens of a running request while others prefill: the
-    # prefill share of a step is sized from measured cost to fit (engine/pace.py), but
+    # prefill share of a step is sized from measured cost to fit (engine/requests/pace.py), but
     # at least one grid chunk runs.
     decode_latency_s: float = 0.25
     # A burst decodes together: a request whose prefill ends while nothing decodes waits
     # for the other requests still prefilling when they have at most this many prompt
-    # tokens left, so no prefill step runs between its tokens (engine/pace.py). 0: never.
+    # tokens left, so no prefill step runs between its tokens (engine/requests/pace.py). 0: never.
     gather_tokens: int = 1024
-    # Next-turn prefetch (engine/prefetch.py): once idle this long after a reply, prefill
+    # Next-turn prefetch (engine/requests/prefetch.py): once idle this long after a reply, prefill
     # that reply again on the chunk grid so the next turn restores the whole history.
     prefetch_next_turn: bool = True
     prefetch_delay_s: float = 0.5
     # Quantized KV cache, mlx_lm's --kv-bits / --kv-group-size / --quantized-kv-start
-    # (engine/kv_quant.py). None: float KV. The start is mlx_lm's DEFAULT_QUANTIZED_KV_START.
+    # (engine/forward/kv_quant.py). None: float KV. The start is mlx_lm's
+    # DEFAULT_QUANTIZED_KV_START.
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
     # Speculative decoding (--draft-model): draft tokens per verify step by default.
     num_draft_tokens: int = 3
+    # Batch invariance (--deterministic): a request's answer never depends on what else
+    # runs. Off: decode batches every running row in one forward, as mlx_lm.server does;
+    # the cache stays exact either way (prefill always computes alone, on the grid).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)

@@ -33,6 +33,14 @@ class ModelNotFound(MlxPrefixError):
     code = "model_not_found"
 
 
+class PinQuotaExceeded(MlxPrefixError):
+    """Pinning would take one namespace past its share of the cache budget."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "pin_quota_exceeded"
+
+
 class EngineBusy(MlxPrefixError):
     status = 429
     type = "server_error"

@@ -1,7 +1,7 @@
 """The process group of a sharded server (started by `mlx.launch`): who this rank is, and
 the collectives that carry the engine's control messages between ranks.
 
-Every rank runs the same engine steps and rank 0 decides (engine/distributed.py). A
+Every rank runs the same engine steps and rank 0 decides (engine/sharded/distributed.py). A
 control message goes out as an `all_sum` of uint8 arrays to which rank 0 contributes
 the bytes and every other rank zeros (a sum with zeros is a copy), as mlx_lm.server
 does; values every rank contributes go through `all_gather`. They run on the CPU

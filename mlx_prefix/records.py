@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    """Structured output: the reply must be JSON (engine/constraints.py enforces it)."""
+    """Structured output: the reply must be JSON (engine/decode/constraints.py enforces it)."""
 
     kind: Literal["json_object", "json_schema"]
     schema: str | None = None  # the JSON schema as JSON text; None: any JSON object
@@ -35,7 +35,7 @@ class SamplingParams:
     top_logprobs: int = 0  # and this many most likely tokens at each position (with logprobs)
     response_format: ResponseFormat | None = None  # None: free text
     # mlx_lm.server's sampling fields, with its defaults and meanings (mlx_lm.sample_utils;
-    # engine/sampling.py and engine/logits.py apply them per request).
+    # engine/decode/sampling.py and engine/decode/logits.py apply them per request).
     top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
     min_p: float = 0.0  # drop tokens less likely than min_p x the top token's; 0 = off
     xtc_probability: float = 0.0  # XTC: the chance, each step, of excluding top choices
@@ -48,10 +48,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence; 0 = off
     frequency_context_size: int = 20
     # Speculative decoding with the server's --draft-model: draft tokens per verify step;
-    # None: the server's --num-draft-tokens, 0: plain decoding (engine/speculative.py).
+    # None: the server's --num-draft-tokens, 0: plain decoding (engine/decode/speculative.py).
     num_draft_tokens: int | None = None
     # Reasoning tokens the reply may write in its think block before the server closes
-    # it as the template does (engine/reasoning_budget.py); None: unbounded.
+    # it as the template does (engine/decode/reasoning_budget.py); None: unbounded.
     reasoning_budget: int | None = None
 
 
@@ -61,7 +61,7 @@ class CachePreference:
 
     enabled: bool = True  # False: neither read nor write the prefix cache
     scope: str | None = None  # disk policy override: off | full | auto[:N] | N
-    # The cache namespace (DESIGN 10): a request matches only entries of its own. The
+    # The cache namespace (invariant 10): a request matches only entries of its own. The
     # server derives it from who sent the request (server/namespaces.py); "" is the one
     # of clients without an Origin, the CLI and library callers.
     namespace: str = ""

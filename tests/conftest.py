@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_prefix.config import CacheConfig
+from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -24,8 +24,15 @@ def loaded_test_model(kind: str, think_template: bool = False):
 def make_engine():
     engines: list[Engine] = []
 
-    def make(kind: str = "dense", think_template: bool = False, cache_config=TEST_CACHE):
-        engine = Engine(loaded_test_model(kind, think_template), cache_config)
+    def make(
+        kind: str = "dense",
+        think_template: bool = False,
+        cache_config=TEST_CACHE,
+        deterministic: bool = False,
+    ):
+        """An engine on a tiny test model; `deterministic`: batch-invariant decode."""
+        config = EngineConfig(deterministic=deterministic)
+        engine = Engine(loaded_test_model(kind, think_template), cache_config, config)
         engines.append(engine)
         return engine
 

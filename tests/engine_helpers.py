@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.handle import RequestHandle
+from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,

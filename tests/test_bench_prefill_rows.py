@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from benchmarks.bench_prefill_rows import CASES, main, rows_equal
-from mlx_prefix.engine import rowwise
+from mlx_prefix.engine.forward import rowwise
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 

@@ -18,6 +18,7 @@ from benchmarks.servers import OURS, PEER, SERVERS
 from benchmarks.workloads import WORKLOADS
 from benchmarks.workloads.mixed import OURS_KIND
 from benchmarks.workloads.restart import ONCE, ONCE_AFTER
+from mlx_prefix.browsers import NO_CHROMIUM, find_chromium
 from mlx_prefix.models.testing import cached_test_model
 
 # Every workload, restart (the disk tier) and the in-process ones included.
@@ -414,8 +415,8 @@ def test_goals_and_sizes_tables_render() -> None:
 
 def test_dashboard_png_after_the_chat_workload(tmp_path: Path) -> None:
     pytest.importorskip("playwright")
-    if not Path("/usr/bin/chromium").exists():
-        pytest.skip("no /usr/bin/chromium")
+    if find_chromium() is None:
+        pytest.skip(NO_CHROMIUM)
     model = cached_test_model("dense")
     report_dir = tmp_path / "report"
     argv = ["--profile", "smoke", "--model", str(model), "--out", str(tmp_path / "out"),

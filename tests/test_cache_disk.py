@@ -32,7 +32,7 @@ from mlx_prefix.cache import disk_header, disk_payload
 from mlx_prefix.cache.disk import DiskCache
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.engine.runner import greedy_continue, prefill
+from mlx_prefix.engine.forward.runner import greedy_continue, prefill
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.grid import ChunkGrid
 
@@ -244,7 +244,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     from mlx_prefix.cache.disk import DiskCache
     from mlx_prefix.cache.snapshot import restore
-    from mlx_prefix.engine.runner import greedy_continue, prefill
+    from mlx_prefix.engine.forward.runner import greedy_continue, prefill
     from mlx_prefix.models.load import load_model
     from mlx_prefix.prompt.grid import ChunkGrid
 

@@ -19,7 +19,7 @@ from mlx_prefix.cache.disk_policy import (
 )
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.engine.runner import always_trimmable, greedy_continue, prefill
+from mlx_prefix.engine.forward.runner import always_trimmable, greedy_continue, prefill
 from mlx_prefix.prompt.boundaries import PromptPlanner
 
 # -- parsing ------------------------------------------------------------------------

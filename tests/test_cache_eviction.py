@@ -92,7 +92,9 @@ def test_an_entry_passed_by_a_stored_extension_weighs_less():
 def test_outlasting_agrees_with_the_order_for_a_new_entry(policy, work):
     p = policy()
     entries = [
-        FakeEntry(i, K(i % 6), float(10 ** (i % 4)) if i % 5 else 0.0, float(1 + i), i % 3)
+        FakeEntry(
+            i, list(K)[i % len(K)], float(10 ** (i % 4)) if i % 5 else 0.0, float(1 + i), i % 3
+        )
         for i in range(14)
     ]
     order(p, *entries)

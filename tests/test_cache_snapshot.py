@@ -78,7 +78,7 @@ CASES: dict[str, tuple[Callable[[], list[Any]], list[int], bool]] = {
     "kv": (lambda: [KVCache(), KVCache()], [7, 13, 1], True),
     "kv_step_aligned": (lambda: [KVCache()], [256], True),
     "concatenate": (lambda: [ConcatenateKVCache()], [5, 6], True),
-    # Quantized KV restores only exactly (engine/kv_quant.py: below --quantized-kv-start a
+    # Quantized KV restores only exactly (engine/forward/kv_quant.py: below --quantized-kv-start a
     # cold run holds float KV), so it does not count as trimmable.
     "quantized": (lambda: [QuantizedKVCache(group_size=32, bits=8)], [9, 1, 1], False),
     "chunked": (lambda: [ChunkedKVCache(chunk_size=64)], [10, 11], True),

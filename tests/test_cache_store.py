@@ -143,13 +143,13 @@ def test_recency_refresh_changes_the_eviction_victim():
 def test_eviction_order_by_kind_then_lru():
     c = PromptCache(40)
     c.insert(M, [1] * 4, snap([1] * 4), K.SYSTEM)
-    c.insert(M, [2] * 4, snap([2] * 4), K.GENERATED)
+    c.insert(M, [2] * 4, snap([2] * 4), K.PERIODIC)
     c.insert(M, [3] * 4, snap([3] * 4), K.LAST_MESSAGE)
-    c.insert(M, [4] * 4, snap([4] * 4), K.GENERATED)
+    c.insert(M, [4] * 4, snap([4] * 4), K.PERIODIC)
     order = [e.tokens for e in c.entries()]
-    assert [e.kind for e in c.entries()] == [K.GENERATED, K.GENERATED, K.LAST_MESSAGE, K.SYSTEM]
+    assert [e.kind for e in c.entries()] == [K.PERIODIC, K.PERIODIC, K.LAST_MESSAGE, K.SYSTEM]
     assert order == [4, 4, 4, 4]
-    c.insert(M, [5] * 4, snap([5] * 4), K.HISTORY)  # evicts [2]*4 (oldest GENERATED)
+    c.insert(M, [5] * 4, snap([5] * 4), K.HISTORY)  # evicts [2]*4 (oldest PERIODIC)
     c.insert(M, [6] * 4, snap([6] * 4), K.HISTORY)  # then [4]*4
     c.insert(M, [7] * 4, snap([7] * 4), K.HISTORY)  # then the oldest HISTORY, [5]*4
     left = {(e.kind, e.entry_id) for e in c.entries()}
@@ -198,10 +198,10 @@ def test_evicting_a_shared_entry_frees_nothing_while_the_request_runs():
     s = c.stats()
     assert (s.bytes, s.active_bytes) == (30, 50)  # still 80 used: the request holds kv
     # So 21 more bytes do not fit with the request running...
-    assert not c.insert(M, seq[30:40], snap(seq[30:40], nbytes=21), K.GENERATED)
+    assert not c.insert(M, seq[30:40], snap(seq[30:40], nbytes=21), K.PERIODIC)
     c.drop_active("r")  # ...and do once it is gone, which frees kv
     assert (c.stats().bytes, c.stats().active_bytes) == (30, 0)
-    assert c.insert(M, seq[30:40], snap(seq[30:40], nbytes=21), K.GENERATED)
+    assert c.insert(M, seq[30:40], snap(seq[30:40], nbytes=21), K.PERIODIC)
     c.check_integrity()
 
 
@@ -246,7 +246,7 @@ def test_pinned_entries_never_evicted():
     c = PromptCache(30)
     sys_prompt = [7] * 6
     assert c.pin(M, sys_prompt) is False  # a pin may precede the entry
-    c.insert(M, sys_prompt, snap(sys_prompt), K.GENERATED)
+    c.insert(M, sys_prompt, snap(sys_prompt), K.PERIODIC)
     assert c.pin(M, sys_prompt) is True
     for i in range(10):
         c.insert(M, [i] * 2, snap([i] * 2), K.SYSTEM)
@@ -264,7 +264,7 @@ def test_pinned_entries_never_evicted():
 
 def test_locked_entries_never_evicted():
     c = PromptCache(30)
-    c.insert(M, [1] * 4, snap([1] * 4), K.GENERATED)
+    c.insert(M, [1] * 4, snap([1] * 4), K.PERIODIC)
     m = c.match(M, [1] * 5, ident)
     payload = c.acquire(m.entry_id)
     assert payload.length == 4
@@ -297,16 +297,16 @@ def test_trimmable_redundancy():
     assert c.insert(M, seq[:10], snap(seq[:10]), K.HISTORY)
     assert c.insert(M, seq[:20], snap(seq[:20]), K.HISTORY)  # drops the 10 prefix
     assert [e.tokens for e in c.entries()] == [20]
-    assert c.insert(M, seq[:15], snap(seq[:15]), K.GENERATED) is False  # redundant
+    assert c.insert(M, seq[:15], snap(seq[:15]), K.PERIODIC) is False  # redundant
     # A higher-kind prefix is kept: it outlives the lower-kind extension.
     assert c.insert(M, seq[:12], snap(seq[:12]), K.SYSTEM) is True
-    assert c.insert(M, seq[:25], snap(seq[:25]), K.GENERATED) is True  # lower kind: 20 stays
+    assert c.insert(M, seq[:25], snap(seq[:25]), K.PERIODIC) is True  # lower kind: 20 stays
     assert sorted(e.tokens for e in c.entries()) == [12, 20, 25]
     assert c.insert(M, seq[:30], snap(seq[:30]), K.HISTORY) is True
     assert sorted(e.tokens for e in c.entries()) == [12, 30]  # 20 and 25 went, 12 stayed
     # Pinned and locked prefixes stay.
     c.pin(M, seq[:5])
-    assert c.insert(M, seq[:5], snap(seq[:5]), K.GENERATED) is True
+    assert c.insert(M, seq[:5], snap(seq[:5]), K.PERIODIC) is True
     m = c.match(M, [*seq[:12], 0], ident)
     c.acquire(m.entry_id)
     assert c.insert(M, seq[:35], snap(seq[:35]), K.SYSTEM) is True
@@ -322,14 +322,14 @@ def test_trimmable_redundancy():
 def test_duplicate_insert_refreshes():
     c = PromptCache(30)
     first = snap([1] * 3)
-    c.insert(M, [1] * 3, first, K.GENERATED)
-    c.insert(M, [2] * 3, snap([2] * 3), K.GENERATED)
+    c.insert(M, [1] * 3, first, K.PERIODIC)
+    c.insert(M, [2] * 3, snap([2] * 3), K.PERIODIC)
     assert c.insert(M, [1] * 3, snap([1] * 3), K.HISTORY) is True  # refresh + kind upgrade
     assert c.stats().entries == 2 and c.stats().bytes == 20
     info = {e.tokens: e for e in c.entries() if e.tokens == 3}
     assert info[3].kind == K.HISTORY
-    c.insert(M, [3] * 3, snap([3] * 3), K.GENERATED)
-    c.insert(M, [4] * 3, snap([4] * 3), K.GENERATED)  # evicts [2]*3, not the refreshed one
+    c.insert(M, [3] * 3, snap([3] * 3), K.PERIODIC)
+    c.insert(M, [4] * 3, snap([4] * 3), K.PERIODIC)  # evicts [2]*3, not the refreshed one
     m = c.match(M, [1] * 4, ident)
     assert c.acquire(m.entry_id) is first
     c.release(m.entry_id)
@@ -376,7 +376,7 @@ def test_stats_counters_and_entry_info():
     assert (s.hits, s.misses, s.tokens_reused) == (1, 1, 10)
     assert (s.entries, s.bytes, s.locked, s.budget_bytes) == (2, 12, 1, 1000)
     assert s.bytes_by_kind["SYSTEM"] == 7 and s.bytes_by_kind["PERIODIC"] == 5
-    assert s.entries_by_kind["GENERATED"] == 0
+    assert s.entries_by_kind["HISTORY"] == 0 and "GENERATED" not in s.entries_by_kind
     info = {e.kind: e for e in c.entries()}
     sys_e = info[K.SYSTEM]
     assert (sys_e.tokens, sys_e.nbytes, sys_e.hits, sys_e.refs, sys_e.model_key) == (10, 7, 1, 1, M)
@@ -418,7 +418,7 @@ def test_random_operations_keep_integrity_and_reuse_rules(policy):
                 buffers = (rng.choice(shared), Buffer(new_buffer_key(), rng.randrange(1, 20)))
                 size = sum(b.nbytes for b in buffers)
                 payload = SharingSnapshot(len(toks), trimmable, size, buffers)
-            c.insert(model, toks, payload, K(rng.randrange(5)))
+            c.insert(model, toks, payload, rng.choice(list(K)))
         elif op < 0.8:
             m = c.match(model, toks, align)
             if m.entry_id is not None:
@@ -471,8 +471,8 @@ def test_a_refused_insert_changes_nothing():
     c = PromptCache(100)
     c.insert(M, [7] * 3, snap([7] * 3, nbytes=50), K.SYSTEM)
     c.pin(M, [7] * 3)
-    assert c.insert(M, seq[:10], snap(seq[:10], nbytes=40), K.GENERATED)
-    assert c.insert(M, seq[:20], snap(seq[:20], nbytes=60), K.GENERATED) is False
+    assert c.insert(M, seq[:10], snap(seq[:10], nbytes=40), K.PERIODIC)
+    assert c.insert(M, seq[:20], snap(seq[:20], nbytes=60), K.PERIODIC) is False
     assert c.match(M, seq[:15], ident).reuse_tokens == 10
     assert c.stats().evictions == 0 and c.stats().entries == 2
     c.check_integrity()
@@ -554,4 +554,55 @@ def test_pinned_flags_follow_the_pins_through_insert_unpin_and_clear():
     c.release(held)
     assert c.pin(M, seq[:10]) and c.entries()[0].pinned
     assert c.unpin(M, seq[:10]) and not c.entries()[0].pinned
+    c.check_integrity()
+
+
+def test_one_namespace_pins_at_most_its_share_and_others_keep_inserting():
+    from mlx_prefix.errors import PinQuotaExceeded
+
+    a, a_salted, a_other_model, b = "m/ns-a", "m/ns-a/salt", "m2/ns-a", "m/ns-b"
+    c = PromptCache(100, pin_share=0.3)
+    for i, key in enumerate((a, a_salted)):
+        seq = [i + 1] * 4
+        assert c.insert(key, seq, snap(seq), K.SYSTEM)
+        assert c.pin(key, seq) is True  # 10 + 10 bytes pinned by ns-a
+    third = [3] * 4
+    assert c.insert(a_other_model, third, snap(third), K.SYSTEM)
+    assert c.pin_stored(a_other_model, [third, [9] * 4]) == 1  # 30: the whole share
+    fourth = [4] * 4
+    assert c.insert(a, fourth, snap(fourth), K.SYSTEM)
+    with pytest.raises(PinQuotaExceeded, match="--pin-share 0.3"):
+        c.pin(a, fourth)
+    entry = next(e for e in c.entries() if e.model_key == a and not e.pinned)
+    with pytest.raises(PinQuotaExceeded):
+        c.set_pinned(a, entry.entry_id, True)
+    with pytest.raises(PinQuotaExceeded):
+        c.pin_stored(a, [fourth])
+    assert [e.pinned for e in c.entries() if e.model_key == a] == [True, False]  # unchanged
+    # The pin refused, ns-a's fourth entry stays evictable, and ns-b keeps inserting.
+    for i in range(10, 20):
+        seq = [i] * 4
+        assert c.insert(b, seq, snap(seq), K.SYSTEM)
+        c.check_integrity()
+    assert c.pin(b, [19] * 4) is True  # its own share
+    c.check_integrity()
+
+
+def test_a_pin_before_its_entry_does_not_overrun_the_share():
+    c = PromptCache(100, pin_share=0.1)
+    first, second = [1] * 4, [2] * 4
+    assert c.insert("m/a", first, snap(first), K.SYSTEM) and c.pin("m/a", first)
+    assert c.pin("m/a", second) is False  # no entry yet
+    assert c.insert("m/a", second, snap(second), K.SYSTEM)
+    assert [e.pinned for e in c.entries()] == [True, False]
+    c.check_integrity()
+
+
+def test_shared_buffers_count_once_against_the_share():
+    shared = Buffer(new_buffer_key(), 20)  # one prefill's KV, held by both checkpoints
+    c = PromptCache(100, pin_share=0.3)
+    for n in (4, 8):
+        s = SharingSnapshot(n, False, 23, (shared, Buffer(new_buffer_key(), 3)))
+        assert c.insert("m/a", [5] * n, s, K.SYSTEM)
+    assert c.pin_stored("m/a", [[5] * 4, [5] * 8]) == 2  # 26 bytes held, not 46
     c.check_integrity()

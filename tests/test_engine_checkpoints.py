@@ -1,4 +1,4 @@
-"""What one prefill stores (engine/checkpoints.py): checkpoints that share the prefill's
+"""What one prefill stores (engine/prefill/checkpoints.py): checkpoints that share the prefill's
 attention KV, counted once in the byte budget, and the branch point.
 
 Memory is measured with MLX's own allocator counter (`mx.get_active_memory`): what the
@@ -18,9 +18,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_prefix.cache.snapshot import capture
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.engine.checkpoints import Checkpointer
+from mlx_prefix.engine.forward.runner import prefill, prefill_steps
 from mlx_prefix.engine.keys import entry_key
-from mlx_prefix.engine.runner import prefill, prefill_steps
+from mlx_prefix.engine.prefill.checkpoints import Checkpointer
 from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.records import CachePreference, PromptInput

@@ -15,9 +15,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_prefix.cache.snapshot import capture
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.config import DiskConfig
-from mlx_prefix.engine import disk_tier
-from mlx_prefix.engine.disk_tier import MAX_PENDING_SAVES, DiskTier
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.prefill import disk_access as disk_tier
+from mlx_prefix.engine.prefill.disk_access import MAX_PENDING_SAVES, DiskAccess
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, SamplingParams
 
@@ -304,7 +304,7 @@ def test_the_save_queue_is_bounded_and_counted_in_the_byte_budget(tmp_path, monk
     monkeypatch.setattr(disk_tier, "MAX_SAVE_DELAY_S", 3600.0)  # busy: nothing overdue
     store = PromptCache(budget_bytes=1 << 30)
     config = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=1)
-    tier = DiskTier(config, True, store, bytes_key="disk")
+    tier = DiskAccess(config, True, store, bytes_key="disk")
     snaps = [_kv_snapshot(8, i) for i in range(MAX_PENDING_SAVES + 3)]
     size = snaps[0].nbytes
     for i, snap in enumerate(snaps):
@@ -332,7 +332,7 @@ def test_no_save_is_written_between_two_tokens_of_a_running_request(tmp_path, mo
     monkeypatch.setattr(disk_tier, "MAX_SAVE_DELAY_S", 0.0)  # every queued save overdue
     store = PromptCache(budget_bytes=1 << 30)
     config = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=1)
-    tier = DiskTier(config, True, store, bytes_key="disk")
+    tier = DiskAccess(config, True, store, bytes_key="disk")
     tier.defer("m", [1] * 8, _kv_snapshot(8, 1), CheckpointKind.HISTORY)
     assert not tier.due(busy=True, decoding=True)
     tier.write_pending(busy=True, decoding=True)

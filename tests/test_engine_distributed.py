@@ -19,11 +19,11 @@ from server_fakes import serving
 
 from mlx_prefix.cache.records import CheckpointKind
 from mlx_prefix.config import DiskConfig
-from mlx_prefix.engine.constraints import ConstraintFactory
-from mlx_prefix.engine.distributed import DistributedEngine
+from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.jobs import Job
-from mlx_prefix.engine.turns import JobSpec, LatchedHandle, TurnPlan
+from mlx_prefix.engine.requests.jobs import Job
+from mlx_prefix.engine.sharded.distributed import DistributedEngine
+from mlx_prefix.engine.sharded.plan import JobSpec, LatchedHandle, TurnPlan
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model

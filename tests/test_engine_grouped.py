@@ -1,6 +1,7 @@
-"""Grouped prefill (engine/runner.py compute_chunks, engine/rowwise.py): chunks of several
-sequences computed together give each sequence the numbers of its alone run, bit for
-bit, and the control: stacking them without row-wise projections would not."""
+"""Grouped prefill (engine/forward/runner.py compute_chunks, engine/forward/rowwise.py):
+chunks of several sequences computed together give each sequence the numbers of its
+alone run, bit for bit (--deterministic's stacked prefill; the default computes each
+chunk alone)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from conftest import loaded_test_model
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
-from mlx_prefix.engine import rowwise, runner
-from mlx_prefix.engine.runner import ChunkWork, PrefillCursor, compute_chunks, prefill
+from mlx_prefix.engine.forward import rowwise, runner
+from mlx_prefix.engine.forward.runner import ChunkWork, PrefillCursor, compute_chunks, prefill
 from mlx_prefix.prompt.grid import ChunkGrid
 
 GRID = ChunkGrid(16)
@@ -99,17 +100,3 @@ def test_side_by_side_prefill_equals_alone_bit_for_bit(kind, monkeypatch):
         alone, _ = _alone(model, prompt, 48, snapshot)
         assert mx.array_equal(logits, alone).item(), "grouping changed the logits"
     assert len(stacked) >= 6  # chunks really were stacked, cold and warm
-
-
-def test_stacking_without_rowwise_projections_would_change_the_numbers():
-    """The control: one GEMM over both sequences' rows differs from each alone with this
-    BLAS, so the equality above is the row-wise projections' doing."""
-    model = loaded_test_model("dense").model
-    prompts = _prompts(2, 0, [32, 32])
-    caches = [make_prompt_cache(model) for _ in prompts]
-    merged = [type(c).merge([caches[0][n], caches[1][n]]) for n, c in enumerate(caches[0])]
-    stacked = model(mx.array(prompts), cache=merged)[0, -1]
-    alone = model(mx.array(prompts[0])[None], cache=make_prompt_cache(model))[0, -1]
-    if mx.array_equal(stacked, alone).item():
-        pytest.skip("this BLAS gives row-count-independent results; nothing to control")
-    assert not mx.array_equal(stacked, alone).item()

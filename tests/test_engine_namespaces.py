@@ -1,4 +1,4 @@
-"""Cache namespaces in the engine (issue 19, DESIGN 10): a request matches only entries
+"""Cache namespaces in the engine (issue 19, invariant 10): a request matches only entries
 of its own namespace (and cache_salt), in memory, in flight, in prefetches and on disk;
 inside a namespace a hit still answers exactly like a cold run."""
 
@@ -15,7 +15,7 @@ from mlx_prefix.cache.records import CheckpointKind
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key, namespace_id, namespace_key, namespace_of
-from mlx_prefix.engine.scheduler import extends
+from mlx_prefix.engine.requests.scheduler import extends
 from mlx_prefix.prompt.boundaries import common_prefix_length
 from mlx_prefix.records import (
     CachePreference,

@@ -13,7 +13,7 @@ from engine_helpers import chat, run, wait_for, warm_equals_cold
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
-from mlx_prefix.engine.prefetch import next_turn_prompt, wants_prefetch
+from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3
@@ -176,3 +176,43 @@ def test_one_shot_clients_are_never_prefetched():
         assert engine.prefetch.started == 1
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("scope", [None, "off"])
+def test_the_prefetch_keeps_to_the_requests_disk_scope(tmp_path, scope):
+    """A chat sent with disk scope "off" has nothing written to disk, its next-turn
+    prefetch included; without one the server's scope ("full" here) writes both."""
+    from mlx_prefix.config import DiskConfig
+
+    disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW, disk_config=disk)
+    try:
+        history = chat(
+            ("system", SYSTEM),
+            ("user", "What is a fraction?"),
+            ("assistant", "A part of a whole."),
+            ("user", "And a decimal?"),
+        )
+        pref = CachePreference(scope=scope)
+        handle = engine.submit(history, SamplingParams(max_tokens=4), pref)
+        list(handle.events(timeout=120))
+        assert wait_for(lambda: engine.prefetch.completed == 1)
+    finally:
+        engine.shutdown()  # writes the queued disk saves first
+    files = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert (len(files) > 0) is (scope is None), [p.name for p in files]
+
+
+@pytest.mark.parametrize("scope", [None, "off"])
+def test_a_pinned_warm_up_keeps_to_its_disk_scope(tmp_path, scope):
+    from mlx_prefix.config import DiskConfig
+
+    disk = DiskConfig(scope="auto", directory=str(tmp_path), min_tokens=16)
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW, disk_config=disk)
+    try:
+        prompt = chat(("system", SYSTEM), ("user", "Warm me."))
+        assert engine.warm(prompt, pin=True, cache=CachePreference(scope=scope)).pinned
+    finally:
+        engine.shutdown()  # writes the queued disk saves first
+    files = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert (len(files) > 0) is (scope is None)  # pinned: "full" unless told otherwise

@@ -17,7 +17,7 @@ from mlx_lm.utils import load_tokenizer
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
-from mlx_prefix.engine.prefetch import next_turn_prompt
+from mlx_prefix.engine.requests.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE, cached_test_model
 from mlx_prefix.prompt.boundaries import PromptPlanner
 from mlx_prefix.prompt.tool_calls import ToolSyntax

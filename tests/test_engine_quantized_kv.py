@@ -1,4 +1,5 @@
-"""Quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start; engine/kv_quant.py):
+"""Quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start;
+engine/forward/kv_quant.py):
 a cache hit gives a cold run's tokens and logprobs bit for bit, on either side of the
 quantization start, in memory and from disk; float and quantized entries never mix;
 entries count their packed bytes."""
@@ -19,9 +20,9 @@ from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.args import engine_config
 from mlx_prefix.config import DiskConfig, EngineConfig
-from mlx_prefix.engine.distributed import DistributedEngine
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.kv_quant import KvQuant
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.sharded.distributed import DistributedEngine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import CachePreference

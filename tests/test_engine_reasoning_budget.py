@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_prefix.engine.reasoning_budget import ReasoningBudget
-from mlx_prefix.engine.sampling import TokenSampler
+from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
+from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.records import SamplingParams
 

@@ -9,9 +9,8 @@ from engine_helpers import chat
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
-from mlx_prefix.engine.runner import prefill
+from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.prompt.boundaries import PromptPlanner
-from mlx_prefix.prompt.grid import ChunkGrid
 
 PROMPT = chat(
     ("system", "You answer questions about trains, timetables and tickets, briefly. " * 4),
@@ -38,19 +37,3 @@ def test_restoring_any_checkpoint_reproduces_cold_logits_exactly(kind):
         warm_cache = restore(snapshot)
         warm = prefill(loaded.model, warm_cache, tokens, position, planner.grid, lambda p: None)
         assert mx.array_equal(warm, cold).item(), f"logits differ after restoring at {position}"
-
-
-def test_chunking_off_the_grid_would_change_the_numbers():
-    """The control: the same tokens cut differently give other logits with this BLAS,
-    so the equality above is a real property of the grid, not an accident."""
-    loaded = loaded_test_model("dense")
-    tokens = PromptPlanner(loaded.tokenizer, TEST_CACHE).plan(PROMPT).tokens
-    one_chunk = prefill(
-        loaded.model, make_prompt_cache(loaded.model), tokens, 0, ChunkGrid(10_000), lambda p: 0
-    )
-    small = prefill(
-        loaded.model, make_prompt_cache(loaded.model), tokens, 0, ChunkGrid(7), lambda p: 0
-    )
-    if mx.array_equal(one_chunk, small).item():
-        pytest.skip("this BLAS gives chunking-independent results; nothing to control")
-    assert not mx.array_equal(one_chunk, small).item()

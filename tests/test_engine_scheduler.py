@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_prefix.engine.scheduler import pick_next
+from mlx_prefix.engine.requests.scheduler import pick_next
 
 
 @dataclass

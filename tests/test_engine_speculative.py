@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): the reply is exactly plain decoding's,
+"""Speculative decoding (engine/decode/speculative.py): the reply is exactly plain decoding's,
 tokens and logprobs, greedy and seeded, cold and on a cache hit; a second request falls
 back to the batched step; the draft must fit the model."""
 
@@ -14,8 +14,8 @@ from engine_helpers import chat, collect, run
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import EngineConfig
+from mlx_prefix.engine.decode.speculative import DraftMismatch
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.speculative import DraftMismatch
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.layer_skip import make_layer_skip_draft
 from mlx_prefix.models.load import load_model
@@ -117,7 +117,7 @@ def test_rejected_drafts_are_trimmed_and_the_reply_stays_exact(engines, tmp_path
 def test_a_second_request_falls_back_to_the_batched_step(engines, draft):
     other = chat(("system", SYSTEM), ("user", "And what about the old fishing boats?"))
     alone = [run(engines(), p, sampling=GREEDY) for p in (PROMPT, other)]
-    spec = engines(draft)
+    spec = engines(draft, deterministic=True)  # batched == alone is batch invariance
     handles = [spec.submit(p, GREEDY, CachePreference()) for p in (PROMPT, other)]
     together = [collect(h) for h in handles]
     assert spec.peak_batch == 2
@@ -169,8 +169,8 @@ def _other_weights(tmp_path: Path) -> Path:
 
 
 def test_the_startup_check_holds_and_fails_when_the_verify_forward_is_not_exact(monkeypatch):
-    from mlx_prefix.engine import rowwise
-    from mlx_prefix.engine.speculative import verify_matches
+    from mlx_prefix.engine.decode.speculative import verify_matches
+    from mlx_prefix.engine.forward import rowwise
 
     model = loaded_test_model("dense").model
     rowwise.install(model)

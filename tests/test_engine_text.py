@@ -1,4 +1,4 @@
-from mlx_prefix.engine.text import TextStream
+from mlx_prefix.engine.decode.text import TextStream
 
 
 class CharDetokenizer:
@@ -54,3 +54,106 @@ def test_the_stop_string_that_ended_the_text_is_reported():
         stream.add(ord(ch))
     assert stream.stopped and stream.matched == "lo w"  # the earliest match wins
     assert TextStream(Tok(), ["x"]).matched is None
+
+
+class WordTok:
+    """Tokens index a fixed list of text pieces (several characters per token)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    @property
+    def detokenizer(self):
+        pieces = self.pieces
+
+        class Detok(CharDetokenizer):
+            def add_token(self, token):
+                self.last_segment = pieces[token]
+
+        return Detok()
+
+
+def run_pieces(pieces, stop):
+    stream = TextStream(WordTok(pieces), stop)
+    out = [stream.add(i) for i in range(len(pieces))]
+    out.append(stream.finish())
+    return "".join(out), stream.matched, stream.text
+
+
+def test_the_first_match_to_end_wins_whatever_the_token_boundaries():
+    for pieces in (["abcd"], ["a", "bcd"], ["ab", "cd"], list("abcd")):
+        text, matched, _ = run_pieces(pieces, ["abcd", "bc"])
+        assert (text, matched) == ("a", "bc"), pieces
+
+
+def test_of_matches_ending_together_the_longest_cuts():
+    assert run_pieces(["xabc"], ["bc", "abc"])[:2] == ("x", "abc")
+
+
+def test_held_back_text_with_overlapping_prefixes():
+    # "aab" ends a text of "aaab": the first "a" was safe, the rest never reaches the client.
+    stream = TextStream(Tok(), ["aab"])
+    assert [stream.add(ord(c)) for c in "aaa"] == ["", "", "a"]
+    assert stream.add(ord("b")) == "" and stream.matched == "aab"
+    assert stream.text == "a"
+    assert run("aaac", ["aab"]) == ("aaac", False)
+
+
+def test_the_text_is_the_reply_cut_before_the_stop_string():
+    text, matched, whole = run_pieces(["He", "llo ", "wor", "ld!"], ["o w", "zz"])
+    assert (text, matched, whole) == ("Hell", "o w", "Hell")
+    assert run_pieces(["He", "llo"], ["lo!"]) == ("Hello", None, "Hello")
+
+
+def _c_calls(fn):
+    import sys
+
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "c_call":
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_work_per_token_does_not_grow_with_the_stop_strings():
+    """Counted in calls, not time: the old matcher tried every prefix of every stop string
+    at every token (thousands of calls a token here)."""
+    stops = [chr(ord("A") + i) * 400 + "!" for i in range(4)]
+    reply = "the quick brown fox jumps over the lazy dog " * 3
+
+    stream = TextStream(Tok(), stops)  # building the matcher is linear in the stops, once
+
+    def go():
+        for ch in reply:
+            stream.add(ord(ch))
+        stream.finish()
+
+    assert _c_calls(go) < 12 * len(reply)
+    assert stream.text == reply
+
+
+def test_the_automaton_takes_amortised_constant_steps_a_character():
+    from mlx_prefix.engine.decode.text import StopMatcher
+
+    matcher = StopMatcher(["a" * 300 + "b", "a" * 150 + "c"] + ["ab" * 100 + "x"])
+    text = ("a" * 299 + "c" + "ab" * 99 + "y") * 5
+    for ch in text:
+        assert matcher.feed(ch) is None or ch == "c"
+    assert matcher.steps <= 2 * len(text)
+
+
+def test_stop_matchers_of_one_stop_list_share_the_tables_not_the_state():
+    from mlx_prefix.engine.decode.text import StopMatcher
+
+    a, b = StopMatcher(["ab", "c"]), StopMatcher(("ab", "c"))
+    assert a._a is b._a  # built once
+    assert a.feed("a") is None and a.held == 1 and b.held == 0
+    assert a.feed("b") == "ab" and b.feed("c") == "c"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from functools import cache
 
 import pytest
@@ -104,6 +106,75 @@ def test_chat_template_kwargs_reach_the_template():
 def test_chat_template_kwargs_may_not_set_what_the_renderer_sets(key):
     with pytest.raises(InvalidRequest) as e:
         tokens(SYSTEM, ASK, template_kwargs={key: []})
-    assert e.value.param == "chat_template_kwargs"
+    assert e.value.param == f"chat_template_kwargs.{key}"
     assert repr(key) in e.value.message
     assert "chat template failed" not in e.value.message
+
+
+# -- what a request may not change, and how long rendering may take -------------------
+
+SPIN = (  # ChatML, looping for hours when a request sets the template variable `spin`
+    "{% if spin %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
+    "{% endfor %}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "messages",
+        "conversation",
+        "return_dict",
+        "tokenizer_kwargs",
+    ],
+)
+def test_template_and_tokenisation_keys_are_refused_by_name(key):
+    with pytest.raises(InvalidRequest, match=repr(key)) as e:
+        tokens(HI, template_kwargs={key: "PWNED {{ messages[0].content }}"})
+    assert e.value.status == 400 and e.value.param == f"chat_template_kwargs.{key}"
+
+
+def spinning_renderer(timeout_s: float) -> ChatRenderer:
+    path = cached_test_model("dense")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = SPIN
+    return ChatRenderer(TokenizerWrapper(tokenizer), timeout_s=timeout_s)
+
+
+def test_a_template_loop_ends_with_an_error_and_the_renderer_keeps_rendering():
+    spinning = spinning_renderer(0.5)
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="did not finish rendering within 0.5s") as e:
+        spinning.render_text([HI], template_kwargs={"spin": True})
+    assert e.value.code == "template_timeout" and e.value.status == 400
+    assert time.monotonic() - started < 30  # not hours: bounded (generously, any machine)
+    # The loop was interrupted, not left running: its thread is gone.
+    assert wait_for(
+        lambda: not any(t.name == "mlx-prefix-chat-template" for t in threading.enumerate())
+    )
+    assert spinning.render_text([HI]).endswith("<|im_start|>assistant\n")
+
+
+def test_a_render_error_still_reaches_the_caller_through_the_bound():
+    broken = spinning_renderer(5.0)
+    broken.tokenizer.chat_template = "{{ raise_exception('no system role here') }}"
+    with pytest.raises(InvalidRequest, match="no system role here"):
+        broken.render_text([HI])
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

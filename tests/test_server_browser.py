@@ -17,7 +17,9 @@ import httpx
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, serving
 
-CHROMIUM = "/usr/bin/chromium"
+from mlx_prefix.browsers import NO_CHROMIUM, find_chromium
+
+CHROMIUM = find_chromium()
 WEB = Path(__file__).parent / "web"
 CHAT = "/v1/chat/completions"
 
@@ -158,8 +160,8 @@ def page_port() -> Iterator[int]:
 
 
 def dump_dom(url: str, tmp_path: Path) -> str:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is absent (install Debian's `chromium` package to run this)")
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
     cmd = [
         CHROMIUM,
         "--headless",

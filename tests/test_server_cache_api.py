@@ -91,6 +91,7 @@ def test_warm_with_prompt_and_repeat(http):
         ({"messages": []}, "messages"),
         ({"prompt": "a", "pin": "yes"}, "pin"),
         ({"prompt": "a", "model": 5}, "model"),
+        ({"prompt": "a", "prefix_cache": {"enabled": False}}, "prefix_cache.enabled"),
     ],
 )
 def test_warm_bad_body(http, body, param):

@@ -82,6 +82,7 @@ BAD_CHAT_BODIES = {
     "stream a string": (chat(stream="yes"), "stream"),
     "stop not strings": (chat(stop=[1, 2]), "stop"),
     "stop too many": (chat(stop=[str(i) for i in range(17)]), "stop"),
+    "stop too long": (chat(stop=["ok", "x" * 1025]), "stop"),
     "seed a string": (chat(seed="x"), "seed"),
     "seed negative": (chat(seed=-1), "seed"),
     "seed 2**64": (chat(seed=2**64), "seed"),
@@ -89,8 +90,29 @@ BAD_CHAT_BODIES = {
     "top_logprobs over 20": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     "tools not a list": (chat(tools={"type": "function"}), "tools"),
     "bad tool_choice": (chat(tool_choice="sometimes"), "tool_choice"),
+    "functions and tools": (
+        chat(functions=[{"name": "f"}], tools=[{"type": "function", "function": {"name": "f"}}]),
+        "functions",
+    ),
+    "function_call unknown": (
+        chat(functions=[{"name": "f"}], function_call="always"),
+        "function_call",
+    ),
+    "function_call names no function": (
+        chat(functions=[{"name": "f"}], function_call={"name": "g"}),
+        "function_call",
+    ),
+    "function message without name": (
+        chat(messages=[{"role": "function", "content": "x"}]),
+        "messages[0].name",
+    ),
     "bad prefix_cache scope": (chat(prefix_cache={"scope": "forever"}), "prefix_cache.scope"),
     "prefix_cache not an object": (chat(prefix_cache=True), "prefix_cache"),
+    "prefix_cache key typo": (chat(prefix_cache={"enable": False}), "prefix_cache.enable"),
+    "stop with response_format": (
+        chat(stop=["}"], response_format={"type": "json_object"}),
+        "stop",
+    ),
     "include_usage not a bool": (
         chat(stream=True, stream_options={"include_usage": "yes"}),
         "stream_options.include_usage",

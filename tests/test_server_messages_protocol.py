@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mlx_prefix.errors import InvalidRequest
@@ -17,6 +19,9 @@ TOOL = {
     "description": "Weather for a city",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
+
+
+SCHEMA_FORMAT = {"type": "json_schema", "schema": {"type": "object", "properties": {}}}
 
 
 def body(**fields) -> dict:
@@ -275,8 +280,40 @@ BAD = {
         "context_management.edits[0]",
     ),
     "stop_sequences type": ({"stop_sequences": "END"}, "stop_sequences"),
+    "stop_sequences too long": ({"stop_sequences": ["y" * 1025]}, "stop_sequences"),
+    "unknown field": ({"temprature": 0.5}, "temprature"),
+    "unknown output_config key": (
+        {"output_config": {"verbosity": "low"}},
+        "output_config.verbosity",
+    ),
+    "output_format type": ({"output_format": {"type": "json_object"}}, "output_format.type"),
+    "output_format without schema": (
+        {"output_format": {"type": "json_schema"}},
+        "output_format.schema",
+    ),
+    "output_format twice": (
+        {"output_format": SCHEMA_FORMAT, "output_config": {"format": SCHEMA_FORMAT}},
+        "output_format",
+    ),
+    "output_format with stop_sequences": (
+        {"output_format": SCHEMA_FORMAT, "stop_sequences": ["}"]},
+        "stop_sequences",
+    ),
+    "output_format with tools": (
+        {"output_format": SCHEMA_FORMAT, "tools": [TOOL]},
+        "output_format",
+    ),
+    "prefix_cache key typo": ({"prefix_cache": {"enable": False}}, "prefix_cache.enable"),
     "mcp servers": ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
 }
+
+
+def test_output_format_becomes_the_response_format():
+    beta = parse(output_format=SCHEMA_FORMAT).generation.sampling.response_format
+    ga = parse(output_config={"format": SCHEMA_FORMAT, "effort": "high"}).generation
+    assert beta.kind == "json_schema" and json.loads(beta.schema) == SCHEMA_FORMAT["schema"]
+    assert ga.sampling.response_format == beta
+    assert parse().generation.sampling.response_format is None
 
 
 @pytest.mark.parametrize("name", list(BAD))

@@ -32,10 +32,17 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     a = make_test_model("dense", root / "tiny-a", seed=0)
     b = make_test_model("dense", root / "tiny-b", seed=1)
+    long = make_test_model("dense", root / "tiny-long", seed=4, context=8192)
     broken = make_test_model("dense", root / "tiny-broken", seed=2)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated: loading fails
-    return {"a": a, "b": b, "broken": broken, "lora": _lora_adapter(a, root / "lora-a")}
+    return {
+        "a": a,
+        "b": b,
+        "long": long,
+        "broken": broken,
+        "lora": _lora_adapter(a, root / "lora-a"),
+    }
 
 
 def _lora_adapter(model_folder: Path, dest: Path) -> Path:
@@ -61,7 +68,10 @@ def _lora_adapter(model_folder: Path, dest: Path) -> Path:
 
 @contextlib.contextmanager
 def served(folders, cache=TEST_CACHE, disk=None, **settings) -> Iterator[tuple[str, object]]:
-    """A live server of model a (the default) that loads others on demand."""
+    """A live server of model a (the default) that loads others on demand: by default
+    the other folders are --allowed-models (a request may name only what is allowed)."""
+    allowed = tuple(str(folders[k]) for k in ("b", "broken", "lora"))
+    settings.setdefault("allowed_models", allowed)
 
     def loader(spec: ModelSpec, store, disk_cache) -> Engine:
         adapter = str(spec.adapter) if spec.adapter else None
@@ -173,7 +183,7 @@ def test_an_unloaded_model_finds_its_disk_entries_again(folders, tmp_path):
     assert pool.unloads == 2
 
 
-def test_unknown_names_keep_the_default_but_a_missing_folder_is_a_404(folders):
+def test_unknown_names_keep_the_default_but_a_path_is_a_404(folders):
     with served(folders, max_models=2) as (url, pool):
         r = ask(url, "claude-sonnet-4-5", "Hello?")
         assert r.status_code == 200 and r.json()["model"] == "tiny-a"
@@ -181,7 +191,7 @@ def test_unknown_names_keep_the_default_but_a_missing_folder_is_a_404(folders):
         assert missing.status_code == 404
         err = missing.json()["error"]
         assert err["code"] == "model_not_found" and err["param"] == "model"
-        assert "/no/such/model" in err["message"] and "no such folder" in err["message"]
+        assert "'/no/such/model' is not served here" in err["message"]
         m = httpx.post(
             url + "/v1/messages",
             json={
@@ -192,8 +202,44 @@ def test_unknown_names_keep_the_default_but_a_missing_folder_is_a_404(folders):
         )
         assert m.status_code == 404
         assert m.json()["type"] == "error" and m.json()["error"]["type"] == "not_found_error"
-        assert "no such folder" in m.json()["error"]["message"]
+        assert "is not served here" in m.json()["error"]["message"]
         assert pool.loads == 0
+
+
+def test_a_request_never_loads_a_folder_the_operator_did_not_name(folders, tmp_path):
+    # Issue 35: an extension naming a local folder made the server unload its model and
+    # load the folder; the 404s told /etc ("no config.json") from a missing path.
+    other = make_test_model("dense", tmp_path / "not-allowed", seed=4)
+    with served(folders, max_models=1, allowed_models=()) as (url, pool):
+        messages = {}
+        for name in ("/etc", "/no/such/folder", str(other), str(folders["b"])):
+            r = ask(url, name, "Hello?")
+            assert r.status_code == 404, r.text
+            messages[name] = r.json()["error"]["message"].replace(name, "NAME")
+            got = httpx.get(url + "/v1/models/" + name.replace("/", "%2F"))
+            assert got.status_code == 404
+            assert got.json()["error"]["message"].replace(name, "NAME") == messages[name]
+        assert len(set(messages.values())) == 1  # nothing says what exists on disk
+        lora = ask(url, None, "Hello?", adapters=str(folders["lora"]))
+        missing = ask(url, None, "Hello?", adapters="/no/such/adapter")
+        assert lora.status_code == missing.status_code == 404
+        assert lora.json()["error"]["param"] == "adapters"
+        lora_message = lora.json()["error"]["message"].replace(str(folders["lora"]), "NAME")
+        assert lora_message == missing.json()["error"]["message"].replace(
+            "/no/such/adapter", "NAME"
+        )
+        assert pool.loads == pool.unloads == 0
+        assert [s.id for s in pool.resident()] == ["tiny-a"]
+        assert ask(url, None, "Hello?").status_code == 200
+
+
+def test_allowed_models_are_selected_by_path_or_folder_name(folders):
+    b = str(folders["b"])
+    with served(folders, max_models=2, allowed_models=(b,)) as (url, pool):
+        by_path = ask(url, b, "Where is the map room?")
+        by_name = ask(url, "tiny-b", "Where is the map room?")
+        assert by_path.json()["model"] == by_name.json()["model"] == b
+        assert answer(by_path)[0] == answer(by_name)[0] and pool.loads == 1
 
 
 def test_strict_model_names_refuses_unknown_names(folders):
@@ -211,6 +257,37 @@ def test_a_model_that_fails_to_load_is_one_clear_error_and_the_default_keeps_ser
         assert "could not be loaded" in message and "\n" not in message
         assert ask(url, "default", "Hello?").status_code == 200
         assert pool.loads == 0 and [s.id for s in pool.resident()] == ["tiny-a"]
+
+
+@pytest.mark.parametrize("memory", ["room for both", "room for one"])
+def test_a_failed_load_never_unloads_what_is_serving(folders, monkeypatch, memory):
+    import mlx_prefix.server.model_pool as model_pool
+
+    if memory == "room for one":  # the new model can only load once the default is gone
+        monkeypatch.setattr(model_pool, "available_memory", lambda: 0)
+    with served(folders, max_models=1) as (url, pool):
+        default = pool.primary()
+        r = ask(url, str(folders["broken"]), "Hello?")
+        assert r.status_code == 404 and "could not be loaded" in r.json()["error"]["message"]
+        assert pool.unloads == 0 and pool.primary() is default  # never unloaded
+        assert ask(url, "default", "Hello?").status_code == 200
+
+
+def test_a_load_failing_after_the_unload_loads_the_served_model_again(folders, tmp_path):
+    # A folder that passes the pre-load check but that mlx-lm cannot load, where memory
+    # holds one model only: the default is unloaded for it, then loaded back.
+    import shutil
+
+    odd = tmp_path / "odd-model"
+    shutil.copytree(folders["b"], odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "model_type": "no_such_family"}))
+    with served(folders, max_models=1, allowed_models=(str(odd),)) as (url, pool):
+        pool._memory = lambda: 0
+        r = ask(url, str(odd), "Hello?")
+        assert r.status_code == 404 and "could not be loaded" in r.json()["error"]["message"]
+        assert [s.id for s in pool.resident()] == ["tiny-a"] and pool.unloads == 1
+        assert answer(ask(url, "default", "Hello?"))[0]
 
 
 def test_a_model_too_large_for_memory_is_refused(folders, monkeypatch):
@@ -283,6 +360,42 @@ def test_count_tokens_and_warm_use_the_named_model(folders):
         assert warm.status_code == 200
 
 
+def test_flush_removes_every_resident_models_entries(folders):
+    b = str(folders["b"])
+    with served(folders, max_models=2) as (url, pool):
+        for m in ("default", b):
+            answer(ask(url, m, "Where are the atlases?"))
+        store = pool.resident()[0].engine.store
+        assert len({e.model_key.split("/")[0] for e in store.entries()}) == 2
+        removed = httpx.delete(url + "/v1/cache").json()["removed"]
+        assert removed > 0 and store.entries() == []
+        for m in ("default", b):  # neither model hits what was flushed
+            assert answer(ask(url, m, "Where are the atlases?"))[1] == 0
+
+
+def test_each_model_has_its_own_context_limit(folders):
+    long = str(folders["long"])
+    with served(folders, max_models=2) as (url, pool):
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6000}
+        short = httpx.post(url + "/v1/chat/completions", json=body)
+        assert short.status_code == 400 and "(4096)" in short.json()["error"]["message"]
+        # The 8192-token model accepts what the default model's context could not hold
+        # (streamed, and left after its first event: the reply itself is not the point).
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json={**body, "model": long, "stream": True},
+            timeout=120,
+        ) as r:
+            assert r.status_code == 200, r.read()
+            next(r.iter_lines())
+        over = httpx.post(
+            url + "/v1/chat/completions", json={**body, "model": long, "max_tokens": 9000}
+        )
+        assert over.status_code == 400 and "(8192)" in over.json()["error"]["message"]
+        assert over.json()["error"]["param"] == "max_tokens"
+
+
 def test_settings_refuse_a_malformed_model_alias():
     with pytest.raises(ValueError, match="NAME=PATH"):
         ServerSettings(model_aliases=("no-equals-sign",))
@@ -301,6 +414,11 @@ def test_serve_flags_and_the_sharded_refusal(monkeypatch):
     args = build_parser().parse_args(argv)
     settings = server_settings(args)
     assert settings.max_models == 3 and settings.model_alias_map() == {"x": "/a", "y": "org/r"}
+    allowed = build_parser().parse_args(["serve", "--allowed-models", "/m/b", "org/r"])
+    assert server_settings(allowed).allowed_models == ("/m/b", "org/r")
+    monkeypatch.setenv("MLX_PREFIX_SERVER_ALLOWED_MODELS", "/m/c, org/s")
+    from_env = server_settings(build_parser().parse_args(["serve"]))
+    assert from_env.allowed_models == ("/m/c", "org/s")
     monkeypatch.setattr(sharded, "launched_group", lambda: object())
     with pytest.raises(InvalidRequest, match="unsharded"):
         cmd_serve(args)

@@ -69,6 +69,18 @@ def test_the_api_key_is_in_the_namespace_as_a_slow_digest_and_makes_an_admin():
     assert not wrong.admin and wrong.namespace == "origin=" + MAIL["Origin"]
 
 
+def test_the_key_sent_as_x_api_key_is_the_same_holder_as_bearer():
+    # Anthropic's SDK and Claude Code send the key as x-api-key: same namespace, admin.
+    ns = Namespaces("origin", KEY)
+    bearer = ns.caller(request({**MAIL, "Authorization": f"Bearer {KEY}"}))
+    x_api_key = ns.caller(request({**MAIL, "x-api-key": KEY}))
+    assert x_api_key == bearer and x_api_key.admin
+    remote = {"x-api-key": KEY}  # another machine, no Origin: admin by the key alone
+    assert ns.caller(request(remote, peer="192.168.1.20")).admin
+    assert not ns.caller(request({**MAIL, "x-api-key": "nope"})).admin
+    assert not Namespaces("origin", None).caller(request({**MAIL, "x-api-key": KEY})).admin
+
+
 def test_global_sharing_is_one_namespace():
     ns = Namespaces("global", None)
     assert ns.caller(request(MAIL)).namespace == ns.caller(request(PAGE)).namespace == ""
@@ -170,6 +182,17 @@ def test_the_admin_key_sees_every_namespace():
         assert c.delete("/v1/cache", headers={**MAIL, **auth}).json() == {"removed": 2}
 
 
+def test_x_api_key_and_bearer_share_one_namespace_over_http():
+    bearer = {**MAIL, "Authorization": f"Bearer {KEY}"}
+    x_api_key = {**MAIL, "x-api-key": KEY}
+    with serving(api_key=KEY) as (url, _), httpx.Client(base_url=url, timeout=10) as c:
+        assert chat(c, bearer) == 0
+        assert chat(c, x_api_key) > 0  # the Bearer request's entries are its own
+        chat(c, {**PAGE, **x_api_key}, "A question from a page.")
+        assert len(listing(c, x_api_key)) == 2  # admin: sees the page's entries too
+        assert c.delete("/v1/cache", headers=x_api_key).json() == {"removed": 2}
+
+
 def test_global_sharing_shares_between_origins():
     with serving(cache_sharing="global") as (url, _), httpx.Client(base_url=url, timeout=10) as c:
         assert chat(c, MAIL) == 0
@@ -205,5 +228,40 @@ def test_two_extensions_over_http_with_a_real_model(tmp_path):
             assert all(cached > 40 for cached, _ in again)
             assert {text for _, text in first + again} == {cold[1]}
             assert ask({})[0] == 0  # nor does curl see the extensions' entries
+    finally:
+        engine.shutdown()
+
+
+def test_a_client_pins_only_its_share_and_others_still_cache(tmp_path):
+    """Pins are never evicted: without a bound, one page could warm-and-pin the budget
+    full and no one else's prompt would be stored again."""
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
+    try:
+        with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+
+            def warm(headers: dict, text: str) -> httpx.Response:
+                body = {"messages": [SYSTEM, {"role": "user", "content": text}], "pin": True}
+                return c.post("/v1/cache/warm", json=body, headers=headers)
+
+            assert warm(PAGE, "A page's own prompt.").json()["pinned"] is True
+            one = sum(e.nbytes for e in engine.store.entries() if e.pinned)
+            engine.store.pin_share = 1.5 * one / engine.store.budget_bytes
+            assert warm(MAIL, "Reply to Bob.").json()["pinned"] is True
+            refused = warm(MAIL, "Reply to Alice, at length, about the mail you got today.")
+            assert refused.status_code == 409, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "pin_quota_exceeded" and "--pin-share" in error["message"]
+            entries = c.get("/v1/cache", headers=MAIL).json()["entries"]
+            assert [e["pinned"] for e in entries].count(True) >= 1
+            assert not all(e["pinned"] for e in entries)  # stored, but not pinned
+            unpinned = next(e["entry_id"] for e in entries if not e["pinned"])
+            pin = c.post(f"/v1/cache/entries/{unpinned}/pin", json={"pinned": True}, headers=MAIL)
+            assert pin.status_code == 409 and pin.json()["error"]["code"] == "pin_quota_exceeded"
+            # Everyone else's prompts are still stored and hit.
+            body = {"messages": [{"role": "user", "content": "Hello there, " * 20}]}
+            for cached in (False, True):
+                r = c.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+                hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert (hit > 0) is cached
     finally:
         engine.shutdown()

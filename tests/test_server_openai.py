@@ -266,6 +266,67 @@ def test_tool_calls_streaming(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_legacy_functions_are_offered_as_tools_and_answered_as_function_call(client, engine):
+    """The deprecated `functions` / `function_call` fields: the model sees the tools, and
+    the call comes back in the old shape."""
+    function = WEATHER_TOOL["function"]
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=user(f"weather? [[reply:{TOOL_REPLY}]]"),
+        functions=[function],
+    )
+    assert engine.submissions[-1].prompt.tools == (WEATHER_TOOL,)
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call"
+    assert choice.message.tool_calls is None
+    assert choice.message.function_call.name == "get_weather"
+    assert json.loads(choice.message.function_call.arguments) == {"city": "Paris"}
+    with client.chat.completions.create(
+        model="fake-model",
+        messages=user(f"weather? [[reply:{TOOL_REPLY}]]"),
+        functions=[function],
+        stream=True,
+    ) as stream:
+        chunks = list(stream)
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices[0].delta.function_call]
+    assert [c.name for c in calls] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    named = client.chat.completions.create(
+        model="fake-model",
+        messages=user('weather? [[reply:{"city": "Oslo"}}</tool_call>]]'),
+        functions=[function],
+        function_call={"name": "get_weather"},
+    )
+    assert engine.submissions[-1].prompt.assistant_prefix.startswith("<tool_call>")
+    assert json.loads(named.choices[0].message.function_call.arguments) == {"city": "Oslo"}
+    none = client.chat.completions.create(
+        model="fake-model", messages=user("hi"), functions=[function], function_call="none"
+    )
+    assert none.choices[0].finish_reason == "stop" and engine.submissions[-1].prompt.tools is None
+
+
+def test_legacy_function_history_becomes_tool_turns(client, engine):
+    messages = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"role": "function", "name": "get_weather", "content": "sunny"},
+    ]
+    client.chat.completions.create(
+        model="fake-model", messages=messages, functions=[WEATHER_TOOL["function"]]
+    )
+    sent = engine.submissions[-1].prompt.messages
+    assert "function_call" not in sent[1]
+    assert sent[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},
+    }
+    assert sent[2]["role"] == "tool" and sent[2]["content"] == "sunny"
+
+
 def test_tool_choice_none_keeps_markup_as_text(client, engine):
     r = client.chat.completions.create(
         model="fake-model",

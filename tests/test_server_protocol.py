@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from server_fakes import FakeTokenizer
 
-from mlx_prefix.engine.sampling import TokenSampler, normalize
+from mlx_prefix.engine.decode.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams, ToolCallIds, Usage
 from mlx_prefix.server import ServerSettings

@@ -105,14 +105,37 @@ def test_bad_items_name_the_field():
 def test_store_is_lru_by_count():
     store = ResponseStore(2)
     for name in "abc":
-        store.put(name, StoredResponse({"id": name}, ()))
-    assert store.get("a") is None and len(store) == 2
-    assert store.get("b") is not None  # b is now the most recent
-    store.put("d", StoredResponse({"id": "d"}, ()))
-    assert store.get("c") is None and store.get("b") is not None
-    assert store.delete("b") and not store.delete("b")
+        store.put("", name, StoredResponse({"id": name}, ()))
+    assert store.get("", "a") is None and len(store) == 2
+    assert store.get("", "b") is not None  # b is now the most recent
+    store.put("", "d", StoredResponse({"id": "d"}, ()))
+    assert store.get("", "c") is None and store.get("", "b") is not None
+    assert store.delete("", "b") and not store.delete("", "b")
     off = ResponseStore(0)
-    off.put("x", StoredResponse({}, ()))
-    assert off.get("x") is None
+    off.put("", "x", StoredResponse({}, ()))
+    assert off.get("", "x") is None
     with pytest.raises(ValueError):
         ResponseStore(-1)
+
+
+def test_store_keeps_namespaces_apart():
+    store = ResponseStore(10)
+    store.put("origin=a", "resp_1", StoredResponse({"id": "resp_1"}, ()))
+    assert store.get("origin=b", "resp_1") is None and store.get("", "resp_1") is None
+    assert not store.delete("origin=b", "resp_1")
+    assert store.get("origin=a", "resp_1") is not None  # still there for its owner
+
+
+def test_one_namespace_filling_the_store_evicts_only_its_own():
+    store = ResponseStore(6)
+    for i in range(2):
+        store.put("origin=a", f"a{i}", StoredResponse({}, ()))
+        store.put("origin=b", f"b{i}", StoredResponse({}, ()))
+    for i in range(50):
+        store.put("origin=flood", f"f{i}", StoredResponse({}, ()))
+    assert len(store) == 6 and store.held("origin=flood") == 2
+    assert all(store.get("origin=a", f"a{i}") and store.get("origin=b", f"b{i}") for i in range(2))
+    assert store.get("origin=flood", "f49") is not None  # its most recent ones
+    # A newcomer takes from the largest share, never from its own one response.
+    store.put("origin=c", "c0", StoredResponse({}, ()))
+    assert store.held("origin=c") == 1 and len(store) == 6

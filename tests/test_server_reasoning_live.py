@@ -24,9 +24,9 @@ from server_fakes import serving
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine import decode
+from mlx_prefix.engine.decode import phase as decode
+from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.sampling import TokenSampler
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_real_tokenizer_model
 from mlx_prefix.records import PromptInput

@@ -263,6 +263,42 @@ def test_unknown_previous_response_is_a_404_and_the_server_keeps_serving(client)
     assert client.responses.create(model="fake-model", input="still here?").status == "completed"
 
 
+def test_another_namespace_cannot_read_continue_or_delete_a_response():
+    # Two browser extensions: each one's stored responses are its own.
+    mail = {"Origin": "chrome-extension://mailhelperextensionid"}
+    page = {"Origin": "moz-extension://4b1d2c3e-unknown-page-script"}
+    with serving() as (url, _), httpx.Client(base_url=url, timeout=10) as c:
+        r = c.post("/v1/responses", json={"model": "fake-model", "input": "a secret"}, headers=mail)
+        rid = r.json()["id"]
+        for headers in (page, {}):  # another extension, and a client without an Origin
+            assert c.get(f"/v1/responses/{rid}", headers=headers).status_code == 404
+            assert c.delete(f"/v1/responses/{rid}", headers=headers).status_code == 404
+            body = {"model": "fake-model", "input": "go on", "previous_response_id": rid}
+            chained = c.post("/v1/responses", json=body, headers=headers)
+            assert chained.status_code == 404
+            assert chained.json()["error"]["code"] == "previous_response_not_found"
+        assert c.get(f"/v1/responses/{rid}", headers=mail).json()["id"] == rid  # still its own
+        body = {"model": "fake-model", "input": "go on", "previous_response_id": rid}
+        assert c.post("/v1/responses", json=body, headers=mail).status_code == 200
+        assert c.delete(f"/v1/responses/{rid}", headers=mail).status_code == 200
+
+
+def test_a_flood_from_one_namespace_does_not_evict_anothers():
+    mail = {"Origin": "chrome-extension://mailhelperextensionid"}
+    flood = {"Origin": "chrome-extension://floodingextensionid"}
+    with serving(responses_store=4) as (url, _), httpx.Client(base_url=url, timeout=10) as c:
+
+        def create(headers: dict, text: str) -> str:
+            body = {"model": "fake-model", "input": text}
+            return c.post("/v1/responses", json=body, headers=headers).json()["id"]
+
+        kept = [create(mail, f"keep {i}") for i in range(2)]
+        for i in range(10):  # capacity 4
+            create(flood, f"flood {i}")
+        for rid in kept:
+            assert c.get(f"/v1/responses/{rid}", headers=mail).status_code == 200
+
+
 def test_the_store_keeps_the_most_recent_responses(client):
     ids = [client.responses.create(model="fake-model", input=f"n{i}").id for i in range(5)]
     with pytest.raises(openai.NotFoundError):

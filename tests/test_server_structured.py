@@ -105,6 +105,31 @@ def test_responses_text_format_follows_the_schema_streamed_or_not(live):
     assert deltas == r.output_text
 
 
+@pytest.mark.parametrize("where", ["output_format", "output_config"])
+def test_messages_output_format_follows_the_schema(live, where):
+    """Anthropic's structured outputs: the beta's `output_format`, and the GA's
+    `output_config.format`, held to the schema like chat's response_format."""
+    _, url = live
+    fmt = {"type": "json_schema", "schema": PERSON}
+    body = {
+        "model": "default",
+        "system": SYSTEM,
+        "messages": MESSAGES[1:],
+        "max_tokens": 80,
+        "seed": 3,
+        **(
+            {"output_format": fmt}
+            if where == "output_format"
+            else {"output_config": {"format": fmt}}
+        ),
+    }
+    r = httpx.post(f"{url}/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["stop_reason"] == "end_turn"
+    check_person("".join(b["text"] for b in reply["content"] if b["type"] == "text"))
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

@@ -12,13 +12,13 @@ and 840 KiB of recurrent state a checkpoint):
   cache's KV growing in mlx-lm's 256-token steps (what `cache_nbytes` counts) and
   reported as active bytes after each chunk, naming the buffers it shares with the
   snapshots stored at that chunk's end (counted once: cache/active.py), and also just
-  before each such insert (engine/checkpoints.py); the restored entry stays locked
+  before each such insert (engine/prefill/checkpoints.py); the restored entry stays locked
   until the prefill ends; the reply's decode batch is counted before the prefill's
   bytes are dropped and that lock released (engine order);
 - a dense model stores its prompt's end and its system prompt (a capture keeps the
   step-padded buffer it views); a hybrid stores every planned checkpoint and the
   branch point, sharing the prefill's KV, and captures the system prompt whole
-  (engine/checkpoints.py);
+  (engine/prefill/checkpoints.py);
 - a queued next-turn prefetch runs once the engine is idle past its delay: in the
   dense run, after the next request (its log of store calls shows it); in the hybrid
   run, before it.

@@ -1,4 +1,4 @@
-"""The disk tier: checkpoints as files that outlive the process (DESIGN 8).
+"""The disk tier: checkpoints as files that outlive the process (invariant 8).
 
 One safetensors file per checkpoint (format: `disk_header`, `disk_payload`), named by
 a strong hash of (model key, token ids). `DiskCache` is the tier's one entry point; its
@@ -29,7 +29,7 @@ sharing a directory each keep their own view (each enforces the budget on it).
 
 Thread-safety: every public method may be called from any thread; the index is
 guarded by one lock. `save` and `load` read and build MLX arrays: call them on the
-engine thread (DESIGN 1). File I/O runs outside the lock.
+engine thread (invariant 1). File I/O runs outside the lock.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pathlib import Path
 from mlx_prefix.cache import disk_files as files
 from mlx_prefix.cache import disk_header as hdr
 from mlx_prefix.cache import disk_payload as payload
+from mlx_prefix.cache import disk_trust as trust
 from mlx_prefix.cache.disk_files import DiskListing
 from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
 from mlx_prefix.cache.records import CheckpointKind, StoredTokens, covers
@@ -103,10 +104,7 @@ class DiskCache:
         self._index = DiskIndex(self.runtime)
         self._counters = _Counters()
         self._warned_errnos: set[int] = set()
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            log.warning("disk cache: cannot create %s: %s", self.directory, e)
+        trust.make_private(self.directory)
         if scan:
             self.scan()
 
@@ -138,7 +136,7 @@ class DiskCache:
     def match(
         self, model_key: str, tokens: Sequence[int], align: Callable[[int], int]
     ) -> DiskMatch | None:
-        """The stored checkpoint giving the longest reuse for `tokens` (DESIGN 3), or None.
+        """The stored checkpoint giving the longest reuse for `tokens` (invariant 3), or None.
 
         `align(n)` is the largest grid point <= n. Same rules as the memory store:
         trimmable entries reuse their common prefix with `tokens`, aligned and capped
@@ -354,6 +352,9 @@ class DiskCache:
             if isinstance(error, FileNotFoundError):
                 self._index.drop(name)
                 log.warning("disk cache: %s vanished; dropped from the index", name)
+            elif isinstance(error, trust.Untrusted):
+                self._index.drop(name)  # another user's doing, perhaps: not ours to delete
+                log.warning("disk cache: %s is not served: %s", name, error)
             elif isinstance(error, hdr.ForeignRuntime):
                 self._index.drop(name)  # another server's valid file: leave it on disk
                 log.warning("disk cache: %s is now %s; left on disk, not served", name, error)

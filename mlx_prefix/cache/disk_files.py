@@ -1,6 +1,6 @@
 """The disk tier's file I/O: survey the directory, write atomically, remove, touch.
 
-Never serve a wrong file (DESIGN 8):
+Never serve a wrong file (invariant 8):
 - writes are atomic: a temp file `<name>.tmp-<pid>-<rand>` in the same directory,
   locked (flock) by its writer, flushed and fsynced, then `os.replace`d onto its name;
   a crash leaves at most a temp file, which a later scan removes once nobody holds its
@@ -15,6 +15,7 @@ the checkpoint's bytes come from a `write` callback.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from mlx_prefix.cache import disk_header as hdr
+from mlx_prefix.cache import disk_trust as trust
 from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo
 
 log = logging.getLogger("mlx_prefix.cache.disk")  # one logger for the whole disk tier
@@ -50,18 +52,27 @@ def survey(directory: Path) -> Survey:
     """Classify the files of `directory` by their headers. Changes nothing on disk.
 
     Files that are neither checkpoints nor our temp files are ignored; temp files still
-    being written are neither found nor bad.
+    being written are neither found nor bad. A folder or file another user could have
+    written is skipped with a warning (disk_trust.py): neither found nor removed.
     """
     found: list[DiskEntry] = []
     bad: list[BadFile] = []
     try:
+        trust.check_directory(directory)
         items = list(os.scandir(directory))
+    except trust.Untrusted as e:
+        log.warning("disk cache: nothing read from it: %s", e)
+        items = []
     except OSError as e:
         log.warning("disk cache: cannot list %s: %s", directory, e)
         items = []
     for item in items:
         try:
             if not item.is_file(follow_symlinks=False):
+                continue
+            why = trust.untrusted(item.stat(follow_symlinks=False))
+            if why is not None:
+                log.warning("disk cache: skipping %s, never served: it is %s", item.path, why)
                 continue
             if hdr.TEMP_RE.match(item.name):
                 if _temp_abandoned(item):
@@ -118,11 +129,17 @@ def listing(directory: Path) -> DiskListing:
 
 
 def write_atomic(directory: Path, name: str, write: Callable[[BinaryIO], None]) -> None:
-    """Write a file `name` in `directory` with `write(f)`, via a synced temp file. On
-    failure the temp file is removed and the error propagates."""
+    """Write a file `name` (mode 0600) in `directory` with `write(f)`, via a synced temp
+    file. On failure the temp file is removed and the error propagates; a folder another
+    user could read or write into is a PermissionError (nothing written)."""
+    try:
+        trust.check_directory(directory)
+    except trust.Untrusted as e:
+        raise PermissionError(errno.EACCES, str(e)) from None
     tmp = directory / f"{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, trust.FILE_MODE)
+        os.fchmod(fd, trust.FILE_MODE)  # whatever the umask
         with os.fdopen(fd, "wb") as f:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed: see _temp_abandoned

@@ -1,6 +1,6 @@
 """The header of a checkpoint file: fields, digests, names; built, read and verified.
 
-A checkpoint file is a standard safetensors file (DESIGN 8; `mx.load` reads it back):
+A checkpoint file is a standard safetensors file (invariant 8; `mx.load` reads it back):
   [0, 8)       N: header length, little-endian u64
   [8, 8+N)     JSON header, space-padded to a multiple of 8:
                {"__metadata__": {str: str}, "<tensor>": {dtype, shape, data_offsets}, ...}

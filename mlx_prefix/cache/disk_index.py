@@ -1,4 +1,4 @@
-"""The disk tier's index: the checkpoint files it knows, held in memory (DESIGN 8).
+"""The disk tier's index: the checkpoint files it knows, held in memory (invariant 8).
 
 Rebuilt by a scan from file headers (`disk_files.survey`), then kept up to date by
 saves, loads and removals. Matching uses a token trie per (model key, runtime) and

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_prefix.cache import disk_header as hdr
+from mlx_prefix.cache import disk_trust as trust
 from mlx_prefix.cache.disk_header import DiskFormatError, FileHeader, TensorInfo
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot
 
@@ -141,10 +143,14 @@ def load(path: Path, model_key: str, tokens: tuple[int, ...], runtime: str) -> S
     Reads the file once: the header is verified and compared with the expected identity
     before any tensor data is read; each tensor's bytes are hashed and become an MLX
     array (evaluated). Raises DiskFormatError for a damaged, stale or different file,
-    ForeignRuntime for another runtime's valid file, OSError if it cannot be read.
+    ForeignRuntime for another runtime's valid file, Untrusted for a file another user
+    could have written, OSError if it cannot be read.
     Does not mutate anything on disk.
     """
     with open(path, "rb") as f:
+        why = trust.untrusted(os.fstat(f.fileno()))
+        if why is not None:  # replaced since the scan
+            raise trust.Untrusted(f"it is {why}")
         header = hdr.read_from(f)
         if header.model_key != model_key or header.tokens != tokens:
             raise DiskFormatError("model key or token ids differ from the index")

@@ -6,7 +6,7 @@ they hold, each counted once (`residency.py`); and for the value policy each ent
 parent it is), and what it saves: `covered`, the tokens of it another stored entry
 would serve if it went, and `saved_work`, the prefill cost (per model key) of the rest,
 from `covered` to its end. Any stored prefix serves exactly (its parent); a trimmable
-entry serves every prefix it shares (DESIGN 3), so an entry's common prefix with any
+entry serves every prefix it shares (invariant 3), so an entry's common prefix with any
 other trimmable one is covered too: a dense model's second question on a document
 stored beside its first leaves the first saving only its question's tokens. (Raw
 common prefixes: the grid point the match aligns down to is a little shorter; the

@@ -5,7 +5,7 @@ The policy only orders entries. The store (`store.PromptCache`) decides when to 
 or locked one): it takes the first evictable entry of `order()`.
 
 Two policies:
-- `KindLRU`: lower `CheckpointKind` first (GENERATED < PERIODIC < HISTORY <
+- `KindLRU`: lower `CheckpointKind` first (PERIODIC < HISTORY <
   LAST_MESSAGE < the protected kinds), least recently used first within a kind.
 - `ValueLRU` (the engine's default): the protected kinds (above LAST_MESSAGE: the
   system prompt, client cache breakpoints) keep KindLRU's order and go after every
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -134,12 +134,10 @@ class EvictionPolicy(Protocol[E]):
 
 
 def policy_named(name: str) -> EvictionPolicy:
-    """ "value" (ValueLRU) or "kind" (KindLRU); ValueError otherwise."""
-    if name == "value":
-        return ValueLRU()
-    if name == "kind":
-        return KindLRU()
-    raise ValueError(f"unknown eviction policy {name!r}: expected value or kind")
+    """A new policy of one of POLICIES' names; ValueError otherwise."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}: expected {' or '.join(POLICIES)}")
+    return POLICIES[name]()
 
 
 class KindLRU(Generic[E]):
@@ -242,3 +240,7 @@ class ValueLRU(Generic[E]):
             r + self.alpha * (v - lo) / span if v is not None else -1.0
             for r, v in zip(recency, eff, strict=True)
         ]
+
+
+# Every policy by its --cache-eviction name (the one registry: config and the CLI read it).
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"value": ValueLRU, "kind": KindLRU}

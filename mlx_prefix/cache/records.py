@@ -17,12 +17,13 @@ class CheckpointKind(IntEnum):
     """Why a checkpoint was taken. Eviction order (`eviction.KindLRU`): lower is evicted
     first. Disk files record the name, never the number."""
 
-    GENERATED = 0
     PERIODIC = 1
     HISTORY = 2
     LAST_MESSAGE = 3
     BREAKPOINT = 4  # the client marked the prefix up to here stable (`cache_control`)
     SYSTEM = 5
+    # No kind for the post-generation state: a decode state is never cached (invariant
+    # 12); the next-turn prefetch prefills the reply again instead.
 
 
 @dataclass(frozen=True, slots=True)

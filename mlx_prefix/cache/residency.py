@@ -1,4 +1,4 @@
-"""Which buffers the stored entries keep alive, each counted once (DESIGN 6).
+"""Which buffers the stored entries keep alive, each counted once (invariant 6).
 
 A payload lists the buffers it holds (`records.Buffer`): the checkpoints of one
 prefill share its attention KV buffer (`snapshot.complete`), so summing the entries'

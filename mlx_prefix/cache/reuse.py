@@ -1,4 +1,4 @@
-"""The reuse rules (DESIGN 3): which stored sequence serves a request best.
+"""The reuse rules (invariant 3): which stored sequence serves a request best.
 
 One rule for both tiers: the memory store (`store`) and the disk index
 (`disk_index`) each keep a trie per model key, with their own values.

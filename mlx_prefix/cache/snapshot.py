@@ -1,6 +1,8 @@
 """Immutable captures of a request's per-layer cache, restored copy-on-write.
 
-Besides `disk_payload`, the only cache module that touches MLX. Why sharing is safe (DESIGN 2):
+Besides `disk_payload` and the per-class kinds it asks (cache/layers/: what each
+cache class keeps, captures and restores), the only cache module that touches MLX.
+Why sharing is safe (invariant 2):
 - MLX arrays are values: `x[a:b] = y` builds a new array and rebinds that one
   Python object to it. It writes into the old buffer only when that buffer is
   donatable (no other array or view references it). A snapshot's arrays are
@@ -15,7 +17,7 @@ Besides `disk_payload`, the only cache module that touches MLX. Why sharing is s
 Memory: a view keeps its whole buffer alive, and a live KVCache's buffer is
 step-padded (up to `KVCache.step - 1` tokens per layer past its offset). So a
 snapshot's `nbytes` counts the buffers it keeps alive, not just the tokens it
-covers: the byte budget holds what is really resident (DESIGN 6). Recurrent state
+covers: the byte budget holds what is really resident (invariant 6). Recurrent state
 arrays can be views of a whole chunk's input (Nemotron-H's conv state): they are
 copied down to their own size.
 
@@ -37,25 +39,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    ConcatenateKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
+from mlx.utils import tree_flatten
 
+from mlx_prefix.cache.layers import CacheListKind, LayerSnapshot, kind_of
 from mlx_prefix.cache.records import Buffer, new_buffer_key
-
-
-@dataclass(frozen=True, slots=True)
-class LayerSnapshot:
-    cls: type  # the cache class to rebuild (through its `from_state`)
-    state: tuple[Any, ...]  # its `state`, arrays as the snapshot's own objects, KV sliced to offset
-    children: tuple[LayerSnapshot, ...] = ()  # CacheList members (then `state` is empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +55,7 @@ class Snapshot:
     layers: tuple[LayerSnapshot, ...]  # one per model layer
     buffers: tuple[Buffer, ...] = ()  # what it keeps alive; () = one buffer of its own
     # Speculative decoding: the draft model's cache at the same `length` (counted in
-    # `nbytes` and `buffers`); restored beside the target's (engine/speculative.py).
+    # `nbytes` and `buffers`); restored beside the target's (engine/decode/speculative.py).
     draft: Snapshot | None = None
 
 
@@ -169,76 +156,33 @@ def is_trimmable(cache: list[Any]) -> bool:
     """Whether every layer can drop tokens from its end. Does not mutate.
 
     Quantized KV counts as not trimmable: positions below --quantized-kv-start are
-    float in a cold run, so a quantized state restores only exactly (engine/kv_quant.py).
+    float in a cold run, so a quantized state restores only exactly
+    (engine/forward/kv_quant.py).
     """
-    return all(c.is_trimmable() and not isinstance(c, QuantizedKVCache) for c in cache)
-
-
-# -- per class ----------------------------------------------------------------
-#
-# Positions kept per class (n = tokens kept):
-#   KVCache, ConcatenateKVCache  keys[..., :n, :]                    offset = n
-#   QuantizedKVCache            each of (packed, scales, biases)[..., :n, :]
-#   ChunkedKVCache              keys[..., :n - start_position, :]    offset = n
-#   RotatingKVCache, unwrapped  keys[..., :n, :], _idx = n  (temporal order while offset < max_size)
-#   RotatingKVCache, wrapped    whole ring buffer as is (not trimmable)
-#   ArraysCache                 every state array as is (not trimmable)
-
-
-_KV_CLASSES = (KVCache, ConcatenateKVCache, QuantizedKVCache, ChunkedKVCache, RotatingKVCache)
-
-
-def _view(a: Any) -> Any:
-    """A fresh array object over the same buffer (or `a` if not an array)."""
-    return a[...] if isinstance(a, mx.array) else a
-
-
-def _head(x: Any, n: int) -> Any:
-    return x[..., :n, :]
-
-
-def _check_offset(c: Any, length: int) -> None:
-    if c.offset != length:
-        raise ValueError(f"{type(c).__name__} offset {c.offset} != checkpoint length {length}")
+    return all(c.is_trimmable() and not kind_of(c).exact_only for c in cache)
 
 
 def _capture_layer(c: Any, length: int) -> LayerSnapshot:
-    cls = type(c)
-    if isinstance(c, CacheList):
-        return LayerSnapshot(cls, (), tuple(_capture_layer(x, length) for x in c.caches))
-    if isinstance(c, _KV_CLASSES):
-        _check_offset(c, length)
-        if c.keys is None:
-            return LayerSnapshot(cls, tuple(c.state))
-        return LayerSnapshot(cls, _kv_state(c, c.offset))
-    if isinstance(c, ArraysCache):
-        arrays, left_padding, lengths = c.state
-        # Copied down to their own size when they are views of a larger buffer.
-        own = tuple(mx.contiguous(a) if isinstance(a, mx.array) else a for a in arrays)
-        return LayerSnapshot(cls, (own, _view(left_padding), _view(lengths)))
-    return LayerSnapshot(cls, tuple(tree_map(_view, c.state)))
-
-
-# Layers that only ever append: positions below the offset never change once written.
-_APPEND_ONLY = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+    return kind_of(c).capture(c, length)
 
 
 def _append_only(c: Any) -> bool:
-    return type(c) in _APPEND_ONLY and c.keys is not None
+    return kind_of(c).append_only and c.keys is not None
 
 
 def _append_only_nbytes(c: Any) -> int:
-    if isinstance(c, CacheList):
+    if isinstance(kind_of(c), CacheListKind):
         return sum(_append_only_nbytes(x) for x in c.caches)
     return c.nbytes if _append_only(c) else 0
 
 
 def _defer_layer(c: Any, length: int) -> LayerSnapshot | None:
-    if isinstance(c, CacheList):
+    if isinstance(kind_of(c), CacheListKind):
         children = tuple(_defer_layer(x, length) for x in c.caches)
         return LayerSnapshot(type(c), (), children)  # type: ignore[arg-type]
     if _append_only(c):
-        _check_offset(c, length)
+        if c.offset != length:
+            raise ValueError(f"{type(c).__name__} offset {c.offset} != checkpoint length {length}")
         return None
     return _capture_layer(c, length)
 
@@ -246,54 +190,15 @@ def _defer_layer(c: Any, length: int) -> LayerSnapshot | None:
 def _complete_layer(x: LayerSnapshot | None, c: Any, length: int) -> LayerSnapshot:
     if x is None:
         assert _append_only(c) and c.offset >= length, "deferred KV layer rewound"
-        return LayerSnapshot(type(c), _kv_state(c, length))
+        return LayerSnapshot(type(c), kind_of(c).keeping(c, length))
     if x.children:
         children = zip(x.children, c.caches, strict=True)
         return LayerSnapshot(x.cls, (), tuple(_complete_layer(y, z, length) for y, z in children))
     return x
 
 
-def _kv_state(c: Any, n: int) -> tuple[Any, ...]:
-    """The state of KV-like layer `c` keeping its first `n` tokens, as fresh views."""
-    if isinstance(c, QuantizedKVCache):
-        keys = tuple(_head(x, n) for x in c.keys)
-        values = tuple(_head(x, n) for x in c.values)
-        return (keys, values, n, c.group_size, c.bits)
-    if isinstance(c, ChunkedKVCache):
-        m = n - c.start_position
-        return (_head(c.keys, m), _head(c.values, m), n, c.chunk_size, c.start_position)
-    if isinstance(c, RotatingKVCache):
-        if c.offset >= c.max_size:  # wrapped: a ring, keep it whole
-            assert n == c.offset, "a wrapped RotatingKVCache cannot be trimmed"
-            return (_view(c.keys), _view(c.values), c.offset, c.keep, c.max_size, c._idx)
-        assert c._idx == c.offset, "unwrapped RotatingKVCache out of temporal order"
-        return (_head(c.keys, n), _head(c.values, n), n, c.keep, c.max_size, n)
-    if isinstance(c, ConcatenateKVCache):
-        return (_head(c.keys, n), _head(c.values, n))
-    return (_head(c.keys, n), _head(c.values, n), n)
-
-
 def _restore_layer(layer: LayerSnapshot, trim: int) -> Any:
-    cls = layer.cls
-    if issubclass(cls, CacheList):
-        return cls(*(_restore_layer(x, trim) for x in layer.children))
-    if issubclass(cls, _KV_CLASSES):
-        if layer.state[0] is None:
-            return cls.from_state(tuple(layer.state))
-        src = cls.from_state(layer.state)  # read only: its arrays are the snapshot's
-        keep = src.offset - trim
-        if isinstance(src, ChunkedKVCache) and keep < src.start_position:
-            raise ValueError("trim reaches past a ChunkedKVCache's retained window")
-        return cls.from_state(_kv_state(src, keep))
-    if issubclass(cls, ArraysCache):
-        arrays, left_padding, lengths = layer.state
-        assert trim == 0
-        # A list: models assign `cache[i] = ...`.
-        return cls.from_state(([_view(a) for a in arrays], _view(left_padding), _view(lengths)))
-    obj = cls.from_state(tree_map(_view, layer.state))
-    if trim:
-        obj.trim(trim)
-    return obj
+    return kind_of(layer.cls).restore(layer, trim)
 
 
 def _arrays(layers: tuple[LayerSnapshot | None, ...]) -> list[mx.array]:
@@ -307,6 +212,4 @@ def _arrays(layers: tuple[LayerSnapshot | None, ...]) -> list[mx.array]:
 
 
 def _cache_arrays(c: Any) -> list[mx.array]:
-    if isinstance(c, CacheList):
-        return [a for x in c.caches for a in _cache_arrays(x)]
-    return [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    return kind_of(c).arrays(c)

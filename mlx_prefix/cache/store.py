@@ -11,14 +11,17 @@ insertion, pins and the budget are decided here; the entries and their bookkeepi
 (buffers held, each counted once; work each saves) live in `entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
-- each key has its own trie; a lookup never crosses keys (the model, DESIGN 7, and
-  the namespace, DESIGN 10, are in the key); listings and flushes select the keys a
+- each key has its own trie; a lookup never crosses keys (the model, invariant 7, and
+  the namespace, invariant 10, are in the key); listings and flushes select the keys a
   selector `covers`;
 - stored bytes (distinct buffers: one prefill's checkpoints share its KV) + active
   request bytes (less the buffers they share with stored entries: `active.py`) <=
-  budget, unless every remaining entry is pinned or locked (DESIGN 6);
+  budget, unless every remaining entry is pinned or locked (invariant 6);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
-- a reuse always leaves at least one prompt token to compute (DESIGN 3).
+- one namespace's pinned entries (its distinct buffers, over every model) stay within
+  `pin_share` of the budget: a pin past it is refused (PinQuotaExceeded), so one client
+  cannot pin the budget full and leave no room for anyone else's inserts;
+- a reuse always leaves at least one prompt token to compute (invariant 3).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from mlx_prefix.cache.records import (
 )
 from mlx_prefix.cache.reuse import best_reuse
 from mlx_prefix.cache.token_ids import TokenIds
+from mlx_prefix.errors import PinQuotaExceeded
 
 
 @dataclass(slots=True)
@@ -62,9 +66,11 @@ class PromptCache:
         *,
         clock: Callable[[], float] = time.monotonic,
         policy: EvictionPolicy[Entry] | None = None,
+        pin_share: float = 1.0,
     ) -> None:
-        assert budget_bytes >= 0
+        assert budget_bytes >= 0 and 0.0 <= pin_share <= 1.0
         self.budget_bytes = budget_bytes
+        self.pin_share = pin_share  # of the budget, what one namespace may pin
         self.max_entries = max_entries
         self._clock = clock
         self._lock = threading.Lock()
@@ -85,7 +91,7 @@ class PromptCache:
         *,
         record: bool = True,
     ) -> CacheMatch:
-        """Find the entry giving the longest reuse for `tokens` (DESIGN 3).
+        """Find the entry giving the longest reuse for `tokens` (invariant 3).
 
         `align(n)` is the largest grid position <= n. Trimmable entries reuse their
         common prefix with `tokens`, aligned and capped at len(tokens) - 1;
@@ -190,7 +196,11 @@ class PromptCache:
             if not self._fits(new, buffers, redundant):
                 return False
             e = self._table.add(model_key, key, payload, kind, buffers, self._clock(), parent)
-            e.pinned = (model_key, key) in self._pins
+            if (model_key, key) in self._pins:  # a pin that came before its entry
+                if self._pin_overflow([e]) is None:
+                    e.pinned = True
+                else:
+                    self._pins.discard((model_key, key))
             self._policy.add(e)
             for other in redundant:  # after the insert: the trie never empties on the way
                 self._remove(other)
@@ -205,16 +215,34 @@ class PromptCache:
     def pin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Never evict (or drop as redundant) the entry for exactly `tokens` (mutates).
 
-        The pin is kept by key, so it also covers an entry inserted later. Returns
-        whether such an entry is stored now.
+        The pin is kept by key, so it also covers an entry inserted later (unless that
+        entry would take its namespace past its share). Returns whether such an entry is
+        stored now. Raises PinQuotaExceeded, changing nothing, when pinning the stored
+        entry would take its namespace past its share of the budget.
         """
         key = tuple(tokens)
         with self._lock:
-            self._pins.add((model_key, key))
             entry_id = self._table.trie(model_key).get(key)
             if entry_id is not None:
+                self._refuse_over_share([self._entries[entry_id]])
                 self._entries[entry_id].pinned = True
+            self._pins.add((model_key, key))
             return entry_id is not None
+
+    def pin_stored(self, model_key: str, sequences: Sequence[Sequence[int]]) -> int:
+        """Pin the stored entries of exactly these sequences, all or none (mutates);
+        sequences with no entry get no pin. Returns how many entries are pinned. Raises
+        PinQuotaExceeded, changing nothing, when they would take the namespace past its
+        share of the budget."""
+        with self._lock:
+            trie = self._table.trie(model_key)
+            ids = {i for s in sequences if (i := trie.get(tuple(s))) is not None}
+            entries = [self._entries[i] for i in sorted(ids)]
+            self._refuse_over_share(entries)
+            for e in entries:
+                e.pinned = True
+                self._pins.add((e.model_key, e.tokens))
+            return len(entries)
 
     def unpin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Remove a pin (mutates); may evict. Returns whether it was pinned."""
@@ -233,11 +261,13 @@ class PromptCache:
     def set_pinned(self, model_key: str, entry_id: int, pinned: bool) -> bool:
         """`pin` or `unpin` the sequence of entry `entry_id` (mutates; unpinning may evict).
         Returns False, changing nothing, when no such entry of a key `model_key` covers
-        is stored."""
+        is stored; raises PinQuotaExceeded as `pin` does."""
         with self._lock:
             e = self._entries.get(entry_id)
             if e is None or not covers(model_key, e.model_key):
                 return False
+            if pinned:
+                self._refuse_over_share([e])
             e.pinned = pinned
             if pinned:
                 self._pins.add((e.model_key, e.tokens))
@@ -390,6 +420,30 @@ class PromptCache:
         # listing and eviction check, held the lock for ~50 ms at 500 entries of 5K tokens.
         return e.pinned
 
+    def _pin_overflow(self, adding: list[Entry]) -> tuple[int, int] | None:
+        """(bytes its namespace would have pinned, its share) if pinning `adding` (one
+        namespace's entries) would go past the share; None if it fits."""
+        if not adding:
+            return None
+        owner = _namespace(adding[0].model_key)
+        held: dict[int, int] = {}
+        for e in self._entries.values():
+            if e.pinned and _namespace(e.model_key) == owner:
+                held.update((b.key, b.nbytes) for b in e.buffers)
+        for e in adding:
+            held.update((b.key, b.nbytes) for b in e.buffers)
+        total, share = sum(held.values()), int(self.pin_share * self.budget_bytes)
+        return (total, share) if total > share else None
+
+    def _refuse_over_share(self, adding: list[Entry]) -> None:
+        over = self._pin_overflow(adding)
+        if over is not None:
+            raise PinQuotaExceeded(
+                f"pinning this would hold {over[0]} bytes pinned for this client, more than "
+                f"its share of the cache ({over[1]} bytes: --pin-share {self.pin_share:g} of "
+                f"the {self.budget_bytes}-byte budget); unpin entries first"
+            )
+
     def _active_bytes(self) -> int:
         return self._active.total(self._table.resident.holds)
 
@@ -432,3 +486,11 @@ class PromptCache:
         assert e.refs == 0, "removing a locked entry"
         self._policy.remove(e)
         self._table.remove(e)
+
+
+def _namespace(key: str) -> str:
+    """Whose pins an entry's are: the namespace part of its key (engine/keys.py:
+    `<model>/<namespace>[/<salt>]`), the same for every model; a key without one is its
+    own owner."""
+    parts = key.split("/")
+    return parts[1] if len(parts) > 1 else key

@@ -85,7 +85,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
 
 
 def draft_args(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding, as mlx_lm.server's flags (engine/speculative.py)."""
+    """Speculative decoding, as mlx_lm.server's flags (engine/decode/speculative.py)."""
     p.add_argument(
         "--draft-model",
         help="a smaller model with the same tokenizer that proposes tokens for the model "
@@ -116,6 +116,12 @@ def cache_args(p: argparse.ArgumentParser) -> None:
         help="bytes for cached snapshots plus running requests (default 4GiB)",
     )
     p.add_argument("--cache-max-entries", type=int, dest="max_entries")
+    p.add_argument(
+        "--pin-share",
+        type=number_type(float, lo=0.0, hi=1.0, what="between 0 and 1"),
+        dest="pin_share",
+        help="share of the cache budget one client (namespace) may pin (default 0.25)",
+    )
     p.add_argument(
         "--prefill-chunk",
         type=int,
@@ -184,11 +190,19 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="don't prefill a chat's reply again while idle (next-turn prefetch)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="batch invariance: a request's reply never depends on the requests decoding "
+        "beside it (measured at startup; slower decode batches). Cache hits never change "
+        "a reply in either mode",
+    )
     kv_quant_args(p)
 
 
 def kv_quant_args(p: argparse.ArgumentParser) -> None:
-    """mlx_lm's quantized KV cache flags (engine/kv_quant.py)."""
+    """mlx_lm's quantized KV cache flags (engine/forward/kv_quant.py)."""
     p.add_argument(
         "--kv-bits",
         type=int,
@@ -253,6 +267,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         "prefill_chunk",
         "checkpoint_interval",
         "eviction",
+        "pin_share",
     )
     return from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
 
@@ -270,6 +285,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "kv_group_size",
         "quantized_kv_start",
         "num_draft_tokens",
+        "deterministic",
     )
     return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})
 

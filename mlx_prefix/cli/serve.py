@@ -42,6 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="extra CORS origins beyond localhost pages and browser extensions",
     )
     p.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=None,
+        metavar="HOST",
+        help="Host header names accepted besides localhost, 127.0.0.1, [::1] and the --host "
+        "address (DNS rebinding defence): e.g. llm.example.com, .example.com (and its "
+        "subdomains), or * for any (behind a proxy that rewrites Host). Bound to 0.0.0.0 "
+        "or ::, IP addresses and this machine's own name are accepted too",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
@@ -76,6 +86,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="a model name selecting another model folder or cached hub id, loaded on "
         "demand (repeatable)",
+    )
+    p.add_argument(
+        "--allowed-models",
+        nargs="*",
+        default=None,
+        metavar="PATH_OR_ID",
+        help="model folders, cached hub ids or LoRA adapter folders a request may name, "
+        "loaded on demand (a request may select only these, the --model, its --alias and "
+        "--model-alias names)",
     )
     p.add_argument(
         "--keep-billing-header",
@@ -141,9 +160,11 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "allowed_origins": tuple(args.allowed_origins)
         if args.allowed_origins is not None
         else None,
+        "allowed_hosts": tuple(args.allowed_hosts) if args.allowed_hosts is not None else None,
         "aliases": tuple(args.aliases) if args.aliases is not None else None,
         "strict_model_names": args.strict_model_names,
         "max_models": args.max_models,
+        "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
     }
@@ -159,8 +180,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     group = launched_group()
     if group is not None:
-        if settings.max_models > 1 or settings.model_aliases:
-            raise InvalidRequest("--max-models > 1 and --model-alias need an unsharded server")
+        if settings.max_models > 1 or settings.model_aliases or settings.allowed_models:
+            raise InvalidRequest(
+                "--max-models > 1, --model-alias and --allowed-models need an unsharded server"
+            )
         return serve_sharded(args, group, settings)
     if args.pipeline:
         raise InvalidRequest(

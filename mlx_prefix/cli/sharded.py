@@ -1,5 +1,5 @@
 """`mlx-prefix serve` on every rank of an `mlx.launch` group: the model sharded over the
-ranks (models/sharded.py), one DistributedEngine per rank (engine/distributed.py);
+ranks (models/sharded.py), one DistributedEngine per rank (engine/sharded/distributed.py);
 rank 0 serves HTTP, the others follow it until it stops the group.
 
     mlx.launch -n 2 --backend ring --python .venv/bin/python -m mlx_prefix serve --model M
@@ -26,7 +26,7 @@ from .args import cache_config, disk_config, engine_config
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlx_prefix.engine.distributed import DistributedEngine
+    from mlx_prefix.engine.sharded.distributed import DistributedEngine
     from mlx_prefix.server.settings import ServerSettings
 
 log = logging.getLogger("mlx_prefix.server")
@@ -47,7 +47,7 @@ def launched_group() -> mx.distributed.Group | None:
 def serve_sharded(
     args: argparse.Namespace, group: mx.distributed.Group, settings: ServerSettings
 ) -> int:
-    from mlx_prefix.engine.distributed import QUANTIZED_KV_SHARDED, DistributedEngine
+    from mlx_prefix.engine.sharded.distributed import QUANTIZED_KV_SHARDED, DistributedEngine
     from mlx_prefix.models.sharded import load_sharded
     from mlx_prefix.server.app import serve
 

@@ -2,7 +2,7 @@
 decoding, warm-ups and background prefetches.
 
 The waiting list, the prefill tasks and the decode batch belong to the engine thread
-(DESIGN 1). Once per turn of its loop the engine thread publishes an immutable
+(invariant 1). Once per turn of its loop the engine thread publishes an immutable
 `Activity` built from them; readers (the dashboard, in HTTP threads) only ever read the
 last one published, so they never touch the engine's own records nor wait for it. A
 reader sees the engine as it was at the end of its last turn (a turn prefills at most
@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from mlx_prefix.engine.jobs import Job, PrefillTask, Running
 from mlx_prefix.engine.keys import namespace_of
+from mlx_prefix.engine.requests.jobs import Job, PrefillTask, Running
 
 State = Literal["queued", "prefilling", "decoding"]
 Role = Literal["request", "warm", "prefetch"]

@@ -2,7 +2,7 @@
 cache and the single-entry actions they take: statistics, listings with token ids,
 flush, pin/unpin and evict one entry, and the engine's published activity. Every call
 goes to the thread-safe store and disk tier, never to the engine thread's records
-(DESIGN 1); the Engine inherits them (a sharded engine overrides the actions, which it
+(invariant 1); the Engine inherits them (a sharded engine overrides the actions, which it
 must agree on across ranks)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from mlx_prefix.cache.disk_index import DiskEntryInfo
 from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.activity import Activity, ActivityBoard
-from mlx_prefix.engine.disk_tier import DiskTier
-from mlx_prefix.engine.jobs import PrefetchStats
 from mlx_prefix.engine.keys import namespace_key
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.requests.jobs import PrefetchStats
 
 
 class CacheViews:
     store: PromptCache
-    disk: DiskTier | None
+    disk: DiskAccess | None
     model_key: str
     prefetch: PrefetchStats
     _board: ActivityBoard

@@ -1,5 +1,5 @@
 """The engine's request-facing side: one thread owns the model and every MLX array
-(DESIGN invariant 1), and this class is how every other thread reaches it.
+(invariant 1), and this class is how every other thread reaches it.
 
 Callers (HTTP handlers, the CLI, library users) call `submit`, which renders and
 validates the prompt in the caller's thread and queues a job; the engine thread
@@ -10,7 +10,7 @@ A request's path: match the longest usable cached prefix -> restore it (shared a
 -> prefill the rest chunk by chunk on the grid, capturing checkpoints at planned
 positions and at prefixes shared with waiting requests -> join the decode batch ->
 stream tokens -> leave the batch. Every job ends with exactly one final event
-(engine/lifecycle.py).
+(engine/requests/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -30,25 +30,25 @@ from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
-from mlx_prefix.engine.admission import check_reply_fits, check_sampling, plan_prompt
-from mlx_prefix.engine.batch import batchable
 from mlx_prefix.engine.cache_views import CacheViews
-from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
-from mlx_prefix.engine.chat_traffic import ChatTraffic
-from mlx_prefix.engine.constraints import ConstraintFactory
-from mlx_prefix.engine.decode import DecodePhase
-from mlx_prefix.engine.disk_tier import DiskTier
-from mlx_prefix.engine.handle import RequestHandle
-from mlx_prefix.engine.jobs import Job, PrefetchStats, WarmResult
+from mlx_prefix.engine.decode.batch import batchable
+from mlx_prefix.engine.decode.constraints import ConstraintFactory
+from mlx_prefix.engine.decode.phase import DecodePhase
+from mlx_prefix.engine.decode.speculative import SpeculationStats, Speculator, check_request
+from mlx_prefix.engine.forward.calibration import check_draft_config, quantized_kv
+from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
-from mlx_prefix.engine.lifecycle import Lifecycle
 from mlx_prefix.engine.loop import EngineLoop
-from mlx_prefix.engine.pace import Pace
-from mlx_prefix.engine.prefetch import Prefetcher
-from mlx_prefix.engine.prefill import PrefillPhase
-from mlx_prefix.engine.runner import always_trimmable
-from mlx_prefix.engine.scheduler import WaitingList
-from mlx_prefix.engine.speculative import SpeculationStats, Speculator, check_request
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.phase import PrefillPhase
+from mlx_prefix.engine.requests.admission import check_reply_fits, check_sampling, plan_prompt
+from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
+from mlx_prefix.engine.requests.handle import RequestHandle
+from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
+from mlx_prefix.engine.requests.lifecycle import Lifecycle
+from mlx_prefix.engine.requests.pace import Pace
+from mlx_prefix.engine.requests.prefetch import Prefetcher
+from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
@@ -76,7 +76,7 @@ class Engine(CacheViews, EngineLoop):
         disk_cache: DiskCache | None = None,
     ):
         """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
-        draft model for speculative decoding (engine/speculative.py). `store` and
+        draft model for speculative decoding (engine/decode/speculative.py). `store` and
         `disk_cache` may be shared with other engines (server/model_pool.py)."""
         check_draft_config(model, draft, engine_config)
         self.model = model
@@ -90,19 +90,20 @@ class Engine(CacheViews, EngineLoop):
             self.cache_config.budget_bytes,
             self.cache_config.max_entries,
             policy=policy_named(self.cache_config.eviction),
+            pin_share=self.cache_config.pin_share,
         )
-        # Quantized KV (engine/kv_quant.py): in the key, one request at a time.
+        # Quantized KV (engine/forward/kv_quant.py): in the key, one request at a time.
         self.kv_quant = quantized_kv(model, self.config)
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
-        # Until the engine thread's probe says more.
+        # Until the engine thread's calibration (the probe, with --deterministic) says more.
         self.batchable = batchable(fresh_cache) and self.kv_quant is None
         self.capacity = 1  # requests decoding at once: set by `_calibrate`
         # A server-wide scope of "off" disables the tier: no folder, no files, and no
         # per-request scope can turn it back on.
         self.disk = (
-            DiskTier(
+            DiskAccess(
                 disk_config,
                 always_trimmable(fresh_cache) and self.kv_quant is None,
                 self.store,
@@ -115,7 +116,7 @@ class Engine(CacheViews, EngineLoop):
         self.lifecycle = Lifecycle(lambda: self.capacity, self.config.max_queued)
         self._board = ActivityBoard(self.capacity)
         self._waiting: WaitingList[Job] = WaitingList()  # engine thread only
-        # Keys of this engine's running caches in the store's byte budget (DESIGN 6); the
+        # Keys of this engine's running caches in the store's byte budget (invariant 6); the
         # store may be shared with other engines.
         self._prefill = PrefillPhase(
             model,
@@ -130,7 +131,7 @@ class Engine(CacheViews, EngineLoop):
         self._prefill.kv_quant = self.kv_quant
         self._decode = DecodePhase(
             model,
-            1,
+            None,
             self.store,
             f"engine-{id(self):x}-batch",
             self.lifecycle.end,
@@ -240,27 +241,30 @@ class Engine(CacheViews, EngineLoop):
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = self.handle_type(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
-        # A pinned warm-up is meant to last: persist all of its checkpoints to disk too.
-        pref = replace(cache, enabled=True, scope="full" if pin else None)
+        # A pinned warm-up is meant to last: persist all of its checkpoints to disk too,
+        # unless the caller chose its disk scope.
+        scope = cache.scope if cache.scope is not None else "full" if pin else None
+        pref = replace(cache, enabled=True, scope=scope)
         key, sampling = entry_key(self.model_key, pref), SamplingParams(max_tokens=1)
         now = time.perf_counter()
         job = Job(handle, rendered, sampling, pref, key, now, warm=future, pin=pin)
         self.lifecycle.put(job)
         return handle, future
 
-    def _enqueue_prefetch(self, prompt: RenderedPrompt, key: str) -> None:
-        """Queue a next-turn prefetch under the entry key of the request it follows
-        (from the prefetcher's thread)."""
+    def _enqueue_prefetch(self, prompt: RenderedPrompt, key: str, scope: str | None = None) -> None:
+        """Queue a next-turn prefetch under the entry key and disk scope of the request it
+        follows (from the prefetcher's thread)."""
         handle = self.handle_type(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
         not_before = time.monotonic() + self.config.prefetch_delay_s
-        sampling, pref, now = SamplingParams(max_tokens=1), CachePreference(), time.perf_counter()
+        pref = CachePreference(scope=scope)
+        sampling, now = SamplingParams(max_tokens=1), time.perf_counter()
         job = Job(handle, prompt, sampling, pref, key, now, background=True, not_before=not_before)
         self.lifecycle.put_background(job)
 
     def shutdown(self, timeout: float = 10.0, save_timeout: float = SHUTDOWN_SAVES_S) -> None:
         """Stop accepting; cancel what waits; let running requests finish until `timeout`,
         then cancel them too; write the queued disk saves for up to `save_timeout` more,
-        then drop the rest with a log line each (DESIGN 11); join the engine thread."""
+        then drop the rest with a log line each (invariant 11); join the engine thread."""
         if self._prefetcher is not None:
             self._prefetcher.close()
         self.lifecycle.close()

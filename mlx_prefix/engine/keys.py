@@ -2,7 +2,7 @@
 reproduces a cold run of this engine, and whose entry it is.
 
 An entry's key is `<cache_key>/<namespace id>` or `<cache_key>/<namespace id>/<salt id>`
-(issue 19, DESIGN 10). The store and the disk tier keep one trie per whole key, so a
+(issue 19, invariant 10). The store and the disk tier keep one trie per whole key, so a
 lookup never crosses namespaces; listings and flushes select with a key prefix
 (`cache.records.covers`): the bare cache key covers every namespace of the model, a
 namespace's key every salt in it. Files written before namespaces (keyed by the bare
@@ -22,7 +22,7 @@ from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.records import CachePreference
 
 if TYPE_CHECKING:
-    from mlx_prefix.engine.kv_quant import KvQuant
+    from mlx_prefix.engine.forward.kv_quant import KvQuant
 
 SEPARATOR = "/"
 
@@ -31,7 +31,7 @@ def cache_key(identity: ModelIdentity, grid: ChunkGrid, kv: KvQuant | None = Non
     """The model part of every cache entry's key. An entry reproduces a cold run
     only for the same weights (identity), the same chunk grid, the same kernels
     (device, BLAS, MLX version) and the same KV quantization (`kv`; None: float), so
-    all of them are in it (DESIGN 4 and 7); a server restarted with another
+    all of them are in it (invariants 4 and 7); a server restarted with another
     --prefill-chunk, BLAS or --kv-bits never reads the old files."""
     parts = [identity.key(), grid.signature(), device_name(), loaded_blas(), mx.__version__]
     if kv is not None:  # float keys stay as they were: their files remain valid

@@ -1,12 +1,13 @@
 """The engine thread: the Engine's side that owns the model and every MLX array
-(DESIGN invariant 1); callers only reach it through the inbox (engine/lifecycle.py).
+(invariant 1); callers only reach it through the inbox (engine/requests/lifecycle.py).
 
-It calibrates first (engine/calibration.py), then each turn of the loop reads as three
-steps: `_schedule` (take new jobs, drop cancelled ones, start the next prefill), the
-prefill phase (grid chunks of the requests being prefilled, engine/prefill.py) and the
-decode phase (one token for every running request, engine/decode.py). Every job ends
-with exactly one final event (engine/lifecycle.py); an error inside a step ends the
-requests in flight (`_fail_all`) and the engine goes on.
+It calibrates first (engine/forward/calibration.py; only `--deterministic` measures), then
+each turn of the loop reads as three steps: `_schedule` (take new jobs, drop cancelled
+ones, start the next prefill), the prefill phase (grid chunks of the requests being
+prefilled, engine/prefill/phase.py) and the decode phase (one token for every running
+request, engine/decode/phase.py). Every job ends with exactly one final event
+(engine/requests/lifecycle.py); an error inside a step ends the requests in flight
+(`_fail_all`) and the engine goes on.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ import mlx.core as mx
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
-from mlx_prefix.engine.calibration import Calibration, calibrate, check_speculator
-from mlx_prefix.engine.chat_traffic import ChatTraffic
-from mlx_prefix.engine.decode import DecodePhase
-from mlx_prefix.engine.disk_tier import DiskTier
-from mlx_prefix.engine.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
-from mlx_prefix.engine.lifecycle import Lifecycle, error_message
-from mlx_prefix.engine.pace import Pace, gathers
-from mlx_prefix.engine.prefetch import Prefetcher, wants_prefetch
-from mlx_prefix.engine.prefill import PrefillPhase
-from mlx_prefix.engine.scheduler import WaitingList
+from mlx_prefix.engine.decode.phase import DecodePhase
+from mlx_prefix.engine.forward.calibration import PLAIN, Calibration, calibrate, check_speculator
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.phase import PrefillPhase
+from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
+from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, PrefillTask, WarmResult, cancelled
+from mlx_prefix.engine.requests.lifecycle import Lifecycle, error_message
+from mlx_prefix.engine.requests.pace import Pace, gathers
+from mlx_prefix.engine.requests.prefetch import Prefetcher, wants_prefetch
+from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import ErrorEvent
@@ -41,7 +42,7 @@ class EngineLoop:
 
     model: LoadedModel
     config: EngineConfig
-    disk: DiskTier | None
+    disk: DiskAccess | None
     lifecycle: Lifecycle
     batchable: bool
     capacity: int
@@ -58,10 +59,10 @@ class EngineLoop:
     _abandon_saves: bool
 
     def _calibrate(self) -> None:
-        """Make batched forwards batch-invariant and check them on this model and
-        backend (engine/calibration.py); what does not hold runs alone. Requests
-        submitted meanwhile wait in the inbox."""
-        found = calibrate(self.model)
+        """With --deterministic, make batched forwards batch-invariant and check them on
+        this model and backend (engine/forward/calibration.py; what does not hold runs alone);
+        requests submitted meanwhile wait in the inbox. Otherwise nothing is measured."""
+        found = calibrate(self.model) if self.config.deterministic else PLAIN
         self._calibrated(found)
         check_speculator(self.model, found.rows, self._decode.speculator)
 
@@ -211,7 +212,7 @@ class EngineLoop:
 
     def _admit_held(self) -> None:
         """Requests whose prompt is computed join the decode batch, unless they wait for
-        the rest of their burst (engine/pace.py)."""
+        the rest of their burst (engine/requests/pace.py)."""
         held = self._prefill.held()
         if not held or gathers(self.config, len(self._decode), self._prefill.left_to_compute()):
             return
@@ -241,6 +242,7 @@ class EngineLoop:
                 len(job.tokens),
                 job.handle.request_id,
                 job.cache_key,
+                job.cache_pref.scope,  # its disk scope: "off" writes nothing, prefetch too
                 job.prompt.opens_reasoning,
             )
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.handle import RequestHandle
+from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.load import LoadedModel, load_model
 from mlx_prefix.records import (
@@ -67,7 +67,7 @@ class PrefixCacheSession:
         draft: LoadedModel | None = None,
     ):
         """`disk_config`: persist checkpoints across processes (None: memory only).
-        `draft`: a draft model for speculative decoding (engine/speculative.py)."""
+        `draft`: a draft model for speculative decoding (engine/decode/speculative.py)."""
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.engine = Engine(
             loaded, cache_config, engine_config, disk_config=disk_config, draft=draft

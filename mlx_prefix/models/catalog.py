@@ -1,5 +1,7 @@
-"""Which model folder a request's `model` name means, without ever touching the network,
+"""Which model folder an operator's model name means (a --model-alias target, an
+--allowed-models entry), without ever touching the network, whether it looks loadable,
 and how much memory loading it would take (server/model_pool.py decides with these).
+A request's own name is never looked up here: what exists on disk is not its business.
 
 A name is a local folder (it exists), a path that does not exist (absolute, `./`, `../`
 or `~`: ModelNotFound), a Hugging Face repo id already in the local hub cache, or none
@@ -18,6 +20,7 @@ from mlx_prefix.models.resolve import ResolvedModel
 _PATH_PREFIXES = ("/", "./", "../", "~")
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _HALF = ("float16", "bfloat16")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
 
 def find_local_model(name: str) -> ResolvedModel | None:
@@ -65,6 +68,44 @@ def adapter_folder(adapter: str) -> Path:
             param="adapters",
         )
     return path.resolve()
+
+
+def check_loadable(folder: Path, adapter: Path | None = None) -> None:
+    """ModelNotFound unless `folder` (and `adapter`) look loadable, read cheaply before a
+    server unloads a model to make room for this one: config.json an object naming its
+    model_type, a tokenizer file, and weight files whose headers parse and whose tensor
+    data fits in the file (a truncated download fails here, not after the unload)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelNotFound(f"config.json unreadable ({type(e).__name__})", param="model") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelNotFound("config.json names no model_type", param="model")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelNotFound("no tokenizer file", param="model")
+    weights = sorted(folder.glob("model*.safetensors"))
+    if not weights:
+        raise ModelNotFound("no model*.safetensors weights", param="model")
+    if adapter is not None:
+        weights += sorted(adapter.glob("*.safetensors"))
+    for path in weights:
+        _check_safetensors(path)
+
+
+def _check_safetensors(path: Path) -> None:
+    """The file's header parses and every tensor's bytes lie inside the file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError("header length out of range")
+            header = json.loads(f.read(n))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ModelNotFound(f"{path.name} is damaged ({e})", param="model") from None
+    if 8 + n + max(ends, default=0) > size:
+        raise ModelNotFound(f"{path.name} is truncated", param="model")
 
 
 def load_estimate(folder: Path, adapter: Path | None, cpu: bool) -> int:

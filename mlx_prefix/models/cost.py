@@ -14,13 +14,13 @@ The layers' kinds come from the model's own cache list; the sizes from its confi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.layers import kind_of, layers_of
 from mlx_prefix.models.load import LoadedModel
 
 
@@ -63,10 +63,11 @@ def estimate_prefill_cost(model: LoadedModel) -> PrefillCost:
     full = 0
     windowed: list[tuple[float, int]] = []
     recurrent = 0
-    for c in _layers(make_prompt_cache(model.model)):
-        if isinstance(c, RotatingKVCache):
+    for c in layers_of(make_prompt_cache(model.model)):
+        role = kind_of(c).cost_role
+        if role == "window":
             windowed.append((pair, int(c.max_size)))
-        elif isinstance(c, ArraysCache):
+        elif role == "recurrent":
             recurrent += 1
         else:
             full += 1
@@ -79,14 +80,6 @@ def _config(model: LoadedModel) -> dict[str, Any]:
         return json.loads((model.path / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _layers(cache: list[Any]) -> Iterator[Any]:
-    for c in cache:
-        if isinstance(c, CacheList):
-            yield from _layers(list(c.caches))
-        else:
-            yield c
 
 
 def _weights_per_token(model: LoadedModel, text: dict[str, Any]) -> float:

@@ -1,6 +1,6 @@
 """A "layer-skip" draft model: a model folder's first N transformer layers with its own
 embeddings, final norm and LM head, saved as a loadable folder. It shares the tokenizer
-by construction, so it can draft for the full model (engine/speculative.py); tests and
+by construction, so it can draft for the full model (engine/decode/speculative.py); tests and
 benchmarks/bench_speculative.py use it where no smaller sibling checkpoint is at hand.
 """
 

@@ -1,4 +1,4 @@
-"""The canonical chunk grid (DESIGN invariant 4).
+"""The canonical chunk grid (invariant 4).
 
 Prefill numerics depend on how a prompt is cut into chunks (with a real BLAS a 512|188
 split and a 300|212|188 split give different logits). So chunk boundaries are a pure
@@ -29,7 +29,7 @@ points, then chunk_size x 2^k below the interval, then every multiple of the int
 finds a periodic checkpoint r with p - r < interval and p - r <= max(63, p // 2): the
 recompute is a bounded share of what came before it, at most 512 tokens, and the series
 costs log2(interval / EARLY_MIN) checkpoints more than the regular grid (a hybrid pays
-its recurrent state for each; their attention KV is shared: engine/checkpoints.py).
+its recurrent state for each; their attention KV is shared: engine/prefill/checkpoints.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ definitions and tool-call arguments are serialized with a stable key order.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,20 +15,51 @@ from typing import TYPE_CHECKING, Any
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import PromptInput
 
+from .bounded import Timeout, call_bounded
+
 if TYPE_CHECKING:
     from mlx_prefix.prompt.reasoning import ReasoningMarkers
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-# apply_chat_template arguments the renderer sets itself: in chat_template_kwargs they
-# would collide ("got multiple values for keyword argument") or change what is rendered.
+# apply_chat_template's own arguments: in chat_template_kwargs they would replace the
+# template, change how it is rendered or tokenized, or collide with what the renderer
+# sets itself. Only template variables (enable_thinking, ...) may come from a request.
+# Any other named parameter of the tokenizer's apply_chat_template is refused too.
 _RESERVED_KWARGS = {
+    "chat_template": "the server renders with the model's own template only",
     "tools": "give tools in the request's 'tools' field",
+    "documents": "not supported; put documents in the messages",
     "add_generation_prompt": "the server always adds the generation prompt",
+    "continue_final_message": "the server always adds the generation prompt",
     "tokenize": "the server tokenizes the rendered prompt itself",
+    "tokenizer_kwargs": "the server tokenizes the rendered prompt itself",
+    "padding": "the server tokenizes the rendered prompt itself",
+    "truncation": "the server tokenizes the rendered prompt itself",
+    "max_length": "the server tokenizes the rendered prompt itself",
+    "return_tensors": "the server tokenizes the rendered prompt itself",
+    "return_dict": "the server tokenizes the rendered prompt itself",
+    "return_assistant_tokens_mask": "the server tokenizes the rendered prompt itself",
     "conversation": "give the conversation in 'messages'",
     "messages": "give the conversation in 'messages'",
 }
+# Rendering runs user-influenced template code: it ends with an error past this.
+RENDER_TIMEOUT_S = 10.0
+
+
+def reserved_template_kwargs(tokenizer: Any) -> dict[str, str]:
+    """The keys a chat_template_kwargs may not set for this tokenizer, with the reason."""
+    reserved = dict(_RESERVED_KWARGS)
+    try:
+        params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        params = ()
+    for p in params:
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            reserved.setdefault(
+                p.name, "an argument of apply_chat_template, not a template variable"
+            )
+    return reserved
 
 
 def content_text(content: Any, *, param: str = "messages") -> str:
@@ -121,17 +153,24 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 class ChatRenderer:
     """Renders prompts with one tokenizer's chat template. Holds no MLX state."""
 
-    def __init__(self, tokenizer: Any, defaults: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        defaults: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ):
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self._timeout_s = timeout_s  # None: RENDER_TIMEOUT_S, read at each render
+        self.reserved = reserved_template_kwargs(tokenizer)
         # The model's think markers, once known (prompt/reasoning.py; set by the planner).
         self.reasoning: ReasoningMarkers | None = None
         # The server's apply_chat_template arguments (--chat-template-args); a request's
         # own chat_template_kwargs win over them, as in mlx_lm.server.
         self.defaults = dict(defaults or {})
-        for key in sorted(self.defaults.keys() & _RESERVED_KWARGS.keys()):
+        for key in sorted(self.defaults.keys() & self.reserved.keys()):
             raise InvalidRequest(
-                f"--chat-template-args may not set {key!r}: {_RESERVED_KWARGS[key]}",
+                f"--chat-template-args may not set {key!r}: {self.reserved[key]}",
                 param="chat_template_args",
             )
 
@@ -145,23 +184,35 @@ class ChatRenderer:
     ) -> str:
         if not self.has_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions")
-        kwargs = {**self.defaults, **(template_kwargs or {})}
-        for key in sorted(kwargs.keys() & _RESERVED_KWARGS.keys()):
+        for key in sorted((template_kwargs or {}).keys() & self.reserved.keys()):
             raise InvalidRequest(
-                f"chat_template_kwargs may not set {key!r}: {_RESERVED_KWARGS[key]}",
-                param="chat_template_kwargs",
+                f"chat_template_kwargs may not set {key!r}: {self.reserved[key]}",
+                param=f"chat_template_kwargs.{key}",
             )
+        kwargs = {**self.defaults, **(template_kwargs or {})}
         if tools:
             kwargs["tools"] = [_sorted_json(t) for t in tools]
-        try:
+
+        def render() -> str:
             return self.tokenizer.apply_chat_template(
                 list(messages),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
+
+        timeout_s = RENDER_TIMEOUT_S if self._timeout_s is None else self._timeout_s
+        try:
+            return call_bounded(render, timeout_s, name="chat-template")
         except InvalidRequest:
             raise
+        except Timeout:
+            raise InvalidRequest(
+                f"the chat template did not finish rendering within {timeout_s:g}s "
+                "(a loop too long for these messages or chat_template_kwargs?)",
+                param="messages",
+                code="template_timeout",
+            ) from None
         except Exception as e:  # jinja raise_exception() and template errors
             raise InvalidRequest(f"chat template failed: {e}", param="messages") from None
 

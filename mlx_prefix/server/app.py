@@ -17,8 +17,9 @@ from starlette.middleware import Middleware
 
 from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
+from .hosts import HostPolicy
 from .metrics import ServerMetrics
-from .middleware import ApiKeyAuth, RequestCounter, cors
+from .middleware import ApiKeyAuth, HostGuard, RequestCounter, cors
 from .model_pool import EngineLoader, ModelPool
 from .namespaces import Namespaces
 from .protocol.request import Limits, SamplingDefaults
@@ -69,7 +70,7 @@ def serve(engine: Any, settings: ServerSettings, loader: EngineLoader | None = N
         lifespan="on",
     )
     log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
-    cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/distributed.py)
+    cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/sharded/distributed.py)
     if cluster is not None:
         log.info("%s", cluster.describe())
     del engine  # the pool owns it: once unloaded, nothing here may keep its weights alive
@@ -134,16 +135,19 @@ def _draft_names(engine: Any) -> tuple[str, ...]:
     return () if draft is None else (draft.name, str(draft.path))
 
 
+def host_policy(settings: ServerSettings) -> HostPolicy:
+    return HostPolicy(settings.host, settings.allowed_hosts, settings.allowed_origins)
+
+
 def _build(
     engine: Any,
     settings: ServerSettings,
     on_shutdown: Callable[[], None] | None,
     loader: EngineLoader | None = None,
 ) -> Starlette:
-    context_length = engine.model.context_length
-    limits = Limits(
+    limits = Limits(  # for parsing: each served model's own limit comes after (limits_for)
         default_max_tokens=settings.default_max_tokens,
-        max_tokens=min(settings.max_tokens_limit, context_length or settings.max_tokens_limit),
+        max_tokens=settings.max_tokens_limit,
         sampling=SamplingDefaults(
             settings.temperature, settings.top_p, settings.top_k, settings.min_p
         ),
@@ -156,10 +160,12 @@ def _build(
         loader=loader,
         max_models=settings.max_models,
         model_aliases=settings.model_alias_map(),
+        allowed_models=settings.allowed_models,
     )
     metrics = ServerMetrics(lambda: models.primary().cache_stats())
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
+        Middleware(HostGuard, policy=host_policy(settings)),
         cors(settings.allowed_origins),
     ]
     if settings.api_key:

@@ -35,6 +35,15 @@ class OriginRefused(MlxPrefixError):
     code = "origin_not_allowed"
 
 
+class HostRefused(MlxPrefixError):
+    """A Host header naming neither this machine nor a host the operator allowed (a
+    page under a name re-pointed at this server: DNS rebinding)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "host_not_allowed"
+
+
 class UnsupportedMediaType(MlxPrefixError):
     status = 415
     type = "invalid_request_error"

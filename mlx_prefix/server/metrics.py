@@ -111,7 +111,7 @@ _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 def _speculative_metrics(spec: dict | None) -> Iterator[Metric]:
-    """--draft-model: draft tokens proposed and accepted (engine/speculative.py)."""
+    """--draft-model: draft tokens proposed and accepted (engine/decode/speculative.py)."""
     if not isinstance(spec, dict):
         return
     for key, doc in (

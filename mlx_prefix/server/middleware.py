@@ -1,5 +1,9 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from
-streaming responses): CORS policy, API-key check, request counting."""
+streaming responses): the Host check, CORS policy, API-key check, request counting.
+
+Who may call what is decided here, once, for every route (the API under /v1 and its
+unprefixed twins, /health, /metrics, the dashboard and the cache admin routes), in this
+order: HostGuard (DNS rebinding), OriginPolicy (pages and extensions), ApiKeyAuth."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import OriginRefused, Unauthorized, error_response, error_response_for
+from .errors import HostRefused, OriginRefused, Unauthorized, error_response, error_response_for
+from .hosts import HostPolicy
 from .metrics import ServerMetrics
 
 # Pages served from this machine on any port, and browser extensions. Other web origins
@@ -24,12 +29,26 @@ DEFAULT_ORIGIN_REGEX = (
 )
 
 
-def origin_allowed(origin: str, allowed_origins: Collection[str]) -> bool:
-    """The origin policy's verdict on `origin` (as OriginPolicy decides), for checks of
-    other headers against it (the dashboard's Host)."""
-    if "*" in allowed_origins or origin in allowed_origins:
-        return True
-    return re.fullmatch(DEFAULT_ORIGIN_REGEX, origin) is not None
+class HostGuard:
+    """Refuses a request whose Host header the HostPolicy refuses (server/hosts.py), on
+    every path and method, before anything else runs: a 403 in the path's API family's
+    error shape."""
+
+    def __init__(self, app: ASGIApp, policy: HostPolicy):
+        self.app = app
+        self.policy = policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host")
+            if not self.policy.allows(host):
+                err = HostRefused(
+                    f"host {host!r} is not allowed: use localhost or 127.0.0.1, or start "
+                    "the server with --allowed-hosts naming it"
+                )
+                await error_response_for(scope["path"], err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def cors(allowed_origins: Collection[str]) -> Middleware:

@@ -8,9 +8,10 @@ clients send names of their own (`gpt-4o-mini` from the openai examples, Claude 
 reply's `model` field then names the model that answered. With `strict` such a name
 is a 404 instead. Nothing here ever downloads a model: only served models are chosen.
 
-Other models (folders, cached hub ids, --model-alias) are found and loaded by
-server/model_pool.py, which asks this registry first and keeps the rule above for
-names that select nothing. Pure: no I/O, no MLX.
+Other models (--model-alias, --allowed-models: only what the operator named) are found
+and loaded by server/model_pool.py, which asks this registry first and keeps the rule
+above for names that select nothing (a path-shaped name is a 404 there). Pure: no I/O,
+no MLX.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cache namespaces over HTTP (issue 19, DESIGN 10): which part of the prompt cache a
+"""Cache namespaces over HTTP (issue 19, invariant 10): which part of the prompt cache a
 request reads and writes, and which entries a caller may list and act on.
 
 Every response reports `cached_tokens`, and a hit answers sooner than a miss, so a
@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from starlette.datastructures import Headers
 from starlette.requests import Request
 
 from mlx_prefix.cache.records import StoredTokens
@@ -69,7 +70,8 @@ class Namespaces:
         if sharing not in SHARING:
             raise ValueError(f"cache_sharing must be one of {', '.join(SHARING)}, not {sharing!r}")
         self.sharing = sharing
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._bearer = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else None
         self._key_tag = (
             hashlib.pbkdf2_hmac("sha256", api_key.encode(), _KEY_SALT, _KEY_ROUNDS).hex()[:16]
             if api_key
@@ -83,8 +85,7 @@ class Namespaces:
             origin = None
         peer = request.client.host if request.client is not None else None
         local = peer is None or _loopback(peer)
-        given = headers.get("authorization", "").encode()
-        holds_key = self._expected is not None and hmac.compare_digest(given, self._expected)
+        holds_key = self.holds_key(headers)
         admin = holds_key or (local and origin is None)
         if self.sharing == "global":
             return Caller("", admin)
@@ -96,6 +97,17 @@ class Namespaces:
         if holds_key:
             parts.append(f"key={self._key_tag}")
         return Caller(";".join(parts), admin)
+
+    def holds_key(self, headers: Headers) -> bool:
+        """Whether the request carries the API key, sent either way the API key check
+        accepts it (middleware.ApiKeyAuth): `Authorization: Bearer` (OpenAI clients) or
+        `x-api-key` (Anthropic's SDK, Claude Code). One holder, one namespace."""
+        if self._bearer is None or self._key is None:
+            return False
+        bearer = headers.get("authorization", "").encode()
+        key = headers.get("x-api-key", "").encode()
+        # Both compared, always, as ApiKeyAuth does.
+        return hmac.compare_digest(bearer, self._bearer) | hmac.compare_digest(key, self._key)
 
 
 def caller(request: Request) -> Caller:

@@ -1,5 +1,6 @@
 """Past Responses API responses, for `previous_response_id`, GET and DELETE: a bounded
-in-memory store, least recently used first out once it holds `capacity` responses.
+in-memory store, kept apart by cache namespace, least recently used first out of the
+largest namespace once it holds `capacity` responses.
 
 Touched only from the event loop's thread (handlers are async), so it needs no lock.
 A chained response's history shares its message dicts with its predecessor's, so a long
@@ -32,28 +33,60 @@ class StoredResponse:
 
 
 class ResponseStore:
+    """Stored responses by cache namespace (server/namespaces.py): a response is found
+    only by a request of the namespace that created it (another's id is a 404, as an id
+    never stored), so one extension can neither read, continue nor delete another's.
+
+    `capacity` bounds the responses of all namespaces together; when it is reached, the
+    namespace holding the most gives up its least recently used one. So a client that
+    stores many only evicts its own once it holds the largest share: each of k clients
+    keeps at least capacity // k of its most recent responses."""
+
     def __init__(self, capacity: int):
         if capacity < 0:
             raise ValueError("the responses store capacity must not be negative")
         self.capacity = capacity  # 0: nothing is stored
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._spaces: dict[str, OrderedDict[str, StoredResponse]] = {}
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._count
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._items.get(response_id)
+    def held(self, namespace: str) -> int:
+        """How many responses `namespace` holds."""
+        return len(self._spaces.get(namespace, ()))
+
+    def get(self, namespace: str, response_id: str) -> StoredResponse | None:
+        space = self._spaces.get(namespace)
+        stored = space.get(response_id) if space is not None else None
         if stored is not None:
-            self._items.move_to_end(response_id)
+            space.move_to_end(response_id)  # type: ignore[union-attr]
         return stored
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
+    def put(self, namespace: str, response_id: str, stored: StoredResponse) -> None:
         if self.capacity == 0:
             return
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        space = self._spaces.setdefault(namespace, OrderedDict())
+        self._count += response_id not in space
+        space[response_id] = stored
+        space.move_to_end(response_id)
+        while self._count > self.capacity:
+            # The largest share gives one up; on a tie the one storing now does.
+            largest = max(self._spaces, key=lambda n: (len(self._spaces[n]), n == namespace))
+            self._pop_oldest(largest)
 
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+    def delete(self, namespace: str, response_id: str) -> bool:
+        space = self._spaces.get(namespace)
+        if space is None or space.pop(response_id, None) is None:
+            return False
+        self._count -= 1
+        if not space:
+            del self._spaces[namespace]
+        return True
+
+    def _pop_oldest(self, namespace: str) -> None:
+        space = self._spaces[namespace]
+        space.popitem(last=False)
+        self._count -= 1
+        if not space:
+            del self._spaces[namespace]

@@ -25,6 +25,20 @@ class ResponseMeta:
     model: str
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # The request used the deprecated `functions`: its call goes out as `function_call`
+    # (one call, finish_reason "function_call"), as OpenAI answered those requests.
+    legacy_functions: bool = False
+
+    def finish(self, reason: str) -> str:
+        return "function_call" if self.legacy_functions and reason == "tool_calls" else reason
+
+    def calls(self, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """The message (or delta) fields that carry the reply's calls."""
+        if not tool_calls:
+            return {}
+        if self.legacy_functions:
+            return {"function_call": tool_calls[0]["function"]}
+        return {"tool_calls": tool_calls}
 
     def head(self, streaming: bool) -> dict[str, Any]:
         if self.kind == "chat":
@@ -112,13 +126,12 @@ def completion_body(
     logprobs: list[TokenLogprob] | None,
     reasoning: str = "",
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": meta.finish(finish_reason)}
     if meta.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if reasoning:
             message.update(reasoning_fields(reasoning))
-        if tool_calls:
-            message["tool_calls"] = tool_calls
+        message.update(meta.calls(tool_calls))
         choice["message"] = message
     else:
         choice["text"] = text
@@ -152,13 +165,12 @@ def chunk(
             delta.update(reasoning_fields(reasoning))
         if text is not None:
             delta["content"] = text
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
+        delta.update(meta.calls(tool_calls or []))
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
     choice["logprobs"] = logprobs_body(meta.kind, logprobs) if logprobs else None
-    choice["finish_reason"] = finish_reason
+    choice["finish_reason"] = None if finish_reason is None else meta.finish(finish_reason)
     body = {**meta.head(True), "choices": [choice]}
     if include_usage:
         # OpenAI sends usage: null on every chunk but the last when include_usage is on.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .hosts import check_allowed_host
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -12,6 +14,10 @@ class ServerSettings:
     # Origins allowed besides the defaults (loopback pages, browser extensions):
     # exact origins such as "https://app.example.com", or "*" for any.
     allowed_origins: tuple[str, ...] = ()
+    # Host header names accepted besides loopback names and the bound address (DNS
+    # rebinding, server/hosts.py): "llm.example.com", ".example.com" (with subdomains),
+    # or "*" for any (behind a proxy that rewrites Host).
+    allowed_hosts: tuple[str, ...] = ()
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
@@ -32,6 +38,9 @@ class ServerSettings:
     # (LRU), and "NAME=PATH" names for other model folders or cached hub ids.
     max_models: int = 1
     model_aliases: tuple[str, ...] = ()
+    # Model folders, cached hub ids and LoRA adapter folders a request may name, loaded
+    # on demand (besides the served model and the model_aliases); nothing else is.
+    allowed_models: tuple[str, ...] = ()
     # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
@@ -45,6 +54,10 @@ class ServerSettings:
         if isinstance(origins, str):  # "a,b" from an env var or a config file
             origins = tuple(o.strip() for o in origins.split(",") if o.strip())
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in origins))
+        hosts = self.allowed_hosts
+        if isinstance(hosts, str):
+            hosts = tuple(h.strip() for h in hosts.split(",") if h.strip())
+        object.__setattr__(self, "allowed_hosts", tuple(check_allowed_host(h) for h in hosts))
         if isinstance(self.aliases, str):
             aliases = tuple(a.strip() for a in self.aliases.split(",") if a.strip())
             object.__setattr__(self, "aliases", aliases)
@@ -53,6 +66,9 @@ class ServerSettings:
         if isinstance(self.model_aliases, str):
             pairs = tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())
             object.__setattr__(self, "model_aliases", pairs)
+        if isinstance(self.allowed_models, str):
+            models = tuple(m.strip() for m in self.allowed_models.split(",") if m.strip())
+            object.__setattr__(self, "allowed_models", models)
         self.model_alias_map()  # ValueError for a malformed pair
         if self.max_models < 1:
             raise ValueError("max_models must be at least 1")

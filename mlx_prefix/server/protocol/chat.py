@@ -1,10 +1,12 @@
 """POST /v1/chat/completions bodies: messages, content parts, tool calls, tools,
-tool_choice, logprobs, reasoning_effort and thinking_token_budget (protocol/effort.py)."""
+tool_choice, logprobs, reasoning_effort and thinking_token_budget (protocol/effort.py),
+and the deprecated `functions` / `function_call` (with `function` role messages and
+assistant `function_call`s in the history), read as tools."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import replace
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
@@ -14,10 +16,13 @@ from .effort import effort_bound, token_budget
 from .fields import MISSING, field, integer, json_type
 from .request import GenerationRequest, Limits, ToolChoice, generation_request
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
+    legacy = body.get("functions") is not None or body.get("function_call") is not None
+    if legacy:
+        body = _functions_as_tools(body)
     tools = read_tools(body)
     choice = _tool_choice(body, tools)
     offer_tools = tools is not None and choice.mode != "none"
@@ -45,7 +50,44 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
         tool_choice=choice,
     )
     budget = budget if budget is not None else bound.budget
-    return replace(req, sampling=replace(req.sampling, reasoning_budget=budget))
+    req = dataclasses.replace(
+        req, sampling=dataclasses.replace(req.sampling, reasoning_budget=budget)
+    )
+    return dataclasses.replace(req, legacy_functions=True) if legacy else req
+
+
+def _functions_as_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's deprecated `functions` and `function_call` -> `tools` and `tool_choice`.
+    They answered with at most one call, so parallel calls are off."""
+    for new, old in (("tools", "functions"), ("tool_choice", "function_call")):
+        if body.get(new) is not None and body.get(old) is not None:
+            raise InvalidRequest(f"{old} and {new} both given; send {new} alone", param=old)
+    functions = field(body, "functions", list, None) or []
+    for i, function in enumerate(functions):
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(
+                f"functions[{i}] must be an object with a name", param=f"functions[{i}]"
+            )
+    choice = field(body, "function_call", (str, dict), None)
+    if isinstance(choice, dict):
+        if not isinstance(choice.get("name"), str):
+            raise InvalidRequest('function_call must be {"name": ...}', param="function_call")
+        if choice["name"] not in [f["name"] for f in functions]:
+            raise InvalidRequest(
+                f"function_call names {choice['name']!r}, which is not among the functions",
+                param="function_call",
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in (None, "auto", "none"):
+        raise InvalidRequest(
+            "function_call must be 'none', 'auto' or an object naming a function",
+            param="function_call",
+        )
+    out = {k: v for k, v in body.items() if k not in ("functions", "function_call")}
+    out["tools"] = [{"type": "function", "function": f} for f in functions] or None
+    out["tool_choice"] = choice
+    out["parallel_tool_calls"] = False
+    return out
 
 
 def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
@@ -126,6 +168,26 @@ def _message(message: Any, i: int) -> dict[str, Any]:
     if role == "developer":
         # OpenAI's newer name for the system role; chat templates only know "system".
         out["role"] = "system"
+    if role == "function":  # the deprecated form of a tool result
+        if not isinstance(message.get("name"), str):
+            raise InvalidRequest(
+                f"{param}.name is required on a function message", param=f"{param}.name"
+            )
+        out["role"] = "tool"
+    function_call = out.pop("function_call", None)
+    if function_call is not None:
+        if role != "assistant" or not isinstance(function_call, dict):
+            raise InvalidRequest(
+                f"{param}.function_call must be an object on an assistant message",
+                param=f"{param}.function_call",
+            )
+        if message.get("tool_calls") is not None:
+            raise InvalidRequest(
+                f"{param}: function_call and tool_calls both given",
+                param=f"{param}.function_call",
+            )
+        call = {"id": f"call_{i}", "type": "function", "function": function_call}
+        message = {**message, "tool_calls": [call]}
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):

@@ -1,10 +1,11 @@
-"""Structured output requests: chat's `response_format` and the Responses API's
-`text.format` -> a ResponseFormat (or None for free text).
+"""Structured output requests: chat's `response_format`, the Responses API's
+`text.format` and the Messages API's `output_config.format` (beta: `output_format`) -> a
+ResponseFormat (or None for free text).
 
 Both families say the same thing in two shapes: chat nests the schema
 (`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`), Responses
 flattens it (`{"type": "json_schema", "name", "schema", "strict"}`). The schema is
-compiled by the engine (engine/constraints.py), which blames `ResponseFormat.param`
+compiled by the engine (engine/decode/constraints.py), which blames `ResponseFormat.param`
 when it cannot be used. The reply always follows the schema: `strict: false` asks for
 less than that, so it is accepted too.
 """
@@ -49,6 +50,29 @@ def responses_text_format(value: Any) -> ResponseFormat | None:
     if kind == "json_object":
         return ResponseFormat("json_object", param="text.format")
     return _schema_format(value, "text.format")
+
+
+def anthropic_output_format(body: dict[str, Any]) -> ResponseFormat | None:
+    """The Messages API's `output_config.format`, or the beta's `output_format`:
+    `{"type": "json_schema", "schema": {...}}`."""
+    config = body.get("output_config")
+    nested = config.get("format") if isinstance(config, dict) else None
+    beta = body.get("output_format")
+    if nested is not None and beta is not None:
+        raise InvalidRequest(
+            "output_format and output_config.format both given; send one",
+            param="output_format",
+        )
+    value, param = (beta, "output_format") if beta is not None else (nested, "output_config.format")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{param} must be an object, not {json_type(value)}", param=param)
+    if value.get("type") != "json_schema":
+        raise InvalidRequest(
+            f"{param}.type must be 'json_schema', got {value.get('type')!r}", param=f"{param}.type"
+        )
+    return _schema_format(value, param)
 
 
 def _kind(value: Any, param: str) -> str:

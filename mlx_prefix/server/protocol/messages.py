@@ -14,9 +14,11 @@ Every field is honoured or refused with a 400 naming it:
   (adaptive: the template's default); `budget_tokens` (any non-negative count below
   max_tokens: Anthropic's 1024 floor is a billing rule) bounds the reasoning: once
   spent, the server closes the think block as the template does and the model answers
-  (engine/reasoning_budget.py); disabled also closes at once a block the prompt opens
+  (engine/decode/reasoning_budget.py); disabled also closes at once a block the prompt opens
   anyway (a budget of 0); `display: "omitted"` sends thinking blocks without their text
   (the signature carries it back, server/anthropic_stream.py);
+- `output_config.format` (the beta's `output_format`): `json_schema` structured output,
+  held to the schema as chat's `response_format` is (not with `stop_sequences` or tools);
 - `output_config.effort`: a local model has one knob for how hard it works, whether it
   reasons before answering, so "low" turns the template's thinking off (unless
   `thinking` enables it) and the other levels leave it as `thinking` says;
@@ -35,6 +37,7 @@ from mlx_prefix.records import Breakpoint, PromptInput, SamplingParams
 
 from .anthropic_blocks import convert
 from .fields import MISSING, field, integer, json_type, number
+from .formats import anthropic_output_format
 from .request import (
     MAX_STOP_SEQUENCES,
     SEED_LIMIT,
@@ -42,6 +45,8 @@ from .request import (
     Limits,
     ToolChoice,
     cache_preference,
+    check_stop_lengths,
+    refuse_stop_with_format,
 )
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -82,8 +87,17 @@ def parse_messages_request(
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),  # mlx-prefix's extension
         stop=_stop_sequences(body),
         reasoning_budget=thinking.budget,
+        response_format=anthropic_output_format(body),
     )
     offer = prompt.tools is not None
+    refuse_stop_with_format(sampling, "stop_sequences")
+    if offer and sampling.response_format is not None:
+        raise InvalidRequest(
+            f"{sampling.response_format.param.rsplit('.', 1)[0]} cannot be combined with tools "
+            "here: a reply held to the format could never call one (send tool_choice "
+            "'none', or no tools)",
+            param=sampling.response_format.param.rsplit(".", 1)[0],
+        )
     generation = GenerationRequest(
         kind="chat",
         model=model,
@@ -328,16 +342,35 @@ def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
             f"stop_sequences must be an array of at most {MAX_STOP_SEQUENCES} non-empty strings",
             param="stop_sequences",
         )
+    check_stop_lengths(stops, "stop_sequences")
     return tuple(stops)
 
 
+# Every top-level field this module reads (or refuses by name); anything else is a 400.
+KNOWN_FIELDS = frozenset(
+    {
+        *("model", "messages", "max_tokens", "system", "stop_sequences", "stream"),
+        *("temperature", "top_p", "top_k", "tools", "tool_choice", "thinking"),
+        *("metadata", "service_tier", "output_config", "output_format"),
+        *("context_management", "cache_control", "mcp_servers", "container"),
+        # mlx-prefix's and mlx_lm.server's extensions
+        *("seed", "prefix_cache", "cache_salt", "adapters"),
+    }
+)
+_OUTPUT_CONFIG_KEYS = frozenset({"effort", "format"})
+
+
 def _refuse_unsupported(body: dict[str, Any]) -> None:
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise InvalidRequest(f"{unknown[0]}: not a Messages API field here", param=unknown[0])
     field(body, "metadata", dict, None)  # ignored, but it must be an object
     output = field(body, "output_config", dict, None) or {}
-    if output.get("format") is not None:
+    unknown = sorted(set(output) - _OUTPUT_CONFIG_KEYS)
+    if unknown:
         raise InvalidRequest(
-            "output_config.format: structured outputs are not supported",
-            param="output_config.format",
+            f"output_config.{unknown[0]} is not supported (effort and format are)",
+            param=f"output_config.{unknown[0]}",
         )
     for name in ("mcp_servers", "container"):
         if body.get(name):

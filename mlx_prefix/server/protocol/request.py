@@ -5,7 +5,7 @@ prefix_cache extension and cache_salt."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from mlx_prefix.errors import InvalidRequest
@@ -16,7 +16,10 @@ from .formats import chat_response_format
 from .sampling_fields import mlx_lm_sampling
 
 MAX_STOP_SEQUENCES = 16
+# Characters in one stop string: the engine's matcher holds a node per character.
+MAX_STOP_CHARS = 1024
 _SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
+_PREFIX_CACHE_KEYS = frozenset({"enabled", "scope"})
 SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 
 
@@ -39,7 +42,9 @@ class SamplingDefaults:
 @dataclass(frozen=True)
 class Limits:
     default_max_tokens: int
-    max_tokens: int  # largest max_tokens accepted (context length or the server's cap)
+    # Largest max_tokens accepted: the served model's context length or the server's cap
+    # (parsing uses the cap; `fit_to_model` then the model's own).
+    max_tokens: int
     sampling: SamplingDefaults = SamplingDefaults()
     # The server's --draft-model as a request may name it (its id, its path); empty: none.
     draft_names: tuple[str, ...] = ()
@@ -75,6 +80,8 @@ class GenerationRequest:
     # mlx_lm.server's `adapters`: a LoRA adapter folder; its engine is the model's with
     # the adapter applied (server/model_pool.py), its cache apart from the base model's.
     adapter: str | None = None
+    # The body used the deprecated `functions`: a call comes back as `function_call`.
+    legacy_functions: bool = False
 
 
 def generation_request(
@@ -116,6 +123,7 @@ def generation_request(
         **mlx_lm_sampling(body, limits.sampling.get("min_p", 0.0)),
         num_draft_tokens=_num_draft_tokens(body, limits),
     )
+    refuse_stop_with_format(sampling, "stop")
     if parse_tools and sampling.response_format is not None:
         raise InvalidRequest(
             "response_format cannot be combined with tools: a reply held to the format "
@@ -171,6 +179,24 @@ def _num_draft_tokens(body: dict[str, Any], limits: Limits) -> int | None:
     return count
 
 
+def fit_to_model(req: GenerationRequest, limits: Limits) -> GenerationRequest:
+    """Bound the reply by the served model's own limit. A body is parsed before its model
+    is known (loading one waits for the body's checks), under the server's cap only."""
+    limit, asked = limits.max_tokens, req.sampling.max_tokens
+    if req.max_tokens_param is None:
+        n = min(limits.default_max_tokens, limit)
+    elif asked <= limit:
+        return req
+    elif req.fit_reply:
+        raise InvalidRequest(
+            f"{req.max_tokens_param} is {asked}, more than this model allows ({limit})",
+            param=req.max_tokens_param,
+        )
+    else:
+        n = limit
+    return replace(req, sampling=replace(req.sampling, max_tokens=n))
+
+
 def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
     # max_completion_tokens is the newer name; when both are sent it wins.
     for name in ("max_completion_tokens", "max_tokens"):
@@ -195,7 +221,28 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
             f"'stop' must be a string or an array of at most {MAX_STOP_SEQUENCES} strings",
             param="stop",
         )
+    check_stop_lengths(stops, "stop")
     return tuple(s for s in stops if s)
+
+
+def refuse_stop_with_format(sampling: SamplingParams, param: str) -> None:
+    """A stop string would cut a structured reply short of the closing brace: invalid
+    JSON, while the format promises a reply that parses."""
+    if sampling.stop and sampling.response_format is not None:
+        raise InvalidRequest(
+            f"{param} cannot be combined with {sampling.response_format.param.split('.')[0]}: "
+            "a stop string could cut the structured reply into invalid JSON",
+            param=param,
+        )
+
+
+def check_stop_lengths(stops: list[str], param: str) -> None:
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidRequest(
+            f"{param}: a stop string of {longest} characters; at most {MAX_STOP_CHARS}",
+            param=param,
+        )
 
 
 def cache_preference(body: dict[str, Any]) -> CachePreference:
@@ -207,6 +254,12 @@ def cache_preference(body: dict[str, Any]) -> CachePreference:
     pref = field(body, "prefix_cache", dict, None)
     if pref is None:
         return CachePreference(salt=salt)
+    unknown = sorted(set(pref) - _PREFIX_CACHE_KEYS)
+    if unknown:
+        raise InvalidRequest(
+            f"prefix_cache has no key {unknown[0]!r} (its keys: enabled, scope)",
+            param=f"prefix_cache.{unknown[0]}",
+        )
     enabled = pref.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InvalidRequest("prefix_cache.enabled must be a boolean", param="prefix_cache.enabled")

@@ -2,8 +2,8 @@
 `min_p`, `xtc_probability` / `xtc_threshold`, `logit_bias`, and `repetition_penalty`,
 `presence_penalty`, `frequency_penalty` with their `*_context_size`.
 
-Same names, defaults and meanings as mlx_lm.server (engine/sampling.py and
-engine/logits.py apply them); the ranges are those mlx_lm.sample_utils accepts without
+Same names, defaults and meanings as mlx_lm.server (engine/decode/sampling.py and
+engine/decode/logits.py apply them); the ranges are those mlx_lm.sample_utils accepts without
 failing mid-decode, and OpenAI's for `presence_penalty`, `frequency_penalty` and
 `logit_bias`. The penalties read the last `*_context_size` tokens of prompt and reply
 together, as mlx_lm does (OpenAI's read the whole reply only).

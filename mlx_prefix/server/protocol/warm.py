@@ -34,4 +34,10 @@ def parse_warm(body: dict[str, Any]) -> WarmRequest:
     else:
         prompt = PromptInput(text=prompt_text(body["prompt"]))
     pin = bool(field(body, "pin", bool, False))
-    return WarmRequest(prompt=prompt, pin=pin, cache=cache_preference(body))
+    cache = cache_preference(body)  # its scope says what goes to disk (pinned: "full")
+    if not cache.enabled:
+        raise InvalidRequest(
+            "prefix_cache.enabled: false on a warm-up, whose only work is to cache",
+            param="prefix_cache.enabled",
+        )
+    return WarmRequest(prompt=prompt, pin=pin, cache=cache)

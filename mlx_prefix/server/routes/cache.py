@@ -84,5 +84,12 @@ async def cache_warm(request: Request) -> Response:
 async def cache_flush(request: Request) -> Response:
     who = caller(request)
     namespace = None if who.admin else who.namespace  # None: every namespace
-    removed = await run_in_threadpool(state(request).engine.flush_cache, namespace)
-    return JSONResponse({"removed": removed})
+    st = state(request)
+    # Every resident model's entries (the views show the primary's only): listed here, on
+    # the event loop, where the pool's state lives.
+    engines = [served.engine for served in st.models.resident()] or [st.engine]
+
+    def flush() -> int:
+        return sum(engine.flush_cache(namespace) for engine in engines)
+
+    return JSONResponse({"removed": await run_in_threadpool(flush)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -38,6 +38,11 @@ class ServerState:
     started: int  # unix time, reported as the model's `created`
     responses: ResponseStore  # past /v1/responses answers, for previous_response_id
     tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
+
+    def limits_for(self, engine: Any) -> Limits:
+        """The request limits of the model `engine` serves: its own context length."""
+        cap = self.settings.max_tokens_limit
+        return replace(self.limits, max_tokens=min(cap, engine.model.context_length or cap))
 
     @property
     def engine(self) -> Any:

@@ -9,10 +9,10 @@ Who may read and act (the API's own rules, server/middleware.py):
   for it and keeps it in sessionStorage);
 - actions are POST (with a JSON body, which a page can only send after a CORS
   preflight) or DELETE (always preflighted): no form or image tag can trigger one;
-- the data is also refused when the Host header names a host whose pages the origin
-  policy refuses. A browser sends no Origin with a same-origin GET, so without this a
-  page on a hostile name re-pointed at 127.0.0.1 (DNS rebinding) would be "same
-  origin" and could read the text heads of cached prompts;
+- a Host header naming neither this machine nor an allowed host is refused before
+  any route runs (server/hosts.py): a browser sends no Origin with a same-origin GET,
+  so without it a page on a hostile name re-pointed at 127.0.0.1 (DNS rebinding) would
+  be "same origin" and could read the text heads of cached prompts;
 - the page and its files are served with a Content-Security-Policy that allows only
   its own scripts and connections and forbids framing it (no clickjacking).
 """
@@ -29,8 +29,6 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from mlx_prefix.errors import InvalidRequest
 
 from .. import dashboard as D
-from ..errors import OriginRefused
-from ..middleware import origin_allowed
 from ..namespaces import caller
 from .common import api, read_json, state
 
@@ -80,7 +78,6 @@ def _file(name: str) -> Response:
 @api
 async def data(request: Request) -> Response:
     st = state(request)
-    _check_host(request)
     body = await run_in_threadpool(
         D.snapshot, st.engine, st.metrics.recent, st.tree_shapes, caller(request)
     )
@@ -103,13 +100,3 @@ async def evict(request: Request) -> Response:
     entry_id = request.path_params["entry_id"]
     await run_in_threadpool(D.evict, state(request).engine, caller(request), entry_id)
     return JSONResponse({"entry_id": entry_id, "evicted": True})
-
-
-def _check_host(request: Request) -> None:
-    host = request.headers.get("host", "")
-    settings = state(request).settings
-    if not origin_allowed(f"{request.url.scheme}://{host}", settings.allowed_origins):
-        raise OriginRefused(
-            f"host {host!r} is not allowed: open the dashboard on localhost, or start the "
-            "server with --allowed-origins naming this address"
-        )

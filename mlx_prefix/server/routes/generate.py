@@ -19,6 +19,7 @@ from ..generation import Collected, RequestLog
 from ..namespaces import caller
 from ..protocol.chat import parse_chat
 from ..protocol.completions import parse_completion
+from ..protocol.request import fit_to_model
 from ..tool_choice import with_tool_choice
 from .common import api, model_for, read_json, state
 from .flow import respond, submit
@@ -46,13 +47,14 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         served = await model_for(request, req.model, req.adapter)
+        req = fit_to_model(req, st.limits_for(served.engine))
         tokenizer = served.engine.model.tokenizer
         req = with_tool_choice(req, tokenizer)
         handle = await submit(served.engine, req, record.request_id)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
-    meta = R.ResponseMeta(kind, served.id, record.request_id)
+    meta = R.ResponseMeta(kind, served.id, record.request_id, legacy_functions=req.legacy_functions)
     assembler = Assembler.for_request(
         req, tokenizer, req.stream, opens_reasoning=handle.opens_reasoning
     )

@@ -25,6 +25,7 @@ from ..assembler import Assembler
 from ..generation import Collected, RequestLog
 from ..namespaces import caller
 from ..protocol.messages import parse_count_tokens, parse_messages_request
+from ..protocol.request import fit_to_model
 from ..tool_choice import with_tool_choice
 from .common import api, model_for, read_json, state
 from .flow import respond, submit
@@ -46,7 +47,8 @@ async def messages(request: Request) -> Response:
         # them, so the client's next turn (which sends them back) finds its prefix cached.
         ids = ToolCallIds(message_id, prefix="toolu_")
         prompt = replace(parsed.generation.prompt, reply_tool_call_ids=ids)
-        req = with_tool_choice(replace(parsed.generation, prompt=prompt), tokenizer)
+        req = fit_to_model(replace(parsed.generation, prompt=prompt), st.limits_for(served.engine))
+        req = with_tool_choice(req, tokenizer)
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         handle = await submit(served.engine, req, message_id)
     except MlxPrefixError as e:

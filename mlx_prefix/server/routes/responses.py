@@ -1,7 +1,9 @@
 """Responses API routes: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
 A request's prompt is its instructions (a system message), the conversation of its
-`previous_response_id` (from the store), then its own input. Its tool calls are named
+`previous_response_id` (from the store), then its own input. Stored responses belong to
+the caller's cache namespace (server/namespaces.py, before any cache_salt): another
+namespace's id is a 404 for GET, DELETE and previous_response_id alike. Its tool calls are named
 after its id, as the engine's next-turn prefetch names them, so an agent's next turn
 (sent back as items, or chained by id) restores the whole history from the cache.
 """
@@ -21,6 +23,7 @@ from mlx_prefix.records import DoneEvent, ToolCallIds
 from ..assembler import Assembler, Delta
 from ..generation import Collected, RequestLog
 from ..namespaces import caller
+from ..protocol.request import fit_to_model
 from ..protocol.response_items import reply_messages
 from ..protocol.responses import ResponsesRequest, parse_responses
 from ..response_objects import OutputEvents, ResponseHead, new_id, sse
@@ -40,8 +43,9 @@ async def create_response(request: Request) -> Response:
         parsed = parse_responses(await read_json(request), st.limits)
         served = await model_for(request, parsed.model)
         tokenizer = served.engine.model.tokenizer
-        history = _history(st.responses, parsed)
-        req = with_tool_choice(parsed.generation(history, ToolCallIds(response_id)), tokenizer)
+        history = _history(st.responses, who.namespace, parsed)
+        req = parsed.generation(history, ToolCallIds(response_id))
+        req = with_tool_choice(fit_to_model(req, st.limits_for(served.engine)), tokenizer)
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         handle = await submit(served.engine, req, response_id)
     except MlxPrefixError as e:
@@ -64,7 +68,7 @@ async def create_response(request: Request) -> Response:
     def save(body: dict[str, Any]) -> None:
         if parsed.store:
             turn = (*history, *parsed.input, *reply_messages(body["output"]))
-            st.responses.put(response_id, StoredResponse(body, turn))
+            st.responses.put(who.namespace, response_id, StoredResponse(body, turn))
 
     assembler = Assembler.for_request(
         req, tokenizer, streaming=False, opens_reasoning=handle.opens_reasoning
@@ -85,7 +89,9 @@ async def create_response(request: Request) -> Response:
 @api
 async def get_response(request: Request) -> Response:
     _no_query(request)
-    stored = state(request).responses.get(request.path_params["response_id"])
+    stored = state(request).responses.get(
+        caller(request).namespace, request.path_params["response_id"]
+    )
     if stored is None:
         raise _not_found(request.path_params["response_id"])
     return JSONResponse(stored.body)
@@ -95,15 +101,15 @@ async def get_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     _no_query(request)
     response_id = request.path_params["response_id"]
-    if not state(request).responses.delete(response_id):
+    if not state(request).responses.delete(caller(request).namespace, response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-def _history(store: Any, req: ResponsesRequest) -> tuple[dict[str, Any], ...]:
+def _history(store: Any, namespace: str, req: ResponsesRequest) -> tuple[dict[str, Any], ...]:
     if req.previous_response_id is None:
         return ()
-    stored = store.get(req.previous_response_id)
+    stored = store.get(namespace, req.previous_response_id)
     if stored is None:
         raise ResponseNotFound(
             f"Previous response with id '{req.previous_response_id}' not found (never "

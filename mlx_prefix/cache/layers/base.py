@@ -1,0 +1,93 @@
+"""What the engine needs from one mlx-lm cache class, with the defaults most share.
+
+A model's cache is a list of per-layer cache objects (mlx-lm's `make_prompt_cache`),
+each of some class: KV, quantized KV, chunked, rotating (sliding window), arrays
+(recurrent / SSM state), or a CacheList of several. Each class has one `LayerKind`
+(one module in this package) that says how to capture and restore it (cache/snapshot.py),
+whether it may be trimmed, how running requests' layers merge into a decode batch
+(engine/decode/batch.py), whether --kv-bits quantizes it (engine/forward/kv_quant.py),
+and which part of a prefill's work it is (models/cost.py). A model family with a new
+cache class is one new module here, registered in `__init__.KINDS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+# The part of a prefill's work a layer does (models/cost.py): attention over every
+# earlier token, over a window of them, or a recurrent state update per token.
+CostRole = Literal["full", "window", "recurrent"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSnapshot:
+    cls: type  # the cache class to rebuild (through its `from_state`)
+    state: tuple[Any, ...]  # its `state`, arrays as the snapshot's own objects, KV sliced to offset
+    children: tuple[LayerSnapshot, ...] = ()  # CacheList members (then `state` is empty)
+
+
+def view(a: Any) -> Any:
+    """A fresh array object over the same buffer (or `a` if not an array)."""
+    return a[...] if isinstance(a, mx.array) else a
+
+
+def head(x: Any, n: int) -> Any:
+    """The first `n` positions of a [B, H, T, D] buffer, as a view."""
+    return x[..., :n, :]
+
+
+def check_offset(c: Any, length: int) -> None:
+    if c.offset != length:
+        raise ValueError(f"{type(c).__name__} offset {c.offset} != checkpoint length {length}")
+
+
+class LayerKind:
+    """A cache class the engine can serve. The defaults fit a class whose state is
+    replaced as a whole (never written in place) and that mlx-lm can merge."""
+
+    classes: tuple[type, ...] = ()
+    # Positions below the offset never change once written (checkpoints of one prefill
+    # may bind such layers late and share their buffer: cache/snapshot.py).
+    append_only = False
+    # Any earlier position can be restored by trimming, whatever happened since: one
+    # snapshot at a prompt's end serves every shorter prefix.
+    always_trimmable = False
+    # Restores only at exactly the captured length, even if mlx-lm could trim it.
+    exact_only = False
+    quantized = False  # holds --kv-bits quantized KV
+    cost_role: CostRole = "full"
+
+    def capture(self, c: Any, length: int) -> LayerSnapshot:
+        """The layer after `length` tokens, as views of its buffers. Does not mutate."""
+        return LayerSnapshot(type(c), tuple(tree_map(view, c.state)))
+
+    def restore(self, layer: LayerSnapshot, trim: int) -> Any:
+        """A fresh layer sharing the snapshot's buffers, `trim` tokens shorter."""
+        obj = layer.cls.from_state(tree_map(view, layer.state))
+        if trim:
+            obj.trim(trim)
+        return obj
+
+    def batchable(self, c: Any) -> bool:
+        """Whether this layer may decode in a batch with others (mlx-lm can merge it)."""
+        return hasattr(c, "merge")
+
+    def merge(self, layers: Sequence[Any], steps: int) -> Any:
+        """Several sequences' layers as one batch cache, with room for `steps` more
+        tokens where that saves a copy."""
+        return type(layers[0]).merge(list(layers))
+
+    def quantizes(self, c: Any, start: int) -> bool:
+        """Whether --kv-bits turns this layer into quantized KV now (mlx_lm's rule)."""
+        return False
+
+    def arrays(self, c: Any) -> list[Any]:
+        """The live layer's state, flattened (for evaluation and byte counts)."""
+        from mlx.utils import tree_flatten
+
+        return [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]

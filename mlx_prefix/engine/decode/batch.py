@@ -1,0 +1,196 @@
+"""DecodeBatch: the running requests' caches merged into one batched cache (MLX).
+
+mlx-lm's batch caches (BatchKVCache, ArraysCache, CacheList, ...) left-pad shorter
+sequences and mask the padding; a step is one forward of every row, as mlx_lm.server
+decodes. Each layer kind merges its own way (cache/layers/: sliding-window rows kept in
+temporal order, KV with room for the next steps). Batch invariance (--deterministic)
+adds engine/forward/rowwise.py's row groups and per-row attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_prefix.cache.layers import kind_of
+from mlx_prefix.cache.snapshot import cache_nbytes
+from mlx_prefix.engine.decode.sampling import TokenSampler, normalize, top_logprobs
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.forward.rowwise import batched
+
+
+def batchable(cache: list) -> bool:
+    """Whether this cache may decode batched (every layer's kind can merge)."""
+    return all(kind_of(c).batchable(c) for c in cache)
+
+
+@dataclass(frozen=True, slots=True)
+class RowSample:
+    """One row's result of a decode step."""
+
+    token: int
+    logprob: float | None  # of `token`, when the step was asked for logprobs
+    top_ids: list[int]  # the step's `top_n` most likely tokens, most likely first
+    top_values: list[float]  # their logprobs
+
+
+def _tokens_in(cache: list) -> int:
+    """Tokens a sequence's cache holds (a sliding window's total, not its window)."""
+    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+    return max(offsets, default=0)
+
+
+def _merged(layers: Sequence[Any], steps: int) -> Any:
+    """One layer of several sequences' caches as one batch cache, with room for `steps`
+    more tokens where that saves a copy (cache/layers/: each kind merges its own way)."""
+    return kind_of(layers[0]).merge(layers, steps)
+
+
+class DecodeBatch:
+    """Rows in insertion order; row i belongs to `members[i]`. Engine thread only.
+
+    By default (`rows` None) a step is one forward of every row, as mlx_lm.server
+    decodes: a row's numbers may then move with what shares its step (batching, never
+    the cache: no decode state is stored). With `rows` (--deterministic) a step runs
+    batch-invariant (engine/forward/rowwise.py): projections in groups of at most `rows` rows,
+    attention per row over its own keys, so each row's numbers are those of the same
+    request decoding alone.
+
+    With `kv` (quantized KV, engine/forward/kv_quant.py) the batch holds one row, its cache
+    unmerged (mlx-lm has no batched quantized cache), quantized after each step as
+    mlx_lm does."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rows: int | None = None,
+        agree: Callable[[mx.array], mx.array] | None = None,
+        kv: KvQuant | None = None,
+    ):
+        self.model = model
+        self.rows = rows  # rows one matmul may hold and still compute each like alone
+        self.agree = agree  # sharded: every rank goes on with rank 0's tokens (group.py)
+        self.kv = kv
+        self.cache: list = []
+        # Caches of sequences that joined since the last step: merged into `cache` all at
+        # once (one copy of the batch, not one per joining sequence).
+        self._joining: list[list] = []
+        self._room = 0  # tokens the joining sequences may still decode (the most of them)
+        self.members: list[Any] = []
+        self._samplers: list[TokenSampler] = []
+        self._inputs: list[int] = []  # next input token per row
+        self._lengths: list[int] = []  # tokens in each row's cache
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(
+        self, member: Any, cache: list, sampler: TokenSampler, first_token: int, steps: int = 0
+    ) -> None:
+        """Join a sequence whose prompt is fully in `cache`; its next input is first_token.
+        `steps`: decode steps it may take (the merged buffer makes room for them)."""
+        if self.kv is not None:
+            assert not self.cache, "a quantized-KV engine decodes one request at a time"
+            self.cache = list(cache)
+        else:
+            self._joining.append(list(cache))
+            self._room = max(self._room, steps)
+        self.members.append(member)
+        self._samplers.append(sampler)
+        self._inputs.append(first_token)
+        self._lengths.append(_tokens_in(cache))
+
+    def join(self) -> None:
+        """Merge the sequences that joined into the batch cache, in joining order (lazy:
+        the next evaluation copies them)."""
+        if not self._joining:
+            return
+        new = [_merged(layers, self._room) for layers in zip(*self._joining, strict=True)]
+        self._joining, self._room = [], 0
+        if not self.cache:
+            self.cache = new
+            return
+        for layer, joined in zip(self.cache, new, strict=True):
+            layer.extend(joined)
+
+    def remove(self, members: Sequence[Any]) -> None:
+        self.join()
+        gone = {id(m) for m in members}
+        keep = [i for i, m in enumerate(self.members) if id(m) not in gone]
+        if len(keep) == len(self.members):
+            return
+        if not keep:
+            self.cache, self.members, self._samplers, self._inputs = [], [], [], []
+            self._lengths = []
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.members = [self.members[i] for i in keep]
+        self._samplers = [self._samplers[i] for i in keep]
+        self._inputs = [self._inputs[i] for i in keep]
+        self._lengths = [self._lengths[i] for i in keep]
+
+    def step(self, want_logprobs: bool = False, top_n: int = 0) -> list[RowSample]:
+        """One decode step for every row. Logprobs (and the `top_n` most likely tokens)
+        only when asked: computed with the tokens, in the same evaluation."""
+        self.join()
+        inputs = mx.array(self._inputs)[:, None]  # [B, 1]
+        self._lengths = [n + 1 for n in self._lengths]
+        if self.kv is not None:
+            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [1, V]
+            self.kv.apply(self.cache)
+        elif self.rows is None:
+            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+        else:
+            with batched(self.rows, self._lengths):
+                logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+        logprobs = normalize(logits)
+        tokens = mx.concatenate(
+            [s(logprobs[i : i + 1], logits[i : i + 1]) for i, s in enumerate(self._samplers)]
+        )  # [B]
+        if self.agree is not None:
+            tokens = self.agree(tokens)
+        out = [tokens]
+        if want_logprobs:
+            out.append(mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0])  # [B]
+            if top_n:
+                out.extend(top_logprobs(logprobs, top_n))  # [B, n] ids, [B, n] values
+        mx.eval(*out)
+        token_list = tokens.tolist()
+        self._inputs = list(token_list)
+        rows = len(token_list)
+        chosen = out[1].tolist() if want_logprobs else [None] * rows
+        ids = out[2].tolist() if len(out) > 2 else [[]] * rows
+        values = out[3].tolist() if len(out) > 2 else [[]] * rows
+        return [RowSample(*row) for row in zip(token_list, chosen, ids, values, strict=True)]
+
+    def sampler(self, row: int) -> TokenSampler:
+        return self._samplers[row]
+
+    def verify(self, tokens: Sequence[int]) -> mx.array:
+        """The only row's input and the L-1 tokens after it, computed in one forward
+        like L decode steps (engine/decode/speculative.py): logits [L, V]. The cache then holds
+        all L; `settle` says which stay."""
+        assert len(self.members) == 1 and tokens[0] == self._inputs[0]
+        self.join()
+        length = self._lengths[0] + len(tokens)
+        with batched(self.rows or 1, [length], verify=True):
+            logits = self.model(mx.array(tokens)[None], cache=self.cache)[0]  # [L, V]
+        return logits
+
+    def settle(self, length: int, next_input: int, rejected: int) -> None:
+        """After `verify`: drop its last `rejected` positions; the row then holds
+        `length` tokens and goes on with `next_input`."""
+        if rejected:
+            for c in self.cache:
+                c.trim(rejected)
+        self._lengths = [length]
+        self._inputs = [next_input]
+
+    def nbytes(self) -> int:
+        joining = sum(cache_nbytes(c) for c in self._joining)
+        return (cache_nbytes(self.cache) if self.cache else 0) + joining

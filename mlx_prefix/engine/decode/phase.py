@@ -1,0 +1,228 @@
+"""The decode phase: requests whose prompt is computed, one token per step each.
+
+A request joins with its prefill logits: the first token is sampled from them, then its
+cache is merged into the decode batch (engine/decode/batch.py). Each token becomes a
+TokenEvent; a request ends at EOS, a stop string, its token limit or a cancel. The
+batch's resident bytes count against the store's byte budget. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
+from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.decode.text import TextStream
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.requests.jobs import Job, PrefillTask, Running, usage
+from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.prompt.reasoning import ReasoningMarkers
+from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
+
+ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
+
+
+class DecodePhase:
+    def __init__(
+        self,
+        model: LoadedModel,
+        rows: int | None,
+        store: PromptCache,
+        bytes_key: str,
+        end: Callable[[Job, DoneEvent | ErrorEvent], None],
+        on_reply: Callable[[Job, str], None],
+        kv: KvQuant | None = None,
+    ):
+        self.model = model
+        self.rows = rows  # decode rows one matmul may hold (engine/forward/rowwise.py); None: all
+        self.store = store
+        self._bytes_key = bytes_key  # this engine's batch bytes in the store's budget
+        self._end = end  # sends a job's final event
+        self._on_reply = on_reply  # a request finished with this reply (not cancelled)
+        # Sharded: the tokens every rank goes on with, rank 0's (engine/sharded/distributed.py).
+        self.agree_tokens: Callable[[mx.array], mx.array] | None = None
+        self.kv = kv  # quantized KV: one request at a time, unmerged (engine/decode/batch.py)
+        self.batch = DecodeBatch(model.model, rows, kv=kv)
+        # With --draft-model: a request decoding alone speculates (engine/decode/speculative.py).
+        self.speculator: Speculator | None = None
+        # The model's think markers, for reasoning budgets (set by the engine).
+        self.reasoning: ReasoningMarkers | None = None
+        self.steps = 0
+        self.peak_batch = 0  # most requests ever decoded together (observability, tests)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def running(self) -> list[Running]:
+        return list(self.batch.members)
+
+    def set_rows(self, rows: int | None) -> None:
+        """Decode rows one matmul may hold (engine/forward/rowwise.py; None: one plain forward of
+        every row); before any request runs."""
+        assert not len(self.batch)
+        self.rows = rows
+        self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens, self.kv)
+
+    def admit(self, arrivals: Sequence[tuple[PrefillTask, mx.array, int]]) -> None:
+        """Requests whose prompt is computed join the batch: each (task, its prefill
+        logits [1, V], limit) samples its first token from the logits and may produce
+        `limit` tokens; one its first token ends leaves at once. The batch cache is
+        merged before the first tokens go out, so that copy never sits between a
+        request's first and second token. The caller closes the prefills after."""
+        firsts = [self._arrive(task, logits, limit) for task, logits, limit in arrivals]
+        self.batch.join()
+        mx.eval([c.state for c in self.batch.cache])
+        for running, token, logprob, top in firsts:
+            self._accept_token(running, token, logprob, top)
+        if len(self.batch):
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def _arrive(
+        self, task: PrefillTask, logits: mx.array, limit: int
+    ) -> tuple[Running, int, float | None, tuple[TopLogprob, ...]]:
+        """Sample `task`'s first token and add it to the batch; the token is not handed
+        on yet."""
+        job = task.job
+        job.handle.cached_tokens = task.reuse
+        job.handle.cache_written_tokens = max(0, job.stored_to - task.reuse)
+        prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
+        sampler = self._sampler(job)
+        budget = ReasoningBudget.of(
+            job.sampling.reasoning_budget, self.reasoning, job.prompt.opens_reasoning, sampler
+        )
+        logprobs = normalize(logits)  # [1, V]
+        first = sampler(logprobs, logits)  # [1]
+        if self.agree_tokens is not None:
+            first = self.agree_tokens(first)
+        token = int(first.item())
+        logprob, top = None, ()
+        if job.sampling.logprobs:
+            logprob = logprobs[0, token].item()
+            if n := job.sampling.top_logprobs:
+                ids, values = top_logprobs(logprobs, n)
+                mx.eval(ids, values)
+                top = alternatives(ids[0].tolist(), values[0].tolist(), n)
+        stream = TextStream(self.model.tokenizer, job.sampling.stop)
+        running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
+        running.reasoning = budget
+        self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0))
+        if self.speculator is not None and task.draft is not None:
+            self.speculator.adopt(running, task.draft)
+        return running, token, logprob, top
+
+    def step(self, stopping: bool) -> None:
+        """Drop cancelled requests (all of them when `stopping`), then one token for every
+        running request."""
+        for running in [
+            r for r in self.batch.members if r.job.handle.cancelled.is_set() or stopping
+        ]:
+            self._finish(running, "cancelled")
+        if not len(self.batch):
+            return
+        self.peak_batch = max(self.peak_batch, len(self.batch))
+        if self.speculator is not None and len(self.batch) == 1:
+            running = self.batch.members[0]
+            if not _bounding(running) and (k := self.speculator.tokens_for(running)):
+                accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
+                self.speculator.step(self.batch, running, k, accept)
+                self.steps += 1
+                return
+        asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
+        top_n = max((s.top_logprobs for s in asked), default=0)
+        members = list(self.batch.members)
+        sampled = self.batch.step(bool(asked), top_n)
+        for running, row in zip(members, sampled, strict=True):
+            params = running.job.sampling
+            if not params.logprobs:
+                self._accept_token(running, row.token, None)
+                continue
+            top = alternatives(row.top_ids, row.top_values, params.top_logprobs)
+            self._accept_token(running, row.token, row.logprob, top)
+        self.steps += 1
+        if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def _nbytes(self) -> int:
+        """The batch's resident bytes, the draft caches beside it included."""
+        spec = self.speculator.nbytes() if self.speculator is not None else 0
+        return self.batch.nbytes() + spec
+
+    def _sampler(self, job: Job) -> TokenSampler:
+        special: list[int] = []
+        if job.sampling.xtc_probability > 0:  # as mlx_lm.server: XTC never cuts these
+            tokenizer = self.model.tokenizer
+            special = tokenizer.encode("\n") + sorted(tokenizer.eos_token_ids)
+        return TokenSampler(job.sampling, job.constraint, job.tokens, special)
+
+    def drop_all(self) -> list[Job]:
+        """Empty the batch without events (after an error); returns the jobs it held."""
+        jobs = [r.job for r in self.batch.members]
+        self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens, self.kv)
+        self.store.drop_active(self._bytes_key)
+        if self.speculator is not None:
+            self.speculator.clear()
+        return jobs
+
+    def _accept_token(
+        self,
+        running: Running,
+        token: int,
+        logprob: float | None,
+        top: tuple[TopLogprob, ...] = (),
+    ) -> bool:
+        """Hand a sampled token to its request; True if the request ended with it."""
+        constraint = running.job.constraint
+        if constraint is not None and not constraint.advance(token):
+            self._finish(running, "error", f"constrained decoding failed: {constraint.error}")
+            return True
+        if token in self.model.tokenizer.eos_token_ids:
+            self._finish(running, "stop")
+            return True
+        running.count += 1
+        running.emitted.append(token)
+        if running.reasoning is not None:
+            running.reasoning.after(token)
+        delta = running.stream.add(token)
+        running.job.handle.emit(TokenEvent(delta, token, logprob, top))
+        if running.stream.stopped or (constraint is not None and constraint.finished):
+            self._finish(running, "stop")
+        elif running.count >= running.limit:
+            self._finish(running, "length")
+        else:
+            return False
+        return True
+
+    def _finish(self, running: Running, reason: str, error: str | None = None) -> None:
+        job = running.job
+        tail = running.stream.finish()
+        if tail:
+            job.handle.emit(TokenEvent(tail, None, None))
+        self.batch.remove([running])
+        if self.speculator is not None:
+            self.speculator.forget(running)
+        if len(self.batch):
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+        else:
+            self.store.drop_active(self._bytes_key)
+        if error is not None:
+            self._end(job, ErrorEvent(error))
+            return
+        decode_s = time.perf_counter() - running.first_at
+        decode_tps = (running.count - 1) / decode_s if running.count > 1 and decode_s > 0 else 0.0
+        ttft = running.first_at - job.submitted_at
+        done = usage(job, running.reuse, running.count, ttft, running.prefill_tps, decode_tps)
+        stop = running.stream.matched if reason == "stop" else None
+        self._end(job, DoneEvent(reason, done, stop))  # type: ignore[arg-type]
+        if reason != "cancelled":
+            self._on_reply(job, running.stream.text)
+
+
+def _bounding(running: Running) -> bool:
+    """Its reasoning budget may still force tokens: it decodes without speculation."""
+    return running.reasoning is not None and running.reasoning.bounding

@@ -1,0 +1,259 @@
+"""Speculative decoding: a small draft model proposes tokens, the target checks them in
+one forward, and the reply is exactly the target's own (mlx_lm.server's --draft-model).
+
+Exact, not just "the same distribution": a request decoding alone runs the verify
+forward of its input token and k drafted tokens [1, k+1] batch-invariant
+(engine/forward/rowwise.py, `verify`): every projection row in a group that computes like one
+row, query i attending over exactly the keys the decode step at its position would hold,
+with that step's mask. So row i's logits equal, bit for bit, those of the i-th plain
+decode step. The request's own sampler then draws at each position in order (the same
+PRNG key chain, logits processors and constraint as plain decoding); a drafted token is
+accepted only when it equals that draw, and the first draw that differs (or the one
+after k accepted tokens) is emitted as the target's own. Greedy or seeded, the tokens
+and logprobs are those of plain decoding. Rejected positions are trimmed from both
+caches (only always-trimmable caches may speculate: `check_draft`).
+
+The draft proposes greedily from its own KV cache of the sequence, which lives beside
+the request (not in the batch) and catches up on whatever the request emitted while it
+shared the batch with others: with several requests decoding, the plain batched step
+runs (as mlx_lm.server, which serves one request at a time with a draft). The draft's
+numbers never reach the reply, so its cache needs no grid or batch invariance.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, restore
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.forward.runner import ChunkWork, always_trimmable, compute_chunks
+from mlx_prefix.engine.requests.jobs import Running
+from mlx_prefix.errors import InvalidRequest, MlxPrefixError
+from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.records import SamplingParams, TopLogprob
+
+MAX_DRAFT_TOKENS = 32  # a request's num_draft_tokens above this is refused
+DRAFT_CHUNK = 512  # draft catch-up tokens per forward (its numbers never matter)
+
+# Hands one token to its request: (token, logprob, top) -> True if the request ended.
+Accept = Callable[[int, float | None, tuple[TopLogprob, ...]], bool]
+
+
+class DraftMismatch(MlxPrefixError):
+    """The draft model cannot serve this target (refused at startup)."""
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse, in one line, a draft that does not share the target's vocabulary or a
+    pair whose caches cannot trim rejected tokens (recurrent or sliding-window layers:
+    mlx_lm refuses those too)."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        raise DraftMismatch(
+            f"--draft-model {draft.name}: its tokenizer differs from {target.name}'s "
+            f"({len(d_vocab)} vs {len(t_vocab)} tokens); a draft must share the vocabulary"
+        )
+    for role, loaded in (("model", target), ("draft model", draft)):
+        if not always_trimmable(make_prompt_cache(loaded.model)):
+            raise DraftMismatch(
+                f"--draft-model needs caches that can trim rejected tokens; the {role} "
+                f"{loaded.name} has recurrent or sliding-window layers"
+            )
+
+
+def check_request(sampling: SamplingParams, speculator: Speculator | None) -> None:
+    """A request's num_draft_tokens: refused without a draft model or out of bounds."""
+    k = sampling.num_draft_tokens
+    if k is None:
+        return
+    if speculator is None:
+        raise InvalidRequest(
+            "num_draft_tokens needs a server started with --draft-model", param="num_draft_tokens"
+        )
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidRequest(
+            f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}", param="num_draft_tokens"
+        )
+
+
+def verify_matches(model: nn.Module, rows: int, vocab: int, k: int = 3) -> bool:
+    """Startup check (engine thread): a verify forward of k+1 tokens gives the tokens and
+    logprobs of k+1 plain decode steps on a synthetic prompt, bit for bit. A model whose
+    layers bypass the batch-invariant ones (engine/forward/rowwise.py) would fail it."""
+    prompt = [10 + (7 * i) % max(2, min(vocab, 1000) - 10) for i in range(40)]
+
+    def fresh() -> DecodeBatch:
+        cache = make_prompt_cache(model)
+        compute_chunks(model, [ChunkWork(cache, prompt, 0, len(prompt))], group=False)
+        batch = DecodeBatch(model, rows)
+        batch.add(0, cache, TokenSampler(SamplingParams(temperature=0.0)), prompt[-1])
+        return batch
+
+    batch = fresh()
+    steps = [batch.step(want_logprobs=True)[0] for _ in range(k + 1)]
+    inputs = [prompt[-1], *(s.token for s in steps[:-1])]
+    logprobs = [normalize(row[None]) for row in fresh().verify(inputs)]
+    return all(
+        int(mx.argmax(lp, axis=-1).item()) == s.token and lp[0, s.token].item() == s.logprob
+        for lp, s in zip(logprobs, steps, strict=True)
+    )
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Verify steps run and the draft tokens they checked (observability, tests)."""
+
+    steps: int = 0
+    drafted: int = 0  # tokens the draft proposed
+    accepted: int = 0  # of those, tokens the target drew too
+    draft_restored: int = 0  # prompt tokens of the draft's cache restored with the target's
+    draft_computed: int = 0  # prompt tokens the draft computed (a miss, or an entry without it)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass(slots=True)
+class DraftCache:
+    """The draft model's KV of a sequence's first `held` tokens."""
+
+    model: nn.Module
+    cache: list
+    held: int = 0
+
+    def extend(self, tokens: Sequence[int], end: int) -> mx.array | None:
+        """Compute tokens[held:end] into the cache; the last position's logits [1, V]
+        (lazy), None if there was nothing to compute."""
+        logits = None
+        for start in range(self.held, end, DRAFT_CHUNK):
+            stop = min(start + DRAFT_CHUNK, end)
+            logits = self.model(mx.array(tokens[start:stop])[None], cache=self.cache)[:, -1, :]
+            if stop < end:
+                mx.eval([c.state for c in self.cache])
+        self.held = max(self.held, end)
+        return logits
+
+    def trim(self, keep: int) -> None:
+        """Keep the first `keep` tokens."""
+        if keep < self.held:
+            for layer in self.cache:
+                layer.trim(self.held - keep)
+            self.held = keep
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self.cache)
+
+
+@dataclass(slots=True)
+class Speculator:
+    draft: LoadedModel
+    num_draft_tokens: int  # the server's default k (a request may ask for another)
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    enabled: bool = True  # False: the startup check found the verify forward inexact
+    _states: dict[int, DraftCache] = field(default_factory=dict)  # by id(Running)
+
+    def draft_for(self, snapshot: Snapshot | None, trim: int, reuse: int) -> DraftCache:
+        """A prefill's draft cache: restored beside the target's from the entry's draft
+        part, or empty (prefill computes the draft over the prefix: `prefill_to`)."""
+        part = snapshot.draft if snapshot is not None else None
+        if part is not None and part.length - trim == reuse:
+            self.stats.draft_restored += reuse
+            return DraftCache(self.draft.model, restore(part, trim=trim), reuse)
+        return DraftCache(self.draft.model, make_prompt_cache(self.draft.model))
+
+    def prefill_to(self, draft: DraftCache, tokens: Sequence[int], end: int) -> None:
+        """The draft follows the target's prefill to `end` (before its checkpoint)."""
+        self.stats.draft_computed += max(0, end - draft.held)
+        draft.extend(tokens, end)
+        mx.eval([c.state for c in draft.cache])
+
+    def adopt(self, running: Running, draft: DraftCache) -> None:
+        """`running` joined the decode batch with the prompt in `draft`."""
+        self._states[id(running)] = draft
+
+    def nbytes(self) -> int:
+        return sum(d.nbytes() for d in self._states.values())
+
+    def tokens_for(self, running: Running) -> int:
+        """Draft tokens for this request's next step (0: a plain decode step)."""
+        if not self.enabled:
+            return 0
+        asked = running.job.sampling.num_draft_tokens
+        k = self.num_draft_tokens if asked is None else asked
+        return max(0, min(k, running.limit - running.count - 1))
+
+    def forget(self, running: Running) -> None:
+        self._states.pop(id(running), None)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def step(self, batch: DecodeBatch, running: Running, k: int, accept: Accept) -> None:
+        """One verify step for the batch's only request: up to k+1 tokens handed to
+        `accept`, in order, until one ends the request or differs from the draft."""
+        assert len(batch) == 1 and k > 0
+        sequence = (*running.job.tokens, *running.emitted)  # the last is the batch's input
+        held = len(sequence) - 1  # tokens in the target's cache
+        drafted = self._propose(running, sequence, k)
+        logits = batch.verify([sequence[-1], *drafted])  # [k+1, V]
+        # Counted before any token is handed on: the last one may end the request, and
+        # its client may read the counters as soon as it has its reply.
+        self.stats.steps += 1
+        self.stats.drafted += k
+        sampler = batch.sampler(0)
+        params = running.job.sampling
+        kept = 0  # positions of the verify forward the reply keeps
+        while True:
+            row = logits[kept : kept + 1]  # [1, V]
+            logprobs = normalize(row)
+            token = sampler(logprobs, row)  # [1]
+            out = [token]
+            if params.logprobs:
+                out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])
+                if params.top_logprobs:
+                    out.extend(top_logprobs(logprobs, params.top_logprobs))
+            mx.eval(*out)
+            value = int(token.item())
+            logprob, top = None, ()
+            if params.logprobs:
+                logprob = out[1].item()
+                if params.top_logprobs:
+                    ids, values = out[2][0].tolist(), out[3][0].tolist()
+                    top = alternatives(ids, values, params.top_logprobs)
+            kept += 1
+            matched = kept <= k and value == drafted[kept - 1]
+            self.stats.accepted += int(matched)
+            if accept(value, logprob, top):
+                break  # the request ended (and left the batch)
+            if not matched:
+                batch.settle(held + kept, value, k + 1 - kept)
+                break
+        state = self._states.get(id(running))
+        if state is not None:  # drop the draft's rejected tokens
+            state.trim(held + kept)
+
+    def _propose(self, running: Running, sequence: Sequence[int], k: int) -> list[int]:
+        """k greedy draft tokens after `sequence` (the draft's cache catches up first:
+        with what the request emitted, or the whole prompt if it has no cache yet)."""
+        state = self._states.get(id(running))
+        if state is None:
+            state = DraftCache(self.draft.model, make_prompt_cache(self.draft.model))
+            self._states[id(running)] = state
+        logits = state.extend(sequence, len(sequence))
+        assert logits is not None, "the draft holds the whole sequence"
+        tokens = [mx.argmax(logits, axis=-1)]  # [1]
+        for _ in range(k - 1):
+            logits = state.model(tokens[-1][:, None], cache=state.cache)[:, -1, :]
+            tokens.append(mx.argmax(logits, axis=-1))
+        drafted = mx.concatenate(tokens)
+        mx.eval(drafted)
+        state.held = len(sequence) + k - 1
+        return drafted.tolist()

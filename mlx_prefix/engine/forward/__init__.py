@@ -1,0 +1,27 @@
+"""MLX forwards (engine thread): grid chunks of one or several sequences (runner.py),
+quantized KV (kv_quant.py), and --deterministic's batch invariance: the batch-invariant
+layers (rowwise.py), the startup calibration (calibration.py) and its bit-for-bit probe
+(probe.py).
+"""
+
+from __future__ import annotations
+
+from mlx_prefix.lazy import exports
+
+_NAMES = {
+    "ChunkWork": "runner",
+    "PrefillCursor": "runner",
+    "compute_chunks": "runner",
+    "prefill": "runner",
+    "always_trimmable": "runner",
+    "KvQuant": "kv_quant",
+    "batched": "rowwise",
+    "install": "rowwise",
+    "Calibration": "calibration",
+    "PLAIN": "calibration",
+    "calibrate": "calibration",
+    "probe": "probe",
+    "ProbeResult": "probe",
+}
+__all__ = list(_NAMES)
+__getattr__ = exports(__name__, _NAMES)

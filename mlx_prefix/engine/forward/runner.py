@@ -1,0 +1,158 @@
+"""MLX work for prefill: grid chunks of one or several sequences, one evaluation a step.
+
+A step computes the next grid chunk of each sequence given. Chunks that start at the
+same position and have the same length are stacked into one forward [B, L] with
+row-wise projections (engine/forward/rowwise.py), which reproduces each sequence's alone run bit
+for bit; every other chunk runs its own forward. Either way the whole step is evaluated
+at once. Runs only on the engine thread (MLX streams are thread-local).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_prefix.cache.layers import kind_of
+from mlx_prefix.engine.forward.rowwise import batched
+from mlx_prefix.prompt.grid import ChunkGrid
+
+
+def always_trimmable(cache: list) -> bool:
+    """True when no layer can ever lose trimmability (no recurrent, rotating or
+    quantized state: cache/layers/): then one snapshot at the end of the prompt serves
+    every shorter prefix."""
+    return all(kind_of(c).always_trimmable for c in cache)
+
+
+class PrefillCursor:
+    """Where one sequence's prefill stands on its grid: the chunks still to compute."""
+
+    def __init__(self, tokens: Sequence[int], start: int, grid: ChunkGrid):
+        self.tokens = tokens
+        self.position = start
+        self._ends = grid.chunk_ends(tokens, start)
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self._ends)
+
+    def next_chunk(self) -> tuple[int, int]:
+        """(start, end) of the next chunk."""
+        return self.position, self._ends[self._next]
+
+    def advance(self) -> int:
+        """Mark the next chunk computed; returns its end."""
+        self.position = self._ends[self._next]
+        self._next += 1
+        return self.position
+
+
+@dataclass(slots=True)
+class ChunkWork:
+    """One sequence's next chunk: tokens[start:end] into `cache` (a list, updated in
+    place: a grouped forward swaps its layer caches for ones holding the result)."""
+
+    cache: list
+    tokens: Sequence[int]
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.tokens)
+
+
+def compute_chunks(
+    model: nn.Module, works: Sequence[ChunkWork], group: bool = True
+) -> list[mx.array | None]:
+    """Compute every work's chunk, all evaluated together; returns the last position's
+    logits [1, V] for works whose chunk ends the prompt, None for the others.
+
+    With `group`, works with equal (start, length) share one stacked forward. Only the
+    cache states (and final logits) are evaluated: intermediate chunks never compute the
+    LM head.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, w in enumerate(works):
+        key = (w.start, w.end - w.start) if group else (i, -1)
+        groups.setdefault(key, []).append(i)
+    logits: list[mx.array | None] = [None] * len(works)
+    for members in groups.values():
+        if len(members) == 1:
+            w = works[members[0]]
+            out = model(mx.array(w.tokens[w.start : w.end])[None], cache=w.cache)  # [1, L, V]
+            if w.last:
+                logits[members[0]] = out[:, -1, :]
+            continue
+        first = works[members[0]].cache
+        merged = [
+            type(layer).merge([works[i].cache[n] for i in members]) for n, layer in enumerate(first)
+        ]
+        inputs = mx.array([list(works[i].tokens[works[i].start : works[i].end]) for i in members])
+        with batched():
+            out = model(inputs, cache=merged)  # [B, L, V]
+        for row, i in enumerate(members):
+            works[i].cache[:] = [layer.extract(row) for layer in merged]
+            if works[i].last:
+                logits[i] = out[row : row + 1, -1, :]
+    mx.eval([x for x in logits if x is not None], [[c.state for c in w.cache] for w in works])
+    return logits
+
+
+def prefill_steps(
+    model: nn.Module,
+    cache: list,
+    tokens: Sequence[int],
+    start: int,
+    grid: ChunkGrid,
+    on_boundary: Callable[[int], None],
+) -> Generator[int, None, mx.array]:
+    """Compute tokens[start:] into `cache` one grid chunk per step; yields each chunk's
+    end position and returns the last position's logits [1, V].
+
+    Calls on_boundary(p) after each chunk ending at p (the cache then holds exactly
+    tokens[:p]).
+    """
+    cursor = PrefillCursor(tokens, start, grid)
+    logits = None
+    while not cursor.done:
+        begin, end = cursor.next_chunk()
+        (logits,) = compute_chunks(model, [ChunkWork(cache, tokens, begin, end)])
+        cursor.advance()
+        on_boundary(end)
+        yield end
+    assert logits is not None
+    return logits
+
+
+def prefill(
+    model: nn.Module,
+    cache: list,
+    tokens: Sequence[int],
+    start: int,
+    grid: ChunkGrid,
+    on_boundary: Callable[[int], None],
+) -> mx.array:
+    """All of prefill_steps at once; returns the last position's logits [1, V]."""
+    steps = prefill_steps(model, cache, tokens, start, grid, on_boundary)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def greedy_continue(model: nn.Module, cache: list, logits: mx.array, n: int) -> list[int]:
+    """The next `n` greedy tokens after `logits` [1, V] (extends `cache`). For checks and
+    benchmarks that compare a warm continuation with a cold one."""
+    out: list[int] = []
+    token = mx.argmax(logits, axis=-1)  # [1]
+    while True:
+        out.append(int(token.item()))
+        if len(out) == n:
+            return out
+        token = mx.argmax(model(token[:, None], cache=cache)[:, -1, :], axis=-1)

@@ -1,0 +1,67 @@
+"""What the server may call on an engine: the typed face of HTTP -> engine.
+
+`Engine` (engine.py) and the sharded `DistributedEngine` (sharded/distributed.py)
+provide it; the server's tests use fakes with the same methods. Every method is safe
+from any thread: submissions go through the engine's inbox, cache views through the
+thread-safe store and disk tier; none touches an MLX array.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from mlx_prefix.cache.disk_index import DiskEntryInfo
+    from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
+    from mlx_prefix.engine.activity import Activity
+    from mlx_prefix.engine.requests.handle import RequestHandle
+    from mlx_prefix.engine.requests.jobs import WarmResult
+    from mlx_prefix.models.load import LoadedModel
+    from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+
+
+class EngineAPI(Protocol):
+    model: LoadedModel
+    model_key: str  # the model part of every cache entry's key (engine/keys.py)
+
+    def submit(
+        self,
+        prompt: PromptInput,
+        sampling: SamplingParams,
+        cache: CachePreference = ...,
+        request_id: str | None = None,
+        *,
+        fit_reply: bool = False,
+    ) -> RequestHandle:
+        """Render, validate and queue a request; its events come through the handle.
+        Raises InvalidRequest, ContextLengthExceeded or EngineBusy in the caller's thread."""
+        ...
+
+    def start_warm(
+        self, prompt: PromptInput, pin: bool = False, cache: CachePreference = ...
+    ) -> tuple[RequestHandle, Future[WarmResult]]:
+        """Queue a prefill without generation (optionally pinned)."""
+        ...
+
+    def count_tokens(self, prompt: PromptInput) -> int: ...
+
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = ...) -> None: ...
+
+    def cache_stats(self) -> dict: ...
+
+    def cache_entries(self) -> list[dict]: ...
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]: ...
+
+    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]: ...
+
+    def flush_cache(self, namespace: str | None = None) -> int:
+        """Remove the entries of `namespace` (None: every namespace); returns how many."""
+        ...
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool: ...
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome: ...
+
+    def activity(self) -> Activity: ...

@@ -1,0 +1,278 @@
+"""What one request's prefill leaves behind: the snapshots captured at its boundaries.
+
+At each grid boundary the Checkpointer decides whether to capture the cache and where
+the snapshot goes: into the memory store (planned checkpoints, prefixes shared with
+waiting requests, the branch point) and/or the disk queue (positions the disk policy
+chose, the end of prefill included: seed 004's bug was a save there that silently
+never fired).
+
+A cache with recurrent or rotating layers keeps every checkpoint (it can only resume
+from an exact one). Those checkpoints share the prefill's attention KV: each captures
+its other layers at its boundary and is completed, stored and queued for disk when
+the prefill ends or stops between chunks (`finish`; snapshot.py says why this is
+exact). Waiting requests start only after that, so in-flight sharing still finds
+them. Checkpoints of the protected kinds (above LAST_MESSAGE: the system prompt, a
+client's cache breakpoint) are captured whole at once: they outlive the rest, and a
+share of a long prefill's buffer would keep all of it alive for a short prefix.
+
+The snapshots stored at the boundary just reached view the cache's current memory
+(a capture's views; a completed checkpoint's KV buffer): `live` lists those buffers,
+so the request's active bytes count them once with the stored entries (cache/active.py).
+A later write into the cache copies or grows its buffers (MLX writes in place only
+into a buffer nothing else references), so `live` starts empty at each boundary.
+
+Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
+past the restored position (an edit, a new question, another tool result), the grid
+point at or before the divergence becomes a checkpoint, so the next request of
+either shape restores there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from mlx_prefix.cache.eviction import PROTECTED_ABOVE
+from mlx_prefix.cache.records import Buffer
+from mlx_prefix.cache.snapshot import (
+    PendingSnapshot,
+    Snapshot,
+    cache_nbytes,
+    capture,
+    capture_deferred,
+    complete,
+    is_trimmable,
+    kv_buffer,
+    restore,
+    with_draft,
+)
+from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.engine.forward.runner import always_trimmable
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
+from mlx_prefix.prompt.grid import ChunkGrid
+
+# Kinds an all-KV cache stores besides its prompt's end (which trimming serves from).
+KEPT_FOR_KV = frozenset({CheckpointKind.SYSTEM, CheckpointKind.BREAKPOINT})
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingPrompt:
+    key: int  # identifies the waiting request
+    tokens: tuple[int, ...]
+
+
+class SharedPrefixes:
+    """In-flight sharing for caches that can only resume from exact checkpoints.
+
+    While a request prefills, requests waiting to start that share a long prefix with
+    it get a checkpoint at that prefix's end (aligned down to the grid), so they
+    restore from it instead of computing it again. Trimmable caches need none of this:
+    their end-of-prompt snapshot already serves every shared prefix.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        grid: ChunkGrid,
+        waiting: Callable[[], Iterable[WaitingPrompt]],
+        min_tokens: int,
+    ):
+        self.tokens, self.grid, self.waiting, self.min_tokens = tokens, grid, waiting, min_tokens
+        self.seen: dict[int, int] = {}  # waiting key -> aligned shared position (0: none)
+
+    def positions(self) -> set[int]:
+        for other in self.waiting():
+            if other.key in self.seen:
+                continue
+            shared = common_prefix_length(self.tokens, other.tokens)
+            limit = min(shared, len(self.tokens) - 1, len(other.tokens) - 1)
+            aligned = self.grid.align(self.tokens, limit)
+            self.seen[other.key] = aligned if aligned >= self.min_tokens else 0
+        return {p for p in self.seen.values() if p}
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    pending: PendingSnapshot
+    kind: CheckpointKind
+    in_memory: bool
+    to_disk: bool
+
+
+@dataclass
+class Checkpointer:
+    """The on_boundary callback of one request's prefill (engine thread only)."""
+
+    prompt: RenderedPrompt
+    cache: list
+    reuse: int  # prefill starts here
+    store: PromptCache
+    key: str  # the request's entry key (model and namespace: engine/keys.py)
+    shared: SharedPrefixes | None
+    disk: DiskAccess | None = None
+    disk_positions: frozenset[int] = frozenset()  # chosen by the disk policy
+    branch: int = 0  # a grid point where the prompt leaves a stored sequence (0: none)
+    on_stored: Callable[[int], None] = lambda position: None  # a prefix went into memory
+    # Keep every grid checkpoint even if the cache is all KV now: it will be quantized
+    # in this prefill, and quantized states restore only exactly (engine/forward/kv_quant.py).
+    exact_only: bool = False
+    # --draft-model: the draft's cache, at each checkpoint's position too; captured
+    # beside the target's (engine/decode/speculative.py). Only with always-trimmable caches.
+    draft: list | None = None
+    # Reports the request's active bytes (its cache, `pending_bytes`, `live`) to the
+    # store; called before storing a snapshot that shares the cache's memory.
+    report: Callable[[], None] = lambda: None
+
+    def __post_init__(self) -> None:
+        self.live: tuple[Buffer, ...] = ()
+        self.planned = {
+            c.position: c.kind for c in self.prompt.checkpoints if c.position > self.reuse
+        }
+        # An all-KV cache needs only its end-of-prompt snapshot: trimming serves the rest.
+        self.keep_every_checkpoint = self.exact_only or not always_trimmable(self.cache)
+        if self.keep_every_checkpoint and self.reuse < self.branch < len(self.prompt.tokens):
+            self._plan(self.branch, CheckpointKind.LAST_MESSAGE)
+        self._deferred: list[_Deferred] = []
+        self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
+        self.finished = False
+        if self.disk is not None:
+            # Positions the policy chose that prefill will not reach (restored from memory
+            # past them) are persisted from what memory holds (seed 004: a chosen save
+            # must happen, whatever served the request).
+            kinds = {c.position: c.kind for c in self.prompt.checkpoints}
+            for position in sorted(p for p in self.disk_positions if p <= self.reuse):
+                snapshot = self._restored_prefix(position)
+                prefix = self.prompt.tokens[:position]
+                if snapshot is not None:
+                    kind = kinds.get(position, CheckpointKind.PERIODIC)
+                    self.disk.defer(self.key, prefix, snapshot, kind)
+                elif not self.disk.cache.holds(self.key, prefix):
+                    # An exact state below the restore point is gone (evicted, or never
+                    # kept in memory); recomputing it would cost the request a prefill.
+                    why = f"memory restored {self.reuse} tokens and no longer holds that state"
+                    self.disk.drop(position, why)
+
+    def _restored_prefix(self, position: int) -> Snapshot | None:
+        """A snapshot of the first `position` (<= reuse) prompt tokens, without compute."""
+        if position == self.reuse:
+            return capture(self.cache, position)
+        if self.keep_every_checkpoint:  # exact states only: the one memory holds, if any
+            return self.store.get(self.key, self.prompt.tokens[:position])
+        restored = capture(self.cache, self.reuse)  # views: trim them back to `position`
+        return capture(restore(restored, trim=self.reuse - position), position)
+
+    def _plan(self, position: int, kind: CheckpointKind) -> None:
+        self.planned[position] = max(self.planned.get(position, kind), kind)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the captured layers of checkpoints not yet completed."""
+        return sum(d.pending.nbytes for d in self._deferred)
+
+    def __call__(self, position: int) -> None:
+        tokens = self.prompt.tokens
+        assert not self.finished, "boundary after finish"
+        self.live = ()  # the chunk just computed wrote new buffers
+        if self.shared is not None:
+            for p in self.shared.positions():
+                if p >= position:
+                    self._plan(p, CheckpointKind.LAST_MESSAGE)
+        kind = self.planned.get(position)
+        at_end = position == len(tokens)
+        if at_end and kind is None:
+            kind = CheckpointKind.HISTORY
+        # An all-KV cache keeps its end (trimming serves every shorter prefix), its
+        # system prompt and the client's breakpoints, which then outlive the
+        # conversations' ends under pressure.
+        in_memory = kind is not None and (
+            self.keep_every_checkpoint or at_end or kind in KEPT_FOR_KV
+        )
+        to_disk = self.disk is not None and position in self.disk_positions
+        if not in_memory and not to_disk:
+            return
+        kind = kind if kind is not None else CheckpointKind.PERIODIC
+        if self.stride and position % self.stride and self._thinnable(kind, to_disk):
+            return
+        # An off-grid end (raw completions) is only reusable by trimming back.
+        in_memory = in_memory and (
+            not at_end or position in self.planned or is_trimmable(self.cache)
+        )
+        if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
+            pending = capture_deferred(self.cache, position)
+            self._deferred.append(_Deferred(pending, kind, in_memory, to_disk))
+            self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
+            return
+        snapshot = capture(self.cache, position)
+        if self.draft is not None:
+            snapshot = with_draft(snapshot, capture(self.draft, position))
+        # Views of the cache's buffers, but a recurrent layer's state may be a copy
+        # (snapshot.py): only an all-KV cache's capture is all its memory.
+        self._keep(snapshot, kind, in_memory, to_disk, shares=always_trimmable(self.cache))
+
+    def _thin(self, room: int) -> None:
+        """While pending states take more than `room` bytes (a big hybrid's state is
+        ~150 MB), keep periodic checkpoints only at multiples of a doubled stride, so
+        those kept stay evenly spread; later ones off the stride are not taken."""
+        while self.pending_bytes > room:
+            periodic = [d for d in self._deferred if self._thinnable(d.kind, d.to_disk)]
+            if not periodic:
+                return
+            self.stride = 2 * (self.stride or min(d.pending.length for d in periodic))
+            self._deferred = [
+                d
+                for d in self._deferred
+                if not self._thinnable(d.kind, d.to_disk) or d.pending.length % self.stride == 0
+            ]
+
+    @staticmethod
+    def _thinnable(kind: CheckpointKind, to_disk: bool) -> bool:
+        return kind is CheckpointKind.PERIODIC and not to_disk
+
+    def settle(self) -> None:
+        """Complete and store the deferred checkpoints now, from the KV buffers the cache
+        holds now: before its KV layers are replaced (quantized, engine/forward/kv_quant.py),
+        which `complete` must not see. Mutates the store and the disk queue."""
+        if self.finished:
+            return
+        if self._deferred:
+            kv = kv_buffer(self.cache)
+            while self._deferred:  # each counted in `pending_bytes` until it is stored
+                d = self._deferred[0]
+                snapshot = complete(d.pending, self.cache, kv)
+                self._keep(snapshot, d.kind, d.in_memory, d.to_disk, shares=True)
+                self._deferred.pop(0)
+                self.live = tuple(b for b in self.live if b == kv or b not in snapshot.buffers)
+
+    def finish(self, *, keep: bool = True) -> None:
+        """The prefill ended, or stopped between chunks: complete the deferred
+        checkpoints from the cache's KV buffers and store / queue them (mutates the
+        store and the disk queue; the cache is not changed). `keep=False` (the prefill
+        failed, the cache may be broken) drops them. Idempotent."""
+        if self.finished:
+            return
+        if keep:
+            self.settle()
+        self._deferred = []
+        self.finished = True
+
+    def _keep(
+        self,
+        snapshot: Snapshot,
+        kind: CheckpointKind,
+        in_memory: bool,
+        to_disk: bool,
+        shares: bool = False,
+    ) -> None:
+        """Store and/or queue `snapshot`; `shares`: it holds no memory but the cache's
+        current buffers and `live` (the request reports them before the insert, so that
+        the store never counts them twice)."""
+        tokens = self.prompt.tokens[: snapshot.length]
+        if in_memory:
+            if shares:
+                self.live = tuple({b.key: b for b in (*self.live, *snapshot.buffers)}.values())
+                self.report()
+            self.store.insert(self.key, tokens, snapshot, kind)
+            self.on_stored(snapshot.length)
+        if to_disk:
+            self.disk.defer(self.key, tokens, snapshot, kind)

@@ -1,0 +1,333 @@
+"""The prefill phase: the requests being prefilled, from their cache match to their logits.
+
+Start: match the longest usable cached prefix in memory (or on disk when that gives
+more), restore it (shared arrays, the entry locked while they may be shared), and plan
+the checkpoints this prefill leaves behind (a Checkpointer per request, at its own
+offsets: invariant 5). Step: the next grid chunk of several requests, exactly the chunks a
+cold run of each computes, evaluated together (engine/forward/runner.py). Each prefilling
+request's cache counts against the store's byte budget (invariant 6). Engine thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_prefix.cache.snapshot import cache_nbytes, restore
+from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.forward.runner import (
+    ChunkWork,
+    PrefillCursor,
+    always_trimmable,
+    compute_chunks,
+)
+from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.requests.jobs import Job, PrefillTask
+from mlx_prefix.errors import PinQuotaExceeded
+from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
+
+
+@dataclass(slots=True)
+class PrefillStep:
+    """What one prefill step did."""
+
+    tokens: int = 0  # prompt tokens computed
+    seconds: float = 0.0
+    finished: list[tuple[PrefillTask, mx.array]] = field(default_factory=list)  # + logits [1, V]
+
+
+def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tuple[list, int]:
+    """One round of a step: the next chunk of each task in order, while the step's
+    tokens (`spent` in earlier rounds) stay within `budget`. The step's first chunk goes
+    whatever its size (a chunk cannot be split: invariant 4); no later one overruns the
+    budget, or a running request would wait for several chunks where one fits."""
+    chosen, tokens = [], 0
+    for task in tasks:
+        if task.cursor.done:
+            continue
+        begin, end = task.cursor.next_chunk()
+        if (chosen or spent) and spent + tokens + end - begin > budget:
+            break
+        chosen.append(task)
+        tokens += end - begin
+    return chosen, tokens
+
+
+class PrefillPhase:
+    def __init__(
+        self,
+        model: LoadedModel,
+        planner: PromptPlanner,
+        store: PromptCache,
+        disk: DiskAccess | None,
+        cache_config: CacheConfig,
+        config: EngineConfig,
+        waiting: Callable[[], Iterable[Job]],
+        bytes_key: str,
+    ):
+        self.model = model
+        self.planner = planner
+        self.store = store
+        self.disk = disk
+        self.cache_config = cache_config
+        self.config = config
+        self._waiting = waiting  # the jobs waiting to start (in-flight sharing looks at them)
+        self._bytes_key = bytes_key  # this engine's prefill bytes in the store's budget
+        self._serial = itertools.count()
+        self.tasks: list[PrefillTask] = []  # oldest first
+        # Stack equal-shape chunks in one forward: only batch-invariant (--deterministic)
+        # engines whose probe agreed (engine/forward/calibration.py); otherwise each runs alone.
+        self.group = False
+        self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
+        self.stacked = 0  # chunks computed in a stacked forward with others
+        self.kv_quant: KvQuant | None = (
+            None  # quantize KV after each chunk (engine/forward/kv_quant.py)
+        )
+        # With --draft-model: the draft follows each prefill, restored and checkpointed
+        # beside the target's cache (engine/decode/speculative.py).
+        self.speculator: Speculator | None = None
+
+    def uses_cache(self, job: Job) -> bool:
+        return self.cache_config.enabled and job.cache_pref.enabled
+
+    def peek_reuse(self, job: Job) -> int:
+        """Tokens `job` would restore from memory now. Does not lock or count a hit."""
+        if not self.uses_cache(job):
+            return 0
+        tokens = job.prompt.tokens
+        match = self.store.match(job.cache_key, tokens, self.align(tokens), record=False)
+        return match.reuse_tokens
+
+    def align(self, tokens) -> Callable[[int], int]:
+        return lambda n: self.planner.grid.align(tokens, n)
+
+    def disk_on(self, job: Job) -> bool:
+        return self.disk is not None and not self.disk.is_off(job.cache_pref.scope)
+
+    def waits_for_sharing(self, job: Job) -> bool:
+        """Whether `job` should wait for a prefilling request to store a prefix they share
+        (in-flight sharing): computing it twice side by side would waste the work."""
+        if not self.uses_cache(job):
+            return False
+        tokens = job.prompt.tokens
+        for task in self.tasks:
+            if not self.uses_cache(task.job):
+                continue
+            other = task.job.prompt.tokens
+            limit = min(common_prefix_length(tokens, other), len(tokens) - 1, len(other) - 1)
+            shared = self.planner.grid.align(tokens, limit)
+            if shared >= self.config.share_min_tokens and shared > self.peek_reuse(job):
+                return True
+        return False
+
+    @property
+    def computing(self) -> int:
+        """Tasks with chunks left to compute (the others hold their logits)."""
+        return sum(1 for t in self.tasks if not t.cursor.done)
+
+    def left_to_compute(self) -> int:
+        """Prompt tokens the tasks still computing have left, background prefetches
+        aside (they give way to requests; nobody waits for them)."""
+        return sum(
+            len(t.tokens) - t.position
+            for t in self.tasks
+            if not t.cursor.done and not t.job.background
+        )
+
+    def held(self) -> list[PrefillTask]:
+        """Requests whose prompt is computed, waiting to join the decode batch (oldest
+        first)."""
+        return [t for t in self.tasks if t.logits is not None]
+
+    def start(self, job: Job) -> None:
+        """Restore the longest usable cached prefix of `job`'s own entry key (its
+        namespace: invariant 10) and add `job` to the prefilling tasks."""
+        tokens, key = job.prompt.tokens, job.cache_key
+        use_cache = self.uses_cache(job)
+        cache, reuse, lease, branch = None, 0, None, 0
+        restored, trim = None, 0  # the snapshot restored (its draft part may serve too)
+        try:
+            if use_cache:
+                match = self.store.match(key, tokens, self.align(tokens))
+                # Where the prompt leaves the stored sequences: a checkpoint there serves
+                # the next request of either shape (checkpoints.py).
+                branch = self.planner.grid.align(tokens, min(match.matched_tokens, len(tokens) - 1))
+                if match.entry_id is not None:
+                    snapshot = self.store.acquire(match.entry_id)
+                    if snapshot is not None:
+                        lease = match.entry_id
+                        cache, reuse = restore(snapshot, trim=match.trim), match.reuse_tokens
+                        restored, trim = snapshot, match.trim
+                if self.disk_on(job):
+                    found = self.disk.lookup(key, tokens, self.align(tokens), better_than=reuse)
+                    if found is not None:  # a memory miss (or shorter hit) served from disk
+                        disk_match, disk_snapshot = found
+                        if lease is not None:
+                            self.store.release(lease)
+                            lease = None
+                        cache = restore(disk_snapshot, trim=disk_match.trim)
+                        reuse = disk_match.reuse_tokens
+                        restored, trim = disk_snapshot, disk_match.trim
+                        self.store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
+            if cache is None:
+                cache = make_prompt_cache(self.model.model)
+            draft = None
+            if self.speculator is not None:
+                draft = self.speculator.draft_for(restored, trim, reuse)
+            checkpointer = self._checkpointer(job, cache, reuse, branch) if use_cache else None
+            if checkpointer is not None and draft is not None:
+                checkpointer.draft = draft.cache
+            cursor = PrefillCursor(tokens, reuse, self.planner.grid)
+        except BaseException:
+            if lease is not None:
+                self.store.release(lease)
+            raise
+        bytes_key = f"task{next(self._serial)}/{self._bytes_key}"
+        now = time.perf_counter()
+        task = PrefillTask(job, cache, reuse, lease, cursor, now, bytes_key, checkpointer, draft)
+        if checkpointer is not None:
+            checkpointer.report = lambda: self._report(task)
+        self.tasks.append(task)
+        self.peak_tasks = max(self.peak_tasks, len(self.tasks))
+
+    def step(self, budget: int) -> PrefillStep:
+        """Compute the next grid chunk of each task in turn (`_in_order`), up to `budget`
+        tokens (at least one chunk), then more rounds while the budget lasts. Tasks whose
+        prompt is now all in the cache come back with their logits; they stay in `tasks`
+        until `close`, so an error on the way still reaches them."""
+        result = PrefillStep()
+        started = time.perf_counter()
+        while result.tokens < budget:
+            chosen, tokens = choose_chunks(self._in_order(), budget, result.tokens)
+            if not chosen:
+                break
+            works = [ChunkWork(t.cache, t.tokens, *t.cursor.next_chunk()) for t in chosen]
+            outputs = compute_chunks(self.model.model, works, self.group)
+            if self.group:
+                shapes = Counter((w.start, w.end - w.start) for w in works)
+                self.stacked += sum(n for n in shapes.values() if n > 1)
+            result.tokens += tokens
+            for task, logits in zip(chosen, outputs, strict=True):
+                end = task.cursor.advance()
+                self._quantize(task)
+                if task.draft is not None:  # at `end` before the checkpoint captures it
+                    self.speculator.prefill_to(task.draft, task.tokens, end)
+                if task.checkpointer is not None:
+                    task.checkpointer(end)
+                    if logits is not None:
+                        task.checkpointer.finish()  # before decode writes into the cache
+                self._report(task)
+                if logits is not None:
+                    result.finished.append((task, logits))
+            if result.finished:
+                break  # those join the decode batch now
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _in_order(self) -> list[PrefillTask]:
+        """The order a step takes chunks in. Stacked forwards want the oldest-first
+        rounds (equal shapes meet there). Alone, the request with the fewest tokens left
+        goes first (background prefetches last): the burst's total prefill is the same
+        in any order, and this one gets each request into the decode batch soonest."""
+        if self.group:
+            return self.tasks
+        return sorted(self.tasks, key=lambda t: (t.job.background, len(t.tokens) - t.position))
+
+    def _report(self, task: PrefillTask) -> None:
+        """The task's active bytes: its cache, its draft's, its checkpoints' captured
+        layers not yet stored; those that stored snapshots hold too count once."""
+        nbytes, live = cache_nbytes(task.cache), ()
+        if task.draft is not None:
+            nbytes += task.draft.nbytes()
+        if task.checkpointer is not None:
+            nbytes += task.checkpointer.pending_bytes
+            live = task.checkpointer.live
+        self.store.set_active_bytes(task.bytes_key, nbytes, live)
+
+    def _quantize(self, task: PrefillTask) -> None:
+        """mlx_lm's check after a forward: KV layers past --quantized-kv-start quantize.
+        Checkpoints still waiting for the float KV are completed from it first."""
+        if self.kv_quant is None or not self.kv_quant.due(task.cache):
+            return
+        if task.checkpointer is not None:
+            task.checkpointer.settle()
+        self.kv_quant.apply(task.cache)
+
+    def close(self, task: PrefillTask, *, failed: bool = False) -> PrefillTask:
+        """End a task (done, cancelled or `failed`); returns it. A cancelled prefill
+        stores the checkpoints it reached; a failed one (its cache may be broken) only
+        those already stored."""
+        self.tasks.remove(task)
+        if task.checkpointer is not None:
+            task.checkpointer.finish(keep=not failed)
+        self.store.drop_active(task.bytes_key)
+        if task.lease is not None:
+            # The request's cache no longer shares the snapshot's arrays once prefill
+            # has written into it (and merging into the batch copies them anyway).
+            self.store.release(task.lease)
+        return task
+
+    def pin_checkpoints(self, job: Job) -> bool:
+        """Pin the stored entries at this prompt's checkpoints and its end, whether this
+        warm-up stored them or an earlier request did. True if any is pinned."""
+        prompt = job.prompt
+        positions = {c.position for c in prompt.checkpoints} | {len(prompt.tokens)}
+        try:
+            return self.store.pin_stored(job.cache_key, [prompt.tokens[:p] for p in positions]) > 0
+        except PinQuotaExceeded as e:  # over the namespace's share: the warm-up's answer
+            if job.warm is not None and not job.warm.done():
+                job.warm.set_exception(e)
+            return False
+
+    def _checkpointer(self, job: Job, cache: list, reuse: int, branch: int) -> Checkpointer:
+        tokens = job.prompt.tokens
+        shared = None
+        if not always_trimmable(cache):
+
+            def waiting() -> list[WaitingPrompt]:
+                # Only requests of the same key may restore what this prefill stores: a
+                # checkpoint made for another namespace would be a hit it can time.
+                return [
+                    WaitingPrompt(j.serial, j.prompt.tokens)
+                    for j in self._waiting()
+                    if j.cache_pref.enabled and j.cache_key == job.cache_key
+                ]
+
+            shared = SharedPrefixes(
+                tokens, self.planner.grid, waiting, self.config.share_min_tokens
+            )
+        disk_positions: frozenset[int] = frozenset()
+        if self.disk_on(job):
+            disk_positions = frozenset(
+                self.disk.positions(
+                    job.cache_key, job.prompt, self.align(tokens), job.cache_pref.scope
+                )
+            )
+
+        def stored(position: int) -> None:
+            job.stored_to = max(job.stored_to, position)
+
+        return Checkpointer(
+            job.prompt,
+            cache,
+            reuse,
+            self.store,
+            job.cache_key,
+            shared,
+            self.disk,
+            disk_positions,
+            branch,
+            on_stored=stored,
+            exact_only=self.kv_quant is not None and len(tokens) >= self.kv_quant.start,
+        )

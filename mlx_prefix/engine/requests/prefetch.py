@@ -1,0 +1,164 @@
+"""Next-turn prefetch: while the user reads a reply (or a tool runs), compute the
+conversation up to where its next message will begin.
+
+The post-generation state itself is never cached: decode computed the reply one token
+at a time, and a cold prefill of the same tokens gives (slightly) different numbers,
+so restoring it would let a cache hit change the answer. Instead, once the engine has
+had nothing to do for a moment, the reply is prefilled again on the chunk grid, exactly
+as a cold run of the next request would compute it, and checkpointed where the next
+message begins. The next turn restores from there: its reuse reaches the whole
+history, and the answer stays the cold run's.
+
+Renders run on a helper thread (templates are slow for long chats), never on the
+engine thread; the engine runs the resulting background jobs only when no request is
+waiting, and drops one as soon as a request that cannot use it arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.thinking import ThinkSplitter
+from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
+from mlx_prefix.records import PromptInput, ToolCallIds
+
+log = logging.getLogger("mlx_prefix.engine")
+
+NEXT_MESSAGE = "?"  # stands for the next message; anything but the planner's sentinel
+
+
+def wants_prefetch(source: PromptInput) -> bool:
+    """Whether a finished request looks like one turn of a longer exchange whose next
+    request we can render: a chat that already has a reply in its history, or offers
+    tools. A one-shot request (a script, a browser extension's single instruction) never
+    sends its reply back."""
+    if source.messages is None:
+        return False
+    return bool(source.tools) or any(m.get("role") == "assistant" for m in source.messages)
+
+
+def next_turn_messages(
+    source: PromptInput,
+    reply: str,
+    syntax: ToolSyntax | None,
+    request_id: str,
+    thinking: ThinkSplitter | None = None,
+) -> tuple[dict[str, Any], ...]:
+    """The conversation the client will send next: this one, the reply as the client
+    received it, and a placeholder for the next message. A reply that calls tools comes
+    back as an assistant message with structured calls, named as the server named them
+    (every API shape becomes that message), followed by the first call's result; any
+    other reply as its text, followed by a user message. A reply that continues the
+    opening its prompt forced (a forced tool call) is read with that opening, as the
+    server's assembler reads it. With `thinking`, the reply's reasoning comes back as its
+    `reasoning_content`, as the server answered it apart."""
+    assert source.messages is not None
+    ids = source.reply_tool_call_ids or ToolCallIds(request_id)
+    if source.assistant_prefix:
+        thinking = None  # a forced call's opening closed any think block (prompt/render.py)
+    turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids, thinking)
+    if turn.call_ids:
+        nxt = {"role": "tool", "tool_call_id": turn.call_ids[0], "content": NEXT_MESSAGE}
+    else:
+        nxt = {"role": "user", "content": NEXT_MESSAGE}
+    return (*source.messages, turn.message, nxt)
+
+
+def next_turn_prompt(
+    planner: PromptPlanner,
+    source: PromptInput,
+    reply: str,
+    computed: int,
+    syntax: ToolSyntax | None = None,
+    request_id: str = "",
+    opens_reasoning: bool = False,
+) -> RenderedPrompt | None:
+    """The next request's prompt, cut where its last message begins, if that reaches past
+    the `computed` tokens of this one; None otherwise. Does not touch MLX.
+
+    The reply is rendered as the client will send it back (next_turn_messages), so
+    templates that re-render earlier turns (Qwen3 strips <think> from them) render this
+    reply the way the next request will; the planner finds where the next message
+    begins (sentinel substitution) exactly as it will for the real next request.
+    """
+    markers = planner.reasoning
+    thinking = markers.splitter(opens_reasoning) if markers is not None else None
+    probe = PromptInput(
+        messages=next_turn_messages(source, reply, syntax, request_id, thinking),
+        tools=source.tools,
+        chat_template_kwargs=source.chat_template_kwargs,
+    )
+    rendered = planner.plan(probe)
+    starts = [c.position for c in rendered.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE]
+    if not starts or max(starts) <= computed:
+        return None
+    end = max(starts)
+    checkpoints = tuple(c for c in rendered.checkpoints if c.position < end)
+    return RenderedPrompt(
+        rendered.tokens[:end], (*checkpoints, Checkpoint(end, CheckpointKind.HISTORY)), True
+    )
+
+
+class Prefetcher:
+    """Renders next-turn prompts off the engine thread and hands them to `enqueue`,
+    with the entry key (namespace) and disk scope of the request they follow: a prefetch
+    stores its checkpoints where only that client's next turn can find them, and writes
+    to disk only what that request allowed."""
+
+    def __init__(
+        self,
+        planner: PromptPlanner,
+        syntax: ToolSyntax | None,
+        enqueue: Callable[[RenderedPrompt, str, str | None], None],
+    ):
+        self.planner = planner
+        self.syntax = syntax  # the tokenizer's tool-call syntax, as the server parses it
+        self.enqueue = enqueue
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-prefix-prefetch")
+
+    def submit(
+        self,
+        source: PromptInput,
+        reply: str,
+        computed: int,
+        request_id: str,
+        key: str,
+        scope: str | None = None,
+        opens_reasoning: bool = False,
+    ) -> None:
+        """`opens_reasoning`: the request's prompt left a think block open (its reply
+        starts as reasoning)."""
+        try:
+            self._pool.submit(
+                self._render, source, reply, computed, request_id, key, scope, opens_reasoning
+            )
+        except RuntimeError:  # closed: the engine is shutting down
+            pass
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _render(
+        self,
+        source: PromptInput,
+        reply: str,
+        computed: int,
+        request_id: str,
+        key: str,
+        scope: str | None,
+        opens_reasoning: bool,
+    ) -> None:
+        try:
+            prompt = next_turn_prompt(
+                self.planner, source, reply, computed, self.syntax, request_id, opens_reasoning
+            )
+        except Exception:  # a template that cannot render it: nothing to prefetch
+            log.debug("next-turn render failed", exc_info=True)
+            return
+        if prompt is not None:
+            self.enqueue(prompt, key, scope)

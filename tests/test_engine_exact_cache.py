@@ -1,0 +1,180 @@
+"""The default mode (no --deterministic): decode batches every running row in one forward,
+as mlx_lm.server does, and the cache stays exact by construction. Every state the cache
+stores is what a prefill of those tokens computes alone on the canonical grid, also when
+it was computed while other requests decoded, and no decode-computed state is ever
+stored or served; so a hit computes exactly what a miss computes, on any backend,
+without measuring anything."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import chat, collect, run, warm_equals_cold
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_prefix.cache.snapshot import restore
+from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.engine import loop
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.forward import calibration
+from mlx_prefix.engine.forward.runner import prefill
+from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
+
+INSTRUCTION = "Answer in one line and keep every name. " + " ".join(
+    ("harbor", "meadow", "copper", "ledger", "quarry")[i % 5] for i in range(90)
+)
+QUESTIONS = [f"Question {i}: " + "lamp river " * (2 + 3 * i) for i in range(4)]
+
+
+def _states(cache: list) -> list[mx.array]:
+    """Every array of a cache's state (a KV layer's up to its offset: past it the
+    step-padded buffer holds junk)."""
+    out: list[mx.array] = []
+    for c in cache:
+        state = c.state
+        if type(c).__name__ == "KVCache":
+            state = [a[..., : c.offset, :] for a in state[:2]]
+        stack = list(state) if isinstance(state, (list, tuple)) else [state]
+        while stack:
+            a = stack.pop(0)
+            if isinstance(a, (list, tuple)):
+                stack[:0] = list(a)
+            elif isinstance(a, mx.array):
+                out.append(a)
+    return out
+
+
+def _alone(engine: Engine, tokens: tuple[int, ...]) -> list[mx.array]:
+    """The prefill of `tokens` alone, cold, on the engine's grid (this test's thread:
+    the engine is idle, its model's arrays are immutable)."""
+    model = engine.model.model
+    cache = make_prompt_cache(model)
+    prefill(model, cache, tokens, 0, engine.planner.grid, lambda p: None)
+    return _states(cache)
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h", "sliding"])
+def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(kind):
+    engine = Engine(loaded_test_model(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
+    try:
+        # Two long replies decode while a burst sharing an instruction prefills beside them.
+        early = [
+            engine.submit(chat(("user", f"Tell a long story number {i}.")), SamplingParams(40))
+            for i in range(2)
+        ]
+        for handle in early:  # both decoding before the burst arrives
+            first = next(e for e in handle.events(timeout=120) if isinstance(e, TokenEvent))
+            assert first.token is not None
+        prompts = [chat(("system", INSTRUCTION), ("user", q)) for q in QUESTIONS]
+        late = [engine.submit(p, SamplingParams(max_tokens=6)) for p in prompts]
+        late_results = [collect(h) for h in late]
+        still_running = engine.peak_batch
+        for h in early:
+            collect(h)
+        assert still_running >= 3, "the burst never decoded beside the long replies"
+        assert any(r.usage.cached_tokens > 0 for r in late_results)  # in-flight sharing hit
+
+        submitted = [engine.plan(p).tokens for p in prompts] + [
+            engine.plan(chat(("user", f"Tell a long story number {i}."))).tokens for i in range(2)
+        ]
+        stored = engine.store.sequences(engine.model_key)
+        assert len(stored) >= 4
+        for entry in stored:
+            tokens = entry.tokens
+            # Only prompt prefixes: a reply's tokens (decode's state) are never stored.
+            assert any(tuple(p[: len(tokens)]) == tokens for p in submitted), entry.info
+            got = _states(restore(engine.store.get(entry.info.model_key, tokens)))
+            want = _alone(engine, tokens)
+            assert len(got) == len(want)
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True)), (
+                f"the entry at {len(tokens)} tokens is not the alone prefill's"
+            )
+        engine.store.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5", "sliding"])
+def test_a_hit_answers_as_a_miss_after_batched_traffic(make_engine, kind):
+    engine = make_engine(kind)
+    prompts = [chat(("system", INSTRUCTION), ("user", q)) for q in QUESTIONS]
+    handles = [engine.submit(p, SamplingParams(max_tokens=8)) for p in prompts]
+    for h in handles:
+        collect(h)
+    assert engine.peak_batch >= 2  # the traffic that filled the cache was batched
+    for prompt in prompts:
+        warm = warm_equals_cold(engine, prompt)
+        assert warm.usage.cached_tokens > len(engine.plan(prompt).tokens) // 2  # a real hit
+
+
+def test_the_default_mode_measures_nothing_and_decodes_in_one_plain_forward(
+    make_engine, monkeypatch
+):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the default mode calibrated")
+
+    monkeypatch.setattr(loop, "calibrate", refuse)
+    engine = make_engine("dense")
+    handles = [
+        engine.submit(chat(("user", f"Count to {i + 3}.")), SamplingParams(max_tokens=6))
+        for i in range(4)
+    ]
+    for h in handles:
+        collect(h)
+    assert engine.peak_batch >= 2 and engine.capacity == engine.config.max_running
+    assert engine._decode.batch.rows is None  # no row groups: one forward for every row
+    assert not engine._prefill.group  # prefill chunks computed alone
+
+
+def test_deterministic_mode_calibrates_before_its_first_request(make_engine, monkeypatch):
+    seen = []
+    real = calibration.calibrate
+
+    def counting(model, agreement=None):
+        seen.append(model)
+        return real(model, agreement)
+
+    monkeypatch.setattr(loop, "calibrate", counting)
+    engine = make_engine("dense", deterministic=True)
+    run(engine, chat(("user", "Hello")), cache=False)
+    assert len(seen) == 1
+    assert engine._decode.batch.rows is not None and engine._decode.batch.rows >= 1
+
+
+def test_requests_prefill_fewest_tokens_left_first():
+    """Without stacking, each step takes the chunks of the request closest to its first
+    token first: a short prompt arriving behind a long one is not held behind all of
+    its chunks (one 256-token chunk a step here, so the order decides)."""
+    cache = CacheConfig(budget_bytes=1 << 30, prefill_chunk=256)
+    config = EngineConfig(gather_tokens=0, prefill_tokens_per_step=256)
+    engine = Engine(loaded_test_model("dense"), cache, config)
+    try:
+        off, sampling = CachePreference(enabled=False), SamplingParams(max_tokens=2)
+        long = engine.submit(chat(("user", "word " * 900)), sampling, off)
+        short = engine.submit(chat(("user", "Hi")), sampling, off)
+        arrivals: list[tuple[float, str]] = []
+
+        def first_token(name, handle):
+            for event in handle.events(timeout=120):
+                if isinstance(event, TokenEvent) and not arrivals_of(name):
+                    arrivals.append((time.monotonic(), name))
+
+        def arrivals_of(name):
+            return [a for a in arrivals if a[1] == name]
+
+        threads = [
+            threading.Thread(target=first_token, args=("long", long)),
+            threading.Thread(target=first_token, args=("short", short)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert engine._prefill.peak_tasks == 2  # they prefilled side by side
+        assert [name for _, name in sorted(arrivals)] == ["short", "long"]
+    finally:
+        engine.shutdown()
