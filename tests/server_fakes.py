@@ -9,6 +9,7 @@ word prefix with earlier prompts. Directives in the prompt steer one request:
   [[fail_after:N]] emit N tokens, then an ErrorEvent
   [[busy]]         raise EngineBusy at submit
   [[crash]]        raise RuntimeError at submit (an engine bug)
+  [[think]]        the prompt leaves a think block open: the reply starts as reasoning
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from mlx_prefix.records import (
 _NO_PREFERENCE = CachePreference()
 MODEL_KEY = "fake-model-key"  # the fake's cache key; entries are keyed as the engine's are
 DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
-_DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash)(?::(.*?))?\]\]", re.S)
+_DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash|think)(?::(.*?))?\]\]", re.S)
 
 
 _IDS_LOCK = threading.Lock()
@@ -143,6 +144,8 @@ class FakeHandle:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens: int | None = None
         self.cache_written_tokens: int | None = None
+        self.opens_reasoning = False  # the prompt left a think block open
+        self.breakpoint_end = 0  # the furthest client breakpoint's position
         self.namespace = namespace  # its cache namespace's id
         self.cancelled = threading.Event()
         self._events: list[Event] = []
@@ -261,6 +264,7 @@ class FakeEngine:
             self.handles.append(handle)
         # The fake stores every prompt it sees whole (like a trimmable cache's end).
         handle.cached_tokens = cached
+        handle.opens_reasoning = "think" in directives
         handle.cache_written_tokens = len(tokens) - cached if cache.enabled else 0
         handle.thread = threading.Thread(
             target=self._generate,

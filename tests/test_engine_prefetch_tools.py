@@ -70,7 +70,11 @@ def served_message(tokenizer, request: GenerationRequest, reply: str) -> dict:
     deltas = [assembler.feed(TokenEvent(reply[i : i + 3], 1)) for i in range(0, len(reply), 3)]
     deltas.append(assembler.finish())
     calls = [call for d in deltas for call in d.tool_calls]
-    return {"role": "assistant", "content": "".join(d.text for d in deltas), "tool_calls": calls}
+    message = {"role": "assistant", "content": "".join(d.text for d in deltas), "tool_calls": calls}
+    reasoning = "".join(d.reasoning for d in deltas)
+    if reasoning:  # the reply's reasoning_content, sent back as received
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def tool_loop(tokenizer, ids: ToolCallIds) -> tuple[GenerationRequest, PromptInput]:
@@ -198,7 +202,7 @@ def responses_next_turn(tokenizer, ids: ToolCallIds) -> tuple[PromptInput, Promp
     )
     syntax = ToolSyntax.of(tokenizer)
     assert syntax is not None
-    assembler = Assembler.build(False, syntax, first.prompt((), ids), streaming=False)
+    assembler = Assembler.for_request(first.generation((), ids), tokenizer, streaming=False)
     head = ResponseHead(ids.seed, "m", SYSTEM, None, None, True, 0.0, 1.0, {})
     output = OutputEvents(head, logprobs=False, single_call=False)
     for i in range(0, len(TOOL_REPLY), 3):
@@ -206,7 +210,7 @@ def responses_next_turn(tokenizer, ids: ToolCallIds) -> tuple[PromptInput, Promp
     output.add(assembler.finish())
     done = output.finish(DoneEvent("stop", Usage(1, 1, 0, 0.0, 0.0, 0.0)))[-1]["response"]
     items = done["output"]
-    assert [item["type"] for item in items] == ["message", "function_call", "function_call"]
+    assert [item["type"] for item in items] == ["reasoning", "function_call", "function_call"]
     results = [
         {"type": "function_call_output", "call_id": c["call_id"], "output": f"{city}: 18C, sunny"}
         for c, city in zip(items[1:], ("Paris", "Oslo"), strict=True)

@@ -190,7 +190,7 @@ def test_disable_parallel_tool_use_ends_after_the_first_call(client):
     assert m.stop_reason == "tool_use"
 
 
-def test_thinking_text_and_whitespace_blocks(client):
+def test_thinking_text_and_whitespace_blocks(client, engine):
     reply = f"<think>The user wants weather.</think>\n\n{CALL}"
     m = client.messages.create(
         model="m", max_tokens=64, tools=[WEATHER], messages=user(f"w [[reply:{reply}]]")
@@ -203,7 +203,28 @@ def test_thinking_text_and_whitespace_blocks(client):
         thinking={"type": "adaptive", "display": "omitted"},
         messages=user("x [[reply:<think>hidden</think>Shown.]]"),
     )
-    assert [b.type for b in omitted.content] == ["text"] and omitted.content[0].text == "Shown."
+    # Omitted as Anthropic omits it: an empty thinking block whose signature carries the
+    # reasoning back on the next turn (the template renders what the model wrote).
+    assert [b.type for b in omitted.content] == ["thinking", "text"]
+    assert omitted.content[0].thinking == "" and omitted.content[1].text == "Shown."
+    with client.messages.stream(
+        model="m",
+        max_tokens=64,
+        thinking={"type": "adaptive", "display": "omitted"},
+        messages=user("x [[reply:<think>hidden</think>Shown.]]"),
+    ) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert "thinking_delta" not in kinds and "signature_delta" in kinds
+    assert streamed.content[0].model_dump() == omitted.content[0].model_dump()
+    back = [
+        *user("x"),
+        {"role": "assistant", "content": [b.model_dump() for b in omitted.content]},
+        *user("again"),
+    ]
+    client.messages.create(model="m", max_tokens=8, messages=back)
+    sent = engine.submissions[-1].prompt.messages
+    assert sent[1] == {"role": "assistant", "content": "Shown.", "reasoning_content": "hidden"}
 
 
 def test_stop_reasons(client):
@@ -317,7 +338,7 @@ def test_reasoning_text_and_calls_split_alike_whatever_the_deltas(step):
     ids = ToolCallIds("msg_1", prefix="toolu_")
     req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
     tokenizer = FakeTokenizer.with_json_tools()
-    assembler = Assembler.for_request(req, tokenizer, streaming=False, split_thinking=True)
+    assembler = Assembler.for_request(req, tokenizer, streaming=False)
     pieces = [reply[i : i + step] for i in range(0, len(reply), step)]
     deltas = [assembler.feed(TokenEvent(piece, None)) for piece in pieces]
     deltas.append(assembler.finish())

@@ -1,5 +1,6 @@
 """reasoning_effort on /v1/chat/completions (what OpenCode, Aider and Continue send when a
-model is set to reason): the chat template's thinking switch, or a 400 naming it."""
+model is set to reason): "none" is the chat template's thinking switch turned off, the
+other levels a reasoning budget (server/protocol/effort.py), or a 400 naming it."""
 
 from __future__ import annotations
 
@@ -19,12 +20,23 @@ def kwargs(**body):
     return parse_chat({"messages": MESSAGES, **body}, LIMITS).prompt.chat_template_kwargs
 
 
+def sampling(**body):
+    return parse_chat({"messages": MESSAGES, **body}, LIMITS).sampling
+
+
 @pytest.mark.parametrize(
-    ("effort", "thinking"),
-    [("none", False), ("minimal", False), ("low", False), ("medium", True), ("high", True)],
+    ("effort", "switch", "budget"),
+    [
+        ("none", {"enable_thinking": False}, 0),
+        ("minimal", {}, 256),
+        ("low", {}, 1024),
+        ("medium", {}, 4096),
+        ("high", {}, None),
+    ],
 )
-def test_reasoning_effort_is_the_templates_thinking_switch(effort, thinking):
-    assert kwargs(reasoning_effort=effort) == {"enable_thinking": thinking}
+def test_reasoning_effort_is_the_switch_or_a_budget(effort, switch, budget):
+    assert kwargs(reasoning_effort=effort) == switch
+    assert sampling(reasoning_effort=effort).reasoning_budget == budget
 
 
 def test_without_reasoning_effort_the_template_keeps_its_default():
@@ -33,7 +45,7 @@ def test_without_reasoning_effort_the_template_keeps_its_default():
 
 def test_the_requests_own_switch_wins():
     sent = {"enable_thinking": True, "other": 1}
-    assert kwargs(reasoning_effort="low", chat_template_kwargs=sent) == sent
+    assert kwargs(reasoning_effort="none", chat_template_kwargs=sent) == sent
 
 
 @pytest.mark.parametrize("effort", ["extreme", 3])
@@ -45,6 +57,6 @@ def test_an_unknown_effort_is_refused_naming_it(effort):
 
 def test_the_switch_reaches_the_engine():
     with serving(FakeEngine()) as (url, engine):
-        body = {"model": "m", "messages": MESSAGES, "reasoning_effort": "minimal"}
+        body = {"model": "m", "messages": MESSAGES, "reasoning_effort": "none"}
         assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
     assert engine.submissions[0].prompt.chat_template_kwargs == {"enable_thinking": False}

@@ -172,6 +172,16 @@ def test_thinking_maps_to_the_template_switch():
     assert medium.generation.prompt.chat_template_kwargs == {}
 
 
+def test_thinking_budget_bounds_the_reasoning_below_anthropics_floor():
+    on = parse(thinking={"type": "enabled", "budget_tokens": 400}, max_tokens=4000)
+    assert on.generation.sampling.reasoning_budget == 400  # Anthropic's floor is 1024
+    assert parse(thinking={"type": "adaptive"}).generation.sampling.reasoning_budget is None
+    # Off also closes at once a block the template opens without a switch.
+    assert parse(thinking={"type": "disabled"}).generation.sampling.reasoning_budget == 0
+    low = parse(output_config={"effort": "low"}).generation.sampling
+    assert low.reasoning_budget == 0
+
+
 def test_tool_choice_modes():
     tools = [TOOL]
     assert parse(tools=tools).generation.tool_choice.mode == "auto"
@@ -260,6 +270,10 @@ BAD = {
         "thinking.budget_tokens",
     ),
     "thinking type": ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+    "negative budget": (
+        {"thinking": {"type": "enabled", "budget_tokens": -1}},
+        "thinking.budget_tokens",
+    ),
     "effort unknown": ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
     "context edit": (
         {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},

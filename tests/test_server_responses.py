@@ -310,7 +310,7 @@ def test_the_store_keeps_the_most_recent_responses(client):
     ("extra", "param"),
     [
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [{**WEATHER, "strict": True}]}, "tools[0].strict"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
@@ -325,7 +325,10 @@ def test_the_store_keeps_the_most_recent_responses(client):
         ({"conversation": "conv_1"}, "conversation"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        (
+            {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]},
+            "input[0].encrypted_content",
+        ),
         ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ],
 )

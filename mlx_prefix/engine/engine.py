@@ -140,6 +140,7 @@ class Engine(CacheViews, EngineLoop):
             self._maybe_prefetch,
             kv=self.kv_quant,
         )
+        self._decode.reasoning = self.planner.reasoning  # reasoning budgets' markers
         if draft is not None:
             speculator = Speculator(draft, self.config.num_draft_tokens)
             self._decode.speculator = self._prefill.speculator = speculator
@@ -207,6 +208,10 @@ class Engine(CacheViews, EngineLoop):
         constraint = self.constraints.create(fmt) if fmt is not None else None
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         handle = self.handle_type(request_id, len(rendered.tokens))
+        handle.opens_reasoning = rendered.opens_reasoning
+        handle.breakpoint_end = max(
+            (c.position for c in rendered.checkpoints if c.marked), default=0
+        )
         key = entry_key(self.model_key, cache)
         now = time.perf_counter()
         self.lifecycle.put(

@@ -231,7 +231,10 @@ class EngineLoop:
             return
         # A chat's first turn, known from its client's earlier traffic in the same
         # namespace (chat_traffic.py); later turns and tool-call turns from the request.
-        first_turn = self._chat_traffic.finished(job.source, reply, job.cache_key)
+        # The reply as its client sees it and sends it back: without its reasoning.
+        markers = self.planner.reasoning
+        shown = markers.answer(reply, job.prompt.opens_reasoning) if markers else reply
+        first_turn = self._chat_traffic.finished(job.source, shown, job.cache_key)
         if first_turn or wants_prefetch(job.source):
             self._prefetcher.submit(
                 job.source,
@@ -240,6 +243,7 @@ class EngineLoop:
                 job.handle.request_id,
                 job.cache_key,
                 job.cache_pref.scope,  # its disk scope: "off" writes nothing, prefetch too
+                job.prompt.opens_reasoning,
             )
 
     def _fail_all(self, error: Exception, waiting_too: bool = False) -> None:

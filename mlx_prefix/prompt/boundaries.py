@@ -41,6 +41,7 @@ from mlx_prefix.config import CacheConfig
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.breakpoints import breakpoint_positions
 from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
 from mlx_prefix.records import PromptInput
 
@@ -69,6 +70,8 @@ class RenderedPrompt:
     tokens: tuple[int, ...]  # a TokenIds: packed once here, for every cache lookup
     checkpoints: tuple[Checkpoint, ...]  # ascending positions, 0 < position <= len(tokens)
     is_chat: bool
+    # The prompt leaves a think block open: the reply starts as reasoning.
+    opens_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):
@@ -259,6 +262,8 @@ class PromptPlanner:
         self.renderer = ChatRenderer(tokenizer, template_args)
         self.config = config
         self.grid = detect_grid(self.renderer, config.prefill_chunk)
+        self.reasoning = ReasoningMarkers.of(self.renderer)
+        self.renderer.reasoning = self.reasoning
 
     def plan(self, prompt: PromptInput) -> RenderedPrompt:
         if (prompt.messages is None) == (prompt.text is None):
@@ -271,7 +276,9 @@ class PromptPlanner:
             return RenderedPrompt(tuple(tokens), self._with_tail(len(tokens), found), False)
         messages = normalize_messages(prompt.messages or ())
         tokens = self.renderer.messages_tokens(prompt, messages)
-        return RenderedPrompt(tuple(tokens), self._chat_checkpoints(prompt, messages, tokens), True)
+        checkpoints = self._chat_checkpoints(prompt, messages, tokens)
+        opens = self.reasoning is not None and self.reasoning.opens(tokens)
+        return RenderedPrompt(tuple(tokens), checkpoints, True, opens)
 
     def _periodic(self, tokens: Sequence[int]) -> tuple[Checkpoint, ...]:
         positions = self.grid.periodic(len(tokens), self.config.checkpoint_interval)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.call_ids import CallIdForm, detect, map_call_ids
 from mlx_prefix.records import PromptInput
 
 from .bounded import Timeout, call_bounded
+
+if TYPE_CHECKING:
+    from mlx_prefix.prompt.reasoning import ReasoningMarkers
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -133,6 +136,15 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         for key in ("name", "tool_call_id", "reasoning_content"):
             if isinstance(message.get(key), str):
                 normalized[key] = message[key]
+        # `reasoning`: mlx_lm.server's and newer vLLM's name for the same field.
+        if role == "assistant" and "reasoning_content" not in normalized:
+            if isinstance(message.get("reasoning"), str):
+                normalized["reasoning_content"] = message["reasoning"]
+        reasoning = normalized.get("reasoning_content")
+        if reasoning and not (normalized["content"] and normalized.get("tool_calls")):
+            # gpt-oss's template reads an assistant turn's analysis from `thinking` (and
+            # refuses it beside both text and a tool call, where it renders the text).
+            normalized["thinking"] = reasoning
         if role != "assistant" and "content" not in message:
             raise InvalidRequest(f"messages[{i}] has no content", param="messages")
         out.append(normalized)
@@ -152,6 +164,8 @@ class ChatRenderer:
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self._timeout_s = timeout_s  # None: RENDER_TIMEOUT_S, read at each render
         self.reserved = reserved_template_kwargs(tokenizer)
+        # The model's think markers, once known (prompt/reasoning.py; set by the planner).
+        self.reasoning: ReasoningMarkers | None = None
         # The server's apply_chat_template arguments (--chat-template-args); a request's
         # own chat_template_kwargs win over them, as in mlx_lm.server.
         self.defaults = dict(defaults or {})
@@ -228,4 +242,9 @@ class ChatRenderer:
         text = self.render_text(
             messages, tools=prompt.tools, template_kwargs=prompt.chat_template_kwargs
         )
-        return self.encode_chat(text + prompt.assistant_prefix)
+        prefix = prompt.assistant_prefix
+        if prefix and self.reasoning is not None and self.reasoning.opens_text(text):
+            # A forced tool call is never reasoning: the think block the generation
+            # prompt opened is closed first, as the template closes one.
+            prefix = self.reasoning.close_text + prefix
+        return self.encode_chat(text + prefix)

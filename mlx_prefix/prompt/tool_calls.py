@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_prefix.prompt.thinking import ThinkSplitter, partial_suffix
 from mlx_prefix.records import ToolCallIds
 
 log = logging.getLogger("mlx_prefix.prompt")
@@ -201,9 +202,28 @@ def client_reply(
     reply: str,
     tools: Sequence[dict[str, Any]] | None,
     ids: ToolCallIds,
+    thinking: ThinkSplitter | None = None,
 ) -> ClientReply:
-    """The whole `reply` split, parsed and named exactly as the server answered it. Tool
-    calls are parsed only when tools were offered (the server parses them only then)."""
+    """The whole `reply` split, parsed and named exactly as the server answered it: its
+    reasoning (when `thinking`, in the state the prompt left it) as `reasoning_content`,
+    as every API family's client sends it back; tool calls, outside the reasoning, only
+    when tools were offered (the server parses them only then)."""
+    reasoning = ""
+    if thinking is not None:
+        (head, text), (tail, rest) = thinking.feed(reply), thinking.finish()
+        reasoning, reply = head + tail, text + rest
+    turn = _client_reply(syntax, reply, tools, ids)
+    if reasoning:
+        turn.message["reasoning_content"] = reasoning
+    return turn
+
+
+def _client_reply(
+    syntax: ToolSyntax | None,
+    reply: str,
+    tools: Sequence[dict[str, Any]] | None,
+    ids: ToolCallIds,
+) -> ClientReply:
     if syntax is None or not tools:
         return ClientReply({"role": "assistant", "content": reply}, ())
     splitter, parser = ReplySplitter(syntax), CallParser(syntax, tools, ids)
@@ -220,11 +240,3 @@ def client_reply(
             for c in calls
         ]
     return ClientReply(message, tuple(c.id for c in calls))
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

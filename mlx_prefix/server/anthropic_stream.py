@@ -2,10 +2,13 @@
 
 One block writer serves both forms, so a streamed reply and a whole one carry the same
 blocks: reasoning becomes a `thinking` block, text a `text` block, each tool call a
-`tool_use` block whose input arrives as one `input_json_delta`. Whitespace between
-blocks (the "\\n\\n" a model writes before a call) is held back and dropped unless text
-follows, since Anthropic refuses whitespace-only text blocks when a client sends them
-back.
+`tool_use` block whose input arrives as one `input_json_delta`. With
+`thinking.display: "omitted"` a thinking block's text is empty, as Anthropic sends it,
+and its `signature` (one `signature_delta`) carries the reasoning for the client to send
+back, so the next turn renders the reasoning the model wrote and its prefix stays cached.
+Whitespace between blocks (the "\\n\\n" a model writes before a call) is held back and
+dropped unless text follows, since Anthropic refuses whitespace-only text blocks when a
+client sends them back.
 
 The stream is the event sequence the official SDKs accumulate: message_start (sent
 when the prompt has been prefilled, so its usage already says what came from the
@@ -26,6 +29,7 @@ from mlx_prefix.records import DoneEvent, Usage
 
 from .assembler import Delta
 from .errors import anthropic_error_body
+from .protocol.sealed import seal
 
 
 def new_message_id() -> str:
@@ -36,10 +40,15 @@ def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
-def usage_body(prompt_tokens: int, cached: int, written: int, output_tokens: int) -> dict[str, int]:
-    """Anthropic's split of the prompt: read from the cache, computed and written to it
-    (up to the furthest checkpoint this request stored), and the rest."""
-    written = max(0, min(written, prompt_tokens - cached))
+def usage_body(
+    prompt_tokens: int, cached: int, stored_to: int, breakpoint_end: int, output_tokens: int
+) -> dict[str, int]:
+    """Anthropic's split of the prompt: read from the cache; written to it at the client's
+    `cache_control` breakpoints (computed here up to the furthest breakpoint, which this
+    request stored: `stored_to` is the furthest position it stored); every other computed
+    token is plain input. A request without breakpoints writes nothing by Anthropic's
+    count, whatever this server keeps for itself."""
+    written = max(0, min(stored_to, breakpoint_end, prompt_tokens) - cached)
     return {
         "input_tokens": prompt_tokens - cached - written,
         "cache_creation_input_tokens": written,
@@ -48,11 +57,13 @@ def usage_body(prompt_tokens: int, cached: int, written: int, output_tokens: int
     }
 
 
-def final_usage(usage: Usage) -> dict[str, int]:
+def final_usage(usage: Usage, breakpoint_end: int) -> dict[str, int]:
+    stored_to = usage.cached_tokens + usage.cache_written_tokens
     return usage_body(
         usage.prompt_tokens,
         usage.cached_tokens,
-        usage.cache_written_tokens,
+        stored_to,
+        breakpoint_end,
         usage.completion_tokens,
     )
 
@@ -74,16 +85,21 @@ def stop_reason(
 class BlockWriter:
     """Deltas -> content block events; `blocks` accumulates the whole reply's content."""
 
-    show_thinking: bool = True
+    show_thinking: bool = True  # False: display "omitted"
     blocks: list[dict[str, Any]] = field(default_factory=list)
     made_tool_use: bool = False
     _open: str | None = None  # type of the open block
     _space: str = ""  # whitespace held back before a text block opens
+    _hidden: str = ""  # the open omitted thinking block's reasoning
 
     def feed(self, delta: Delta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if delta.reasoning and self.show_thinking:
             events += self._continue("thinking", "thinking", delta.reasoning)
+        elif delta.reasoning:
+            if self._open != "thinking":
+                events += self._start("thinking", "thinking")
+            self._hidden += delta.reasoning
         if delta.text:
             text = self._space + delta.text
             if self._open != "text" and not text.strip():
@@ -100,16 +116,20 @@ class BlockWriter:
     def close(self) -> list[dict[str, Any]]:
         return self._close()
 
+    def _start(self, kind: str, key: str) -> list[dict[str, Any]]:
+        events = self._close()
+        start = {"type": kind, key: ""}
+        if kind == "thinking":
+            start["signature"] = ""  # no signer here; clients send it back as given
+        self.blocks.append(dict(start))
+        events.append(self._event("content_block_start", content_block=start))
+        self._open = kind
+        return events
+
     def _continue(self, kind: str, key: str, text: str) -> list[dict[str, Any]]:
         events = []
         if self._open != kind:
-            events += self._close()
-            start = {"type": kind, key: ""}
-            if kind == "thinking":
-                start["signature"] = ""  # no signer here; clients send it back as given
-            self.blocks.append(dict(start))
-            events.append(self._event("content_block_start", content_block=start))
-            self._open = kind
+            events += self._start(kind, key)
         self.blocks[-1][key] += text
         delta = {"type": f"{kind}_delta", key: text}
         events.append(self._event("content_block_delta", delta=delta))
@@ -140,8 +160,14 @@ class BlockWriter:
     def _close(self) -> list[dict[str, Any]]:
         if self._open is None:
             return []
+        events = []
+        if self._open == "thinking" and not self.show_thinking:
+            signature = seal(self._hidden)
+            self.blocks[-1]["signature"], self._hidden = signature, ""
+            delta = {"type": "signature_delta", "signature": signature}
+            events.append(self._event("content_block_delta", delta=delta))
         self._open = None
-        return [self._event("content_block_stop")]
+        return [*events, self._event("content_block_stop")]
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "index": len(self.blocks) - 1, **fields}
@@ -191,7 +217,7 @@ class AnthropicStream:
                 {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": final_usage(done.usage),
+                    "usage": final_usage(done.usage, self.handle.breakpoint_end),
                 }
             )
         )
@@ -206,13 +232,15 @@ class AnthropicStream:
             return []
         self._started = True
         if usage is not None:
-            counts = final_usage(usage)
+            counts = final_usage(usage, self.handle.breakpoint_end)
             counts["output_tokens"] = 0
         else:
+            cached = self.handle.cached_tokens or 0
             counts = usage_body(
                 self.handle.prompt_tokens,
-                self.handle.cached_tokens or 0,
-                self.handle.cache_written_tokens or 0,
+                cached,
+                cached + (self.handle.cache_written_tokens or 0),
+                self.handle.breakpoint_end,
                 0,
             )
         message = {

@@ -9,8 +9,10 @@ shared with the engine's next-turn prefetch, so the prefetch renders the reply e
 the client receives it (whitespace-only text around calls dropped alike).
 
 A reply whose prompt opened the assistant's turn (a forced tool call, server/tool_choice.py)
-is read as continuing that opening. With a ThinkSplitter (server/thinking.py), reasoning
-at the reply's start is split off before the text is searched for calls.
+is read as continuing that opening. A chat reply's reasoning (prompt/thinking.py: at the
+reply's start, or from its first token when the prompt left a think block open) is split
+off before the text is searched for calls, so markup written while reasoning never
+becomes a call.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_prefix.prompt.thinking import ThinkSplitter
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
 from . import responses as R
 from .protocol.request import GenerationRequest
-from .thinking import ThinkSplitter
 from .tools import ReplySplitter, Split, ToolCallFormatter, ToolSyntax
 
 
@@ -45,6 +47,7 @@ class Assembler:
     thinking: ThinkSplitter | None = None
     made_tool_call: bool = False
     tokenizer: Any = None  # decodes the tokens of logprobs
+    reasoning_tokens: int = 0  # tokens fed while the reply was reasoning
     _texts: dict[int, str] = field(default_factory=dict)  # token id -> its text
 
     @classmethod
@@ -54,10 +57,13 @@ class Assembler:
         tokenizer: Any,
         streaming: bool,
         *,
-        split_thinking: bool = False,
+        opens_reasoning: bool = False,
     ) -> Assembler:
+        """`opens_reasoning`: the prompt left a think block open (the engine handle's
+        flag). A raw completion's text is never split."""
         syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
-        thinking = ThinkSplitter.of(tokenizer) if split_thinking else None
+        chat = req.kind == "chat"
+        thinking = ThinkSplitter.of(tokenizer, opens_reasoning) if chat else None
         return cls.build(
             req.sampling.logprobs, syntax, req.prompt, streaming, tokenizer, thinking=thinking
         )
@@ -101,7 +107,12 @@ class Assembler:
             token = self._text(event.token) if event.token is not None else event.text
             top = tuple(R.Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
             lps.append(R.TokenLogprob(token, event.logprob, top))
-        reasoning, text = self.thinking.feed(event.text) if self.thinking else ("", event.text)
+        if self.thinking is not None:
+            before = self.thinking.reasoning
+            reasoning, text = self.thinking.feed(event.text)
+            self.reasoning_tokens += before or self.thinking.reasoning
+        else:
+            reasoning, text = "", event.text
         if self.splitter is None:
             return Delta(text, [], lps, reasoning)
         return self._split(self.splitter.feed(text), lps, reasoning)

@@ -1,12 +1,14 @@
 """Responses API objects and stream events, built from the engine's assembled deltas.
 
-One OutputEvents per response builds its output items (one assistant message holding
-all the reply's text, one function_call item per tool call) and, as it goes, the stream
-events announcing them, each with its sequence number: response.created and
-response.in_progress; per item output_item.added, its content or argument events,
-output_item.done; then response.completed (or .incomplete when max_output_tokens cut
-the reply, .failed on an error). A non-streaming response is built by the same code
-with the events dropped, so both give the same output. No I/O here.
+One OutputEvents per response builds its output items (a `reasoning` item holding the
+reply's reasoning as one `reasoning_text` part, one assistant message holding all the
+reply's text, one function_call item per tool call) and, as it goes, the stream events
+announcing them, each with its sequence number: response.created and
+response.in_progress; per item output_item.added, its content (output_text or
+reasoning_text) or argument events, output_item.done; then response.completed (or
+.incomplete when max_output_tokens cut the reply, .failed on an error). A non-streaming
+response is built by the same code with the events dropped, so both give the same
+output. No I/O here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from mlx_prefix.records import DoneEvent, Usage
 
 from .assembler import Delta
+from .protocol.sealed import seal
 
 
 def new_id(prefix: str) -> str:
@@ -54,6 +57,7 @@ def response_body(
     *,
     error: dict[str, Any] | None = None,
     incomplete: str | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": head.id,
@@ -71,19 +75,19 @@ def response_body(
         "store": head.store,
         "temperature": head.temperature,
         "top_p": head.top_p,
-        "usage": usage_body(usage) if usage is not None else None,
+        "usage": usage_body(usage, reasoning_tokens) if usage is not None else None,
         "background": False,
         **head.echo,
     }
 
 
-def usage_body(usage: Usage) -> dict[str, Any]:
+def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
-        # Every generated token is visible output here: none is hidden reasoning.
-        "output_tokens_details": {"reasoning_tokens": 0},
+        # The tokens of the reasoning item (shown, not hidden, here).
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -108,6 +112,23 @@ class _Message:
 
 
 @dataclass
+class _Reasoning:
+    index: int
+    id: str
+    texts: list[str] = field(default_factory=list)
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": "".join(self.texts)}
+
+    def item(self, status: str) -> dict[str, Any]:
+        content = [self.part()] if status != "in_progress" else []
+        # encrypted_content carries the text back for clients that drop `content` (Codex).
+        sealed = seal(self.part()["text"]) if status != "in_progress" else None
+        return {"id": self.id, "type": "reasoning", "status": status, "summary": [],
+                "content": content, "encrypted_content": sealed}  # fmt: skip
+
+
+@dataclass
 class OutputEvents:
     head: ResponseHead
     logprobs: bool  # include: ["message.output_text.logprobs"]
@@ -117,7 +138,9 @@ class OutputEvents:
     _seq: int = 0
     _next: int = 0  # the next output index
     _message: _Message | None = None
+    _reasoning: _Reasoning | None = None  # the open reasoning item
     _pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    reasoning_tokens: int = 0  # usage's output_tokens_details (set by the route)
 
     def start(self) -> list[dict[str, Any]]:
         return [
@@ -130,6 +153,10 @@ class OutputEvents:
         lps = [{"token": lp.token, "logprob": lp.logprob, "top_logprobs": []}
                for lp in delta.logprobs]  # fmt: skip
         self._pending_logprobs += [{**lp, "bytes": list(lp["token"].encode())} for lp in lps]
+        if delta.reasoning:
+            events += self._add_reasoning(delta.reasoning)
+        if delta.text or delta.tool_calls:
+            events += self._close_reasoning("completed")
         if delta.text:
             if self._message is None:
                 events += self._open_message()
@@ -158,10 +185,13 @@ class OutputEvents:
         """Close the message, then the terminal event: completed, or incomplete when the
         reply was cut at max_output_tokens."""
         cut = done.finish_reason == "length"
-        events = self._close_message("incomplete" if cut else "completed")
+        events = self._close_reasoning("incomplete" if cut else "completed")
+        events += self._close_message("incomplete" if cut else "completed")
         status = "incomplete" if cut else "completed"
         incomplete = "max_output_tokens" if cut else None
-        body = self.body(status, done.usage, incomplete=incomplete)
+        body = self.body(
+            status, done.usage, incomplete=incomplete, reasoning_tokens=self.reasoning_tokens
+        )
         return [*events, self._event(f"response.{status}", response=body)]
 
     def fail(self, message: str) -> dict[str, Any]:
@@ -180,6 +210,38 @@ class OutputEvents:
     def _index(self) -> int:
         self._next += 1
         return self._next - 1
+
+    def _add_reasoning(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        item = self._reasoning
+        if item is None:
+            item = self._reasoning = _Reasoning(self._index(), new_id("rs"))
+            events += [
+                self._event("response.output_item.added", output_index=item.index,
+                            item=item.item("in_progress")),
+                self._event("response.content_part.added", item_id=item.id,
+                            output_index=item.index, content_index=0,
+                            part={"type": "reasoning_text", "text": ""}),
+            ]  # fmt: skip
+        item.texts.append(text)
+        events.append(
+            self._event("response.reasoning_text.delta", item_id=item.id,
+                        output_index=item.index, content_index=0, delta=text)
+        )  # fmt: skip
+        return events
+
+    def _close_reasoning(self, status: str) -> list[dict[str, Any]]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        part, done = item.part(), item.item(status)
+        self.items[item.index] = done
+        where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", **where, text=part["text"]),
+            self._event("response.content_part.done", **where, part=part),
+            self._event("response.output_item.done", output_index=item.index, item=done),
+        ]
 
     def _open_message(self) -> list[dict[str, Any]]:
         message = self._message = _Message(self._index(), new_id("msg"))

@@ -124,10 +124,13 @@ def completion_body(
     finish_reason: str,
     usage: Usage,
     logprobs: list[TokenLogprob] | None,
+    reasoning: str = "",
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": meta.finish(finish_reason)}
     if meta.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if reasoning:
+            message.update(reasoning_fields(reasoning))
         message.update(meta.calls(tool_calls))
         choice["message"] = message
     else:
@@ -136,10 +139,17 @@ def completion_body(
     return {**meta.head(False), "choices": [choice], "usage": usage_body(usage)}
 
 
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """A chat reply's reasoning under both names clients read: `reasoning_content`
+    (DeepSeek's, vLLM's, most clients') and `reasoning` (mlx_lm.server's, newer vLLM's)."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
 def chunk(
     meta: ResponseMeta,
     *,
     text: str | None = None,
+    reasoning: str = "",
     role: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
     finish_reason: str | None = None,
@@ -151,6 +161,8 @@ def chunk(
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
+        if reasoning:
+            delta.update(reasoning_fields(reasoning))
         if text is not None:
             delta["content"] = text
         delta.update(meta.calls(tool_calls or []))
@@ -187,7 +199,8 @@ class OpenAIStream:
     def delta(self, delta: Any) -> list[bytes]:
         body = chunk(
             self.meta,
-            text=delta.text if delta.text or not delta.tool_calls else None,
+            text=delta.text if delta.text or not (delta.tool_calls or delta.reasoning) else None,
+            reasoning=delta.reasoning,
             tool_calls=delta.tool_calls,
             logprobs=delta.logprobs,
             include_usage=self.include_usage,

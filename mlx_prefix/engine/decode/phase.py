@@ -15,12 +15,14 @@ import mlx.core as mx
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.decode.text import TextStream
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.requests.jobs import Job, PrefillTask, Running, usage
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
@@ -49,6 +51,8 @@ class DecodePhase:
         self.batch = DecodeBatch(model.model, rows, kv=kv)
         # With --draft-model: a request decoding alone speculates (engine/decode/speculative.py).
         self.speculator: Speculator | None = None
+        # The model's think markers, for reasoning budgets (set by the engine).
+        self.reasoning: ReasoningMarkers | None = None
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
 
@@ -89,6 +93,9 @@ class DecodePhase:
         job.handle.cache_written_tokens = max(0, job.stored_to - task.reuse)
         prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
         sampler = self._sampler(job)
+        budget = ReasoningBudget.of(
+            job.sampling.reasoning_budget, self.reasoning, job.prompt.opens_reasoning, sampler
+        )
         logprobs = normalize(logits)  # [1, V]
         first = sampler(logprobs, logits)  # [1]
         if self.agree_tokens is not None:
@@ -103,6 +110,7 @@ class DecodePhase:
                 top = alternatives(ids[0].tolist(), values[0].tolist(), n)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
+        running.reasoning = budget
         self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0))
         if self.speculator is not None and task.draft is not None:
             self.speculator.adopt(running, task.draft)
@@ -120,7 +128,7 @@ class DecodePhase:
         self.peak_batch = max(self.peak_batch, len(self.batch))
         if self.speculator is not None and len(self.batch) == 1:
             running = self.batch.members[0]
-            if k := self.speculator.tokens_for(running):
+            if not _bounding(running) and (k := self.speculator.tokens_for(running)):
                 accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
                 self.speculator.step(self.batch, running, k, accept)
                 self.steps += 1
@@ -178,6 +186,8 @@ class DecodePhase:
             return True
         running.count += 1
         running.emitted.append(token)
+        if running.reasoning is not None:
+            running.reasoning.after(token)
         delta = running.stream.add(token)
         running.job.handle.emit(TokenEvent(delta, token, logprob, top))
         if running.stream.stopped or (constraint is not None and constraint.finished):
@@ -211,3 +221,8 @@ class DecodePhase:
         self._end(job, DoneEvent(reason, done, stop))  # type: ignore[arg-type]
         if reason != "cancelled":
             self._on_reply(job, running.stream.text)
+
+
+def _bounding(running: Running) -> bool:
+    """Its reasoning budget may still force tokens: it decodes without speculation."""
+    return running.reasoning is not None and running.reasoning.bounding

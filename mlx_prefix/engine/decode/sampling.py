@@ -9,6 +9,8 @@ the temperature - or the argmax at temperature 0. mlx_lm draws XTC's coin and th
 from the global PRNG; here both come from the request's own keys.
 
 Reported logprobs stay the model's (before processors, constraint and filters).
+Tokens forced on a sampler (`force`: a reasoning budget's close, engine/decode/reasoning_budget.py)
+come out instead of sampled ones, one per call.
 """
 
 from __future__ import annotations
@@ -46,10 +48,23 @@ class TokenSampler:
         # XTC's coins from a chain of their own: the token draws are those of the same
         # seed without XTC, so what XTC changes is its cut alone.
         self._coin_key = mx.random.key(seed ^ XTC_SALT)
+        self._forced: list[int] = []  # tokens to emit next instead of sampling
+
+    def force(self, tokens: Sequence[int]) -> None:
+        """The next calls return these tokens, in order."""
+        self._forced += tokens
+
+    @property
+    def forcing(self) -> bool:
+        return bool(self._forced)
 
     def __call__(self, logprobs: mx.array, logits: mx.array | None = None) -> mx.array:
         """logprobs [1, V] (normalized) and the raw `logits` [1, V] they came from
         (needed when the request has logits processors) -> token [1] (lazy)."""
+        if self._forced:
+            token = mx.array([self._forced.pop(0)])
+            self.adjust.add(token)
+            return token
         if self.adjust:
             assert logits is not None, "a request with logits processors needs the logits"
             logprobs = normalize(self.adjust(logits))

@@ -24,6 +24,11 @@ class RequestHandle:
         # (the event queue orders the write before a consumer's read of that event).
         self.cached_tokens: int | None = None  # restored from the cache
         self.cache_written_tokens: int | None = None  # computed and stored in the cache
+        # Set at submit, from the rendered prompt: the reply starts as reasoning (the
+        # prompt left a think block open), and the furthest position of the client's
+        # cache breakpoints (0: none).
+        self.opens_reasoning = False
+        self.breakpoint_end = 0
         self.cancelled = threading.Event()
         self._queue: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()

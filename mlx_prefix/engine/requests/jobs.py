@@ -18,6 +18,7 @@ from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, Sampling
 if TYPE_CHECKING:
     import mlx.core as mx
 
+    from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
     from mlx_prefix.engine.decode.speculative import DraftCache
     from mlx_prefix.engine.prefill.checkpoints import Checkpointer
 
@@ -110,6 +111,7 @@ class Running:
     first_at: float
     count: int = 0
     emitted: list[int] = field(default_factory=list)  # its reply's token ids so far
+    reasoning: ReasoningBudget | None = None  # its reasoning budget, if it has one
 
 
 def usage(

@@ -23,6 +23,7 @@ from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.thinking import ThinkSplitter
 from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
 from mlx_prefix.records import PromptInput, ToolCallIds
 
@@ -42,7 +43,11 @@ def wants_prefetch(source: PromptInput) -> bool:
 
 
 def next_turn_messages(
-    source: PromptInput, reply: str, syntax: ToolSyntax | None, request_id: str
+    source: PromptInput,
+    reply: str,
+    syntax: ToolSyntax | None,
+    request_id: str,
+    thinking: ThinkSplitter | None = None,
 ) -> tuple[dict[str, Any], ...]:
     """The conversation the client will send next: this one, the reply as the client
     received it, and a placeholder for the next message. A reply that calls tools comes
@@ -50,10 +55,13 @@ def next_turn_messages(
     (every API shape becomes that message), followed by the first call's result; any
     other reply as its text, followed by a user message. A reply that continues the
     opening its prompt forced (a forced tool call) is read with that opening, as the
-    server's assembler reads it."""
+    server's assembler reads it. With `thinking`, the reply's reasoning comes back as its
+    `reasoning_content`, as the server answered it apart."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
-    turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids)
+    if source.assistant_prefix:
+        thinking = None  # a forced call's opening closed any think block (prompt/render.py)
+    turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids, thinking)
     if turn.call_ids:
         nxt = {"role": "tool", "tool_call_id": turn.call_ids[0], "content": NEXT_MESSAGE}
     else:
@@ -68,6 +76,7 @@ def next_turn_prompt(
     computed: int,
     syntax: ToolSyntax | None = None,
     request_id: str = "",
+    opens_reasoning: bool = False,
 ) -> RenderedPrompt | None:
     """The next request's prompt, cut where its last message begins, if that reaches past
     the `computed` tokens of this one; None otherwise. Does not touch MLX.
@@ -77,8 +86,10 @@ def next_turn_prompt(
     reply the way the next request will; the planner finds where the next message
     begins (sentinel substitution) exactly as it will for the real next request.
     """
+    markers = planner.reasoning
+    thinking = markers.splitter(opens_reasoning) if markers is not None else None
     probe = PromptInput(
-        messages=next_turn_messages(source, reply, syntax, request_id),
+        messages=next_turn_messages(source, reply, syntax, request_id, thinking),
         tools=source.tools,
         chat_template_kwargs=source.chat_template_kwargs,
     )
@@ -118,9 +129,14 @@ class Prefetcher:
         request_id: str,
         key: str,
         scope: str | None = None,
+        opens_reasoning: bool = False,
     ) -> None:
+        """`opens_reasoning`: the request's prompt left a think block open (its reply
+        starts as reasoning)."""
         try:
-            self._pool.submit(self._render, source, reply, computed, request_id, key, scope)
+            self._pool.submit(
+                self._render, source, reply, computed, request_id, key, scope, opens_reasoning
+            )
         except RuntimeError:  # closed: the engine is shutting down
             pass
 
@@ -135,10 +151,11 @@ class Prefetcher:
         request_id: str,
         key: str,
         scope: str | None,
+        opens_reasoning: bool,
     ) -> None:
         try:
             prompt = next_turn_prompt(
-                self.planner, source, reply, computed, self.syntax, request_id
+                self.planner, source, reply, computed, self.syntax, request_id, opens_reasoning
             )
         except Exception:  # a template that cannot render it: nothing to prefetch
             log.debug("next-turn render failed", exc_info=True)

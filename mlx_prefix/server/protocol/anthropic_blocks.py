@@ -11,7 +11,8 @@ renders, plus the client's cache breakpoints (`cache_control`) found on them.
   nothing is a 400), its `is_error` marked as an `Error: ` prefix. A `tool_reference`
   inside a result renders the referenced (deferred) tool's definition there.
 - assistant text blocks join into the content, `tool_use` blocks become `tool_calls`,
-  `thinking` blocks the `reasoning_content` templates render; `redacted_thinking` holds
+  `thinking` blocks the `reasoning_content` templates render (a block this server sent
+  with its text omitted carries the reasoning in its signature); `redacted_thinking` holds
   only reasoning encrypted by Anthropic's servers, which no local template can render,
   so it is left out.
 - Other block types (images, documents, server tools) are refused with a 400 naming them.
@@ -29,11 +30,21 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint
 
 from .fields import json_type
+from .sealed import unseal
 
 ROLES = ("user", "assistant", "system")
 _BILLING_HEADER = re.compile(
     r"\s*x-[A-Za-z0-9-]+:\s*[A-Za-z0-9_.-]+=[^;\n]*(?:;\s*[A-Za-z0-9_.-]+=[^;\n]*)*;?\s*"
 )
+
+
+def _block_reasoning(block: dict[str, Any]) -> str:
+    """A thinking block's reasoning: its text, or what its signature carries when this
+    server omitted the text (protocol/sealed.py)."""
+    text, signature = block["thinking"], block.get("signature")
+    if text or not isinstance(signature, str):
+        return text
+    return unseal(signature) or ""
 
 
 def is_billing_header(text: str) -> bool:
@@ -177,7 +188,7 @@ def _assistant(
                     f"{where}.thinking must be a string", param=f"{where}.thinking"
                 )
             if keep_thinking:
-                reasoning.append(block["thinking"])
+                reasoning.append(_block_reasoning(block))
         elif kind != "redacted_thinking":
             raise _unsupported(kind, where)
         marked |= block.get("cache_control") is not None

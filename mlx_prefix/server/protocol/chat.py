@@ -1,7 +1,7 @@
 """POST /v1/chat/completions bodies: messages, content parts, tool calls, tools,
-tool_choice, logprobs, reasoning_effort, and the deprecated `functions` / `function_call`
-(with `function` role messages and assistant `function_call`s in the history), read as
-tools."""
+tool_choice, logprobs, reasoning_effort and thinking_token_budget (protocol/effort.py),
+and the deprecated `functions` / `function_call` (with `function` role messages and
+assistant `function_call`s in the history), read as tools."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import PromptInput
 
+from .effort import effort_bound, token_budget
 from .fields import MISSING, field, integer, json_type
 from .request import GenerationRequest, Limits, ToolChoice, generation_request
 
@@ -25,10 +26,14 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     tools = read_tools(body)
     choice = _tool_choice(body, tools)
     offer_tools = tools is not None and choice.mode != "none"
+    bound = effort_bound(body.get("reasoning_effort"), "reasoning_effort")
+    budget = token_budget(body.get("thinking_token_budget"), "thinking_token_budget")
     prompt = PromptInput(
         messages=parse_messages(body.get("messages", MISSING)),
         tools=tools if offer_tools else None,
-        chat_template_kwargs=_template_kwargs(body),
+        chat_template_kwargs=bound.kwargs_under(
+            field(body, "chat_template_kwargs", dict, None) or {}
+        ),
     )
     logprobs = bool(field(body, "logprobs", bool, False))
     top = integer(body, "top_logprobs", 0, lo=0, hi=20)
@@ -43,6 +48,10 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
         top_logprobs=top,
         parse_tools=offer_tools,
         tool_choice=choice,
+    )
+    budget = budget if budget is not None else bound.budget
+    req = dataclasses.replace(
+        req, sampling=dataclasses.replace(req.sampling, reasoning_budget=budget)
     )
     return dataclasses.replace(req, legacy_functions=True) if legacy else req
 
@@ -79,29 +88,6 @@ def _functions_as_tools(body: dict[str, Any]) -> dict[str, Any]:
     out["tool_choice"] = choice
     out["parallel_tool_calls"] = False
     return out
-
-
-# OpenAI's reasoning_effort levels. A local model has one knob for how hard it works:
-# whether its template lets it reason before answering. The lower levels turn that off
-# (as Anthropic's output_config.effort "low" does), the others on; a template without
-# the switch reasons as it always does.
-_REASONS = {"none": False, "minimal": False, "low": False}
-_REASONS |= dict.fromkeys(("medium", "high", "xhigh"), True)
-
-
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """chat_template_kwargs, with reasoning_effort as its `enable_thinking` switch (a
-    switch the request sets itself wins)."""
-    kwargs = dict(field(body, "chat_template_kwargs", dict, None) or {})
-    effort = field(body, "reasoning_effort", str, None)
-    if effort is None:
-        return kwargs
-    if effort not in _REASONS:
-        raise InvalidRequest(
-            f"reasoning_effort must be one of {', '.join(_REASONS)}", param="reasoning_effort"
-        )
-    kwargs.setdefault("enable_thinking", _REASONS[effort])
-    return kwargs
 
 
 def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
@@ -212,6 +198,13 @@ def _message(message: Any, i: int) -> dict[str, Any]:
         out["tool_calls"] = [
             _tool_call(tc, f"{param}.tool_calls[{j}]") for j, tc in enumerate(tool_calls)
         ]
+    for key in ("reasoning_content", "reasoning"):
+        # An assistant turn's reasoning, rendered where the template puts it.
+        value = message.get(key)
+        if value is not None and (role != "assistant" or not isinstance(value, str)):
+            raise InvalidRequest(
+                f"{param}.{key} must be a string on an assistant message", param=f"{param}.{key}"
+            )
     content = message.get("content", MISSING)
     if content is MISSING or content is None:
         if role != "assistant":

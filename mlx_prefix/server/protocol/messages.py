@@ -11,9 +11,12 @@ Every field is honoured or refused with a 400 naming it:
   until a `tool_reference` loads them; server tools and `strict` are refused),
   `tool_choice` auto / any / tool / none and `disable_parallel_tool_use`;
 - `thinking` enabled / disabled / adaptive -> the template's `enable_thinking` switch
-  (adaptive: the template's default); `budget_tokens` is checked as Anthropic does, and
-  the reasoning is bounded by max_tokens (Anthropic documents the budget as a target);
-  `display: "omitted"` leaves the reasoning out of the reply;
+  (adaptive: the template's default); `budget_tokens` (any non-negative count below
+  max_tokens: Anthropic's 1024 floor is a billing rule) bounds the reasoning: once
+  spent, the server closes the think block as the template does and the model answers
+  (engine/decode/reasoning_budget.py); disabled also closes at once a block the prompt opens
+  anyway (a budget of 0); `display: "omitted"` sends thinking blocks without their text
+  (the signature carries it back, server/anthropic_stream.py);
 - `output_config.format` (the beta's `output_format`): `json_schema` structured output,
   held to the schema as chat's `response_format` is (not with `stop_sequences` or tools);
 - `output_config.effort`: a local model has one knob for how hard it works, whether it
@@ -46,7 +49,6 @@ from .request import (
     refuse_stop_with_format,
 )
 
-MIN_THINKING_BUDGET = 1024  # Anthropic's minimum budget_tokens
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
@@ -71,9 +73,9 @@ def parse_messages_request(
     max_tokens = integer(body, "max_tokens", MISSING, lo=1, hi=None)
     if max_tokens is MISSING:
         raise InvalidRequest("max_tokens: Field required", param="max_tokens")
-    thinking, show = _thinking(body, max_tokens)
-    prompt, tools = _prompt(body, keep_billing_header, thinking)
-    choice = _tool_choice(body, tools, thinking)
+    thinking = _thinking(body, max_tokens)
+    prompt, tools = _prompt(body, keep_billing_header, thinking.enable)
+    choice = _tool_choice(body, tools, thinking.enable)
     sampling = SamplingParams(
         max_tokens=min(max_tokens, limits.max_tokens),
         temperature=number(
@@ -84,6 +86,7 @@ def parse_messages_request(
         min_p=limits.sampling.get("min_p", 0.0),
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),  # mlx-prefix's extension
         stop=_stop_sequences(body),
+        reasoning_budget=thinking.budget,
         response_format=anthropic_output_format(body),
     )
     offer = prompt.tools is not None
@@ -109,7 +112,7 @@ def parse_messages_request(
         fit_reply=False,
         adapter=field(body, "adapters", str, None) or None,  # as mlx_lm.server's chat field
     )
-    return MessagesRequest(generation, show_thinking=show)
+    return MessagesRequest(generation, show_thinking=thinking.show)
 
 
 def parse_count_tokens(
@@ -117,7 +120,7 @@ def parse_count_tokens(
 ) -> tuple[str, PromptInput]:
     """The model name and the prompt whose tokens /v1/messages/count_tokens counts."""
     model = _model(body)
-    thinking, _ = _thinking(body, None)
+    thinking = _thinking(body, None).enable
     prompt, tools = _prompt(body, keep_billing_header, thinking)
     _tool_choice(body, tools, thinking)
     return model, prompt
@@ -245,8 +248,16 @@ def _tool_choice(body: dict[str, Any], tools: _Tools, thinking: bool | None) -> 
     return ToolChoice("named", name, parallel=not parallel)
 
 
-def _thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[bool | None, bool]:
-    """(the template's enable_thinking: None for its default, whether to show reasoning)."""
+@dataclass(frozen=True)
+class _Thinking:
+    enable: bool | None  # the template's enable_thinking; None: its default
+    show: bool  # the reasoning's text goes out (display "omitted": False)
+    budget: int | None  # reasoning tokens before the server closes the block; None: unbounded
+
+
+def _thinking(body: dict[str, Any], max_tokens: int | None) -> _Thinking:
+    """Off (disabled, or effort "low" without thinking enabled) is the template's switch
+    off and a budget of 0, so a template without the switch is held to it too."""
     effort = (field(body, "output_config", dict, None) or {}).get("effort", "high")
     if effort not in EFFORTS:
         raise InvalidRequest(
@@ -255,7 +266,7 @@ def _thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[bool | None
         )
     thinking = field(body, "thinking", dict, None)
     if thinking is None or (effort == "low" and thinking.get("type") != "enabled"):
-        return (False if effort == "low" else None), True
+        return _Thinking(False, True, 0) if effort == "low" else _Thinking(None, True, None)
     kind = thinking.get("type")
     display = thinking.get("display", "summarized")
     if display not in ("summarized", "omitted"):
@@ -263,17 +274,18 @@ def _thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[bool | None
             "thinking.display must be 'summarized' or 'omitted'", param="thinking.display"
         )
     if kind == "disabled":
-        return False, True
+        return _Thinking(False, True, 0)
     if kind == "adaptive":
-        return None, display != "omitted"
+        return _Thinking(None, display != "omitted", None)
     if kind != "enabled":
         raise InvalidRequest(
             "thinking.type must be 'enabled', 'disabled' or 'adaptive'", param="thinking.type"
         )
     budget = thinking.get("budget_tokens")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+    # Anthropic's floor of 1024 is a billing rule; a local model may think less.
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise InvalidRequest(
-            f"thinking.budget_tokens must be an integer of at least {MIN_THINKING_BUDGET}",
+            "thinking.budget_tokens must be a non-negative integer",
             param="thinking.budget_tokens",
         )
     if max_tokens is not None and budget >= max_tokens:
@@ -281,7 +293,7 @@ def _thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[bool | None
             f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
             param="thinking.budget_tokens",
         )
-    return True, display != "omitted"
+    return _Thinking(True, display != "omitted", budget)
 
 
 def _keep_thinking_turns(body: dict[str, Any]) -> int | None:

@@ -5,7 +5,11 @@ become chat messages: a run of assistant message and `function_call` items becom
 assistant message with `content` and `tool_calls`, exactly the message a chat
 completions client sends back for the same reply, so all API shapes render a
 conversation to the same tokens (and the engine's next-turn prefetch matches them).
-`function_call_output` becomes a `tool` message. Function tools are turned from the
+`function_call_output` becomes a `tool` message. A `reasoning` item (its
+`reasoning_text` content, else the text this server sealed in its `encrypted_content`,
+else its summary) becomes the `reasoning_content` of the
+assistant message its run builds, the field templates render reasoning from.
+Function tools are turned from the
 Responses' flat shape into the chat shape templates expect.
 
 Pure: validates, never touches the engine. Fields this server cannot honour are refused
@@ -19,6 +23,7 @@ from typing import Any
 from mlx_prefix.errors import InvalidRequest
 
 from .fields import json_type
+from .sealed import unseal
 
 INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # Item fields that carry nothing the model sees (bookkeeping a client echoes back).
@@ -50,11 +55,15 @@ def input_messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             reply = None
             messages.append(_function_call_output(item, where))
+        elif kind == "reasoning":
+            reply = reply or _new_reply(messages)
+            reply["reasoning_content"] = reply.get("reasoning_content", "") + _reasoning(
+                item, where
+            )
         else:
             raise InvalidRequest(
-                f"{where}.type {kind!r} is not supported: give messages, function_call and "
-                "function_call_output items"
-                + (" (this server produces no reasoning items)" if kind == "reasoning" else ""),
+                f"{where}.type {kind!r} is not supported: give messages, reasoning, "
+                "function_call and function_call_output items",
                 param=f"{where}.type",
             )
     if not messages:
@@ -110,6 +119,38 @@ def _text_part(part: Any, where: str) -> str:
     # Annotations and logprobs come back on output_text parts the server sent: not prompt.
     _no_other_fields(part, where, {"type", "text", "annotations", "logprobs"})
     return part["text"]
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text (or text) parts, else what this
+    server sealed in its encrypted_content (protocol/sealed.py), else its summary."""
+    _no_other_fields(item, where, {"summary", "content", "encrypted_content"})
+    sealed = item.get("encrypted_content")
+    opened = unseal(sealed) if isinstance(sealed, str) else None
+    if not is_empty(sealed) and opened is None:
+        raise InvalidRequest(
+            f"{where}.encrypted_content: reasoning encrypted by another server cannot be "
+            "rendered here; send its content (reasoning_text parts) instead",
+            param=f"{where}.encrypted_content",
+        )
+    texts = {}
+    for key, kinds in (("content", ("reasoning_text", "text")), ("summary", ("summary_text",))):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise InvalidRequest(f"{where}.{key} must be an array", param=f"{where}.{key}")
+        texts[key] = []
+        for j, part in enumerate(parts):
+            at = f"{where}.{key}[{j}]"
+            if not isinstance(part, dict) or part.get("type") not in kinds:
+                raise InvalidRequest(f"{at} must be a {' or '.join(kinds)} part", param=at)
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{at}.text must be a string", param=f"{at}.text")
+            texts[key].append(part["text"])
+    if texts["content"]:
+        return "".join(texts["content"])
+    if opened is not None:
+        return opened
+    return "\n\n".join(texts["summary"])
 
 
 def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:

@@ -2,11 +2,13 @@
 `responses.create` and Codex CLI send it) -> a ResponsesRequest.
 
 Stricter than the other families: a field this server cannot honour (built-in tools,
-`reasoning` options, `background`, `truncation: auto`, a field it does not know) is
+`reasoning.summary` beyond auto, `background`, `truncation: auto`, a field it does not
+know) is
 refused with a 400 naming it, unless its value is empty (null, false, "", [], {}):
 clients often send defaults. Bookkeeping that changes no output (`metadata`, `user`,
 `prompt_cache_key`, ...) is accepted and echoed. `text.format` may ask for JSON
-(server/protocol/formats.py).
+(server/protocol/formats.py). `reasoning.effort` bounds the reasoning or turns it off
+(protocol/effort.py).
 `previous_response_id` is only read here; the route resolves it against its store.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, ToolCallIds
 
+from .effort import effort_bound
 from .fields import field as read
 from .fields import integer, number
 from .formats import responses_text_format
@@ -25,8 +28,8 @@ from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_pr
 from .response_items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
-# Asks for a field of reasoning items; this server emits none (a template's thinking
-# comes as output text), so there is nothing to include. Codex always sends it.
+# Asks for a field of reasoning items; this server's always carry it (their text, sealed:
+# protocol/sealed.py), so there is nothing more to include. Codex always sends it.
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 # Accepted as sent and echoed in the response; they change nothing generated.
@@ -129,6 +132,8 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
             f"({limits.max_tokens})",
             param="max_output_tokens",
         )
+    effort = read(body, "reasoning", dict, {}).get("effort")
+    bound = effort_bound(effort, "reasoning.effort")
     sampling = SamplingParams(
         max_tokens=max_output_tokens or min(limits.default_max_tokens, limits.max_tokens),
         temperature=number(
@@ -140,6 +145,7 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         logprobs=LOGPROBS in _include(body),
         response_format=response_format,
+        reasoning_budget=bound.budget,
     )
     if "input" not in body or body["input"] is None:
         raise InvalidRequest("'input' is required", param="input")
@@ -150,7 +156,7 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         "metadata": read(body, "metadata", dict, {}),
         "truncation": "disabled",
         "text": {"format": text_format if response_format is not None else {"type": "text"}},
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": effort, "summary": None},
         **{k: body[k] for k in _ECHOED[1:] if isinstance(body.get(k), str)},
     }
     return ResponsesRequest(
@@ -165,7 +171,9 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         previous_response_id=read(body, "previous_response_id", str, None) or None,
         max_output_tokens=max_output_tokens,
         parallel_tool_calls=echo["parallel_tool_calls"],
-        chat_template_kwargs=read(body, "chat_template_kwargs", dict, None) or {},
+        chat_template_kwargs=bound.kwargs_under(
+            read(body, "chat_template_kwargs", dict, None) or {}
+        ),
         echo=echo,
     )
 
@@ -182,13 +190,15 @@ def _check_options(body: dict[str, Any]) -> None:
     """Option objects whose defaults are what this server does; anything else is refused."""
     reasoning = read(body, "reasoning", dict, {})
     for key, value in reasoning.items():
-        # "auto" leaves whether to summarize to the server: no reasoning items, no summary.
-        if not is_empty(value) and not (key == "summary" and value in ("auto", "none")):
-            raise InvalidRequest(
-                f"reasoning.{key} is not supported: the model's chat template decides how it "
-                "reasons (a thinking switch goes in chat_template_kwargs)",
-                param=f"reasoning.{key}",
-            )
+        # "auto" leaves whether to summarize to the server: the reasoning items carry the
+        # reasoning itself, no summary. The effort: parse_responses reads it.
+        if key == "effort" or is_empty(value) or (key == "summary" and value in ("auto", "none")):
+            continue
+        raise InvalidRequest(
+            f"reasoning.{key} is not supported: reasoning items carry the model's reasoning "
+            "itself, never a summary of it",
+            param=f"reasoning.{key}",
+        )
     text = read(body, "text", dict, {})
     for key, value in text.items():
         if key != "format" and not is_empty(value):  # format: parse_responses reads it

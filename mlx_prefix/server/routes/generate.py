@@ -55,12 +55,15 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         record.write(str(e.status), error=e.message)
         raise
     meta = R.ResponseMeta(kind, served.id, record.request_id, legacy_functions=req.legacy_functions)
-    assembler = Assembler.for_request(req, tokenizer, req.stream)
+    assembler = Assembler.for_request(
+        req, tokenizer, req.stream, opens_reasoning=handle.opens_reasoning
+    )
 
     def whole(result: Collected, finish: str) -> dict:
         return R.completion_body(
             meta,
             text=result.text,
+            reasoning=result.reasoning,
             tool_calls=result.tool_calls,
             finish_reason=finish,
             usage=result.done.usage,

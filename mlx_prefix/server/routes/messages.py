@@ -56,7 +56,9 @@ async def messages(request: Request) -> Response:
         raise
     # The client's own stop sequences: a parallel-call stop added above is not one.
     stops = parsed.generation.sampling.stop
-    assembler = Assembler.for_request(req, tokenizer, streaming=False, split_thinking=True)
+    assembler = Assembler.for_request(
+        req, tokenizer, streaming=False, opens_reasoning=handle.opens_reasoning
+    )
     writer = BlockWriter(show_thinking=parsed.show_thinking)
 
     def whole(result: Collected, finish: str) -> dict:
@@ -64,7 +66,13 @@ async def messages(request: Request) -> Response:
             writer.feed(delta)
         writer.close()
         reason = stop_reason(result.done, writer.made_tool_use, stops)
-        return message_body(message_id, served.id, writer, reason, final_usage(result.done.usage))
+        return message_body(
+            message_id,
+            served.id,
+            writer,
+            reason,
+            final_usage(result.done.usage, handle.breakpoint_end),
+        )
 
     shaper = AnthropicStream(message_id, served.id, handle, stops, writer)
     return await respond(request, st, handle, req, record, assembler, shaper, whole)

@@ -70,15 +70,19 @@ async def create_response(request: Request) -> Response:
             turn = (*history, *parsed.input, *reply_messages(body["output"]))
             st.responses.put(who.namespace, response_id, StoredResponse(body, turn))
 
+    assembler = Assembler.for_request(
+        req, tokenizer, streaming=False, opens_reasoning=handle.opens_reasoning
+    )
+
     def whole(result: Collected, finish: str) -> dict[str, Any]:
         for delta in result.deltas:
             output.add(delta)
+        output.reasoning_tokens = assembler.reasoning_tokens
         body = output.finish(result.done)[-1]["response"]
         save(body)
         return body
 
-    assembler = Assembler.for_request(req, tokenizer, streaming=False)
-    shaper = ResponsesStream(output, save)
+    shaper = ResponsesStream(output, save, assembler)
     return await respond(request, st, handle, req, record, assembler, shaper, whole)
 
 
@@ -132,6 +136,7 @@ class ResponsesStream:
 
     output: OutputEvents
     save: Callable[[dict[str, Any]], None]
+    assembler: Assembler  # counts the reply's reasoning tokens
 
     def opening(self) -> list[bytes]:
         return [sse(e) for e in self.output.start()]
@@ -140,6 +145,7 @@ class ResponsesStream:
         return [sse(e) for e in self.output.add(delta)]
 
     def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
+        self.output.reasoning_tokens = self.assembler.reasoning_tokens
         events = self.output.finish(done)
         self.save(events[-1]["response"])
         return [sse(e) for e in events]

@@ -1,14 +1,15 @@
 """A reply's reasoning, split off its text: the part between the model's think markers
-(`<think>` ... `</think>`) at the reply's start, for the API families that carry it
-apart (Anthropic's `thinking` blocks). Text deltas in, (reasoning, text) out; a marker
-cut across deltas is held back until it is whole."""
+(`<think>` ... `</think>`) at the reply's start, or, when the prompt left a think block
+open (Qwen3.5's generation prompt ends with `<think>\n`), everything up to the end
+marker. Every API family carries it apart (chat `reasoning_content`, Anthropic
+`thinking` blocks, Responses `reasoning` items). Text deltas in, (reasoning, text) out;
+a marker cut across deltas is held back until it is whole. Pure: the prefetch splits a
+whole reply with it too (prompt/tool_calls.client_reply)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-from mlx_prefix.prompt.tool_calls import partial_suffix
 
 
 @dataclass
@@ -23,11 +24,19 @@ class ThinkSplitter:
     _state: str = "opening"
 
     @classmethod
-    def of(cls, tokenizer: Any) -> ThinkSplitter | None:
-        """For a tokenizer that knows its think markers; None otherwise."""
+    def of(cls, tokenizer: Any, opened: bool = False) -> ThinkSplitter | None:
+        """For a tokenizer that knows its think markers; None otherwise. `opened`: the
+        prompt left a think block open, so the reply starts inside it."""
         if not getattr(tokenizer, "has_thinking", False):
             return None
-        return cls(tokenizer.think_start, tokenizer.think_end)
+        return cls(
+            tokenizer.think_start, tokenizer.think_end, _state="thinking" if opened else "opening"
+        )
+
+    @property
+    def reasoning(self) -> bool:
+        """Inside the reasoning block now."""
+        return self._state == "thinking"
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, text) safe to hand out now."""
@@ -63,3 +72,11 @@ class ThinkSplitter:
         if self._state == "thinking":
             return pending, ""
         return "", pending
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,114 @@
+"""A model's reasoning markers as its tokenizer and chat template write them.
+
+mlx-lm's tokenizer wrapper knows a thinking model's markers (`think_start` /
+`think_end`, one token or several: `<think>`, `<|channel>thought`). Two facts follow
+from a prompt's tokens and the template:
+- whether the prompt leaves a think block open (Qwen3.5 and Nemotron 3 Nano end their
+  generation prompt with `<think>\\n`): then the reply starts as reasoning, as
+  mlx_lm.server decides with `rfind_think_start` / `rfind_think_end`;
+- how the template closes a reasoning block before the answer (Qwen3.5:
+  `\\n</think>\\n\\n`), read from a render of a reply with sentinel reasoning and
+  content: what the server forces when a reasoning budget runs out, and what a forced
+  tool call's opening starts with after an open think block.
+Built once per model (prompt/boundaries.PromptPlanner); pure, no MLX.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.thinking import ThinkSplitter
+
+log = logging.getLogger("mlx_prefix.prompt")
+
+_REASONING, _ANSWER = "zqreasoningprobe", "zqanswerprobe"  # plain text no template rewrites
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    start_text: str
+    end_text: str
+    start: tuple[int, ...]  # the start marker's token ids
+    end: tuple[int, ...]
+    close_text: str  # what the template writes between a turn's reasoning and its answer
+    close: tuple[int, ...]  # close_text's tokens
+
+    @classmethod
+    def of(cls, renderer: ChatRenderer) -> ReasoningMarkers | None:
+        """For a tokenizer that knows its think markers; None otherwise."""
+        tokenizer = renderer.tokenizer
+        if not getattr(tokenizer, "has_thinking", False):
+            return None
+        start_text, end_text = tokenizer.think_start, tokenizer.think_end
+        start, end = renderer.encode_chat(start_text), renderer.encode_chat(end_text)
+        if not start or not end:
+            return None
+        close_text = _template_close(renderer, end_text)
+        return cls(
+            start_text,
+            end_text,
+            tuple(start),
+            tuple(end),
+            close_text,
+            tuple(renderer.encode_chat(close_text)),
+        )
+
+    def opens(self, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` leave a think block open: a start marker after the last end
+        marker."""
+        first_start, first_end = self.start[0], self.end[0]
+        for i in range(len(tokens) - 1, -1, -1):
+            token = tokens[i]
+            if token == first_start and _at(tokens, i, self.start):
+                return True
+            if token == first_end and _at(tokens, i, self.end):
+                return False
+        return False
+
+    def splitter(self, opened: bool) -> ThinkSplitter:
+        """A reply's reasoning apart from its text, as the server splits it; `opened`:
+        the prompt left the block open."""
+        return ThinkSplitter(
+            self.start_text, self.end_text, _state="thinking" if opened else "opening"
+        )
+
+    def answer(self, reply: str, opened: bool) -> str:
+        """`reply` without its leading reasoning: the text a client shows and sends back."""
+        splitter = self.splitter(opened)
+        (_, text), (_, rest) = splitter.feed(reply), splitter.finish()
+        return text + rest
+
+    def opens_text(self, text: str) -> bool:
+        """`opens` on text (a prompt before it is tokenized)."""
+        return text.rfind(self.start_text) > text.rfind(self.end_text)
+
+
+def _at(tokens: Sequence[int], i: int, marker: tuple[int, ...]) -> bool:
+    return tuple(tokens[i : i + len(marker)]) == marker
+
+
+def _template_close(renderer: ChatRenderer, end_text: str) -> str:
+    """The text between an assistant turn's reasoning and its answer in the template's
+    own render; Qwen's and DeepSeek's `\\n</think>\\n\\n` when the template renders no
+    reasoning (or refuses the probe)."""
+    fallback = f"\n{end_text}\n\n"
+    probe = [
+        {"role": "user", "content": "zqquestionprobe"},
+        {"role": "assistant", "content": _ANSWER, "reasoning_content": _REASONING},
+    ]
+    try:
+        text = renderer.render_text(probe, add_generation_prompt=False)
+    except InvalidRequest:
+        return fallback
+    at, answer = text.find(_REASONING), text.find(_ANSWER)
+    if at < 0 or answer < at:
+        return fallback
+    between = text[at + len(_REASONING) : answer]
+    if end_text not in between:
+        log.debug("the template writes no %r after reasoning; using %r", end_text, fallback)
+        return fallback
+    return between

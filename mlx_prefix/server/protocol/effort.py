@@ -1,0 +1,58 @@
+"""How long a reply may reason, from OpenAI-style fields -> the template's thinking
+switch and a reasoning budget (SamplingParams.reasoning_budget: the server closes the
+think block once the reply has reasoned that many tokens, as the template closes one).
+
+- `reasoning_effort` (chat) and `reasoning.effort` (Responses), OpenAI's levels: "none"
+  turns the template's thinking off (`enable_thinking: false`) and closes any block the
+  prompt still opens at once (budget 0); "minimal", "low" and "medium" bound the
+  reasoning at 256, 1024 and 4096 tokens; "high" and "xhigh" leave it unbounded (a
+  local model reasons as long as it likes by default).
+- `thinking_token_budget` (chat; vLLM's name): the budget itself, which wins over the
+  effort's.
+The client's own `chat_template_kwargs` win over the effort's switch. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+
+EFFORT_BUDGETS: dict[str, int | None] = {
+    "none": 0,
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": None,
+    "xhigh": None,
+}
+
+
+@dataclass(frozen=True)
+class ReasoningBound:
+    budget: int | None = None  # None: unbounded
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the switch, if any
+
+    def kwargs_under(self, client: dict[str, Any]) -> dict[str, Any]:
+        """The request's template arguments: the client's own over the effort's switch."""
+        return {**self.template_kwargs, **client}
+
+
+def effort_bound(value: Any, param: str) -> ReasoningBound:
+    """An effort level (None: not sent) as a bound; InvalidRequest naming `param`."""
+    if value is None:
+        return ReasoningBound()
+    if value not in EFFORT_BUDGETS:
+        raise InvalidRequest(f"{param} must be one of {', '.join(EFFORT_BUDGETS)}", param=param)
+    switch = {"enable_thinking": False} if value == "none" else {}
+    return ReasoningBound(EFFORT_BUDGETS[value], switch)
+
+
+def token_budget(value: Any, param: str) -> int | None:
+    """A budget in tokens (None: not sent); InvalidRequest naming `param`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"{param} must be a non-negative integer", param=param)
+    return value
