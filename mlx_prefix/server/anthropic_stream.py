@@ -30,14 +30,11 @@ from mlx_prefix.records import DoneEvent, Usage
 from .assembler import Delta
 from .errors import anthropic_error_body
 from .protocol.sealed import seal
+from .sse import event as sse
 
 
 def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
 def usage_body(

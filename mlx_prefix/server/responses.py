@@ -3,7 +3,6 @@ No I/O here."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,8 +12,8 @@ from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import Usage
 
 from .errors import body_for
-
-SSE_DONE = b"data: [DONE]\n\n"
+from .sse import DONE
+from .sse import chunk as sse
 
 
 @dataclass(frozen=True)
@@ -63,10 +62,6 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[Alternative, ...] = ()  # the most likely tokens here, when asked for
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -211,7 +206,7 @@ class OpenAIStream:
         out = [sse(chunk(self.meta, finish_reason=finish, include_usage=self.include_usage))]
         if self.include_usage:
             out.append(sse(usage_chunk(self.meta, done.usage)))
-        return [*out, SSE_DONE]
+        return [*out, DONE]
 
     def failure(self, error: MlxPrefixError) -> list[bytes]:
         return [sse(body_for(error))]
