@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mlx_prefix.engine import loop
-from mlx_prefix.engine.forward.calibration import Calibration
+from mlx_prefix.engine.calibration import Calibration
 from mlx_prefix.models.identity import chat_template_hash
 from mlx_prefix.models.load import LoadedModel, load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -71,7 +71,7 @@ def template_model(family: str, kind: str = "dense") -> LoadedModel:
 
 @contextmanager
 def calibrated_once() -> Iterator[None]:
-    """Engines of one shared model object calibrate it once (engine/forward/calibration.py
+    """Engines of one shared model object calibrate it once (engine/calibration.py
     measures the model's layers; the templates change nothing it measures)."""
     original = loop.calibrate
 

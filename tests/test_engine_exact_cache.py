@@ -18,9 +18,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import restore
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.engine import loop
+from mlx_prefix.engine import calibration, loop
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.forward import calibration
 from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
 

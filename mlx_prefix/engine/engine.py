@@ -31,11 +31,11 @@ from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.cache_views import CacheViews
+from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.speculative import SpeculationStats, Speculator, check_request
-from mlx_prefix.engine.forward.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
 from mlx_prefix.engine.loop import EngineLoop

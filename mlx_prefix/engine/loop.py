@@ -1,7 +1,7 @@
 """The engine thread: the Engine's side that owns the model and every MLX array
 (invariant 1); callers only reach it through the inbox (engine/requests/lifecycle.py).
 
-It calibrates first (engine/forward/calibration.py; only `--deterministic` measures), then
+It calibrates first (engine/calibration.py; only `--deterministic` measures), then
 each turn of the loop reads as three steps: `_schedule` (take new jobs, drop cancelled
 ones, start the next prefill), the prefill phase (grid chunks of the requests being
 prefilled, engine/prefill/phase.py) and the decode phase (one token for every running
@@ -19,8 +19,8 @@ import mlx.core as mx
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
+from mlx_prefix.engine.calibration import PLAIN, Calibration, calibrate, check_speculator
 from mlx_prefix.engine.decode.phase import DecodePhase
-from mlx_prefix.engine.forward.calibration import PLAIN, Calibration, calibrate, check_speculator
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
@@ -60,7 +60,7 @@ class EngineLoop:
 
     def _calibrate(self) -> None:
         """With --deterministic, make batched forwards batch-invariant and check them on
-        this model and backend (engine/forward/calibration.py; what does not hold runs alone);
+        this model and backend (engine/calibration.py; what does not hold runs alone);
         requests submitted meanwhile wait in the inbox. Otherwise nothing is measured."""
         found = calibrate(self.model) if self.config.deterministic else PLAIN
         self._calibrated(found)

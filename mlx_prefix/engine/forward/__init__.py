@@ -1,7 +1,6 @@
 """MLX forwards (engine thread): grid chunks of one or several sequences (runner.py),
-quantized KV (kv_quant.py), and --deterministic's batch invariance: the batch-invariant
-layers (rowwise.py), the startup calibration (calibration.py) and its bit-for-bit probe
-(probe.py).
+quantized KV (kv_quant.py), and --deterministic's batch-invariant layers (rowwise.py;
+measured and checked at startup by engine/calibration.py and engine/probe.py).
 """
 
 from __future__ import annotations
@@ -17,11 +16,6 @@ _NAMES = {
     "KvQuant": "kv_quant",
     "batched": "rowwise",
     "install": "rowwise",
-    "Calibration": "calibration",
-    "PLAIN": "calibration",
-    "calibrate": "calibration",
-    "probe": "probe",
-    "ProbeResult": "probe",
 }
 __all__ = list(_NAMES)
 __getattr__ = exports(__name__, _NAMES)

@@ -334,5 +334,5 @@ def assign_rows(model: nn.Module, found: list[Grouping]) -> int:
 def consistent_rows(model: nn.Module, most: int = MOST_ROWS) -> int:
     """Measure and assign each layer's decode row group (`install` first); returns the
     most rows a decode step's matmul may hold. The tests' shorthand: the engine's
-    calibration (engine/forward/calibration.py) lets a sharded model's ranks agree in between."""
+    calibration (engine/calibration.py) lets a sharded model's ranks agree in between."""
     return assign_rows(model, measure_rows(model, most))

@@ -87,7 +87,7 @@ class PrefillPhase:
         self._serial = itertools.count()
         self.tasks: list[PrefillTask] = []  # oldest first
         # Stack equal-shape chunks in one forward: only batch-invariant (--deterministic)
-        # engines whose probe agreed (engine/forward/calibration.py); otherwise each runs alone.
+        # engines whose probe agreed (engine/calibration.py); otherwise each runs alone.
         self.group = False
         self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
         self.stacked = 0  # chunks computed in a stacked forward with others

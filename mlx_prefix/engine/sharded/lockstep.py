@@ -24,10 +24,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mlx_prefix.engine.calibration import PLAIN, Agreement, calibrate
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.forward.calibration import PLAIN, Agreement, calibrate
-from mlx_prefix.engine.forward.probe import ProbeResult
 from mlx_prefix.engine.forward.rowwise import Grouping
+from mlx_prefix.engine.probe import ProbeResult
 from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.engine.requests.pace import Pace
 from mlx_prefix.engine.sharded.plan import CacheAction, JobSpec, LatchedHandle, TurnPlan

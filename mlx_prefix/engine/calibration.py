@@ -9,7 +9,7 @@ what the cache stores is exact by construction) and decode batches every running
 in one forward, as mlx_lm.server does (`PLAIN`). Only `--deterministic` (batch
 invariance) measures, on the engine thread before the first job: `calibrate` makes
 batched forwards batch-invariant (engine/forward/rowwise.py) and checks it on this model and
-backend (engine/forward/probe.py). With a draft model, `check_speculator` checks that a verify
+backend (engine/probe.py). With a draft model, `check_speculator` checks that a verify
 forward keeps plain decoding's numbers (engine/decode/speculative.py); what does not hold
 runs alone, or plainly.
 """
@@ -28,8 +28,8 @@ from mlx_prefix.engine.decode.speculative import (
 )
 from mlx_prefix.engine.forward import rowwise
 from mlx_prefix.engine.forward.kv_quant import KvQuant, check_model
-from mlx_prefix.engine.forward.probe import ProbeResult, probe
 from mlx_prefix.engine.forward.rowwise import Grouping
+from mlx_prefix.engine.probe import ProbeResult, probe
 from mlx_prefix.models.load import LoadedModel
 
 log = logging.getLogger("mlx_prefix.engine")
