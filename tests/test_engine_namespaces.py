@@ -173,9 +173,10 @@ def test_a_pinned_warm_up_pins_only_its_namespace(make_engine):
     assert ask(engine, PROMPT, A).usage.cached_tokens > 40
 
 
-def disk_engine(tmp_path) -> Engine:
+def disk_engine(tmp_path, prefetch: bool = True) -> Engine:
     disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
-    return Engine(loaded_test_model("dense"), TEST_CACHE, disk_config=disk)
+    config = EngineConfig(prefetch_next_turn=prefetch)
+    return Engine(loaded_test_model("dense"), TEST_CACHE, config, disk_config=disk)
 
 
 def test_disk_entries_keep_their_namespace_across_a_restart(tmp_path):
@@ -211,7 +212,8 @@ def test_files_from_before_namespaces_are_never_served(tmp_path):
         )
     finally:
         engine.shutdown()
-    engine = disk_engine(tmp_path)
+    # No next-turn prefetch: its saves could land after the flush below.
+    engine = disk_engine(tmp_path, prefetch=False)
     try:
         for pref in (CachePreference(), B):
             assert ask(engine, PROMPT, pref).usage.cached_tokens == 0
