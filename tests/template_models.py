@@ -116,51 +116,29 @@ def call(call_id: str, path: str) -> dict:
 # The client's ids, as the OpenAI SDK and Claude Code write them: no template's own form.
 FIRST_ID, SECOND_ID = "call_Xq3L0vA9eR2mT7", "toolu_01HnU4d2kPq8"
 
-# Each turn: the messages the client sends (after the system prompt).
-AGENT_TURNS: tuple[tuple[dict, ...], ...] = (
-    ({"role": "user", "content": "What does main.py print?"},),
-    (
-        {"role": "user", "content": "What does main.py print?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "reasoning_content": "I should read main.py first.",
-            "tool_calls": [call(FIRST_ID, "main.py")],
-        },
-        {"role": "tool", "tool_call_id": FIRST_ID, "content": "print('hello')"},
-    ),
-    (
-        {"role": "user", "content": "What does main.py print?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "reasoning_content": "I should read main.py first.",
-            "tool_calls": [call(FIRST_ID, "main.py")],
-        },
-        {"role": "tool", "tool_call_id": FIRST_ID, "content": "print('hello')"},
-        {"role": "assistant", "content": "It prints hello."},
-        {"role": "user", "content": "And util.py?"},
-    ),
-    (
-        {"role": "user", "content": "What does main.py print?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "reasoning_content": "I should read main.py first.",
-            "tool_calls": [call(FIRST_ID, "main.py")],
-        },
-        {"role": "tool", "tool_call_id": FIRST_ID, "content": "print('hello')"},
-        {"role": "assistant", "content": "It prints hello."},
-        {"role": "user", "content": "And util.py?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "reasoning_content": "Now util.py.",
-            "tool_calls": [call(SECOND_ID, "util.py")],
-        },
-        {"role": "tool", "tool_call_id": SECOND_ID, "content": "def helper():\n    return 42"},
-    ),
+# The whole agent conversation the client builds (after the system prompt).
+_CONVERSATION: tuple[dict, ...] = (
+    {"role": "user", "content": "What does main.py print?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I should read main.py first.",
+        "tool_calls": [call(FIRST_ID, "main.py")],
+    },
+    {"role": "tool", "tool_call_id": FIRST_ID, "content": "print('hello')"},
+    {"role": "assistant", "content": "It prints hello."},
+    {"role": "user", "content": "And util.py?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Now util.py.",
+        "tool_calls": [call(SECOND_ID, "util.py")],
+    },
+    {"role": "tool", "tool_call_id": SECOND_ID, "content": "def helper():\n    return 42"},
 )
+# Each turn: the messages the client sends, a longer prefix of the conversation each time
+# (a question; its call's result; the answer and a new question; the second call's result).
+AGENT_TURNS: tuple[tuple[dict, ...], ...] = tuple(_CONVERSATION[:n] for n in (1, 3, 5, 7))
 
 
 def chat_messages(turn: int) -> list[dict]:
