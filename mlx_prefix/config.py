@@ -113,6 +113,10 @@ class EngineConfig:
     # Requests prefilling at once (their next grid chunks computed in one step; chunks of
     # equal shape in one stacked forward: engine/forward/runner.py).
     max_prefilling: int = 4
+    # Stacked tails (engine/prefill/tails.py): requests ready together whose prompt has
+    # at most this many tokens left compute their rests in one forward, storing nothing
+    # of them. 0: never. --deterministic never stacks them (batch invariance).
+    stack_tail_tokens: int = 256
     # Target time between two tokens of a running request while others prefill: the
     # prefill share of a step is sized from measured cost to fit (engine/requests/pace.py), but
     # at least one grid chunk runs.
@@ -144,8 +148,10 @@ class EngineConfig:
             raise ValueError(
                 "max_running, prefill_tokens_per_step and max_prefilling must be at least 1"
             )
-        if self.max_queued < 0 or self.gather_tokens < 0 or self.decode_latency_s <= 0:
-            raise ValueError("max_queued and gather_tokens must be >= 0, decode_latency_s > 0")
+        if min(self.max_queued, self.gather_tokens, self.stack_tail_tokens) < 0:
+            raise ValueError("max_queued, gather_tokens and stack_tail_tokens must be >= 0")
+        if self.decode_latency_s <= 0:
+            raise ValueError("decode_latency_s must be > 0")
 
 
 def check_kv_quant(bits: int | None, group_size: int, start: int) -> None:

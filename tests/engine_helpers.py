@@ -5,7 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.records import (
     CachePreference,
@@ -80,3 +84,30 @@ def wait_for(condition, timeout: float = 60.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def cache_states(cache: list) -> list[mx.array]:
+    """Every array of a cache's state (a KV layer's up to its offset: past it the
+    step-padded buffer holds junk)."""
+    out: list[mx.array] = []
+    for c in cache:
+        state = c.state
+        if type(c).__name__ == "KVCache":
+            state = [a[..., : c.offset, :] for a in state[:2]]
+        stack = list(state) if isinstance(state, (list, tuple)) else [state]
+        while stack:
+            a = stack.pop(0)
+            if isinstance(a, (list, tuple)):
+                stack[:0] = list(a)
+            elif isinstance(a, mx.array):
+                out.append(a)
+    return out
+
+
+def alone_prefill(engine: Engine, tokens: tuple[int, ...]) -> list[mx.array]:
+    """The prefill of `tokens` alone, cold, on the engine's grid (the caller's thread:
+    the engine is idle, its model's arrays are immutable)."""
+    model = engine.model.model
+    cache = make_prompt_cache(model)
+    prefill(model, cache, tokens, 0, engine.planner.grid, lambda p: None)
+    return cache_states(cache)

@@ -170,6 +170,15 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="requests prefilling at once (default 4)",
     )
     p.add_argument(
+        "--stack-tails",
+        type=int,
+        dest="stack_tail_tokens",
+        metavar="TOKENS",
+        help="requests ready together with at most this many prompt tokens left compute "
+        "them in one forward, storing none of them (default 256; 0: never; never with "
+        "--deterministic)",
+    )
+    p.add_argument(
         "--decode-latency",
         type=float,
         dest="decode_latency_s",
@@ -278,6 +287,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_queued",
         "prefill_tokens_per_step",
         "max_prefilling",
+        "stack_tail_tokens",
         "decode_latency_s",
         "gather_tokens",
         "prefetch_next_turn",

@@ -186,7 +186,7 @@ class EngineLoop:
                 self.lifecycle.end(task.job, cancelled(task.job, task.reuse))
         if not self._prefill.tasks:
             return
-        step = self._prefill.step(budget)
+        step = self._prefill.step(budget, decoding=len(self._decode) > 0)
         self._pace.prefilled(step.tokens, step.seconds)
         for task, logits in step.finished:
             self._finish_prefill(task, logits)

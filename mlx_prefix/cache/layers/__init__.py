@@ -16,7 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_prefix.cache.layers.arrays import ArraysKind
-from mlx_prefix.cache.layers.base import CostRole, LayerKind, LayerSnapshot
+from mlx_prefix.cache.layers.base import (
+    EQUAL_TAILS,
+    NO_STACKING,
+    PADDED_TAILS,
+    CostRole,
+    LayerKind,
+    LayerSnapshot,
+)
 from mlx_prefix.cache.layers.cache_list import CacheListKind
 from mlx_prefix.cache.layers.chunked import ChunkedKvKind
 from mlx_prefix.cache.layers.kv import ConcatenateKvKind, KvKind
@@ -56,7 +63,10 @@ def layers_of(cache: list[Any]) -> list[Any]:
 
 
 __all__ = [
+    "EQUAL_TAILS",
     "KINDS",
+    "NO_STACKING",
+    "PADDED_TAILS",
     "CacheListKind",
     "CostRole",
     "LayerKind",

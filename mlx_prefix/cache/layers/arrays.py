@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_prefix.cache.layers.base import LayerKind, LayerSnapshot, view
+from mlx_prefix.cache.layers.base import EQUAL_TAILS, LayerKind, LayerSnapshot, view
 
 
 class ArraysKind(LayerKind):
@@ -29,3 +29,9 @@ class ArraysKind(LayerKind):
         assert trim == 0, "recurrent state cannot be trimmed"
         # A list: models assign `cache[i] = ...`.
         return layer.cls.from_state(([view(a) for a in arrays], view(left_padding), view(lengths)))
+
+    def tail_stacking(self, c: Any) -> int:
+        # Each row's state goes on from its own history. Right padding would run the
+        # recurrence over the pads unless the model honours mlx-lm's `lengths`, which
+        # not every model does: equal tails only.
+        return EQUAL_TAILS

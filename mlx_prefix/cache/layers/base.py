@@ -46,6 +46,9 @@ def check_offset(c: Any, length: int) -> None:
         raise ValueError(f"{type(c).__name__} offset {c.offset} != checkpoint length {length}")
 
 
+NO_STACKING, EQUAL_TAILS, PADDED_TAILS = 0, 1, 2
+
+
 class LayerKind:
     """A cache class the engine can serve. The defaults fit a class whose state is
     replaced as a whole (never written in place) and that mlx-lm can merge."""
@@ -81,6 +84,14 @@ class LayerKind:
         """Several sequences' layers as one batch cache, with room for `steps` more
         tokens where that saves a copy."""
         return type(layers[0]).merge(list(layers))
+
+    def tail_stacking(self, c: Any) -> int:
+        """How several prompts' tails may prefill in one forward through this layer
+        (engine/prefill/tails.py): NO_STACKING, EQUAL_TAILS (tails of one length: the
+        batch cache only left-pads the histories) or PADDED_TAILS (right-padded tails
+        of any lengths: the batch cache masks and moves the padding, mlx-lm's
+        `prepare`/`finalize`)."""
+        return NO_STACKING
 
     def quantizes(self, c: Any, start: int) -> bool:
         """Whether --kv-bits turns this layer into quantized KV now (mlx_lm's rule)."""

@@ -34,6 +34,11 @@ class CacheListKind(LayerKind):
     def merge(self, layers: Sequence[Any], steps: int) -> Any:
         return type(layers[0]).merge(list(layers))
 
+    def tail_stacking(self, c: Any) -> int:
+        from mlx_prefix.cache.layers import kind_of
+
+        return min(kind_of(x).tail_stacking(x) for x in c.caches)
+
     def arrays(self, c: Any) -> list[Any]:
         from mlx_prefix.cache.layers import kind_of
 

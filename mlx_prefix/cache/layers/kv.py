@@ -9,7 +9,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, ConcatenateKVCache, KVCache
 
-from mlx_prefix.cache.layers.base import LayerKind, LayerSnapshot, check_offset, head
+from mlx_prefix.cache.layers.base import (
+    NO_STACKING,
+    PADDED_TAILS,
+    LayerKind,
+    LayerSnapshot,
+    check_offset,
+    head,
+)
 
 
 class KvKind(LayerKind):
@@ -45,6 +52,10 @@ class KvKind(LayerKind):
     def quantizes(self, c: Any, start: int) -> bool:
         # Exactly KVCache, as mlx_lm's maybe_quantize_kv_cache converts.
         return type(c) is KVCache and c.offset >= start
+
+    def tail_stacking(self, c: Any) -> int:
+        # BatchKVCache masks right padding in the forward and moves it to the left after.
+        return PADDED_TAILS if type(c) is KVCache else NO_STACKING
 
 
 class ConcatenateKvKind(KvKind):

@@ -50,6 +50,11 @@ class PrefillCursor:
         self._next += 1
         return self.position
 
+    def finish(self) -> int:
+        """Mark every chunk left computed (a stacked rest: engine/prefill/tails.py)."""
+        self.position, self._next = self._ends[-1], len(self._ends)
+        return self.position
+
 
 @dataclass(slots=True)
 class ChunkWork:
@@ -100,6 +105,42 @@ def compute_chunks(
             if works[i].last:
                 logits[i] = out[row : row + 1, -1, :]
     mx.eval([x for x in logits if x is not None], [[c.state for c in w.cache] for w in works])
+    return logits
+
+
+def compute_tails(model: nn.Module, works: Sequence[ChunkWork], padded: bool) -> list[mx.array]:
+    """The rest of several prompts, tokens[start:], in one batch (engine/prefill/tails.py);
+    returns each one's last logits [1, V]. Each work's `cache` then holds its own row.
+
+    As mlx_lm's BatchGenerator prefills: every rest but its last token in one forward
+    whose logits are never computed (histories of different lengths left-padded by the
+    merge; with `padded`, rests of different lengths right-padded, the batch cache
+    masking the padding and moving it to the left after), then the last tokens in a
+    second forward of one token a row: the LM head runs on B positions, not B x L."""
+    lengths = [w.end - w.start - 1 for w in works]  # before each last token
+    longest = max(lengths)
+    assert padded or min(lengths) == longest, "rests of one length only without padding"
+    layers = zip(*(w.cache for w in works), strict=True)
+    merged = [kind_of(same[0]).merge(same, 0) for same in layers]
+    if longest:
+        padding = [longest - n for n in lengths]
+        if any(padding):
+            for layer in merged:
+                layer.prepare(lengths=lengths, right_padding=padding)
+        rows = [
+            list(w.tokens[w.start : w.end - 1]) + [0] * p
+            for w, p in zip(works, padding, strict=True)
+        ]
+        model(mx.array(rows), cache=merged)  # only the caches are used: lazy, no LM head
+        if any(padding):
+            for layer in merged:
+                layer.finalize()
+    last = mx.array([[w.tokens[w.end - 1]] for w in works])
+    out = model(last, cache=merged)[:, -1, :]  # [B, V]
+    logits = [out[i : i + 1] for i in range(len(works))]
+    for row, w in enumerate(works):
+        w.cache[:] = [layer.extract(row) for layer in merged]
+    mx.eval(logits, [[c.state for c in w.cache] for w in works])
     return logits
 
 

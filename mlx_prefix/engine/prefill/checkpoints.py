@@ -165,6 +165,16 @@ class Checkpointer:
     def _plan(self, position: int, kind: CheckpointKind) -> None:
         self.planned[position] = max(self.planned.get(position, kind), kind)
 
+    def owes_after(self, position: int) -> bool:
+        """Whether a state past `position` must be stored for others: a protected
+        checkpoint (the system prompt, a client's breakpoint), a disk save the policy
+        chose, or a prefix a waiting request will restore (engine/prefill/tails.py)."""
+        if any(p > position for p in self.disk_positions):
+            return True
+        if any(p > position and k > PROTECTED_ABOVE for p, k in self.planned.items()):
+            return True
+        return self.shared is not None and any(p > position for p in self.shared.positions())
+
     @property
     def pending_bytes(self) -> int:
         """Bytes of the captured layers of checkpoints not yet completed."""

@@ -11,6 +11,7 @@ request's cache counts against the store's byte budget (invariant 6). Engine thr
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -29,9 +30,11 @@ from mlx_prefix.engine.forward.runner import (
     PrefillCursor,
     always_trimmable,
     compute_chunks,
+    compute_tails,
 )
 from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.tails import TailGroup, awaited, stackable, tail_group
 from mlx_prefix.engine.requests.jobs import Job, PrefillTask
 from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
@@ -91,6 +94,7 @@ class PrefillPhase:
         self.group = False
         self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
         self.stacked = 0  # chunks computed in a stacked forward with others
+        self.tails_stacked = 0  # prompt rests computed stacked (tails.py), never stored
         self.kv_quant: KvQuant | None = (
             None  # quantize KV after each chunk (engine/forward/kv_quant.py)
         )
@@ -133,8 +137,20 @@ class PrefillPhase:
 
     @property
     def computing(self) -> int:
-        """Tasks with chunks left to compute (the others hold their logits)."""
-        return sum(1 for t in self.tasks if not t.cursor.done)
+        """Tasks with chunks left to compute (the others hold their logits), those whose
+        rest may stack aside: they leave together in one forward (tails.py)."""
+        return sum(1 for t in self.tasks if not t.cursor.done and not self._may_stack(t))
+
+    @property
+    def stack_limit(self) -> int:
+        """The longest rest a task may stack (0: none): never batch-invariant."""
+        return 0 if self.group or self.config.deterministic else self.config.stack_tail_tokens
+
+    def _may_stack(self, task: PrefillTask) -> bool:
+        return stackable(task, self.stack_limit) and not self._awaited(task)
+
+    def _awaited(self, task: PrefillTask) -> bool:
+        return awaited(task, self._waiting(), self.config.share_min_tokens)
 
     def left_to_compute(self) -> int:
         """Prompt tokens the tasks still computing have left, background prefetches
@@ -201,14 +217,20 @@ class PrefillPhase:
         self.tasks.append(task)
         self.peak_tasks = max(self.peak_tasks, len(self.tasks))
 
-    def step(self, budget: int) -> PrefillStep:
-        """Compute the next grid chunk of each task in turn (`_in_order`), up to `budget`
-        tokens (at least one chunk), then more rounds while the budget lasts. Tasks whose
+    def step(self, budget: int, decoding: bool = False) -> PrefillStep:
+        """Compute the rests of ready requests that stack (tails.py) in one batch, or else
+        the next grid chunk of each task in turn (`_in_order`), up to `budget` tokens (at
+        least one chunk), then more rounds while the budget lasts. Tasks whose
         prompt is now all in the cache come back with their logits; they stay in `tasks`
         until `close`, so an error on the way still reaches them."""
         result = PrefillStep()
         started = time.perf_counter()
-        while result.tokens < budget:
+        ready = (t for t in self._in_order() if not self._awaited(t))
+        # Nothing decoding waits on a stacked group: then it takes every ready rest.
+        group = tail_group(ready, self.stack_limit, budget if decoding else sys.maxsize)
+        if group is not None:
+            self._stacked_step(group, result)
+        while not result.finished and result.tokens < budget:
             chosen, tokens = choose_chunks(self._in_order(), budget, result.tokens)
             if not chosen:
                 break
@@ -234,6 +256,23 @@ class PrefillPhase:
                 break  # those join the decode batch now
         result.seconds = time.perf_counter() - started
         return result
+
+    def _stacked_step(self, group: TailGroup, result: PrefillStep) -> None:
+        """The group's rests in one forward; nothing of them is stored (tails.py)."""
+        for task in group.tasks:
+            if task.checkpointer is not None:
+                task.checkpointer.settle()  # deferred checkpoints, from the grid's KV
+        works = [ChunkWork(t.cache, t.tokens, t.position, len(t.tokens)) for t in group.tasks]
+        outputs = compute_tails(self.model.model, works, group.padded)
+        result.tokens += group.tokens
+        self.tails_stacked += len(group.tasks)
+        for task, logits in zip(group.tasks, outputs, strict=True):
+            task.cursor.finish()
+            if task.checkpointer is not None:
+                task.checkpointer.finish()
+                task.checkpointer.live = ()  # its cache is a new row now: shares no entry's
+            self._report(task)
+            result.finished.append((task, logits))
 
     def _in_order(self) -> list[PrefillTask]:
         """The order a step takes chunks in. Stacked forwards want the oldest-first

@@ -1,0 +1,100 @@
+"""Stacked tails: the short rest of several prompts in one forward (default mode).
+
+A burst of requests sharing a cached prefix (a browser extension's instruction, a
+server's system prompt) leaves each a short rest to compute: its own question or
+snippet and the generation prompt. Alone, each rest is a forward of a few tokens, which
+costs about as much as reading the weights once, on any backend; stacked, the burst's
+rests cost one forward, as mlx_lm.server prefills a batch of prompts. Histories of
+different lengths are left-padded by the merge; rests of different lengths are
+right-padded where every layer's batch cache can mask padding (cache/layers/
+`tail_stacking`), else only rests of one length stack.
+
+A stacked forward is not a prefill alone on the canonical grid, so nothing it computes
+is stored (invariant 12): like a decode state, it serves only the request that computed
+it, and a hit still computes exactly what a miss computes. The request's answer may move
+with what it was stacked with, as a decode step's may (batching, not the cache);
+`--deterministic` never stacks tails. A request stacks only when its rest owes nothing
+to others (checkpoints.py `owes_after`: a client's breakpoint, a system prompt, a
+chosen disk save, a prefix a waiting request will restore) and it is not a warm-up or a
+prefetch, whose whole purpose is what they store. The next-turn prefetch computes the
+rest again on the grid once the server is idle, so the next turn still restores it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from mlx_prefix.cache.layers import EQUAL_TAILS, NO_STACKING, PADDED_TAILS, kind_of
+from mlx_prefix.engine.requests.jobs import Job, PrefillTask
+from mlx_prefix.prompt.boundaries import common_prefix_length
+
+
+@dataclass(frozen=True, slots=True)
+class TailGroup:
+    """Requests whose rests prefill in one forward."""
+
+    tasks: tuple[PrefillTask, ...]
+    padded: bool  # rests of different lengths, right-padded
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t.tokens) - t.position for t in self.tasks)
+
+
+def stacking(task: PrefillTask) -> int:
+    """How this request's cache may stack (the least any of its layers allows)."""
+    return min((kind_of(c).tail_stacking(c) for c in task.cache), default=NO_STACKING)
+
+
+def stackable(task: PrefillTask, limit: int) -> bool:
+    """Whether `task`'s rest may compute stacked with others' and store nothing."""
+    job = task.job
+    rest = len(task.tokens) - task.position
+    if task.cursor.done or not 0 < rest <= limit:
+        return False
+    if job.background or job.warm is not None or task.draft is not None:
+        return False  # they exist for what they store, or follow a draft step by step
+    if task.checkpointer is not None and task.checkpointer.owes_after(task.position):
+        return False
+    return stacking(task) != NO_STACKING
+
+
+def awaited(task: PrefillTask, waiting: Iterable[Job], min_tokens: int) -> bool:
+    """Whether a waiting request of the same key would restore at least `min_tokens` of
+    `task`'s rest from what its prefill stores (an all-KV cache's end serves every
+    prefix: in-flight sharing)."""
+    key, tokens = task.job.cache_key, task.tokens
+    return any(
+        j.cache_pref.enabled
+        and j.cache_key == key
+        and common_prefix_length(tokens, j.prompt.tokens) - task.position >= min_tokens
+        for j in waiting
+    )
+
+
+def tail_group(tasks: Iterable[PrefillTask], limit: int, budget: int) -> TailGroup | None:
+    """The largest group of at least two stackable requests (in `tasks`' order), cut to
+    the step's `budget` of prompt tokens (two at least), or None. Caches of different
+    layer kinds never share a forward."""
+    groups: dict[tuple, list[PrefillTask]] = {}
+    for task in tasks:
+        if not stackable(task, limit):
+            continue
+        how = stacking(task)
+        shape = tuple(type(c) for c in task.cache)
+        rest = len(task.tokens) - task.position
+        key = (shape, how) if how == PADDED_TAILS else (shape, how, rest)
+        groups.setdefault(key, []).append(task)
+    best = max(groups.items(), key=lambda kv: len(kv[1]), default=None)
+    if best is None or len(best[1]) < 2:
+        return None
+    (_, how, *_), members = best
+    assert how in (EQUAL_TAILS, PADDED_TAILS)
+    kept, tokens = [], 0
+    for task in members:
+        tokens += len(task.tokens) - task.position
+        if len(kept) >= 2 and tokens > budget:
+            break
+        kept.append(task)
+    return TailGroup(tuple(kept), padded=how == PADDED_TAILS)

@@ -1,0 +1,169 @@
+"""Stacked tails (engine/prefill/tails.py): requests ready together with a short rest of
+prompt left compute their rests in one forward, and nothing of them is stored.
+
+What is guaranteed, on any backend: a stacked rest computes the same function as the
+rest alone (equal up to float rounding: the batched matmuls may round differently, as a
+decode step's do), every stored state is still the alone prefill's bit for bit, a rest
+that owes a checkpoint to others computes alone, and --deterministic never stacks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from conftest import loaded_test_model
+from engine_helpers import alone_prefill, cache_states, chat, collect
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_prefix.cache.snapshot import capture, restore
+from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.forward.runner import ChunkWork, compute_tails
+from mlx_prefix.engine.prefill.tails import stacking
+from mlx_prefix.records import SamplingParams
+
+INSTRUCTION = "Summarize each snippet in one line. " + " ".join(
+    ("harbor", "meadow", "copper", "ledger", "quarry")[i % 5] for i in range(120)
+)
+
+
+def _close(a: mx.array, b: mx.array) -> bool:
+    return mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-3, atol=1e-3).item()
+
+
+def _offsets(cache: list) -> list[int]:
+    return [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+
+
+def _history(model, tokens: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(tokens)[None], cache=cache))
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("kind", "rests"),
+    [("dense", (3, 9, 6)), ("qwen3_5", (5, 5, 5)), ("nemotron_h", (4, 4, 4))],
+)
+def test_a_stacked_rest_computes_what_it_computes_alone(kind, rests):
+    """Histories of different lengths, rests right-padded where the cache allows it
+    (dense) and of one length otherwise: each row's last logits and cache equal the
+    alone computation's up to rounding, and a decode step after them does too. A wrong
+    position, mask or padding would be off by far more."""
+    model = loaded_test_model(kind).model
+    histories = [[7 + i for i in range(n)] for n in (11, 4, 17)]
+    tails = [[40 + 3 * j + i for i in range(n)] for j, n in enumerate(rests)]
+    alone_logits, alone_caches, works = [], [], []
+    for history, tail in zip(histories, tails, strict=True):
+        base = _history(model, history)
+        snapshot = capture(base, len(history))
+        alone = restore(snapshot)
+        alone_logits.append(model(mx.array(tail)[None], cache=alone)[:, -1, :])
+        alone_caches.append(alone)
+        tokens = history + tail
+        works.append(ChunkWork(restore(snapshot), tokens, len(history), len(tokens)))
+    padded = len(set(rests)) > 1
+    stacked_logits = compute_tails(model, works, padded)
+    for w, got, want, alone in zip(works, stacked_logits, alone_logits, alone_caches, strict=True):
+        assert got.shape == want.shape
+        assert _close(got, want)
+        assert _offsets(w.cache) == _offsets(alone)
+        got_states, want_states = cache_states(w.cache), cache_states(alone)
+        assert len(got_states) == len(want_states)
+        assert all(_close(a, b) for a, b in zip(got_states, want_states, strict=True))
+        step = mx.array([[5]])
+        assert _close(model(step, cache=w.cache)[:, -1, :], model(step, cache=alone)[:, -1, :])
+
+
+def test_sliding_window_caches_never_stack():
+    model = loaded_test_model("sliding").model
+    cache = make_prompt_cache(model)
+
+    class Task:  # what `stacking` reads
+        pass
+
+    task = Task()
+    task.cache = cache
+    assert stacking(task) == 0
+
+
+def _engine(kind: str, **config) -> Engine:
+    config.setdefault("prefetch_next_turn", False)
+    cache = CacheConfig(budget_bytes=1 << 30)
+    return Engine(loaded_test_model(kind), cache, EngineConfig(**config))
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_a_warm_burst_stacks_its_rests_and_stores_only_alone_prefills(kind):
+    engine = _engine(kind)
+    try:
+        prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
+        collect(engine.submit(prime, SamplingParams(max_tokens=2)))
+        # Snippets of one token length, so the hybrid's equal-rest groups meet too.
+        prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet: lamp {w} river."))
+                   for w in ("harbor", "meadow", "copper", "ledger")]  # fmt: skip
+        assert len({len(engine.plan(p).tokens) for p in prompts}) == 1
+        stored_before = {e.tokens for e in engine.store.sequences(engine.model_key)}
+        handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in prompts]
+        results = [collect(h) for h in handles]
+        assert engine._prefill.tails_stacked >= 2, "no rests were stacked"
+        assert all(r.usage.cached_tokens > 0 for r in results)  # the instruction was a hit
+        assert all(r.usage.completion_tokens == 4 for r in results)
+        stored = engine.store.sequences(engine.model_key)
+        for entry in stored:
+            got = cache_states(restore(engine.store.get(entry.info.model_key, entry.tokens)))
+            want = alone_prefill(engine, entry.tokens)
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+        # A stacked rest stores nothing: only the requests that computed alone left an
+        # entry past the instruction they restored.
+        new = [e.tokens for e in stored if e.tokens not in stored_before]
+        restored = min(r.usage.cached_tokens for r in results)
+        stored_rests = [
+            tokens
+            for tokens in (engine.plan(p).tokens for p in prompts)
+            if any(len(n) > restored and tokens[: len(n)] == n for n in new)
+        ]
+        assert len(stored_rests) <= len(prompts) - engine._prefill.tails_stacked
+        engine.store.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_a_rest_that_owes_the_system_prompt_computes_alone_and_stores_it():
+    """A cold burst: the system prompt's checkpoint lies in every rest, so none stacks
+    until it is stored; the next burst finds it."""
+    engine = _engine("qwen3_5", gather_tokens=0)
+    try:
+        prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet {i}.")) for i in range(3)]
+        for h in [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]:
+            collect(h)
+        later = collect(engine.submit(chat(("system", INSTRUCTION), ("user", "Snippet 9.")),
+                                      SamplingParams(max_tokens=2)))  # fmt: skip
+        assert later.usage.cached_tokens >= len(INSTRUCTION.split())  # the system prompt
+    finally:
+        engine.shutdown()
+
+
+def test_deterministic_mode_never_stacks_rests():
+    engine = _engine("dense", deterministic=True)
+    try:
+        prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
+        collect(engine.submit(prime, SamplingParams(max_tokens=2)))
+        prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet {i}.")) for i in range(4)]
+        for h in [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]:
+            collect(h)
+        assert engine._prefill.tails_stacked == 0
+    finally:
+        engine.shutdown()
+
+
+def test_stacking_can_be_turned_off():
+    engine = _engine("dense", stack_tail_tokens=0)
+    try:
+        prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
+        collect(engine.submit(prime, SamplingParams(max_tokens=2)))
+        prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet {i}.")) for i in range(4)]
+        for h in [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]:
+            collect(h)
+        assert engine._prefill.tails_stacked == 0
+    finally:
+        engine.shutdown()
