@@ -1,15 +1,8 @@
 """Several models served on demand: the request's `model` (and `adapters`) -> an engine.
 
 One engine per (model folder, adapter). Only models the operator named can be selected
-(any page can send a request here): a name selects, in this order, the default model
-(its id, folder, --alias names, or "default"), a `--model-alias NAME=PATH`, or an entry
-of `--allowed-models` (a folder or a Hugging Face repo id already in the local hub
-cache, never downloaded; named as given or, for a folder, by its last component). An
-`adapters` folder must be the default model's --adapter or an --allowed-models entry.
-Any other name is answered by the default model (server/model_names.py: clients send
-names of their own), or is a 404 with --strict-model-names; a name shaped like a path
-is always a 404. The 404 says the same for every name that is not allowed, whatever
-exists on disk under it: the file system is never consulted for a request's own name.
+(any page can send a request here): which model a name selects is
+server/model_names.py's ModelSelector.
 
 At most `max_models` engines are resident. A model not resident is loaded on its own
 thread (never on the event loop), after a memory check: its weight files' size must
@@ -19,7 +12,7 @@ end of its call) and no job pending in the engine. Unloading shuts the engine do
 drops its memory cache entries (its disk files stay, keyed by its model) and its
 weights. A failed load never leaves the server without what it served: when memory
 holds both, the new model is loaded before anything is unloaded; when it does not, the
-folder is checked first (models/catalog.check_loadable: config, weight file headers,
+folder is checked first (models/preflight.check_loadable: config, weight file headers,
 tokenizer) and, should the load still fail, the unloaded models are loaded again.
 
 Every engine draws on the default engine's PromptCache: one byte budget and
@@ -40,19 +33,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError, ModelNotFound
-from mlx_prefix.models.catalog import (
-    adapter_folder,
-    check_loadable,
-    find_local_model,
-    load_estimate,
-)
+from mlx_prefix.models.preflight import check_loadable, load_estimate
 from mlx_prefix.platform import available_memory
 
-from .model_names import ModelRegistry, ServedModel
+from .model_names import ModelSelector, ModelSpec, ServedModel
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
@@ -66,20 +53,6 @@ class InsufficientMemory(MlxPrefixError):
     status = 507
     type = "server_error"
     code = "insufficient_memory"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What to load: a model folder and optionally a LoRA adapter folder."""
-
-    folder: Path
-    adapter: Path | None
-    id: str  # the served id: reported in replies' `model` field
-    default: bool = False  # the server's own model: its --chat-template applies
-
-    @property
-    def key(self) -> tuple[str, str | None]:
-        return str(self.folder), str(self.adapter) if self.adapter else None
 
 
 # (spec, shared PromptCache, shared DiskCache or None) -> a started Engine
@@ -137,19 +110,20 @@ class ModelPool:
         if max_models < 1:
             raise ValueError("max_models must be at least 1")
         default = ServedModel.of(engine, aliases)
-        # Names only: the registry must not keep the default engine alive once unloaded.
-        self.names = ModelRegistry([replace(default, engine=None)], strict=strict)
+        adapter = getattr(getattr(engine.model, "identity", None), "adapter", None)
+        self.selector = ModelSelector(
+            default,
+            str(adapter) if adapter else None,
+            strict=strict,
+            model_aliases=model_aliases,
+            allowed_models=allowed_models,
+        )
+        self.names = self.selector.registry  # the default model's names
+        self.default_spec = self.selector.default_spec
+        self.model_aliases = self.selector.model_aliases
         self.loader = loader
         self.max_models = max_models
-        self.model_aliases = dict(model_aliases or {})
-        self.allowed = AllowList(allowed_models)
         self._memory = memory  # None: platform.available_memory
-        identity = getattr(engine.model, "identity", None)
-        adapter = getattr(identity, "adapter", None)
-        self.default_spec = ModelSpec(
-            Path(default.folder or default.id), Path(adapter) if adapter else None, default.id, True
-        )
-        self._default_adapter = str(adapter) if adapter else None
         self._store = getattr(engine, "store", None)
         disk = getattr(engine, "disk", None)
         self._disk_cache = disk.cache if disk is not None else None
@@ -198,61 +172,8 @@ class ModelPool:
         if self.loader is None:
             self.names.resolve(name)  # a 404 when strict and unknown
             return self.default_spec
-        spec = self._base_spec(name)
-        if adapter is not None:
-            entry = self.allowed.find(adapter)
-            if entry is None and adapter.rstrip("/") == (self._default_adapter or "").rstrip("/"):
-                entry = self._default_adapter
-            if entry is None:
-                raise ModelNotFound(
-                    f"adapter '{adapter}' is not served here: a request may name the "
-                    "server's --adapter or one listed in --allowed-models",
-                    param="adapters",
-                )
-            spec = replace(spec, adapter=adapter_folder(entry))
-        return spec
-
-    def _base_spec(self, name: str | None) -> ModelSpec:
-        if name is None or self.names.find(name) is not None:
-            return self.default_spec
-        if name in self.model_aliases:
-            return self._operators(name, self.model_aliases[name], f"--model-alias {name}=")
-        entry = self.allowed.find(name)
-        if entry is not None:
-            return self._operators(entry, entry, "--allowed-models ")
-        if is_path(name):  # meant as a model folder: never answered by another model
-            raise self._not_served(name)
-        if self.names.strict:
-            raise self._not_served(name)
-        return self.default_spec
-
-    def _operators(self, served_id: str, target: str, flag: str) -> ModelSpec:
-        """The spec of a model the operator named (`flag` + `target`); only these names
-        are looked up on disk or in the hub cache, so the error may say why."""
-        for slot in self._slots.values():  # resident: no need to look again
-            if slot.spec.adapter is None and slot.spec.id == served_id:
-                return slot.spec
-        try:
-            found = find_local_model(target)
-        except ModelNotFound:
-            found = None
-        if found is None:
-            raise ModelNotFound(
-                f"model '{served_id}' ({flag}{target}) not found: not a model folder nor a "
-                "model in the local Hugging Face cache",
-                param="model",
-            )
-        if found.path == self.default_spec.folder and self.default_spec.adapter is None:
-            return self.default_spec
-        return ModelSpec(found.path, None, served_id)
-
-    def _not_served(self, name: str) -> ModelNotFound:
-        served = sorted({self.default_spec.id, *self.names.default.aliases, *self.model_aliases})
-        return ModelNotFound(
-            f"The model {name!r} is not served here. Served models: {', '.join(served)}; "
-            "an operator can allow others with --model-alias or --allowed-models",
-            param="model",
-        )
+        resident = [slot.spec for slot in self._slots.values()]
+        return self.selector.spec_for(name, adapter, resident)
 
     # -- views ----------------------------------------------------------------------
     def primary(self) -> EngineAPI:
@@ -429,34 +350,6 @@ class ModelPool:
         """Shut every resident engine down (the server's shutdown)."""
         for slot in list(self._slots.values()):
             slot.served.engine.shutdown(timeout=timeout)
-
-
-class AllowList:
-    """--allowed-models: the folders and hub ids a request may name beyond the served
-    model and the --model-alias names. A request's name matches an entry as given
-    (trailing slashes aside) or, for a folder, by its last component. Pure: nothing is
-    looked up on disk here."""
-
-    def __init__(self, entries: Sequence[str]):
-        self.models = tuple(dict.fromkeys(e.rstrip("/") or e for e in entries))
-        self._by_name: dict[str, str] = {}
-        for entry in self.models:
-            self._by_name[entry] = entry
-            if is_path(entry):
-                self._by_name.setdefault(entry.rsplit("/", 1)[-1], entry)
-
-    def find(self, name: str) -> str | None:
-        """The entry `name` selects; None if none."""
-        return self._by_name.get(name.rstrip("/") or name)
-
-
-_PATH_PREFIXES = ("/", ".", "~")  # absolute, ./ ../ (and dot names), home
-
-
-def is_path(name: str) -> bool:
-    """Whether a model name is shaped like a file system path (not a served name nor a
-    hub id `org/repo`)."""
-    return name.startswith(_PATH_PREFIXES) or "\\" in name or name.count("/") > 1
 
 
 def _busy(engine: EngineAPI) -> bool:
