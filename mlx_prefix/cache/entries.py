@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.cache.eviction import Candidate
-from mlx_prefix.cache.records import Buffer, CheckpointKind, covers, new_buffer_key
 from mlx_prefix.cache.residency import Residency
 from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.cache.types import Buffer, CheckpointKind, covers, new_buffer_key
 
 # Prefill work of tokens [start, end) of a sequence, in any unit (only ratios matter).
 PrefillCost = Callable[[int, int], float]

@@ -35,7 +35,9 @@ from typing import Any
 from mlx_prefix.cache.active import ActiveBytes
 from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
 from mlx_prefix.cache.eviction import Candidate, EvictionPolicy, KindLRU
-from mlx_prefix.cache.records import (
+from mlx_prefix.cache.reuse import best_reuse
+from mlx_prefix.cache.token_ids import TokenIds
+from mlx_prefix.cache.types import (
     Buffer,
     CacheMatch,
     CacheStats,
@@ -45,8 +47,6 @@ from mlx_prefix.cache.records import (
     StoredTokens,
     covers,
 )
-from mlx_prefix.cache.reuse import best_reuse
-from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.errors import PinQuotaExceeded
 
 
