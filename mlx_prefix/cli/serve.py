@@ -23,8 +23,8 @@ from .args import (
 )
 
 if TYPE_CHECKING:
+    from mlx_prefix.server.model_loading import EngineLoader
     from mlx_prefix.server.model_names import ModelSpec
-    from mlx_prefix.server.model_pool import EngineLoader
     from mlx_prefix.server.settings import ServerSettings
 
 
@@ -258,7 +258,7 @@ def embedding_worker(args: argparse.Namespace) -> Any:
     from mlx_prefix.models.preflight import load_estimate
     from mlx_prefix.models.resolve import resolve_model
     from mlx_prefix.platform import available_memory
-    from mlx_prefix.server.model_pool import InsufficientMemory
+    from mlx_prefix.server.model_loading import InsufficientMemory
 
     cfg = embedding_config(args)
     if cfg.embedding_model is None:
