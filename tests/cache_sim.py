@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mlx_prefix.cache.eviction import EvictionPolicy
-from mlx_prefix.cache.records import Buffer, CheckpointKind, new_buffer_key
 from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.types import Buffer, CheckpointKind, new_buffer_key
 from mlx_prefix.models.cost import PrefillCost
 
 K = CheckpointKind

@@ -29,8 +29,8 @@ from typing import Any
 
 import uvicorn
 
-from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest

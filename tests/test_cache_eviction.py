@@ -10,8 +10,8 @@ import trace_sim
 from cache_sim import DENSE, HYBRID, mixed_workload, simulate
 
 from mlx_prefix.cache.eviction import Candidate, KindLRU, ValueLRU
-from mlx_prefix.cache.records import CheckpointKind
 from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.types import CheckpointKind
 
 K = CheckpointKind
 GiB = 1 << 30

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from mlx_prefix.cache.eviction import policy_named
-from mlx_prefix.cache.records import Buffer, new_buffer_key
 from mlx_prefix.cache.store import CacheMatch, CheckpointKind, PromptCache
+from mlx_prefix.cache.types import Buffer, new_buffer_key
 from mlx_prefix.config import EVICTION_POLICIES
 
 K = CheckpointKind
@@ -516,7 +516,7 @@ def test_set_pinned_by_entry_id_keeps_it_through_pressure_and_unpin_lets_it_go()
 
 
 def test_evict_entry_refuses_locked_and_pinned_entries():
-    from mlx_prefix.cache.records import EvictOutcome
+    from mlx_prefix.cache.types import EvictOutcome
 
     c = PromptCache(1000)
     c.insert(M, seq[:10], snap(seq[:10], trimmable=False), K.SYSTEM)

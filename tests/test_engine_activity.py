@@ -7,7 +7,7 @@ from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import chat, run
 from server_fakes import wait_until
 
-from mlx_prefix.cache.records import CheckpointKind, EvictOutcome
+from mlx_prefix.cache.types import CheckpointKind, EvictOutcome
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput, SamplingParams, TokenEvent

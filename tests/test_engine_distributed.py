@@ -17,7 +17,7 @@ from engine_helpers import EXACT, chat, run, warm_equals_cold
 from group_fakes import LocalGroup
 from server_fakes import serving
 
-from mlx_prefix.cache.records import CheckpointKind
+from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.config import DiskConfig
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.engine import Engine

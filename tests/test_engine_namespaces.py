@@ -11,7 +11,7 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import EXACT, GREEDY, Result, chat, run
 
-from mlx_prefix.cache.records import CheckpointKind
+from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key, namespace_id, namespace_key, namespace_of

@@ -12,7 +12,7 @@ from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import FakeEngine, serving, wait_until
 
 from mlx_prefix.cache.disk_index import DiskEntryInfo
-from mlx_prefix.cache.records import StoredTokens
+from mlx_prefix.cache.types import StoredTokens
 from mlx_prefix.config import DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Usage

@@ -13,8 +13,8 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import serving
 
-from mlx_prefix.cache.records import EntryInfo
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.cache.types import EntryInfo
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput
 

@@ -22,7 +22,7 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import make_test_model
 from mlx_prefix.server import ServerSettings, create_app
-from mlx_prefix.server.model_pool import ModelSpec
+from mlx_prefix.server.model_names import ModelSpec
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 

@@ -13,7 +13,7 @@ from mlx_prefix.engine.decode.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams, ToolCallIds, Usage
 from mlx_prefix.server import ServerSettings
-from mlx_prefix.server import responses as R
+from mlx_prefix.server import chat_bodies as R
 from mlx_prefix.server.protocol.chat import parse_chat, parse_messages
 from mlx_prefix.server.protocol.completions import parse_completion
 from mlx_prefix.server.protocol.fields import parse_json_object

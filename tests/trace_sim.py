@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_prefix.cache.eviction import PROTECTED_ABOVE, EvictionPolicy
-from mlx_prefix.cache.records import Buffer, CheckpointKind, new_buffer_key
 from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.types import Buffer, CheckpointKind, new_buffer_key
 from mlx_prefix.models.cost import PrefillCost
 
 K = CheckpointKind

@@ -1,7 +1,7 @@
 """Running requests' bytes in the store's budget, memory shared with entries counted once.
 
 A running request reports the bytes its live cache holds, and which of them are
-buffers a stored entry may hold too (`records.Buffer`): a prefill's end snapshot views
+buffers a stored entry may hold too (`types.Buffer`): a prefill's end snapshot views
 the very KV buffers its cache still holds, and a hybrid's checkpoints share the
 prefill's final KV (cache/snapshot.py). Such a shared buffer counts as the request's
 only while no stored entry holds it: storing the entry does not count it twice, and
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from mlx_prefix.cache.records import Buffer
+from mlx_prefix.cache.types import Buffer
 
 
 @dataclass(slots=True)

@@ -48,8 +48,8 @@ from mlx_prefix.cache import disk_payload as payload
 from mlx_prefix.cache import disk_trust as trust
 from mlx_prefix.cache.disk_files import DiskListing
 from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
-from mlx_prefix.cache.records import CheckpointKind, StoredTokens, covers
 from mlx_prefix.cache.snapshot import Snapshot
+from mlx_prefix.cache.types import CheckpointKind, StoredTokens, covers
 
 log = logging.getLogger("mlx_prefix.cache.disk")
 

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from mlx_prefix.cache.disk_header import entry_name
-from mlx_prefix.cache.records import CheckpointKind
 from mlx_prefix.cache.reuse import best_reuse
 from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.cache.types import CheckpointKind
 
 HISTORY = CheckpointKind.HISTORY
 

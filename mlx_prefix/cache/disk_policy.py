@@ -31,7 +31,7 @@ from enum import Enum
 from typing import Protocol
 
 from mlx_prefix.cache.eviction import PROTECTED_ABOVE
-from mlx_prefix.cache.records import CheckpointKind
+from mlx_prefix.cache.types import CheckpointKind
 
 DEFAULT_AUTO_WINDOW = 16
 MAX_AUTO_WINDOW = 128  # requests remembered per model key (4 bytes per token each)

@@ -11,7 +11,9 @@ other trimmable one is covered too: a dense model's second question on a documen
 stored beside its first leaves the first saving only its question's tokens. (Raw
 common prefixes: the grid point the match aligns down to is a little shorter; the
 store does not know the grid.) Entries come and go, so adding or removing one updates
-the parents and coverage of the entries sharing a prefix with it.
+the parents and coverage of the entries sharing a prefix with it. The same rule tells
+the store which trimmable entries a new one makes redundant (`outgrown`,
+`served_prefixes`).
 
 Pure Python (no MLX). Not thread-safe: the store calls it with its lock held.
 """
@@ -23,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.cache.eviction import Candidate
-from mlx_prefix.cache.records import Buffer, CheckpointKind, covers, new_buffer_key
 from mlx_prefix.cache.residency import Residency
 from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.cache.types import Buffer, CheckpointKind, EntryInfo, covers, new_buffer_key
 
 # Prefill work of tokens [start, end) of a sequence, in any unit (only ratios matter).
 PrefillCost = Callable[[int, int], float]
@@ -159,6 +161,45 @@ class EntryTable:
         for other in served:
             self._recover(other)
         self._reshare(self.resident.remove(e.entry_id, e.buffers))
+
+    def outgrown(self, model_key: str, key: tuple[int, ...], kind: CheckpointKind) -> bool:
+        """Whether a new trimmable entry for `key` would be redundant: a stored trimmable
+        entry of same or higher kind extends it, and trimming that one serves it."""
+        for ext in self.trie(model_key).extensions(key):
+            other = self.by_id[ext.value]
+            if other.trimmable and other.kind >= kind:
+                return True
+        return False
+
+    def served_prefixes(
+        self, model_key: str, key: tuple[int, ...], kind: CheckpointKind
+    ) -> list[Entry]:
+        """The stored trimmable strict prefixes of `key` of no higher kind, neither
+        pinned nor locked: a new trimmable entry for `key` serves them by trimming."""
+        return [
+            other
+            for anc in self.trie(model_key).match(key).ancestors
+            if anc.length < len(key)
+            for other in (self.by_id[anc.value],)
+            if other.trimmable and other.kind <= kind and other.refs == 0 and not other.pinned
+        ]
+
+    def info(self, e: Entry, now: float) -> EntryInfo:
+        """What a listing shows of stored entry `e`. Does not mutate."""
+        return EntryInfo(
+            entry_id=e.entry_id,
+            model_key=e.model_key,
+            tokens=len(e.tokens),
+            nbytes=e.nbytes,
+            kind=e.kind,
+            trimmable=e.trimmable,
+            hits=e.hits,
+            age_s=now - e.created,
+            idle_s=now - e.last_access,
+            pinned=e.pinned,
+            refs=e.refs,
+            shared_bytes=self.shared_bytes(e),
+        )
 
     def set_cost(self, model_key: str, cost: PrefillCost) -> None:
         """The cost of `model_key`'s entries and of every key it covers (its namespaces)."""

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from mlx_prefix.cache.records import CheckpointKind
+from mlx_prefix.cache.types import CheckpointKind
 
 # Efficiency is scaled to 0..1 over at least this range of its log: entries within a
 # factor of 100 of each other in work per byte never span the whole recency range.

@@ -1,6 +1,6 @@
 """Which buffers the stored entries keep alive, each counted once (invariant 6).
 
-A payload lists the buffers it holds (`records.Buffer`): the checkpoints of one
+A payload lists the buffers it holds (`types.Buffer`): the checkpoints of one
 prefill share its attention KV buffer (`snapshot.complete`), so summing the entries'
 sizes would count it once per checkpoint. Here the resident total is the sum over
 distinct buffers; removing an entry frees only the buffers no other entry holds; and
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from mlx_prefix.cache.records import Buffer
+from mlx_prefix.cache.types import Buffer
 
 
 @dataclass(slots=True)

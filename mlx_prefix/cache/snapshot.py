@@ -42,7 +42,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_prefix.cache.layers import CacheListKind, LayerSnapshot, kind_of
-from mlx_prefix.cache.records import Buffer, new_buffer_key
+from mlx_prefix.cache.types import Buffer, new_buffer_key
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,21 +6,19 @@ public method takes the one internal lock (HTTP threads read stats while the
 engine thread matches and inserts).
 
 Which entry goes first when over the limits is the eviction policy's choice
-(`eviction.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup,
-insertion, pins and the budget are decided here; the entries and their bookkeeping
+(`eviction.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup and
+insertion are decided here, what counts against the limits in `budget.Budget`, pins
+and their per-namespace share in `pins.Pins`; the entries and their bookkeeping
 (buffers held, each counted once; work each saves) live in `entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
 - each key has its own trie; a lookup never crosses keys (the model, invariant 7, and
   the namespace, invariant 10, are in the key); listings and flushes select the keys a
   selector `covers`;
-- stored bytes (distinct buffers: one prefill's checkpoints share its KV) + active
-  request bytes (less the buffers they share with stored entries: `active.py`) <=
-  budget, unless every remaining entry is pinned or locked (invariant 6);
+- stored bytes + active request bytes <= budget, unless every remaining entry is
+  pinned or locked (invariant 6; what counts: `budget.py`);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
-- one namespace's pinned entries (its distinct buffers, over every model) stay within
-  `pin_share` of the budget: a pin past it is refused (PinQuotaExceeded), so one client
-  cannot pin the budget full and leave no room for anyone else's inserts;
+- one namespace's pinned entries stay within `pin_share` of the budget (`pins.py`);
 - a reuse always leaves at least one prompt token to compute (invariant 3).
 """
 
@@ -29,13 +27,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from mlx_prefix.cache.active import ActiveBytes
+from mlx_prefix.cache.budget import Budget
+from mlx_prefix.cache.counters import Counters
 from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
-from mlx_prefix.cache.eviction import Candidate, EvictionPolicy, KindLRU
-from mlx_prefix.cache.records import (
+from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
+from mlx_prefix.cache.pins import Pins
+from mlx_prefix.cache.reuse import best_reuse
+from mlx_prefix.cache.token_ids import TokenIds
+from mlx_prefix.cache.types import (
     Buffer,
     CacheMatch,
     CacheStats,
@@ -45,17 +46,6 @@ from mlx_prefix.cache.records import (
     StoredTokens,
     covers,
 )
-from mlx_prefix.cache.reuse import best_reuse
-from mlx_prefix.cache.token_ids import TokenIds
-from mlx_prefix.errors import PinQuotaExceeded
-
-
-@dataclass(slots=True)
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    tokens_reused: int = 0
-    evictions: int = 0
 
 
 class PromptCache:
@@ -69,17 +59,27 @@ class PromptCache:
         pin_share: float = 1.0,
     ) -> None:
         assert budget_bytes >= 0 and 0.0 <= pin_share <= 1.0
-        self.budget_bytes = budget_bytes
-        self.pin_share = pin_share  # of the budget, what one namespace may pin
-        self.max_entries = max_entries
         self._clock = clock
         self._lock = threading.Lock()
         self._table = EntryTable()
         self._entries = self._table.by_id  # read-only alias: the table mutates it
         self._policy: EvictionPolicy[Entry] = policy if policy is not None else KindLRU()
-        self._pins: set[tuple[str, tuple[int, ...]]] = set()
-        self._active = ActiveBytes()
-        self._counters = _Counters()
+        self._budget = Budget(budget_bytes, max_entries, self._table, self._policy)
+        self._pins = Pins(pin_share, self._entries)
+        self._counters = Counters()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget.nbytes
+
+    @property
+    def pin_share(self) -> float:
+        """Of the budget, what one namespace may pin."""
+        return self._pins.share
+
+    @pin_share.setter
+    def pin_share(self, share: float) -> None:
+        self._pins.share = share
 
     # -- lookup ------------------------------------------------------------
 
@@ -171,36 +171,20 @@ class PromptCache:
                     self._policy.change_kind(e, old)
                 self._touch(e)
                 return True
-            trimmable = bool(payload.trimmable)
             redundant: list[Entry] = []
-            if trimmable and (model_key, key) not in self._pins:
-                for ext in trie.extensions(key):
-                    other = self._entries[ext.value]
-                    if other.trimmable and other.kind >= kind:
-                        return False
-            if trimmable:
-                redundant = [
-                    other
-                    for anc in trie.match(key).ancestors
-                    if anc.length < len(key)
-                    for other in (self._entries[anc.value],)
-                    if other.trimmable
-                    and other.kind <= kind
-                    and other.refs == 0
-                    and not self._pinned(other)
-                ]
+            if payload.trimmable:
+                pinned = (model_key, key) in self._pins
+                if not pinned and self._table.outgrown(model_key, key, kind):
+                    return False
+                redundant = self._table.served_prefixes(model_key, key, kind)
             # Decide before changing anything: a refused insert must not have dropped the
             # prefixes it would have made redundant, nor evicted entries to no avail.
             parent = self._table.parent_of(model_key, key)
             new = self._table.candidate(model_key, key, kind, buffers, parent)
-            if not self._fits(new, buffers, redundant):
+            if not self._budget.fits(new, buffers, redundant):
                 return False
             e = self._table.add(model_key, key, payload, kind, buffers, self._clock(), parent)
-            if (model_key, key) in self._pins:  # a pin that came before its entry
-                if self._pin_overflow([e]) is None:
-                    e.pinned = True
-                else:
-                    self._pins.discard((model_key, key))
+            self._pins.adopt(e, self.budget_bytes)  # a pin that came before its entry
             self._policy.add(e)
             for other in redundant:  # after the insert: the trie never empties on the way
                 self._remove(other)
@@ -209,7 +193,7 @@ class PromptCache:
             e.refs += 1
             self._evict()
             e.refs -= 1
-            assert not self._over_limits() or self._victim() is None, "over budget"
+            assert not self._budget.over() or self._budget.victim() is None, "over budget"
             return True
 
     def pin(self, model_key: str, tokens: Sequence[int]) -> bool:
@@ -222,12 +206,9 @@ class PromptCache:
         """
         key = tuple(tokens)
         with self._lock:
-            entry_id = self._table.trie(model_key).get(key)
-            if entry_id is not None:
-                self._refuse_over_share([self._entries[entry_id]])
-                self._entries[entry_id].pinned = True
-            self._pins.add((model_key, key))
-            return entry_id is not None
+            e = self._stored(model_key, key)
+            self._pins.pin(model_key, key, e, self.budget_bytes)
+            return e is not None
 
     def pin_stored(self, model_key: str, sequences: Sequence[Sequence[int]]) -> int:
         """Pin the stored entries of exactly these sequences, all or none (mutates);
@@ -238,23 +219,15 @@ class PromptCache:
             trie = self._table.trie(model_key)
             ids = {i for s in sequences if (i := trie.get(tuple(s))) is not None}
             entries = [self._entries[i] for i in sorted(ids)]
-            self._refuse_over_share(entries)
-            for e in entries:
-                e.pinned = True
-                self._pins.add((e.model_key, e.tokens))
+            self._pins.pin_entries(entries, self.budget_bytes)
             return len(entries)
 
     def unpin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Remove a pin (mutates); may evict. Returns whether it was pinned."""
         key = tuple(tokens)
         with self._lock:
-            try:
-                self._pins.remove((model_key, key))
-            except KeyError:
+            if not self._pins.unpin(model_key, key, self._stored(model_key, key)):
                 return False
-            entry_id = self._table.trie(model_key).get(tokens)
-            if entry_id is not None:
-                self._entries[entry_id].pinned = False
             self._evict()
             return True
 
@@ -266,13 +239,8 @@ class PromptCache:
             e = self._entries.get(entry_id)
             if e is None or not covers(model_key, e.model_key):
                 return False
-            if pinned:
-                self._refuse_over_share([e])
-            e.pinned = pinned
-            if pinned:
-                self._pins.add((e.model_key, e.tokens))
-            else:
-                self._pins.discard((e.model_key, e.tokens))
+            self._pins.set(e, pinned, self.budget_bytes)
+            if not pinned:
                 self._evict()
             return True
 
@@ -286,7 +254,7 @@ class PromptCache:
                 return EvictOutcome.MISSING
             if e.refs > 0:
                 return EvictOutcome.LOCKED
-            if self._pinned(e):
+            if e.pinned:
                 return EvictOutcome.PINNED
             self._remove(e)
             return EvictOutcome.EVICTED
@@ -299,19 +267,19 @@ class PromptCache:
         while one holds it, else as the request's. ValueError if they exceed `nbytes`."""
         assert nbytes >= 0
         with self._lock:
-            self._active.set(request_id, nbytes, shared)
+            self._budget.active.set(request_id, nbytes, shared)
             self._evict()
 
     def drop_active(self, request_id: str) -> None:
         """Forget a finished request's bytes (mutates). Unknown ids are ignored."""
         with self._lock:
-            self._active.drop(request_id)
+            self._budget.active.drop(request_id)
 
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget (mutates); evicts down to it."""
         assert budget_bytes >= 0
         with self._lock:
-            self.budget_bytes = budget_bytes
+            self._budget.nbytes = budget_bytes
             self._evict()
 
     def set_prefill_cost(self, model_key: str, cost: PrefillCost) -> None:
@@ -332,9 +300,7 @@ class PromptCache:
             victims = [e for e in self._entries.values() if chosen(e.model_key) and e.refs == 0]
             for e in victims:
                 self._remove(e)
-            self._pins = {p for p in self._pins if not chosen(p[0])}
-            for e in self._entries.values():  # the locked ones left
-                e.pinned = e.pinned and not chosen(e.model_key)
+            self._pins.clear(chosen)  # the locked entries left lose their pins too
             return len(victims)
 
     # -- introspection -----------------------------------------------------
@@ -342,31 +308,13 @@ class PromptCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot of the counters. Does not mutate."""
         with self._lock:
-            counts = dict.fromkeys((k.name for k in CheckpointKind), 0)
-            for e in self._entries.values():
-                counts[e.kind.name] += 1
-            c = self._counters
-            return CacheStats(
-                hits=c.hits,
-                misses=c.misses,
-                tokens_reused=c.tokens_reused,
-                entries=len(self._entries),
-                bytes=self._table.resident.total,
-                bytes_by_kind=self._table.bytes_by_kind(),
-                entries_by_kind=counts,
-                active_bytes=self._active_bytes(),
-                active_requests=len(self._active),
-                evictions=c.evictions,
-                budget_bytes=self.budget_bytes,
-                pinned=sum(1 for e in self._entries.values() if self._pinned(e)),
-                locked=sum(1 for e in self._entries.values() if e.refs > 0),
-            )
+            return self._counters.stats(self._table, self._budget)
 
     def entries(self) -> list[EntryInfo]:
         """All entries in eviction order (first listed goes first). Does not mutate."""
         with self._lock:
             now = self._clock()
-            return [self._info(e, now) for e in self._policy.order()]
+            return [self._table.info(e, now) for e in self._policy.order()]
 
     def sequences(self, model_key: str) -> list[StoredTokens[EntryInfo]]:
         """The entries of the keys `model_key` covers, with the token ids each holds, in
@@ -375,7 +323,7 @@ class PromptCache:
         with self._lock:
             now = self._clock()
             return [
-                StoredTokens(self._info(e, now), e.tokens)
+                StoredTokens(self._table.info(e, now), e.tokens)
                 for e in self._policy.order()
                 if covers(model_key, e.model_key)
             ]
@@ -383,100 +331,29 @@ class PromptCache:
     def check_integrity(self) -> None:
         """Assert the store's invariants. Does not mutate."""
         with self._lock:
-            self._active.check_integrity()
+            self._budget.active.check_integrity()
             self._table.check_integrity()
             self._policy.check_integrity(self._entries)
             for e in self._entries.values():
                 assert e.refs >= 0 and e.nbytes >= 0
                 assert e.payload.length == len(e.tokens)
                 assert e.pinned == ((e.model_key, e.tokens) in self._pins), "pin flag"
-            if self._over_limits():
-                assert self._victim() is None, "over budget with evictable entries left"
+            if self._budget.over():
+                assert self._budget.victim() is None, "over budget with evictable entries left"
 
     # -- internals (call with the lock held) --------------------------------
 
-    def _info(self, e: Entry, now: float) -> EntryInfo:
-        return EntryInfo(
-            entry_id=e.entry_id,
-            model_key=e.model_key,
-            tokens=len(e.tokens),
-            nbytes=e.nbytes,
-            kind=e.kind,
-            trimmable=e.trimmable,
-            hits=e.hits,
-            age_s=now - e.created,
-            idle_s=now - e.last_access,
-            pinned=self._pinned(e),
-            refs=e.refs,
-            shared_bytes=self._table.shared_bytes(e),
-        )
+    def _stored(self, model_key: str, key: tuple[int, ...]) -> Entry | None:
+        entry_id = self._table.trie(model_key).get(key)
+        return self._entries[entry_id] if entry_id is not None else None
 
     def _touch(self, e: Entry) -> None:
         e.last_access = self._clock()
         self._policy.touch(e)
 
-    def _pinned(self, e: Entry) -> bool:
-        # The flag, not a lookup in _pins: hashing a long token tuple per entry, on every
-        # listing and eviction check, held the lock for ~50 ms at 500 entries of 5K tokens.
-        return e.pinned
-
-    def _pin_overflow(self, adding: list[Entry]) -> tuple[int, int] | None:
-        """(bytes its namespace would have pinned, its share) if pinning `adding` (one
-        namespace's entries) would go past the share; None if it fits."""
-        if not adding:
-            return None
-        owner = _namespace(adding[0].model_key)
-        held: dict[int, int] = {}
-        for e in self._entries.values():
-            if e.pinned and _namespace(e.model_key) == owner:
-                held.update((b.key, b.nbytes) for b in e.buffers)
-        for e in adding:
-            held.update((b.key, b.nbytes) for b in e.buffers)
-        total, share = sum(held.values()), int(self.pin_share * self.budget_bytes)
-        return (total, share) if total > share else None
-
-    def _refuse_over_share(self, adding: list[Entry]) -> None:
-        over = self._pin_overflow(adding)
-        if over is not None:
-            raise PinQuotaExceeded(
-                f"pinning this would hold {over[0]} bytes pinned for this client, more than "
-                f"its share of the cache ({over[1]} bytes: --pin-share {self.pin_share:g} of "
-                f"the {self.budget_bytes}-byte budget); unpin entries first"
-            )
-
-    def _active_bytes(self) -> int:
-        return self._active.total(self._table.resident.holds)
-
-    def _over_limits(self) -> bool:
-        if self._table.resident.total + self._active_bytes() > self.budget_bytes:
-            return True
-        return self.max_entries is not None and len(self._entries) > self.max_entries
-
-    def _fits(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> bool:
-        """Whether `new`, holding `buffers`, would survive eviction once the `leaving`
-        entries are gone: what stays is what the policy evicts after it, plus the
-        pinned and locked entries (buffers they share with it, or with running
-        requests, count once)."""
-        gone = {e.entry_id for e in leaving}
-        outlasting = self._policy.outlasting(new)
-        kept = [
-            e
-            for e in self._entries.values()
-            if e.entry_id not in gone
-            and (e.refs > 0 or self._pinned(e) or e.entry_id in outlasting)
-        ]
-        groups = [buffers, *(e.buffers for e in kept), self._active.shared()]
-        kept_bytes = self._table.resident.union(groups)
-        if kept_bytes + self._active.own_total > self.budget_bytes:
-            return False
-        return self.max_entries is None or len(kept) + 1 <= self.max_entries
-
-    def _victim(self) -> Entry | None:
-        return next((e for e in self._policy.order() if e.refs == 0 and not self._pinned(e)), None)
-
     def _evict(self) -> None:
-        while self._over_limits():
-            victim = self._victim()
+        while self._budget.over():
+            victim = self._budget.victim()
             if victim is None:
                 return  # everything left is pinned or in use
             self._remove(victim)
@@ -486,11 +363,3 @@ class PromptCache:
         assert e.refs == 0, "removing a locked entry"
         self._policy.remove(e)
         self._table.remove(e)
-
-
-def _namespace(key: str) -> str:
-    """Whose pins an entry's are: the namespace part of its key (engine/keys.py:
-    `<model>/<namespace>[/<salt>]`), the same for every model; a key without one is its
-    own owner."""
-    parts = key.split("/")
-    return parts[1] if len(parts) > 1 else key

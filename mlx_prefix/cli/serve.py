@@ -23,7 +23,8 @@ from .args import (
 )
 
 if TYPE_CHECKING:
-    from mlx_prefix.server.model_pool import EngineLoader, ModelSpec
+    from mlx_prefix.server.model_loading import EngineLoader
+    from mlx_prefix.server.model_names import ModelSpec
     from mlx_prefix.server.settings import ServerSettings
 
 
@@ -254,10 +255,10 @@ def embedding_worker(args: argparse.Namespace) -> Any:
     of what every later check sees as taken."""
     from mlx_prefix.embeddings.model import load_embedding_model
     from mlx_prefix.embeddings.worker import EmbeddingWorker
-    from mlx_prefix.models.catalog import load_estimate
+    from mlx_prefix.models.preflight import load_estimate
     from mlx_prefix.models.resolve import resolve_model
     from mlx_prefix.platform import available_memory
-    from mlx_prefix.server.model_pool import InsufficientMemory
+    from mlx_prefix.server.model_loading import InsufficientMemory
 
     cfg = embedding_config(args)
     if cfg.embedding_model is None:

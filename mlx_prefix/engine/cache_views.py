@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from mlx_prefix.cache.disk_index import DiskEntryInfo
-from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.engine.activity import Activity, ActivityBoard
 from mlx_prefix.engine.keys import namespace_key
 from mlx_prefix.engine.prefill.disk_access import DiskAccess

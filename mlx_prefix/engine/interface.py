@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from mlx_prefix.cache.disk_index import DiskEntryInfo
-    from mlx_prefix.cache.records import EntryInfo, EvictOutcome, StoredTokens
+    from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
     from mlx_prefix.engine.activity import Activity
     from mlx_prefix.engine.requests.handle import RequestHandle
     from mlx_prefix.engine.requests.jobs import WarmResult

@@ -4,7 +4,7 @@ reproduces a cold run of this engine, and whose entry it is.
 An entry's key is `<cache_key>/<namespace id>` or `<cache_key>/<namespace id>/<salt id>`
 (issue 19, invariant 10). The store and the disk tier keep one trie per whole key, so a
 lookup never crosses namespaces; listings and flushes select with a key prefix
-(`cache.records.covers`): the bare cache key covers every namespace of the model, a
+(`cache.types.covers`): the bare cache key covers every namespace of the model, a
 namespace's key every salt in it. Files written before namespaces (keyed by the bare
 cache key) are never matched by a request: they only age out or get flushed.
 """

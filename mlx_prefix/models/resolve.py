@@ -1,4 +1,10 @@
-"""Turn a model spec (None, a local folder, or a Hugging Face repo id) into a local folder.
+"""Model naming: what folder a model name means, in one place.
+
+A name is the bundled default (None or DEFAULT_MODEL_NAME), a local folder, or a Hugging
+Face repo id (`org/repo`, optionally `@revision`). Two lookups share these rules:
+`resolve_model` (the server's own --model, the CLI: may download) and `find_local_model`
+(a name the operator listed for on-demand loading: never the network). `is_path` is the
+shape rule every layer uses to tell a path from a served name or a hub id.
 
 Every failure is a one-line `ModelNotFound("model 'X' not found: <reason>")`.
 """
@@ -26,6 +32,7 @@ _ALLOW_PATTERNS = [
     "*.jinja",
 ]
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_PATH_PREFIXES = ("/", ".", "~")  # absolute, ./ ../ (and dot names), home
 _TRUE = {"1", "on", "yes", "true"}
 
 
@@ -34,6 +41,12 @@ class ResolvedModel:
     path: Path  # local folder holding config.json
     name: str  # id served in /v1/models: folder basename or repo id
     source: str  # resolved local path, or "org/repo@<commit sha>"
+
+
+def is_path(name: str) -> bool:
+    """Whether a model name is shaped like a file system path (not a served name nor a
+    hub id `org/repo`)."""
+    return name.startswith(_PATH_PREFIXES) or "\\" in name or name.count("/") > 1
 
 
 def resolve_model_path(spec: str | None) -> Path:
@@ -55,9 +68,39 @@ def resolve_model(spec: str | None) -> ResolvedModel:
     if spec == DEFAULT_MODEL_NAME:
         return _local(ensure_default_model(), name=DEFAULT_MODEL_NAME)
     repo_id, _, revision = spec.partition("@")
-    if spec.startswith((".", "/", "~")) or not _REPO_ID.fullmatch(repo_id):
+    if spec.startswith(_PATH_PREFIXES) or not _REPO_ID.fullmatch(repo_id):
         raise ModelNotFound(f"model '{spec}' not found: no such folder", param="model")
     return _from_hub(spec, repo_id, revision or None)
+
+
+def find_local_model(name: str) -> ResolvedModel | None:
+    """The folder an operator's model name selects (a --model-alias target, an
+    --allowed-models entry) without ever touching the network: a local folder, or a
+    repo id already in the local hub cache; None if it names neither. Raises
+    ModelNotFound for a path-shaped name that is missing or not a model folder. A
+    request's own name is never looked up here: what exists on disk is not its business."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(_PATH_PREFIXES):
+        if not (path / "config.json").is_file():
+            why = "no config.json in that folder" if path.is_dir() else "no such folder"
+            raise ModelNotFound(f"model '{name}' not found: {why}", param="model")
+        resolved = path.resolve()
+        return ResolvedModel(path=resolved, name=resolved.name, source=str(resolved))
+    repo_id, _, revision = name.partition("@")
+    if _REPO_ID.fullmatch(repo_id):
+        return _cached_hub_model(repo_id, revision or None)
+    return None
+
+
+def adapter_folder(adapter: str) -> Path:
+    """A LoRA adapter folder (holding adapter_config.json), resolved; ModelNotFound else."""
+    path = Path(adapter).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise ModelNotFound(
+            f"adapter '{adapter}' not found: no adapter_config.json in that folder",
+            param="adapters",
+        )
+    return path.resolve()
 
 
 def _local(path: Path, *, name: str, spec: str | None = None) -> ResolvedModel:
@@ -68,6 +111,29 @@ def _local(path: Path, *, name: str, spec: str | None = None) -> ResolvedModel:
         raise ModelNotFound(f"model '{label}' not found: no config.json in {path}", param="model")
     resolved = path.resolve()
     return ResolvedModel(path=resolved, name=name, source=str(resolved))
+
+
+def _hub_snapshot(repo_id: str, folder: Path) -> ResolvedModel:
+    # Snapshot folders are named by commit sha: the source pins the exact weights.
+    return ResolvedModel(path=folder, name=repo_id, source=f"{repo_id}@{folder.name}")
+
+
+def _cached_hub_model(repo_id: str, revision: str | None) -> ResolvedModel | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        # local_files_only: the cache is consulted, the Hub never is.
+        folder = Path(
+            snapshot_download(
+                repo_id, revision=revision, allow_patterns=_ALLOW_PATTERNS, local_files_only=True
+            )
+        )
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+    if not (folder / "config.json").is_file():
+        return None
+    return _hub_snapshot(repo_id, folder)
 
 
 def _from_hub(spec: str, repo_id: str, revision: str | None) -> ResolvedModel:
@@ -112,6 +178,5 @@ def _from_hub(spec: str, repo_id: str, revision: str | None) -> ResolvedModel:
             raise ModelNotFound(
                 f"model '{spec}' not found: the repo has no config.json", param="model"
             )
-        # Snapshot folders are named by commit sha: the source pins the exact weights.
-        return ResolvedModel(path=path, name=repo_id, source=f"{repo_id}@{path.name}")
+        return _hub_snapshot(repo_id, path)
     raise ModelNotFound(f"model '{spec}' not found: {reason}", param="model")

@@ -20,7 +20,8 @@ from .generation import InFlight
 from .hosts import HostPolicy
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, HostGuard, RequestCounter, cors
-from .model_pool import EngineLoader, ModelPool
+from .model_loading import EngineLoader
+from .model_pool import ModelPool
 from .namespaces import Namespaces
 from .protocol.request import Limits, SamplingDefaults
 from .response_store import ResponseStore

@@ -23,7 +23,7 @@ from typing import Any
 from mlx_prefix.prompt.thinking import ThinkSplitter
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
-from . import responses as R
+from . import chat_bodies as R
 from .protocol.request import GenerationRequest
 from .tools import ReplySplitter, Split, ToolCallFormatter, ToolSyntax
 

@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from mlx_prefix.cache.records import EvictOutcome
 from mlx_prefix.cache.trie import TokenTrie
+from mlx_prefix.cache.types import EvictOutcome
 from mlx_prefix.engine.keys import namespace_of
 from mlx_prefix.errors import MlxPrefixError
 

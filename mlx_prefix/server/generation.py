@@ -21,7 +21,7 @@ from starlette.requests import Request
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, Usage
 
-from . import responses as R
+from . import chat_bodies as R
 from .assembler import Assembler, Delta
 from .errors import CancelledByServer, GenerationFailed
 from .metrics import ServerMetrics

@@ -8,19 +8,27 @@ clients send names of their own (`gpt-4o-mini` from the openai examples, Claude 
 reply's `model` field then names the model that answered. With `strict` such a name
 is a 404 instead. Nothing here ever downloads a model: only served models are chosen.
 
-Other models (--model-alias, --allowed-models: only what the operator named) are found
-and loaded by server/model_pool.py, which asks this registry first and keeps the rule
-above for names that select nothing (a path-shaped name is a 404 there). Pure: no I/O,
-no MLX.
+A server that loads models on demand (server/model_pool.py) lets a name select, after
+the served model, only what the operator named: a `--model-alias NAME=PATH`, or an
+entry of `--allowed-models` (a folder or a Hugging Face repo id already in the local hub
+cache, never downloaded; named as given or, for a folder, by its last component).
+`ModelSelector` turns such a name (and `adapters`) into a ModelSpec, what to load; an
+`adapters` folder must be the default model's --adapter or an --allowed-models entry.
+A name that selects nothing keeps the rule above, except that a name shaped like a
+path is always a 404. The 404 says the same for every name that is not allowed,
+whatever exists on disk under it: the file system is consulted only for the
+operator's names (models/resolve.py: which folder a name means). No MLX.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlx_prefix.errors import ModelNotFound
+from mlx_prefix.models.resolve import adapter_folder, find_local_model, is_path
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
@@ -91,5 +99,124 @@ class ModelRegistry:
         raise ModelNotFound(
             f"The model {requested!r} does not exist. Served models: {names} (also accepted: "
             "their folders and 'default'; the server runs with --strict-model-names)",
+            param="model",
+        )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load: a model folder and optionally a LoRA adapter folder."""
+
+    folder: Path
+    adapter: Path | None
+    id: str  # the served id: reported in replies' `model` field
+    default: bool = False  # the server's own model: its --chat-template applies
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        return str(self.folder), str(self.adapter) if self.adapter else None
+
+
+class AllowList:
+    """--allowed-models: the folders and hub ids a request may name beyond the served
+    model and the --model-alias names. A request's name matches an entry as given
+    (trailing slashes aside) or, for a folder, by its last component. Pure: nothing is
+    looked up on disk here."""
+
+    def __init__(self, entries: Sequence[str]):
+        self.models = tuple(dict.fromkeys(e.rstrip("/") or e for e in entries))
+        self._by_name: dict[str, str] = {}
+        for entry in self.models:
+            self._by_name[entry] = entry
+            if is_path(entry):
+                self._by_name.setdefault(entry.rsplit("/", 1)[-1], entry)
+
+    def find(self, name: str) -> str | None:
+        """The entry `name` selects; None if none."""
+        return self._by_name.get(name.rstrip("/") or name)
+
+
+class ModelSelector:
+    """A request's `model` (and `adapters`) -> the ModelSpec to serve it, among the
+    default model and what the operator named (the module docstring's rules)."""
+
+    def __init__(
+        self,
+        default: ServedModel,
+        default_adapter: str | None = None,
+        *,
+        strict: bool = False,
+        model_aliases: Mapping[str, str] | None = None,
+        allowed_models: Sequence[str] = (),
+    ):
+        # Names only: the registry must not keep the default engine alive once unloaded.
+        self.registry = ModelRegistry([replace(default, engine=None)], strict=strict)
+        self.model_aliases = dict(model_aliases or {})
+        self.allowed = AllowList(allowed_models)
+        self.default_adapter = default_adapter
+        adapter = Path(default_adapter) if default_adapter else None
+        self.default_spec = ModelSpec(Path(default.folder or default.id), adapter, default.id, True)
+
+    def spec_for(
+        self, name: str | None, adapter: str | None = None, resident: Iterable[ModelSpec] = ()
+    ) -> ModelSpec:
+        """What `name` (with `adapter`) selects; `resident` specs need no new lookup.
+        ModelNotFound (404) for a name or adapter not served here."""
+        spec = self._base_spec(name, resident)
+        if adapter is not None:
+            entry = self.allowed.find(adapter)
+            if entry is None and adapter.rstrip("/") == (self.default_adapter or "").rstrip("/"):
+                entry = self.default_adapter
+            if entry is None:
+                raise ModelNotFound(
+                    f"adapter '{adapter}' is not served here: a request may name the "
+                    "server's --adapter or one listed in --allowed-models",
+                    param="adapters",
+                )
+            spec = replace(spec, adapter=adapter_folder(entry))
+        return spec
+
+    def _base_spec(self, name: str | None, resident: Iterable[ModelSpec]) -> ModelSpec:
+        if name is None or self.registry.find(name) is not None:
+            return self.default_spec
+        if name in self.model_aliases:
+            target = self.model_aliases[name]
+            return self._operators(name, target, f"--model-alias {name}=", resident)
+        entry = self.allowed.find(name)
+        if entry is not None:
+            return self._operators(entry, entry, "--allowed-models ", resident)
+        if is_path(name):  # meant as a model folder: never answered by another model
+            raise self._not_served(name)
+        if self.registry.strict:
+            raise self._not_served(name)
+        return self.default_spec
+
+    def _operators(
+        self, served_id: str, target: str, flag: str, resident: Iterable[ModelSpec]
+    ) -> ModelSpec:
+        """The spec of a model the operator named (`flag` + `target`); only these names
+        are looked up on disk or in the hub cache, so the error may say why."""
+        for spec in resident:  # resident: no need to look again
+            if spec.adapter is None and spec.id == served_id:
+                return spec
+        try:
+            found = find_local_model(target)
+        except ModelNotFound:
+            found = None
+        if found is None:
+            raise ModelNotFound(
+                f"model '{served_id}' ({flag}{target}) not found: not a model folder nor a "
+                "model in the local Hugging Face cache",
+                param="model",
+            )
+        if found.path == self.default_spec.folder and self.default_spec.adapter is None:
+            return self.default_spec
+        return ModelSpec(found.path, None, served_id)
+
+    def _not_served(self, name: str) -> ModelNotFound:
+        served = sorted({self.default_spec.id, *self.registry.default.aliases, *self.model_aliases})
+        return ModelNotFound(
+            f"The model {name!r} is not served here. Served models: {', '.join(served)}; "
+            "an operator can allow others with --model-alias or --allowed-models",
             param="model",
         )

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
-from mlx_prefix.cache.records import StoredTokens
+from mlx_prefix.cache.types import StoredTokens
 from mlx_prefix.engine.keys import namespace_id, namespace_of
 from mlx_prefix.records import CachePreference
 

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from mlx_prefix.cache.eviction import PROTECTED_ABOVE
-from mlx_prefix.cache.records import Buffer
 from mlx_prefix.cache.snapshot import (
     PendingSnapshot,
     Snapshot,
@@ -47,6 +46,7 @@ from mlx_prefix.cache.snapshot import (
     with_draft,
 )
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.cache.types import Buffer
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length

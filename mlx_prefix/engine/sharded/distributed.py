@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any
 
-from mlx_prefix.cache.records import EvictOutcome
+from mlx_prefix.cache.types import EvictOutcome
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import SHUTDOWN_SAVES_S
 from mlx_prefix.engine.requests.handle import RequestHandle

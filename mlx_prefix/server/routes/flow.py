@@ -4,20 +4,20 @@ the reply into one JSON body, writing the request's one log line either way."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
 
 from ..assembler import Assembler
 from ..generation import ClientGone, Collected, RequestLog, StreamShaper, collect, stream_events
 from ..protocol.request import GenerationRequest
+from ..sse import SSEResponse
 from .common import ServerState
 
 if TYPE_CHECKING:
@@ -89,31 +89,3 @@ async def respond(
     finish = assembler.finish_reason(result.done)
     record.write("200", result.done.usage, finish)
     return JSONResponse(whole(result, finish))
-
-
-class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client leaving, whatever ASGI spec
-    version the server speaks, and runs `on_close` however the response ends."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client went away mid-write
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            self._on_close()

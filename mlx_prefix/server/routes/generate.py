@@ -13,7 +13,7 @@ from starlette.responses import Response
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import ToolCallIds
 
-from .. import responses as R
+from .. import chat_bodies as R
 from ..assembler import Assembler
 from ..generation import Collected, RequestLog
 from ..namespaces import caller

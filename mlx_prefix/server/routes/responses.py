@@ -26,8 +26,8 @@ from ..namespaces import caller
 from ..protocol.request import fit_to_model
 from ..protocol.response_items import reply_messages
 from ..protocol.responses import ResponsesRequest, parse_responses
-from ..response_objects import OutputEvents, ResponseHead, new_id
 from ..response_store import ResponseNotFound, StoredResponse
+from ..responses_api_objects import OutputEvents, ResponseHead, new_id
 from ..sse import event as sse
 from ..tool_choice import with_tool_choice
 from .common import api, model_for, read_json, state

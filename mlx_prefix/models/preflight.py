@@ -1,73 +1,18 @@
-"""Which model folder an operator's model name means (a --model-alias target, an
---allowed-models entry), without ever touching the network, whether it looks loadable,
-and how much memory loading it would take (server/model_pool.py decides with these).
-A request's own name is never looked up here: what exists on disk is not its business.
-
-A name is a local folder (it exists), a path that does not exist (absolute, `./`, `../`
-or `~`: ModelNotFound), a Hugging Face repo id already in the local hub cache, or none
-of these (None: the caller decides, e.g. the default model answers).
+"""Checks on a model folder before it is loaded, read cheaply from its files: whether it
+looks loadable (so that a server does not unload a model for one that fails) and how
+much memory its weights will take (server/model_pool.py and the CLI decide with these).
+Which folder a name means is models/resolve.py's business.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from mlx_prefix.errors import ModelNotFound
-from mlx_prefix.models.resolve import ResolvedModel
 
-_PATH_PREFIXES = ("/", "./", "../", "~")
-_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _HALF = ("float16", "bfloat16")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-
-
-def find_local_model(name: str) -> ResolvedModel | None:
-    """The folder `name` selects (see the module docstring); None if it names none.
-    Raises ModelNotFound for a path that is missing or not a model folder."""
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith(_PATH_PREFIXES):
-        if not (path / "config.json").is_file():
-            why = "no config.json in that folder" if path.is_dir() else "no such folder"
-            raise ModelNotFound(f"model '{name}' not found: {why}", param="model")
-        resolved = path.resolve()
-        return ResolvedModel(path=resolved, name=resolved.name, source=str(resolved))
-    repo_id, _, revision = name.partition("@")
-    if _REPO_ID.fullmatch(repo_id):
-        return _cached_hub_model(repo_id, revision or None)
-    return None
-
-
-def _cached_hub_model(repo_id: str, revision: str | None) -> ResolvedModel | None:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    from mlx_prefix.models.resolve import _ALLOW_PATTERNS
-
-    try:
-        # local_files_only: the cache is consulted, the Hub never is.
-        folder = Path(
-            snapshot_download(
-                repo_id, revision=revision, allow_patterns=_ALLOW_PATTERNS, local_files_only=True
-            )
-        )
-    except (LocalEntryNotFoundError, HFValidationError, OSError):
-        return None
-    if not (folder / "config.json").is_file():
-        return None
-    return ResolvedModel(path=folder, name=repo_id, source=f"{repo_id}@{folder.name}")
-
-
-def adapter_folder(adapter: str) -> Path:
-    """A LoRA adapter folder (holding adapter_config.json), resolved; ModelNotFound else."""
-    path = Path(adapter).expanduser()
-    if not (path / "adapter_config.json").is_file():
-        raise ModelNotFound(
-            f"adapter '{adapter}' not found: no adapter_config.json in that folder",
-            param="adapters",
-        )
-    return path.resolve()
 
 
 def check_loadable(folder: Path, adapter: Path | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The prompt cache's vocabulary: checkpoint kinds, payloads, and its result records.
+"""The prompt cache's types: checkpoint kinds, buffers, payloads, and its result records.
 
 Apart from the store (`store.PromptCache`, which returns these records) so that the
 eviction policy, the disk tier and the prompt planner can name a CheckpointKind

@@ -1,0 +1,63 @@
+"""The prompt cache's limits: what counts against its byte budget, whether a new entry
+fits, and which entry eviction takes next.
+
+Stored bytes (distinct buffers: one prefill's checkpoints share their KV) + running
+requests' bytes (less the buffers they share with stored entries: `active.py`) <= the
+budget, and at most `max_entries` entries when set, unless every remaining entry is
+pinned or locked (invariant 6). The eviction policy orders the others.
+
+Pure Python (no MLX). Not thread-safe: the store calls it with its lock held.
+"""
+
+from __future__ import annotations
+
+from mlx_prefix.cache.active import ActiveBytes
+from mlx_prefix.cache.entries import Entry, EntryTable
+from mlx_prefix.cache.eviction import Candidate, EvictionPolicy
+from mlx_prefix.cache.types import Buffer
+
+
+class Budget:
+    def __init__(
+        self,
+        nbytes: int,
+        max_entries: int | None,
+        table: EntryTable,
+        policy: EvictionPolicy[Entry],
+    ) -> None:
+        self.nbytes = nbytes
+        self.max_entries = max_entries
+        self.active = ActiveBytes()  # running requests' bytes
+        self._table = table
+        self._policy = policy
+
+    def active_bytes(self) -> int:
+        return self.active.total(self._table.resident.holds)
+
+    def over(self) -> bool:
+        if self._table.resident.total + self.active_bytes() > self.nbytes:
+            return True
+        return self.max_entries is not None and len(self._table.by_id) > self.max_entries
+
+    def fits(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> bool:
+        """Whether `new`, holding `buffers`, would survive eviction once the `leaving`
+        entries are gone: what stays is what the policy evicts after it, plus the
+        pinned and locked entries (buffers they share with it, or with running
+        requests, count once)."""
+        gone = {e.entry_id for e in leaving}
+        outlasting = self._policy.outlasting(new)
+        kept = [
+            e
+            for e in self._table.by_id.values()
+            if e.entry_id not in gone and (e.refs > 0 or e.pinned or e.entry_id in outlasting)
+        ]
+        groups = [buffers, *(e.buffers for e in kept), self.active.shared()]
+        kept_bytes = self._table.resident.union(groups)
+        if kept_bytes + self.active.own_total > self.nbytes:
+            return False
+        return self.max_entries is None or len(kept) + 1 <= self.max_entries
+
+    def victim(self) -> Entry | None:
+        """The entry eviction takes next: the first in the policy's order neither locked
+        nor pinned; None if every entry is."""
+        return next((e for e in self._policy.order() if e.refs == 0 and not e.pinned), None)
