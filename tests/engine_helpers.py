@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from mlx_prefix.conversation import Message
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.records import (
@@ -52,7 +53,7 @@ def collect(handle: RequestHandle, timeout: float = 120) -> Result:
 
 def chat(*messages: tuple[str, str], **kwargs) -> PromptInput:
     return PromptInput(
-        messages=tuple({"role": r, "content": c} for r, c in messages), chat_template_kwargs=kwargs
+        messages=tuple(Message(r, c) for r, c in messages), chat_template_kwargs=kwargs
     )
 
 
