@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import CacheConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.models.load import load_model
 from mlx_prefix.prompt.boundaries import PromptPlanner
@@ -35,7 +36,7 @@ def agent_conversation(turns: int) -> PromptInput:
             {"role": "assistant", "content": f"Running the tests for step {i} now. " * 5}
         )
     messages.append({"role": "user", "content": "Summarize what you changed."})
-    return PromptInput(messages=tuple(messages))
+    return PromptInput(messages=conversation_from_dicts(messages))
 
 
 def document_question(words: int) -> PromptInput:
@@ -43,9 +44,11 @@ def document_question(words: int) -> PromptInput:
         f"clause {i} of the agreement covers delivery and payment." for i in range(words // 8)
     )
     return PromptInput(
-        messages=(
-            {"role": "system", "content": "You answer questions about contracts."},
-            {"role": "user", "content": text + "\n\nWhat does clause 12 cover?"},
+        messages=conversation_from_dicts(
+            [
+                {"role": "system", "content": "You answer questions about contracts."},
+                {"role": "user", "content": text + "\n\nWhat does clause 12 cover?"},
+            ]
         )
     )
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.models.load import load_model
@@ -81,7 +82,7 @@ def prompt_of(tokens: int) -> PromptInput:
         for i in range(tokens // 16)
     ]
     text = "Summarize these notes in one sentence.\n" + "\n".join(lines)
-    return PromptInput(messages=({"role": "user", "content": text},))
+    return PromptInput(messages=conversation_from_dicts([{"role": "user", "content": text}]))
 
 
 def bench(model, bits: int | None, args: argparse.Namespace) -> Row:

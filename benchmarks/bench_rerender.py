@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -81,7 +82,7 @@ def run_family(family: str, folder: Path) -> list[dict]:
     rows, previous = [], None
     try:
         for turn, messages in enumerate(conversation()):
-            prompt = PromptInput(messages=tuple(messages), tools=TOOLS)
+            prompt = PromptInput(messages=conversation_from_dicts(messages), tools=TOOLS)
             tokens = engine.plan(prompt).tokens
             handle = engine.submit(prompt, SamplingParams(max_tokens=4), CachePreference())
             for event in handle.events(timeout=600):

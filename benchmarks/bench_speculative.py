@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.layer_skip import make_layer_skip_draft
@@ -74,7 +75,9 @@ def bench(
     config = EngineConfig(num_draft_tokens=args.k, prefetch_next_turn=False)
     engine = Engine(model, CacheConfig(), config, draft=draft)
     prompt = PromptInput(
-        messages=({"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION})
+        messages=conversation_from_dicts(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+        )
     )
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=True)
     rows = []

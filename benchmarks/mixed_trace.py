@@ -25,6 +25,7 @@ from .workloads.mixed import OURS_KIND, _actors, schedule
 
 def record(run: dict[str, Any], model: str) -> dict[str, Any]:
     from mlx_prefix.config import CacheConfig
+    from mlx_prefix.conversation import conversation_from_dicts
     from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
     from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
     from mlx_prefix.models.load import load_model
@@ -47,7 +48,9 @@ def record(run: dict[str, Any], model: str) -> dict[str, Any]:
 
     for (actor, step), sample, other in zip(schedule(actors, shots), ours, kind, strict=True):
         request = actor.build(step)
-        source = PromptInput(messages=request.messages, tools=request.tools)
+        source = PromptInput(
+            messages=conversation_from_dicts(request.messages), tools=request.tools
+        )
         prompt = planner.plan(source)
         assert len(prompt.tokens) == sample["prompt_tokens"], sample["label"]
         reply = sample["text"]

@@ -188,9 +188,9 @@ class Tokens:
         self._renderer = ChatRenderer(self._tok)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        from mlx_prefix.prompt.render import normalize_messages
+        from mlx_prefix.conversation import conversation_from_dicts
 
-        text = self._renderer.render_text(normalize_messages(messages), tools=tools)
+        text = self._renderer.render_text(conversation_from_dicts(messages), tools=tools)
         return self._renderer.encode_chat(text)
 
     def text(self, text: str) -> list[int]:

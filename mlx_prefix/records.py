@@ -11,6 +11,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlx_prefix.conversation import Conversation, Message
+
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
@@ -98,7 +100,8 @@ class ToolCallIds:
 class PromptInput:
     """Exactly one of `messages` (chat) or `text` (raw completion)."""
 
-    messages: tuple[dict[str, Any], ...] | None = None
+    # Built once by the protocol layer (or conversation_from_dicts) and rendered as is.
+    messages: Conversation | None = None
     text: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +113,17 @@ class PromptInput:
     # How the reply's tool calls will be named (None: after the engine's request id).
     # Not part of the prompt's identity: it changes nothing rendered.
     reply_tool_call_ids: ToolCallIds | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.messages is None:
+            return
+        messages = tuple(self.messages)
+        if not all(isinstance(m, Message) for m in messages):
+            raise TypeError(
+                "PromptInput.messages takes conversation.Message records: build them from "
+                "chat dicts with conversation_from_dicts()"
+            )
+        object.__setattr__(self, "messages", messages)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.conversation import Message
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.engine.requests.handle import RequestHandle
@@ -56,7 +57,7 @@ def collect(handle: RequestHandle, timeout: float = 120) -> Result:
 
 def chat(*messages: tuple[str, str], **kwargs) -> PromptInput:
     return PromptInput(
-        messages=tuple({"role": r, "content": c} for r, c in messages), chat_template_kwargs=kwargs
+        messages=tuple(Message(r, c) for r, c in messages), chat_template_kwargs=kwargs
     )
 
 

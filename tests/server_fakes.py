@@ -128,7 +128,7 @@ def render(prompt: PromptInput) -> str:
     if prompt.text is not None:
         return prompt.text
     assert prompt.messages is not None
-    parts = [f"<{m['role']}> {m['content']}" for m in prompt.messages]
+    parts = [f"<{m.role}> {m.content}" for m in prompt.messages]
     if prompt.tools:
         parts.insert(0, f"<tools> {json.dumps(prompt.tools)}")
     return " ".join(parts) + " <assistant>"

@@ -98,7 +98,7 @@ def test_an_edit_round_trip(tmp_path):
     assert (tmp_path / "work" / "hello.txt").read_text() == "Hello\n"
     assert len(engine.submissions) == 2
     sent_back = engine.submissions[1].prompt.messages[-1]
-    assert sent_back["role"] == "user" and DONE_DIRECTIVE in sent_back["content"]
+    assert sent_back.role == "user" and DONE_DIRECTIVE in sent_back.content
     assert DONE in out
 
 

@@ -90,9 +90,9 @@ def test_a_tool_call_round_trip(tmp_path):
     # The second request carried the call back with the file's content.
     assert len(engine.submissions) == 2
     reply, result = engine.submissions[1].prompt.messages[-2:]
-    assert reply["tool_calls"][0]["function"]["name"] == "Read"
-    assert result["role"] == "tool" and result["tool_call_id"] == reply["tool_calls"][0]["id"]
-    assert "[[reply:All done.]]" in str(result["content"])
+    assert reply.tool_calls[0].name == "Read"
+    assert result.role == "tool" and result.tool_call_id == reply.tool_calls[0].id
+    assert "[[reply:All done.]]" in result.content
 
 
 def test_a_second_run_reads_its_prompt_from_the_cache(tmp_path, capsys):

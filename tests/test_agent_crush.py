@@ -86,9 +86,9 @@ def test_a_tool_call_round_trip(tmp_path):
     assert out.strip().endswith(DONE)
     turn = [s for s in engine.submissions if s.prompt.tools]
     reply, result = turn[-1].prompt.messages[-2:]
-    assert reply["tool_calls"][0]["function"]["name"] == "view"
-    assert result["role"] == "tool" and result["tool_call_id"] == reply["tool_calls"][0]["id"]
-    assert "[[reply:All done.]]" in str(result["content"])
+    assert reply.tool_calls[0].name == "view"
+    assert result.role == "tool" and result.tool_call_id == reply.tool_calls[0].id
+    assert "[[reply:All done.]]" in result.content
 
 
 def test_a_second_run_reads_its_prompt_from_the_cache(tmp_path, capsys):

@@ -80,9 +80,9 @@ def test_a_tool_call_round_trip(tmp_path):
     # The turn's second request carried the call back with the file's content.
     turn = [s for s in engine.submissions if s.prompt.tools and "Read the notes" in str(s)]
     reply, result = turn[1].prompt.messages[-2:]
-    assert reply["tool_calls"][0]["function"]["name"] == "read_file"
-    assert result["role"] == "tool" and result["tool_call_id"] == reply["tool_calls"][0]["id"]
-    assert "[[reply:All done.]]" in str(result["content"])
+    assert reply.tool_calls[0].name == "read_file"
+    assert result.role == "tool" and result.tool_call_id == reply.tool_calls[0].id
+    assert "[[reply:All done.]]" in result.content
 
 
 def test_a_second_run_reads_its_prompt_from_the_cache(tmp_path, capsys):

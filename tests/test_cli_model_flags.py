@@ -14,6 +14,7 @@ from engine_helpers import chat, run, warm_equals_cold
 from mlx_prefix.cli import build_parser, main
 from mlx_prefix.cli.args import model_from_args
 from mlx_prefix.config import CacheConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import load_model
@@ -28,7 +29,7 @@ SHOWING = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-HELLO = PromptInput(messages=({"role": "user", "content": "hello"},))
+HELLO = PromptInput(messages=conversation_from_dicts([{"role": "user", "content": "hello"}]))
 
 
 def rendered(loaded, prompt: PromptInput = HELLO) -> str:

@@ -107,8 +107,8 @@ def test_a_tool_call_round_trip(codex, tmp_path):
     call_id = ToolCallIds(first.request_id).id(0)
     assert second.prompt.messages is not None
     reply, result = second.prompt.messages[-2:]
-    assert [c["id"] for c in reply["tool_calls"]] == [call_id]
-    assert result["role"] == "tool" and result["tool_call_id"] == call_id
+    assert [c.id for c in reply.tool_calls] == [call_id]
+    assert result.role == "tool" and result.tool_call_id == call_id
 
 
 def long_context_hybrid(tmp: Path) -> Engine:

@@ -13,7 +13,7 @@ from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
-from mlx_prefix.records import DoneEvent, SamplingParams, TokenEvent
+from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams, TokenEvent
 
 PROMPT = chat(("system", "You are a terse assistant. " * 8), ("user", "Count to one hundred."))
 
@@ -148,8 +148,8 @@ def test_prompt_longer_than_the_context_is_refused(make_engine):
 
 def test_bad_input_is_refused_before_queueing(make_engine):
     engine = make_engine("dense")
-    with pytest.raises(InvalidRequest):
-        engine.submit(chat(("wizard", "hi")), SamplingParams())
+    with pytest.raises(InvalidRequest):  # (a malformed message never gets this far)
+        engine.submit(PromptInput(messages=()), SamplingParams())
     with pytest.raises(InvalidRequest):
         engine.submit(PROMPT, SamplingParams(max_tokens=0))
 

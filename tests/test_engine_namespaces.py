@@ -13,6 +13,7 @@ from engine_helpers import EXACT, GREEDY, Result, chat, run
 
 from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
+from mlx_prefix.conversation import Message
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key, namespace_id, namespace_key, namespace_of
 from mlx_prefix.engine.requests.scheduler import extends
@@ -138,7 +139,7 @@ def test_a_next_turn_prefetch_serves_only_its_own_namespace():
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_delay_s=0.0))
     try:
         history = chat(("system", SYSTEM), ("user", "Hi."), ("assistant", "Hello!"))
-        history = PromptInput(messages=(*history.messages, {"role": "user", "content": "Go on."}))
+        history = PromptInput(messages=(*history.messages, Message("user", "Go on.")))
         reply = ask(engine, history, A, sampling=GREEDY)
         deadline = time.monotonic() + 60
         while engine.prefetch.completed < 1 and time.monotonic() < deadline:
@@ -148,8 +149,8 @@ def test_a_next_turn_prefetch_serves_only_its_own_namespace():
         nxt = PromptInput(
             messages=(
                 *history.messages,
-                {"role": "assistant", "content": reply.text},
-                {"role": "user", "content": "And then?"},
+                Message("assistant", reply.text),
+                Message("user", "And then?"),
             )
         )
         computed = len(engine.plan(history).tokens)
@@ -242,8 +243,8 @@ def test_a_running_prefetch_gives_way_to_another_namespace_extending_it():
         longer = PromptInput(
             messages=(
                 *history.messages,
-                {"role": "assistant", "content": "Rivers carry silt."},
-                {"role": "user", "content": "Why?"},
+                Message("assistant", "Rivers carry silt."),
+                Message("user", "Why?"),
             )
         )
         assert extends(engine.plan(longer).tokens, rendered.tokens)

@@ -11,6 +11,7 @@ from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import chat, run, wait_for, warm_equals_cold
 
 from mlx_prefix.config import EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
@@ -59,16 +60,18 @@ def test_thinking_template_prefetch_matches_the_next_request():
             {"role": "user", "content": "Another one?"},
         )
         reply = "<think>\nThree works.\n</think>\n\n3"
-        source = PromptInput(messages=history)
+        source = PromptInput(messages=conversation_from_dicts(history))
         prefetched = next_turn_prompt(
             engine.planner, source, reply, len(engine.plan(source).tokens)
         )
         assert prefetched is not None
         nxt = PromptInput(
-            messages=(
-                *history,
-                {"role": "assistant", "content": reply},
-                {"role": "user", "content": "And a third?"},
+            messages=conversation_from_dicts(
+                [
+                    *history,
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "And a third?"},
+                ]
             )
         )
         real = engine.plan(nxt).tokens
@@ -80,13 +83,17 @@ def test_thinking_template_prefetch_matches_the_next_request():
 
 
 def test_one_shot_requests_are_not_prefetched():
-    one_shot = PromptInput(messages=({"role": "user", "content": "Summarize this page."},))
+    one_shot = PromptInput(
+        messages=conversation_from_dicts([{"role": "user", "content": "Summarize this page."}])
+    )
     assert not wants_prefetch(one_shot)
     chat_turn = PromptInput(
-        messages=(
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "Look it up"},
+        messages=conversation_from_dicts(
+            [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Look it up"},
+            ]
         )
     )
     assert wants_prefetch(chat_turn)

@@ -15,6 +15,7 @@ from engine_helpers import wait_for, warm_equals_cold
 from mlx_lm.utils import load_tokenizer
 
 from mlx_prefix.config import EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
@@ -95,7 +96,7 @@ def first_result_start(planner: PromptPlanner, prompt: PromptInput) -> int:
     """Where the first tool result begins (on the grid): the planner's last-message point
     of the conversation cut just after it."""
     assert prompt.messages is not None
-    first = next(i for i, m in enumerate(prompt.messages) if m["role"] == "tool")
+    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
     cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
     return max(c.position for c in planner.plan(cut).checkpoints if c.kind.name == "LAST_MESSAGE")
 
@@ -183,12 +184,14 @@ def test_without_tools_offered_a_tool_call_reply_comes_back_as_text():
     )
     # The server parses calls only when tools were offered; otherwise the client gets the
     # markup as text and sends it back so.
-    source = PromptInput(messages=history)
+    source = PromptInput(messages=conversation_from_dicts(history))
     syntax = ToolSyntax.of(tokenizer)
     prefetched = next_turn_prompt(planner, source, TOOL_REPLY, 0, syntax, "r")
     assert prefetched is not None
     reply = {"role": "assistant", "content": TOOL_REPLY}
-    nxt = PromptInput(messages=(*history, reply, {"role": "user", "content": "Thanks"}))
+    nxt = PromptInput(
+        messages=conversation_from_dicts([*history, reply, {"role": "user", "content": "Thanks"}])
+    )
     assert planner.plan(nxt).tokens[: len(prefetched.tokens)] == prefetched.tokens
 
 

@@ -10,6 +10,7 @@ from engine_helpers import EXACT, run
 from template_models import RERENDERING, TOOLS, calibrated_once, chat_messages, template_model
 
 from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.prompt.boundaries import common_prefix_length
 from mlx_prefix.records import PromptInput
@@ -32,7 +33,9 @@ def converse(engine: Engine) -> None:
     try:
         previous: tuple[int, ...] | None = None
         for turn in range(4):
-            prompt = PromptInput(messages=tuple(chat_messages(turn)), tools=tuple(TOOLS))
+            prompt = PromptInput(
+                messages=conversation_from_dicts(chat_messages(turn)), tools=tuple(TOOLS)
+            )
             tokens = engine.plan(prompt).tokens
             warm = run(engine, prompt, sampling=EXACT)
             if previous is not None:

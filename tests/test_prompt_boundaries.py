@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import CacheConfig
+from mlx_prefix.conversation import Message
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.boundaries import (
@@ -24,7 +25,7 @@ from mlx_prefix.prompt.boundaries import (
     _special_ids,
     common_prefix_length,
 )
-from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.records import PromptInput
 
 SYSTEM, LAST, HISTORY, PERIODIC = (
@@ -106,7 +107,7 @@ def encode(style: str, text: str) -> tuple[int, ...]:
 
 
 def chat(*messages: tuple[str, str]) -> PromptInput:
-    return PromptInput(messages=tuple({"role": r, "content": c} for r, c in messages))
+    return PromptInput(messages=tuple(Message(r, c) for r, c in messages))
 
 
 def kinds(rendered: RenderedPrompt) -> dict[int, CheckpointKind]:
@@ -127,8 +128,7 @@ DOCUMENT = " ".join(
 
 
 def content_start(p: PromptPlanner, prompt: PromptInput, index: int) -> int:
-    messages = normalize_messages(prompt.messages)
-    return p._sentinel_start(prompt, messages, index, list(p.plan(prompt).tokens))
+    return p._sentinel_start(prompt, index, list(p.plan(prompt).tokens))
 
 
 # -- sentinel substitution ------------------------------------------------------------
@@ -181,9 +181,9 @@ def test_two_messages_render_the_sentinel_once(monkeypatch):
     calls = []
     original = ChatRenderer.messages_tokens
 
-    def counting(self, prompt, messages):
-        calls.append(messages[-1]["content"])
-        return original(self, prompt, messages)
+    def counting(self, prompt, contents=None):
+        calls.append(contents)
+        return original(self, prompt, contents)
 
     monkeypatch.setattr(ChatRenderer, "messages_tokens", counting)
     p = planner("chatml")

@@ -9,6 +9,7 @@ from engine_helpers import run, warm_equals_cold
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import CacheConfig
+from mlx_prefix.conversation import Message
 from mlx_prefix.prompt.boundaries import PromptPlanner
 from mlx_prefix.records import Breakpoint, PromptInput
 
@@ -38,10 +39,10 @@ def planner(chunk: int = 32, think: bool = True) -> PromptPlanner:
 def prompt(*breakpoints: Breakpoint, rules: str = RULES, **extra) -> PromptInput:
     return PromptInput(
         messages=(
-            {"role": "system", "content": STABLE + rules},
-            {"role": "user", "content": "Do you lend maps?"},
-            {"role": "assistant", "content": "Yes, for a week."},
-            {"role": "user", "content": "And atlases?"},
+            Message("system", STABLE + rules),
+            Message("user", "Do you lend maps?"),
+            Message("assistant", "Yes, for a week."),
+            Message("user", "And atlases?"),
         ),
         breakpoints=breakpoints,
         **extra,

@@ -8,8 +8,9 @@ import re
 import pytest
 from template_models import FIRST_ID, SECOND_ID, TOOLS, chat_messages, template_model
 
+from mlx_prefix.conversation import Message, ToolCall, conversation_from_dicts
 from mlx_prefix.prompt.call_ids import CallIdForm, map_call_ids, nine_alnum
-from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
 from mlx_prefix.records import ToolCallIds
 
@@ -19,7 +20,7 @@ def renderer(family: str) -> ChatRenderer:
 
 
 def render(family: str, turn: int) -> str:
-    return renderer(family).render_text(normalize_messages(chat_messages(turn)), tools=TOOLS)
+    return renderer(family).render_text(conversation_from_dicts(chat_messages(turn)), tools=TOOLS)
 
 
 @pytest.mark.parametrize(
@@ -46,29 +47,28 @@ def test_mistral_renders_a_conversation_with_the_clients_ids():
 
 def test_the_same_call_renders_the_same_tokens_every_turn():
     r = renderer("Mistral Small 3.2")
-    earlier = r.encode_chat(r.render_text(normalize_messages(chat_messages(1)), tools=TOOLS))
-    again = r.encode_chat(r.render_text(normalize_messages(chat_messages(1)), tools=TOOLS))
+    earlier = r.encode_chat(r.render_text(conversation_from_dicts(chat_messages(1)), tools=TOOLS))
+    again = r.encode_chat(r.render_text(conversation_from_dicts(chat_messages(1)), tools=TOOLS))
     assert earlier == again
     # Turn 3 adds a call: the first call's id is the one turn 1 rendered.
     assert nine_alnum(FIRST_ID) in render("Mistral Small 3.2", 3)
-    longer = map_call_ids(normalize_messages(chat_messages(3)), CallIdForm.NINE_ALNUM)
-    shorter = map_call_ids(normalize_messages(chat_messages(1)), CallIdForm.NINE_ALNUM)
+    longer = map_call_ids(conversation_from_dicts(chat_messages(3)), CallIdForm.NINE_ALNUM)
+    shorter = map_call_ids(conversation_from_dicts(chat_messages(1)), CallIdForm.NINE_ALNUM)
     assert longer[: len(shorter)] == shorter
 
 
-def _conversation(*ids: str) -> list[dict]:
-    messages: list[dict] = [{"role": "user", "content": "go"}]
+def _conversation(*ids: str) -> list[Message]:
+    messages = [Message("user", "go")]
     for i in ids:
-        call = {"id": i, "type": "function", "function": {"name": "f", "arguments": {}}}
         messages += [
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": i, "content": "done"},
+            Message("assistant", tool_calls=(ToolCall("f", {}, i),)),
+            Message("tool", "done", tool_call_id=i),
         ]
     return messages
 
 
-def _ids(messages: list[dict]) -> list[str]:
-    return [m["tool_call_id"] for m in messages if m["role"] == "tool"]
+def _ids(messages: list[Message]) -> list[str | None]:
+    return [m.tool_call_id for m in messages if m.role == "tool"]
 
 
 def test_an_accepted_id_stays_and_a_collision_is_redrawn():
@@ -98,9 +98,9 @@ def test_a_reply_is_named_in_the_clients_form_and_renders_back_in_the_templates(
     written = '[TOOL_CALLS]read_file[ARGS]{"path": "a.py"}'
     reply = client_reply(ToolSyntax.of(model.tokenizer), written, TOOLS, ids)
     assert reply.call_ids == (ids.id(0),)  # the client's own form, never the template's
-    result = {"role": "tool", "tool_call_id": ids.id(0), "content": "x = 1"}
+    result = Message("tool", "x = 1", tool_call_id=ids.id(0))
     # What the next-turn prefetch renders, and the client's next request alike.
-    messages = normalize_messages([*chat_messages(0), reply.message, result])
+    messages = [*conversation_from_dicts(chat_messages(0)), reply.message, result]
     text = ChatRenderer(model.tokenizer).render_text(messages, tools=TOOLS)
     mapped = nine_alnum(ids.id(0))
     assert f"[CALL_ID]{mapped}[ARGS]" in text and f"[TOOL_RESULTS]{mapped}[" in text

@@ -10,9 +10,10 @@ import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import AutoTokenizer
 
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.records import PromptInput
 
 
@@ -26,9 +27,11 @@ def renderer() -> ChatRenderer:
 
 def tokens(*messages: dict, tools=None, template_kwargs: dict | None = None) -> list[int]:
     prompt = PromptInput(
-        messages=tuple(messages), tools=tools, chat_template_kwargs=template_kwargs or {}
+        messages=conversation_from_dicts(list(messages)),
+        tools=tools,
+        chat_template_kwargs=template_kwargs or {},
     )
-    return renderer().messages_tokens(prompt, normalize_messages(prompt.messages))
+    return renderer().messages_tokens(prompt)
 
 
 def text(token_ids: list[int]) -> str:
@@ -50,7 +53,7 @@ def test_a_non_text_content_part_is_refused_by_name():
     image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
     with pytest.raises(InvalidRequest, match="image_url") as e:
         tokens({"role": "user", "content": image})
-    assert e.value.param == "messages[0].content"
+    assert e.value.param == "messages[0].content[0]"
 
 
 def _call(function: dict) -> dict:
@@ -154,21 +157,21 @@ def test_a_template_loop_ends_with_an_error_and_the_renderer_keeps_rendering():
     spinning = spinning_renderer(0.5)
     started = time.monotonic()
     with pytest.raises(InvalidRequest, match="did not finish rendering within 0.5s") as e:
-        spinning.render_text([HI], template_kwargs={"spin": True})
+        spinning.render_text(conversation_from_dicts([HI]), template_kwargs={"spin": True})
     assert e.value.code == "template_timeout" and e.value.status == 400
     assert time.monotonic() - started < 30  # not hours: bounded (generously, any machine)
     # The loop was interrupted, not left running: its thread is gone.
     assert wait_for(
         lambda: not any(t.name == "mlx-prefix-chat-template" for t in threading.enumerate())
     )
-    assert spinning.render_text([HI]).endswith("<|im_start|>assistant\n")
+    assert spinning.render_text(conversation_from_dicts([HI])).endswith("<|im_start|>assistant\n")
 
 
 def test_a_render_error_still_reaches_the_caller_through_the_bound():
     broken = spinning_renderer(5.0)
     broken.tokenizer.chat_template = "{{ raise_exception('no system role here') }}"
     with pytest.raises(InvalidRequest, match="no system role here"):
-        broken.render_text([HI])
+        broken.render_text(conversation_from_dicts([HI]))
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:

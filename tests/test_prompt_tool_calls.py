@@ -8,6 +8,7 @@ import json
 import pytest
 from mlx_lm.tool_parsers import kimi_k2
 
+from mlx_prefix.conversation import Message, conversation_from_dicts
 from mlx_prefix.prompt.tool_calls import (
     CallParser,
     ReplySplitter,
@@ -77,15 +78,13 @@ def test_client_reply_is_the_message_every_api_family_parses_back():
     ids = ToolCallIds("chatcmpl-9")
     turn = client_reply(JSON_TOOLS, f"Checking.\n{CALL}", TOOLS, ids)
     assert turn.call_ids == (ids.id(0),)
-    function = {"name": "f", "arguments": '{"x": 1}'}
-    assert turn.message == {
+    function = {"name": "f", "arguments": '{"x": 1}'}  # as a chat client sends it back
+    sent_back = {
         "role": "assistant",
         "content": "Checking.\n",
         "tool_calls": [{"id": ids.id(0), "type": "function", "function": function}],
     }
+    assert (turn.message,) == conversation_from_dicts([sent_back])
     # Without tools offered (or without a tool syntax) nothing is parsed: it is text.
-    assert client_reply(JSON_TOOLS, CALL, None, ids).message == {
-        "role": "assistant",
-        "content": CALL,
-    }
+    assert client_reply(JSON_TOOLS, CALL, None, ids).message == Message("assistant", CALL)
     assert client_reply(None, CALL, TOOLS, ids).call_ids == ()

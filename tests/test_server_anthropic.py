@@ -11,6 +11,7 @@ import httpx
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
 
+from mlx_prefix.conversation import Message
 from mlx_prefix.records import TokenEvent, ToolCallIds
 from mlx_prefix.server.assembler import Assembler
 from mlx_prefix.server.protocol.messages import parse_messages_request
@@ -142,13 +143,8 @@ def test_tool_use_blocks_and_tool_result_round_trip(client, engine, stream):
     ]
     again = client.messages.create(model="m", max_tokens=64, tools=[WEATHER], messages=turns)
     sent = engine.submissions[-1].prompt.messages
-    assert sent[1]["tool_calls"][0]["id"] == call.id
-    assert sent[2] == {
-        "role": "tool",
-        "tool_call_id": call.id,
-        "name": "get_weather",
-        "content": "18C, sunny",
-    }
+    assert sent[1].tool_calls[0].id == call.id
+    assert sent[2] == Message("tool", "18C, sunny", tool_call_id=call.id, name="get_weather")
     assert again.usage.cache_read_input_tokens > 0
 
 
@@ -224,7 +220,7 @@ def test_thinking_text_and_whitespace_blocks(client, engine):
     ]
     client.messages.create(model="m", max_tokens=8, messages=back)
     sent = engine.submissions[-1].prompt.messages
-    assert sent[1] == {"role": "assistant", "content": "Shown.", "reasoning_content": "hidden"}
+    assert sent[1] == Message("assistant", "Shown.", reasoning="hidden")
 
 
 def test_stop_reasons(client):

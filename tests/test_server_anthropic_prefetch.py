@@ -125,7 +125,7 @@ def tool_turn_end(engine: Engine, prompt: PromptInput) -> int:
     """Where the first tool result begins in `prompt` (a grid point): everything before
     it is the history and the tool_use turn."""
     assert prompt.messages is not None
-    first = next(i for i, m in enumerate(prompt.messages) if m["role"] == "tool")
+    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
     cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
     plan = engine.planner.plan(cut)
     return max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)

@@ -14,6 +14,7 @@ from server_fakes import FakeEngine, serving, wait_until
 from mlx_prefix.cache.disk_index import DiskEntryInfo
 from mlx_prefix.cache.types import StoredTokens
 from mlx_prefix.config import DiskConfig, EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Usage
 from mlx_prefix.server.app import serving_line
@@ -101,7 +102,9 @@ def _disk_info(name: str, tokens: tuple, nbytes: int = 777, key: str = "k") -> S
 
 def test_snapshot_merges_memory_and_disk_nodes_by_their_tokens():
     engine = FakeEngine()
-    prompt = PromptInput(messages=({"role": "user", "content": "alpha beta gamma"},))
+    prompt = PromptInput(
+        messages=conversation_from_dicts([{"role": "user", "content": "alpha beta gamma"}])
+    )
     engine.submit(prompt, SamplingParams(max_tokens=4))  # stores one entry
     (mem,) = engine.cache_sequences()
     key = mem.info.model_key  # files join and nest under memory entries of their own key

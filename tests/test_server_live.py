@@ -15,6 +15,7 @@ from server_fakes import serving
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.types import EntryInfo
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput
 
@@ -136,7 +137,7 @@ def test_warm_and_pin_over_http_with_the_real_engine():
         assert r.status_code == 200, r.text
         warm = r.json()
         assert warm["pinned"] is True and warm["cached_tokens"] == 0
-        tokens = engine.plan(PromptInput(messages=(system,))).tokens
+        tokens = engine.plan(PromptInput(messages=conversation_from_dicts([system]))).tokens
         assert warm["prompt_tokens"] == len(tokens)
         entries = http.get("/v1/cache").json()["entries"]
         pinned = [e for e in entries if e["pinned"]]
@@ -271,7 +272,7 @@ def test_top_logprobs_match_a_direct_forward_pass_streamed_and_not(live):
 
     content = whole["logprobs"]["content"]
     assert streamed == content and len(content) >= 1
-    ids = list(engine.plan(PromptInput(messages=tuple(messages))).tokens)
+    ids = list(engine.plan(PromptInput(messages=conversation_from_dicts(messages))).tokens)
     reference = _reference(engine, ids, len(content), 3)
     for position, want in zip(content, reference, strict=True):
         got = [(a["token"], a["logprob"]) for a in position["top_logprobs"]]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint
 from mlx_prefix.server.protocol.anthropic_blocks import is_billing_header
@@ -84,7 +85,7 @@ def test_fields_map_onto_sampling_and_the_prompt():
     assert g.sampling.stop == ("END",) and g.stream is True
     assert g.sampling.max_tokens == LIMITS.max_tokens  # bounded by the context, not refused
     assert g.fit_reply is False and g.model == "claude-sonnet-4-5"
-    assert g.prompt.messages[0] == {"role": "system", "content": "Be brief."}
+    assert g.prompt.messages[0] == Message("system", "Be brief.")
     assert parse().generation.sampling.temperature == 1.0  # Anthropic's default
 
 
@@ -96,10 +97,10 @@ def test_system_string_and_blocks_render_alike():
 
 def test_billing_header_is_left_out_unless_kept():
     system = [{"type": "text", "text": BILLING}, {"type": "text", "text": "You are helpful."}]
-    dropped = parse(system=system).generation.prompt.messages[0]["content"]
+    dropped = parse(system=system).generation.prompt.messages[0].content
     assert dropped == "You are helpful."
     kept = parse_messages_request(body(system=system), LIMITS, keep_billing_header=True)
-    assert kept.generation.prompt.messages[0]["content"] == BILLING + "You are helpful."
+    assert kept.generation.prompt.messages[0].content == BILLING + "You are helpful."
     assert is_billing_header("x-other-header: a=1; b=two")
     assert not is_billing_header("x-anthropic-billing-header: then a whole paragraph\nof text")
     assert not is_billing_header("You are Claude Code.")
@@ -108,20 +109,11 @@ def test_billing_header_is_left_out_unless_kept():
 def test_tool_round_trip_becomes_tool_calls_and_a_tool_message():
     g = parse(messages=tool_turns(), tools=[TOOL]).generation
     user, assistant, tool, follow_up = g.prompt.messages
-    assert assistant["content"] == "Let me check."
-    assert assistant["reasoning_content"] == "Use the tool."
-    call = assistant["tool_calls"][0]
-    assert call["id"] == "toolu_1" and call["function"] == {
-        "name": "get_weather",
-        "arguments": {"city": "Paris"},
-    }
-    assert tool == {
-        "role": "tool",
-        "tool_call_id": "toolu_1",
-        "name": "get_weather",
-        "content": "18C",
-    }
-    assert follow_up == {"role": "user", "content": "And tomorrow?"}
+    assert assistant.content == "Let me check."
+    assert assistant.reasoning == "Use the tool."
+    assert assistant.tool_calls == (ToolCall("get_weather", {"city": "Paris"}, "toolu_1"),)
+    assert tool == Message("tool", "18C", tool_call_id="toolu_1", name="get_weather")
+    assert follow_up == Message("user", "And tomorrow?")
     assert g.prompt.tools[0]["function"]["parameters"] == TOOL["input_schema"]
     assert g.parse_tools is True
 
@@ -134,7 +126,7 @@ def test_tool_result_error_is_marked():
         "is_error": True,
     }
     messages = parse(messages=tool_turns(result), tools=[TOOL]).generation.prompt.messages
-    assert messages[2]["content"] == "Error: timeout"
+    assert messages[2].content == "Error: timeout"
 
 
 def test_breakpoints_from_cache_control():
@@ -206,7 +198,7 @@ def test_deferred_tools_stay_out_until_referenced():
     )
     g = parse(messages=turns, tools=[TOOL, deferred]).generation
     assert [t["function"]["name"] for t in g.prompt.tools] == ["get_weather"]
-    assert '"late_tool"' in g.prompt.messages[2]["content"]
+    assert '"late_tool"' in g.prompt.messages[2].content
 
 
 def test_count_tokens_parses_the_same_prompt():

@@ -11,6 +11,7 @@ import openai
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
 
+from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.records import CachePreference, ToolCallIds
 
 TOOL_REPLY = (
@@ -200,7 +201,7 @@ def test_content_parts_render_like_strings(client, engine):
         model="fake-model", messages=[{"role": "user", "content": "split into parts"}]
     )
     assert engine.submissions[-1].prompt == from_parts
-    assert from_parts.messages[0]["content"] == "split into parts"
+    assert from_parts.messages[0].content == "split into parts"
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
 
 
@@ -319,12 +320,8 @@ def test_legacy_function_history_becomes_tool_turns(client, engine):
         model="fake-model", messages=messages, functions=[WEATHER_TOOL["function"]]
     )
     sent = engine.submissions[-1].prompt.messages
-    assert "function_call" not in sent[1]
-    assert sent[1]["tool_calls"][0]["function"] == {
-        "name": "get_weather",
-        "arguments": {"city": "Paris"},
-    }
-    assert sent[2]["role"] == "tool" and sent[2]["content"] == "sunny"
+    assert sent[1].tool_calls == (ToolCall("get_weather", {"city": "Paris"}, "call_1"),)
+    assert sent[2] == Message("tool", "sunny", name="get_weather")
 
 
 def test_tool_choice_none_keeps_markup_as_text(client, engine):
@@ -358,8 +355,8 @@ def test_assistant_tool_call_history_is_accepted(client, engine):
     r = client.chat.completions.create(model="fake-model", messages=messages, tools=[WEATHER_TOOL])
     assert r.choices[0].message.content == DEFAULT_REPLY
     sent = engine.submissions[-1].prompt.messages
-    assert sent[1]["content"] == ""
-    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert sent[1].content == ""
+    assert sent[1].tool_calls[0].arguments == {"city": "Paris"}
 
 
 def test_one_log_line_per_request(client, caplog):

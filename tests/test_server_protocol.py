@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 from server_fakes import FakeTokenizer
 
+from mlx_prefix.conversation import Message
 from mlx_prefix.engine.decode.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams, ToolCallIds, Usage
@@ -82,12 +83,12 @@ def test_messages_normalized():
     (m,) = parse_messages(
         [{"role": "user", "content": [{"type": "text", "text": "a"}], "name": "n"}]
     )
-    assert m == {"role": "user", "content": "a", "name": "n"}
+    assert m == Message("user", "a", name="n")
 
 
 def test_developer_role_renders_as_system():
     (m,) = parse_messages([{"role": "developer", "content": "rules"}])
-    assert m == {"role": "system", "content": "rules"}
+    assert m == Message("system", "rules")
 
 
 def test_parse_chat_defaults_and_overrides():
@@ -209,7 +210,7 @@ def test_escaped_text_that_is_valid_unicode_passes():
     (m,) = parse_messages(
         [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}]
     )
-    assert m["tool_calls"][0]["function"]["arguments"] == args  # kept as the string it was
+    assert m.tool_calls[0].arguments == args  # kept as the string it was
 
 
 def test_include_usage_needs_stream():

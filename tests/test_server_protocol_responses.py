@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_prefix.conversation import Message
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.prompt.render import normalize_messages
 from mlx_prefix.records import ToolCallIds
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import Limits
@@ -34,10 +34,10 @@ def test_a_run_of_assistant_items_is_one_assistant_message_in_any_order():
              {"type": "function_call_output", "call_id": "c2",
               "output": [{"type": "input_text", "text": "9C"}]}]
         )  # fmt: skip
-        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
-        assert messages[1]["content"] == "Checking."
-        assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
-        assert messages[3] == {"role": "tool", "tool_call_id": "c2", "content": "9C"}
+        assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]
+        assert messages[1].content == "Checking."
+        assert [c.id for c in messages[1].tool_calls] == ["c1", "c2"]
+        assert messages[3] == Message("tool", "9C", tool_call_id="c2")
 
 
 def test_the_same_conversation_parses_like_chat_completions():
@@ -69,7 +69,7 @@ def test_the_same_conversation_parses_like_chat_completions():
     )
     prompt = responses.prompt((), ToolCallIds("resp_1"))
     assert chat.prompt.messages is not None and prompt.messages is not None
-    assert normalize_messages(prompt.messages) == normalize_messages(chat.prompt.messages)
+    assert prompt.messages == chat.prompt.messages
     assert prompt.tools == chat.prompt.tools
 
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from server_fakes import FakeEngine, FakeModel, FakeTokenizer, serving
 
-from mlx_prefix.prompt.render import normalize_messages
+from mlx_prefix.conversation import conversation_from_dicts, template_messages
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 # Reasoning (with call markup inside) the prompt opened, then the answer.
@@ -99,8 +99,8 @@ def test_responses_reply_has_a_reasoning_item(chat, engine):
         ],
     )
     sent = engine.submissions[-1].prompt.messages
-    assert sent[1]["reasoning_content"] == f"Maybe {CALL} would help."
-    assert sent[1]["content"] == "It is sunny."
+    assert sent[1].reasoning == f"Maybe {CALL} would help."
+    assert sent[1].content == "It is sunny."
     chat.responses.create(model="m", input="more", previous_response_id=r.id)
     assert engine.submissions[-1].prompt.messages[1] == sent[1]
     # Codex sends reasoning items back without their text: encrypted_content carries it.
@@ -109,10 +109,7 @@ def test_responses_reply_has_a_reasoning_item(chat, engine):
     chat.responses.create(
         model="m", input=[*ask("Weather?"), codex, {"role": "user", "content": "ok"}]
     )
-    assert (
-        engine.submissions[-1].prompt.messages[1]["reasoning_content"]
-        == sent[1]["reasoning_content"]
-    )
+    assert engine.submissions[-1].prompt.messages[1].reasoning == sent[1].reasoning
 
 
 def test_chat_reasoning_sent_back_under_either_name_renders_as_reasoning_content():
@@ -121,7 +118,9 @@ def test_chat_reasoning_sent_back_under_either_name_renders_as_reasoning_content
             {"role": "user", "content": "q"},
             {"role": "assistant", "content": "a", key: "because"},
         ]
-        assert normalize_messages(messages)[1]["reasoning_content"] == "because"
+        assert template_messages(conversation_from_dicts(messages))[1]["reasoning_content"] == (
+            "because"
+        )
 
 
 def test_chat_reasoning_fields_are_honoured_or_refused(chat, engine):

@@ -24,6 +24,7 @@ from server_fakes import serving
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.decode import phase as decode
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
@@ -106,7 +107,9 @@ def tool_result_start(engine: Engine, messages: list[dict], tools: list[dict]) -
     """Where the first tool result's content begins (a grid point): before it lie the
     history and the reply that called the tool, reasoning included."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "tool")
-    plan = engine.planner.plan(PromptInput(messages=tuple(messages[: first + 1]), tools=tools))
+    plan = engine.planner.plan(
+        PromptInput(messages=conversation_from_dicts(messages[: first + 1]), tools=tools)
+    )
     return max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
 
 
@@ -116,15 +119,22 @@ def tool_result_start(engine: Engine, messages: list[dict], tools: list[dict]) -
 def test_the_template_opens_reasoning_and_a_forced_call_closes_it(live):
     _, engine = live
     planner = engine.planner
-    plain = planner.plan(PromptInput(messages=tuple(user("hi"))))
+    plain = planner.plan(PromptInput(messages=conversation_from_dicts(user("hi"))))
     assert plain.opens_reasoning
     off = planner.plan(
-        PromptInput(messages=tuple(user("hi")), chat_template_kwargs={"enable_thinking": False})
+        PromptInput(
+            messages=conversation_from_dicts(user("hi")),
+            chat_template_kwargs={"enable_thinking": False},
+        )
     )
     assert not off.opens_reasoning
     tools = ({"type": "function", "function": {"name": "Read", "parameters": PATH_SCHEMA}},)
     forced = planner.plan(
-        PromptInput(messages=tuple(user("hi")), tools=tools, assistant_prefix="<tool_call>")
+        PromptInput(
+            messages=conversation_from_dicts(user("hi")),
+            tools=tools,
+            assistant_prefix="<tool_call>",
+        )
     )
     text = engine.model.tokenizer.decode(list(forced.tokens))
     assert text.endswith("<think>\n\n</think>\n\n<tool_call>") and not forced.opens_reasoning
@@ -374,7 +384,7 @@ def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat
 def test_gpt_oss_renders_reasoning_sent_back_as_its_analysis_channel():
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+    from mlx_prefix.prompt.render import ChatRenderer
 
     folder = cached_test_model("qwen3_5", tokenizer=DATA / "tokenizers" / "qwen3")
     template = (DATA / "templates" / "openai-gpt-oss-120b.jinja").read_text()
@@ -387,5 +397,5 @@ def test_gpt_oss_renders_reasoning_sent_back_as_its_analysis_channel():
     ]
     read = {"name": "Read", "description": "Read a file.", "parameters": PATH_SCHEMA}
     tools = [{"type": "function", "function": read}]
-    text = renderer.render_text(normalize_messages(messages), tools=tools)
+    text = renderer.render_text(conversation_from_dicts(messages), tools=tools)
     assert "<|start|>assistant<|channel|>analysis<|message|>Look first.<|end|>" in text

@@ -11,6 +11,7 @@ import openai
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
 
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.records import ToolCallIds
 
 TOOL_REPLY = (
@@ -59,9 +60,8 @@ def test_plain_response(client, engine):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.instructions == "Be brief." and r.store is True
     submitted = engine.submissions[-1]
-    assert submitted.prompt.messages == (
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "plain one"},
+    assert submitted.prompt.messages == conversation_from_dicts(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "plain one"}]
     )
     assert submitted.request_id == r.id
     assert submitted.sampling.temperature == 0.0 and submitted.sampling.stop == ()
@@ -87,9 +87,11 @@ def test_input_items_and_sampling_are_honoured(client, engine):
         metadata={"ticket": "42"},
     )
     submitted = engine.submissions[-1]
-    assert submitted.prompt.messages == (
-        {"role": "system", "content": "Answer in French."},
-        {"role": "user", "content": "split parts"},
+    assert submitted.prompt.messages == conversation_from_dicts(
+        [
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "split parts"},
+        ]
     )
     assert (submitted.sampling.temperature, submitted.sampling.top_p) == (0.7, 0.9)
     assert submitted.sampling.max_tokens == 40
@@ -101,10 +103,12 @@ def test_chained_with_previous_response_id(client, engine):
     second = client.responses.create(
         model="fake-model", input="Another one?", previous_response_id=first.id
     )
-    assert engine.submissions[-1].prompt.messages == (
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": DEFAULT_REPLY},
-        {"role": "user", "content": "Another one?"},
+    assert engine.submissions[-1].prompt.messages == conversation_from_dicts(
+        [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": DEFAULT_REPLY},
+            {"role": "user", "content": "Another one?"},
+        ]
     )
     # The first turn's prompt is its prefix (the fake engine caches prompts only).
     assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens
@@ -187,19 +191,21 @@ def test_function_tools_round_trip(client, engine):
         tools=[WEATHER],
     )
     # The same messages a chat completions client sends back for the same reply.
-    assert engine.submissions[-1].prompt.messages[1:] == (
-        {
-            "role": "assistant",
-            "content": "Let me check. ",
-            "tool_calls": [
-                {
-                    "id": call.call_id,
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": call.arguments},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": call.call_id, "content": "18C"},
+    assert engine.submissions[-1].prompt.messages[1:] == conversation_from_dicts(
+        (
+            {
+                "role": "assistant",
+                "content": "Let me check. ",
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "18C"},
+        )
     )
     # Chained by id instead, the server rebuilds the same conversation.
     client.responses.create(model="fake-model", input=[result], previous_response_id=r.id)

@@ -11,6 +11,7 @@ from engine_helpers import wait_for
 from server_fakes import serving
 
 from mlx_prefix.config import EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput
 
@@ -52,14 +53,14 @@ def test_a_chained_turn_reads_its_history_from_the_cache_and_answers_like_a_cold
         # the third restores everything before its new message.
         assert wait_for(lambda: engine.prefetch.completed == 1)
         third = ask(client, "Thanks!", second.id)
-        conversation = PromptInput(messages=(
+        conversation = PromptInput(messages=conversation_from_dicts([
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Where are the atlases?"},
             {"role": "assistant", "content": first.output_text},
             {"role": "user", "content": "And the maps?"},
             {"role": "assistant", "content": second.output_text},
             {"role": "user", "content": "Thanks!"},
-        ))  # fmt: skip
+        ]))  # fmt: skip
         plan = engine.plan(conversation)
         assert third.usage.input_tokens == len(plan.tokens)
         last_message = max(c.position for c in plan.checkpoints if c.kind.name == "LAST_MESSAGE")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
+from mlx_prefix.conversation import Message, conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.errors import MlxPrefixError
@@ -45,12 +46,13 @@ def chat_prompt(
     messages: Sequence[dict[str, Any]] | None = None,
     **template_kwargs: Any,
 ) -> PromptInput:
-    """Messages from a user prompt and an optional system prompt (or given messages)."""
-    chat: list[dict[str, Any]] = list(messages or [])
-    if system is not None and not (chat and chat[0].get("role") == "system"):
-        chat.insert(0, {"role": "system", "content": system})
+    """Messages from a user prompt and an optional system prompt (or given messages, in
+    chat completions' shape: InvalidRequest naming the field if one is malformed)."""
+    chat = list(conversation_from_dicts(list(messages))) if messages else []
+    if system is not None and not (chat and chat[0].role == "system"):
+        chat.insert(0, Message("system", system))
     if prompt is not None:
-        chat.append({"role": "user", "content": prompt})
+        chat.append(Message("user", prompt))
     return PromptInput(messages=tuple(chat), chat_template_kwargs=template_kwargs)
 
 

@@ -38,11 +38,12 @@ from typing import Any
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.config import CacheConfig
+from mlx_prefix.conversation import Message, Role, ToolCall
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.breakpoints import breakpoint_positions
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.prompt.reasoning import ReasoningMarkers
-from mlx_prefix.prompt.render import ChatRenderer, normalize_messages
+from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.records import PromptInput
 
 log = logging.getLogger("mlx_prefix.prompt")
@@ -55,7 +56,10 @@ TURN_CHECKPOINTS = 4
 
 # Conversations rendered once per model to find the template's segment tokens; the second
 # is for templates that refuse a system message (Mistral, Gemma 1).
-_PROBES = (("system", "user", "assistant", "user"), ("user", "assistant", "user"))
+_PROBES: tuple[tuple[Role, ...], ...] = (
+    ("system", "user", "assistant", "user"),
+    ("user", "assistant", "user"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +103,7 @@ def _marker(i: int) -> str:
 
 
 def _tokens_before_content(
-    renderer: ChatRenderer, text: str, messages: list[dict[str, Any]], specials: set[int]
+    renderer: ChatRenderer, text: str, messages: list[Message], specials: set[int]
 ) -> set[int]:
     """The last special token before each marked message's content in `text`, the render
     of `messages` (the message-start token: `<|im_start|>`, `<|user|>`,
@@ -107,7 +111,7 @@ def _tokens_before_content(
     found: set[int] = set()
     previous_end = 0
     for message in messages:
-        marker = message["content"]
+        marker = message.content
         if not marker or text.count(marker) != 1:
             continue
         start = text.index(marker)
@@ -136,7 +140,7 @@ def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
     segment: set[int] = set()
     suffix: tuple[int, ...] = ()
     for roles in _PROBES:
-        messages = [{"role": r, "content": _marker(i)} for i, r in enumerate(roles)]
+        messages = [Message(r, _marker(i)) for i, r in enumerate(roles)]
         try:
             history = renderer.render_text(messages, add_generation_prompt=False)
             generation = renderer.render_text(messages, add_generation_prompt=True)
@@ -147,15 +151,9 @@ def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
         suffix = tuple(t_gen[common_prefix_length(t_history, t_gen) :])
         break
     tool_probe = [
-        {"role": "user", "content": _marker(0)},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {"type": "function", "id": "call_0", "function": {"name": "f", "arguments": {}}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_0", "name": "f", "content": _marker(2)},
+        Message("user", _marker(0)),
+        Message("assistant", tool_calls=(_CALL,)),
+        Message("tool", _marker(2), tool_call_id="call_0", name="f"),
     ]
     try:
         text = renderer.render_text(tool_probe, add_generation_prompt=False)
@@ -181,15 +179,15 @@ def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
 # varied so that plain-text markup merging into them (`?<|` is one BPE piece) falls off
 # the turn start, which keeps only what every context tokenizes alike.
 _ENDINGS = ("zqprobe", "zqprobe?", "zqprobe.", 'zqprobe"}', "zqprobe)\n", "zqprobe ")
-_CALL = {"type": "function", "id": "call_0", "function": {"name": "f", "arguments": {}}}
+_CALL = ToolCall("f", {}, "call_0")
 # How an assistant turn may render: with and without reasoning, a call, and as an earlier
 # turn once a new question follows (templates drop or move reasoning there).
 _REPLIES = (
-    {"role": "assistant", "content": SENTINEL},
-    {"role": "assistant", "content": "zqanswer", "reasoning_content": "zqthought"},
-    {"role": "assistant", "content": "", "reasoning_content": "zqthought", "tool_calls": [_CALL]},
+    Message("assistant", SENTINEL),
+    Message("assistant", "zqanswer", reasoning="zqthought"),
+    Message("assistant", "", tool_calls=(_CALL,), reasoning="zqthought"),
 )
-_LATER = {"role": "user", "content": "zqnext"}
+_LATER = Message("user", "zqnext")
 
 
 def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, ...], ...]:
@@ -198,11 +196,11 @@ def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, 
     history turn share, common to every ending of the message before. A run of plain
     text must be distinctive, so that it rarely occurs elsewhere."""
     leads = (
-        lambda e: [{"role": "user", "content": e}],
+        lambda e: [Message("user", e)],
         lambda e: [
-            {"role": "user", "content": "zqask"},
-            {"role": "assistant", "content": "", "tool_calls": [_CALL]},
-            {"role": "tool", "tool_call_id": "call_0", "name": "f", "content": e},
+            Message("user", "zqask"),
+            Message("assistant", tool_calls=(_CALL,)),
+            Message("tool", e, tool_call_id="call_0", name="f"),
         ],
     )
     runs: list[tuple[int, ...]] = []
@@ -227,7 +225,7 @@ def _distinctive(renderer: ChatRenderer, run: tuple[int, ...], specials: set[int
     return len(renderer.tokenizer.decode(list(run)).strip()) >= 4
 
 
-def _turn_head(renderer: ChatRenderer, before: list[dict[str, Any]]) -> tuple[int, ...] | None:
+def _turn_head(renderer: ChatRenderer, before: list[Message]) -> tuple[int, ...] | None:
     """The tokens the generation prompt after `before` shares with every probed history
     turn there, or None if the template refuses `before`."""
     try:
@@ -274,9 +272,8 @@ class PromptPlanner:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             found = {cp.position: cp.kind for cp in self._periodic(tokens)}
             return RenderedPrompt(tuple(tokens), self._with_tail(len(tokens), found), False)
-        messages = normalize_messages(prompt.messages or ())
-        tokens = self.renderer.messages_tokens(prompt, messages)
-        checkpoints = self._chat_checkpoints(prompt, messages, tokens)
+        tokens = self.renderer.messages_tokens(prompt)
+        checkpoints = self._chat_checkpoints(prompt, tokens)
         opens = self.reasoning is not None and self.reasoning.opens(tokens)
         return RenderedPrompt(tuple(tokens), checkpoints, True, opens)
 
@@ -297,18 +294,14 @@ class PromptPlanner:
             found = {**found, tail: CheckpointKind.PERIODIC}
         return tuple(Checkpoint(p, found[p]) for p in sorted(found))
 
-    def _sentinel_start(
-        self, prompt: PromptInput, messages: list[dict[str, Any]], index: int, tokens: list[int]
-    ) -> int:
+    def _sentinel_start(self, prompt: PromptInput, index: int, tokens: list[int]) -> int:
         """Token position where messages[index]'s content begins."""
-        probe = [dict(m) for m in messages]
-        probe[index]["content"] = SENTINEL
-        return common_prefix_length(tokens, self.renderer.messages_tokens(prompt, probe))
+        probe = self.renderer.messages_tokens(prompt, {index: SENTINEL})
+        return common_prefix_length(tokens, probe)
 
-    def _chat_checkpoints(
-        self, prompt: PromptInput, messages: list[dict[str, Any]], tokens: list[int]
-    ) -> tuple[Checkpoint, ...]:
+    def _chat_checkpoints(self, prompt: PromptInput, tokens: list[int]) -> tuple[Checkpoint, ...]:
         grid, n = self.grid, len(tokens)
+        messages = prompt.messages or ()
         found: dict[int, CheckpointKind] = {}
 
         def add(position: int, kind: CheckpointKind) -> None:
@@ -332,15 +325,15 @@ class PromptPlanner:
 
         def start(index: int) -> int:
             if index not in starts:
-                starts[index] = self._sentinel_start(prompt, messages, index, tokens)
+                starts[index] = self._sentinel_start(prompt, index, tokens)
             return starts[index]
 
         if len(messages) > 1:
             add(start(len(messages) - 1), CheckpointKind.LAST_MESSAGE)
-            if messages[0]["role"] in ("system", "developer"):
+            if messages[0].role == "system":
                 add(start(1), CheckpointKind.SYSTEM)
         marked = set()
-        for position in breakpoint_positions(self.renderer, prompt, messages, tokens, start):
+        for position in breakpoint_positions(self.renderer, prompt, tokens, start):
             add(position, CheckpointKind.BREAKPOINT)
             marked.add(grid.align(tokens, position))
         planned = {c.position: c.kind for c in self._with_tail(n, found)}

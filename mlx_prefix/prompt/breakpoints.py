@@ -13,7 +13,7 @@ Pure: renders and tokenizes, no MLX.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mlx_prefix.prompt.render import ChatRenderer
@@ -26,17 +26,16 @@ _SENTINEL_TOOL = {"type": "function", "function": {"name": MARK, "parameters": {
 def breakpoint_positions(
     renderer: ChatRenderer,
     prompt: PromptInput,
-    messages: list[dict[str, Any]],
     tokens: Sequence[int],
     message_start: Callable[[int], int],
 ) -> list[int]:
     """Unaligned positions where each of `prompt.breakpoints` ends, in `tokens` (the
-    render of the normalized `messages`). `message_start(i)` is where messages[i]'s
+    render of `prompt`). `message_start(i)` is where messages[i]'s
     content begins (the planner's memoized sentinel render). Out-of-range breakpoints
     are skipped: the protocol layer validated them."""
     positions = set()
     for bp in prompt.breakpoints:
-        position = _position(renderer, prompt, messages, tokens, message_start, bp)
+        position = _position(renderer, prompt, tokens, message_start, bp)
         if position is not None and position > 0:
             positions.add(position)
     return sorted(positions)
@@ -45,24 +44,23 @@ def breakpoint_positions(
 def _position(
     renderer: ChatRenderer,
     prompt: PromptInput,
-    messages: list[dict[str, Any]],
     tokens: Sequence[int],
     message_start: Callable[[int], int],
     bp: Breakpoint,
 ) -> int | None:
+    messages = prompt.messages or ()
     if bp.tool is not None:
         tools = prompt.tools or ()
         if not 0 <= bp.tool < len(tools):
             return None
         probe = (*tools[: bp.tool + 1], _SENTINEL_TOOL)
-        return _differs_at(renderer, prompt, messages, tokens, tools=probe)
+        return _differs_at(renderer, prompt, tokens, tools=probe)
     if bp.message is None or not 0 <= bp.message < len(messages):
         return None
-    content = messages[bp.message]["content"]
+    content = messages[bp.message].content
     if bp.chars is not None and bp.chars < len(content):
-        probe = [dict(m) for m in messages]
-        probe[bp.message]["content"] = content[: bp.chars] + MARK
-        return _differs_at(renderer, prompt, probe, tokens, tools=prompt.tools)
+        probe = {bp.message: content[: bp.chars] + MARK}
+        return _differs_at(renderer, prompt, tokens, tools=prompt.tools, contents=probe)
     if bp.message + 1 < len(messages):
         return message_start(bp.message + 1)
     return len(tokens)  # the last message: up to the generation prompt (aligned down)
@@ -71,12 +69,17 @@ def _position(
 def _differs_at(
     renderer: ChatRenderer,
     prompt: PromptInput,
-    messages: list[dict[str, Any]],
     tokens: Sequence[int],
     tools: Sequence[dict[str, Any]] | None,
+    contents: Mapping[int, str] | None = None,
 ) -> int:
     # Imported here: boundaries imports this module (its planner calls breakpoint_positions).
     from mlx_prefix.prompt.boundaries import common_prefix_length
 
-    text = renderer.render_text(messages, tools=tools, template_kwargs=prompt.chat_template_kwargs)
+    text = renderer.render_text(
+        prompt.messages or (),
+        tools=tools,
+        template_kwargs=prompt.chat_template_kwargs,
+        contents=contents,
+    )
     return common_prefix_length(tokens, renderer.encode_chat(text + prompt.assistant_prefix))

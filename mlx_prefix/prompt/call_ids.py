@@ -21,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from enum import Enum
-from typing import Any
+
+from mlx_prefix.conversation import Message, ToolCall
 
 _ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _NINE = re.compile(r"[A-Za-z0-9]{9}")
@@ -34,17 +36,16 @@ class CallIdForm(Enum):
     TEMPLATE_NAMED = "functions.<name>:<index>"  # Kimi K2 names calls itself
 
 
-Render = Callable[[list[dict[str, Any]]], str]
+Render = Callable[[Sequence[Message]], str]
 
 _PROBE_NAME = "zqprobe_tool"
 
 
-def _probe(call_id: str) -> list[dict[str, Any]]:
-    call = {"id": call_id, "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}
+def _probe(call_id: str) -> list[Message]:
     return [
-        {"role": "user", "content": "zqask"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call_id, "content": "zqresult"},
+        Message("user", "zqask"),
+        Message("assistant", tool_calls=(ToolCall(_PROBE_NAME, {}, call_id),)),
+        Message("tool", "zqresult", tool_call_id=call_id),
     ]
 
 
@@ -64,37 +65,37 @@ def detect(render: Render) -> CallIdForm:
     return CallIdForm.AS_SENT
 
 
-def map_call_ids(messages: Sequence[dict[str, Any]], form: CallIdForm) -> list[dict[str, Any]]:
-    """`messages` (normalized chat messages; not modified) with their tool-call ids in
-    `form`: the calls' `id` and the results' `tool_call_id` alike."""
+def map_call_ids(messages: Sequence[Message], form: CallIdForm) -> list[Message]:
+    """`messages` with their tool-call ids in `form`: the calls' `id` and the results'
+    `tool_call_id` alike."""
     if form is CallIdForm.AS_SENT:
         return list(messages)
     mapped = _template_names(messages) if form is CallIdForm.TEMPLATE_NAMED else _nine(messages)
     out = []
     for message in messages:
-        if message.get("tool_calls"):
-            calls = [
-                {**c, "id": mapped.get(c.get("id"), c.get("id"))} for c in message["tool_calls"]
-            ]
-            message = {**message, "tool_calls": calls}
-        if isinstance(message.get("tool_call_id"), str):
-            message = {**message, "tool_call_id": mapped.get(message["tool_call_id"])}
+        if message.tool_calls:
+            calls = tuple(
+                replace(c, id=mapped[c.id]) if c.id is not None else c for c in message.tool_calls
+            )
+            message = replace(message, tool_calls=calls)
+        if message.tool_call_id is not None:
+            message = replace(message, tool_call_id=mapped[message.tool_call_id])
         out.append(message)
     return out
 
 
-def _ids_in_order(messages: Sequence[dict[str, Any]]) -> list[str]:
+def _ids_in_order(messages: Sequence[Message]) -> list[str]:
     seen: dict[str, None] = {}
     for message in messages:
-        for call in message.get("tool_calls") or ():
-            if isinstance(call.get("id"), str):
-                seen.setdefault(call["id"])
-        if isinstance(message.get("tool_call_id"), str):
-            seen.setdefault(message["tool_call_id"])
+        for call in message.tool_calls:
+            if call.id is not None:
+                seen.setdefault(call.id)
+        if message.tool_call_id is not None:
+            seen.setdefault(message.tool_call_id)
     return list(seen)
 
 
-def _nine(messages: Sequence[dict[str, Any]]) -> dict[str, str]:
+def _nine(messages: Sequence[Message]) -> dict[str, str]:
     mapped: dict[str, str] = {}
     taken: set[str] = set()
     for call_id in _ids_in_order(messages):
@@ -117,14 +118,13 @@ def nine_alnum(call_id: str, attempt: int = 0) -> str:
     return "".join(chars)
 
 
-def _template_names(messages: Sequence[dict[str, Any]]) -> dict[str, str]:
+def _template_names(messages: Sequence[Message]) -> dict[str, str]:
     """Kimi K2: each call as the template names it; a result then answers that name."""
     mapped: dict[str, str] = {}
     for message in messages:
-        for index, call in enumerate(message.get("tool_calls") or ()):
-            name = (call.get("function") or {}).get("name", "")
-            if isinstance(call.get("id"), str):
-                mapped.setdefault(call["id"], f"functions.{name}:{index}")
+        for index, call in enumerate(message.tool_calls):
+            if call.id is not None:
+                mapped.setdefault(call.id, f"functions.{call.name}:{index}")
     for call_id in _ids_in_order(messages):
         mapped.setdefault(call_id, call_id)  # a result of no call in the conversation
     return mapped

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mlx_prefix.conversation import Message
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.prompt.thinking import ThinkSplitter
@@ -97,8 +98,8 @@ def _template_close(renderer: ChatRenderer, end_text: str) -> str:
     reasoning (or refuses the probe)."""
     fallback = f"\n{end_text}\n\n"
     probe = [
-        {"role": "user", "content": "zqquestionprobe"},
-        {"role": "assistant", "content": _ANSWER, "reasoning_content": _REASONING},
+        Message("user", "zqquestionprobe"),
+        Message("assistant", _ANSWER, reasoning=_REASONING),
     ]
     try:
         text = renderer.render_text(probe, add_generation_prompt=False)

@@ -1,17 +1,18 @@
-"""Chat messages (or raw text) to token ids, deterministically.
+"""A conversation (or raw text) to token ids, deterministically.
 
-The same conversation must always render to the same tokens, whoever sends it:
-content as a string or as an array of text parts renders identically, and tool
-definitions and tool-call arguments are serialized with a stable key order.
+The same conversation must always render to the same tokens, whoever sends it: the
+conversation arrives in one form (mlx_prefix/conversation.py: parts joined, arguments
+decoded with sorted keys, validated by whoever built it), and tool definitions are
+serialized with a stable key order.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mlx_prefix.conversation import Message, canonical_json, template_messages
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.call_ids import CallIdForm, detect, map_call_ids
 from mlx_prefix.records import PromptInput
@@ -20,8 +21,6 @@ from .bounded import Timeout, call_bounded
 
 if TYPE_CHECKING:
     from mlx_prefix.prompt.reasoning import ReasoningMarkers
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # apply_chat_template's own arguments: in chat_template_kwargs they would replace the
 # template, change how it is rendered or tokenized, or collide with what the renderer
@@ -63,94 +62,6 @@ def reserved_template_kwargs(tokenizer: Any) -> dict[str, str]:
     return reserved
 
 
-def content_text(content: Any, *, param: str = "messages") -> str:
-    """A message's content as one string; an array of text parts is concatenated."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
-                if not isinstance(part.get("text"), str):
-                    raise InvalidRequest("a text content part needs a string 'text'", param=param)
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"unsupported content part type: {kind!r}", param=param)
-        return "".join(parts)
-    raise InvalidRequest("message content must be a string or an array of parts", param=param)
-
-
-def _sorted_json(value: Any) -> Any:
-    """Recursively rebuild dicts with sorted keys so templates' tojson is order-stable."""
-    if isinstance(value, dict):
-        return {k: _sorted_json(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted_json(v) for v in value]
-    return value
-
-
-def _normalize_tool_call(call: Any) -> dict[str, Any]:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise InvalidRequest("tool_calls entries need a 'function' object", param="messages")
-    function = dict(call["function"])
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            pass  # keep the client's string as sent
-    # Templates differ (some print a dict, some a string); a dict with sorted keys is the
-    # canonical form both kinds render deterministically.
-    function["arguments"] = _sorted_json(arguments)
-    out = {"type": call.get("type", "function"), "function": function}
-    if "id" in call:
-        out["id"] = call["id"]
-    return out
-
-
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Validate messages and bring them to the one form the chat template sees."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
-        role = message.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(
-                f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}",
-                param="messages",
-            )
-        normalized: dict[str, Any] = {
-            "role": role,
-            "content": content_text(message.get("content"), param=f"messages[{i}].content"),
-        }
-        if message.get("tool_calls"):
-            normalized["tool_calls"] = [_normalize_tool_call(c) for c in message["tool_calls"]]
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if isinstance(message.get(key), str):
-                normalized[key] = message[key]
-        # `reasoning`: mlx_lm.server's and newer vLLM's name for the same field.
-        if role == "assistant" and "reasoning_content" not in normalized:
-            if isinstance(message.get("reasoning"), str):
-                normalized["reasoning_content"] = message["reasoning"]
-        reasoning = normalized.get("reasoning_content")
-        if reasoning and not (normalized["content"] and normalized.get("tool_calls")):
-            # gpt-oss's template reads an assistant turn's analysis from `thinking` (and
-            # refuses it beside both text and a tool call, where it renders the text).
-            normalized["thinking"] = reasoning
-        if role != "assistant" and "content" not in message:
-            raise InvalidRequest(f"messages[{i}] has no content", param="messages")
-        out.append(normalized)
-    return out
-
-
 class ChatRenderer:
     """Renders prompts with one tokenizer's chat template. Holds no MLX state."""
 
@@ -179,18 +90,24 @@ class ChatRenderer:
         if self.has_template:
             self.call_ids = detect(
                 lambda messages: tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=False, **self.defaults
+                    template_messages(messages),
+                    tokenize=False,
+                    add_generation_prompt=False,
+                    **self.defaults,
                 )
             )
 
     def render_text(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[Message],
         *,
         tools: Sequence[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        contents: Mapping[int, str] | None = None,
     ) -> str:
+        """The template's text for `messages`; `contents` replaces some messages' content
+        (conversation.template_messages: a planner's probe)."""
         if not self.has_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions")
         for key in sorted((template_kwargs or {}).keys() & self.reserved.keys()):
@@ -200,11 +117,12 @@ class ChatRenderer:
             )
         kwargs = {**self.defaults, **(template_kwargs or {})}
         if tools:
-            kwargs["tools"] = [_sorted_json(t) for t in tools]
+            kwargs["tools"] = [canonical_json(t) for t in tools]
+        dicts = template_messages(map_call_ids(messages, self.call_ids), contents)
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
-                map_call_ids(messages, self.call_ids),
+                dicts,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
@@ -236,11 +154,20 @@ class ChatRenderer:
         """The tokens `prompt` renders to (no checkpoint planning, no context check)."""
         if prompt.text is not None:
             return self.encode_completion(prompt.text)
-        return self.messages_tokens(prompt, normalize_messages(prompt.messages or ()))
+        return self.messages_tokens(prompt)
 
-    def messages_tokens(self, prompt: PromptInput, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def messages_tokens(
+        self, prompt: PromptInput, contents: Mapping[int, str] | None = None
+    ) -> list[int]:
+        """The tokens of `prompt`'s conversation, with `contents` replacing some messages'
+        content (a planner's probe)."""
+        if not prompt.messages:
+            raise InvalidRequest("'messages' must not be empty", param="messages")
         text = self.render_text(
-            messages, tools=prompt.tools, template_kwargs=prompt.chat_template_kwargs
+            prompt.messages or (),
+            tools=prompt.tools,
+            template_kwargs=prompt.chat_template_kwargs,
+            contents=contents,
         )
         prefix = prompt.assistant_prefix
         if prefix and self.reasoning is not None and self.reasoning.opens_text(text):

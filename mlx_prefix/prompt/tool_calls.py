@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mlx_prefix.conversation import Message, ToolCall, decode_arguments
 from mlx_prefix.prompt.thinking import ThinkSplitter, partial_suffix
 from mlx_prefix.records import ToolCallIds
 
@@ -149,7 +150,10 @@ class ReplySplitter:
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ReplyCall:
+    """A call found in a reply, as the client receives it (conversation.ToolCall is the
+    call as a conversation holds it, its arguments decoded)."""
+
     id: str
     name: str
     arguments: str  # JSON text, as the client receives it
@@ -157,7 +161,7 @@ class ToolCall:
 
 @dataclass
 class CallParser:
-    """Call bodies -> ToolCalls, named in order: the model's own id when its parser gives
+    """Call bodies -> ReplyCalls, named in order: the model's own id when its parser gives
     one (Kimi, Mistral), else `ids.id(i)` for the reply's i-th call."""
 
     syntax: ToolSyntax
@@ -165,7 +169,7 @@ class CallParser:
     ids: ToolCallIds
     _count: int = 0
 
-    def parse(self, bodies: list[str]) -> tuple[list[ToolCall], str]:
+    def parse(self, bodies: list[str]) -> tuple[list[ReplyCall], str]:
         """The calls in `bodies`, and the text of those that failed to parse (with their
         markers, as the model wrote them)."""
         calls, failed = [], []
@@ -183,17 +187,17 @@ class CallParser:
                 if not isinstance(arguments, str):
                     arguments = json.dumps(arguments, ensure_ascii=False)
                 call_id = call.get("id") or self.ids.id(self._count)
-                calls.append(ToolCall(call_id, call.get("name", ""), arguments))
+                calls.append(ReplyCall(call_id, call.get("name", ""), arguments))
                 self._count += 1
         return calls, "".join(failed)
 
 
 @dataclass(frozen=True)
 class ClientReply:
-    """A reply as the client sends it back: the assistant message (chat form, as every
-    API family's parser produces it) and the ids of the calls it makes."""
+    """A reply as the client sends it back: the assistant message (as every API family's
+    parser reads it) and the ids of the calls it makes."""
 
-    message: dict[str, Any]
+    message: Message
     call_ids: tuple[str, ...]
 
 
@@ -205,8 +209,8 @@ def client_reply(
     thinking: ThinkSplitter | None = None,
 ) -> ClientReply:
     """The whole `reply` split, parsed and named exactly as the server answered it: its
-    reasoning (when `thinking`, in the state the prompt left it) as `reasoning_content`,
-    as every API family's client sends it back; tool calls, outside the reasoning, only
+    reasoning (when `thinking`, in the state the prompt left it) as the message's
+    reasoning, as every API family's client sends it back; tool calls, outside the reasoning, only
     when tools were offered (the server parses them only then)."""
     reasoning = ""
     if thinking is not None:
@@ -214,7 +218,7 @@ def client_reply(
         reasoning, reply = head + tail, text + rest
     turn = _client_reply(syntax, reply, tools, ids)
     if reasoning:
-        turn.message["reasoning_content"] = reasoning
+        return ClientReply(replace(turn.message, reasoning=reasoning), turn.call_ids)
     return turn
 
 
@@ -225,18 +229,17 @@ def _client_reply(
     ids: ToolCallIds,
 ) -> ClientReply:
     if syntax is None or not tools:
-        return ClientReply({"role": "assistant", "content": reply}, ())
+        return ClientReply(Message("assistant", reply), ())
     splitter, parser = ReplySplitter(syntax), CallParser(syntax, tools, ids)
     texts: list[str] = []
-    calls: list[ToolCall] = []
+    calls: list[ReplyCall] = []
     for split in (splitter.feed(reply), splitter.finish()):
         found, failed = parser.parse(split.calls) if split.calls else ([], "")
         texts.append(split.text + failed)
         calls.extend(found)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ]
+    message = Message(
+        "assistant",
+        "".join(texts),
+        tool_calls=tuple(ToolCall(c.name, decode_arguments(c.arguments), c.id) for c in calls),
+    )
     return ClientReply(message, tuple(c.id for c in calls))

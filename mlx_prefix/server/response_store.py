@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_prefix.conversation import Conversation
 from mlx_prefix.errors import MlxPrefixError
 
 
@@ -27,9 +28,9 @@ class ResponseNotFound(MlxPrefixError):
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict[str, Any]  # the response object, as GET returns it
-    # The conversation it ends, as chat messages: every input (its predecessors' too,
-    # instructions excepted: they are not carried over) and its own reply.
-    history: tuple[dict[str, Any], ...]
+    # The conversation it ends: every input (its predecessors' too, instructions
+    # excepted: they are not carried over) and its own reply.
+    history: Conversation
 
 
 class ResponseStore:

@@ -19,25 +19,21 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
+from mlx_prefix.conversation import Message
 from mlx_prefix.records import PromptInput
 
 MAX_REPLIES = 4096  # replies remembered
 MAX_CLIENTS = 1024  # chat clients remembered
 
-_SYSTEM_ROLES = ("system", "developer")
+
+def _canonical(message: Message) -> bytes:
+    content = message.content.strip()  # clients trim what they display and send back
+    return json.dumps([message.role, content], sort_keys=True).encode()
 
 
-def _canonical(message: Mapping[str, Any]) -> bytes:
-    content = message.get("content")
-    if isinstance(content, str):
-        content = content.strip()  # clients trim what they display and send back
-    return json.dumps([message.get("role"), content], sort_keys=True, default=str).encode()
-
-
-def _chain(messages: Sequence[Mapping[str, Any]], scope: bytes) -> Iterator[bytes]:
+def _chain(messages: Sequence[Message], scope: bytes) -> Iterator[bytes]:
     """The digest of each prefix of `messages`: messages[:1], messages[:2], ..."""
     h = hashlib.sha256(scope)
     for m in messages:
@@ -49,7 +45,7 @@ def client_key(source: PromptInput) -> bytes | None:
     """What tells a client apart: its system prompt and tools; None without a system
     prompt."""
     messages = source.messages or ()
-    if not messages or messages[0].get("role") not in _SYSTEM_ROLES:
+    if not messages or messages[0].role != "system":
         return None
     tools = json.dumps(source.tools, sort_keys=True, default=str) if source.tools else ""
     return hashlib.sha256(_canonical(messages[0]) + tools.encode()).digest()
@@ -71,9 +67,9 @@ class ChatTraffic:
         seed = scope.encode()
         own = client_key(source)
         key = hashlib.sha256(seed + own).digest() if own is not None else None
-        digests = list(_chain([*messages, {"role": "assistant", "content": reply}], seed))
+        digests = list(_chain([*messages, Message("assistant", reply)], seed))
         _remember(self._replies, digests[-1], MAX_REPLIES)
-        sent_back = [digests[i] for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        sent_back = [digests[i] for i, m in enumerate(messages) if m.role == "assistant"]
         if any(d in self._replies for d in sent_back) and key is not None:
             _remember(self._chats, key, MAX_CLIENTS)  # one of our replies came back
         return not sent_back and key is not None and key in self._chats

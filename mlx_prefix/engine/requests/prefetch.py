@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.conversation import Conversation, Message
 from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
 from mlx_prefix.prompt.thinking import ThinkSplitter
 from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
@@ -39,7 +39,7 @@ def wants_prefetch(source: PromptInput) -> bool:
     sends its reply back."""
     if source.messages is None:
         return False
-    return bool(source.tools) or any(m.get("role") == "assistant" for m in source.messages)
+    return bool(source.tools) or any(m.role == "assistant" for m in source.messages)
 
 
 def next_turn_messages(
@@ -48,7 +48,7 @@ def next_turn_messages(
     syntax: ToolSyntax | None,
     request_id: str,
     thinking: ThinkSplitter | None = None,
-) -> tuple[dict[str, Any], ...]:
+) -> Conversation:
     """The conversation the client will send next: this one, the reply as the client
     received it, and a placeholder for the next message. A reply that calls tools comes
     back as an assistant message with structured calls, named as the server named them
@@ -56,16 +56,16 @@ def next_turn_messages(
     other reply as its text, followed by a user message. A reply that continues the
     opening its prompt forced (a forced tool call) is read with that opening, as the
     server's assembler reads it. With `thinking`, the reply's reasoning comes back as its
-    `reasoning_content`, as the server answered it apart."""
+    reasoning, as the server answered it apart."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
     if source.assistant_prefix:
         thinking = None  # a forced call's opening closed any think block (prompt/render.py)
     turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids, thinking)
     if turn.call_ids:
-        nxt = {"role": "tool", "tool_call_id": turn.call_ids[0], "content": NEXT_MESSAGE}
+        nxt = Message("tool", NEXT_MESSAGE, tool_call_id=turn.call_ids[0])
     else:
-        nxt = {"role": "user", "content": NEXT_MESSAGE}
+        nxt = Message("user", NEXT_MESSAGE)
     return (*source.messages, turn.message, nxt)
 
 

@@ -1,5 +1,6 @@
-"""Anthropic `system` and `messages` content blocks -> the chat messages the template
-renders, plus the client's cache breakpoints (`cache_control`) found on them.
+"""Anthropic `system` and `messages` content blocks -> the conversation the template
+renders (mlx_prefix/conversation.py), plus the client's cache breakpoints
+(`cache_control`) found on them.
 
 - `system` (a string or text blocks) becomes the first system message, its blocks joined
   as one string (text blocks render exactly like that string, so a client switching
@@ -26,13 +27,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_prefix.conversation import Message, Role, ToolCall
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint
 
 from .fields import json_type
 from .sealed import unseal
 
-ROLES = ("user", "assistant", "system")
+# The roles a Messages request may give (a system turn in `messages` is read as one).
+ROLES: tuple[Role, ...] = ("user", "assistant", "system")
 _BILLING_HEADER = re.compile(
     r"\s*x-[A-Za-z0-9-]+:\s*[A-Za-z0-9_.-]+=[^;\n]*(?:;\s*[A-Za-z0-9_.-]+=[^;\n]*)*;?\s*"
 )
@@ -53,10 +56,10 @@ def is_billing_header(text: str) -> bool:
 
 
 @dataclass
-class Conversation:
+class Converted:
     """The converted conversation (mutated while converting)."""
 
-    messages: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
     breakpoints: list[Breakpoint] = field(default_factory=list)
 
     def mark(self, index: int, chars: int | None = None) -> None:
@@ -70,10 +73,10 @@ def convert(
     deferred_tools: dict[str, dict[str, Any]],
     keep_billing_header: bool,
     keep_thinking_turns: int | None,
-) -> Conversation:
-    """Anthropic `system` + `messages` -> chat messages and breakpoints. InvalidRequest
+) -> Converted:
+    """Anthropic `system` + `messages` -> the conversation and breakpoints. InvalidRequest
     (naming the field) for anything that cannot be rendered faithfully."""
-    conv = Conversation()
+    conv = Converted()
     _system(conv, system, keep_billing_header)
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
@@ -97,7 +100,7 @@ def convert(
             )
         content = message.get("content")
         if isinstance(content, str):
-            conv.messages.append({"role": role, "content": content})
+            conv.messages.append(Message(role, content))
             continue
         if not isinstance(content, list):
             raise InvalidRequest(
@@ -123,12 +126,12 @@ def _role(message: dict[str, Any]) -> Any:
     return message.get("role")
 
 
-def _system(conv: Conversation, system: Any, keep_billing_header: bool) -> None:
+def _system(conv: Converted, system: Any, keep_billing_header: bool) -> None:
     if system is None:
         return
     if isinstance(system, str):
         if system:
-            conv.messages.append({"role": "system", "content": system})
+            conv.messages.append(Message("system", system))
         return
     if not isinstance(system, list):
         raise InvalidRequest("'system' must be a string or an array of text blocks", param="system")
@@ -145,8 +148,8 @@ def _system(conv: Conversation, system: Any, keep_billing_header: bool) -> None:
 
 
 def _texts_message(
-    conv: Conversation,
-    role: str,
+    conv: Converted,
+    role: Role,
     blocks: list[Any],
     param: str,
     indices: list[int] | None = None,
@@ -157,7 +160,7 @@ def _texts_message(
         text += _text(block, f"{param}[{j}]" if param == "system" else f"{param}.content[{j}]")
         if block.get("cache_control") is not None:
             marks.append(len(text))
-    conv.messages.append({"role": role, "content": text})
+    conv.messages.append(Message(role, text))
     for chars in marks:
         conv.mark(len(conv.messages) - 1, None if chars == len(text) else chars)
 
@@ -172,7 +175,7 @@ def _text(block: Any, param: str) -> str:
 
 
 def _assistant(
-    conv: Conversation, blocks: list[Any], param: str, *, keep_thinking: bool
+    conv: Converted, blocks: list[Any], param: str, *, keep_thinking: bool
 ) -> dict[str, str]:
     texts, reasoning, calls, marked = [], [], [], False
     for j, block in enumerate(blocks):
@@ -192,18 +195,20 @@ def _assistant(
         elif kind != "redacted_thinking":
             raise _unsupported(kind, where)
         marked |= block.get("cache_control") is not None
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    if calls:
-        message["tool_calls"] = calls
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
-    conv.messages.append(message)
+    conv.messages.append(
+        Message(
+            "assistant",
+            "".join(texts),
+            tool_calls=tuple(calls),
+            reasoning="".join(reasoning) if reasoning else None,
+        )
+    )
     if marked:
         conv.mark(len(conv.messages) - 1)
-    return {c["id"]: c["function"]["name"] for c in calls}
+    return {c.id: c.name for c in calls if c.id is not None}
 
 
-def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+def _tool_use(block: dict[str, Any], where: str) -> ToolCall:
     for key in ("id", "name"):
         if not isinstance(block.get(key), str) or not block[key]:
             raise InvalidRequest(
@@ -212,15 +217,11 @@ def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     arguments = block.get("input", {})
     if not isinstance(arguments, dict):
         raise InvalidRequest(f"{where}.input must be an object", param=f"{where}.input")
-    return {
-        "id": block["id"],
-        "type": "function",
-        "function": {"name": block["name"], "arguments": arguments},
-    }
+    return ToolCall(block["name"], arguments, block["id"])
 
 
 def _user(
-    conv: Conversation,
+    conv: Converted,
     blocks: list[Any],
     param: str,
     tool_uses: dict[str, str],
@@ -253,7 +254,7 @@ def _tool_result(
     where: str,
     tool_uses: dict[str, str],
     deferred_tools: dict[str, dict[str, Any]],
-) -> dict[str, Any]:
+) -> Message:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str):
         raise InvalidRequest(f"{where}.tool_use_id must be a string", param=f"{where}.tool_use_id")
@@ -285,12 +286,12 @@ def _tool_result(
     is_error = block.get("is_error", False)
     if not isinstance(is_error, bool):
         raise InvalidRequest(f"{where}.is_error must be a boolean", param=f"{where}.is_error")
-    return {
-        "role": "tool",
-        "tool_call_id": call_id,
-        "name": tool_uses[call_id],
-        "content": f"Error: {text}" if is_error else text,
-    }
+    return Message(
+        "tool",
+        f"Error: {text}" if is_error else text,
+        tool_call_id=call_id,
+        name=tool_uses[call_id],
+    )
 
 
 def _kind(block: Any, where: str) -> str:

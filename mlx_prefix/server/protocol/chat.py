@@ -1,22 +1,21 @@
-"""POST /v1/chat/completions bodies: messages, content parts, tool calls, tools,
-tool_choice, logprobs, reasoning_effort and thinking_token_budget (protocol/effort.py),
-and the deprecated `functions` / `function_call` (with `function` role messages and
-assistant `function_call`s in the history), read as tools."""
+"""POST /v1/chat/completions bodies: messages (read into the typed conversation by
+mlx_prefix/conversation.py, content parts, tool calls and the deprecated `function` role
+and `function_call` included), tools, tool_choice, logprobs, reasoning_effort and
+thinking_token_budget (protocol/effort.py), and the deprecated `functions` /
+`function_call`, read as tools."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
+from mlx_prefix.conversation import Conversation, conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import PromptInput
 
 from .effort import effort_bound, token_budget
 from .fields import MISSING, field, integer, json_type
 from .request import GenerationRequest, Limits, ToolChoice, generation_request
-
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
@@ -129,16 +128,15 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None)
     return choice
 
 
-def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+def parse_messages(messages: Any) -> Conversation:
+    """`messages`, OpenAI's chat shape (conversation.py reads it for every caller)."""
     if messages is MISSING:
         raise InvalidRequest("'messages' is required", param="messages")
     if not isinstance(messages, list):
         raise InvalidRequest(
             f"'messages' must be an array, not {json_type(messages)}", param="messages"
         )
-    if not messages:
-        raise InvalidRequest("'messages' must not be empty", param="messages")
-    return tuple(_message(m, i) for i, m in enumerate(messages))
+    return conversation_from_dicts(messages)
 
 
 def read_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
@@ -149,103 +147,3 @@ def read_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
         if not isinstance(tool, dict):
             raise InvalidRequest(f"tools[{i}] must be an object", param=f"tools[{i}]")
     return tuple(tools)
-
-
-def _message(message: Any, i: int) -> dict[str, Any]:
-    param = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise InvalidRequest(f"{param} must be an object", param=param)
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise InvalidRequest(
-            f"{param}.role is required and must be a string", param=f"{param}.role"
-        )
-    if role not in ROLES:
-        raise InvalidRequest(
-            f"{param}.role {role!r} is not one of {', '.join(sorted(ROLES))}", param=f"{param}.role"
-        )
-    out = dict(message)
-    if role == "developer":
-        # OpenAI's newer name for the system role; chat templates only know "system".
-        out["role"] = "system"
-    if role == "function":  # the deprecated form of a tool result
-        if not isinstance(message.get("name"), str):
-            raise InvalidRequest(
-                f"{param}.name is required on a function message", param=f"{param}.name"
-            )
-        out["role"] = "tool"
-    function_call = out.pop("function_call", None)
-    if function_call is not None:
-        if role != "assistant" or not isinstance(function_call, dict):
-            raise InvalidRequest(
-                f"{param}.function_call must be an object on an assistant message",
-                param=f"{param}.function_call",
-            )
-        if message.get("tool_calls") is not None:
-            raise InvalidRequest(
-                f"{param}: function_call and tool_calls both given",
-                param=f"{param}.function_call",
-            )
-        call = {"id": f"call_{i}", "type": "function", "function": function_call}
-        message = {**message, "tool_calls": [call]}
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None:
-        if role != "assistant" or not isinstance(tool_calls, list):
-            raise InvalidRequest(
-                f"{param}.tool_calls must be an array on an assistant message",
-                param=f"{param}.tool_calls",
-            )
-        out["tool_calls"] = [
-            _tool_call(tc, f"{param}.tool_calls[{j}]") for j, tc in enumerate(tool_calls)
-        ]
-    for key in ("reasoning_content", "reasoning"):
-        # An assistant turn's reasoning, rendered where the template puts it.
-        value = message.get(key)
-        if value is not None and (role != "assistant" or not isinstance(value, str)):
-            raise InvalidRequest(
-                f"{param}.{key} must be a string on an assistant message", param=f"{param}.{key}"
-            )
-    content = message.get("content", MISSING)
-    if content is MISSING or content is None:
-        if role != "assistant":
-            raise InvalidRequest(f"{param}.content is required", param=f"{param}.content")
-        out["content"] = ""
-    else:
-        out["content"] = _content_text(content, f"{param}.content")
-    return out
-
-
-def _content_text(content: Any, param: str) -> str:
-    # Parts are joined so that ["a", "b"] as parts renders exactly like the string "ab":
-    # both must produce the same tokens, or the prefix cache would miss.
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{param} must be a string or an array of text parts", param=param)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else json_type(part)
-            raise InvalidRequest(
-                f"{param}[{j}]: only text content parts are supported, got {kind!r}",
-                param=f"{param}[{j}]",
-            )
-        if not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _tool_call(tool_call: Any, param: str) -> Any:
-    # Chat templates iterate over arguments as a mapping, while OpenAI clients send the
-    # JSON-encoded string they received; mlx_lm.server decodes it the same way.
-    if not isinstance(tool_call, dict):
-        raise InvalidRequest(f"{param} must be an object", param=param)
-    function = tool_call.get("function")
-    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            arguments = json.loads(function["arguments"] or "{}")
-        except (ValueError, RecursionError):
-            return tool_call
-        return {**tool_call, "function": {**function, "arguments": arguments}}
-    return tool_call

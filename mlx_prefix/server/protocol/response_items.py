@@ -1,14 +1,14 @@
-"""Responses API items <-> the chat messages every template renders.
+"""Responses API items -> the conversation every template renders
+(mlx_prefix/conversation.py).
 
 `input` items (and the `output` items of a stored response, which have the same shapes)
-become chat messages: a run of assistant message and `function_call` items becomes ONE
-assistant message with `content` and `tool_calls`, exactly the message a chat
-completions client sends back for the same reply, so all API shapes render a
-conversation to the same tokens (and the engine's next-turn prefetch matches them).
-`function_call_output` becomes a `tool` message. A `reasoning` item (its
-`reasoning_text` content, else the text this server sealed in its `encrypted_content`,
-else its summary) becomes the `reasoning_content` of the
-assistant message its run builds, the field templates render reasoning from.
+become messages: a run of assistant message and `function_call` items becomes ONE
+assistant message with content and tool calls, exactly the message a chat completions
+client sends back for the same reply, so all API shapes render a conversation to the
+same tokens (and the engine's next-turn prefetch matches them). `function_call_output`
+becomes a `tool` message. A `reasoning` item (its `reasoning_text` content, else the
+text this server sealed in its `encrypted_content`, else its summary) becomes the
+reasoning of the assistant message its run builds.
 Function tools are turned from the
 Responses' flat shape into the chat shape templates expect.
 
@@ -18,26 +18,46 @@ with InvalidRequest naming them; empty values (null, false, "", [], {}) count as
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_prefix.conversation import Message, Role, ToolCall, decode_arguments
 from mlx_prefix.errors import InvalidRequest
 
 from .fields import json_type
 from .sealed import unseal
 
-INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# An input message's role and the role it renders as.
+INPUT_ROLES: dict[str, Role] = {
+    "user": "user",
+    "system": "system",
+    "developer": "system",
+    "assistant": "assistant",
+}
 # Item fields that carry nothing the model sees (bookkeeping a client echoes back).
 _ITEM_BOOKKEEPING = {"type", "id", "status", "phase"}
 
 
-def input_messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
-    """`input` (a string or an array of items) as chat messages."""
+@dataclass
+class _Reply:
+    """The assistant message a run of items builds (mutated while reading the run)."""
+
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
+
+    def message(self) -> Message:
+        return Message("assistant", self.content, tuple(self.calls), reasoning=self.reasoning)
+
+
+def input_messages(value: Any, param: str = "input") -> list[Message]:
+    """`input` (a string or an array of items) as the conversation's messages."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [Message("user", value)]
     if not isinstance(value, list):
         raise InvalidRequest(f"'{param}' must be a string or an array of items", param=param)
-    messages: list[dict[str, Any]] = []
-    reply: dict[str, Any] | None = None  # the assistant message a run of items builds
+    messages: list[Message | _Reply] = []
+    reply: _Reply | None = None  # the assistant message a run of items builds
     for i, item in enumerate(value):
         where = f"{param}[{i}]"
         if not isinstance(item, dict):
@@ -45,21 +65,19 @@ def input_messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message" and item.get("role") == "assistant":
             reply = reply or _new_reply(messages)
-            reply["content"] += _content(item, where, "output_text")
+            reply.content += _content(item, where, "output_text")
         elif kind == "message":
             reply = None
             messages.append(_message(item, where))
         elif kind == "function_call":
             reply = reply or _new_reply(messages)
-            reply.setdefault("tool_calls", []).append(_function_call(item, where))
+            reply.calls.append(_function_call(item, where))
         elif kind == "function_call_output":
             reply = None
             messages.append(_function_call_output(item, where))
         elif kind == "reasoning":
             reply = reply or _new_reply(messages)
-            reply["reasoning_content"] = reply.get("reasoning_content", "") + _reasoning(
-                item, where
-            )
+            reply.reasoning = (reply.reasoning or "") + _reasoning(item, where)
         else:
             raise InvalidRequest(
                 f"{where}.type {kind!r} is not supported: give messages, reasoning, "
@@ -68,29 +86,29 @@ def input_messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
             )
     if not messages:
         raise InvalidRequest(f"'{param}' must not be empty", param=param)
-    return messages
+    return [m.message() if isinstance(m, _Reply) else m for m in messages]
 
 
-def reply_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def reply_messages(output: list[dict[str, Any]]) -> list[Message]:
     """A response's output items as the messages a client sending them back produces
     (what `previous_response_id` chains onto): one assistant message."""
-    return input_messages(output, "output") if output else [{"role": "assistant", "content": ""}]
+    return input_messages(output, "output") if output else [Message("assistant")]
 
 
-def _new_reply(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    reply: dict[str, Any] = {"role": "assistant", "content": ""}
+def _new_reply(messages: list[Message | _Reply]) -> _Reply:
+    reply = _Reply()
     messages.append(reply)
     return reply
 
 
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _message(item: dict[str, Any], where: str) -> Message:
     role = item.get("role")
     if role not in INPUT_ROLES:
         raise InvalidRequest(
             f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}",
             param=f"{where}.role",
         )
-    return {"role": INPUT_ROLES[role], "content": _content(item, where, "input_text")}
+    return Message(INPUT_ROLES[role], _content(item, where, "input_text"))
 
 
 def _content(item: dict[str, Any], where: str, part_type: str) -> str:
@@ -153,16 +171,15 @@ def _reasoning(item: dict[str, Any], where: str) -> str:
     return "\n\n".join(texts["summary"])
 
 
-def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _function_call(item: dict[str, Any], where: str) -> ToolCall:
     _no_other_fields(item, where, {"call_id", "name", "arguments"})
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
             raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
-    function = {"name": item["name"], "arguments": item["arguments"]}
-    return {"id": item["call_id"], "type": "function", "function": function}
+    return ToolCall(item["name"], decode_arguments(item["arguments"]), item["call_id"])
 
 
-def _function_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _function_call_output(item: dict[str, Any], where: str) -> Message:
     # `name` is the called function's, echoed by some clients; templates print the result.
     _no_other_fields(item, where, {"call_id", "output", "name"})
     if not isinstance(item.get("call_id"), str):
@@ -175,7 +192,7 @@ def _function_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
             f"{where}.output must be a string or an array of input_text parts",
             param=f"{where}.output",
         )
-    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+    return Message("tool", output, tool_call_id=item["call_id"])
 
 
 def _no_other_fields(obj: dict[str, Any], where: str, known: set[str]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_prefix.conversation import Conversation, Message
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, ToolCallIds
 
@@ -58,7 +59,7 @@ _REFUSED = {
 @dataclass(frozen=True)
 class ResponsesRequest:
     model: str | None
-    input: tuple[dict[str, Any], ...]  # this request's own messages (chat form)
+    input: Conversation  # this request's own messages
     instructions: str | None  # a system message before everything (not carried over)
     tools: tuple[dict[str, Any], ...] | None  # chat shape, for the template; None: none offered
     sampling: SamplingParams
@@ -72,10 +73,10 @@ class ResponsesRequest:
     # What the response object repeats back: tools (flat), tool_choice, metadata, ...
     echo: dict[str, Any] = field(default_factory=dict)
 
-    def prompt(self, history: tuple[dict[str, Any], ...], ids: ToolCallIds) -> PromptInput:
+    def prompt(self, history: Conversation, ids: ToolCallIds) -> PromptInput:
         """The engine's prompt: instructions, the previous responses' conversation, this
         input; the reply's tool calls named by `ids`."""
-        system = ({"role": "system", "content": self.instructions},) if self.instructions else ()
+        system = (Message("system", self.instructions),) if self.instructions else ()
         return PromptInput(
             messages=(*system, *history, *self.input),
             tools=self.tools,
@@ -83,9 +84,7 @@ class ResponsesRequest:
             reply_tool_call_ids=ids,
         )
 
-    def generation(
-        self, history: tuple[dict[str, Any], ...], ids: ToolCallIds
-    ) -> GenerationRequest:
+    def generation(self, history: Conversation, ids: ToolCallIds) -> GenerationRequest:
         """This request as every family's generation flow takes it (routes/flow.py)."""
         explicit = self.max_output_tokens is not None
         return GenerationRequest(

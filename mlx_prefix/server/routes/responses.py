@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from mlx_prefix.conversation import Conversation
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from mlx_prefix.records import DoneEvent, ToolCallIds
 
@@ -107,7 +108,7 @@ async def delete_response(request: Request) -> Response:
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-def _history(store: Any, namespace: str, req: ResponsesRequest) -> tuple[dict[str, Any], ...]:
+def _history(store: Any, namespace: str, req: ResponsesRequest) -> Conversation:
     if req.previous_response_id is None:
         return ()
     stored = store.get(namespace, req.previous_response_id)

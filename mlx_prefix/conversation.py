@@ -1,0 +1,275 @@
+"""A request's conversation, typed: what every API family's parser builds once and
+prompt/ renders without checking it again.
+
+Chat completions, Anthropic Messages and Responses each turn their own shapes into these
+records (server/protocol/: validation and the API's own 400s stay there); callers with
+plain chat-completions dicts (the CLI's --messages file, the library, tests) go through
+`conversation_from_dicts`, the one validating entry for them. The records hold the
+conversation in the one form every template renders, so the same conversation renders
+the same tokens whoever sends it (the prefix cache depends on it):
+- content is one string: text parts are joined when parsed, so ["a", "b"] as parts and
+  "ab" are the same message;
+- roles are the four every template knows (OpenAI's `developer` is `system`, a
+  `function` result a `tool` message);
+- tool-call arguments are decoded JSON, dicts with sorted keys (templates print a mapping
+  or its JSON; either way deterministically), kept as the client's text only when it is
+  not JSON.
+`template_messages` is the list of dicts a chat template receives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from mlx_prefix.errors import InvalidRequest
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[Role, ...] = get_args(Role)
+
+
+def canonical_json(value: Any) -> Any:
+    """`value` rebuilt with every dict's keys sorted, so templates' tojson is order-stable."""
+    if isinstance(value, dict):
+        return {k: canonical_json(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [canonical_json(v) for v in value]
+    return value
+
+
+def decode_arguments(text: str) -> Any:
+    """A call's JSON-encoded arguments (what OpenAI clients send back) decoded: templates
+    iterate over them as a mapping, as mlx_lm.server decodes them. Blank is no arguments;
+    text that is not JSON stays as sent."""
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call an assistant turn made."""
+
+    name: str
+    # The decoded JSON arguments (dict keys sorted on construction), or the client's text
+    # when it was not JSON. Left out of the hash (a dict is not hashable); equality
+    # compares it.
+    arguments: Any = field(default_factory=dict, hash=False)
+    id: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arguments", canonical_json(self.arguments))
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: Role
+    content: str = ""  # text parts joined
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None  # a tool result's function, or a participant's name
+    # An assistant turn's reasoning, rendered where the template puts it; None: none sent
+    # ("" is sent and empty: templates may tell the two apart).
+    reasoning: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:  # a caller's bug: requests are validated before this
+            raise ValueError(f"Message.role must be one of {', '.join(ROLES)}, not {self.role!r}")
+
+
+Conversation = tuple[Message, ...]
+
+
+def template_messages(
+    messages: Sequence[Message], contents: Mapping[int, str] | None = None
+) -> list[dict[str, Any]]:
+    """The messages as the chat template receives them. `contents` replaces the content of
+    the messages at those indices (a planner's probe of where a message begins) after
+    everything else is derived from the real content."""
+    contents = contents or {}
+    return [_template_message(m, contents.get(i)) for i, m in enumerate(messages)]
+
+
+def _template_message(message: Message, content: str | None) -> dict[str, Any]:
+    # The keys, their order and when each appears are part of the rendered prompt: keep
+    # them as they are, or every cached conversation renders anew.
+    out: dict[str, Any] = {
+        "role": message.role,
+        "content": message.content if content is None else content,
+    }
+    if message.tool_calls:
+        out["tool_calls"] = [_template_call(c) for c in message.tool_calls]
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+        if reasoning and not (message.content and message.tool_calls):
+            # gpt-oss's template reads an assistant turn's analysis from `thinking` (and
+            # refuses it beside both text and a tool call, where it renders the text).
+            out["thinking"] = reasoning
+    return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    # A fresh copy of the arguments for every render: templates never see shared state.
+    function = {"name": call.name, "arguments": canonical_json(call.arguments)}
+    out: dict[str, Any] = {"type": "function", "function": function}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
+
+
+# -- chat completions' message dicts -> the conversation --------------------------------
+
+# Chat completions' roles and the role each renders as.
+CHAT_ROLES: dict[str, Role] = {
+    **{role: role for role in ROLES},
+    "developer": "system",  # OpenAI's newer name for it; templates know only "system"
+    "function": "tool",  # the deprecated form of a tool result
+}
+_MISSING = object()
+
+
+def conversation_from_dicts(messages: Any, param: str = "messages") -> Conversation:
+    """Chat completions' `messages` (OpenAI's shape, the deprecated `function_call` and
+    `function` role included) as the conversation. InvalidRequest naming the field for
+    anything that cannot be rendered faithfully."""
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequest(f"'{param}' must be an array, not {_json_type(messages)}", param=param)
+    if not messages:
+        raise InvalidRequest(f"'{param}' must not be empty", param=param)
+    return tuple(_message(m, f"{param}[{i}]", i) for i, m in enumerate(messages))
+
+
+def _message(message: Any, param: str, index: int) -> Message:
+    if not isinstance(message, dict):
+        raise InvalidRequest(f"{param} must be an object", param=param)
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise InvalidRequest(
+            f"{param}.role is required and must be a string", param=f"{param}.role"
+        )
+    if role not in CHAT_ROLES:
+        raise InvalidRequest(
+            f"{param}.role {role!r} is not one of {', '.join(sorted(CHAT_ROLES))}",
+            param=f"{param}.role",
+        )
+    name, call_id = (_optional_text(message, key, param) for key in ("name", "tool_call_id"))
+    if role == "function" and name is None:
+        raise InvalidRequest(
+            f"{param}.name is required on a function message", param=f"{param}.name"
+        )
+    calls = _tool_calls(message, role, param, index)
+    reasoning = None
+    for key in ("reasoning_content", "reasoning"):
+        # `reasoning`: mlx_lm.server's and newer vLLM's name for the same field.
+        value = message.get(key)
+        if value is not None and (role != "assistant" or not isinstance(value, str)):
+            raise InvalidRequest(
+                f"{param}.{key} must be a string on an assistant message", param=f"{param}.{key}"
+            )
+        reasoning = value if reasoning is None else reasoning
+    content = message.get("content", _MISSING)
+    if content is _MISSING or content is None:
+        if role != "assistant":
+            raise InvalidRequest(f"{param}.content is required", param=f"{param}.content")
+        content = ""
+    return Message(
+        CHAT_ROLES[role],
+        _content_text(content, f"{param}.content"),
+        tool_calls=calls,
+        tool_call_id=call_id,
+        name=name,
+        reasoning=reasoning,
+    )
+
+
+def _optional_text(message: dict[str, Any], key: str, param: str) -> str | None:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequest(f"{param}.{key} must be a string", param=f"{param}.{key}")
+    return value
+
+
+def _tool_calls(message: dict[str, Any], role: str, param: str, index: int) -> tuple[ToolCall, ...]:
+    calls = message.get("tool_calls")
+    function_call = message.get("function_call")
+    if function_call is not None:
+        if role != "assistant" or not isinstance(function_call, dict):
+            raise InvalidRequest(
+                f"{param}.function_call must be an object on an assistant message",
+                param=f"{param}.function_call",
+            )
+        if calls is not None:
+            raise InvalidRequest(
+                f"{param}: function_call and tool_calls both given", param=f"{param}.function_call"
+            )
+        return (_tool_call({"id": f"call_{index}", "function": function_call}, param),)
+    if calls is None:
+        return ()
+    if role != "assistant" or not isinstance(calls, list):
+        raise InvalidRequest(
+            f"{param}.tool_calls must be an array on an assistant message",
+            param=f"{param}.tool_calls",
+        )
+    return tuple(_tool_call(c, f"{param}.tool_calls[{j}]") for j, c in enumerate(calls))
+
+
+def _tool_call(call: Any, param: str) -> ToolCall:
+    if not isinstance(call, dict):
+        raise InvalidRequest(f"{param} must be an object", param=param)
+    if call.get("type", "function") != "function":
+        raise InvalidRequest(
+            f"{param}.type {call['type']!r} is not supported: only function calls",
+            param=f"{param}.type",
+        )
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequest(
+            f"{param}.function must be an object with a string 'name'", param=f"{param}.function"
+        )
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = decode_arguments(arguments)
+    call_id = call.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise InvalidRequest(f"{param}.id must be a string", param=f"{param}.id")
+    return ToolCall(function["name"], arguments, call_id)
+
+
+def _content_text(content: Any, param: str) -> str:
+    # Parts are joined so that ["a", "b"] as parts renders exactly like the string "ab":
+    # both must produce the same tokens, or the prefix cache would miss.
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{param} must be a string or an array of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+            raise InvalidRequest(
+                f"{param}[{j}]: only text content parts are supported, got {kind!r}",
+                param=f"{param}[{j}]",
+            )
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _json_type(value: Any) -> str:
+    """How an error names a value's type: JSON's names, as the client wrote it."""
+    for kind, name in ((type(None), "null"), (bool, "boolean"), ((int, float), "number"),
+                       (str, "string"), (list, "array")):  # fmt: skip
+        if isinstance(value, kind):
+            return name
+    return "object"
