@@ -8,12 +8,8 @@ import json
 import pytest
 from mlx_lm.tool_parsers import kimi_k2
 
-from mlx_prefix.prompt.tool_calls import (
-    CallParser,
-    ReplySplitter,
-    ToolSyntax,
-    client_reply,
-)
+from mlx_prefix.prompt.reply import client_reply
+from mlx_prefix.prompt.tool_calls import CallParser, ReplySplitter, ToolSyntax
 from mlx_prefix.records import ToolCallIds
 
 JSON_TOOLS = ToolSyntax.of(

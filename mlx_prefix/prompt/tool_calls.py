@@ -8,9 +8,10 @@ on the markers in text, holding back a delta's tail while it could still be the 
 of a marker.
 
 The server answers with the calls this module finds; the engine's next-turn prefetch
-renders the reply as the client will send it back (`client_reply`). Both must split,
-parse and name a reply identically, so both use this module, whatever API shape (chat
-`tool_calls`, Anthropic `tool_use`, Responses `function_call`) the calls travel in.
+renders the reply as the client will send it back (prompt/reply.py's `client_reply`).
+Both must split, parse and name a reply identically, so both use this module, whatever
+API shape (chat `tool_calls`, Anthropic `tool_use`, Responses `function_call`) the calls
+travel in. gpt-oss's harmony calls are read by prompt/harmony.py and parsed here too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.prompt.thinking import ThinkSplitter, partial_suffix
+from mlx_prefix.prompt.thinking import partial_suffix
 from mlx_prefix.records import ToolCallIds
 
 log = logging.getLogger("mlx_prefix.prompt")
@@ -43,11 +44,16 @@ class ToolSyntax:
             return None
         return cls(start=start, end=end or "", parser=parser)
 
+    def written(self, body: str) -> str:
+        """A call body as the model wrote it: what a call that fails to parse is shown as."""
+        return f"{self.start}{body}{self.end}"
+
 
 @dataclass(frozen=True)
 class Split:
     text: str  # plain text, safe to send now
     calls: list[str]  # complete tool-call bodies, markers stripped
+    reasoning: str = ""  # reasoning, safe to send now (a reader's, prompt/reply.py)
 
 
 # One piece of a reply, in order: (True, a call's body, markers stripped) or (False, text).
@@ -176,7 +182,7 @@ class CallParser:
                 log.warning(
                     "tool call did not parse (%s: %s); returned as text", type(e).__name__, e
                 )
-                failed.append(f"{self.syntax.start}{body}{self.syntax.end}")
+                failed.append(self.syntax.written(body))
                 continue
             for call in parsed if isinstance(parsed, list) else [parsed]:
                 arguments = call.get("arguments", {})
@@ -186,57 +192,3 @@ class CallParser:
                 calls.append(ToolCall(call_id, call.get("name", ""), arguments))
                 self._count += 1
         return calls, "".join(failed)
-
-
-@dataclass(frozen=True)
-class ClientReply:
-    """A reply as the client sends it back: the assistant message (chat form, as every
-    API family's parser produces it) and the ids of the calls it makes."""
-
-    message: dict[str, Any]
-    call_ids: tuple[str, ...]
-
-
-def client_reply(
-    syntax: ToolSyntax | None,
-    reply: str,
-    tools: Sequence[dict[str, Any]] | None,
-    ids: ToolCallIds,
-    thinking: ThinkSplitter | None = None,
-) -> ClientReply:
-    """The whole `reply` split, parsed and named exactly as the server answered it: its
-    reasoning (when `thinking`, in the state the prompt left it) as `reasoning_content`,
-    as every API family's client sends it back; tool calls, outside the reasoning, only
-    when tools were offered (the server parses them only then)."""
-    reasoning = ""
-    if thinking is not None:
-        (head, text), (tail, rest) = thinking.feed(reply), thinking.finish()
-        reasoning, reply = head + tail, text + rest
-    turn = _client_reply(syntax, reply, tools, ids)
-    if reasoning:
-        turn.message["reasoning_content"] = reasoning
-    return turn
-
-
-def _client_reply(
-    syntax: ToolSyntax | None,
-    reply: str,
-    tools: Sequence[dict[str, Any]] | None,
-    ids: ToolCallIds,
-) -> ClientReply:
-    if syntax is None or not tools:
-        return ClientReply({"role": "assistant", "content": reply}, ())
-    splitter, parser = ReplySplitter(syntax), CallParser(syntax, tools, ids)
-    texts: list[str] = []
-    calls: list[ToolCall] = []
-    for split in (splitter.feed(reply), splitter.finish()):
-        found, failed = parser.parse(split.calls) if split.calls else ([], "")
-        texts.append(split.text + failed)
-        calls.extend(found)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ]
-    return ClientReply(message, tuple(c.id for c in calls))
