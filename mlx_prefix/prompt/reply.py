@@ -93,7 +93,7 @@ def reply_reader(
     else:
         thinking = ThinkSplitter.of(tokenizer, opened) if reasoning and not prefix else None
         reader = MarkerReader(thinking, ReplySplitter(syntax) if syntax is not None else None)
-    if prefix:
+    if prefix and syntax is not None:  # a forced call's start: tools were offered
         split = reader.feed(prefix)
         assert not split.text and not split.calls and not split.reasoning, "a call's start"
     return reader
