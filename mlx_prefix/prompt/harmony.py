@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,16 +58,26 @@ class Harmony:
 
     @classmethod
     def of(cls, tokenizer: Any) -> Harmony | None:
+        """Asked for every request: the template is looked at first, the tokens once
+        per tokenizer."""
         template = getattr(tokenizer, "chat_template", None)
         if not isinstance(template, str) or CHANNEL not in template:
-            return None  # the cheap test first: this runs for every request
-        ids = {}
-        for token in CONTROL:
-            encoded = tokenizer.encode(token, add_special_tokens=False)
-            if len(encoded) != 1:
-                return None
-            ids[token] = encoded[0]
-        return cls(stops=(ids[RETURN], ids[CALL]))
+            return None
+        try:
+            return _known[tokenizer]
+        except KeyError:
+            pass
+        ids = [tokenizer.encode(token, add_special_tokens=False) for token in CONTROL]
+        found = None
+        if all(len(i) == 1 for i in ids):
+            by_token = dict(zip(CONTROL, (i[0] for i in ids), strict=True))
+            found = cls(stops=(by_token[RETURN], by_token[CALL]))
+        _known[tokenizer] = found
+        return found
+
+
+# tokenizer -> what `Harmony.of` found, for as long as the tokenizer lives
+_known: weakref.WeakKeyDictionary[Any, Harmony | None] = weakref.WeakKeyDictionary()
 
 
 def parse_call(body: str, tools: Any = None) -> dict[str, Any]:
