@@ -1,4 +1,5 @@
-"""Random-weight models carrying a real tokenizer (Qwen3's, vendored under
+"""Random-weight models carrying a real tokenizer (Qwen3's, and gpt-oss's own for
+gpt-oss, whose harmony control tokens are single tokens; vendored under
 tests/data/tokenizers) and served with the real chat templates of the model families
 people run (tests/data/templates, from llama.cpp), and an agent's conversation to put
 through them. Nothing here touches the network."""
@@ -22,6 +23,7 @@ from mlx_prefix.models.testing import cached_test_model
 
 DATA = Path(__file__).parent / "data"
 QWEN3_TOKENIZER = DATA / "tokenizers" / "qwen3"
+GPT_OSS_TOKENIZER = DATA / "tokenizers" / "gpt-oss"
 
 # family -> its template file under tests/data/templates
 TEMPLATES: dict[str, str] = {
@@ -43,22 +45,41 @@ TEMPLATES: dict[str, str] = {
 # Templates that render an earlier assistant turn differently once the conversation
 # grows (they drop its reasoning, or render it only while no user message follows).
 RERENDERING = ("GLM-4.7", "DeepSeek V3.1", "MiniMax M2")
+# Families whose template opens reasoning in the generation prompt or whose models write
+# it (Kimi K2 Thinking writes `<think>` under K2's chat format). Gemma 4's reasoning
+# (`<|channel>thought`) needs its own tokenizer's tokens, which Qwen3's lacks.
+REASONING_FAMILIES = (
+    "Qwen3.5",
+    "Qwen3",
+    "Nemotron 3 Nano",
+    "GLM-4.7",
+    "DeepSeek V3.1",
+    "MiniMax M2",
+    "Kimi K2",
+    "LFM2.5",
+    "gpt-oss",
+)
+# family -> its tokenizer, where Qwen3's cannot stand in for it
+TOKENIZERS = {"gpt-oss": GPT_OSS_TOKENIZER}
 
-_weights: dict[str, LoadedModel] = {}
+_weights: dict[tuple[str, Path], LoadedModel] = {}
 _loaded: dict[tuple[str, str], LoadedModel] = {}
 _calibrations: dict[int, Calibration] = {}  # by the model object's id (kept alive above)
 
 
 def template_model(family: str, kind: str = "dense") -> LoadedModel:
-    """A tiny `kind` model with Qwen3's tokenizer, served with `family`'s template.
-    Loaded once per process; every template shares one model object (its weights and
-    the engine's calibration of them), each with its own tokenizer wrapper (mlx-lm
-    picks the tool parser from the template) and cache identity."""
+    """A tiny `kind` model with Qwen3's tokenizer (or the family's own, TOKENIZERS),
+    served with `family`'s template. Loaded once per process; the templates of one
+    tokenizer share one model object (its weights and the engine's calibration of
+    them), each with its own tokenizer wrapper (mlx-lm picks the tool parser from the
+    template) and cache identity."""
     key = (family, kind)
     if key not in _loaded:
-        if kind not in _weights:
-            _weights[kind] = load_model(str(cached_test_model(kind, tokenizer=QWEN3_TOKENIZER)))
-        base = _weights[kind]
+        source = TOKENIZERS.get(family, QWEN3_TOKENIZER)
+        if (kind, source) not in _weights:
+            folder = cached_test_model(kind, tokenizer=source)
+            _weights[kind, source] = load_model(str(folder))
+        base = _weights[kind, source]
         template = (DATA / "templates" / TEMPLATES[family]).read_text(encoding="utf-8")
         config = json.loads((base.path / "config.json").read_text())
         tokenizer = load_tokenizer(

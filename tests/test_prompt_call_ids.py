@@ -11,7 +11,8 @@ from template_models import FIRST_ID, SECOND_ID, TOOLS, chat_messages, template_
 from mlx_prefix.conversation import Message, ToolCall, conversation_from_dicts
 from mlx_prefix.prompt.call_ids import CallIdForm, map_call_ids, nine_alnum
 from mlx_prefix.prompt.render import ChatRenderer
-from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
+from mlx_prefix.prompt.reply import client_reply
+from mlx_prefix.prompt.tool_calls import ToolSyntax
 from mlx_prefix.records import ToolCallIds
 
 

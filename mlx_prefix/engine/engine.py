@@ -53,7 +53,8 @@ from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import cap_buffer_cache
 from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
-from mlx_prefix.prompt.tool_calls import ToolSyntax
+from mlx_prefix.prompt.harmony import Harmony
+from mlx_prefix.prompt.reply import tool_syntax
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 log = logging.getLogger("mlx_prefix.engine")
@@ -141,6 +142,11 @@ class Engine(CacheViews, EngineLoop):
             kv=self.kv_quant,
         )
         self._decode.reasoning = self.planner.reasoning  # reasoning budgets' markers
+        if (harmony := Harmony.of(model.tokenizer)) is not None:
+            # gpt-oss's <|return|> and <|call|> end a reply: its generation_config.json
+            # lists them, a folder converted without that file does not.
+            tokenizer = model.tokenizer
+            tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | set(harmony.stops)
         if draft is not None:
             speculator = Speculator(draft, self.config.num_draft_tokens)
             self._decode.speculator = self._prefill.speculator = speculator
@@ -148,7 +154,7 @@ class Engine(CacheViews, EngineLoop):
         self.prefetch = PrefetchStats()
         self._chat_traffic = ChatTraffic()  # engine thread only
         self._prefetcher = (
-            Prefetcher(self.planner, ToolSyntax.of(model.tokenizer), self._enqueue_prefetch)
+            Prefetcher(self.planner, tool_syntax(model.tokenizer), self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled
             else None
         )

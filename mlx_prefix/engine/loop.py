@@ -31,6 +31,7 @@ from mlx_prefix.engine.requests.prefetch import Prefetcher, wants_prefetch
 from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.prompt.reply import answer_text
 from mlx_prefix.records import ErrorEvent
 
 log = logging.getLogger("mlx_prefix.engine")
@@ -232,8 +233,7 @@ class EngineLoop:
         # A chat's first turn, known from its client's earlier traffic in the same
         # namespace (chat_traffic.py); later turns and tool-call turns from the request.
         # The reply as its client sees it and sends it back: without its reasoning.
-        markers = self.planner.reasoning
-        shown = markers.answer(reply, job.prompt.opens_reasoning) if markers else reply
+        shown = answer_text(self.model.tokenizer, reply, job.prompt.opens_reasoning)
         first_turn = self._chat_traffic.finished(job.source, shown, job.cache_key)
         if first_turn or wants_prefetch(job.source):
             self._prefetcher.submit(

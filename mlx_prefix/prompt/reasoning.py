@@ -1,7 +1,9 @@
 """A model's reasoning markers as its tokenizer and chat template write them.
 
 mlx-lm's tokenizer wrapper knows a thinking model's markers (`think_start` /
-`think_end`, one token or several: `<think>`, `<|channel>thought`). Two facts follow
+`think_end`, one token or several: `<think>`, `<|channel>thought`); gpt-oss's are its
+harmony analysis message (`<|channel|>analysis<|message|>` ... `<|end|>`, whose close
+before the answer is harmony's, prompt/harmony.py). Two facts follow
 from a prompt's tokens and the template:
 - whether the prompt leaves a think block open (Qwen3.5 and Nemotron 3 Nano end their
   generation prompt with `<think>\\n`): then the reply starts as reasoning, as
@@ -21,8 +23,8 @@ from dataclasses import dataclass
 
 from mlx_prefix.conversation import Message
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.prompt import harmony
 from mlx_prefix.prompt.render import ChatRenderer
-from mlx_prefix.prompt.thinking import ThinkSplitter
 
 log = logging.getLogger("mlx_prefix.prompt")
 
@@ -40,15 +42,20 @@ class ReasoningMarkers:
 
     @classmethod
     def of(cls, renderer: ChatRenderer) -> ReasoningMarkers | None:
-        """For a tokenizer that knows its think markers; None otherwise."""
+        """For a tokenizer that knows its think markers (or a harmony model); None
+        otherwise."""
         tokenizer = renderer.tokenizer
-        if not getattr(tokenizer, "has_thinking", False):
+        if harmony.Harmony.of(tokenizer) is not None:
+            start_text, end_text, close_text = harmony.ANALYSIS, harmony.END, harmony.CLOSE
+        elif getattr(tokenizer, "has_thinking", False):
+            start_text, end_text = tokenizer.think_start, tokenizer.think_end
+            close_text = ""
+        else:
             return None
-        start_text, end_text = tokenizer.think_start, tokenizer.think_end
         start, end = renderer.encode_chat(start_text), renderer.encode_chat(end_text)
         if not start or not end:
             return None
-        close_text = _template_close(renderer, end_text)
+        close_text = close_text or _template_close(renderer, end_text)
         return cls(
             start_text,
             end_text,
@@ -69,19 +76,6 @@ class ReasoningMarkers:
             if token == first_end and _at(tokens, i, self.end):
                 return False
         return False
-
-    def splitter(self, opened: bool) -> ThinkSplitter:
-        """A reply's reasoning apart from its text, as the server splits it; `opened`:
-        the prompt left the block open."""
-        return ThinkSplitter(
-            self.start_text, self.end_text, _state="thinking" if opened else "opening"
-        )
-
-    def answer(self, reply: str, opened: bool) -> str:
-        """`reply` without its leading reasoning: the text a client shows and sends back."""
-        splitter = self.splitter(opened)
-        (_, text), (_, rest) = splitter.feed(reply), splitter.finish()
-        return text + rest
 
     def opens_text(self, text: str) -> bool:
         """`opens` on text (a prompt before it is tokenized)."""

@@ -4,7 +4,7 @@ open (Qwen3.5's generation prompt ends with `<think>\n`), everything up to the e
 marker. Every API family carries it apart (chat `reasoning_content`, Anthropic
 `thinking` blocks, Responses `reasoning` items). Text deltas in, (reasoning, text) out;
 a marker cut across deltas is held back until it is whole. Pure: the prefetch splits a
-whole reply with it too (prompt/tool_calls.client_reply)."""
+whole reply with it too (prompt/reply.client_reply)."""
 
 from __future__ import annotations
 

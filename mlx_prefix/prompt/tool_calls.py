@@ -8,9 +8,10 @@ on the markers in text, holding back a delta's tail while it could still be the 
 of a marker.
 
 The server answers with the calls this module finds; the engine's next-turn prefetch
-renders the reply as the client will send it back (`client_reply`). Both must split,
-parse and name a reply identically, so both use this module, whatever API shape (chat
-`tool_calls`, Anthropic `tool_use`, Responses `function_call`) the calls travel in.
+renders the reply as the client will send it back (prompt/reply.py's `client_reply`).
+Both must split, parse and name a reply identically, so both use this module, whatever
+API shape (chat `tool_calls`, Anthropic `tool_use`, Responses `function_call`) the calls
+travel in. gpt-oss's harmony calls are read by prompt/harmony.py and parsed here too.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.conversation import Message, ToolCall, decode_arguments
-from mlx_prefix.prompt.thinking import ThinkSplitter, partial_suffix
+from mlx_prefix.prompt.thinking import partial_suffix
 from mlx_prefix.records import ToolCallIds
 
 log = logging.getLogger("mlx_prefix.prompt")
@@ -44,11 +44,16 @@ class ToolSyntax:
             return None
         return cls(start=start, end=end or "", parser=parser)
 
+    def written(self, body: str) -> str:
+        """A call body as the model wrote it: what a call that fails to parse is shown as."""
+        return f"{self.start}{body}{self.end}"
+
 
 @dataclass(frozen=True)
 class Split:
     text: str  # plain text, safe to send now
     calls: list[str]  # complete tool-call bodies, markers stripped
+    reasoning: str = ""  # reasoning, safe to send now (a reader's, prompt/reply.py)
 
 
 # One piece of a reply, in order: (True, a call's body, markers stripped) or (False, text).
@@ -180,7 +185,7 @@ class CallParser:
                 log.warning(
                     "tool call did not parse (%s: %s); returned as text", type(e).__name__, e
                 )
-                failed.append(f"{self.syntax.start}{body}{self.syntax.end}")
+                failed.append(self.syntax.written(body))
                 continue
             for call in parsed if isinstance(parsed, list) else [parsed]:
                 arguments = call.get("arguments", {})
@@ -190,56 +195,3 @@ class CallParser:
                 calls.append(ReplyCall(call_id, call.get("name", ""), arguments))
                 self._count += 1
         return calls, "".join(failed)
-
-
-@dataclass(frozen=True)
-class ClientReply:
-    """A reply as the client sends it back: the assistant message (as every API family's
-    parser reads it) and the ids of the calls it makes."""
-
-    message: Message
-    call_ids: tuple[str, ...]
-
-
-def client_reply(
-    syntax: ToolSyntax | None,
-    reply: str,
-    tools: Sequence[dict[str, Any]] | None,
-    ids: ToolCallIds,
-    thinking: ThinkSplitter | None = None,
-) -> ClientReply:
-    """The whole `reply` split, parsed and named exactly as the server answered it: its
-    reasoning (when `thinking`, in the state the prompt left it) as the message's
-    reasoning, as every API family's client sends it back; tool calls, outside the reasoning, only
-    when tools were offered (the server parses them only then)."""
-    reasoning = ""
-    if thinking is not None:
-        (head, text), (tail, rest) = thinking.feed(reply), thinking.finish()
-        reasoning, reply = head + tail, text + rest
-    turn = _client_reply(syntax, reply, tools, ids)
-    if reasoning:
-        return ClientReply(replace(turn.message, reasoning=reasoning), turn.call_ids)
-    return turn
-
-
-def _client_reply(
-    syntax: ToolSyntax | None,
-    reply: str,
-    tools: Sequence[dict[str, Any]] | None,
-    ids: ToolCallIds,
-) -> ClientReply:
-    if syntax is None or not tools:
-        return ClientReply(Message("assistant", reply), ())
-    splitter, parser = ReplySplitter(syntax), CallParser(syntax, tools, ids)
-    texts: list[str] = []
-    calls: list[ReplyCall] = []
-    for split in (splitter.feed(reply), splitter.finish()):
-        found, failed = parser.parse(split.calls) if split.calls else ([], "")
-        texts.append(split.text + failed)
-        calls.extend(found)
-    message = Message(
-        "assistant",
-        "".join(texts),
-        tool_calls=tuple(ToolCall(c.name, decode_arguments(c.arguments), c.id) for c in calls),
-    )
-    return ClientReply(message, tuple(c.id for c in calls))

@@ -9,10 +9,10 @@ shared with the engine's next-turn prefetch, so the prefetch renders the reply e
 the client receives it (whitespace-only text around calls dropped alike).
 
 A reply whose prompt opened the assistant's turn (a forced tool call, server/tool_choice.py)
-is read as continuing that opening. A chat reply's reasoning (prompt/thinking.py: at the
-reply's start, or from its first token when the prompt left a think block open) is split
-off before the text is searched for calls, so markup written while reasoning never
-becomes a call.
+is read as continuing that opening. A chat reply is read by prompt/reply.py's reader:
+its reasoning (at the reply's start, or from its first token when the prompt left a
+think block open; gpt-oss's analysis channel) is split off before the text is searched
+for calls, so markup written while reasoning never becomes a call.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.prompt.thinking import ThinkSplitter
+from mlx_prefix.prompt.reply import ReplyReader, reply_reader, tool_syntax
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
 from . import chat_bodies as R
 from .protocol.request import GenerationRequest
-from .tools import ReplySplitter, Split, ToolCallFormatter, ToolSyntax
+from .tools import Split, ToolCallFormatter, ToolSyntax
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,8 @@ class Delta:
 @dataclass
 class Assembler:
     logprobs: bool
-    splitter: ReplySplitter | None = None
-    formatter: ToolCallFormatter | None = None
-    thinking: ThinkSplitter | None = None
+    reader: ReplyReader | None = None  # None: the text as it comes (nothing to split)
+    formatter: ToolCallFormatter | None = None  # calls are parsed (tools offered)
     made_tool_call: bool = False
     tokenizer: Any = None  # decodes the tokens of logprobs
     reasoning_tokens: int = 0  # tokens fed while the reply was reasoning
@@ -61,11 +60,15 @@ class Assembler:
     ) -> Assembler:
         """`opens_reasoning`: the prompt left a think block open (the engine handle's
         flag). A raw completion's text is never split."""
-        syntax = ToolSyntax.of(tokenizer) if req.parse_tools else None
-        chat = req.kind == "chat"
-        thinking = ThinkSplitter.of(tokenizer, opens_reasoning) if chat else None
+        syntax = tool_syntax(tokenizer) if req.parse_tools else None
         return cls.build(
-            req.sampling.logprobs, syntax, req.prompt, streaming, tokenizer, thinking=thinking
+            req.sampling.logprobs,
+            syntax,
+            req.prompt,
+            streaming,
+            tokenizer,
+            opened=opens_reasoning,
+            reasoning=req.kind == "chat",
         )
 
     @classmethod
@@ -77,27 +80,23 @@ class Assembler:
         streaming: bool,
         tokenizer: Any = None,
         *,
-        thinking: ThinkSplitter | None = None,
+        opened: bool = False,
+        reasoning: bool = False,
     ) -> Assembler:
-        """Tool calls are parsed when `syntax` is given (tools offered, the tokenizer
-        knows their markup), named by the prompt's reply_tool_call_ids; reasoning is
-        split off when `thinking` is given."""
-        if syntax is None:
-            return cls(logprobs=logprobs, thinking=thinking, tokenizer=tokenizer)
-        splitter = ReplySplitter(syntax)
-        if prompt.assistant_prefix:
-            # The reply continues the forced call the prompt opened: no reasoning first.
-            thinking = None
-            split = splitter.feed(prompt.assistant_prefix)
-            assert not split.text and not split.calls, "an opening is a call's start"
-        ids = prompt.reply_tool_call_ids
-        return cls(
-            logprobs=logprobs,
-            splitter=splitter,
-            formatter=ToolCallFormatter(syntax, prompt.tools, streaming, ids),
-            thinking=thinking,
-            tokenizer=tokenizer,
+        """Tool calls are parsed when `syntax` is given (tools offered, the model knows
+        their markup), named by the prompt's reply_tool_call_ids; reasoning is split off
+        when `reasoning` (and the model marks it)."""
+        if syntax is None and not reasoning:
+            return cls(logprobs=logprobs, tokenizer=tokenizer)
+        reader = reply_reader(
+            tokenizer, syntax, opened=opened, prefix=prompt.assistant_prefix, reasoning=reasoning
         )
+        formatter = (
+            ToolCallFormatter(syntax, prompt.tools, streaming, prompt.reply_tool_call_ids)
+            if syntax is not None
+            else None
+        )
+        return cls(logprobs=logprobs, reader=reader, formatter=formatter, tokenizer=tokenizer)
 
     def feed(self, event: TokenEvent) -> Delta:
         lps = []
@@ -107,25 +106,17 @@ class Assembler:
             token = self._text(event.token) if event.token is not None else event.text
             top = tuple(R.Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
             lps.append(R.TokenLogprob(token, event.logprob, top))
-        if self.thinking is not None:
-            before = self.thinking.reasoning
-            reasoning, text = self.thinking.feed(event.text)
-            self.reasoning_tokens += before or self.thinking.reasoning
-        else:
-            reasoning, text = "", event.text
-        if self.splitter is None:
-            return Delta(text, [], lps, reasoning)
-        return self._split(self.splitter.feed(text), lps, reasoning)
+        if self.reader is None:
+            return Delta(event.text, [], lps)
+        before = self.reader.reasoning
+        split = self.reader.feed(event.text)
+        self.reasoning_tokens += before or self.reader.reasoning
+        return self._split(split, lps)
 
     def finish(self) -> Delta:
-        reasoning, text = self.thinking.finish() if self.thinking else ("", "")
-        if self.splitter is None:
-            return Delta(text, [], [], reasoning)
-        head = self._split(self.splitter.feed(text), [], reasoning) if text else None
-        tail = self._split(self.splitter.finish(), [], "" if head else reasoning)
-        if head is None:
-            return tail
-        return Delta(head.text + tail.text, head.tool_calls + tail.tool_calls, [], reasoning)
+        if self.reader is None:
+            return Delta("", [], [])
+        return self._split(self.reader.finish(), [])
 
     def finish_reason(self, done: DoneEvent) -> str:
         if done.finish_reason == "stop" and self.made_tool_call:
@@ -137,8 +128,9 @@ class Assembler:
             self._texts[token] = self.tokenizer.decode([token])
         return self._texts[token]
 
-    def _split(self, split: Split, lps: list[R.TokenLogprob], reasoning: str) -> Delta:
-        assert self.formatter is not None
-        calls, failed = self.formatter.format(split.calls) if split.calls else ([], "")
+    def _split(self, split: Split, lps: list[R.TokenLogprob]) -> Delta:
+        if not split.calls or self.formatter is None:
+            return Delta(split.text, [], lps, split.reasoning)
+        calls, failed = self.formatter.format(split.calls)
         self.made_tool_call |= bool(calls)
-        return Delta(split.text + failed, calls, lps, reasoning)
+        return Delta(split.text + failed, calls, lps, split.reasoning)

@@ -5,7 +5,8 @@ tool with the start of that call in the model's format, so the reply can only co
 a call (to that tool). The assembler reads the reply as continuing that opening.
 
 Formats whose call start names the function in a known way (mlx-lm's `json_tools`:
-Qwen 2.5/3, Hermes; `qwen3_coder`: Qwen3-Coder, Qwen3.5) support the named form; for
+Qwen 2.5/3, Hermes; `qwen3_coder`: Qwen3-Coder, Qwen3.5; gpt-oss's harmony, whose
+forced call skips the analysis message) support the named form; for
 other formats it is refused with a 400 naming `tool_choice`, as is any forced choice for
 a model without tool-call markers.
 """
@@ -17,12 +18,16 @@ import json
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.prompt import harmony
+from mlx_prefix.prompt.reply import tool_syntax
 
 from .protocol.request import GenerationRequest, ToolChoice
 from .tools import ToolSyntax
 
 
 def _named_opening(syntax: ToolSyntax, name: str) -> str | None:
+    if syntax is harmony.SYNTAX:
+        return harmony.named_opening(name)
     module = getattr(syntax.parser, "__module__", "") or ""
     if module.endswith("json_tools"):
         return f'{syntax.start}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
@@ -36,7 +41,7 @@ def forced_opening(tokenizer: Any, choice: ToolChoice) -> str:
     InvalidRequest (param tool_choice) when this model cannot be forced that way."""
     if choice.mode in ("auto", "none"):
         return ""
-    syntax = ToolSyntax.of(tokenizer)
+    syntax = tool_syntax(tokenizer)
     if syntax is None:
         raise InvalidRequest(
             "this model has no tool-call markers, so a tool call cannot be forced: use "
@@ -66,7 +71,7 @@ def with_tool_choice(req: GenerationRequest, tokenizer: Any) -> GenerationReques
     if opening:
         prompt = dataclasses.replace(req.prompt, assistant_prefix=opening)
         req = dataclasses.replace(req, prompt=prompt)
-    syntax = ToolSyntax.of(tokenizer) if req.parse_tools and not choice.parallel else None
+    syntax = tool_syntax(tokenizer) if req.parse_tools and not choice.parallel else None
     if syntax is not None and syntax.end:
         stop = (*req.sampling.stop, syntax.end)
         req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, stop=stop))

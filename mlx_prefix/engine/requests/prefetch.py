@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.conversation import Conversation, Message
 from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
-from mlx_prefix.prompt.thinking import ThinkSplitter
-from mlx_prefix.prompt.tool_calls import ToolSyntax, client_reply
+from mlx_prefix.prompt.reply import client_reply, reply_reader
+from mlx_prefix.prompt.tool_calls import ToolSyntax
 from mlx_prefix.records import PromptInput, ToolCallIds
 
 log = logging.getLogger("mlx_prefix.engine")
@@ -47,7 +48,8 @@ def next_turn_messages(
     reply: str,
     syntax: ToolSyntax | None,
     request_id: str,
-    thinking: ThinkSplitter | None = None,
+    tokenizer: Any = None,
+    opened: bool = False,
 ) -> Conversation:
     """The conversation the client will send next: this one, the reply as the client
     received it, and a placeholder for the next message. A reply that calls tools comes
@@ -55,13 +57,17 @@ def next_turn_messages(
     (every API shape becomes that message), followed by the first call's result; any
     other reply as its text, followed by a user message. A reply that continues the
     opening its prompt forced (a forced tool call) is read with that opening, as the
-    server's assembler reads it. With `thinking`, the reply's reasoning comes back as its
-    reasoning, as the server answered it apart."""
+    server's assembler reads it. With the model's `tokenizer`, the reply is read as the
+    server reads it (prompt/reply.py; `opened`: the prompt left a think block open), its
+    reasoning coming back as its `reasoning_content`, as the server answered it apart."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
-    if source.assistant_prefix:
-        thinking = None  # a forced call's opening closed any think block (prompt/render.py)
-    turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids, thinking)
+    if tokenizer is None:  # calls only, after the opening
+        turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids)
+    else:
+        calls = syntax if source.tools else None  # the server parses calls only then
+        reader = reply_reader(tokenizer, calls, opened=opened, prefix=source.assistant_prefix)
+        turn = client_reply(syntax, reply, source.tools, ids, reader)
     if turn.call_ids:
         nxt = Message("tool", NEXT_MESSAGE, tool_call_id=turn.call_ids[0])
     else:
@@ -86,10 +92,9 @@ def next_turn_prompt(
     reply the way the next request will; the planner finds where the next message
     begins (sentinel substitution) exactly as it will for the real next request.
     """
-    markers = planner.reasoning
-    thinking = markers.splitter(opens_reasoning) if markers is not None else None
+    tokenizer = planner.renderer.tokenizer
     probe = PromptInput(
-        messages=next_turn_messages(source, reply, syntax, request_id, thinking),
+        messages=next_turn_messages(source, reply, syntax, request_id, tokenizer, opens_reasoning),
         tools=source.tools,
         chat_template_kwargs=source.chat_template_kwargs,
     )
