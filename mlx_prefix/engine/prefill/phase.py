@@ -1,11 +1,11 @@
 """The prefill phase: the requests being prefilled, from their cache match to their logits.
 
-Start: match the longest usable cached prefix in memory (or on disk when that gives
-more), restore it (shared arrays, the entry locked while they may be shared), and plan
-the checkpoints this prefill leaves behind (a Checkpointer per request, at its own
-offsets: invariant 5). Step: the next grid chunk of several requests, exactly the chunks a
-cold run of each computes, evaluated together (engine/forward/runner.py). Each prefilling
-request's cache counts against the store's byte budget (invariant 6). Engine thread only.
+Start: restore the longest usable cached prefix (restore.py) and plan the checkpoints
+this prefill leaves behind (a Checkpointer per request, at its own offsets: invariant 5).
+Step: the rests of ready requests that stack in one batch (tails.py), or else the next
+grid chunk of several requests, exactly the chunks a cold run of each computes
+(engine/forward/runner.py). Each prefilling request's cache counts against the store's
+byte budget (invariant 6). Engine thread only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.snapshot import cache_nbytes, restore
+from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.decode.speculative import Speculator
@@ -34,6 +34,7 @@ from mlx_prefix.engine.forward.runner import (
 )
 from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.restore import Restored, restore_longest
 from mlx_prefix.engine.prefill.tails import TailGroup, awaited, stackable, tail_group
 from mlx_prefix.engine.requests.jobs import Job, PrefillTask
 from mlx_prefix.errors import PinQuotaExceeded
@@ -143,7 +144,7 @@ class PrefillPhase:
 
     @property
     def stack_limit(self) -> int:
-        """The longest rest a task may stack (0: none): never batch-invariant."""
+        """The longest rest a task may stack (0: none; never in batch-invariant mode)."""
         return 0 if self.group or self.config.deterministic else self.config.stack_tail_tokens
 
     def _may_stack(self, task: PrefillTask) -> bool:
@@ -169,39 +170,22 @@ class PrefillPhase:
     def start(self, job: Job) -> None:
         """Restore the longest usable cached prefix of `job`'s own entry key (its
         namespace: invariant 10) and add `job` to the prefilling tasks."""
-        tokens, key = job.prompt.tokens, job.cache_key
+        tokens = job.prompt.tokens
         use_cache = self.uses_cache(job)
-        cache, reuse, lease, branch = None, 0, None, 0
-        restored, trim = None, 0  # the snapshot restored (its draft part may serve too)
+        found = Restored()
+        if use_cache:
+            disk = self.disk if self.disk_on(job) else None
+            found = restore_longest(self.store, disk, job.cache_key, tokens, self.planner.grid)
+        cache, reuse, lease = found.cache, found.reuse, found.lease
         try:
-            if use_cache:
-                match = self.store.match(key, tokens, self.align(tokens))
-                # Where the prompt leaves the stored sequences: a checkpoint there serves
-                # the next request of either shape (checkpoints.py).
-                branch = self.planner.grid.align(tokens, min(match.matched_tokens, len(tokens) - 1))
-                if match.entry_id is not None:
-                    snapshot = self.store.acquire(match.entry_id)
-                    if snapshot is not None:
-                        lease = match.entry_id
-                        cache, reuse = restore(snapshot, trim=match.trim), match.reuse_tokens
-                        restored, trim = snapshot, match.trim
-                if self.disk_on(job):
-                    found = self.disk.lookup(key, tokens, self.align(tokens), better_than=reuse)
-                    if found is not None:  # a memory miss (or shorter hit) served from disk
-                        disk_match, disk_snapshot = found
-                        if lease is not None:
-                            self.store.release(lease)
-                            lease = None
-                        cache = restore(disk_snapshot, trim=disk_match.trim)
-                        reuse = disk_match.reuse_tokens
-                        restored, trim = disk_snapshot, disk_match.trim
-                        self.store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
             if cache is None:
                 cache = make_prompt_cache(self.model.model)
             draft = None
             if self.speculator is not None:
-                draft = self.speculator.draft_for(restored, trim, reuse)
-            checkpointer = self._checkpointer(job, cache, reuse, branch) if use_cache else None
+                draft = self.speculator.draft_for(found.snapshot, found.trim, reuse)
+            checkpointer = None
+            if use_cache:
+                checkpointer = self._checkpointer(job, cache, reuse, found.branch)
             if checkpointer is not None and draft is not None:
                 checkpointer.draft = draft.cache
             cursor = PrefillCursor(tokens, reuse, self.planner.grid)
