@@ -1,12 +1,17 @@
 """Random-weight models carrying a real tokenizer (Qwen3's, and gpt-oss's own for
 gpt-oss, whose harmony control tokens are single tokens; vendored under
-tests/data/tokenizers) and served with the real chat templates of the model families
-people run (tests/data/templates, from llama.cpp), and an agent's conversation to put
-through them. Nothing here touches the network."""
+tests/data/tokenizers; for Gemma 4, whose tokenizer no public package ships, Qwen3's
+vocabulary with Gemma 4's control tokens) and served with the real chat templates of the
+model families people run (tests/data/templates, from llama.cpp), and an agent's
+conversation to put through them. Nothing here touches the network."""
 
 from __future__ import annotations
 
+import atexit
+import gzip
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -24,6 +29,8 @@ from mlx_prefix.models.testing import cached_test_model
 DATA = Path(__file__).parent / "data"
 QWEN3_TOKENIZER = DATA / "tokenizers" / "qwen3"
 GPT_OSS_TOKENIZER = DATA / "tokenizers" / "gpt-oss"
+# Only a tokenizer_config.json: Gemma 4's control tokens, put on Qwen3's vocabulary.
+GEMMA4_CONTROLS = DATA / "tokenizers" / "gemma4-controls-on-qwen3"
 
 # family -> its template file under tests/data/templates
 TEMPLATES: dict[str, str] = {
@@ -46,8 +53,8 @@ TEMPLATES: dict[str, str] = {
 # grows (they drop its reasoning, or render it only while no user message follows).
 RERENDERING = ("GLM-4.7", "DeepSeek V3.1", "MiniMax M2")
 # Families whose template opens reasoning in the generation prompt or whose models write
-# it (Kimi K2 Thinking writes `<think>` under K2's chat format). Gemma 4's reasoning
-# (`<|channel>thought`) needs its own tokenizer's tokens, which Qwen3's lacks.
+# it (Kimi K2 Thinking writes `<think>` under K2's chat format, Gemma 4 its `thought`
+# channel once the template's `<|think|>` turns thinking on).
 REASONING_FAMILIES = (
     "Qwen3.5",
     "Qwen3",
@@ -58,9 +65,10 @@ REASONING_FAMILIES = (
     "Kimi K2",
     "LFM2.5",
     "gpt-oss",
+    "Gemma 4",
 )
 # family -> its tokenizer, where Qwen3's cannot stand in for it
-TOKENIZERS = {"gpt-oss": GPT_OSS_TOKENIZER}
+TOKENIZERS = {"gpt-oss": GPT_OSS_TOKENIZER, "Gemma 4": GEMMA4_CONTROLS}
 
 _weights: dict[tuple[str, Path], LoadedModel] = {}
 _loaded: dict[tuple[str, str], LoadedModel] = {}
@@ -75,7 +83,7 @@ def template_model(family: str, kind: str = "dense") -> LoadedModel:
     template) and cache identity."""
     key = (family, kind)
     if key not in _loaded:
-        source = TOKENIZERS.get(family, QWEN3_TOKENIZER)
+        source = _tokenizer_files(TOKENIZERS.get(family, QWEN3_TOKENIZER))
         if (kind, source) not in _weights:
             folder = cached_test_model(kind, tokenizer=source)
             _weights[kind, source] = load_model(str(folder))
@@ -88,6 +96,29 @@ def template_model(family: str, kind: str = "dense") -> LoadedModel:
         identity = replace(base.identity, chat_template_hash=chat_template_hash(template))
         _loaded[key] = replace(base, tokenizer=tokenizer, identity=identity)
     return _loaded[key]
+
+
+_built: dict[Path, Path] = {}
+
+
+def _tokenizer_files(source: Path) -> Path:
+    """`source`, or for a folder with only a tokenizer_config.json (GEMMA4_CONTROLS),
+    a folder written once per process with Qwen3's BPE vocabulary and merges whose added
+    tokens are that config's `added_tokens_decoder` instead of Qwen3's."""
+    if (source / "tokenizer.json.gz").is_file() or source in _built:
+        return _built.get(source, source)
+    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    tokenizer = json.loads(gzip.decompress((QWEN3_TOKENIZER / "tokenizer.json.gz").read_bytes()))
+    added = sorted((int(i), token) for i, token in config["added_tokens_decoder"].items())
+    assert added[0][0] == len(tokenizer["model"]["vocab"]), "added tokens follow the vocabulary"
+    tokenizer["added_tokens"] = [{"id": i, **token} for i, token in added]
+    dest = Path(tempfile.mkdtemp(prefix="mlx-prefix-tokenizer-")) / source.name
+    atexit.register(shutil.rmtree, dest.parent, ignore_errors=True)
+    dest.mkdir()
+    (dest / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
+    shutil.copyfile(source / "tokenizer_config.json", dest / "tokenizer_config.json")
+    _built[source] = dest
+    return dest
 
 
 @contextmanager

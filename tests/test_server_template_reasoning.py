@@ -80,9 +80,17 @@ class Family:
             )
             self.reasoning += '{"path": "b.py"}'
             return
+        # Written as the templates write a turn: the start marker and a newline (Gemma 4's
+        # `<|channel>thought` label ends there), the reasoning, the template's own close
+        # (prompt/reasoning.py reads it from the template: `\n<channel|>` for Gemma 4).
+        opening += "\n" if opening else ""
+        close = engine.planner.reasoning.close_text
         self.reasoning = f"Maybe {self._markup('b.py')} first."
         tail = self._markup("a.py") if self.syntax is not None else ""
-        self.script = f"{opening}{self.reasoning}{tokenizer.think_end}\n\n{ANSWER}{tail}"
+        self.script = f"{opening}{self.reasoning}{close}{ANSWER}{tail}"
+        # What the reply writes inside the block is its reasoning, newlines included.
+        self.reasoning = "\n" * opening.endswith("\n") + self.reasoning
+        self.reasoning += close[: close.index(tokenizer.think_end)]
 
     def _markup(self, path: str) -> str:
         """A call as this family's template writes one (so as its model does)."""

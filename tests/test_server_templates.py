@@ -1,9 +1,10 @@
 """The real chat templates of 14 model families, served with Qwen3's real tokenizer (and
-gpt-oss with its own) on a tiny random-weight model, over chat completions, Anthropic
-Messages and Responses: an agent's conversation (system prompt, tools, a call with
-reasoning, its result, an answer, a new question, another call) renders and answers 200
-(or a 400 naming the template's own refusal, never a 5xx), and every turn reuses what it
-shares with the turn before, up to the grid point at the divergence."""
+gpt-oss with its own, Gemma 4 with its control tokens) on a tiny random-weight model,
+over chat completions, Anthropic Messages and Responses: an agent's conversation (system
+prompt, tools, a call with reasoning, its result, an answer, a new question, another
+call) renders and answers 200 (or a 400 naming the template's own refusal, never a 5xx),
+and every turn reuses what it shares with the turn before, up to the grid point at the
+divergence."""
 
 from __future__ import annotations
 

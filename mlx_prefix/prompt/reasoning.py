@@ -9,9 +9,10 @@ from a prompt's tokens and the template:
   generation prompt with `<think>\\n`): then the reply starts as reasoning, as
   mlx_lm.server decides with `rfind_think_start` / `rfind_think_end`;
 - how the template closes a reasoning block before the answer (Qwen3.5:
-  `\\n</think>\\n\\n`), read from a render of a reply with sentinel reasoning and
-  content: what the server forces when a reasoning budget runs out, and what a forced
-  tool call's opening starts with after an open think block.
+  `\\n</think>\\n\\n`; Gemma 4: `\\n<channel|>`), read from a render of a reply with
+  sentinel reasoning and content (and a call: Gemma 4 renders reasoning only then):
+  what the server forces when a reasoning budget runs out, and what a forced tool
+  call's opening starts with after an open think block.
 Built once per model (prompt/boundaries.PromptPlanner); pure, no MLX.
 """
 
@@ -21,7 +22,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlx_prefix.conversation import Message
+from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt import harmony
 from mlx_prefix.prompt.render import ChatRenderer
@@ -29,6 +30,11 @@ from mlx_prefix.prompt.render import ChatRenderer
 log = logging.getLogger("mlx_prefix.prompt")
 
 _REASONING, _ANSWER = "zqreasoningprobe", "zqanswerprobe"  # plain text no template rewrites
+_QUESTION = Message("user", "zqquestionprobe")
+_PROBES = (
+    Message("assistant", _ANSWER, reasoning=_REASONING),
+    Message("assistant", _ANSWER, reasoning=_REASONING, tool_calls=(ToolCall("f", {}, "c0"),)),
+)
 
 
 @dataclass(frozen=True)
@@ -87,23 +93,29 @@ def _at(tokens: Sequence[int], i: int, marker: tuple[int, ...]) -> bool:
 
 
 def _template_close(renderer: ChatRenderer, end_text: str) -> str:
-    """The text between an assistant turn's reasoning and its answer in the template's
-    own render; Qwen's and DeepSeek's `\\n</think>\\n\\n` when the template renders no
-    reasoning (or refuses the probe)."""
+    """What an assistant turn's render writes after its reasoning: up to its answer
+    (Qwen3.5: `\\n</think>\\n\\n`; harmony's end and final header), or where a call
+    follows the reasoning (Gemma 4 renders reasoning only on a turn with calls), up to
+    the end marker and the whitespace after it (Gemma 4: `\\n<channel|>`). Qwen's and
+    DeepSeek's `\\n</think>\\n\\n` when the template renders no reasoning (or refuses
+    the probes)."""
+    for reply in _PROBES:
+        try:
+            text = renderer.render_text([_QUESTION, reply], add_generation_prompt=False)
+        except InvalidRequest:
+            continue
+        at = text.find(_REASONING)
+        answer = text.find(_ANSWER, at + len(_REASONING))
+        if at < 0 or answer < 0:
+            continue
+        between = text[at + len(_REASONING) : answer]
+        if end_text not in between:
+            continue
+        if not reply.tool_calls:
+            return between
+        end = between.index(end_text) + len(end_text)
+        after = between[end:]
+        return between[:end] + after[: len(after) - len(after.lstrip())]
     fallback = f"\n{end_text}\n\n"
-    probe = [
-        Message("user", "zqquestionprobe"),
-        Message("assistant", _ANSWER, reasoning=_REASONING),
-    ]
-    try:
-        text = renderer.render_text(probe, add_generation_prompt=False)
-    except InvalidRequest:
-        return fallback
-    at, answer = text.find(_REASONING), text.find(_ANSWER)
-    if at < 0 or answer < at:
-        return fallback
-    between = text[at + len(_REASONING) : answer]
-    if end_text not in between:
-        log.debug("the template writes no %r after reasoning; using %r", end_text, fallback)
-        return fallback
-    return between
+    log.debug("the template writes no %r after reasoning; using %r", end_text, fallback)
+    return fallback
