@@ -8,6 +8,8 @@ that owes a checkpoint to others computes alone, and --deterministic never stack
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import pytest
 from conftest import loaded_test_model
@@ -86,6 +88,25 @@ def test_sliding_window_caches_never_stack():
     assert stacking(task) == 0
 
 
+def _burst(engine: Engine, prompts: list, max_tokens: int) -> list:
+    """Serve `prompts` arriving together: the engine's first prefill step waits until
+    all are submitted (the first computes alone, the rest are ready at its next step),
+    whatever the machine's speed."""
+    gate, step = threading.Event(), engine._prefill.step
+
+    def gated(*args, **kwargs):
+        gate.wait(60)
+        return step(*args, **kwargs)
+
+    engine._prefill.step = gated
+    try:
+        handles = [engine.submit(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+        gate.set()
+        return [collect(h) for h in handles]
+    finally:
+        engine._prefill.step = step
+
+
 def _engine(kind: str, **config) -> Engine:
     config.setdefault("prefetch_next_turn", False)
     cache = CacheConfig(budget_bytes=1 << 30)
@@ -103,8 +124,7 @@ def test_a_warm_burst_stacks_its_rests_and_stores_only_alone_prefills(kind):
                    for w in ("harbor", "meadow", "copper", "ledger")]  # fmt: skip
         assert len({len(engine.plan(p).tokens) for p in prompts}) == 1
         stored_before = {e.tokens for e in engine.store.sequences(engine.model_key)}
-        handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in prompts]
-        results = [collect(h) for h in handles]
+        results = _burst(engine, prompts, max_tokens=4)
         assert engine._prefill.tails_stacked >= 2, "no rests were stacked"
         assert all(r.usage.cached_tokens > 0 for r in results)  # the instruction was a hit
         assert all(r.usage.completion_tokens == 4 for r in results)
@@ -149,8 +169,7 @@ def test_deterministic_mode_never_stacks_rests():
         prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
         collect(engine.submit(prime, SamplingParams(max_tokens=2)))
         prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet {i}.")) for i in range(4)]
-        for h in [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]:
-            collect(h)
+        _burst(engine, prompts, max_tokens=2)
         assert engine._prefill.tails_stacked == 0
     finally:
         engine.shutdown()
@@ -162,8 +181,7 @@ def test_stacking_can_be_turned_off():
         prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
         collect(engine.submit(prime, SamplingParams(max_tokens=2)))
         prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet {i}.")) for i in range(4)]
-        for h in [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]:
-            collect(h)
+        _burst(engine, prompts, max_tokens=2)
         assert engine._prefill.tails_stacked == 0
     finally:
         engine.shutdown()
