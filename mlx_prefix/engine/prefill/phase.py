@@ -11,6 +11,7 @@ byte budget (invariant 6). Engine thread only.
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import time
 from collections import Counter
@@ -40,6 +41,8 @@ from mlx_prefix.engine.requests.jobs import Job, PrefillTask
 from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
+
+log = logging.getLogger("mlx_prefix.engine")
 
 
 @dataclass(slots=True)
@@ -247,7 +250,15 @@ class PrefillPhase:
             if task.checkpointer is not None:
                 task.checkpointer.settle()  # deferred checkpoints, from the grid's KV
         works = [ChunkWork(t.cache, t.tokens, t.position, len(t.tokens)) for t in group.tasks]
+        started = time.perf_counter()
         outputs = compute_tails(self.model.model, works, group.padded)
+        log.debug(
+            "stacked %d rests, %d tokens (%s) in %.3f s",
+            len(works),
+            group.tokens,
+            "padded" if group.padded else "one length",
+            time.perf_counter() - started,
+        )
         result.tokens += group.tokens
         self.tails_stacked += len(group.tasks)
         for task, logits in zip(group.tasks, outputs, strict=True):
