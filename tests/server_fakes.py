@@ -34,6 +34,7 @@ from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
+from mlx_prefix.prompt.thinking import NO_EDGES
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
@@ -145,6 +146,7 @@ class FakeHandle:
         self.cached_tokens: int | None = None
         self.cache_written_tokens: int | None = None
         self.opens_reasoning = False  # the prompt left a think block open
+        self.reasoning_edges = NO_EDGES  # what the reasoning drops where written
         self.breakpoint_end = 0  # the furthest client breakpoint's position
         self.namespace = namespace  # its cache namespace's id
         self.cancelled = threading.Event()

@@ -15,9 +15,10 @@ from template_models import DATA, GPT_OSS_TOKENIZER, QWEN3_TOKENIZER
 from mlx_prefix.conversation import Message
 from mlx_prefix.prompt import harmony
 from mlx_prefix.prompt.harmony import CONTROL, Harmony, HarmonyReader
-from mlx_prefix.prompt.reasoning import ReasoningMarkers, _template_close
+from mlx_prefix.prompt.reasoning import ReasoningMarkers, _probe_renders, _template_close
 from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.prompt.reply import answer_text, client_reply, reply_reader, tool_syntax
+from mlx_prefix.prompt.thinking import NO_EDGES
 from mlx_prefix.prompt.tool_calls import CallParser, Split
 from mlx_prefix.records import ToolCallIds
 
@@ -126,7 +127,10 @@ def test_the_reasoning_markers_are_the_analysis_message_and_close_as_the_templat
     assert gpt_oss.decode(list(markers.start)) == harmony.ANALYSIS
     assert gpt_oss.decode(list(markers.end)) == "<|end|>"
     # The close a budget forces is the template's own, between reasoning and answer.
-    assert markers.close_text == harmony.CLOSE == _template_close(renderer, "<|end|>")
+    close = _template_close(_probe_renders(renderer), "<|end|>")
+    assert markers.close_text == harmony.CLOSE == close
+    # The analysis message comes back as the model wrote it: no edges dropped.
+    assert markers.reply_edges(opened=False) == markers.reply_edges(opened=True) == NO_EDGES
     prompt = renderer.encode_chat(
         renderer.render_text([Message("user", "hi")], add_generation_prompt=True)
     )

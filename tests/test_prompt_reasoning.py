@@ -1,6 +1,7 @@
 """ReasoningMarkers on the real templates: the markers mlx-lm's tokenizer wrapper names,
-whether a generation prompt leaves the block open, and the close the template writes
-after a turn's reasoning (what a spent reasoning budget forces)."""
+whether a generation prompt leaves the block open, the close the template writes
+after a turn's reasoning (what a spent reasoning budget forces), and the edges it writes
+around reasoning sent back (what a reply's reasoning drops, however the deltas cut it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.prompt.harmony import CLOSE as HARMONY_CLOSE
 from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.reply import reply_reader
+from mlx_prefix.prompt.thinking import ReasoningEdges
 
 QUESTION = conversation_from_dicts([{"role": "user", "content": "What does a.py print?"}])
 
@@ -52,3 +55,50 @@ def test_gemma4_reasons_in_its_thought_channel_which_thinking_opens_in_the_reply
     assert plain.endswith("<|channel>thought\n<channel|>")
     assert not found.opens(renderer.encode_chat(plain))
     assert found.opens(renderer.encode_chat(plain.removesuffix("<channel|>")))
+
+
+# family -> the edges its template writes around reasoning sent back (after the start
+# marker, before the end marker), and the lead left to the model after a generation
+# prompt that opens the block (Qwen3.5's, Nemotron's, MiniMax's `<think>\n` write it;
+# Qwen3's and Gemma 4's default prompts open none).
+EDGES = {
+    "Gemma 4": ("\n", "\n", "\n"),
+    "Qwen3": ("\n", "\n", "\n"),
+    "Qwen3.5": ("\n", "\n", ""),
+    "Nemotron 3 Nano": ("\n", "\n", ""),
+    "MiniMax M2": ("\n", "\n", ""),
+    "GLM-4.7": ("", "", ""),  # `<think>` + the reasoning, stripped, + `</think>`
+    "DeepSeek V3.1": ("", "", ""),  # renders no reasoning back
+}
+
+
+@pytest.mark.parametrize("family", list(EDGES))
+def test_the_edges_are_what_the_template_writes_around_reasoning(family):
+    found, _ = markers(family)
+    lead, trail, opened_lead = EDGES[family]
+    assert found.reply_edges(opened=False) == ReasoningEdges(lead, trail)
+    assert found.reply_edges(opened=True) == ReasoningEdges(opened_lead, trail)
+
+
+def read(family: str, reply: str, cut: int) -> tuple[str, str]:
+    """`reply` read in deltas of `cut` characters: (its reasoning, its text)."""
+    found, _ = markers(family)
+    edges = found.reply_edges(opened=False)
+    reader = reply_reader(template_model(family).tokenizer, None, edges=edges)
+    splits = [reader.feed(reply[i : i + cut]) for i in range(0, len(reply), cut)]
+    splits.append(reader.finish())
+    return "".join(s.reasoning for s in splits), "".join(s.text for s in splits)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 1000])
+def test_the_reasoning_drops_the_edges_only_where_the_model_wrote_them(cut):
+    def thought(body: str) -> tuple[str, str]:
+        return read("Gemma 4", f"<|channel>thought{body}<channel|>Reading it.", cut)
+
+    assert thought("\nLet me see.\n") == ("Let me see.", "Reading it.")
+    assert thought("Let me see.") == ("Let me see.", "Reading it.")
+    assert thought("\n\nLet me\n\nsee.\n\n") == ("\nLet me\n\nsee.\n", "Reading it.")
+    # Edges alone: the reasoning as written (an empty one would not render back).
+    assert thought("\n\n") == ("\n\n", "Reading it.")
+    assert read("Gemma 4", "<|channel>thought\nLet me\n", cut) == ("Let me\n", "")  # cut off
+    assert read("Gemma 4", "No thought.\n", cut) == ("", "No thought.\n")

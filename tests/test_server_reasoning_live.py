@@ -43,11 +43,11 @@ MARKUP = (
 )
 # Qwen3.5 writes after the `<think>\n` its prompt opened: reasoning (holding call markup,
 # which is no call), the close, a sentence, one call in Qwen3-Coder's XML.
-# The reasoning as the server hands it out: up to the end marker, so with the newline
-# before it (the template trims it when the reasoning comes back).
-REASONING = f"I could call {MARKUP} but main.py comes first.\n"
+# The reasoning as the server hands it out: up to the end marker, without the newline
+# before it (the template writes its own when the reasoning comes back).
+REASONING = f"I could call {MARKUP} but main.py comes first."
 TOOL_REPLY = (
-    f"{REASONING}</think>\n\nReading it.\n\n"
+    f"{REASONING}\n</think>\n\nReading it.\n\n"
     "<tool_call>\n<function=Read>\n<parameter=path>\nmain.py\n</parameter>\n</function>\n</tool_call>"
 )
 SCRIPT_SEED = 8001
@@ -303,7 +303,8 @@ def test_a_spent_budget_closes_the_block_as_the_template_does(chat, claude):
     tokens = [t.token for t in r.choices[0].logprobs.content]
     assert tokens[3:6] == ["\n", "</think>", "\n\n"]  # Qwen3.5's close, forced
     message = r.choices[0].message
-    assert message.model_extra["reasoning_content"] == _reply_text(tokens[:3]) + "\n"
+    # Without the close's newline: the template writes its own when it comes back.
+    assert message.model_extra["reasoning_content"] == _reply_text(tokens[:3])
     assert message.content == ("".join(tokens[6:]).lstrip("\n") or None)  # the answer
     m = claude.messages.create(
         model="m",

@@ -13,6 +13,7 @@ tokens, then EOS), everything else is the real path.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import anthropic
 import mlx.core as mx
@@ -27,6 +28,8 @@ from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.decode import phase as decode
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.requests.prefetch import next_turn_prompt
+from mlx_prefix.prompt.boundaries import common_prefix_length
 from mlx_prefix.prompt.harmony import CONTROL, Harmony
 from mlx_prefix.prompt.reply import tool_syntax
 from mlx_prefix.records import PromptInput
@@ -88,9 +91,14 @@ class Family:
         self.reasoning = f"Maybe {self._markup('b.py')} first."
         tail = self._markup("a.py") if self.syntax is not None else ""
         self.script = f"{opening}{self.reasoning}{close}{ANSWER}{tail}"
-        # What the reply writes inside the block is its reasoning, newlines included.
-        self.reasoning = "\n" * opening.endswith("\n") + self.reasoning
-        self.reasoning += close[: close.index(tokenizer.think_end)]
+        # What the reply writes inside the block is its reasoning, newlines included, but
+        # for the edges the template writes itself around reasoning sent back (Gemma 4's,
+        # Qwen3's `\n` after the start marker and before the end marker): the client's
+        # copy renders back as the model wrote it.
+        written = "\n" * opening.endswith("\n") + self.reasoning
+        written += close[: close.index(tokenizer.think_end)]
+        edges = plan.reasoning_edges
+        self.reasoning = written.removeprefix(edges.lead).removesuffix(edges.trail)
 
     def _markup(self, path: str) -> str:
         """A call as this family's template writes one (so as its model does)."""
@@ -218,3 +226,65 @@ def test_a_spent_budget_closes_the_reasoning_and_the_model_answers(family):
     # The template's close after two reasoning tokens; the script goes on as the answer.
     assert message.model_extra["reasoning_content"].strip() == "one two"
     assert message.content.strip() == "three four five" and clean(message.content)
+
+
+# Families whose template renders reasoning sent back, on a turn that made a call, as
+# their model writes it (Kimi K2's drops it: the next turn reuses up to the reply's start).
+ROUND_TRIP = ("Qwen3.5", "Qwen3", "Nemotron 3 Nano", "GLM-4.7", "MiniMax M2", "Gemma 4")
+# Gemma 4 writes its thought channel once the template's `<|think|>` turns thinking on
+# (thinking off, its generation prompt holds an empty channel its history never does).
+THINKING = {"Gemma 4": {"enable_thinking": True}}
+
+
+def test_the_reply_sent_back_renders_as_written_through_its_reasoning(family):
+    """Issue 34, item 2: the reply as the client sends it back (its reasoning, text and
+    calls as the server answered them), and as the next-turn prefetch renders it,
+    renders the prompt and the reply's own tokens through the end of its reasoning, so
+    the agent's next turn reuses the cache past the reasoning. Before, Gemma 4's template
+    wrote `<|channel>thought\\n` before the `\\n` the reasoning came back with, and
+    Nemotron's and MiniMax's `\\n</think>` after the `\\n` it ended with."""
+    if family.syntax is None:
+        pytest.skip("no tool calls: the reply comes back as text")
+    if family.harmony:  # its analysis message comes back as written (test_prompt_harmony)
+        pytest.skip("gpt-oss's template takes no reasoning beside a preamble and calls")
+    engine, tokenizer = family.engine, family.engine.model.tokenizer
+    kwargs = THINKING.get(family.name)
+    with openai.OpenAI(base_url=f"{family.url}/v1", api_key="x", max_retries=0) as client:
+        r = client.chat.completions.create(
+            model="m",
+            messages=QUESTION,
+            tools=TOOLS,
+            seed=SEED,
+            max_tokens=300,
+            extra_body={"chat_template_kwargs": kwargs} if kwargs else None,
+        )
+    message = r.choices[0].message
+    source = PromptInput(
+        messages=conversation_from_dicts(QUESTION), tools=tuple(TOOLS), chat_template_kwargs=kwargs
+    )
+    plan = engine.plan(source)
+    sent = family.script.split("<|call|>")[0]
+    generated = [*plan.tokens, *tokenizer.encode(sent, add_special_tokens=False)]
+    end = engine.planner.reasoning.end_text
+    through = sent[: sent.index(end) + len(end)]  # an end marker: a token of its own
+    reach = len(plan.tokens) + len(tokenizer.encode(through, add_special_tokens=False))
+
+    calls = [{"id": c.id, "type": "function",
+              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+             for c in message.tool_calls]  # fmt: skip
+    back = {"role": "assistant", "content": message.content, "tool_calls": calls}
+    back["reasoning_content"] = message.model_extra["reasoning_content"]
+    result = {"role": "tool", "tool_call_id": calls[0]["id"], "content": "x"}
+    turn = replace(source, messages=conversation_from_dicts([*QUESTION, back, result]))
+    sent_back = common_prefix_length(engine.plan(turn).tokens, generated)
+    prefetched = next_turn_prompt(
+        engine.planner, source, sent, len(plan.tokens), family.syntax, r.id, plan.opens_reasoning
+    )
+    assert prefetched is not None
+    predicted = common_prefix_length(prefetched.tokens, generated)
+    # The prefetch renders the turn the client sends, up to where its last message begins.
+    assert predicted == min(sent_back, len(prefetched.tokens))
+    if family.name in ROUND_TRIP:
+        assert min(sent_back, predicted) >= reach
+    else:
+        assert sent_back == len(plan.tokens)

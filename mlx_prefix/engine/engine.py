@@ -215,6 +215,7 @@ class Engine(CacheViews, EngineLoop):
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         handle = self.handle_type(request_id, len(rendered.tokens))
         handle.opens_reasoning = rendered.opens_reasoning
+        handle.reasoning_edges = rendered.reasoning_edges
         handle.breakpoint_end = max(
             (c.position for c in rendered.checkpoints if c.marked), default=0
         )

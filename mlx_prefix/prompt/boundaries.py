@@ -44,6 +44,7 @@ from mlx_prefix.prompt.breakpoints import breakpoint_positions
 from mlx_prefix.prompt.grid import ChunkGrid
 from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import PromptInput
 
 log = logging.getLogger("mlx_prefix.prompt")
@@ -76,6 +77,9 @@ class RenderedPrompt:
     is_chat: bool
     # The prompt leaves a think block open: the reply starts as reasoning.
     opens_reasoning: bool = False
+    # What the reply's reasoning drops where written: the template writes it itself when
+    # the reasoning comes back (ReasoningMarkers.reply_edges; Gemma 4's `\n`s).
+    reasoning_edges: ReasoningEdges = NO_EDGES
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):
@@ -274,8 +278,10 @@ class PromptPlanner:
             return RenderedPrompt(tuple(tokens), self._with_tail(len(tokens), found), False)
         tokens = self.renderer.messages_tokens(prompt)
         checkpoints = self._chat_checkpoints(prompt, tokens)
-        opens = self.reasoning is not None and self.reasoning.opens(tokens)
-        return RenderedPrompt(tuple(tokens), checkpoints, True, opens)
+        markers = self.reasoning
+        opens = markers is not None and markers.opens(tokens)
+        edges = markers.reply_edges(opens) if markers is not None else NO_EDGES
+        return RenderedPrompt(tuple(tokens), checkpoints, True, opens, edges)
 
     def _periodic(self, tokens: Sequence[int]) -> tuple[Checkpoint, ...]:
         positions = self.grid.periodic(len(tokens), self.config.checkpoint_interval)

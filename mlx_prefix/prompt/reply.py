@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from mlx_prefix.conversation import Message, ToolCall, decode_arguments
 from mlx_prefix.prompt.harmony import SYNTAX as HARMONY_SYNTAX
 from mlx_prefix.prompt.harmony import Harmony, HarmonyReader
-from mlx_prefix.prompt.thinking import ThinkSplitter
+from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges, ThinkSplitter
 from mlx_prefix.prompt.tool_calls import CallParser, ReplyCall, ReplySplitter, Split, ToolSyntax
 from mlx_prefix.records import ToolCallIds
 
@@ -83,16 +83,19 @@ def reply_reader(
     opened: bool = False,
     prefix: str = "",
     reasoning: bool = True,
+    edges: ReasoningEdges = NO_EDGES,
 ) -> ReplyReader:
     """How `tokenizer`'s model's reply is read. `syntax`: calls are parsed (tools were
     offered); `opened`: the prompt left a think block open, so the reply starts as
     reasoning; `prefix`: the opening the prompt forced (a tool call's start), read first,
     never reasoning; `reasoning`: split reasoning off at all (a raw completion's text is
-    not read, harmony's neither)."""
+    not read, harmony's neither); `edges`: what the reasoning drops where its model wrote
+    it, the template writing it itself (ReasoningMarkers.reply_edges)."""
     if reasoning and Harmony.of(tokenizer) is not None:
         reader: ReplyReader = HarmonyReader(calls=syntax is not None)
     else:
-        thinking = ThinkSplitter.of(tokenizer, opened) if reasoning and not prefix else None
+        wanted = reasoning and not prefix
+        thinking = ThinkSplitter.of(tokenizer, opened, edges) if wanted else None
         reader = MarkerReader(thinking, ReplySplitter(syntax) if syntax is not None else None)
     if prefix and syntax is not None:  # a forced call's start: tools were offered
         split = reader.feed(prefix)

@@ -18,14 +18,18 @@ for calls, so markup written while reasoning never becomes a call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.prompt.reply import ReplyReader, reply_reader, tool_syntax
+from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
 from . import chat_bodies as R
 from .protocol.request import GenerationRequest
 from .tools import Split, ToolCallFormatter, ToolSyntax
+
+if TYPE_CHECKING:
+    from mlx_prefix.engine.requests.handle import RequestHandle
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,11 @@ class Assembler:
         req: GenerationRequest,
         tokenizer: Any,
         streaming: bool,
-        *,
-        opens_reasoning: bool = False,
+        handle: RequestHandle | None = None,
     ) -> Assembler:
-        """`opens_reasoning`: the prompt left a think block open (the engine handle's
-        flag). A raw completion's text is never split."""
+        """The reply as `handle`'s prompt left it (the engine's handle of the request):
+        inside a think block it opened, its reasoning dropping the edges the template
+        writes itself. A raw completion's text is never split."""
         syntax = tool_syntax(tokenizer) if req.parse_tools else None
         return cls.build(
             req.sampling.logprobs,
@@ -67,8 +71,9 @@ class Assembler:
             req.prompt,
             streaming,
             tokenizer,
-            opened=opens_reasoning,
+            opened=handle is not None and handle.opens_reasoning,
             reasoning=req.kind == "chat",
+            edges=handle.reasoning_edges if handle is not None else NO_EDGES,
         )
 
     @classmethod
@@ -82,6 +87,7 @@ class Assembler:
         *,
         opened: bool = False,
         reasoning: bool = False,
+        edges: ReasoningEdges = NO_EDGES,
     ) -> Assembler:
         """Tool calls are parsed when `syntax` is given (tools offered, the model knows
         their markup), named by the prompt's reply_tool_call_ids; reasoning is split off
@@ -89,7 +95,12 @@ class Assembler:
         if syntax is None and not reasoning:
             return cls(logprobs=logprobs, tokenizer=tokenizer)
         reader = reply_reader(
-            tokenizer, syntax, opened=opened, prefix=prompt.assistant_prefix, reasoning=reasoning
+            tokenizer,
+            syntax,
+            opened=opened,
+            prefix=prompt.assistant_prefix,
+            reasoning=reasoning,
+            edges=edges,
         )
         formatter = (
             ToolCallFormatter(syntax, prompt.tools, streaming, prompt.reply_tool_call_ids)

@@ -7,6 +7,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 
+from mlx_prefix.prompt.thinking import NO_EDGES
 from mlx_prefix.records import DoneEvent, ErrorEvent, Event
 
 
@@ -25,9 +26,11 @@ class RequestHandle:
         self.cached_tokens: int | None = None  # restored from the cache
         self.cache_written_tokens: int | None = None  # computed and stored in the cache
         # Set at submit, from the rendered prompt: the reply starts as reasoning (the
-        # prompt left a think block open), and the furthest position of the client's
-        # cache breakpoints (0: none).
+        # prompt left a think block open), what its reasoning drops where written (the
+        # template writes it), and the furthest position of the client's cache
+        # breakpoints (0: none).
         self.opens_reasoning = False
+        self.reasoning_edges = NO_EDGES
         self.breakpoint_end = 0
         self.cancelled = threading.Event()
         self._queue: queue.Queue[Event] = queue.Queue()

@@ -25,6 +25,7 @@ from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.conversation import Conversation, Message
 from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
 from mlx_prefix.prompt.reply import client_reply, reply_reader
+from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.prompt.tool_calls import ToolSyntax
 from mlx_prefix.records import PromptInput, ToolCallIds
 
@@ -50,6 +51,7 @@ def next_turn_messages(
     request_id: str,
     tokenizer: Any = None,
     opened: bool = False,
+    edges: ReasoningEdges = NO_EDGES,
 ) -> Conversation:
     """The conversation the client will send next: this one, the reply as the client
     received it, and a placeholder for the next message. A reply that calls tools comes
@@ -58,15 +60,18 @@ def next_turn_messages(
     other reply as its text, followed by a user message. A reply that continues the
     opening its prompt forced (a forced tool call) is read with that opening, as the
     server's assembler reads it. With the model's `tokenizer`, the reply is read as the
-    server reads it (prompt/reply.py; `opened`: the prompt left a think block open), its
-    reasoning coming back as its `reasoning_content`, as the server answered it apart."""
+    server reads it (prompt/reply.py; `opened`: the prompt left a think block open,
+    `edges`: what its reasoning drops where written), its reasoning coming back as its
+    `reasoning_content`, as the server answered it apart."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
     if tokenizer is None:  # calls only, after the opening
         turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids)
     else:
         calls = syntax if source.tools else None  # the server parses calls only then
-        reader = reply_reader(tokenizer, calls, opened=opened, prefix=source.assistant_prefix)
+        reader = reply_reader(
+            tokenizer, calls, opened=opened, prefix=source.assistant_prefix, edges=edges
+        )
         turn = client_reply(syntax, reply, source.tools, ids, reader)
     if turn.call_ids:
         nxt = Message("tool", NEXT_MESSAGE, tool_call_id=turn.call_ids[0])
@@ -93,8 +98,11 @@ def next_turn_prompt(
     begins (sentinel substitution) exactly as it will for the real next request.
     """
     tokenizer = planner.renderer.tokenizer
+    markers = planner.reasoning
+    edges = markers.reply_edges(opens_reasoning) if markers is not None else NO_EDGES
+    turn = next_turn_messages(source, reply, syntax, request_id, tokenizer, opens_reasoning, edges)
     probe = PromptInput(
-        messages=next_turn_messages(source, reply, syntax, request_id, tokenizer, opens_reasoning),
+        messages=turn,
         tools=source.tools,
         chat_template_kwargs=source.chat_template_kwargs,
     )

@@ -55,9 +55,7 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
         record.write(str(e.status), error=e.message)
         raise
     meta = R.ResponseMeta(kind, served.id, record.request_id, legacy_functions=req.legacy_functions)
-    assembler = Assembler.for_request(
-        req, tokenizer, req.stream, opens_reasoning=handle.opens_reasoning
-    )
+    assembler = Assembler.for_request(req, tokenizer, req.stream, handle)
 
     def whole(result: Collected, finish: str) -> dict:
         return R.completion_body(

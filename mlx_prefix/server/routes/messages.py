@@ -56,9 +56,7 @@ async def messages(request: Request) -> Response:
         raise
     # The client's own stop sequences: a parallel-call stop added above is not one.
     stops = parsed.generation.sampling.stop
-    assembler = Assembler.for_request(
-        req, tokenizer, streaming=False, opens_reasoning=handle.opens_reasoning
-    )
+    assembler = Assembler.for_request(req, tokenizer, streaming=False, handle=handle)
     writer = BlockWriter(show_thinking=parsed.show_thinking)
 
     def whole(result: Collected, finish: str) -> dict:

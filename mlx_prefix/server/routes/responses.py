@@ -72,9 +72,7 @@ async def create_response(request: Request) -> Response:
             turn = (*history, *parsed.input, *reply_messages(body["output"]))
             st.responses.put(who.namespace, response_id, StoredResponse(body, turn))
 
-    assembler = Assembler.for_request(
-        req, tokenizer, streaming=False, opens_reasoning=handle.opens_reasoning
-    )
+    assembler = Assembler.for_request(req, tokenizer, streaming=False, handle=handle)
 
     def whole(result: Collected, finish: str) -> dict[str, Any]:
         for delta in result.deltas:
