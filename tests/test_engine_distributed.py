@@ -137,7 +137,12 @@ def test_a_lost_rank_ends_requests_with_one_clear_error_and_new_ones_get_503():
                     lines = r.iter_lines()
                     assert next(line for line in lines if line.startswith("data: "))
                     group.lose()
-                    rest = "\n".join(lines)  # the stream ends, it does not hang
+                    # The stream ends, it does not hang: SSE pings (every 15 s) keep a
+                    # hung stream's reads alive, so the deadline is the test's own.
+                    deadline, rest = time.monotonic() + 60, ""
+                    for line in lines:
+                        rest += line + "\n"
+                        assert time.monotonic() < deadline, "the stream outlived its rank"
                 assert "a rank of the group is gone" in rest
                 new = http.post("/v1/chat/completions", json={**body, "stream": False})
                 assert new.status_code == 503
