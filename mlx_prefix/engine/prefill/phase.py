@@ -212,11 +212,12 @@ class PrefillPhase:
         until `close`, so an error on the way still reaches them."""
         result = PrefillStep()
         started = time.perf_counter()
-        ready = (t for t in self._in_order() if not self._awaited(t))
-        # Nothing decoding waits on a stacked group: then it takes every ready rest.
-        group = tail_group(ready, self.stack_limit, budget if decoding else sys.maxsize)
-        if group is not None:
-            self._stacked_step(group, result)
+        if self.stack_limit:
+            ready = [t for t in self._in_order() if self._may_stack(t)]
+            # Nothing decoding waits on a stacked group: then it takes every ready rest.
+            group = tail_group(ready, self.stack_limit, budget if decoding else sys.maxsize)
+            if group is not None:
+                self._stacked_step(group, result)
         while not result.finished and result.tokens < budget:
             chosen, tokens = choose_chunks(self._in_order(), budget, result.tokens)
             if not chosen:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from mlx_prefix.cache.layers import EQUAL_TAILS, NO_STACKING, PADDED_TAILS, kind_of
 from mlx_prefix.engine.requests.jobs import Job, PrefillTask
-from mlx_prefix.prompt.boundaries import common_prefix_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +63,10 @@ def awaited(task: PrefillTask, waiting: Iterable[Job], min_tokens: int) -> bool:
     """Whether a waiting request of the same key would restore at least `min_tokens` of
     `task`'s rest from what its prefill stores (an all-KV cache's end serves every
     prefix: in-flight sharing)."""
-    key, tokens = task.job.cache_key, task.tokens
-    return any(
-        j.cache_pref.enabled
-        and j.cache_key == key
-        and common_prefix_length(tokens, j.prompt.tokens) - task.position >= min_tokens
+    key, need = task.job.cache_key, task.position + min_tokens
+    head = tuple(task.tokens[:need])  # a slice compare: prompts can be long
+    return len(head) == need and any(
+        j.cache_pref.enabled and j.cache_key == key and tuple(j.prompt.tokens[:need]) == head
         for j in waiting
     )
 
