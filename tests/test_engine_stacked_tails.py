@@ -163,20 +163,11 @@ def test_a_rest_that_owes_the_system_prompt_computes_alone_and_stores_it():
         engine.shutdown()
 
 
-def test_deterministic_mode_never_stacks_rests():
-    engine = _engine("dense", deterministic=True)
-    try:
-        prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
-        collect(engine.submit(prime, SamplingParams(max_tokens=2)))
-        prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet {i}.")) for i in range(4)]
-        _burst(engine, prompts, max_tokens=2)
-        assert engine._prefill.tails_stacked == 0
-    finally:
-        engine.shutdown()
-
-
-def test_stacking_can_be_turned_off():
-    engine = _engine("dense", stack_tail_tokens=0)
+@pytest.mark.parametrize(
+    "config", [{"deterministic": True}, {"stack_tail_tokens": 0}], ids=["deterministic", "off"]
+)
+def test_deterministic_mode_or_stack_tails_0_never_stacks_rests(config):
+    engine = _engine("dense", **config)
     try:
         prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
         collect(engine.submit(prime, SamplingParams(max_tokens=2)))
