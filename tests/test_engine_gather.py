@@ -109,7 +109,7 @@ def test_joining_sequences_merge_once_into_a_buffer_with_room():
         cache, first = prefilled(tokens)
         one = DecodeBatch(model, rowwise.consistent_rows(model))
         one.add(0, cache, greedy(), first)
-        alone.append([one.step()[0].token for _ in range(4)])
+        alone.append([one.step()[0][1].token for _ in range(4)])
     batch = DecodeBatch(model, rowwise.consistent_rows(model))
     for i, tokens in enumerate(prompts):
         cache, first = prefilled(tokens)
@@ -118,7 +118,7 @@ def test_joining_sequences_merge_once_into_a_buffer_with_room():
     kv = batch.cache[0]
     buffer = kv.keys.shape[2]
     assert buffer == kv._idx + 4 and kv._idx == max(len(p) for p in prompts)
-    rows = [[s.token for s in batch.step()] for _ in range(4)]
+    rows = [[s.token for _, s in batch.step()] for _ in range(4)]
     assert kv.keys.shape[2] == buffer  # no growth copy in the first steps
     assert [list(r) for r in zip(*rows, strict=True)] == alone
 

@@ -18,7 +18,7 @@ SPLIT = ReasoningMarkers("<|a|>go", "<|b|>", (20, 21), (22,), "<|b|>", (22,))  #
 
 def sampled(sampler: TokenSampler) -> int:
     logits = mx.zeros((1, 30))
-    return int(sampler(logits, logits).item())
+    return int(sampler(logits).item())
 
 
 def run(bound: ReasoningBudget, sampler: TokenSampler, reply: list[int]) -> list[int]:

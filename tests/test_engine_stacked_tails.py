@@ -20,7 +20,13 @@ from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward.runner import ChunkWork, compute_tails
-from mlx_prefix.engine.prefill.tails import stacking
+from mlx_prefix.engine.prefill.tails import (
+    CPU_PADDING,
+    GPU_PADDING,
+    closest_rests,
+    padding_allowance,
+    stacking,
+)
 from mlx_prefix.records import SamplingParams
 
 INSTRUCTION = "Summarize each snippet in one line. " + " ".join(
@@ -86,6 +92,30 @@ def test_sliding_window_caches_never_stack():
     task = Task()
     task.cache = cache
     assert stacking(task) == 0
+
+
+class _Rest:  # what `closest_rests` reads of a task
+    def __init__(self, rest: int):
+        self.tokens, self.position = [0] * (100 + rest), 100
+
+
+def _lengths(group) -> list[int]:
+    return sorted(len(t.tokens) - t.position for t in group)
+
+
+def test_rests_stack_only_as_far_as_their_padding_allows():
+    """On the CPU a forward costs in proportion to its tokens, padding included, so only
+    rests of about one length stack; on a GPU, rests up to twice their tokens padded.
+    Within that, the most rests stack, and the fewest padded tokens on ties."""
+    assert padding_allowance(mx.cpu) == CPU_PADDING < padding_allowance(mx.gpu) == GPU_PADDING
+    burst = [_Rest(n) for n in (114, 53, 93, 210, 81, 58)]  # a warm burst's snippets
+    assert _lengths(closest_rests(burst, CPU_PADDING, 10**6)) == [53, 58]
+    assert _lengths(closest_rests(burst, GPU_PADDING, 10**6)) == [53, 58, 81, 93, 114]
+    questions = [_Rest(n) for n in (22, 23, 22, 24, 23, 22, 40, 41)]
+    assert _lengths(closest_rests(questions, CPU_PADDING, 10**6)) == [22, 22, 22, 23, 23, 24]
+    # Within a step's budget of prompt tokens while others decode (two at least).
+    assert _lengths(closest_rests(questions, CPU_PADDING, 70)) == [22, 22, 22]
+    assert _lengths(closest_rests(questions, CPU_PADDING, 10)) == [22, 22]
 
 
 def _burst(engine: Engine, prompts: list, max_tokens: int) -> list:

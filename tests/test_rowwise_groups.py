@@ -71,7 +71,7 @@ def _decode(model, prompts, rows, steps=4):
         batch.add(i, cache, TokenSampler(SamplingParams(temperature=0.0)), prompt[-1])
     out = [[] for _ in prompts]
     for _ in range(steps):
-        for i, row in enumerate(batch.step(want_logprobs=True)):
+        for i, (_, row) in enumerate(batch.step(want_logprobs=True)):
             out[i].append((row.token, row.logprob))
     return out
 

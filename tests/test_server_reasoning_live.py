@@ -61,7 +61,7 @@ class ScriptedSampler:
     def __init__(self, tokens: list[int], eos: int):
         self.tokens, self.eos = list(tokens), eos
 
-    def __call__(self, logprobs: mx.array, logits: mx.array | None = None) -> mx.array:
+    def __call__(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
         return mx.array([self.tokens.pop(0) if self.tokens else self.eos], dtype=mx.uint32)
 
 

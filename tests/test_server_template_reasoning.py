@@ -47,9 +47,9 @@ class ScriptedSampler(TokenSampler):
         super().__init__(*args)
         self.script, self.eos = list(script), eos
 
-    def __call__(self, logprobs: mx.array, logits: mx.array | None = None) -> mx.array:
+    def __call__(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
         if self.forcing:
-            return super().__call__(logprobs, logits)
+            return super().__call__(logits, logprobs)
         return mx.array([self.script.pop(0) if self.script else self.eos], dtype=mx.uint32)
 
 

@@ -117,6 +117,7 @@ class EngineLoop:
         one decode step for every running request."""
         self._schedule()
         if self._prefill.tasks:
+            self._decode.read_launched()  # the prefill's time is its own (pace.py)
             self._prefill_step(self._pace.prefill_budget(len(self._decode)))
             # Requests that arrived meanwhile are visible to in-flight sharing at the
             # next chunk boundary, and can start right after.
@@ -124,8 +125,11 @@ class EngineLoop:
             self._schedule()
         self._admit_held()
         if len(self._decode):
+            # While prompts prefill between decode steps, a step is computed and read
+            # whole: the pace weighs its time against theirs. Otherwise the next step
+            # launches before this one is read (DecodeBatch.step), as mlx_lm pipelines.
             started = time.perf_counter()
-            self._decode.step(self._stopping)
+            self._decode.step(self._stopping, overlap=not self._prefill.tasks)
             self._pace.decoded(time.perf_counter() - started)
 
     def _take_inbox(self, block: bool, timeout: float | None = None) -> None:

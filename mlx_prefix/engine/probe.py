@@ -80,7 +80,7 @@ def _decode(model: nn.Module, prompts: list[list[int]], rows: int) -> list[list]
         batch.add(i, cache, TokenSampler(SamplingParams(temperature=0.0)), prompt[-1])
     out: list[list] = [[] for _ in prompts]
     for _ in range(_STEPS):
-        for i, row in enumerate(batch.step(want_logprobs=True)):
+        for i, (_, row) in enumerate(batch.step(want_logprobs=True)):
             out[i].append((row.token, row.logprob))
     return out
 

@@ -38,6 +38,32 @@ class RowSample:
     top_values: list[float]  # their logprobs
 
 
+@dataclass(slots=True)
+class _Step:
+    """A decode step's lazy results for the rows it computed, `members` in row order."""
+
+    members: list[Any]
+    tokens: mx.array  # [B]
+    chosen: mx.array | None = None  # [B] logprob of each token, when asked
+    top_ids: mx.array | None = None  # [B, n]
+    top_values: mx.array | None = None  # [B, n]
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        found = (self.tokens, self.chosen, self.top_ids, self.top_values)
+        return [a for a in found if a is not None]
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows (indices into `members`) stay."""
+        index = mx.array(rows)
+        self.members = [self.members[i] for i in rows]
+        self.tokens = self.tokens[index]
+        if self.chosen is not None:
+            self.chosen = self.chosen[index]
+        if self.top_ids is not None and self.top_values is not None:
+            self.top_ids, self.top_values = self.top_ids[index], self.top_values[index]
+
+
 def _tokens_in(cache: list) -> int:
     """Tokens a sequence's cache holds (a sliding window's total, not its window)."""
     offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
@@ -84,6 +110,7 @@ class DecodeBatch:
         self._samplers: list[TokenSampler] = []
         self._inputs: list[int] = []  # next input token per row
         self._lengths: list[int] = []  # tokens in each row's cache
+        self._launched: _Step | None = None  # a step computing, not read yet (`step`)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -125,8 +152,14 @@ class DecodeBatch:
             return
         if not keep:
             self.cache, self.members, self._samplers, self._inputs = [], [], [], []
-            self._lengths = []
+            self._lengths, self._launched = [], None
             return
+        if self._launched is not None:  # its rows are the first ones (`in_flight`)
+            launched = [i for i in keep if i < len(self._launched.members)]
+            if launched:
+                self._launched.keep(launched)
+            else:
+                self._launched = None
         for c in self.cache:
             c.filter(keep)
         self.members = [self.members[i] for i in keep]
@@ -134,11 +167,51 @@ class DecodeBatch:
         self._inputs = [self._inputs[i] for i in keep]
         self._lengths = [self._lengths[i] for i in keep]
 
-    def step(self, want_logprobs: bool = False, top_n: int = 0) -> list[RowSample]:
-        """One decode step for every row. Logprobs (and the `top_n` most likely tokens)
-        only when asked: computed with the tokens, in the same evaluation."""
+    @property
+    def launched(self) -> bool:
+        """Whether a step is computing whose tokens nobody has read yet (`step(overlap=True)`)."""
+        return self._launched is not None
+
+    def in_flight(self, row: int) -> bool:
+        """Whether row `row` has a token in the launched step: the launched rows are
+        always the batch's first ones (joiners are appended, leavers filtered out)."""
+        return self._launched is not None and row < len(self._launched.members)
+
+    def step(
+        self, want_logprobs: bool = False, top_n: int = 0, overlap: bool = False
+    ) -> list[tuple[Any, RowSample]]:
+        """One decode step for every row; returns (member, its sample) per row read.
+        Logprobs (and the `top_n` most likely tokens) only when asked: computed with the
+        tokens, in the same evaluation.
+
+        With `overlap` the step is launched (mx.async_eval) with the tokens of the one
+        before as its input, still lazy, and that earlier step is read meanwhile, as
+        mlx_lm.generate pipelines: building a step's graph in Python overlaps the
+        previous step's compute. So a call returns the tokens of the step launched by
+        the call before (none on the first). A row that ends on a token read then has
+        one token computed past its end, dropped with it. Without `overlap` a step left
+        in flight is read and returned, and no step launches: the caller's next call
+        then sees every row's newest token first (a constraint's mask, a forced close)."""
         self.join()
-        inputs = mx.array(self._inputs)[:, None]  # [B, 1]
+        if self._launched is not None and not overlap:
+            return self._read(self._take_launched())
+        step = self._launch(want_logprobs, top_n)
+        if not overlap:
+            return self._read(step)
+        mx.async_eval(*step.arrays)
+        earlier, self._launched = self._launched, step
+        return self._read(earlier) if earlier is not None else []
+
+    def _launch(self, want_logprobs: bool, top_n: int) -> _Step:
+        """Build one step of every row (lazy): each row's input is its token in the
+        launched step, or its own next input when it has none there."""
+        if self._launched is None:
+            inputs = mx.array(self._inputs)
+        else:
+            inputs = self._launched.tokens
+            if joined := self._inputs[len(self._launched.members) :]:
+                inputs = mx.concatenate([inputs, mx.array(joined, dtype=inputs.dtype)])
+        inputs = inputs[:, None]  # [B, 1]
         self._lengths = [n + 1 for n in self._lengths]
         if self.kv is not None:
             logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [1, V]
@@ -148,25 +221,38 @@ class DecodeBatch:
         else:
             with batched(self.rows, self._lengths):
                 logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
-        logprobs = normalize(logits)
+        logprobs = normalize(logits) if want_logprobs else None
         tokens = mx.concatenate(
-            [s(logprobs[i : i + 1], logits[i : i + 1]) for i, s in enumerate(self._samplers)]
+            [
+                s(logits[i : i + 1], None if logprobs is None else logprobs[i : i + 1])
+                for i, s in enumerate(self._samplers)
+            ]
         )  # [B]
         if self.agree is not None:
             tokens = self.agree(tokens)
-        out = [tokens]
-        if want_logprobs:
-            out.append(mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0])  # [B]
+        step = _Step(list(self.members), tokens)
+        if logprobs is not None:
+            step.chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # [B]
             if top_n:
-                out.extend(top_logprobs(logprobs, top_n))  # [B, n] ids, [B, n] values
-        mx.eval(*out)
-        token_list = tokens.tolist()
-        self._inputs = list(token_list)
+                step.top_ids, step.top_values = top_logprobs(logprobs, top_n)  # [B, n] each
+        return step
+
+    def _take_launched(self) -> _Step:
+        step, self._launched = self._launched, None
+        assert step is not None
+        return step
+
+    def _read(self, step: _Step) -> list[tuple[Any, RowSample]]:
+        """Wait for `step` and hand out its rows; they become those rows' next inputs."""
+        mx.eval(*step.arrays)
+        token_list = step.tokens.tolist()
+        self._inputs[: len(token_list)] = token_list
         rows = len(token_list)
-        chosen = out[1].tolist() if want_logprobs else [None] * rows
-        ids = out[2].tolist() if len(out) > 2 else [[]] * rows
-        values = out[3].tolist() if len(out) > 2 else [[]] * rows
-        return [RowSample(*row) for row in zip(token_list, chosen, ids, values, strict=True)]
+        chosen = step.chosen.tolist() if step.chosen is not None else [None] * rows
+        ids = step.top_ids.tolist() if step.top_ids is not None else [[]] * rows
+        values = step.top_values.tolist() if step.top_values is not None else [[]] * rows
+        samples = [RowSample(*row) for row in zip(token_list, chosen, ids, values, strict=True)]
+        return list(zip(step.members, samples, strict=True))
 
     def sampler(self, row: int) -> TokenSampler:
         return self._samplers[row]
@@ -175,7 +261,8 @@ class DecodeBatch:
         """The only row's input and the L-1 tokens after it, computed in one forward
         like L decode steps (engine/decode/speculative.py): logits [L, V]. The cache then holds
         all L; `settle` says which stay."""
-        assert len(self.members) == 1 and tokens[0] == self._inputs[0]
+        assert len(self.members) == 1 and self._launched is None
+        assert tokens[0] == self._inputs[0]
         self.join()
         length = self._lengths[0] + len(tokens)
         with batched(self.rows or 1, [length], verify=True):

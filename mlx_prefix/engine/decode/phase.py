@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from mlx_prefix.cache.store import PromptCache
-from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.batch import DecodeBatch, RowSample
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
 from mlx_prefix.engine.decode.speculative import Speculator
@@ -55,6 +55,7 @@ class DecodePhase:
         self.reasoning: ReasoningMarkers | None = None
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
+        self.overlapped = 0  # steps launched before the step ahead of them was read
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -96,8 +97,8 @@ class DecodePhase:
         budget = ReasoningBudget.of(
             job.sampling.reasoning_budget, self.reasoning, job.prompt.opens_reasoning, sampler
         )
-        logprobs = normalize(logits)  # [1, V]
-        first = sampler(logprobs, logits)  # [1]
+        logprobs = normalize(logits) if job.sampling.logprobs else None  # [1, V]
+        first = sampler(logits, logprobs)  # [1]
         if self.agree_tokens is not None:
             first = self.agree_tokens(first)
         token = int(first.item())
@@ -116,9 +117,11 @@ class DecodePhase:
             self.speculator.adopt(running, task.draft)
         return running, token, logprob, top
 
-    def step(self, stopping: bool) -> None:
+    def step(self, stopping: bool, overlap: bool = True) -> None:
         """Drop cancelled requests (all of them when `stopping`), then one token for every
-        running request."""
+        running request. With `overlap` the next step may launch before this one's tokens
+        are read (`_overlaps`); without it a step is computed and read whole, so its
+        time is the step's own (engine/requests/pace.py)."""
         for running in [
             r for r in self.batch.members if r.job.handle.cancelled.is_set() or stopping
         ]:
@@ -126,27 +129,56 @@ class DecodePhase:
         if not len(self.batch):
             return
         self.peak_batch = max(self.peak_batch, len(self.batch))
-        if self.speculator is not None and len(self.batch) == 1:
+        if self.speculator is not None and len(self.batch) == 1 and not self.batch.launched:
             running = self.batch.members[0]
             if not _bounding(running) and (k := self.speculator.tokens_for(running)):
                 accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
                 self.speculator.step(self.batch, running, k, accept)
                 self.steps += 1
                 return
+        if self.batch.launched and not overlap:
+            self.read_launched()  # then a step of its own, from every row's newest token
+        if not len(self.batch):
+            return
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
-        members = list(self.batch.members)
-        sampled = self.batch.step(bool(asked), top_n)
-        for running, row in zip(members, sampled, strict=True):
+        overlap = overlap and self._overlaps()
+        self.overlapped += overlap
+        self._accept_rows(self.batch.step(bool(asked), top_n, overlap))
+        self.steps += 1
+        if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
+            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def read_launched(self) -> None:
+        """Hand out the tokens of a step launched ahead (if any) and launch none: before
+        a prefill step, so that the prefill's time is its own and the decode step after
+        it starts from every row's newest token."""
+        if self.batch.launched:
+            self._accept_rows(self.batch.step(overlap=False))
+
+    def _accept_rows(self, rows: Sequence[tuple[Running, RowSample]]) -> None:
+        for running, row in rows:
             params = running.job.sampling
             if not params.logprobs:
                 self._accept_token(running, row.token, None)
                 continue
             top = alternatives(row.top_ids, row.top_values, params.top_logprobs)
             self._accept_token(running, row.token, row.logprob, top)
-        self.steps += 1
-        if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
-            self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def _overlaps(self) -> bool:
+        """Whether the next step may launch before the newest tokens are read
+        (DecodeBatch.step): only where every row's next input is the token its sampler
+        draws on the device, and some row goes on past the tokens in flight."""
+        if self.agree_tokens is not None or self.kv is not None:
+            return False  # sharded ranks agree on each token; a quantized cache steps alone
+        if self.speculator is not None and len(self.batch) == 1:
+            return False  # the next step speculates, from the newest token
+        all_end = True
+        for row, running in enumerate(self.batch.members):
+            if running.job.constraint is not None or _bounding(running):
+                return False  # its mask, or a forced close, needs its newest token first
+            all_end = all_end and running.count + self.batch.in_flight(row) >= running.limit
+        return not all_end
 
     def _nbytes(self) -> int:
         """The batch's resident bytes, the draft caches beside it included."""
@@ -224,5 +256,6 @@ class DecodePhase:
 
 
 def _bounding(running: Running) -> bool:
-    """Its reasoning budget may still force tokens: it decodes without speculation."""
+    """Its reasoning budget may still force tokens: it decodes without speculation, and
+    each step waits for its token before the next launches."""
     return running.reasoning is not None and running.reasoning.bounding

@@ -97,7 +97,7 @@ def verify_matches(model: nn.Module, rows: int, vocab: int, k: int = 3) -> bool:
         return batch
 
     batch = fresh()
-    steps = [batch.step(want_logprobs=True)[0] for _ in range(k + 1)]
+    steps = [batch.step(want_logprobs=True)[0][1] for _ in range(k + 1)]
     inputs = [prompt[-1], *(s.token for s in steps[:-1])]
     logprobs = [normalize(row[None]) for row in fresh().verify(inputs)]
     return all(
@@ -213,8 +213,8 @@ class Speculator:
         kept = 0  # positions of the verify forward the reply keeps
         while True:
             row = logits[kept : kept + 1]  # [1, V]
-            logprobs = normalize(row)
-            token = sampler(logprobs, row)  # [1]
+            logprobs = normalize(row) if params.logprobs else None
+            token = sampler(row, logprobs)  # [1]
             out = [token]
             if params.logprobs:
                 out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])

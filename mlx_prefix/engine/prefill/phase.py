@@ -36,7 +36,13 @@ from mlx_prefix.engine.forward.runner import (
 from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.restore import Restored, restore_longest
-from mlx_prefix.engine.prefill.tails import TailGroup, awaited, stackable, tail_group
+from mlx_prefix.engine.prefill.tails import (
+    TailGroup,
+    awaited,
+    padding_allowance,
+    stackable,
+    tail_group,
+)
 from mlx_prefix.engine.requests.jobs import Job, PrefillTask
 from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
@@ -99,6 +105,8 @@ class PrefillPhase:
         self.peak_tasks = 0  # most requests ever prefilling at once (observability, tests)
         self.stacked = 0  # chunks computed in a stacked forward with others
         self.tails_stacked = 0  # prompt rests computed stacked (tails.py), never stored
+        # Padded tokens a stacked group may compute per token of its rests (tails.py).
+        self.stack_padding = padding_allowance(mx.default_device())
         self.kv_quant: KvQuant | None = (
             None  # quantize KV after each chunk (engine/forward/kv_quant.py)
         )
@@ -215,7 +223,9 @@ class PrefillPhase:
         if self.stack_limit:
             ready = [t for t in self._in_order() if self._may_stack(t)]
             # Nothing decoding waits on a stacked group: then it takes every ready rest.
-            group = tail_group(ready, self.stack_limit, budget if decoding else sys.maxsize)
+            group = tail_group(
+                ready, self.stack_limit, budget if decoding else sys.maxsize, self.stack_padding
+            )
             if group is not None:
                 self._stacked_step(group, result)
         while not result.finished and result.tokens < budget:
