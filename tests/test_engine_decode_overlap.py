@@ -114,6 +114,7 @@ def test_the_engine_overlaps_steps_and_replies_keep_their_lengths_and_answers(ma
     leaving one by one while steps are in flight, and one more request joins midway.
     Every reply has exactly its max_tokens and is its alone run's; steps overlapped."""
     engine = make_engine("dense", deterministic=True)
+    engine._decode.pipelined = True  # a GPU's default; the CPU's async_eval blocks (phase.py)
     eos = sorted(engine.model.tokenizer.eos_token_ids)
     never_ends = tuple((t, -1e9) for t in eos)
     prompts = [chat(("user", f"Say something about {w}.")) for w in ("tea", "rain", "ink", "oak")]
@@ -140,10 +141,18 @@ def test_the_engine_overlaps_steps_and_replies_keep_their_lengths_and_answers(ma
     assert engine.peak_batch >= 2
 
 
+def test_only_a_device_that_computes_asynchronously_pipelines_by_default(make_engine):
+    engine = make_engine("dense")
+    assert engine._decode.pipelined == (mx.default_device() != mx.cpu)
+    run(engine, chat(("user", "Hello.")), sampling=SamplingParams(max_tokens=4))
+    assert (engine._decode.overlapped > 0) == engine._decode.pipelined
+
+
 def test_a_constrained_row_waits_for_each_token(make_engine):
     """A constraint masks each step by the token before it, so its row never overlaps;
     the schema still holds. An unconstrained request does overlap."""
     engine = make_engine("dense")
+    engine._decode.pipelined = True
     person = run(engine, PROMPT, sampling=SEEDED)
     check_person(person.text)
     assert engine._decode.overlapped == 0

@@ -55,6 +55,13 @@ class DecodePhase:
         self.reasoning: ReasoningMarkers | None = None
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
+        # Launch a step before the one ahead of it is read (DecodeBatch.step): only where
+        # the device computes asynchronously. On the CPU, mx.async_eval returns only once
+        # most of the step is computed (MLX's CPU scheduler bounds its queued tasks:
+        # measured 60-80 ms of a 75 ms SmolLM2 step), so overlapping gains nothing there
+        # and would hand each token out one step late (a burst's first gap: 527 ms
+        # against 280).
+        self.pipelined = mx.default_device() != mx.cpu
         self.overlapped = 0  # steps launched before the step ahead of them was read
 
     def __len__(self) -> int:
@@ -142,7 +149,7 @@ class DecodePhase:
             return
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
-        overlap = overlap and self._overlaps()
+        overlap = overlap and self.pipelined and self._overlaps()
         self.overlapped += overlap
         self._accept_rows(self.batch.step(bool(asked), top_n, overlap))
         self.steps += 1
