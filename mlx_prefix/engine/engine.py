@@ -36,6 +36,7 @@ from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.speculative import SpeculationStats, Speculator, check_request
+from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
 from mlx_prefix.engine.loop import EngineLoop
@@ -82,6 +83,7 @@ class Engine(CacheViews, EngineLoop):
         `disk_cache` may be shared with other engines (server/model_pool.py)."""
         check_draft_config(model, draft, engine_config)
         self.model = model
+        output_head.install(model.model)  # a prompt's logits: its last position's (head.py)
         self.draft = draft
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()

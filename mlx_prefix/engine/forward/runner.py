@@ -10,12 +10,14 @@ at once. Runs only on the engine thread (MLX streams are thread-local).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.cache.layers import kind_of
+from mlx_prefix.engine.forward.head import last_position_head
 from mlx_prefix.engine.forward.rowwise import batched
 from mlx_prefix.prompt.grid import ChunkGrid
 
@@ -79,7 +81,8 @@ def compute_chunks(
 
     With `group`, works with equal (start, length) share one stacked forward. Only the
     cache states (and final logits) are evaluated: intermediate chunks never compute the
-    LM head.
+    LM head, and a prompt's last chunk computes it on its last position only (head.py:
+    L' is 1 where the model's head is found, else L).
     """
     groups: dict[tuple[int, int], list[int]] = {}
     for i, w in enumerate(works):
@@ -89,7 +92,8 @@ def compute_chunks(
     for members in groups.values():
         if len(members) == 1:
             w = works[members[0]]
-            out = model(mx.array(w.tokens[w.start : w.end])[None], cache=w.cache)  # [1, L, V]
+            with last_position_head() if w.last else nullcontext():
+                out = model(mx.array(w.tokens[w.start : w.end])[None], cache=w.cache)  # [1, L', V]
             if w.last:
                 logits[members[0]] = out[:, -1, :]
             continue
@@ -98,8 +102,9 @@ def compute_chunks(
             type(layer).merge([works[i].cache[n] for i in members]) for n, layer in enumerate(first)
         ]
         inputs = mx.array([list(works[i].tokens[works[i].start : works[i].end]) for i in members])
-        with batched():
-            out = model(inputs, cache=merged)  # [B, L, V]
+        ends = any(works[i].last for i in members)
+        with batched(), last_position_head() if ends else nullcontext():
+            out = model(inputs, cache=merged)  # [B, L', V]
         for row, i in enumerate(members):
             works[i].cache[:] = [layer.extract(row) for layer in merged]
             if works[i].last:
