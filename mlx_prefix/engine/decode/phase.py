@@ -58,7 +58,7 @@ class DecodePhase:
         # Launch a step before the one ahead of it is read (DecodeBatch.step): only where
         # the device computes asynchronously. On the CPU, mx.async_eval returns only once
         # most of the step is computed (MLX's CPU scheduler bounds its queued tasks:
-        # measured 60-80 ms of a 75 ms SmolLM2 step), so overlapping gains nothing there
+        # measured 60-83 ms of an 80-95 ms SmolLM2 step), so overlapping gains nothing there
         # and would hand each token out one step late (a burst's first gap: 527 ms
         # against 280).
         self.pipelined = mx.default_device() != mx.cpu
