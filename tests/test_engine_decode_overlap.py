@@ -48,8 +48,8 @@ def _rows(read) -> dict[int, list[tuple[int, float]]]:
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
 def test_overlapped_steps_read_one_call_late_and_compute_the_same_tokens(kind):
     """The same rows stepped six times, waiting for each step or overlapping them: the
-    first overlapped call returns nothing, each later one the step launched before it, a
-    call without overlap reads the last one; tokens and logprobs are bit for bit equal."""
+    first overlapped call returns nothing, each later one the step launched before it, and
+    `read_launched` the last one; tokens and logprobs are bit for bit equal."""
     model = loaded_test_model(kind).model
     waited = _batch(model, PROMPTS[:3])
     expected: list = []
@@ -63,7 +63,7 @@ def test_overlapped_steps_read_one_call_late_and_compute_the_same_tokens(kind):
     for _ in range(5):
         got += overlapped.step(want_logprobs=True, overlap=True)
     assert overlapped.launched
-    got += overlapped.step(want_logprobs=True)  # reads the sixth, launches nothing
+    got += overlapped.read_launched()  # the sixth; nothing launches
     assert not overlapped.launched
     assert _rows(got) == _rows(expected)
     assert all(len(tokens) == 6 for tokens in _rows(got).values())
@@ -102,7 +102,7 @@ def test_rows_leaving_and_joining_while_a_step_computes_answer_as_alone():
     assert batch.in_flight(1) and not batch.in_flight(2)  # rows 0 and 2 are, the joiner not
     for _ in range(4):
         step()
-    for member, sample in batch.step():
+    for member, sample in batch.read_launched():
         got[member].append(sample.token)
     # Rows 0 and 2: two tokens, then one per call; the joiner's first step launched
     # at the fourth call, so three came back late and the last read brought its fourth.

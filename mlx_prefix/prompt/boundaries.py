@@ -278,10 +278,13 @@ class PromptPlanner:
             return RenderedPrompt(tuple(tokens), self._with_tail(len(tokens), found), False)
         tokens = self.renderer.messages_tokens(prompt)
         checkpoints = self._chat_checkpoints(prompt, tokens)
-        markers = self.reasoning
-        opens = markers is not None and markers.opens(tokens)
-        edges = markers.reply_edges(opens) if markers is not None else NO_EDGES
-        return RenderedPrompt(tuple(tokens), checkpoints, True, opens, edges)
+        opens = self.reasoning is not None and self.reasoning.opens(tokens)
+        return RenderedPrompt(tuple(tokens), checkpoints, True, opens, self.reply_edges(opens))
+
+    def reply_edges(self, opened: bool) -> ReasoningEdges:
+        """What a reply's reasoning drops where its model wrote them (`opened`: its
+        prompt left the think block open; ReasoningMarkers.reply_edges)."""
+        return self.reasoning.reply_edges(opened) if self.reasoning is not None else NO_EDGES
 
     def _periodic(self, tokens: Sequence[int]) -> tuple[Checkpoint, ...]:
         positions = self.grid.periodic(len(tokens), self.config.checkpoint_interval)

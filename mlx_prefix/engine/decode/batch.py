@@ -189,18 +189,22 @@ class DecodeBatch:
         mlx_lm.generate pipelines: building a step's graph in Python overlaps the
         previous step's compute. So a call returns the tokens of the step launched by
         the call before (none on the first). A row that ends on a token read then has
-        one token computed past its end, dropped with it. Without `overlap` a step left
-        in flight is read and returned, and no step launches: the caller's next call
-        then sees every row's newest token first (a constraint's mask, a forced close)."""
+        one token computed past its end, dropped with it. A step without `overlap` needs
+        the launched one read first (`read_launched`): its rows then start from their
+        newest token (a constraint's mask, a forced close)."""
         self.join()
-        if self._launched is not None and not overlap:
-            return self._read(self._take_launched())
+        assert overlap or self._launched is None, "read the launched step first"
         step = self._launch(want_logprobs, top_n)
         if not overlap:
             return self._read(step)
         mx.async_eval(*step.arrays)
         earlier, self._launched = self._launched, step
         return self._read(earlier) if earlier is not None else []
+
+    def read_launched(self) -> list[tuple[Any, RowSample]]:
+        """The rows of the step launched ahead, read now (none if none); nothing launches."""
+        step, self._launched = self._launched, None
+        return self._read(step) if step is not None else []
 
     def _launch(self, want_logprobs: bool, top_n: int) -> _Step:
         """Build one step of every row (lazy): each row's input is its token in the
@@ -235,11 +239,6 @@ class DecodeBatch:
             step.chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # [B]
             if top_n:
                 step.top_ids, step.top_values = top_logprobs(logprobs, top_n)  # [B, n] each
-        return step
-
-    def _take_launched(self) -> _Step:
-        step, self._launched = self._launched, None
-        assert step is not None
         return step
 
     def _read(self, step: _Step) -> list[tuple[Any, RowSample]]:

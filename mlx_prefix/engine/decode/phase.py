@@ -136,20 +136,20 @@ class DecodePhase:
         if not len(self.batch):
             return
         self.peak_batch = max(self.peak_batch, len(self.batch))
-        if self.speculator is not None and len(self.batch) == 1 and not self.batch.launched:
+        overlap = overlap and self.pipelined and self._overlaps()
+        if self.batch.launched and not overlap:
+            self.read_launched()  # then a step of its own, from every row's newest token
+            if not len(self.batch):
+                return  # every row ended on the tokens in flight
+        if self.speculator is not None and len(self.batch) == 1:
             running = self.batch.members[0]
             if not _bounding(running) and (k := self.speculator.tokens_for(running)):
                 accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
                 self.speculator.step(self.batch, running, k, accept)
                 self.steps += 1
                 return
-        if self.batch.launched and not overlap:
-            self.read_launched()  # then a step of its own, from every row's newest token
-        if not len(self.batch):
-            return
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
-        overlap = overlap and self.pipelined and self._overlaps()
         self.overlapped += overlap
         self._accept_rows(self.batch.step(bool(asked), top_n, overlap))
         self.steps += 1
@@ -160,8 +160,7 @@ class DecodePhase:
         """Hand out the tokens of a step launched ahead (if any) and launch none: before
         a prefill step, so that the prefill's time is its own and the decode step after
         it starts from every row's newest token."""
-        if self.batch.launched:
-            self._accept_rows(self.batch.step(overlap=False))
+        self._accept_rows(self.batch.read_launched())
 
     def _accept_rows(self, rows: Sequence[tuple[Running, RowSample]]) -> None:
         for running, row in rows:

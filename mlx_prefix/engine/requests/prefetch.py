@@ -98,8 +98,7 @@ def next_turn_prompt(
     begins (sentinel substitution) exactly as it will for the real next request.
     """
     tokenizer = planner.renderer.tokenizer
-    markers = planner.reasoning
-    edges = markers.reply_edges(opens_reasoning) if markers is not None else NO_EDGES
+    edges = planner.reply_edges(opens_reasoning)
     turn = next_turn_messages(source, reply, syntax, request_id, tokenizer, opens_reasoning, edges)
     probe = PromptInput(
         messages=turn,
