@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_prefix.engine.sharded.plan import TurnPlan
 from mlx_prefix.group import Cluster
 
 WAIT_S = 60.0  # a rank that waits longer than this for the others counts them as gone
@@ -30,6 +31,13 @@ class LocalGroup:
     def lose(self) -> None:
         """As if a rank died: every waiting and later exchange raises."""
         self._barrier.abort()
+
+    def lose_at_next_job(self) -> None:
+        """As if a rank died just as rank 0 sends a plan carrying a job: that exchange
+        raises, so the job is in no phase of the engine yet."""
+        self.losing_at_job = True
+
+    losing_at_job = False
 
     def _round(self, rank: int, value: Any) -> list[Any]:
         try:
@@ -55,6 +63,8 @@ class LocalChannel:
         return self.rank == 0
 
     def exchange(self, payload: bytes | None, word: int) -> tuple[bytes, tuple[int, ...]]:
+        if self._group.losing_at_job and payload is not None and TurnPlan.decode(payload).jobs:
+            self._group.lose()
         values = self._group._round(self.rank, (payload, word))
         return values[0][0], tuple(v[1] for v in values)
 

@@ -154,6 +154,20 @@ def test_a_lost_rank_ends_requests_with_one_clear_error_and_new_ones_get_503():
             lead.submit(chat(("user", "hi")), SamplingParams(max_tokens=2))
 
 
+def test_a_job_in_the_plan_that_never_reached_the_ranks_ends_with_the_error():
+    """The window the stream above hung in, 2 runs in 5: rank 0 had listed a new job in
+    its turn's plan, and the exchange that would have sent it failed, so the job was in
+    no phase of any engine when the group failed."""
+    with ranks() as (group, engines):
+        lead = engines[0]
+        group.lose_at_next_job()
+        handle = lead.submit(chat(("user", "Tell me about tides.")), SamplingParams(max_tokens=8))
+        events = list(handle.events(timeout=30))  # a deadline for a hang
+        assert len(events) == 1 and isinstance(events[0], ErrorEvent)
+        assert "a rank of the group is gone" in events[0].message
+        assert lead.lifecycle.pending == 0
+
+
 def test_ranks_whose_caches_diverge_stop_instead_of_serving():
     with ranks() as (_, engines):
         lead, follower = engines

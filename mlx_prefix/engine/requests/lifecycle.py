@@ -85,10 +85,12 @@ class Lifecycle:
         return jobs, closing
 
     def end(self, job: Job, event: DoneEvent | ErrorEvent) -> None:
-        """Send a job's last event (once: later calls are ignored)."""
-        if job.ended:
-            return
-        job.ended = True
+        """Send a job's last event (once: later calls are ignored, from any thread: a
+        sharded engine's watch may end jobs while the engine thread fails them too)."""
+        with self._lock:
+            if job.ended:
+                return
+            job.ended = True
         job.handle.emit(event)
         if job.warm is not None and not job.warm.done():
             job.warm.set_exception(

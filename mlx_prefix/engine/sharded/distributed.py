@@ -146,10 +146,8 @@ class DistributedEngine(Lockstep):
             ConnectionError(f"rank {rank}'s connection closed")
         ):
             return
-        event = ErrorEvent(self.failure or "")
         waiting, _ = self.lifecycle.take(block=False)
-        for job in [*list(self._live.values()), *waiting]:
-            self.lifecycle.end(job, event)
+        self._end_known(waiting)
         self._fail_actions()
 
     def join(self, timeout: float) -> bool:
@@ -185,7 +183,17 @@ class DistributedEngine(Lockstep):
             self._fail_all(Unavailable(self.failure or ""), waiting_too=True)
         except Exception:  # noqa: BLE001 - the engine's records may be half-updated
             log.exception("while ending the requests in flight")
+        # A job rank 0 took into a plan whose exchange failed is in no phase yet:
+        # `_live` alone knows it (its caller's stream would wait for good).
+        self._end_known([])
         self._fail_actions()
+
+    def _end_known(self, jobs: list[Job]) -> None:
+        """End `jobs` and every job a plan has listed, with the group's failure (a job
+        already ended is left as it is)."""
+        event = ErrorEvent(self.failure or "")
+        for job in [*list(self._live.values()), *jobs]:
+            self.lifecycle.end(job, event)
 
     def _set_failure(self, error: BaseException) -> bool:
         """Record why the group stopped (the first reason wins); False if it already had."""
