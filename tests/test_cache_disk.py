@@ -777,6 +777,27 @@ def test_budget_evicts_least_recently_accessed(tmp_path: Path):
     assert len(list((tmp_path / "c").iterdir())) == 1
 
 
+def test_recency_survives_a_restart_when_accesses_share_a_clock_tick(tmp_path: Path, monkeypatch):
+    # The kernel's file times advance in ticks: accesses within one read the same clock.
+    # Every access is stamped after the one before it, so a restart keeps their order.
+    import mlx_prefix.cache.disk as disk_module
+
+    frozen = 1_800_000_000_000_000_000
+    monkeypatch.setattr(disk_module.time, "time_ns", lambda: frozen)
+    disk = DiskCache(tmp_path, budget_bytes=None)
+    seqs = [_seq(first) for first in (3, 1, 2)]  # the files' names sort in another order
+    for i, tokens in enumerate(seqs):
+        assert disk.save("m", tokens, _kv_snapshot(32, i), HISTORY)
+    match = disk.match("m", seqs[0] + [5], lambda n: n)
+    assert match is not None and disk.load(match) is not None  # the first is now the newest
+    order = [seqs[1], seqs[2], seqs[0]]
+    assert [e.tokens for e in disk.sequences("m")] == [tuple(t) for t in order]
+    stamps = [(tmp_path / e.info.name).stat().st_mtime_ns for e in disk.sequences("m")]
+    assert frozen < stamps[0] < stamps[1] < stamps[2] < frozen + 10**6
+    again = DiskCache(tmp_path, budget_bytes=None)
+    assert [e.tokens for e in again.sequences("m")] == [tuple(t) for t in order]
+
+
 def test_every_deletion_is_logged_with_its_reason(tmp_path: Path, caplog):
     probe = DiskCache(tmp_path / "probe")
     assert probe.save("m", _seq(1), _kv_snapshot(32, 0), HISTORY)

@@ -24,8 +24,11 @@ count against the byte budget, but never match this model (each has its own trie
 
 Eviction: least recently used first (access = save or load; persisted as the file's
 mtime so it survives restarts), across every file in the directory, until the files
-fit `budget_bytes`. Only files this process has indexed are counted: two servers
-sharing a directory each keep their own view (each enforces the budget on it).
+fit `budget_bytes`. Each access is stamped a later time than the one before it: the
+kernel's own file times advance in clock ticks (milliseconds), so two accesses in one
+tick would tie and a restart would order them by directory listing. Only files this
+process has indexed are counted: two servers sharing a directory each keep their own
+view (each enforces the budget on it).
 
 Thread-safety: every public method may be called from any thread; the index is
 guarded by one lock. `save` and `load` read and build MLX arrays: call them on the
@@ -55,6 +58,8 @@ log = logging.getLogger("mlx_prefix.cache.disk")
 
 GiB = 1 << 30
 DEFAULT_DISK_BUDGET = 16 * GiB
+# Between two access stamps: distinct also as float seconds (DiskEntry.last_access).
+_STAMP_STEP_NS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,7 @@ class DiskCache:
         self._index = DiskIndex(self.runtime)
         self._counters = _Counters()
         self._warned_errnos: set[int] = set()
+        self._last_stamp = 0  # ns: the latest access stamp given (`_stamp`)
         trust.make_private(self.directory)
         if scan:
             self.scan()
@@ -121,6 +127,9 @@ class DiskCache:
         removed = sum(files.remove_bad(self.directory, b.name, b.reason) for b in survey.bad)
         with self._lock:
             self._index.reset(survey.found)
+            if survey.found:  # a later access sorts after these even if the clock went back
+                latest = int(survey.found[-1].last_access * 1e9)
+                self._last_stamp = max(self._last_stamp, latest)
             self._counters.removed += removed
             self._evict(keep=None, why="at startup (a lower budget, or shared with a server)")
             return len(self._index)
@@ -231,6 +240,8 @@ class DiskCache:
             self._warned_errnos.clear()
             self._counters.saves += 1
             self._index.drop(name)  # if saved concurrently under the same name
+            stamp = self._stamp()
+            files.touch(self.directory, name, stamp)
             e = DiskEntry(
                 name,
                 model_key,
@@ -239,7 +250,7 @@ class DiskCache:
                 kind.name,
                 snapshot.trimmable,
                 enc.size,
-                time.time(),
+                stamp / 1e9,
             )
             self._index.add(e)
             if e.trimmable:
@@ -321,8 +332,14 @@ class DiskCache:
     # -- internals (with the lock held unless said otherwise) ----------------
 
     def _touch(self, e: DiskEntry) -> None:
-        self._index.touch(e)
-        files.touch(self.directory, e.name)  # recency survives a restart
+        stamp = self._stamp()
+        self._index.touch(e, stamp / 1e9)
+        files.touch(self.directory, e.name, stamp)  # recency survives a restart
+
+    def _stamp(self) -> int:
+        """An access time in ns after every earlier one of this cache's (mutates)."""
+        self._last_stamp = max(time.time_ns(), self._last_stamp + _STAMP_STEP_NS)
+        return self._last_stamp
 
     def _evict(self, keep: str | None, why: str) -> None:
         for victim in self._index.evict(self.budget_bytes, keep):

@@ -55,7 +55,7 @@ def survey(directory: Path) -> Survey:
     being written are neither found nor bad. A folder or file another user could have
     written is skipped with a warning (disk_trust.py): neither found nor removed.
     """
-    found: list[DiskEntry] = []
+    found: list[tuple[int, DiskEntry]] = []  # (mtime in ns, entry)
     bad: list[BadFile] = []
     try:
         trust.check_directory(directory)
@@ -92,20 +92,21 @@ def survey(directory: Path) -> Survey:
         except OSError as e:
             log.warning("disk cache: cannot read %s: %s", item.path, e)
             continue
-        found.append(
-            DiskEntry(
-                item.name,
-                header.model_key,
-                header.runtime,
-                header.tokens,
-                header.kind,
-                header.trimmable,
-                header.size,
-                stat.st_mtime,
-            )
+        entry = DiskEntry(
+            item.name,
+            header.model_key,
+            header.runtime,
+            header.tokens,
+            header.kind,
+            header.trimmable,
+            header.size,
+            stat.st_mtime,
         )
-    found.sort(key=lambda e: e.last_access)
-    return Survey(found, bad)
+        found.append((stat.st_mtime_ns, entry))
+    # In nanoseconds: DiskCache stamps each access a distinct mtime (a float second
+    # rounds two of them within a fraction of a microsecond together).
+    found.sort(key=lambda f: f[0])
+    return Survey([e for _, e in found], bad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +178,11 @@ def remove_bad(directory: Path, name: str, why: str) -> int:
         return 0
 
 
-def touch(directory: Path, name: str) -> None:
-    """Set the file's mtime to now, so its recency survives a restart. A failure is
-    logged (the file may then be evicted too early after a restart), not raised."""
+def touch(directory: Path, name: str, stamp_ns: int) -> None:
+    """Set the file's mtime to `stamp_ns`, so its recency survives a restart. A failure
+    is logged (the file may then be evicted too early after a restart), not raised."""
     try:
-        os.utime(directory / name)
+        os.utime(directory / name, ns=(stamp_ns, stamp_ns))
     except OSError as e:
         log.warning("disk cache: cannot record the use of %s (its mtime): %s", name, e)
 

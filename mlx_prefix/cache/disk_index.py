@@ -13,7 +13,6 @@ Pure Python (no MLX).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -123,9 +122,10 @@ class DiskIndex:
         self.bytes -= e.nbytes
         return e
 
-    def touch(self, e: DiskEntry) -> None:
-        """Mark `e` the most recently used (in memory; the owner sets the file's mtime)."""
-        e.last_access = time.time()
+    def touch(self, e: DiskEntry, when: float) -> None:
+        """Mark `e` the most recently used, at `when` (time.time(); in memory: the owner
+        sets the file's mtime)."""
+        e.last_access = when
         self._entries.move_to_end(e.name)
 
     def evict(self, budget_bytes: int | None, keep: str | None) -> list[DiskEntry]:
