@@ -325,6 +325,25 @@ def test_the_save_queue_is_bounded_and_counted_in_the_byte_budget(tmp_path, monk
     store.check_integrity()
 
 
+def test_a_save_being_written_still_counts_as_pending(tmp_path, monkeypatch):
+    # Another thread (/v1/cache, a caller waiting for the files) that reads 0 pending
+    # saves finds every file written.
+    store = PromptCache(budget_bytes=1 << 30)
+    config = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=1)
+    tier = DiskAccess(config, True, store, bytes_key="disk")
+    real, seen = tier.cache.save, []
+
+    def save(*args, **kwargs):
+        seen.append((tier.pending, len(list(tmp_path.glob("*.safetensors")))))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tier.cache, "save", save)
+    tier.defer("m", [1] * 8, _kv_snapshot(8, 1), CheckpointKind.HISTORY)
+    tier.write_pending(busy=False)
+    assert seen == [(1, 0)]
+    assert tier.pending == 0 and len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
 def test_no_save_is_written_between_two_tokens_of_a_running_request(tmp_path, monkeypatch):
     """An overdue save waits while requests decode (a dense snapshot's write was a whole
     gap between two tokens of every running request), and goes once only prefill runs;

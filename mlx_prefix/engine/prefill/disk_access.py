@@ -112,7 +112,7 @@ class DiskAccess:
     ) -> None:
         """Queue a save (engine thread). A full queue first writes its oldest save."""
         if len(self._pending) >= MAX_PENDING_SAVES:
-            self._write(self._pending.popleft())
+            self._write_oldest()
         save = _PendingSave(key, TokenIds(tokens), snapshot, kind, time.monotonic())
         self._pending.append(save)
         self._account()
@@ -124,7 +124,7 @@ class DiskAccess:
         one file at most."""
         if not self.due(busy, decoding):
             return
-        self._write(self._pending.popleft())
+        self._write_oldest()
         self._account()
 
     def due(self, busy: bool, decoding: bool = False) -> bool:
@@ -146,10 +146,18 @@ class DiskAccess:
 
     @property
     def pending(self) -> int:
+        """Saves not on disk yet, the one being written included (any thread)."""
         return len(self._pending)
 
-    def _write(self, item: _PendingSave) -> None:
-        self.cache.save(item.key, item.tokens, item.snapshot, item.kind)
+    def _write_oldest(self) -> None:
+        # Taken off the queue only once written: a reader of `pending` (another thread:
+        # /v1/cache, a test waiting for the files) never sees 0 while a file is still
+        # being written.
+        item = self._pending[0]
+        try:
+            self.cache.save(item.key, item.tokens, item.snapshot, item.kind)
+        finally:
+            self._pending.popleft()
 
     def _account(self) -> None:
         """Report the queued snapshots' bytes the store does not hold itself (checked
