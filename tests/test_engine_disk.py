@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import EXACT, chat, run, warm_equals_cold
+from engine_helpers import EXACT, chat, run, wait_for, warm_equals_cold
 from mlx_lm.models.cache import KVCache
 
 from mlx_prefix.cache.snapshot import capture
@@ -241,20 +242,21 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
         again.shutdown()
 
 
-def _slow_saves(monkeypatch, engine: Engine, seconds: float) -> list[float]:
-    real, started = engine.disk.cache.save, []
-
-    def slow(*args, **kwargs):
-        started.append(time.monotonic())
-        time.sleep(seconds)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine.disk.cache, "save", slow)
-    return started
+def _hold_writes(monkeypatch, engine: Engine) -> threading.Event:
+    """Hold the disk writer: the engine writes no queued save until the returned event
+    is set (the queue's own bound, 16, is not reached here)."""
+    gate, due = threading.Event(), engine.disk.due
+    monkeypatch.setattr(
+        engine.disk, "due", lambda busy, decoding=False: gate.is_set() and due(busy, decoding)
+    )
+    return gate
 
 
-def _queue_saves(engine: Engine, count: int) -> None:
-    """`count` requests at once: while they run, their saves wait in the queue."""
+def _queue_saves(monkeypatch, engine: Engine, count: int) -> threading.Event:
+    """`count` requests at once, each leaving one save in the queue, all of them still
+    there when the last request ended (the writer is held until the returned event is
+    set), whatever the machine's speed."""
+    gate = _hold_writes(monkeypatch, engine)
     handles = [
         engine.submit(
             chat(("system", f"Guest {i}. " + SYSTEM), ("user", "Hello")),
@@ -264,14 +266,21 @@ def _queue_saves(engine: Engine, count: int) -> None:
     ]
     for handle in handles:
         list(handle.events(timeout=60))
-    assert engine.disk.pending >= count - 1  # at most one written since the last ended
+    assert engine.disk.pending == count
+    return gate
 
 
 def test_shutdown_writes_every_queued_save(tmp_path, monkeypatch):
     # More queued writing than the old fixed 5 s after the grace period: all of it lands.
     engine = engine_on("dense", tmp_path, "full")
-    _slow_saves(monkeypatch, engine, 1.2)
-    _queue_saves(engine, 5)
+    real = engine.disk.cache.save
+
+    def slow(*args, **kwargs):
+        time.sleep(1.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.disk.cache, "save", slow)
+    _queue_saves(monkeypatch, engine, 5).set()
     engine.shutdown(timeout=0.1)
     assert not engine._thread.is_alive()
     assert len(list(tmp_path.glob("*.safetensors"))) == 5
@@ -280,16 +289,24 @@ def test_shutdown_writes_every_queued_save(tmp_path, monkeypatch):
 
 def test_shutdown_out_of_time_drops_queued_saves_with_a_line_each(tmp_path, monkeypatch, caplog):
     engine = engine_on("dense", tmp_path, "full")
-    _slow_saves(monkeypatch, engine, 1.0)
-    _queue_saves(engine, 4)
-    t = time.monotonic()
+    real, started = engine.disk.cache.save, []
+
+    def until_out_of_time(*args, **kwargs):
+        # The save being written when the shutdown's time for saves runs out.
+        started.append(args[1])
+        assert wait_for(lambda: engine._abandon_saves)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.disk.cache, "save", until_out_of_time)
+    _queue_saves(monkeypatch, engine, 4).set()
     with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
         engine.shutdown(timeout=0.1, save_timeout=0.3)
-    assert time.monotonic() - t < 4.0  # bounded: the save being written, then the drops
+        engine._thread.join(60)  # a deadline for a hang: that save ends, the rest drop
     assert not engine._thread.is_alive()
     written = len(list(tmp_path.glob("*.safetensors")))
     dropped = _warnings(caplog, "dropped")
-    assert written < 4 and written + len(dropped) == 4 == written + engine.disk.dropped
+    assert len(started) == written == 1
+    assert len(dropped) == engine.disk.dropped == 3 and engine.disk.pending == 0
     assert all("ran out" in line for line in dropped)
 
 
