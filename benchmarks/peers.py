@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mlx_prefix.backend import choose, mlx_requirement
+
 VLLM_MLX_VERSION = "0.6.0"
 MLX_VERSION = "0.32.4"
 VENV = Path(__file__).resolve().parent.parent / ".peers" / "vllm-mlx"
@@ -22,8 +24,8 @@ STAMP = VENV / ".installed"  # the requirements it was installed with, one a lin
 
 
 def requirements() -> list[str]:
-    mlx = "mlx" if sys.platform == "darwin" else "mlx[cpu]"  # Linux: the CPU backend
-    return [f"vllm-mlx=={VLLM_MLX_VERSION}", f"{mlx}=={MLX_VERSION}"]
+    # MLX with the backend mlx-prefix installs here (Linux: CPU, or CUDA with a GPU).
+    return [f"vllm-mlx=={VLLM_MLX_VERSION}", mlx_requirement(choose(), MLX_VERSION)]
 
 
 def vllm_mlx_command(venv: Path = VENV) -> Path:

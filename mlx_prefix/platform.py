@@ -113,6 +113,7 @@ def blas_in_maps(maps: str) -> str:
 
 
 def device_name() -> str:
+    """The device kind (part of every cache key: keep these names stable)."""
     import mlx.core as mx
 
     device = mx.default_device()
@@ -121,10 +122,27 @@ def device_name() -> str:
     return "cpu"
 
 
+def backend_name() -> str:
+    """The MLX backend this process computes on: 'metal', 'cuda' or 'cpu' (installed as
+    mlx_prefix/backend.py chose)."""
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.gpu:
+        return "cpu"
+    if sys.platform == "darwin":
+        return "metal"
+    return "cuda" if _cuda_available() else "gpu"
+
+
 def startup_line() -> str:
-    """One line for stderr at startup: device and BLAS in use."""
+    """One line for stderr at startup: device and backend, with the BLAS on the CPU or the
+    GPU's name. Dtypes follow the device (models/load.py: float32 on the CPU only)."""
+    backend = backend_name()
+    line = f"mlx-prefix: device={device_name()} backend={backend}"
+    if backend != "cpu":
+        return line + _gpu_note()
     blas = loaded_blas()
-    line = f"mlx-prefix: device={device_name()} blas={blas}"
+    line += f" blas={blas}"
     if blas == "reference":
         line += (
             " (slow reference BLAS: install Debian's libopenblas0-pthread or `pip install mkl`"
@@ -133,15 +151,41 @@ def startup_line() -> str:
     return line
 
 
+def _cuda_available() -> bool:
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)  # older MLX releases have no mx.cuda
+    return cuda is not None and bool(cuda.is_available())
+
+
+def _gpu_note() -> str:
+    import mlx.core as mx
+
+    try:
+        name = mx.device_info().get("device_name")
+    except Exception:  # an older MLX, a backend without it: the line goes without the name
+        return ""
+    return f" ({name})" if name else ""
+
+
 def available_memory() -> int | None:
     """Bytes a model may still take: on Metal, MLX's recommended working set less what
-    MLX holds; elsewhere the system's MemAvailable. None when unknown."""
+    MLX holds; on CUDA the GPU's free memory; elsewhere the system's MemAvailable. None
+    when unknown."""
     import mlx.core as mx
 
     if sys.platform == "darwin" and mx.metal.is_available():
         info = mx.device_info()
         limit = int(info.get("max_recommended_working_set_size", 0))
         return max(limit - mx.get_active_memory(), 0) if limit else None
+    if mx.default_device().type == mx.gpu and _cuda_available():
+        # The GPU's own memory (NVML: free across processes), not the host's.
+        info = mx.device_info()
+        if info.get("free_memory"):
+            return int(info["free_memory"])
+        if info.get("total_memory"):
+            return max(int(info["total_memory"]) - mx.get_active_memory(), 0)
+        return None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
