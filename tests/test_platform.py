@@ -1,7 +1,7 @@
 """Which BLAS gets preloaded, and the launcher's re-exec that preloads it.
 
-pytest itself runs under `mlx_prefix.blas_exec`, so the re-exec is tested in
-subprocesses started without the preload variables.
+pytest may run under `mlx_prefix.blas_exec` or not (`make test` does), so what a process
+maps is tested in subprocesses started without the preload variables.
 """
 
 from __future__ import annotations
@@ -115,8 +115,18 @@ def test_blas_in_maps() -> None:
 
 
 @linux_only
-def test_loaded_blas_is_the_preloaded_one() -> None:
-    assert platform.loaded_blas() == os.environ.get(PRELOADED_ENV, "reference")
+@pytest.mark.parametrize("blas", [None, "none"])
+def test_loaded_blas_is_the_one_blas_exec_preloaded(blas: str | None) -> None:
+    # In a child started through blas_exec (this process may or may not have been).
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", PRELOADED_ENV)}
+    env.pop(BLAS_ENV, None)
+    if blas is not None:
+        env[BLAS_ENV] = blas
+    code = "import mlx.core; from mlx_prefix import platform; print(platform.loaded_blas())"
+    child = [sys.executable, "-m", "mlx_prefix.blas_exec", sys.executable, "-c", code]
+    out = subprocess.run(child, capture_output=True, text=True, timeout=120, env=env, check=True)
+    found = find_fast_blas("auto") if blas is None else None
+    assert out.stdout.strip() == (found.name if found is not None else "reference")
 
 
 def test_fast_blas_env_prepends_the_library(libs: dict[str, list[str]]) -> None:
