@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -100,10 +99,8 @@ def test_half_precision_checkpoint_follows_choose_dtype(tmp_path: Path) -> None:
 
 
 def test_missing_folder_raises_model_not_found(no_network: list[object]) -> None:
-    start = time.monotonic()
     with pytest.raises(ModelNotFound, match="/no/such/model-folder"):
         load_model("/no/such/model-folder")
-    assert time.monotonic() - start < 2
     assert no_network == []
 
 
@@ -116,10 +113,8 @@ def test_bogus_repo_offline_raises_model_not_found_without_network(
     monkeypatch: pytest.MonkeyPatch, no_network: list[object]
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.monotonic()
     with pytest.raises(ModelNotFound, match="no-such-org/no-such-model-xyz") as info:
         load_model("no-such-org/no-such-model-xyz")
-    assert time.monotonic() - start < 5
     assert "\n" not in info.value.message
     assert no_network == []
 
