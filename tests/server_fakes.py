@@ -5,7 +5,8 @@ thread (like the real engine thread), and reports cached_tokens as the longest c
 word prefix with earlier prompts. Directives in the prompt steer one request:
   [[reply:TEXT]]   reply with TEXT instead of the engine's default reply
   [[delay:S]]      sleep S seconds before each token (a warm-up: S seconds in all)
-  [[hang:S]]       sleep S seconds before the first token, deaf to cancel (a long step)
+  [[hang:S]]       sleep S seconds before the first token, deaf to cancel (a long step;
+                   FakeEngine.unhang ends it sooner)
   [[fail_after:N]] emit N tokens, then an ErrorEvent
   [[busy]]         raise EngineBusy at submit
   [[crash]]        raise RuntimeError at submit (an engine bug)
@@ -216,6 +217,7 @@ class FakeEngine:
         self.handles: list[FakeHandle] = []
         self.shutdown_calls = 0
         self.warms_running = 0  # warm() calls blocked in their thread
+        self.unhang = threading.Event()  # set: a [[hang:S]] ends now (a test let it go)
         self._lock = threading.Lock()
         self._stored: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}  # (key, words)
         self._stats = {"hits": 0, "misses": 0, "tokens_reused": 0, "evictions": 0}
@@ -470,7 +472,7 @@ class FakeEngine:
     ) -> None:
         reply = directives.get("reply") or self.reply
         delay = float(directives.get("delay") or 0)
-        time.sleep(float(directives.get("hang") or 0))
+        self.unhang.wait(float(directives.get("hang") or 0))
         fail_after = directives.get("fail_after")
         start = time.perf_counter()
         first = None
