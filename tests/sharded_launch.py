@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from served_process import SERVING
 
 from benchmarks.servers import free_port
 
@@ -70,7 +71,7 @@ def _try_all_sum() -> str | None:
 
 @dataclass
 class Group:
-    url: str
+    url: str  # rank 0's, once its startup line named the port
     procs: list[subprocess.Popen]  # the launcher, or each rank
     log: Path
     rank_pids: list[int] = field(default_factory=list)  # read once it serves
@@ -102,17 +103,18 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "MLX_PREFIX_SERVER_LOG_LEVEL": "info"}
 
 
-def _serve_args(model: Path, port: int, extra: list[str]) -> list[str]:
-    return ["-m", "mlx_prefix", "serve", "--model", str(model), "--port", str(port), *extra]
+def _serve_args(model: Path, extra: list[str]) -> list[str]:
+    # --port 0: rank 0 binds a free port and names it in its startup line (SERVING).
+    return ["-m", "mlx_prefix", "serve", "--model", str(model), "--port", "0", *extra]
 
 
 @contextmanager
 def launched(model: Path, tmp: Path, *extra: str, by_hand: bool = False) -> Iterator[Group]:
     """A 2-rank server of `model` (extra serve flags after it); stopped on leaving."""
     require_launcher()
-    port, ring = free_port(), free_port(2)
-    log = tmp / f"group-{port}.log"
-    args = _serve_args(model, port, list(extra))
+    ring = free_port(2)  # the ring backend's ports must be named; HTTP's is rank 0's pick
+    log = tmp / f"group-{ring}.log"
+    args = _serve_args(model, list(extra))
     with log.open("wb") as out:
         if by_hand:
             hostfile = tmp / f"hosts-{ring}.json"
@@ -130,7 +132,7 @@ def launched(model: Path, tmp: Path, *extra: str, by_hand: bool = False) -> Iter
             cmd = [str(LAUNCHER), "-n", "2", "--backend", "ring", "-p", str(ring)]
             cmd += ["--python", sys.executable, *args]
             procs = [subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT)]
-    group = Group(f"http://127.0.0.1:{port}", procs, log)
+    group = Group("", procs, log)
     try:
         _wait_healthy(group)
         group.rank_pids = group.pids()
@@ -142,10 +144,10 @@ def launched(model: Path, tmp: Path, *extra: str, by_hand: bool = False) -> Iter
 def launch_exits(model: Path, tmp: Path, *extra: str) -> tuple[int, str]:
     """Run a group that is expected to stop by itself: rank 0's exit code and the log."""
     require_launcher()
-    port, ring = free_port(), free_port(2)
+    ring = free_port(2)
     hostfile = tmp / f"hosts-{ring}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring + 1}"]]))
-    args = _serve_args(model, port, list(extra))
+    args = _serve_args(model, list(extra))
     procs = [
         subprocess.Popen(
             [sys.executable, *args],
@@ -167,10 +169,13 @@ def launch_exits(model: Path, tmp: Path, *extra: str) -> tuple[int, str]:
 
 
 def _wait_healthy(group: Group) -> None:
+    """Wait for rank 0's startup line (it names the port), then for /health."""
     deadline = time.monotonic() + START_S
     while True:
+        if not group.url and (found := SERVING.search(group.text())):
+            group.url = f"http://127.0.0.1:{found.group(1)}"
         try:
-            if httpx.get(f"{group.url}/health", timeout=5).status_code == 200:
+            if group.url and httpx.get(f"{group.url}/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass

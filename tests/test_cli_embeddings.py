@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
+from served_process import StderrReader
 
-from benchmarks.servers import free_port
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.serve import embedding_worker, server_settings
 from mlx_prefix.embeddings.testing import make_embedding_test_model
@@ -46,22 +45,15 @@ def test_flags_and_env(folder, monkeypatch):
 
 
 def test_serve_answers_embeddings_beside_chat(folder, tmp_path):
-    port = free_port()
     cmd = [sys.executable, "-m", "mlx_prefix", "serve", "--model", str(cached_test_model("dense")),
-           "--embedding-model", str(folder), "--embedding-alias", "e3", "--port", str(port),
+           "--embedding-model", str(folder), "--embedding-alias", "e3", "--port", "0",
            "--disk-cache", "off", "--no-prefetch"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    url = f"http://127.0.0.1:{port}"
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    httpx.get(url + "/health", timeout=5).raise_for_status()
-                    break
-                except httpx.TransportError:
-                    assert time.monotonic() < deadline and proc.poll() is None
-                    time.sleep(0.2)
+            err = StderrReader(proc)
+            url = f"http://127.0.0.1:{err.port(timeout=300)}"
+            httpx.get(url + "/health", timeout=30).raise_for_status()
             with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
                 r = client.embeddings.create(model="e3", input=["a", "b c"], dimensions=8)
                 assert r.model == "tiny-embed" and [len(d.embedding) for d in r.data] == [8, 8]
@@ -70,11 +62,11 @@ def test_serve_answers_embeddings_beside_chat(folder, tmp_path):
                 )
                 assert chat.choices[0].message.content is not None
             proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
+            proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
-    log = err.decode()
+                proc.wait()
+    log = err.text()
     assert "embeddings: tiny-embed (64 dimensions, lasttoken pooling, normalised" in log
     assert proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM)

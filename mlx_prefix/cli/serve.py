@@ -35,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     disk_args(p, "auto")
     engine_args(p)
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port (default 8080; 0: a free one, named in the startup line)",
+    )
     p.add_argument(
         "--allowed-origins",
         nargs="*",

@@ -95,7 +95,8 @@ def serve(
         timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
         lifespan="on",
     )
-    log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
+    name = engine.model.name
+    listening = lambda port: log.info("%s", serving_line(name, settings.host, port))  # noqa: E731
     if embeddings is not None:
         log.info("%s", embeddings_line(embeddings))
     cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/sharded/distributed.py)
@@ -106,7 +107,9 @@ def serve(
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
-        _GracefulServer(config, app.state.server.inflight, settings.shutdown_grace_s, failed).run()
+        _GracefulServer(
+            config, app.state.server.inflight, settings.shutdown_grace_s, failed, listening
+        ).run()
     finally:
         shutdown_engine()
 
@@ -135,7 +138,8 @@ def embeddings_line(worker: EmbeddingWorker) -> str:
 class _GracefulServer(uvicorn.Server):
     """uvicorn's shutdown (stop accepting, wait for open requests), plus: requests still
     running after `grace_s` are cancelled in the engine and end with an error event; an
-    engine that can no longer serve (`failed`: a sharded group lost a rank) stops it."""
+    engine that can no longer serve (`failed`: a sharded group lost a rank) stops it; the
+    startup line names the port bound (`--port 0` asks the system for a free one)."""
 
     def __init__(
         self,
@@ -143,11 +147,18 @@ class _GracefulServer(uvicorn.Server):
         inflight: InFlight,
         grace_s: float,
         failed: Callable[[], bool] = lambda: False,
+        listening: Callable[[int], None] = lambda port: None,
     ):
         super().__init__(config)
         self._inflight = inflight
         self._grace_s = grace_s
         self._failed = failed
+        self._listening = listening  # told the port once bound (`--port 0`: the one chosen)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            self._listening(self.servers[0].sockets[0].getsockname()[1])
 
     async def on_tick(self, counter: int) -> bool:
         if self._failed():
