@@ -5,7 +5,6 @@ a made-up run with the same workloads on 1 and 2 ranks."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
@@ -20,15 +19,19 @@ from benchmarks.servers_sharded import ShardedServer, group_members
 from mlx_prefix.models.testing import cached_test_model
 
 
-def _bindable(port: int) -> bool:
-    """Nothing listens on `port` (connections of the stopped group may be in TIME_WAIT)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listening(port: int) -> bool:
+    """Something listens on TCP `port` (any address, /proc/net/tcp{,6}). Whether the port
+    can be bound is no test: any process's outgoing connection may take it meanwhile."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            s.bind(("127.0.0.1", port))
+            rows = Path(table).read_text().splitlines()[1:]
         except OSError:
-            return False
-    return True
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                return True
+    return False
 
 
 def _gone(pid: int) -> bool:
@@ -69,7 +72,7 @@ def test_the_harness_starts_and_stops_a_2_rank_server(tmp_path: Path) -> None:
     assert server.proc is None
     assert group_members(pgid) == []  # no rank, no launcher left
     assert all(_gone(pid) for pid in pids)  # not even in a group of its own
-    assert all(_bindable(p) for p in ports)
+    assert not any(_listening(p) for p in ports)
 
 
 def _res(efficiency: float, ttfts: list[float], wall: float, match: bool, **extra) -> dict:
