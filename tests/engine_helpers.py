@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -75,6 +78,101 @@ def warm_equals_cold(engine: Engine, prompt: PromptInput) -> Result:
     assert warm.logprobs == cold.logprobs, "a cache hit changed the numbers"
     assert len(warm.logprobs) == len(warm.tokens)
     return warm
+
+
+@contextmanager
+def prefill_held(engine: Engine) -> Iterator[None]:
+    """Hold the engine's next prefill step until the block ends (60 s at most): what the
+    block submits is in the engine's inbox when that step ends, and is scheduled right
+    after it, whatever the machine's speed. A request the engine took before the block
+    has been scheduled, but computes nothing until then."""
+    gate, step = threading.Event(), engine._prefill.step
+
+    def held(*args, **kwargs):
+        gate.wait(60)
+        return step(*args, **kwargs)
+
+    engine._prefill.step = held
+    try:
+        yield
+    finally:
+        gate.set()
+        engine._prefill.step = step
+
+
+def submit_together(
+    engine: Engine,
+    prompts: Sequence[PromptInput],
+    sampling: SamplingParams | Sequence[SamplingParams],
+    prefs: Sequence[CachePreference] | None = None,
+) -> list[RequestHandle]:
+    """Submit `prompts` as a burst that arrives together whatever the machine's speed:
+    the first may start, but its first prefill step waits until every one is submitted
+    (the rest are scheduled at its next step)."""
+    samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
+    prefs = prefs or [CachePreference()] * len(prompts)
+    with prefill_held(engine):
+        return [engine.submit(p, s, c) for p, s, c in zip(prompts, samplings, prefs, strict=True)]
+
+
+_client = threading.local()  # what the submitting thread's next handle does (PacedHandle)
+
+
+class PacedHandle(RequestHandle):
+    """A handle whose client decides when its request goes on, however late the client's
+    thread runs. Created in `paced_submit`: cancelled before the engine sees it
+    (`at_once`), or the engine waits after emitting its `after`-th token until the
+    client cancels or `release()`s it (60 s at most: a deadline for a hang), as if that
+    token took until then to compute. Install with `engine.handle_type = PacedHandle`;
+    a plain `submit` paces nothing."""
+
+    def __init__(self, request_id: str, prompt_tokens: int):
+        super().__init__(request_id, prompt_tokens)
+        self.after: int | None = getattr(_client, "after", None)
+        self._tokens = 0
+        self._go = threading.Event()
+        if getattr(_client, "at_once", False):
+            self.cancel()
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._go.set()
+
+    def release(self) -> None:
+        """Let the engine go on past the `after`-th token."""
+        self._go.set()
+
+    def emit(self, event) -> None:
+        super().emit(event)
+        if isinstance(event, TokenEvent) and event.token is not None:
+            self._tokens += 1
+            if self._tokens == self.after:
+                self._go.wait(60)
+
+
+@contextmanager
+def paced(*, at_once: bool = False, after: int | None = None) -> Iterator[None]:
+    """What the PacedHandles this thread creates inside the block do (see PacedHandle)."""
+    _client.at_once, _client.after = at_once, after
+    try:
+        yield
+    finally:
+        _client.at_once, _client.after = False, None
+
+
+def paced_submit(
+    engine: Engine,
+    prompt: PromptInput,
+    sampling: SamplingParams,
+    pref: CachePreference | None = None,
+    *,
+    at_once: bool = False,
+    after: int | None = None,
+) -> RequestHandle:
+    """Submit through a PacedHandle (see there) from this thread."""
+    assert engine.handle_type is PacedHandle
+    with paced(at_once=at_once, after=after):
+        return engine.submit(prompt, sampling, pref or CachePreference())
 
 
 def wait_for(condition, timeout: float = 60.0) -> bool:

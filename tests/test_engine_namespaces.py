@@ -9,7 +9,17 @@ import time
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import EXACT, GREEDY, Result, chat, run
+from engine_helpers import (
+    EXACT,
+    GREEDY,
+    Result,
+    chat,
+    collect,
+    prefill_held,
+    run,
+    submit_together,
+    wait_for,
+)
 
 from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
@@ -248,12 +258,13 @@ def test_a_running_prefetch_gives_way_to_another_namespace_extending_it():
             )
         )
         assert extends(engine.plan(longer).tokens, rendered.tokens)
-        engine._enqueue_prefetch(rendered, entry_key(engine.model_key, A))
-        deadline = time.monotonic() + 30
-        while engine.prefetch.started < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert engine.prefetch.started == 1
-        from_b = ask(engine, longer, B, sampling=GREEDY)
+        # The prefetch starts, and its first chunk waits until B's request is in: B
+        # arrives while the prefetch still has chunks to go, whatever the speed.
+        with prefill_held(engine):
+            engine._enqueue_prefetch(rendered, entry_key(engine.model_key, A))
+            assert wait_for(lambda: engine.prefetch.started == 1)
+            handle = engine.submit(longer, GREEDY, B)
+        from_b = collect(handle)
         assert from_b.usage.cached_tokens == 0
         assert engine.prefetch.cancelled == 1 and engine.prefetch.completed == 0
         engine.store.check_integrity()

@@ -3,12 +3,11 @@ so the next turn restores the whole history and still answers like a cold run.""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run, wait_for, warm_equals_cold
+from engine_helpers import GREEDY, chat, collect, prefill_held, run, wait_for, warm_equals_cold
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
@@ -19,6 +18,26 @@ from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3
 NOW = EngineConfig(prefetch_delay_s=0.0)
+
+
+def _spy_prefetch(engine: Engine) -> tuple[list, list]:
+    """(finished, handed): the requests whose reply the engine has decided on (prefetch
+    or not: the decision is made on the engine thread, after the request's last event),
+    and the sources it handed the prefetcher. Once a request is in `finished`, whether
+    it is prefetched is settled: no sleep needed, and a late wrong prefetch shows."""
+    finished, handed = [], []
+    on_reply, submit = engine._decode._on_reply, engine._prefetcher.submit
+
+    def deciding(job, reply):
+        on_reply(job, reply)
+        finished.append(job.handle.request_id)
+
+    def handing(source, *args, **kwargs):
+        handed.append(source)
+        return submit(source, *args, **kwargs)
+
+    engine._decode._on_reply, engine._prefetcher.submit = deciding, handing
+    return finished, handed
 
 
 def last_message_start(engine: Engine, prompt: PromptInput) -> int:
@@ -102,9 +121,10 @@ def test_one_shot_requests_are_not_prefetched():
 
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
     try:
+        finished, handed = _spy_prefetch(engine)
         run(engine, one_shot)
-        time.sleep(0.2)
-        assert engine.prefetch.started == 0
+        assert wait_for(lambda: len(finished) == 1)  # the engine decided on its reply
+        assert handed == [] and engine.prefetch.started == 0
     finally:
         engine.shutdown()
 
@@ -119,9 +139,13 @@ def test_a_request_that_cannot_use_a_running_prefetch_takes_over():
             ("user", "Why?"),
         )
         rendered = engine.plan(long_history)
-        engine._enqueue_prefetch(rendered, entry_key(engine.model_key, CachePreference()))
-        assert wait_for(lambda: engine.prefetch.started == 1)
-        other = run(engine, chat(("user", "Unrelated: what is two plus two?")))
+        # The prefetch starts, and its first chunk waits until the other request is in:
+        # it arrives while the prefetch still has chunks to go, whatever the speed.
+        with prefill_held(engine):
+            engine._enqueue_prefetch(rendered, entry_key(engine.model_key, CachePreference()))
+            assert wait_for(lambda: engine.prefetch.started == 1)
+            handle = engine.submit(chat(("user", "Unrelated: what is two plus two?")), GREEDY)
+        other = collect(handle)
         assert other.finish_reason in ("stop", "length")
         assert engine.prefetch.cancelled == 1 and engine.prefetch.completed == 0
         assert engine.prefetch.tokens < len(rendered.tokens)
@@ -149,9 +173,10 @@ def test_prefetch_can_be_turned_off(enabled):
 def test_a_chat_clients_first_turns_are_prefetched_once_it_sent_a_reply_back():
     engine = Engine(loaded_test_model("qwen3_5"), TEST_CACHE, NOW)
     try:
+        finished, handed = _spy_prefetch(engine)
         first = run(engine, chat(("system", SYSTEM), ("user", "What is a fraction?")))
-        time.sleep(0.2)
-        assert engine.prefetch.started == 0, "a first turn, from a client not known yet"
+        assert wait_for(lambda: len(finished) == 1)
+        assert handed == [], "a first turn, from a client not known yet"
         # The reply comes back: this client continues conversations.
         run(engine, chat(("system", SYSTEM), ("user", "What is a fraction?"),
                          ("assistant", first.text), ("user", "And a decimal?")))  # fmt: skip
@@ -171,6 +196,7 @@ def test_a_chat_clients_first_turns_are_prefetched_once_it_sent_a_reply_back():
 def test_one_shot_clients_are_never_prefetched():
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
     try:
+        finished, handed = _spy_prefetch(engine)
         chat_system = ("system", SYSTEM)
         first = run(engine, chat(chat_system, ("user", "Hi")))
         run(engine, chat(chat_system, ("user", "Hi"), ("assistant", first.text), ("user", "Go")))
@@ -179,8 +205,8 @@ def test_one_shot_clients_are_never_prefetched():
         for page in ("A page about owls.", "A page about tides.", "A page about bread."):
             run(engine, chat(extension, ("user", page)))  # the same instruction, no reply back
             run(engine, chat(("user", page)))  # no system prompt: nothing to know it by
-        time.sleep(0.2)
-        assert engine.prefetch.started == 1
+        assert wait_for(lambda: len(finished) == 8)
+        assert len(handed) == 1 and engine.prefetch.started == 1
     finally:
         engine.shutdown()
 
