@@ -9,7 +9,7 @@ import random
 import threading
 
 import pytest
-from engine_helpers import chat, run
+from engine_helpers import PacedHandle, chat, paced, run, submit_together
 
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.prompt.boundaries import common_prefix_length
@@ -67,7 +67,7 @@ def test_six_concurrent_requests_sharing_an_instruction_sent_twice(make_engine, 
     alone = [run(engine, p, cache=False, sampling=SAMPLING).tokens for p in prompts]
     first_tokens = engine.plan(prompts[0]).tokens
     for burst in range(2):
-        handles = [engine.submit(p, SAMPLING, CachePreference()) for p in prompts]
+        handles = submit_together(engine, prompts, SAMPLING)
         results = [collect(h) for h in handles]
         for (tokens, _done), expected in zip(results, alone, strict=True):
             assert tokens == expected, "batching changed an answer"
@@ -109,7 +109,7 @@ def test_batched_prefill_and_decode_give_alone_logprobs_bit_for_bit(make_engine,
     exact = SamplingParams(max_tokens=8, logprobs=True)
     alone = [run(engine, p, cache=False, sampling=exact) for p in prompts]
     for burst in range(2):
-        handles = [engine.submit(p, exact, CachePreference()) for p in prompts]
+        handles = submit_together(engine, prompts, exact)
         for handle, expected in zip(handles, alone, strict=True):
             tokens, logprobs, done = [], [], None
             for event in handle.events(timeout=300):
@@ -206,10 +206,8 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(make_engine):
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
     alone = run(engine, prompt, sampling=seeded).tokens
     assert run(engine, prompt, sampling=seeded).tokens == alone
-    others = [
-        engine.submit(chat(("user", f"Other {i}")), SamplingParams(max_tokens=12)) for i in range(3)
-    ]
-    batched = engine.submit(prompt, seeded, CachePreference())
+    prompts = [chat(("user", f"Other {i}")) for i in range(3)] + [prompt]
+    *others, batched = submit_together(engine, prompts, [SamplingParams(12)] * 3 + [seeded])
     assert collect(batched)[0] == alone
     for handle in others:
         collect(handle)
@@ -226,10 +224,9 @@ def test_top_k_sampling_is_seeded_batch_independent_and_top_1_is_greedy(make_eng
     assert run(engine, prompt, sampling=top1).tokens == greedy
     top5 = SamplingParams(max_tokens=10, temperature=1.5, seed=7, top_k=5)
     alone = run(engine, prompt, sampling=top5).tokens
-    others = [
-        engine.submit(chat(("user", f"x {i}")), SamplingParams(max_tokens=10)) for i in range(2)
-    ]
-    assert collect(engine.submit(prompt, top5, CachePreference()))[0] == alone
+    prompts = [chat(("user", f"x {i}")) for i in range(2)] + [prompt]
+    *others, batched = submit_together(engine, prompts, [SamplingParams(10)] * 2 + [top5])
+    assert collect(batched)[0] == alone
     for handle in others:
         collect(handle)
     wide = SamplingParams(max_tokens=10, temperature=1.5, seed=7)
@@ -290,7 +287,7 @@ def test_top_logprobs_match_a_direct_forward_pass_alone_and_in_a_batch(make_engi
         SamplingParams(max_tokens=6),  # no logprobs: none computed for it
     ]
     alone = [collect_events(engine.submit(p, s)) for p, s in zip(prompts, asks, strict=True)]
-    handles = [engine.submit(p, s) for p, s in zip(prompts, asks, strict=True)]
+    handles = submit_together(engine, prompts, asks)
     batched = [collect_events(h) for h in handles]
     assert engine.peak_batch > 1
     for prompt, params, solo, together in zip(prompts, asks, alone, batched, strict=True):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import PacedHandle, chat, paced_submit, run, submit_together
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
@@ -225,10 +225,8 @@ def test_no_more_than_max_running_requests_decode_together():
     config = EngineConfig(max_running=2)
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
     try:
-        handles = [
-            engine.submit(chat(("user", f"Tell me about the number {i}.")), SamplingParams(8))
-            for i in range(5)
-        ]
+        prompts = [chat(("user", f"Tell me about the number {i}.")) for i in range(5)]
+        handles = submit_together(engine, prompts, SamplingParams(8))
         for handle in handles:
             assert list(handle.events(timeout=60))[-1].finish_reason in ("stop", "length")
         assert engine.peak_batch == 2

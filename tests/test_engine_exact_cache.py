@@ -7,18 +7,26 @@ without measuring anything."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import alone_prefill, cache_states, chat, collect, run, warm_equals_cold
+from engine_helpers import (
+    PacedHandle,
+    alone_prefill,
+    cache_states,
+    chat,
+    collect,
+    paced_submit,
+    run,
+    submit_together,
+    warm_equals_cold,
+)
 
 from mlx_prefix.cache.snapshot import restore
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine import calibration, loop
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
 
 INSTRUCTION = "Answer in one line and keep every name. " + " ".join(
@@ -74,7 +82,7 @@ def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(k
 def test_a_hit_answers_as_a_miss_after_batched_traffic(make_engine, kind):
     engine = make_engine(kind)
     prompts = [chat(("system", INSTRUCTION), ("user", q)) for q in QUESTIONS]
-    handles = [engine.submit(p, SamplingParams(max_tokens=8)) for p in prompts]
+    handles = submit_together(engine, prompts, SamplingParams(max_tokens=8))
     for h in handles:
         collect(h)
     assert engine.peak_batch >= 2  # the traffic that filled the cache was batched
@@ -91,10 +99,8 @@ def test_the_default_mode_measures_nothing_and_decodes_in_one_plain_forward(
 
     monkeypatch.setattr(loop, "calibrate", refuse)
     engine = make_engine("dense")
-    handles = [
-        engine.submit(chat(("user", f"Count to {i + 3}.")), SamplingParams(max_tokens=6))
-        for i in range(4)
-    ]
+    prompts = [chat(("user", f"Count to {i + 3}.")) for i in range(4)]
+    handles = submit_together(engine, prompts, SamplingParams(max_tokens=6))
     for h in handles:
         collect(h)
     assert engine.peak_batch >= 2 and engine.capacity == engine.config.max_running

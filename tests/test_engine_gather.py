@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from conftest import loaded_test_model
-from engine_helpers import chat, collect, run
+from engine_helpers import chat, collect, run, submit_together
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import CacheConfig, EngineConfig
@@ -17,7 +17,7 @@ from mlx_prefix.engine.forward import rowwise
 from mlx_prefix.engine.prefill.phase import choose_chunks
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.pace import gathers
-from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
+from mlx_prefix.records import SamplingParams, TokenEvent
 
 WORDS = ("river", "lamp", "orchard", "copper", "signal", "meadow", "ledger", "harbor")
 CACHE = CacheConfig(budget_bytes=1 << 30, prefill_chunk=64, checkpoint_interval=1 << 16)
@@ -65,8 +65,7 @@ def test_a_burst_decodes_together_and_answers_as_alone(kind, gather, determinist
             chat(("user", " ".join(WORDS[(i + k) % len(WORDS)] for k in range(30 + 60 * i))))
             for i in range(4)
         ]
-        # Submitted at once (while a deterministic engine calibrates: they start together).
-        handles = [engine.submit(p, SAMPLING, CachePreference()) for p in prompts]
+        handles = submit_together(engine, prompts, SAMPLING)
         results = [collect(handle, timeout=300) for handle in handles]
         assert all(r.finish_reason == "length" for r in results)
         engine.handle_type = RequestHandle

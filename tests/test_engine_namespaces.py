@@ -118,11 +118,12 @@ INSTRUCTION = (
 @pytest.mark.parametrize("kind", ["qwen3_5", "dense"])
 def test_in_flight_sharing_stays_inside_a_namespace(make_engine, kind):
     # Only in-flight sharing (or an end-of-prompt snapshot) could serve the instruction.
-    engine = make_engine(kind, cache_config=CacheConfig(prefill_chunk=32, checkpoint_interval=4096))
+    # Batch-invariant: each answer is compared with its alone run's below.
+    cache = CacheConfig(prefill_chunk=32, checkpoint_interval=4096)
+    engine = make_engine(kind, cache_config=cache, deterministic=True)
     texts = [f"Texte numero {i}: le train de {7 + i} heures part du quai {i}." for i in range(4)]
     prompts = [chat(("user", INSTRUCTION + t)) for t in texts]
-    prefs = [A, B, A, B]
-    handles = [engine.submit(p, GREEDY, pref) for p, pref in zip(prompts, prefs, strict=True)]
+    handles = submit_together(engine, prompts, GREEDY, [A, B, A, B])
     usages, answers = [], []
     for handle in handles:
         tokens = []

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from engine_helpers import chat, run
+from engine_helpers import chat, run, submit_together
 from test_engine_batch import collect
 
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+from mlx_prefix.records import PromptInput, SamplingParams
 
 PROMPT = chat(
     ("system", "You are a careful assistant who answers in full sentences. " * 6),
@@ -25,9 +25,11 @@ HOT = SamplingParams(max_tokens=12, temperature=1.5, seed=11)  # far from greedy
 def engine():
     from conftest import TEST_CACHE, loaded_test_model
 
+    from mlx_prefix.config import EngineConfig
     from mlx_prefix.engine.engine import Engine
 
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
+    # Batch-invariant: a batch's samples are compared with alone ones.
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(deterministic=True))
     yield engine
     engine.shutdown()
 
@@ -124,8 +126,8 @@ def test_a_cache_hit_samples_as_a_cold_run_under_each_setting(make_engine, kind)
 
 def test_each_setting_samples_the_same_in_a_batch_as_alone(engine):
     alone = {name: tokens(engine, s) for name, s in SETTINGS.items()}
-    handles = {name: engine.submit(PROMPT, s, CachePreference()) for name, s in SETTINGS.items()}
-    batched = {name: collect(handle)[0] for name, handle in handles.items()}
+    handles = submit_together(engine, [PROMPT] * len(SETTINGS), list(SETTINGS.values()))
+    batched = {name: collect(handle)[0] for name, handle in zip(SETTINGS, handles, strict=True)}
     assert batched == alone
     assert engine.peak_batch > 1
 

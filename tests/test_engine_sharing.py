@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import GREEDY, chat, run
+from engine_helpers import GREEDY, chat, run, submit_together
 
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.prompt.boundaries import common_prefix_length
-from mlx_prefix.records import CachePreference, DoneEvent, TokenEvent
+from mlx_prefix.records import DoneEvent, TokenEvent
 
 INSTRUCTION = (
     "Translate the following text into plain, friendly English. Keep names unchanged, "
@@ -20,9 +20,11 @@ TEXTS = [f"Texte numero {i}: le train de {7 + i} heures part du quai {i}." for i
 @pytest.mark.parametrize("kind", ["qwen3_5", "dense"])
 def test_burst_sharing_one_instruction_prefills_it_once(make_engine, kind):
     # No periodic checkpoint could serve the shared prefix: only in-flight sharing can.
-    engine = make_engine(kind, cache_config=CacheConfig(prefill_chunk=32, checkpoint_interval=4096))
+    # Batch-invariant: each answer is compared with its alone run's below.
+    cache = CacheConfig(prefill_chunk=32, checkpoint_interval=4096)
+    engine = make_engine(kind, cache_config=cache, deterministic=True)
     prompts = [chat(("user", INSTRUCTION + text)) for text in TEXTS]
-    handles = [engine.submit(p, GREEDY, CachePreference()) for p in prompts]
+    handles = submit_together(engine, prompts, GREEDY)
     results = []
     for handle in handles:
         tokens, usage = [], None

@@ -8,12 +8,10 @@ that owes a checkpoint to others computes alone, and --deterministic never stack
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import pytest
 from conftest import loaded_test_model
-from engine_helpers import alone_prefill, cache_states, chat, collect
+from engine_helpers import alone_prefill, cache_states, chat, collect, submit_together
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
@@ -119,22 +117,9 @@ def test_rests_stack_only_as_far_as_their_padding_allows():
 
 
 def _burst(engine: Engine, prompts: list, max_tokens: int) -> list:
-    """Serve `prompts` arriving together: the engine's first prefill step waits until
-    all are submitted (the first computes alone, the rest are ready at its next step),
-    whatever the machine's speed."""
-    gate, step = threading.Event(), engine._prefill.step
-
-    def gated(*args, **kwargs):
-        gate.wait(60)
-        return step(*args, **kwargs)
-
-    engine._prefill.step = gated
-    try:
-        handles = [engine.submit(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
-        gate.set()
-        return [collect(h) for h in handles]
-    finally:
-        engine._prefill.step = step
+    """Serve `prompts` arriving together (engine_helpers.submit_together)."""
+    handles = submit_together(engine, prompts, SamplingParams(max_tokens=max_tokens))
+    return [collect(h) for h in handles]
 
 
 def _engine(kind: str, **config) -> Engine:

@@ -10,11 +10,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from engine_helpers import chat, run
+from engine_helpers import chat, run, submit_together
 from test_engine_batch import collect
 
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.records import CachePreference, ResponseFormat, SamplingParams
+from mlx_prefix.records import ResponseFormat, SamplingParams
 
 PERSON = {
     "type": "object",
@@ -49,9 +49,7 @@ def check_person(text: str) -> dict[str, Any]:
 
 def test_fifty_seeded_requests_decoding_together_all_follow_the_schema(make_engine):
     engine = make_engine("dense")
-    handles = [
-        engine.submit(PROMPT, replace(SEEDED, seed=seed), CachePreference()) for seed in range(50)
-    ]
+    handles = submit_together(engine, [PROMPT] * 50, [replace(SEEDED, seed=s) for s in range(50)])
     people = []
     for handle in handles:
         tokens, done = collect(handle)
@@ -74,12 +72,11 @@ def test_a_cache_hit_gives_the_cold_reply_under_a_schema(make_engine, kind):
 
 
 def test_a_constrained_request_leaves_its_neighbours_reply_unchanged(make_engine):
-    engine = make_engine("dense")
+    engine = make_engine("dense", deterministic=True)  # batched == alone, by construction
     free = SamplingParams(max_tokens=40, temperature=1.0, seed=9)
     other = chat(("user", "Write about the sea."))
     alone = run(engine, other, sampling=free).tokens
-    constrained = engine.submit(PROMPT, SEEDED, CachePreference())
-    beside = engine.submit(other, free, CachePreference())
+    constrained, beside = submit_together(engine, [PROMPT, other], [SEEDED, free])
     person_tokens, _ = collect(constrained)
     assert collect(beside)[0] == alone
     assert engine.peak_batch == 2
