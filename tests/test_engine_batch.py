@@ -158,10 +158,14 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind, budget):
 
     outcomes: dict[int, tuple] = {}
 
+    # A cancellation lands where its client sends it, whatever the threads' speed: "at
+    # once" before the engine sees the request, midway before the engine goes on past
+    # the token the client cancels at (engine_helpers.PacedHandle).
+    engine.handle_type = PacedHandle
+
     def client(i: int) -> None:
-        handle = engine.submit(prompts[i], samplings[i], CachePreference())
-        if i in cancel_at_once:
-            handle.cancel()
+        with paced(at_once=i in cancel_at_once, after=cancel_after.get(i)):
+            handle = engine.submit(prompts[i], samplings[i], CachePreference())
         tokens, done = [], None
         for event in handle.events(timeout=300):
             if isinstance(event, TokenEvent) and event.token is not None:

@@ -20,7 +20,8 @@ PROMPT = chat(("system", "You are a terse assistant. " * 8), ("user", "Count to 
 
 def test_cancel_stops_the_request_and_frees_its_cache(make_engine):
     engine = make_engine("dense")
-    handle = engine.submit(PROMPT, SamplingParams(max_tokens=500))
+    engine.handle_type = PacedHandle  # the engine goes on only once token 2 cancelled it
+    handle = paced_submit(engine, PROMPT, SamplingParams(max_tokens=500), after=2)
     tokens = 0
     for event in handle.events(timeout=60):
         if isinstance(event, TokenEvent):

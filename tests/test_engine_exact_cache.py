@@ -39,20 +39,30 @@ QUESTIONS = [f"Question {i}: " + "lamp river " * (2 + 3 * i) for i in range(4)]
 def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(kind):
     engine = Engine(loaded_test_model(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
     try:
-        # Two long replies decode while a burst sharing an instruction prefills beside them.
+        # Two long replies decode while a burst sharing an instruction prefills beside them:
+        # the engine waits after the second reply's first token until the burst is in, so
+        # it arrives while both decode (the burst's prefill takes fewer steps than the
+        # replies' 40 tokens), whatever the speed of this thread.
+        engine.handle_type = PacedHandle
         early = [
-            engine.submit(chat(("user", f"Tell a long story number {i}.")), SamplingParams(40))
+            paced_submit(
+                engine,
+                chat(("user", f"Tell a long story number {i}.")),
+                SamplingParams(40),
+                after=i or None,
+            )
             for i in range(2)
         ]
-        for handle in early:  # both decoding before the burst arrives
-            first = next(e for e in handle.events(timeout=120) if isinstance(e, TokenEvent))
-            assert first.token is not None
+        events = early[1].events(timeout=120)  # held here: dropped, it would cancel
+        first = next(e for e in events if isinstance(e, TokenEvent))
+        assert first.token is not None
         prompts = [chat(("system", INSTRUCTION), ("user", q)) for q in QUESTIONS]
         late = [engine.submit(p, SamplingParams(max_tokens=6)) for p in prompts]
+        early[1].release()
         late_results = [collect(h) for h in late]
         still_running = engine.peak_batch
         for h in early:
-            collect(h)
+            assert collect(h).finish_reason == "length"  # decoded beside the burst, whole
         assert still_running >= 3, "the burst never decoded beside the long replies"
         assert any(r.usage.cached_tokens > 0 for r in late_results)  # in-flight sharing hit
 

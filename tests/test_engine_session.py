@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import time
-
 from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import PacedHandle, paced, wait_for
 
 from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
 from mlx_prefix.records import SamplingParams, TokenEvent
@@ -24,13 +23,12 @@ def test_library_session_reuses_the_system_prompt_and_matches_a_cold_run():
 def test_a_consumer_that_stops_early_cancels_its_request():
     with PrefixCacheSession(loaded_test_model("dense"), cache_config=TEST_CACHE) as session:
         engine = session.engine
-        for event in session.stream(chat_prompt("Count to a thousand."), long_reply):
-            if isinstance(event, TokenEvent):
-                break  # the caller loses interest after one token
-        deadline = time.monotonic() + 60
-        while engine._pending and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine._pending == 0
+        engine.handle_type = PacedHandle  # the engine goes on once the first token is read
+        with paced(after=1):
+            for event in session.stream(chat_prompt("Count to a thousand."), long_reply):
+                if isinstance(event, TokenEvent):
+                    break  # the caller loses interest after one token
+        assert wait_for(lambda: engine._pending == 0)
         # Cancelled within a few steps, not run to its 400 tokens.
         assert engine._steps < 50
         assert engine.store.stats().active_bytes == 0
