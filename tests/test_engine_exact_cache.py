@@ -142,27 +142,22 @@ def test_requests_prefill_fewest_tokens_left_first():
     engine = Engine(loaded_test_model("dense"), cache, config)
     try:
         off, sampling = CachePreference(enabled=False), SamplingParams(max_tokens=2)
-        long = engine.submit(chat(("user", "word " * 900)), sampling, off)
-        short = engine.submit(chat(("user", "Hi")), sampling, off)
-        arrivals: list[tuple[float, str]] = []
+        firsts: list[str] = []  # request ids in the order the engine sent a first token
 
-        def first_token(name, handle):
-            for event in handle.events(timeout=120):
-                if isinstance(event, TokenEvent) and not arrivals_of(name):
-                    arrivals.append((time.monotonic(), name))
+        class Recording(RequestHandle):
+            def emit(self, event):
+                if isinstance(event, TokenEvent) and self.request_id not in firsts:
+                    firsts.append(self.request_id)
+                super().emit(event)
 
-        def arrivals_of(name):
-            return [a for a in arrivals if a[1] == name]
-
-        threads = [
-            threading.Thread(target=first_token, args=("long", long)),
-            threading.Thread(target=first_token, args=("short", short)),
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        engine.handle_type = Recording
+        # Submitted together: the long prompt's first chunk waits until the short is in.
+        long, short = submit_together(
+            engine, [chat(("user", "word " * 900)), chat(("user", "Hi"))], sampling, [off, off]
+        )
+        for handle in (short, long):
+            collect(handle)
         assert engine._prefill.peak_tasks == 2  # they prefilled side by side
-        assert [name for _, name in sorted(arrivals)] == ["short", "long"]
+        assert firsts == [short.request_id, long.request_id]
     finally:
         engine.shutdown()
