@@ -232,9 +232,7 @@ def test_files_from_before_namespaces_are_never_served(tmp_path):
         assert engine.cache_stats()["disk"]["hits"] == 0
         old = [e for e in engine.disk.cache.entries() if e.model_key == engine.model_key]
         assert len(old) == 1  # indexed, never matched; a full flush removes it
-        deadline = time.monotonic() + 30
-        while engine.disk.pending and time.monotonic() < deadline:  # this run's own saves
-            time.sleep(0.02)
+        assert wait_for(lambda: engine.disk.pending == 0)  # this run's own saves, written
         engine.flush_cache()
         assert engine.disk.cache.entries() == []
     finally:

@@ -15,6 +15,7 @@ from server_fakes import serving
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.types import EntryInfo
+from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput
@@ -24,7 +25,8 @@ SYSTEM = "You are the help desk of a public library. Answer in one short sentenc
 
 @pytest.fixture(scope="module", params=["dense", "qwen3_5"])
 def live(request):
-    engine = Engine(loaded_test_model(request.param), TEST_CACHE)
+    # Batch-invariant: the soak compares every batched answer with the same request alone.
+    engine = Engine(loaded_test_model(request.param), TEST_CACHE, EngineConfig(deterministic=True))
     with serving(engine) as (url, _):
         yield url, engine
 
