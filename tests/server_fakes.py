@@ -569,7 +569,9 @@ class LiveServer:
         assert not self._thread.is_alive(), "uvicorn did not stop"
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Poll until `predicate()` holds; `timeout` is a deadline for a hang, never a
+    measurement (a loaded machine may take seconds where an idle one takes ms)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -102,9 +101,8 @@ def test_warm_bad_body(http, body, param):
 
 def test_warm_timeout_is_a_504():
     with serving(warm_timeout_s=0.2) as (url, engine), httpx.Client(base_url=url) as c:
-        started = time.monotonic()
-        r = c.post("/v1/cache/warm", json={"prompt": "[[delay:30]] slow"}, timeout=10)
-        assert time.monotonic() - started < 5
+        # The warm-up would take 10 minutes: a 504 at all is the timeout's.
+        r = c.post("/v1/cache/warm", json={"prompt": "[[delay:600]] slow"}, timeout=120)
         assert r.status_code == 504, r.text
         error = r.json()["error"]
         assert error["code"] == "timeout" and error["type"] == "server_error"
@@ -114,16 +112,15 @@ def test_warm_timeout_is_a_504():
 
 def test_warm_client_disconnect_ends_the_handler():
     with serving() as (url, engine):
-        body = json.dumps({"prompt": "[[delay:5]] slow"}).encode()
+        # A warm-up of 10 minutes: what ends before it, the client's leaving ended.
+        body = json.dumps({"prompt": "[[delay:600]] slow"}).encode()
         with raw_post(url, "/v1/cache/warm", body):
-            assert wait_until(lambda: engine.warms_running == 1)
-        closed = time.monotonic()
+            assert wait_until(lambda: engine.warms_running == 1, timeout=60)
         with httpx.Client(base_url=url) as c:
             key = ("mlx_prefix_requests_total", (("endpoint", "/v1/cache/warm"), ("status", "499")))
-            assert wait_until(lambda: metrics(c).get(key) == 1, timeout=2)
-        assert time.monotonic() - closed < 2
+            assert wait_until(lambda: metrics(c).get(key) == 1, timeout=60)
         # The client left: its warm-up was cancelled, not left running for the delay.
-        assert wait_until(lambda: engine.warms_running == 0, timeout=2)
+        assert wait_until(lambda: engine.warms_running == 0, timeout=60)
 
 
 def test_flush(http):

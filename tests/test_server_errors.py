@@ -307,7 +307,7 @@ def test_error_mid_stream_reaches_openai_client(live):
 
 def test_client_disconnect_while_streaming_cancels(live, engine):
     body = chat(
-        messages=[{"role": "user", "content": f"[[delay:0.05]] [[reply:{'word ' * 200}]]"}],
+        messages=[{"role": "user", "content": f"[[delay:0.5]] [[reply:{'word ' * 200}]]"}],
         stream=True,
     )
     with httpx.Client(base_url=live[0], timeout=10) as c:
@@ -315,8 +315,8 @@ def test_client_disconnect_while_streaming_cancels(live, engine):
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             handle = engine.handles[-1]
-    assert wait_until(handle.cancelled.is_set, timeout=3), "disconnect did not cancel the request"
-    assert wait_until(lambda: handle.finished, timeout=3)
+    assert wait_until(handle.cancelled.is_set), "disconnect did not cancel the request"
+    assert wait_until(lambda: handle.finished)
 
 
 def _disconnects(url: str) -> float:
@@ -328,15 +328,15 @@ def _disconnects(url: str) -> float:
 
 def test_client_disconnect_while_waiting_non_streaming_cancels(live, engine):
     body = json.dumps(
-        chat(messages=[{"role": "user", "content": f"[[delay:0.05]] [[reply:{'w ' * 200}]]"}])
+        chat(messages=[{"role": "user", "content": f"[[delay:0.5]] [[reply:{'w ' * 200}]]"}])
     ).encode()
     before, disconnected = len(engine.handles), _disconnects(live[0])
     with raw_post(live[0], CHAT, body):
-        assert wait_until(lambda: len(engine.handles) > before, timeout=3)
+        assert wait_until(lambda: len(engine.handles) > before)
     handle = engine.handles[-1]
-    assert wait_until(handle.cancelled.is_set, timeout=3), "disconnect did not cancel the request"
+    assert wait_until(handle.cancelled.is_set), "disconnect did not cancel the request"
     # Counted once the handler ended (the module's server counts other tests' too).
-    assert wait_until(lambda: _disconnects(live[0]) == disconnected + 1, timeout=3)
+    assert wait_until(lambda: _disconnects(live[0]) == disconnected + 1)
 
 
 def test_client_disconnect_ends_the_handler_even_if_the_engine_is_slow_to_stop(live, engine):
