@@ -11,7 +11,7 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 from conftest import loaded_test_model
-from engine_helpers import chat, collect, run
+from engine_helpers import chat, collect, run, submit_together
 from mlx_lm.models.cache import make_prompt_cache
 from test_engine_structured import PROMPT, SEEDED, check_person
 
@@ -126,10 +126,8 @@ def test_the_engine_overlaps_steps_and_replies_keep_their_lengths_and_answers(ma
         for p, s in zip(prompts, samplings, strict=True)
     ]
     engine._decode.overlapped = 0
-    handles = [
-        engine.submit(p, s, CachePreference(enabled=False))
-        for p, s in zip(prompts[:3], samplings[:3], strict=True)
-    ]
+    off = [CachePreference(enabled=False)] * 3
+    handles = submit_together(engine, prompts[:3], samplings[:3], off)
     first = collect(handles[0])
     late = engine.submit(prompts[3], samplings[3], CachePreference(enabled=False))
     results = [first, *(collect(h) for h in (*handles[1:], late))]

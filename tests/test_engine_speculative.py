@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, collect, run
+from engine_helpers import chat, collect, run, submit_together
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import EngineConfig
@@ -20,7 +20,7 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.layer_skip import make_layer_skip_draft
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.records import CachePreference, SamplingParams
+from mlx_prefix.records import SamplingParams
 
 SYSTEM = "You are a careful assistant who answers about ships, harbours and the sea. " * 8
 PROMPT = chat(("system", SYSTEM), ("user", "Tell me about the lighthouse at the harbour."))
@@ -118,7 +118,7 @@ def test_a_second_request_falls_back_to_the_batched_step(engines, draft):
     other = chat(("system", SYSTEM), ("user", "And what about the old fishing boats?"))
     alone = [run(engines(), p, sampling=GREEDY) for p in (PROMPT, other)]
     spec = engines(draft, deterministic=True)  # batched == alone is batch invariance
-    handles = [spec.submit(p, GREEDY, CachePreference()) for p in (PROMPT, other)]
+    handles = submit_together(spec, [PROMPT, other], GREEDY)
     together = [collect(h) for h in handles]
     assert spec.peak_batch == 2
     for a, t in zip(alone, together, strict=True):
