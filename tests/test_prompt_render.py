@@ -174,7 +174,7 @@ def test_a_render_error_still_reaches_the_caller_through_the_bound():
         broken.render_text(conversation_from_dicts([HI]))
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:
+def wait_for(predicate, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -124,8 +124,10 @@ def test_breakpoints_reach_the_disk_at_first_sight(tmp_path):
     with serving(engine) as (url, _):
         with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
             ask(client, [{"role": "user", "content": "hello"}], 1)
-        deadline = time.monotonic() + 30  # saves are written once the engine is idle
-        while not engine.disk.cache.entries() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # saves are written once the engine is idle
+        while (engine.disk.pending or not engine.disk.cache.entries()) and (
+            time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         kinds = {e.kind for e in engine.disk.cache.entries()}
     # One request: nothing is shared with an earlier one yet, so `auto` saves only what
