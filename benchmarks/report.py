@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import claims, peers, report_sharded, report_throughput
+from .device import table as device_table
 from .goals import Goal, evaluate
 from .names import GENERATE, OURS, PEER, SERVERS, VLLM
 from .report_format import _cached, _checks, _label, _reuse, _s, _short, _ttfts
@@ -699,5 +700,5 @@ def write(doc: dict[str, Any], report_dir: Path) -> Path:
     pngs = plots(doc, report_dir / "results")
     rel = [str(p.relative_to(report_dir)) for p in pngs]
     path = report_dir / "RESULTS.md"
-    path.write_text(markdown(doc, rel))
+    path.write_text(markdown(doc, rel) + device_table.kept_section(report_dir))
     return path
