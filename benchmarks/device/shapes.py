@@ -74,18 +74,6 @@ DENSE_8B: dict[str, Any] = {
 
 # --small: the same architectures, narrow and shallow (every width a multiple of the
 # quantization group).
-_SMALL_HYBRID = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-}
 _SMALL_DENSE = {
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -93,6 +81,13 @@ _SMALL_DENSE = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
+}
+_SMALL_HYBRID = {
+    **_SMALL_DENSE,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
 }
 
 
