@@ -64,7 +64,7 @@ DEVICE = Plan(
         throughput_decode_tokens=128,
     ),
 )
-SMALL = Plan(1024, (1, 8, 32), 16, 600, 16, 2.0, PROFILES["smoke"].plans[0].sizes)
+SMALL = Plan(1024, (1, 8, 32), 8, 600, 16, 2.0, PROFILES["smoke"].plans[0].sizes)
 
 
 class Clock:

@@ -49,9 +49,10 @@ def _num(value: float | None, unit: str) -> str:
         return "-"
     if unit == "s":
         return f"{value:.3f} s"
-    if unit == "ms":
-        return f"{value:.1f} ms"
-    return f"{value:,.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+    if unit == "x":
+        return f"{value:.3f}x"
+    digits = 2 if value < 10 else 1 if value < 100 else 0
+    return f"{value:,.{digits}f} {unit}"
 
 
 def rows(model: dict[str, Any]) -> Iterator[Row]:
