@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -81,15 +81,16 @@ def warm_equals_cold(engine: Engine, prompt: PromptInput) -> Result:
 
 
 @contextmanager
-def prefill_held(engine: Engine) -> Iterator[None]:
-    """Hold the engine's next prefill step until the block ends (60 s at most): what the
-    block submits is in the engine's inbox when that step ends, and is scheduled right
-    after it, whatever the machine's speed. A request the engine took before the block
-    has been scheduled, but computes nothing until then."""
+def prefill_held(engine: Engine, when: Callable[[], bool] = lambda: True) -> Iterator[None]:
+    """Hold the engine's next prefill step (one taken while `when()` holds) until the
+    block ends (60 s at most): what the block submits is in the engine's inbox when that
+    step ends, and is scheduled right after it, whatever the machine's speed. A request
+    the engine took before the block has been scheduled, but computes nothing until then."""
     gate, step = threading.Event(), engine._prefill.step
 
     def held(*args, **kwargs):
-        gate.wait(60)
+        if when():
+            gate.wait(60)
         return step(*args, **kwargs)
 
     engine._prefill.step = held

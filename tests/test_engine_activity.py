@@ -4,7 +4,7 @@ decoding, warm-ups, prefetches), this model's sequences, pin and evict by entry 
 from __future__ import annotations
 
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import chat, prefill_held, run
 from server_fakes import wait_until
 
 from mlx_prefix.cache.types import CheckpointKind, EvictOutcome
@@ -99,13 +99,15 @@ def test_a_prefetch_is_listed_with_its_role():
             ("assistant", "Hi."),
             ("user", "Count to three."),
         )
-        run(engine, history)
-        seen = wait_until(
-            lambda: any(j.role == "prefetch" for j in engine.activity().jobs), timeout=30
-        )
-        assert seen, engine.activity()
-        assert wait_until(lambda: engine.prefetch.completed == 1, timeout=60)
-        assert wait_until(lambda: engine.activity().jobs == (), timeout=10)
+        # The prefetch's first chunk waits until the test has seen it listed: a short one
+        # could otherwise come and go between two looks, whatever the machine's speed.
+        background = lambda: any(t.job.background for t in engine._prefill.tasks)  # noqa: E731
+        with prefill_held(engine, when=background):
+            run(engine, history)
+            seen = wait_until(lambda: any(j.role == "prefetch" for j in engine.activity().jobs))
+            assert seen, engine.activity()
+        assert wait_until(lambda: engine.prefetch.completed == 1)
+        assert wait_until(lambda: engine.activity().jobs == ())
         kinds = {s.info.kind for s in engine.cache_sequences()}
         assert CheckpointKind.HISTORY in kinds
     finally:
