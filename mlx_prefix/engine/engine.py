@@ -50,6 +50,7 @@ from mlx_prefix.engine.requests.lifecycle import Lifecycle
 from mlx_prefix.engine.requests.pace import Pace
 from mlx_prefix.engine.requests.prefetch import Prefetcher
 from mlx_prefix.engine.requests.scheduler import WaitingList
+from mlx_prefix.explain.trace import CacheTrace, ExplainContext, kwargs_digest
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import cap_buffer_cache
@@ -101,6 +102,11 @@ class Engine(CacheViews, EngineLoop):
         self.kv_quant = quantized_kv(model, self.config)
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
+        # What the request explainer (explain/) reads of this model: each job's trace holds it.
+        self.explain_context = ExplainContext(
+            model.name, model.identity.key(), self.model_key, model.tokenizer,
+            self.planner.grid, self.store.evicted, self.planner.renderer,
+        )  # fmt: skip
         fresh_cache = make_prompt_cache(model.model)
         # Until the engine thread's calibration (the probe, with --deterministic) says more.
         self.batchable = batchable(fresh_cache) and self.kv_quant is None
@@ -222,11 +228,27 @@ class Engine(CacheViews, EngineLoop):
             (c.position for c in rendered.checkpoints if c.marked), default=0
         )
         key = entry_key(self.model_key, cache)
+        handle.trace = self._trace(rendered, prompt, cache, key)
         now = time.perf_counter()
-        self.lifecycle.put(
-            Job(handle, rendered, sampling, cache, key, now, prompt, constraint=constraint)
-        )
+        job = Job(handle, rendered, sampling, cache, key, now, prompt, constraint=constraint)
+        job.trace = handle.trace
+        self.lifecycle.put(job)
         return handle
+
+    def _trace(
+        self, rendered: RenderedPrompt, prompt: PromptInput, cache: CachePreference, key: str
+    ) -> CacheTrace:
+        """The request's record for the explainer (explain/), filled at admission."""
+        off = (
+            "the server runs without a prefix cache"
+            if not self.cache_config.enabled
+            else "the request turned prefix_cache off"
+        )
+        return CacheTrace(
+            self.explain_context, rendered.tokens, prompt, key, cache.namespace, cache.salt,
+            kwargs_digest(prompt.chat_template_kwargs),
+            enabled=self.cache_config.enabled and cache.enabled, off=off,
+        )  # fmt: skip
 
     def warm(
         self,

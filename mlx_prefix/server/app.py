@@ -214,6 +214,7 @@ def _build(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
+        metrics.explainer.close()
         if on_shutdown is not None:
             log.info("shutting down the engine")
             await run_in_threadpool(on_shutdown)

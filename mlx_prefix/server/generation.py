@@ -64,6 +64,7 @@ class RequestLog:
     metrics: ServerMetrics
     namespace: str | None = None  # the sender's cache namespace id: who sees the record
     prompt_tokens: int = 0
+    trace: Any = None  # the engine's CacheTrace (explain/trace.py), once submitted
     started: float = field(default_factory=time.perf_counter)
     _written: bool = False
 
@@ -90,6 +91,9 @@ class RequestLog:
             )  # fmt: skip
             return
         self.metrics.observe_generation(usage)
+        if self.trace is not None:  # ended with its usage: the engine wrote all of it
+            api = api_name(self.endpoint)
+            self.metrics.explainer.submit(self.trace, self.request_id, api, self.namespace or "")
         log.info(
             "%s %s prompt=%d cached=%d completion=%d ttft=%.1fms decode=%.1ftok/s "
             "finish=%s status=%s total=%.0fms",
@@ -97,6 +101,12 @@ class RequestLog:
             usage.completion_tokens, usage.ttft_s * 1000, usage.decode_tokens_per_s,
             finish, status, total_ms,
         )  # fmt: skip
+
+
+def api_name(path: str) -> str:
+    """The API family of a generation path: chat, completions, messages, responses."""
+    family = path.removeprefix("/v1").strip("/").split("/")[0]
+    return "chat" if family == "chat" else family
 
 
 class StreamShaper(Protocol):

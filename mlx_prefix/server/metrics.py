@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlx_prefix.explain.explainer import Explainer
 from mlx_prefix.records import Usage
 
 from .recent import RecentRequests
@@ -59,6 +60,10 @@ class ServerMetrics:
         )
         self.registry.register(CacheCollector(cache_stats))
         self.recent = RecentRequests()  # for the dashboard; fed by generation.RequestLog
+        # Why each request reused what it did (explain/): /v1/cache/requests, the
+        # dashboard, the per-reason counters below; fed by generation.RequestLog too.
+        self.explainer = Explainer()
+        self.registry.register(ReasonCollector(self.explainer))
 
     def observe_generation(self, usage: Usage) -> None:
         self.prompt_tokens.inc(usage.prompt_tokens)
@@ -119,6 +124,34 @@ class CacheCollector(Collector):
                 yield CounterMetricFamily(name, doc, value=value)
             else:
                 yield GaugeMetricFamily(name, doc, value=value)
+
+
+class ReasonCollector(Collector):
+    """Requests and prompt tokens lost per reason (explain/reasons.py), read at scrape."""
+
+    def __init__(self, explainer: Explainer):
+        self._explainer = explainer
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self._explainer.totals()
+        requests = CounterMetricFamily(
+            "mlx_prefix_cache_reason_requests",
+            "Requests by why they reused what they did (hit, new, edited, evicted, ...)",
+            labels=["reason"],
+        )
+        lost = CounterMetricFamily(
+            "mlx_prefix_cache_reason_lost_tokens",
+            "Prompt tokens computed that the cache would have served but for the reason",
+            labels=["reason"],
+        )
+        for reason, (count, tokens) in totals.items():
+            requests.add_metric([reason], count)
+            lost.add_metric([reason], tokens)
+        yield requests
+        yield lost
 
 
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

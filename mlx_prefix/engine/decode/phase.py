@@ -119,6 +119,8 @@ class DecodePhase:
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
         running.reasoning = budget
+        if job.trace is not None:
+            job.trace.reply = running.emitted  # complete by the final event
         self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0))
         if self.speculator is not None and task.draft is not None:
             self.speculator.adopt(running, task.draft)

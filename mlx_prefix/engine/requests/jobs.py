@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
     from mlx_prefix.engine.decode.speculative import DraftCache
     from mlx_prefix.engine.prefill.checkpoints import Checkpointer
+    from mlx_prefix.explain.trace import CacheTrace
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,8 @@ class Job:
     # The reply's grammar state (response_format); built by the caller, then engine only.
     constraint: Constraint | None = None
     stored_to: int = 0  # furthest prompt position its prefill stored in the cache
+    # What the request explainer reads of it (explain/trace.py); filled at admission.
+    trace: CacheTrace | None = None
     # Unique in this process, never reused (unlike id()): names the job to in-flight
     # sharing, and across ranks to a sharded engine (engine/sharded/distributed.py).
     serial: int = field(default_factory=itertools.count(1).__next__)

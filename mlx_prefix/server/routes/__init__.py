@@ -15,7 +15,7 @@ from __future__ import annotations
 from starlette.routing import Route
 
 from . import dashboard
-from .cache import cache_flush, cache_info, cache_warm
+from .cache import cache_flush, cache_info, cache_requests, cache_warm
 from .embeddings import embeddings
 from .generate import chat_completions, completions
 from .messages import count_tokens, messages
@@ -48,6 +48,7 @@ ROUTES = [
     Route("/v1/cache", cache_info, methods=["GET"]),
     Route("/v1/cache", cache_flush, methods=["DELETE"]),
     Route("/v1/cache/warm", cache_warm, methods=["POST"]),
+    Route("/v1/cache/requests", cache_requests, methods=["GET"]),
     Route("/v1/cache/entries/{entry_id:int}/pin", dashboard.pin, methods=["POST"]),
     Route("/v1/cache/entries/{entry_id:int}", dashboard.evict, methods=["DELETE"]),
     Route("/v1/dashboard", dashboard.data, methods=["GET"]),

@@ -1,6 +1,8 @@
 """The prompt cache over HTTP: GET /v1/cache (stats, entries), DELETE /v1/cache (flush),
-POST /v1/cache/warm (prefill a prompt into the cache without generating). Entries and
-flushes are the caller's namespace's, warm-ups go into it (server/namespaces.py)."""
+POST /v1/cache/warm (prefill a prompt into the cache without generating), GET
+/v1/cache/requests (why recent requests reused what they did: explain/). Entries,
+flushes and request records are the caller's namespace's, warm-ups go into it
+(server/namespaces.py); the admin key sees every namespace."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from mlx_prefix.errors import InvalidRequest
 
 from ..errors import WarmTimeout
 from ..generation import ClientGone, until_disconnect
@@ -37,6 +41,25 @@ async def cache_info(request: Request) -> Response:
         for entry in entries
     ]
     return JSONResponse({"stats": stats, "entries": entries})
+
+
+REQUESTS_LIMIT = 50  # records listed when the query names no limit
+
+
+@api
+async def cache_requests(request: Request) -> Response:
+    """The caller's recent requests, newest first: `?limit=N` (1 to the records kept)."""
+    unknown = sorted(set(request.query_params) - {"limit"})
+    if unknown:
+        name = unknown[0]
+        raise InvalidRequest(f"unknown query parameter {name!r} (known: limit)", param=name)
+    raw = request.query_params.get("limit", str(REQUESTS_LIMIT))
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidRequest(f"limit must be a positive integer, not {raw!r}", param="limit")
+    explainer = state(request).metrics.explainer
+    records = visible(caller(request), await run_in_threadpool(explainer.records))
+    data = [r.as_json() for r in records[: int(raw)]]
+    return JSONResponse({"object": "list", "data": data})
 
 
 @api
@@ -90,6 +113,8 @@ async def cache_flush(request: Request) -> Response:
     engines = [served.engine for served in st.models.resident()] or [st.engine]
 
     def flush() -> int:
-        return sum(engine.flush_cache(namespace) for engine in engines)
+        removed = sum(engine.flush_cache(namespace) for engine in engines)
+        st.metrics.explainer.forget(namespace)  # what it held is no reason any more
+        return removed
 
     return JSONResponse({"removed": await run_in_threadpool(flush)})

@@ -63,6 +63,7 @@ async def respond(
     """The reply to a submitted request: SSE through `shaper` when streaming, else the
     collected reply as `whole(collected, finish_reason)`."""
     record.prompt_tokens = handle.prompt_tokens
+    record.trace = getattr(handle, "trace", None)  # a fake engine's handle has none
     st.inflight.add(handle)
     if req.stream:
 
