@@ -377,3 +377,48 @@ def test_a_template_that_drops_reasoning_is_re_rendered(rerendering, api, stream
     assert record["location"] == {"message": 2, "role": "assistant"}
     assert "catalogue" in record["before"] and "catalogue" not in record["after"]
     assert record["cached_tokens"] == cached > 0 and record["lost_tokens"] > 0
+
+
+DOCUMENT = (
+    "In the beginning God created the heaven and the earth. And the earth was without "
+    "form, and void. "
+) * 7 + "And God said, Let there be light. "
+FIRST = (
+    "Summarise it in one short sentence, please, for the reading group of Thursday "
+    "evening, and keep it plain: the group reads it aloud before tea."
+)
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Iterator[tuple[str, Engine]]:
+    engine = Engine(loaded_test_model("qwen3_5"), TEST_CACHE, NO_PREFETCH)
+    with serving(engine) as (url, _):
+        yield url, engine
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_new_question_after_a_document_restores_at_a_checkpoint_before_the_grid_point(
+    hybrid, live, stream
+):
+    """The same document, another question at its end: an all-KV cache restores at the
+    last grid point before the question (hit); a hybrid one only at an exact checkpoint,
+    here the periodic one before it (grid), the tokens between computed again."""
+    second = "Who wrote it and when was it first printed in English?"
+    for (url, engine), reason in ((hybrid, "grid"), (live, "hit")):
+        client = Client(url, "chat", stream, new_origin())
+        client.send("You read documents.", [("user", DOCUMENT + FIRST)])
+        _, cached = client.send("You read documents.", [("user", DOCUMENT + second)])
+        record = client.records()[0]
+        prompt = tokens(engine, "You read documents.", [("user", DOCUMENT + second)])
+        at = record["diverged_at"]
+        assert record["reason"] == reason, record
+        assert at == common_prefix_length(
+            prompt, tokens(engine, "You read documents.", [("user", DOCUMENT + FIRST)])
+        )
+        assert record["location"] == {"message": 1, "role": "user"}
+        assert "Summarise" in record["before"] and "Who wrote" in record["after"]
+        grid_point = engine.planner.grid.align(prompt, at)
+        if reason == "grid":
+            assert cached < grid_point and record["lost_tokens"] == at - cached
+        else:
+            assert cached == grid_point and record["lost_tokens"] == at - cached

@@ -177,7 +177,7 @@ class Explainer:
         messages = t.prompt.messages if t.prompt is not None else None
         where = texts.location(ctx.grid, t.tokens, messages, d) if closest is not None else None
         divergence = NO_DIVERGENCE
-        if closest is not None and d < closest.seen.length:
+        if closest is not None and d < min(closest.seen.length, len(t.tokens)):
             divergence = self._divergence(t, closest, where, messages)
 
         def align(n: int) -> int:

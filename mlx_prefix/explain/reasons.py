@@ -125,7 +125,8 @@ def decide(e: Evidence) -> Verdict:
         return new()
     # Past here the closest is the store's entries' match when those share more than the
     # history: a next-turn prefetch the server rendered (then the prompt is no edit).
-    own = c is not None and d >= e.stored_match and d < c.seen.length
+    # Inside both: a prompt that is all in the closest (sent again) did not leave it.
+    own = c is not None and d >= e.stored_match and d < min(c.seen.length, e.length)
     if own and c.seen.kwargs != e.kwargs and d < c.seen.prompt_len:
         what = "chat_template_kwargs changed what the template wrote"
         return Verdict("settings", lost(c.seen.prompt_len), what, c, d)
