@@ -1,5 +1,7 @@
 """Claude Code itself (`claude -p`) against the server, twice, on a hybrid model with a
-32K context: its second run reads at least 95% of its input from the cache.
+32K context: its second run reads at least 95% of its input from the cache. With its
+billing header kept, each session's header differs (its version suffix follows the
+first prompt), and GET /v1/cache/requests says so: `volatile`, at that header's text.
 
 Claude Code's prompt is ~12.5K tokens of this tokenizer (12 tools, three system blocks:
 a billing header that changes per run, two with cache_control) and a per-run session id
@@ -18,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from server_fakes import serving
 
@@ -53,7 +56,7 @@ BINARY, WHY = claude_binary()
 pytestmark = pytest.mark.skipif(BINARY is None, reason=WHY)
 
 
-def run_claude(url: str, home: Path, work: Path) -> dict:
+def run_claude(url: str, home: Path, work: Path, prompt: str = "Say hi") -> dict:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
@@ -65,7 +68,7 @@ def run_claude(url: str, home: Path, work: Path) -> dict:
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "8",
     }
     out = subprocess.run(
-        [str(BINARY), "-p", "Say hi", "--output-format", "json"],
+        [str(BINARY), "-p", prompt, "--output-format", "json"],
         cwd=work,
         env=env,
         capture_output=True,
@@ -104,3 +107,27 @@ def test_second_claude_code_run_reads_its_prompt_from_the_cache(tmp_path, capsys
         )
     assert total > 8000  # Claude Code's real prompt reached the model
     assert read >= 0.95 * total
+
+
+def test_a_kept_billing_header_shows_as_volatile_on_its_text(tmp_path):
+    """Three sessions, three first prompts: the header's `cc_version` suffix changes
+    each time, right at the prompt's start, and everything after it is computed again."""
+    model = load_model(str(cached_test_model("dense", think_template=True, context=32768)))
+    engine = Engine(model, CacheConfig(budget_bytes=2 << 30))
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with serving(engine, keep_billing_header=True) as (url, _):
+        for prompt in ("Say hi", "Say hello", "Name a colour"):
+            run = run_claude(url, home, work, prompt)
+            assert run["api_error_status"] is None, run["result"]
+        records = httpx.get(f"{url}/v1/cache/requests", params={"limit": 100}).json()["data"]
+    assert {r["api"] for r in records} == {"messages"}
+    changed = [r for r in reversed(records) if r["reason"] in ("edited", "volatile")]
+    # Each later session's first request; the others continue their session (hits).
+    assert [r["reason"] for r in changed] == ["edited", "volatile"], records
+    volatile = changed[-1]
+    assert volatile["location"] == {"message": 0, "role": "system"}
+    assert "cc_version=" in volatile["before"] and "cc_version=" in volatile["after"]
+    assert volatile["before"] != volatile["after"]
+    assert volatile["diverged_at"] < 32 and volatile["lost_tokens"] > 8000

@@ -9,6 +9,7 @@ whatever ran before on the module's server."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class Client:
 
     def send_raw(self, system: str, items: list[dict], **extra) -> tuple[str, int]:
         """One request of messages (or Responses input items) in this API's own shape."""
-        headers = {"Origin": self.origin}
+        headers = {"Origin": self.origin} if self.origin else {}
         if self.api == "messages":
             with anthropic.Anthropic(
                 base_url=self.url, api_key="x", max_retries=0, default_headers=headers
@@ -74,7 +75,8 @@ class Client:
             return _responses(c, system, items, self.stream, extra)
 
     def records(self) -> list[dict]:
-        r = httpx.get(f"{self.url}/v1/cache/requests", headers={"Origin": self.origin})
+        headers = {"Origin": self.origin} if self.origin else {}
+        r = httpx.get(f"{self.url}/v1/cache/requests", headers=headers)
         r.raise_for_status()
         return r.json()["data"]
 
@@ -422,3 +424,25 @@ def test_a_new_question_after_a_document_restores_at_a_checkpoint_before_the_gri
             assert cached < grid_point and record["lost_tokens"] == at - cached
         else:
             assert cached == grid_point and record["lost_tokens"] == at - cached
+
+
+def test_the_cli_prints_a_running_servers_recent_requests(live, capsys):
+    from mlx_prefix.cli import main
+
+    url, _ = live
+    client = Client(url, "chat", False, "")  # no Origin: the namespace the CLI reads
+    question = [("user", "Where are the atlases?")]
+    edited = LIBRARY.format(colour="blue") + LIBRARY.format(colour="green") * 2
+    client.send(SYSTEM, question)
+    client.send(edited, question)
+    capsys.readouterr()
+    assert main(["cache", "explain", "--url", url, "--limit", "1", "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    record = json.loads(line)
+    assert record["reason"] == "edited" and "green" in record["after"]
+    assert main(["cache", "explain", "--url", url, "--limit", "3"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["time", "request", "api", "reason"]
+    assert "edited" in table[1] and "msg 0 system" in table[1] and "green" in table[1]
+    assert main(["cache", "explain", "--url", "http://127.0.0.1:9"]) == 1
+    assert "no mlx-prefix server at http://127.0.0.1:9" in capsys.readouterr().err

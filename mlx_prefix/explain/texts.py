@@ -20,7 +20,7 @@ from mlx_prefix.prompt.grid import ChunkGrid
 
 TEXT_CHARS = 120  # the most either text may hold
 LEAD_CHARS = 40  # of which the text before the divergence (shared by both)
-LEAD_TOKENS = 8
+LEAD_TOKENS = 24  # decoded, then cut to LEAD_CHARS
 TAIL_TOKENS = 32
 
 
