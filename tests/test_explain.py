@@ -10,7 +10,7 @@ from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.token_ids import TokenIds, packed
 from mlx_prefix.conversation import Message
 from mlx_prefix.explain.history import Closest, Divergence, PromptHistory, Seen
-from mlx_prefix.explain.reasons import NO_DIVERGENCE, Evidence, EvictedHit, decide
+from mlx_prefix.explain.reasons import NO_DIVERGENCE, EvictedHit, Evidence, decide
 from mlx_prefix.explain.texts import TEXT_CHARS, around, location, reply_came_back
 from mlx_prefix.prompt.grid import ChunkGrid
 

@@ -78,7 +78,10 @@ class _Job:
 
 
 class Explainer:
-    def __init__(self, size: int = RECENT, history: PromptHistory | None = None) -> None:
+    def __init__(
+        self, size: int = RECENT, history: PromptHistory | None = None, *, enabled: bool = True
+    ) -> None:
+        self.enabled = enabled  # False (--no-explain): nothing is queued or kept
         self._queue: queue.SimpleQueue[_Job | tuple[str, str | None] | None] = queue.SimpleQueue()
         self._records: deque[ExplainedRequest] = deque(maxlen=size)
         self._history = history or PromptHistory()
@@ -92,7 +95,7 @@ class Explainer:
     # -- any thread -------------------------------------------------------------------
     def submit(self, trace: CacheTrace, request_id: str, api: str, namespace_id: str) -> None:
         """Queue a finished request (admitted by the engine) to be explained."""
-        if not trace.admitted:
+        if not trace.admitted or not self.enabled:
             return  # never reached the cache (refused, or cancelled while waiting)
         self._put(_Job(trace, request_id, api, namespace_id, int(time.time())))
 

@@ -202,7 +202,9 @@ def _build(
         model_aliases=settings.model_alias_map(),
         allowed_models=settings.allowed_models,
     )
-    metrics = ServerMetrics(lambda: models.primary().cache_stats())
+    metrics = ServerMetrics(
+        lambda: models.primary().cache_stats(), explain=settings.explain_requests
+    )
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
         Middleware(HostGuard, policy=host_policy(settings)),

@@ -23,7 +23,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 
 
 class ServerMetrics:
-    def __init__(self, cache_stats: Callable[[], dict[str, Any]]):
+    def __init__(self, cache_stats: Callable[[], dict[str, Any]], explain: bool = True):
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "mlx_prefix_requests",
@@ -62,7 +62,7 @@ class ServerMetrics:
         self.recent = RecentRequests()  # for the dashboard; fed by generation.RequestLog
         # Why each request reused what it did (explain/): /v1/cache/requests, the
         # dashboard, the per-reason counters below; fed by generation.RequestLog too.
-        self.explainer = Explainer()
+        self.explainer = Explainer(enabled=explain)
         self.registry.register(ReasonCollector(self.explainer))
 
     def observe_generation(self, usage: Usage) -> None:
@@ -83,7 +83,7 @@ class ServerMetrics:
 class CacheCollector(Collector):
     """Reads the engine's cache statistics at scrape time, so gauges are never stale."""
 
-    def __init__(self, cache_stats: Callable[[], dict[str, Any]]):
+    def __init__(self, cache_stats: Callable[[], dict[str, Any]], explain: bool = True):
         self._cache_stats = cache_stats
 
     def describe(self) -> list[Metric]:

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 
 from ..errors import WarmTimeout
 from ..generation import ClientGone, until_disconnect
@@ -46,6 +46,12 @@ async def cache_info(request: Request) -> Response:
 REQUESTS_LIMIT = 50  # records listed when the query names no limit
 
 
+class ExplainOff(MlxPrefixError):
+    status = 404
+    type = "invalid_request_error"
+    code = "explain_off"
+
+
 @api
 async def cache_requests(request: Request) -> Response:
     """The caller's recent requests, newest first: `?limit=N` (1 to the records kept)."""
@@ -57,6 +63,8 @@ async def cache_requests(request: Request) -> Response:
     if not raw.isdigit() or int(raw) < 1:
         raise InvalidRequest(f"limit must be a positive integer, not {raw!r}", param="limit")
     explainer = state(request).metrics.explainer
+    if not explainer.enabled:
+        raise ExplainOff("this server keeps no request records (it was started with --no-explain)")
     records = visible(caller(request), await run_in_threadpool(explainer.records))
     data = [r.as_json() for r in records[: int(raw)]]
     return JSONResponse({"object": "list", "data": data})
