@@ -446,3 +446,10 @@ def test_the_cli_prints_a_running_servers_recent_requests(live, capsys):
     assert "edited" in table[1] and "msg 0 system" in table[1] and "green" in table[1]
     assert main(["cache", "explain", "--url", "http://127.0.0.1:9"]) == 1
     assert "no mlx-prefix server at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_no_explain_keeps_no_records_and_says_so():
+    with serving(explain_requests=False) as (url, _):
+        r = httpx.get(f"{url}/v1/cache/requests")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "explain_off"
+        assert httpx.get(f"{url}/v1/dashboard").json()["misses"] == []

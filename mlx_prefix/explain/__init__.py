@@ -10,19 +10,5 @@
     texts.py      where a divergence is (message, role) and the texts either side of it
     explainer.py  Explainer: a thread of its own turns finished requests into records
                   (GET /v1/cache/requests, the dashboard, /metrics, one log line)
-Pure Python (no MLX, no HTTP).
+Pure Python (no MLX, no HTTP). The engine imports trace.py only; the server the rest.
 """
-
-from __future__ import annotations
-
-from mlx_prefix.lazy import exports
-
-_NAMES = {
-    "CacheTrace": "trace",
-    "ExplainContext": "trace",
-    "Explainer": "explainer",
-    "ExplainedRequest": "explainer",
-    "REASONS": "reasons",
-}
-__all__ = list(_NAMES)
-__getattr__ = exports(__name__, _NAMES)

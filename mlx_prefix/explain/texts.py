@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mlx_prefix.cache.token_ids import WIDTH, ids, packed
-from mlx_prefix.prompt.grid import ChunkGrid
+
+if TYPE_CHECKING:
+    from mlx_prefix.prompt.grid import ChunkGrid
 
 TEXT_CHARS = 120  # the most either text may hold
 LEAD_CHARS = 40  # of which the text before the divergence (shared by both)

@@ -49,9 +49,9 @@ class ExplainContext:
 def _opening(renderer: ChatRenderer | None) -> int:
     if renderer is None or not renderer.has_template:
         return 0
+    from mlx_prefix.cache.token_ids import common_tokens, packed
     from mlx_prefix.conversation import Message
     from mlx_prefix.errors import InvalidRequest
-    from mlx_prefix.prompt.boundaries import common_prefix_length
 
     probes = (
         [Message("user", "zqopening one")],
@@ -66,7 +66,8 @@ def _opening(renderer: ChatRenderer | None) -> int:
             continue  # a template without a system role
     if len(renders) < 2:
         return 0
-    return min(common_prefix_length(renders[0], other) for other in renders[1:])
+    first = packed(renders[0])
+    return min(common_tokens(first, 0, packed(other)) for other in renders[1:])
 
 
 def kwargs_digest(kwargs: dict[str, Any]) -> str:
