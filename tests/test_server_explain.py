@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -427,7 +429,12 @@ def test_a_new_question_after_a_document_restores_at_a_checkpoint_before_the_gri
 
 
 def test_the_cli_prints_a_running_servers_recent_requests(live, capsys):
-    from mlx_prefix.cli import main
+    # Not cli.main in-process: it ends by clearing this thread's MLX streams.
+    from mlx_prefix.cli import build_parser
+    from mlx_prefix.cli.cache import cmd_cache
+
+    def explain(*flags: str) -> int:
+        return cmd_cache(build_parser().parse_args(["cache", "explain", "--url", url, *flags]))
 
     url, _ = live
     client = Client(url, "chat", False, "")  # no Origin: the namespace the CLI reads
@@ -436,16 +443,22 @@ def test_the_cli_prints_a_running_servers_recent_requests(live, capsys):
     client.send(SYSTEM, question)
     client.send(edited, question)
     capsys.readouterr()
-    assert main(["cache", "explain", "--url", url, "--limit", "1", "--json"]) == 0
+    assert explain("--limit", "1", "--json") == 0
     (line,) = capsys.readouterr().out.splitlines()
     record = json.loads(line)
     assert record["reason"] == "edited" and "green" in record["after"]
-    assert main(["cache", "explain", "--url", url, "--limit", "3"]) == 0
+    assert explain("--limit", "3") == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:4] == ["time", "request", "api", "reason"]
     assert "edited" in table[1] and "msg 0 system" in table[1] and "green" in table[1]
-    assert main(["cache", "explain", "--url", "http://127.0.0.1:9"]) == 1
-    assert "no mlx-prefix server at http://127.0.0.1:9" in capsys.readouterr().err
+    gone = subprocess.run(
+        [sys.executable, "-m", "mlx_prefix", "cache", "explain", "--url", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert gone.returncode == 1
+    assert "error: no mlx-prefix server at http://127.0.0.1:9" in gone.stderr.splitlines()[-1]
 
 
 def test_no_explain_keeps_no_records_and_says_so():
