@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Conversation, Message
 
 
@@ -62,7 +63,7 @@ class CachePreference:
     """The per-request `prefix_cache` body object, and whose cache it is (issue 19)."""
 
     enabled: bool = True  # False: neither read nor write the prefix cache
-    scope: str | None = None  # disk policy override: off | full | auto[:N] | N
+    scope: DiskScope | None = None  # disk policy override (None: the server's)
     # The cache namespace (invariant 10): a request matches only entries of its own. The
     # server derives it from who sent the request (server/namespaces.py); "" is the one
     # of clients without an Origin, the CLI and library callers.

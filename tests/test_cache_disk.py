@@ -28,8 +28,9 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlx_prefix.cache import disk_header, disk_payload
-from mlx_prefix.cache.disk import DiskCache
+from mlx_prefix.cache.disk import header as disk_header
+from mlx_prefix.cache.disk import payload as disk_payload
+from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.forward.runner import greedy_continue, prefill
@@ -242,7 +243,7 @@ def _child_env() -> dict[str, str]:
 _CHILD = textwrap.dedent(
     """
     import json, sys
-    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.disk.tier import DiskCache
     from mlx_prefix.cache.snapshot import restore
     from mlx_prefix.engine.forward.runner import greedy_continue, prefill
     from mlx_prefix.models.load import load_model
@@ -675,8 +676,8 @@ _KILLED_CHILD = textwrap.dedent(
     import os, sys, time
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
-    from mlx_prefix.cache import disk_payload
-    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.disk import payload as disk_payload
+    from mlx_prefix.cache.disk.tier import DiskCache
     from mlx_prefix.cache.snapshot import capture
     from mlx_prefix.cache.store import CheckpointKind
 

@@ -1,6 +1,6 @@
 """Immutable captures of a request's per-layer cache, restored copy-on-write.
 
-Besides `disk_payload` and the per-class kinds it asks (cache/layers/: what each
+Besides `disk/payload.py` and the per-class kinds it asks (cache/layers/: what each
 cache class keeps, captures and restores), the only cache module that touches MLX.
 Why sharing is safe (invariant 2):
 - MLX arrays are values: `x[a:b] = y` builds a new array and rebinds that one

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from mlx_prefix.cache.disk_index import DiskEntryInfo
+    from mlx_prefix.cache.disk.index import DiskEntryInfo
     from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
     from mlx_prefix.engine.activity import Activity
     from mlx_prefix.engine.requests.handle import RequestHandle

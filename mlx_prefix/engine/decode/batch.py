@@ -99,7 +99,7 @@ class DecodeBatch:
     ):
         self.model = model
         self.rows = rows  # rows one matmul may hold and still compute each like alone
-        self.agree = agree  # sharded: every rank goes on with rank 0's tokens (group.py)
+        self.agree = agree  # sharded: every rank goes on with rank 0's tokens (sharded/group.py)
         self.kv = kv
         self.cache: list = []
         # Caches of sequences that joined since the last step: merged into `cache` all at

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -47,28 +47,6 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 ANY_OBJECT = '{"type": "object"}'
 MAX_ERROR_CHARS = 500
-
-
-class Constraint(Protocol):
-    """One request's grammar state. Engine thread only, once created."""
-
-    def allowed(self, vocab_size: int) -> mx.array:
-        """The tokens that may come next: bool [vocab_size]. EOS is among them only when
-        the reply so far is complete. Does not change the state."""
-        ...
-
-    def advance(self, token: int) -> bool:
-        """Consume a sampled token; False if the grammar did not allow it (`error` says
-        why; the constraint is broken for good)."""
-        ...
-
-    @property
-    def finished(self) -> bool:
-        """The reply is complete and nothing but EOS may follow."""
-        ...
-
-    @property
-    def error(self) -> str: ...
 
 
 class JsonConstraint:

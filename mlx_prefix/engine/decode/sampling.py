@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
-from mlx_prefix.engine.decode.constraints import Constraint
 from mlx_prefix.engine.decode.logits import LogitsAdjuster
+from mlx_prefix.engine.requests.jobs import Constraint
 from mlx_prefix.records import SamplingParams, TopLogprob
 
 XTC_SALT = 0x58_54_43  # "XTC": a different seed for the coin chain, still in 64 bits

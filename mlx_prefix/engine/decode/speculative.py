@@ -32,9 +32,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, restore
 from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
 from mlx_prefix.engine.forward.runner import ChunkWork, always_trimmable, compute_chunks
-from mlx_prefix.engine.requests.jobs import Running
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import SamplingParams, TopLogprob

@@ -43,7 +43,8 @@ from mlx_prefix.engine.prefill.tails import (
     stackable,
     tail_group,
 )
-from mlx_prefix.engine.requests.jobs import Job, PrefillTask
+from mlx_prefix.engine.prefill.task import PrefillTask
+from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
@@ -57,7 +58,7 @@ class PrefillStep:
 
     tokens: int = 0  # prompt tokens computed
     seconds: float = 0.0
-    finished: list[tuple[PrefillTask, mx.array]] = field(default_factory=list)  # + logits [1, V]
+    finished: list[PrefillTask] = field(default_factory=list)  # their `logits` set
 
 
 def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tuple[list, int]:
@@ -86,8 +87,11 @@ class PrefillPhase:
         disk: DiskAccess | None,
         cache_config: CacheConfig,
         config: EngineConfig,
-        waiting: Callable[[], Iterable[Job]],
+        waiting: Iterable[Job],
         bytes_key: str,
+        *,
+        kv_quant: KvQuant | None = None,
+        speculator: Speculator | None = None,
     ):
         self.model = model
         self.planner = planner
@@ -107,12 +111,10 @@ class PrefillPhase:
         self.tails_stacked = 0  # prompt rests computed stacked (tails.py), never stored
         # Padded tokens a stacked group may compute per token of its rests (tails.py).
         self.stack_padding = padding_allowance(mx.default_device())
-        self.kv_quant: KvQuant | None = (
-            None  # quantize KV after each chunk (engine/forward/kv_quant.py)
-        )
+        self.kv_quant = kv_quant  # quantize KV after each chunk (engine/forward/kv_quant.py)
         # With --draft-model: the draft follows each prefill, restored and checkpointed
         # beside the target's cache (engine/decode/speculative.py).
-        self.speculator: Speculator | None = None
+        self.speculator = speculator
 
     def uses_cache(self, job: Job) -> bool:
         return self.cache_config.enabled and job.cache_pref.enabled
@@ -162,7 +164,7 @@ class PrefillPhase:
         return stackable(task, self.stack_limit) and not self._awaited(task)
 
     def _awaited(self, task: PrefillTask) -> bool:
-        return awaited(task, self._waiting(), self.config.share_min_tokens)
+        return awaited(task, self._waiting, self.config.share_min_tokens)
 
     def left_to_compute(self) -> int:
         """Prompt tokens the tasks still computing have left, background prefetches
@@ -249,7 +251,8 @@ class PrefillPhase:
                         task.checkpointer.finish()  # before decode writes into the cache
                 self._report(task)
                 if logits is not None:
-                    result.finished.append((task, logits))
+                    task.logits = logits
+                    result.finished.append(task)
             if result.finished:
                 break  # those join the decode batch now
         result.seconds = time.perf_counter() - started
@@ -278,7 +281,8 @@ class PrefillPhase:
                 task.checkpointer.finish()
                 task.checkpointer.live = ()  # its cache is a new row now: shares no entry's
             self._report(task)
-            result.finished.append((task, logits))
+            task.logits = logits
+            result.finished.append(task)
 
     def _in_order(self) -> list[PrefillTask]:
         """The order a step takes chunks in. Stacked forwards want the oldest-first
@@ -348,7 +352,7 @@ class PrefillPhase:
                 # checkpoint made for another namespace would be a hit it can time.
                 return [
                     WaitingPrompt(j.serial, j.prompt.tokens)
-                    for j in self._waiting()
+                    for j in self._waiting
                     if j.cache_pref.enabled and j.cache_key == job.cache_key
                 ]
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_prefix.cache.layers import EQUAL_TAILS, NO_STACKING, PADDED_TAILS, kind_of
-from mlx_prefix.engine.requests.jobs import Job, PrefillTask
+from mlx_prefix.engine.prefill.task import PrefillTask
+from mlx_prefix.engine.requests.jobs import Job
 
 
 @dataclass(frozen=True, slots=True)

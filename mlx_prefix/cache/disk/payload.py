@@ -1,6 +1,6 @@
 """The payload of a checkpoint file: the layer tree and the tensor data (MLX).
 
-The header (`disk_header`) holds the file's identity and digests; this module lays a
+The header (`header.py`) holds the file's identity and digests; this module lays a
 Snapshot out as a header plus tensor data, and reads it back. The header's `layers`
 field is JSON, one object per model layer:
   LAYER: {"cls": "module:QualName", "state": TREE, "children": [LAYER, ...]}
@@ -26,9 +26,9 @@ from typing import Any, BinaryIO
 import mlx.core as mx
 import numpy as np
 
-from mlx_prefix.cache import disk_header as hdr
-from mlx_prefix.cache import disk_trust as trust
-from mlx_prefix.cache.disk_header import DiskFormatError, FileHeader, TensorInfo
+from mlx_prefix.cache.disk import header as hdr
+from mlx_prefix.cache.disk import trust
+from mlx_prefix.cache.disk.header import DiskFormatError, FileHeader, TensorInfo
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot
 
 _ALLOWED_MODULE_PREFIX = "mlx_lm.models."  # cache classes are only resolved from here
