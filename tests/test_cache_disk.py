@@ -35,7 +35,7 @@ from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.forward.runner import greedy_continue, prefill
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = ChunkGrid(32)
@@ -247,7 +247,7 @@ _CHILD = textwrap.dedent(
     from mlx_prefix.cache.snapshot import restore
     from mlx_prefix.engine.forward.runner import greedy_continue, prefill
     from mlx_prefix.models.load import load_model
-    from mlx_prefix.prompt.grid import ChunkGrid
+    from mlx_prefix.prompt.request.grid import ChunkGrid
 
     model_path, directory, tokens_json = sys.argv[1:4]
     tokens = json.loads(tokens_json)

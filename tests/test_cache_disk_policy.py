@@ -15,7 +15,7 @@ from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import DEFAULT_AUTO_WINDOW, MAX_AUTO_WINDOW, DiskScope, ScopeMode
 from mlx_prefix.engine.forward.runner import always_trimmable, greedy_continue, prefill
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.request.plan import PromptPlanner
 
 # -- parsing ------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from mlx_prefix.engine.sharded.plan import JobSpec, LatchedHandle, TurnPlan
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
+from mlx_prefix.prompt.request.plan import Checkpoint, RenderedPrompt
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,

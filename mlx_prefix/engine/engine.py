@@ -52,8 +52,8 @@ from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import cap_buffer_cache
-from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
-from mlx_prefix.prompt.reply import tool_syntax
+from mlx_prefix.prompt.reply.reader import tool_syntax
+from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 log = logging.getLogger("mlx_prefix.engine")
@@ -192,7 +192,7 @@ class Engine:
 
     def count_tokens(self, prompt: PromptInput) -> int:
         """Tokens `prompt` renders to, whether or not it fits the context."""
-        return len(self.planner.renderer.prompt_tokens(prompt))
+        return len(self.planner.prompt_tokens(prompt))
 
     def submit(
         self,

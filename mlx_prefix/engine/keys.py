@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from mlx_prefix.models.identity import ModelIdentity
 from mlx_prefix.platform import device_name, loaded_blas
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 from mlx_prefix.records import CachePreference
 
 if TYPE_CHECKING:

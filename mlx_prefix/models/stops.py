@@ -1,6 +1,6 @@
 """The tokens that end a reply, made EOS tokens where a model is loaded (models/load.py).
 
-gpt-oss's harmony format (prompt/harmony.py reads its replies): a reply ends at
+gpt-oss's harmony format (prompt/reply/harmony.py reads its replies): a reply ends at
 <|return|> (its answer) or <|call|> (a tool call). Its generation_config.json lists them
 as EOS; a folder converted without that file does not, and its replies would run on.
 Pure: no MLX.

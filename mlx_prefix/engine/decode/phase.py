@@ -24,7 +24,7 @@ from mlx_prefix.engine.decode.text import TextStream
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.requests.jobs import Job, usage
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.prompt.reasoning import ReasoningMarkers
+from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.engine.forward.head import last_position_head
 from mlx_prefix.engine.forward.rowwise import batched
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 
 def always_trimmable(cache: list) -> bool:

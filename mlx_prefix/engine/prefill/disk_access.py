@@ -27,7 +27,7 @@ from mlx_prefix.cache.snapshot import Snapshot
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.config import DiskConfig, DiskScope
-from mlx_prefix.prompt.boundaries import RenderedPrompt
+from mlx_prefix.prompt.request.plan import RenderedPrompt
 
 log = logging.getLogger("mlx_prefix.engine")
 

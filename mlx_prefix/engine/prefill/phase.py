@@ -47,7 +47,8 @@ from mlx_prefix.engine.prefill.task import PrefillTask
 from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
+from mlx_prefix.prompt.request.plan import PromptPlanner
+from mlx_prefix.prompt.request.render import common_prefix_length
 
 log = logging.getLogger("mlx_prefix.engine")
 

@@ -4,7 +4,7 @@ a bad request is refused with a 4xx before it reaches the engine)."""
 from __future__ import annotations
 
 from mlx_prefix.errors import ContextLengthExceeded, InvalidRequest
-from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import PromptInput, SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's chat limit)

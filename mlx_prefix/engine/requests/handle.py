@@ -7,7 +7,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 
-from mlx_prefix.prompt.thinking import NO_EDGES
+from mlx_prefix.prompt.reply.thinking import NO_EDGES
 from mlx_prefix.records import DoneEvent, ErrorEvent, Event
 
 

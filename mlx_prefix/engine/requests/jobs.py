@@ -17,7 +17,7 @@ from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, Sampling
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlx_prefix.prompt.boundaries import RenderedPrompt
+    from mlx_prefix.prompt.request.plan import RenderedPrompt
 
 
 class Constraint(Protocol):

@@ -26,10 +26,10 @@ from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Conversation, Message
 from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.jobs import Job
-from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
-from mlx_prefix.prompt.reply import answer_text, client_reply, reply_reader
-from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
-from mlx_prefix.prompt.tool_calls import ToolSyntax
+from mlx_prefix.prompt.reply.reader import answer_text, client_reply, reply_reader
+from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
+from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
+from mlx_prefix.prompt.request.plan import Checkpoint, PromptPlanner, RenderedPrompt
 from mlx_prefix.records import PromptInput, ToolCallIds
 
 log = logging.getLogger("mlx_prefix.engine")
@@ -63,7 +63,7 @@ def next_turn_messages(
     other reply as its text, followed by a user message. A reply that continues the
     opening its prompt forced (a forced tool call) is read with that opening, as the
     server's assembler reads it. With the model's `tokenizer`, the reply is read as the
-    server reads it (prompt/reply.py; `opened`: the prompt left a think block open,
+    server reads it (prompt/reply/reader.py; `opened`: the prompt left a think block open,
     `edges`: what its reasoning drops where written), its reasoning coming back as its
     `reasoning_content`, as the server answered it apart."""
     assert source.messages is not None

@@ -23,7 +23,7 @@ from mlx_prefix.engine.cache_views import CacheAction
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job
-from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
+from mlx_prefix.prompt.request.plan import Checkpoint, RenderedPrompt
 from mlx_prefix.records import CachePreference, Event, SamplingParams
 
 

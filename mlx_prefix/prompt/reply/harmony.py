@@ -43,8 +43,8 @@ from mlx_prefix.models.stops import (
     START,
     harmony_stops,
 )
-from mlx_prefix.prompt.thinking import partial_suffix
-from mlx_prefix.prompt.tool_calls import Split, ToolSyntax
+from mlx_prefix.prompt.reply.thinking import partial_suffix
+from mlx_prefix.prompt.reply.tool_calls import Split, ToolSyntax
 
 # Reasoning as the model opens it right after the generation prompt, and the close a
 # reasoning budget forces: the analysis message ended, the final answer begun.
