@@ -39,9 +39,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from mlx_prefix.cache.layers import CacheListKind, LayerSnapshot, kind_of
+from mlx_prefix.cache.layers.base import arrays_in
 from mlx_prefix.cache.types import Buffer, new_buffer_key
 
 
@@ -206,7 +206,7 @@ def _arrays(layers: tuple[LayerSnapshot | None, ...]) -> list[mx.array]:
     for layer in layers:
         if layer is None:
             continue
-        out.extend(a for _, a in tree_flatten(list(layer.state)) if isinstance(a, mx.array))
+        out.extend(arrays_in(list(layer.state)))
         out.extend(_arrays(layer.children))
     return out
 

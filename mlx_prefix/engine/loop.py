@@ -172,8 +172,8 @@ class EngineLoop:
     # -- one step's parts -----------------------------------------------------------
     def schedule(self, stopping: bool = False) -> None:
         gone = self.waiting.take_if(lambda j: j.handle.cancelled.is_set() or stopping)
-        for job in gone:
-            self.lifecycle.end(job, cancelled(job))
+        for dropped in gone:
+            self.lifecycle.end(dropped, cancelled(dropped))
         for task in list(self.prefill.tasks):
             self._preempt_background(task)
         while len(self.waiting) and self._room():

@@ -104,7 +104,7 @@ def write(f: BinaryIO, enc: Encoded) -> None:
 def write_array(f: BinaryIO, a: mx.array, h: Any) -> None:
     """Append one array's bytes (row-major) to `f` and to the hash `h`."""
     raw = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # a C-contiguous copy
-    data = memoryview(raw).cast("B") if raw.size else b""
+    data = raw.data.cast("B") if raw.size else b""
     h.update(data)
     f.write(data)
 
@@ -161,8 +161,8 @@ def load(path: Path, model_key: str, tokens: tuple[int, ...], runtime: str) -> S
         f.seek(header.data_start)
         for name, t in header.tensors.items():  # data order: one sequential read
             raw = np.empty(t.end - t.begin, dtype=np.uint8)
-            _read_exact(f, memoryview(raw))
-            h.update(raw)
+            _read_exact(f, raw.data)
+            h.update(raw.data)
             mx_dtype, width = _FROM_NAME[t.dtype]
             a = mx.array(raw.view(_UINT[width]).reshape(t.shape))  # copies
             arrays[name] = a if a.dtype == mx_dtype else a.view(mx_dtype)

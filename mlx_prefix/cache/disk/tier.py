@@ -175,9 +175,9 @@ class DiskCache:
             return None
         with self._lock:
             self._counters.hits += 1
-            e = self._index.get(match.name)
-            if e is not None:
-                self._touch(e)
+            entry = self._index.get(match.name)
+            if entry is not None:
+                self._touch(entry)
         return snapshot
 
     # -- mutation -----------------------------------------------------------
@@ -229,7 +229,7 @@ class DiskCache:
             self._warned_errnos.clear()
             self._counters.saves += 1
             self._index.drop(name)  # if saved concurrently under the same name
-            e = DiskEntry(
+            entry = DiskEntry(
                 name,
                 model_key,
                 self.runtime,
@@ -239,9 +239,9 @@ class DiskCache:
                 enc.size,
                 time.time(),
             )
-            self._index.add(e)
-            if e.trimmable:
-                for prefix in self._index.served_prefixes(e):
+            self._index.add(entry)
+            if entry.trimmable:
+                for prefix in self._index.served_prefixes(entry):
                     self._unlink_entry(prefix, f"{name} serves it by trimming")
             self._evict(keep=name, why="after a save")
         return True

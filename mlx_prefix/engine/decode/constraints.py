@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -39,8 +39,11 @@ import numpy as np
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import ResponseFormat
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Options we impose on every schema (they win over a schema's own "x-guidance").
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

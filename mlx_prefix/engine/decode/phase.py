@@ -18,7 +18,16 @@ from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.decode.batch import DecodeBatch, RowSample
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.running import Running
-from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.decode.sampling import (
+    TokenSampler,
+    alternatives,
+    float_list,
+    int_list,
+    item_float,
+    item_int,
+    normalize,
+    top_logprobs,
+)
 from mlx_prefix.engine.decode.speculative import DraftCache, Speculator
 from mlx_prefix.engine.decode.text import TextStream
 from mlx_prefix.engine.forward.kv_quant import KvQuant
@@ -126,14 +135,15 @@ class DecodePhase:
         first = sampler(logits, logprobs)  # [1]
         if self.agree_tokens is not None:
             first = self.agree_tokens(first)
-        token = int(first.item())
-        logprob, top = None, ()
-        if job.sampling.logprobs:
-            logprob = logprobs[0, token].item()
+        token = item_int(first)
+        logprob: float | None = None
+        top: tuple[TopLogprob, ...] = ()
+        if logprobs is not None:  # job.sampling.logprobs
+            logprob = item_float(logprobs[0, token])
             if n := job.sampling.top_logprobs:
                 ids, values = top_logprobs(logprobs, n)
                 mx.eval(ids, values)
-                top = alternatives(ids[0].tolist(), values[0].tolist(), n)
+                top = alternatives(int_list(ids[0]), float_list(values[0]), n)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         now = time.perf_counter()
         running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)

@@ -286,4 +286,5 @@ class Checkpointer:
             self.store.insert(self.key, tokens, snapshot, kind)
             self.on_stored(snapshot.length)
         if to_disk:
+            assert self.disk is not None, "disk positions come from the disk tier"
             self.disk.defer(self.key, tokens, snapshot, kind)

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.types import Buffer
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
@@ -67,7 +68,8 @@ def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tupl
     tokens (`spent` in earlier rounds) stay within `budget`. The step's first chunk goes
     whatever its size (a chunk cannot be split: invariant 4); no later one overruns the
     budget, or a running request would wait for several chunks where one fits."""
-    chosen, tokens = [], 0
+    chosen: list[PrefillTask] = []
+    tokens = 0
     for task in tasks:
         if task.cursor.done:
             continue
@@ -244,7 +246,8 @@ class PrefillPhase:
             for task, logits in zip(chosen, outputs, strict=True):
                 end = task.cursor.advance()
                 self._quantize(task)
-                if task.draft is not None:  # at `end` before the checkpoint captures it
+                if task.draft is not None and self.speculator is not None:
+                    # at `end` before the checkpoint captures it
                     self.speculator.prefill_to(task.draft, task.tokens, end)
                 if task.checkpointer is not None:
                     task.checkpointer(end)
@@ -297,7 +300,8 @@ class PrefillPhase:
     def _report(self, task: PrefillTask) -> None:
         """The task's active bytes: its cache, its draft's, its checkpoints' captured
         layers not yet stored; those that stored snapshots hold too count once."""
-        nbytes, live = cache_nbytes(task.cache), ()
+        nbytes = cache_nbytes(task.cache)
+        live: tuple[Buffer, ...] = ()
         if task.draft is not None:
             nbytes += task.draft.nbytes()
         if task.checkpointer is not None:
@@ -361,7 +365,7 @@ class PrefillPhase:
                 tokens, self.planner.grid, waiting, self.config.share_min_tokens
             )
         disk_positions: frozenset[int] = frozenset()
-        if self.disk_on(job):
+        if self.disk is not None and self.disk_on(job):
             disk_positions = frozenset(
                 self.disk.positions(
                     job.cache_key, job.prompt, self.align(tokens), job.cache_pref.scope

@@ -121,7 +121,8 @@ def closest_rests(tasks: list[PrefillTask], padding: float, budget: int) -> tupl
     (on ties, the fewest padded tokens)."""
     ordered = sorted(tasks, key=lambda t: len(t.tokens) - t.position)
     rests = [len(t.tokens) - t.position for t in ordered]
-    best, best_cost = (), (0, 0)
+    best: tuple[PrefillTask, ...] = ()
+    best_cost = (0, 0)
     for i in range(len(ordered)):
         tokens = 0
         for j in range(i, len(ordered)):

@@ -53,14 +53,13 @@ def _position(
         tools = prompt.tools or ()
         if not 0 <= bp.tool < len(tools):
             return None
-        probe = (*tools[: bp.tool + 1], _SENTINEL_TOOL)
-        return _differs_at(renderer, prompt, tokens, tools=probe)
+        return _differs_at(renderer, prompt, tokens, tools=(*tools[: bp.tool + 1], _SENTINEL_TOOL))
     if bp.message is None or not 0 <= bp.message < len(messages):
         return None
     content = messages[bp.message].content
     if bp.chars is not None and bp.chars < len(content):
-        probe = {bp.message: content[: bp.chars] + MARK}
-        return _differs_at(renderer, prompt, tokens, tools=prompt.tools, contents=probe)
+        contents = {bp.message: content[: bp.chars] + MARK}
+        return _differs_at(renderer, prompt, tokens, tools=prompt.tools, contents=contents)
     if bp.message + 1 < len(messages):
         return message_start(bp.message + 1)
     return len(tokens)  # the last message: up to the generation prompt (aligned down)

@@ -9,7 +9,7 @@ serialized with a stable key order.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mlx_prefix.conversation import Message, canonical_json, template_messages
@@ -51,6 +51,7 @@ RENDER_TIMEOUT_S = 10.0
 def reserved_template_kwargs(tokenizer: Any) -> dict[str, str]:
     """The keys a chat_template_kwargs may not set for this tokenizer, with the reason."""
     reserved = dict(_RESERVED_KWARGS)
+    params: Iterable[inspect.Parameter]
     try:
         params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     except (AttributeError, TypeError, ValueError):

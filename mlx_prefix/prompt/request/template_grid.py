@@ -146,8 +146,9 @@ def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, 
     )
     runs: list[tuple[int, ...]] = []
     for lead in leads:
-        heads = [_turn_head(renderer, lead(ending)) for ending in _ENDINGS]
-        if None in heads:
+        found = [_turn_head(renderer, lead(ending)) for ending in _ENDINGS]
+        heads = [h for h in found if h is not None]
+        if len(heads) < len(found):
             continue  # not a conversation this template accepts
         run = common_suffix(heads)
         if _distinctive(renderer, run, specials):
