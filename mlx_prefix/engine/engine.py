@@ -43,6 +43,7 @@ from mlx_prefix.engine.loop import EngineLoop
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.requests.admission import check_reply_fits, check_sampling, plan_prompt
+from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
 from mlx_prefix.engine.requests.prefetch import Prefetcher
@@ -272,7 +273,7 @@ class Engine:
         """Queue a next-turn prefetch under the entry key and disk scope of the request it
         follows (from the prefetcher's thread)."""
         handle = self.handle_type(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
-        not_before = self.turns.clock() + self.config.prefetch_delay_s
+        not_before = time.monotonic() + self.config.prefetch_delay_s
         pref = CachePreference(scope=scope)
         sampling, now = SamplingParams(max_tokens=1), time.perf_counter()
         job = Job(handle, prompt, sampling, pref, key, now, background=True, not_before=not_before)
@@ -359,7 +360,7 @@ class Engine:
         return self.loop.decode.steps
 
     @property
-    def _chat_traffic(self):  # noqa: ANN202 - the prefetcher's (engine thread only)
+    def _chat_traffic(self) -> ChatTraffic:
         assert self._prefetcher is not None
         return self._prefetcher.chat_traffic
 
