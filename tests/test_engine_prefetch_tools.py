@@ -30,12 +30,12 @@ from mlx_prefix.records import (
     ToolCallIds,
     Usage,
 )
-from mlx_prefix.server.assembler import Assembler
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import GenerationRequest, Limits
-from mlx_prefix.server.protocol.response_items import reply_messages
 from mlx_prefix.server.protocol.responses import parse_responses
-from mlx_prefix.server.responses_api_objects import OutputEvents, ResponseHead
+from mlx_prefix.server.protocol.responses_items import reply_messages
+from mlx_prefix.server.replies.assembler import Assembler
+from mlx_prefix.server.replies.responses import OutputEvents, ResponseHead
 
 NOW = EngineConfig(prefetch_delay_s=0.0)
 LIMITS = Limits(default_max_tokens=16, max_tokens=1000)

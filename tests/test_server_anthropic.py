@@ -13,9 +13,9 @@ from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, se
 
 from mlx_prefix.conversation import Message
 from mlx_prefix.records import TokenEvent, ToolCallIds
-from mlx_prefix.server.assembler import Assembler
-from mlx_prefix.server.protocol.messages import parse_messages_request
+from mlx_prefix.server.protocol.anthropic import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
+from mlx_prefix.server.replies.assembler import Assembler
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 3
 WEATHER = {

@@ -1,4 +1,4 @@
-"""Cache namespaces over HTTP (server/namespaces.py): who a request's namespace says
+"""Cache namespaces over HTTP (server/guards/namespaces.py): who a request's namespace says
 sent it, and that requests, cache_salt, listings, flush, warm, pins and the dashboard
 keep to it. The fake engine for the routing, a real tiny model where caching matters."""
 
@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import namespace_id
-from mlx_prefix.server.namespaces import Caller, Namespaces
+from mlx_prefix.server.guards.namespaces import Caller, Namespaces
 
 MAIL = {"Origin": "chrome-extension://mailhelperextensionid"}
 PAGE = {"Origin": "moz-extension://4b1d2c3e-unknown-page-script"}

@@ -14,12 +14,12 @@ from mlx_prefix.engine.decode.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams, ToolCallIds, Usage
 from mlx_prefix.server import ServerSettings
-from mlx_prefix.server import chat_bodies as R
 from mlx_prefix.server.protocol.chat import parse_chat, parse_messages
 from mlx_prefix.server.protocol.completions import parse_completion
 from mlx_prefix.server.protocol.fields import parse_json_object
 from mlx_prefix.server.protocol.request import Limits
-from mlx_prefix.server.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
+from mlx_prefix.server.replies import chat as R
+from mlx_prefix.server.replies.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 LIMITS = Limits(default_max_tokens=64, max_tokens=1000)
 CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'

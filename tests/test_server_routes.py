@@ -14,8 +14,8 @@ from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, serving
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.serve import server_settings
 from mlx_prefix.errors import ModelNotFound
-from mlx_prefix.server.model_names import ModelRegistry, ServedModel
 from mlx_prefix.server.routes import API_ROUTES, ROUTES
+from mlx_prefix.server.served.names import ModelRegistry, ServedModel
 
 SYSTEM = "You answer questions about the opening hours of a small public library. " * 3
 

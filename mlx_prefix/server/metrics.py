@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 
 from mlx_prefix.records import Usage
 
-from .recent import RecentRequests
+from .dashboard.recent import RecentRequests
 
 log = logging.getLogger("mlx_prefix.server")
 

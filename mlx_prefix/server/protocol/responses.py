@@ -26,7 +26,7 @@ from .fields import field as read
 from .fields import integer, number
 from .formats import responses_text_format
 from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
-from .response_items import chat_tools, input_messages, is_empty
+from .responses_items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
 # Asks for a field of reasoning items; this server's always carry it (their text, sealed:

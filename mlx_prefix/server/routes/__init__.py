@@ -15,10 +15,10 @@ from __future__ import annotations
 from starlette.routing import Route
 
 from . import dashboard
+from .anthropic import count_tokens, messages
 from .cache import cache_flush, cache_info, cache_warm
+from .chat import chat_completions, completions
 from .embeddings import embeddings
-from .generate import chat_completions, completions
-from .messages import count_tokens, messages
 from .responses import create_response, delete_response, get_response
 from .status import get_model, health, list_models, metrics
 

@@ -14,16 +14,16 @@ from starlette.responses import Response
 
 from mlx_prefix.errors import MlxPrefixError
 
-from ..dashboard import TreeShapes
+from ..dashboard.snapshot import TreeShapes
 from ..errors import PayloadTooLarge, UnsupportedMediaType, error_response_for
-from ..generation import InFlight
 from ..metrics import ServerMetrics
-from ..model_names import ServedModel
-from ..model_pool import ModelPool
 from ..protocol.fields import parse_json_object
 from ..protocol.request import Limits
-from ..response_store import ResponseStore
-from ..served_embeddings import ServedEmbeddings
+from ..replies.stream import InFlight
+from ..responses_store import ResponseStore
+from ..served.embeddings import ServedEmbeddings
+from ..served.names import ServedModel
+from ..served.pool import ModelPool
 from ..settings import ServerSettings
 
 if TYPE_CHECKING:

@@ -22,10 +22,10 @@ from starlette.responses import JSONResponse, Response
 from mlx_prefix.embeddings.model import EmbeddingModel, truncate
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 
-from ..generation import RequestLog
-from ..namespaces import caller
+from ..guards.namespaces import caller
 from ..protocol.embeddings import EmbeddingRequest, parse_embeddings
-from ..served_embeddings import require
+from ..replies.stream import RequestLog
+from ..served.embeddings import require
 from .common import api, read_json, state
 
 log = logging.getLogger("mlx_prefix.server")

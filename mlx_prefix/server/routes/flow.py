@@ -14,10 +14,10 @@ from starlette.responses import JSONResponse, Response
 
 from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
 
-from ..assembler import Assembler
-from ..generation import ClientGone, Collected, RequestLog, StreamShaper, collect, stream_events
 from ..protocol.request import GenerationRequest
-from ..sse import SSEResponse
+from ..replies.assembler import Assembler
+from ..replies.sse import SSEResponse
+from ..replies.stream import ClientGone, Collected, RequestLog, StreamShaper, collect, stream_events
 from .common import ServerState
 
 if TYPE_CHECKING:

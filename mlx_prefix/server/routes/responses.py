@@ -2,7 +2,7 @@
 
 A request's prompt is its instructions (a system message), the conversation of its
 `previous_response_id` (from the store), then its own input. Stored responses belong to
-the caller's cache namespace (server/namespaces.py, before any cache_salt): another
+the caller's cache namespace (server/guards/namespaces.py, before any cache_salt): another
 namespace's id is a 404 for GET, DELETE and previous_response_id alike. Its tool calls are named
 after its id, as the engine's next-turn prefetch names them, so an agent's next turn
 (sent back as items, or chained by id) restores the whole history from the cache.
@@ -21,18 +21,18 @@ from mlx_prefix.conversation import Conversation
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from mlx_prefix.records import DoneEvent, ToolCallIds
 
-from ..assembler import Assembler, Delta
-from ..generation import Collected, RequestLog
-from ..namespaces import caller
+from ..guards.namespaces import caller
 from ..protocol.request import fit_to_model
-from ..protocol.response_items import reply_messages
 from ..protocol.responses import ResponsesRequest, parse_responses
-from ..response_store import ResponseNotFound, StoredResponse
-from ..responses_api_objects import OutputEvents, ResponseHead, new_id
-from ..sse import event as sse
-from ..tool_choice import with_tool_choice
+from ..protocol.responses_items import reply_messages
+from ..replies.assembler import Assembler, Delta
+from ..replies.responses import OutputEvents, ResponseHead, new_id
+from ..replies.sse import event as sse
+from ..replies.stream import Collected, RequestLog
+from ..responses_store import ResponseNotFound, StoredResponse
 from .common import api, model_for, read_json, state
 from .flow import respond, submit
+from .tool_choice import with_tool_choice
 
 
 @api
@@ -131,7 +131,7 @@ def _no_query(request: Request) -> None:
 
 @dataclass
 class ResponsesStream:
-    """The Responses SSE stream of one request (a generation.StreamShaper); the finished
+    """The Responses SSE stream of one request (a stream.StreamShaper); the finished
     response is stored before its last event goes out, so the client can chain on it."""
 
     output: OutputEvents

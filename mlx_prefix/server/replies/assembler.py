@@ -8,7 +8,7 @@ prompt's `reply_tool_call_ids`. Splitting, parsing and naming are prompt/tool_ca
 shared with the engine's next-turn prefetch, so the prefetch renders the reply exactly as
 the client receives it (whitespace-only text around calls dropped alike).
 
-A reply whose prompt opened the assistant's turn (a forced tool call, server/tool_choice.py)
+A reply whose prompt opened the assistant's turn (a forced tool call, server/routes/tool_choice.py)
 is read as continuing that opening. A chat reply is read by prompt/reply.py's reader:
 its reasoning (at the reply's start, or from its first token when the prompt left a
 think block open; gpt-oss's analysis channel) is split off before the text is searched
@@ -24,8 +24,8 @@ from mlx_prefix.prompt.reply import ReplyReader, reply_reader, tool_syntax
 from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
-from . import chat_bodies as R
-from .protocol.request import GenerationRequest
+from ..protocol.request import GenerationRequest
+from . import chat as R
 from .tools import Split, ToolCallFormatter, ToolSyntax
 
 if TYPE_CHECKING:

@@ -21,10 +21,10 @@ from starlette.requests import Request
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, Usage
 
-from . import chat_bodies as R
+from ..errors import CancelledByServer, GenerationFailed
+from ..metrics import ServerMetrics
+from . import chat as R
 from .assembler import Assembler, Delta
-from .errors import CancelledByServer, GenerationFailed
-from .metrics import ServerMetrics
 
 log = logging.getLogger("mlx_prefix.server")
 

@@ -13,7 +13,10 @@ from starlette.responses import JSONResponse, Response
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import ToolCallIds
 
-from ..anthropic_stream import (
+from ..guards.namespaces import caller
+from ..protocol.anthropic import parse_count_tokens, parse_messages_request
+from ..protocol.request import fit_to_model
+from ..replies.anthropic import (
     AnthropicStream,
     BlockWriter,
     final_usage,
@@ -21,14 +24,11 @@ from ..anthropic_stream import (
     new_message_id,
     stop_reason,
 )
-from ..assembler import Assembler
-from ..generation import Collected, RequestLog
-from ..namespaces import caller
-from ..protocol.messages import parse_count_tokens, parse_messages_request
-from ..protocol.request import fit_to_model
-from ..tool_choice import with_tool_choice
+from ..replies.assembler import Assembler
+from ..replies.stream import Collected, RequestLog
 from .common import api, model_for, read_json, state
 from .flow import respond, submit
+from .tool_choice import with_tool_choice
 
 
 @api

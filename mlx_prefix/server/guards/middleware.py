@@ -17,9 +17,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import HostRefused, OriginRefused, Unauthorized, error_response, error_response_for
+from ..errors import HostRefused, OriginRefused, Unauthorized, error_response, error_response_for
+from ..metrics import ServerMetrics
 from .hosts import HostPolicy
-from .metrics import ServerMetrics
 
 # Pages served from this machine on any port, and browser extensions. Other web origins
 # are refused unless configured: a page on the open web must not drive a local model.
@@ -30,7 +30,7 @@ DEFAULT_ORIGIN_REGEX = (
 
 
 class HostGuard:
-    """Refuses a request whose Host header the HostPolicy refuses (server/hosts.py), on
+    """Refuses a request whose Host header the HostPolicy refuses (server/guards/hosts.py), on
     every path and method, before anything else runs: a 403 in the path's API family's
     error shape."""
 

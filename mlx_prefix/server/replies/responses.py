@@ -20,8 +20,8 @@ from typing import Any
 
 from mlx_prefix.records import DoneEvent, Usage
 
+from ..protocol.sealed import seal
 from .assembler import Delta
-from .protocol.sealed import seal
 
 
 def new_id(prefix: str) -> str:

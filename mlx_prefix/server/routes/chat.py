@@ -13,16 +13,16 @@ from starlette.responses import Response
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import ToolCallIds
 
-from .. import chat_bodies as R
-from ..assembler import Assembler
-from ..generation import Collected, RequestLog
-from ..namespaces import caller
+from ..guards.namespaces import caller
 from ..protocol.chat import parse_chat
 from ..protocol.completions import parse_completion
 from ..protocol.request import fit_to_model
-from ..tool_choice import with_tool_choice
+from ..replies import chat as R
+from ..replies.assembler import Assembler
+from ..replies.stream import Collected, RequestLog
 from .common import api, model_for, read_json, state
 from .flow import respond, submit
+from .tool_choice import with_tool_choice
 
 
 @api

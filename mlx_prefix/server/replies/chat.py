@@ -11,7 +11,7 @@ from typing import Any, Literal
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import Usage
 
-from .errors import body_for
+from ..errors import body_for
 from .sse import DONE
 from .sse import chunk as sse
 
@@ -179,7 +179,7 @@ def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
 
 @dataclass
 class OpenAIStream:
-    """The chat / completion chunk stream (generation.StreamShaper): a role chunk first
+    """The chat / completion chunk stream (stream.StreamShaper): a role chunk first
     (chat), content and tool-call deltas, the finish chunk, optionally a usage chunk,
     then [DONE]; a failure is one error chunk."""
 

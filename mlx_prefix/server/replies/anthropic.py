@@ -27,9 +27,9 @@ from typing import Any
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import DoneEvent, Usage
 
+from ..errors import anthropic_error_body
+from ..protocol.sealed import seal
 from .assembler import Delta
-from .errors import anthropic_error_body
-from .protocol.sealed import seal
 from .sse import event as sse
 
 
@@ -191,7 +191,7 @@ def message_body(
 
 @dataclass
 class AnthropicStream:
-    """The Messages SSE stream of one request (a generation.StreamShaper)."""
+    """The Messages SSE stream of one request (a stream.StreamShaper)."""
 
     message_id: str
     model: str
