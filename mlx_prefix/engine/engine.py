@@ -80,7 +80,7 @@ class Engine(CacheViews, EngineLoop):
     ):
         """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
         draft model for speculative decoding (engine/decode/speculative.py). `store` and
-        `disk_cache` may be shared with other engines (server/served/pool.py)."""
+        `disk_cache` may be shared with other engines (server/model_pool.py)."""
         check_draft_config(model, draft, engine_config)
         self.model = model
         output_head.install(model.model)  # a prompt's logits: its last position's (head.py)

@@ -17,9 +17,9 @@ from starlette.middleware import Middleware
 
 from .errors import EXCEPTION_HANDLERS
 from .guards.hosts import HostPolicy
-from .guards.middleware import ApiKeyAuth, HostGuard, RequestCounter, cors
+from .guards.middleware import ApiKeyAuth, HostGuard, cors
 from .guards.namespaces import Namespaces
-from .metrics import ServerMetrics
+from .monitor.metrics import RequestCounter, ServerMetrics
 from .protocol.request import Limits, SamplingDefaults
 from .replies.stream import InFlight
 from .responses_store import ResponseStore

@@ -57,6 +57,14 @@ class MessagesRequest:
     generation: GenerationRequest
     show_thinking: bool  # the reply's reasoning goes out as thinking blocks
 
+    @property
+    def model(self) -> str | None:
+        return self.generation.model
+
+    @property
+    def adapter(self) -> str | None:
+        return self.generation.adapter
+
 
 @dataclass(frozen=True)
 class _Tools:

@@ -73,6 +73,11 @@ class ResponsesRequest:
     # What the response object repeats back: tools (flat), tool_choice, metadata, ...
     echo: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def adapter(self) -> None:
+        """No LoRA adapter: `adapters` (mlx_lm.server's chat field) is refused here."""
+        return None
+
     def prompt(self, history: Conversation, ids: ToolCallIds) -> PromptInput:
         """The engine's prompt: instructions, the previous responses' conversation, this
         input; the reply's tool calls named by `ids`."""

@@ -1,79 +1,45 @@
-"""Anthropic Messages routes: POST /v1/messages (also with `?beta=true`, as Claude Code
-sends it) and /v1/messages/count_tokens, and their unprefixed twins. Errors leave in
+"""The Anthropic family's routes: POST /v1/messages (also with `?beta=true`, as Claude Code
+sends it) and /v1/messages/count_tokens, and their unprefixed twins. The body is
+protocol/anthropic.py's, the preamble and the reply every generation route's
+(routes/flow.py), the reply's blocks and events replies/anthropic.py's. Errors leave in
 Anthropic's shape (server/errors.py picks it by path)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import ToolCallIds
 
-from ..guards.namespaces import caller
-from ..protocol.anthropic import parse_count_tokens, parse_messages_request
-from ..protocol.request import fit_to_model
-from ..replies.anthropic import (
-    AnthropicStream,
-    BlockWriter,
-    final_usage,
-    message_body,
-    new_message_id,
-    stop_reason,
-)
-from ..replies.assembler import Assembler
-from ..replies.stream import Collected, RequestLog
-from .common import api, model_for, read_json, state
-from .flow import respond, submit
-from .tool_choice import with_tool_choice
+from ..guards.body import read_json
+from ..protocol.anthropic import MessagesRequest, parse_count_tokens, parse_messages_request
+from ..replies.anthropic import AnthropicWriter, BlockWriter, new_message_id
+from .common import ServerState, api, model_for, state
+from .flow import start
 
 
 @api
 async def messages(request: Request) -> Response:
-    st = state(request)
-    message_id = new_message_id()
-    who = caller(request)
-    record = RequestLog(message_id, request.url.path, st.metrics, who.namespace_id)
+    # tool_use ids as Anthropic's start ("toolu_"), named after the message.
+    ids = ToolCallIds(new_message_id(), prefix="toolu_")
+    call = await start(request, ids, _parse, lambda parsed, _: parsed.generation)
+    parsed = call.parsed
+    writer = AnthropicWriter(
+        call.request_id,
+        call.served.id,
+        call.handle,
+        parsed.generation.sampling.stop,  # as the client sent them, before the tool choice
+        BlockWriter(show_thinking=parsed.show_thinking),
+    )
+    return await call.respond(call.assembler(streaming=False), writer)
+
+
+def _parse(body: dict[str, Any], st: ServerState) -> MessagesRequest:
     keep = st.settings.keep_billing_header
-    try:
-        body = await read_json(request)
-        parsed = parse_messages_request(body, st.limits, keep_billing_header=keep)
-        served = await model_for(request, parsed.generation.model, parsed.generation.adapter)
-        tokenizer = served.engine.model.tokenizer
-        # tool_use ids named after the message, as the engine's next-turn prefetch names
-        # them, so the client's next turn (which sends them back) finds its prefix cached.
-        ids = ToolCallIds(message_id, prefix="toolu_")
-        prompt = replace(parsed.generation.prompt, reply_tool_call_ids=ids)
-        req = fit_to_model(replace(parsed.generation, prompt=prompt), st.limits_for(served.engine))
-        req = with_tool_choice(req, tokenizer)
-        req = replace(req, cache=replace(req.cache, namespace=who.namespace))
-        handle = await submit(served.engine, req, message_id)
-    except MlxPrefixError as e:
-        record.write(str(e.status), error=e.message)
-        raise
-    # The client's own stop sequences: a parallel-call stop added above is not one.
-    stops = parsed.generation.sampling.stop
-    assembler = Assembler.for_request(req, tokenizer, streaming=False, handle=handle)
-    writer = BlockWriter(show_thinking=parsed.show_thinking)
-
-    def whole(result: Collected, finish: str) -> dict:
-        for delta in result.deltas:
-            writer.feed(delta)
-        writer.close()
-        reason = stop_reason(result.done, writer.made_tool_use, stops)
-        return message_body(
-            message_id,
-            served.id,
-            writer,
-            reason,
-            final_usage(result.done.usage, handle.breakpoint_end),
-        )
-
-    shaper = AnthropicStream(message_id, served.id, handle, stops, writer)
-    return await respond(request, st, handle, req, record, assembler, shaper, whole)
+    return parse_messages_request(body, st.limits, keep_billing_header=keep)
 
 
 @api

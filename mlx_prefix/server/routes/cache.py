@@ -17,11 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..errors import WarmTimeout
+from ..guards.body import read_json
 from ..guards.namespaces import caller, visible
 from ..protocol.cache import parse_warm
 from ..protocol.fields import field
 from ..replies.stream import ClientGone, until_disconnect
-from .common import api, model_for, read_json, state
+from .common import api, model_for, state
 
 log = logging.getLogger("mlx_prefix.server")
 

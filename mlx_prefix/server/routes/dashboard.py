@@ -28,9 +28,10 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from mlx_prefix.errors import InvalidRequest
 
-from ..dashboard import snapshot as D
+from ..guards.body import read_json
 from ..guards.namespaces import caller
-from .common import api, read_json, state
+from ..monitor import dashboard as D
+from .common import api, state
 
 _STATIC = {  # name -> media type: the only files served
     "dashboard.html": "text/html; charset=utf-8",
@@ -54,9 +55,7 @@ _HEADERS = {
 @functools.cache
 def _static(name: str) -> bytes:
     return (
-        importlib.resources.files("mlx_prefix.server.dashboard")
-        .joinpath("static", name)
-        .read_bytes()
+        importlib.resources.files("mlx_prefix.server.monitor").joinpath("static", name).read_bytes()
     )
 
 

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..metrics import CONTENT_TYPE
+from ..monitor.metrics import CONTENT_TYPE
 from ..served.pool import ModelCard
 from .common import ServerState, api, state
 
