@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from live import live_server
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, serving
 
 from mlx_prefix.cli import build_parser
@@ -20,11 +21,10 @@ from mlx_prefix.server.served.names import ModelRegistry, ServedModel
 SYSTEM = "You answer questions about the opening hours of a small public library. " * 3
 
 
-@pytest.fixture(scope="module")
-def live():
-    model = FakeModel(path=Path("/models/org/SmolLM-fake"))
-    with serving(FakeEngine(model), aliases=("house-model", "claude-sonnet-4-5")) as (url, engine):
-        yield url, engine
+live = live_server(
+    lambda: FakeEngine(FakeModel(path=Path("/models/org/SmolLM-fake"))),
+    aliases=("house-model", "claude-sonnet-4-5"),
+)
 
 
 def chat_body(question: str, **extra) -> dict:
