@@ -103,7 +103,7 @@ def trace_cost() -> float:
     from mlx_prefix.cache.token_ids import TokenIds
     from mlx_prefix.conversation import conversation_from_dicts
     from mlx_prefix.explain.trace import CacheTrace, ExplainContext, kwargs_digest
-    from mlx_prefix.prompt.grid import ChunkGrid
+    from mlx_prefix.prompt.request.grid import ChunkGrid
     from mlx_prefix.records import PromptInput
 
     ctx = ExplainContext("m", "id", "key", None, ChunkGrid(256), EvictionLog())

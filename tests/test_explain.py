@@ -12,7 +12,7 @@ from mlx_prefix.conversation import Message
 from mlx_prefix.explain.history import Closest, Divergence, PromptHistory, Seen
 from mlx_prefix.explain.reasons import NO_DIVERGENCE, EvictedHit, Evidence, decide
 from mlx_prefix.explain.texts import TEXT_CHARS, around, location, reply_came_back
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 
 def seen(tokens, prompt_len=None, key="m/ns", **kw) -> Seen:

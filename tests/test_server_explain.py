@@ -13,7 +13,6 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import anthropic
@@ -21,12 +20,13 @@ import httpx
 import openai
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
+from live import live_server
 from server_fakes import serving
 
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
 
 APIS = [(api, stream) for api in ("chat", "messages", "responses") for stream in (False, True)]
@@ -137,11 +137,7 @@ def _responses(c: openai.OpenAI, system: str, items, stream: bool, extra: dict):
     return done.output_text, done.usage.input_tokens_details.cached_tokens
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[tuple[str, Engine]]:
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NO_PREFETCH)
-    with serving(engine) as (url, _):
-        yield url, engine
+live = live_server(lambda: Engine(loaded_test_model("dense"), TEST_CACHE, NO_PREFETCH))
 
 
 def tokens(engine: Engine, system: str, turns: list[tuple[str, str]]) -> tuple[int, ...]:
@@ -273,14 +269,10 @@ def test_metrics_count_requests_and_tokens_lost_per_reason_and_misses_are_logged
     assert len(lines) == 1 and "edited" in lines[0] and "fourth" in lines[0]
 
 
-@pytest.fixture(scope="module")
-def tight() -> Iterator[tuple[str, Engine]]:
-    """A budget of about three of the tiny model's snapshots (128 KiB each at this length):
-    a second system prompt's checkpoints push the first one's out."""
-    cache = CacheConfig(budget_bytes=384 << 10, prefill_chunk=32, checkpoint_interval=64)
-    engine = Engine(loaded_test_model("dense"), cache, NO_PREFETCH)
-    with serving(engine) as (url, _):
-        yield url, engine
+# A budget of about three of the tiny model's snapshots (128 KiB each at this length): a
+# second system prompt's checkpoints push the first one's out.
+TIGHT = CacheConfig(budget_bytes=384 << 10, prefill_chunk=32, checkpoint_interval=64)
+tight = live_server(lambda: Engine(loaded_test_model("dense"), TIGHT, NO_PREFETCH), name="tight")
 
 
 @pytest.mark.parametrize(("api", "stream"), APIS, ids=IDS)
@@ -361,13 +353,12 @@ def tool_loop(api: str, answered: bool) -> list[dict]:
     return [question, *turn, *(answer if answered else [])]
 
 
-@pytest.fixture(scope="module")
-def rerendering() -> Iterator[tuple[str, Engine]]:
-    """Qwen3's template in short (models/testing.py): an assistant turn keeps its
-    reasoning only while no new question follows it."""
-    engine = Engine(loaded_test_model("dense", think_template=True), TEST_CACHE, NO_PREFETCH)
-    with serving(engine) as (url, _):
-        yield url, engine
+# Qwen3's template in short (models/testing.py): an assistant turn keeps its reasoning
+# only while no new question follows it.
+rerendering = live_server(
+    lambda: Engine(loaded_test_model("dense", think_template=True), TEST_CACHE, NO_PREFETCH),
+    name="rerendering",
+)
 
 
 @pytest.mark.parametrize(("api", "stream"), APIS, ids=IDS)
@@ -393,11 +384,9 @@ FIRST = (
 )
 
 
-@pytest.fixture(scope="module")
-def hybrid() -> Iterator[tuple[str, Engine]]:
-    engine = Engine(loaded_test_model("qwen3_5"), TEST_CACHE, NO_PREFETCH)
-    with serving(engine) as (url, _):
-        yield url, engine
+hybrid = live_server(
+    lambda: Engine(loaded_test_model("qwen3_5"), TEST_CACHE, NO_PREFETCH), name="hybrid"
+)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "explain":
         return explain.cmd_explain(args)
-    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.disk.tier import DiskCache
     from mlx_prefix.config import DiskConfig, from_env
 
     config = from_env(DiskConfig, "DISK", {"directory": args.directory})

@@ -126,26 +126,26 @@ def decide(e: Evidence) -> Verdict:
     # Past here the closest is the store's entries' match when those share more than the
     # history: a next-turn prefetch the server rendered (then the prompt is no edit).
     # Inside both: a prompt that is all in the closest (sent again) did not leave it.
-    own = c is not None and d >= e.stored_match and d < min(c.seen.length, e.length)
-    if own and c.seen.kwargs != e.kwargs and d < c.seen.prompt_len:
+    own = c if c is not None and e.stored_match <= d < min(c.seen.length, e.length) else None
+    if own is not None and own.seen.kwargs != e.kwargs and d < own.seen.prompt_len:
         what = "chat_template_kwargs changed what the template wrote"
-        return Verdict("settings", lost(c.seen.prompt_len), what, c, d)
+        return Verdict("settings", lost(own.seen.prompt_len), what, own, d)
     if e.cached < expected and (hit := e.evicted(e.cached)) is not None:
         return Verdict("evicted", hit.reuse - e.cached, _evicted(hit), c, at)
-    if own:
-        div = e.divergence
-        if d >= c.seen.prompt_len and div.reply_changed:
+    if own is not None:
+        div, seen = e.divergence, own.seen
+        if d >= seen.prompt_len and div.reply_changed:
             what = "the reply came back unlike what the model generated (re-rendered)"
-            return Verdict("re_rendered", lost(c.seen.length), what, c, d)
-        if d < c.seen.prompt_len and div.earlier_message:
+            return Verdict("re_rendered", lost(seen.length), what, own, d)
+        if d < seen.prompt_len and div.earlier_message:
             if div.assistant:
                 what = "an earlier assistant turn came back unlike what was stored"
-                return Verdict("re_rendered", lost(c.seen.prompt_len), what, c, d)
+                return Verdict("re_rendered", lost(seen.prompt_len), what, own, d)
             if div.volatile:
                 what = "this place changes from request to request (a date, an id, a counter?)"
-                return Verdict("volatile", lost(c.seen.prompt_len), what, c, d)
+                return Verdict("volatile", lost(seen.prompt_len), what, own, d)
             what = "an earlier message changed"
-            return Verdict("edited", lost(c.seen.prompt_len), what, c, d)
+            return Verdict("edited", lost(seen.prompt_len), what, own, d)
     if expected == 0:  # what it shares ends before the first grid point
         return new()
     if e.cached < expected:

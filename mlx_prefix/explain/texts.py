@@ -18,7 +18,7 @@ import numpy as np
 from mlx_prefix.cache.token_ids import WIDTH, ids, packed
 
 if TYPE_CHECKING:
-    from mlx_prefix.prompt.grid import ChunkGrid
+    from mlx_prefix.prompt.request.grid import ChunkGrid
 
 TEXT_CHARS = 120  # the most either text may hold
 LEAD_CHARS = 40  # of which the text before the divergence (shared by both)

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from mlx_prefix.cache.evicted import EvictionLog
-    from mlx_prefix.prompt.grid import ChunkGrid
-    from mlx_prefix.prompt.render import ChatRenderer
-    from mlx_prefix.records import PromptInput
+    from mlx_prefix.prompt.request.grid import ChunkGrid
+    from mlx_prefix.prompt.request.render import ChatRenderer
+    from mlx_prefix.records import CachePreference, PromptInput
 
 Source = Literal["memory", "disk", "none"]
 
@@ -95,3 +95,25 @@ class CacheTrace:
     stored_match: int = 0
     # The reply's token ids (the decode phase's own list, complete at the final event).
     reply: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        context: ExplainContext,
+        tokens: tuple[int, ...],
+        prompt: PromptInput,
+        cache: CachePreference,
+        entry_key: str,
+        cache_on: bool,
+    ) -> CacheTrace:
+        """A submitted request's trace (`cache_on`: the server has a prefix cache)."""
+        off = (
+            "the server runs without a prefix cache"
+            if not cache_on
+            else "the request turned prefix_cache off"
+        )
+        return cls(
+            context, tokens, prompt, entry_key, cache.namespace, cache.salt,
+            kwargs_digest(prompt.chat_template_kwargs),
+            enabled=cache_on and cache.enabled, off=off,
+        )  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Literal
 from mlx_prefix.cache.snapshot import Snapshot, restore
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 POST /v1/cache/warm (prefill a prompt into the cache without generating), GET
 /v1/cache/requests (why recent requests reused what they did: explain/). Entries,
 flushes and request records are the caller's namespace's, warm-ups go into it
-(server/namespaces.py); the admin key sees every namespace."""
+(server/guards/namespaces.py); the admin key sees every namespace."""
 
 from __future__ import annotations
 
@@ -18,14 +18,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_prefix.errors import InvalidRequest, MlxPrefixError
-
-from ..errors import WarmTimeout
-from ..generation import ClientGone, until_disconnect
-from ..namespaces import caller, visible
+from ..errors import ExplainOff, WarmTimeout
+from ..guards.body import read_json
+from ..guards.namespaces import caller, visible
+from ..protocol.cache import parse_requests_query, parse_warm
 from ..protocol.fields import field
-from ..protocol.warm import parse_warm
-from .common import api, model_for, read_json, state
+from ..replies.stream import ClientGone, until_disconnect
+from .common import api, model_for, state
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -43,30 +42,15 @@ async def cache_info(request: Request) -> Response:
     return JSONResponse({"stats": stats, "entries": entries})
 
 
-REQUESTS_LIMIT = 50  # records listed when the query names no limit
-
-
-class ExplainOff(MlxPrefixError):
-    status = 404
-    type = "invalid_request_error"
-    code = "explain_off"
-
-
 @api
 async def cache_requests(request: Request) -> Response:
     """The caller's recent requests, newest first: `?limit=N` (1 to the records kept)."""
-    unknown = sorted(set(request.query_params) - {"limit"})
-    if unknown:
-        name = unknown[0]
-        raise InvalidRequest(f"unknown query parameter {name!r} (known: limit)", param=name)
-    raw = request.query_params.get("limit", str(REQUESTS_LIMIT))
-    if not raw.isdigit() or int(raw) < 1:
-        raise InvalidRequest(f"limit must be a positive integer, not {raw!r}", param="limit")
+    limit = parse_requests_query(request.query_params)
     explainer = state(request).metrics.explainer
     if not explainer.enabled:
         raise ExplainOff("this server keeps no request records (it was started with --no-explain)")
     records = visible(caller(request), await run_in_threadpool(explainer.records))
-    data = [r.as_json() for r in records[: int(raw)]]
+    data = [r.as_json() for r in records[:limit]]
     return JSONResponse({"object": "list", "data": data})
 
 
