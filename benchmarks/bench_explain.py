@@ -98,20 +98,20 @@ def explainer_cost(folder: Path, requests: int) -> dict[str, float]:
 
 def trace_cost() -> float:
     """Seconds per request of the engine's part: the trace made at submit and filled at
-    admission (engine.Engine._trace, prefill/phase.py), with a real conversation."""
+    admission (CacheTrace.of in Engine.submit, prefill/phase.py), with a real conversation."""
     from mlx_prefix.cache.evicted import EvictionLog
     from mlx_prefix.cache.token_ids import TokenIds
     from mlx_prefix.conversation import conversation_from_dicts
-    from mlx_prefix.explain.trace import CacheTrace, ExplainContext, kwargs_digest
+    from mlx_prefix.explain.trace import CacheTrace, ExplainContext
     from mlx_prefix.prompt.request.grid import ChunkGrid
-    from mlx_prefix.records import PromptInput
+    from mlx_prefix.records import CachePreference, PromptInput
 
     ctx = ExplainContext("m", "id", "key", None, ChunkGrid(256), EvictionLog())
     prompt = PromptInput(messages=conversation_from_dicts([{"role": "user", "content": "hi"}]))
     tokens = TokenIds(range(600))
 
     def one() -> None:
-        t = CacheTrace(ctx, tokens, prompt, "k/ns", "", None, kwargs_digest({}), enabled=True)
+        t = CacheTrace.of(ctx, tokens, prompt, CachePreference(), "k/ns", True)
         t.source, t.cached, t.stored_match = "memory", 512, 590
         t.admitted = True
         t.reply = []

@@ -81,7 +81,7 @@ class CacheTrace:
     tokens: tuple[int, ...]  # the rendered prompt (a TokenIds: its packed bytes come free)
     prompt: PromptInput | None  # what the caller sent: the messages' roles
     entry_key: str  # the key its entries live under (model, namespace, salt)
-    namespace: str  # who sent it (server/namespaces.py), before any salt
+    namespace: str  # who sent it (server/guards/namespaces.py), before any salt
     salt: str | None
     template_kwargs: str  # kwargs_digest of its chat_template_kwargs
     enabled: bool  # it could read the cache (the server's cache and its prefix_cache)
