@@ -16,6 +16,7 @@ from engine_helpers import (
     cache_states,
     chat,
     collect,
+    open_engine,
     paced_submit,
     run,
     submit_together,
@@ -25,7 +26,6 @@ from engine_helpers import (
 from mlx_prefix.cache.snapshot import restore
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine import calibration, loop
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
 
@@ -37,8 +37,9 @@ QUESTIONS = [f"Question {i}: " + "lamp river " * (2 + 3 * i) for i in range(4)]
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h", "sliding"])
 def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(kind):
-    engine = Engine(loaded_test_model(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
-    try:
+    with open_engine(
+        loaded_test_model(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False)
+    ) as engine:
         # Two long replies decode while a burst sharing an instruction prefills beside them:
         # the engine waits after the second reply's first token until the burst is in, so
         # it arrives while both decode (the burst's prefill takes fewer steps than the
@@ -84,8 +85,6 @@ def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(k
                 f"the entry at {len(tokens)} tokens is not the alone prefill's"
             )
         engine.store.check_integrity()
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5", "sliding"])
@@ -139,8 +138,7 @@ def test_requests_prefill_fewest_tokens_left_first():
     its chunks (one 256-token chunk a step here, so the order decides)."""
     cache = CacheConfig(budget_bytes=1 << 30, prefill_chunk=256)
     config = EngineConfig(gather_tokens=0, prefill_tokens_per_step=256)
-    engine = Engine(loaded_test_model("dense"), cache, config)
-    try:
+    with open_engine(loaded_test_model("dense"), cache, config) as engine:
         off, sampling = CachePreference(enabled=False), SamplingParams(max_tokens=2)
         firsts: list[str] = []  # request ids in the order the engine sent a first token
 
@@ -159,5 +157,3 @@ def test_requests_prefill_fewest_tokens_left_first():
             collect(handle)
         assert engine._prefill.peak_tasks == 2  # they prefilled side by side
         assert firsts == [short.request_id, long.request_id]
-    finally:
-        engine.shutdown()

@@ -23,8 +23,8 @@ from .args import (
 )
 
 if TYPE_CHECKING:
-    from mlx_prefix.server.model_loading import EngineLoader
-    from mlx_prefix.server.model_names import ModelSpec
+    from mlx_prefix.server.served.loading import EngineLoader
+    from mlx_prefix.server.served.names import ModelSpec
     from mlx_prefix.server.settings import ServerSettings
 
 
@@ -109,6 +109,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="render Claude Code's x-anthropic-billing-header system block "
         "(left out by default: it changes between requests and would defeat the cache)",
+    )
+    p.add_argument(
+        "--no-explain",
+        dest="explain_requests",
+        action="store_false",
+        default=None,
+        help="keep no record of why requests reused what they did (GET /v1/cache/requests, "
+        "the dashboard's misses, the per-reason metrics and log lines)",
     )
     sampling = p.add_argument_group("sampling defaults (for requests that leave the field out)")
     sampling.add_argument("--temp", type=float, dest="temperature", help="temperature (0: greedy)")
@@ -200,6 +208,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
+        "explain_requests": args.explain_requests,
         "embedding_aliases": tuple(args.embedding_aliases)
         if getattr(args, "embedding_aliases", None) is not None
         else None,
@@ -263,7 +272,7 @@ def embedding_worker(args: argparse.Namespace) -> Any:
     from mlx_prefix.models.preflight import load_estimate
     from mlx_prefix.models.resolve import resolve_model
     from mlx_prefix.platform import available_memory
-    from mlx_prefix.server.model_loading import InsufficientMemory
+    from mlx_prefix.server.served.loading import InsufficientMemory
 
     cfg = embedding_config(args)
     if cfg.embedding_model is None:
@@ -285,7 +294,7 @@ def embedding_worker(args: argparse.Namespace) -> Any:
 
 
 def engine_loader(args: argparse.Namespace) -> EngineLoader:
-    """How the server loads a model on demand (server/model_pool.py): the model flags,
+    """How the server loads a model on demand (server/served/pool.py): the model flags,
     except that --chat-template applies to the default model only, and the cache and
     engine flags; the engine shares the store and disk cache it is given."""
     from mlx_prefix.config import ModelConfig

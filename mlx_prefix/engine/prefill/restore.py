@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from mlx_prefix.cache.snapshot import Snapshot, restore
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 
 @dataclass(slots=True)
@@ -24,6 +25,8 @@ class Restored:
     branch: int = 0
     snapshot: Snapshot | None = None  # what was restored (its draft part may serve too)
     trim: int = 0
+    source: Literal["memory", "disk", "none"] = "none"
+    matched: int = 0  # longest common prefix with a stored entry (the trie walk's)
 
 
 def restore_longest(
@@ -43,11 +46,12 @@ def restore_longest(
 
     try:
         match = store.match(key, tokens, align)
+        found.matched = match.matched_tokens
         found.branch = align(min(match.matched_tokens, len(tokens) - 1))
         if match.entry_id is not None:
             snapshot = store.acquire(match.entry_id)
             if snapshot is not None:
-                found.lease = match.entry_id
+                found.lease, found.source = match.entry_id, "memory"
                 found.cache = restore(snapshot, trim=match.trim)
                 found.reuse, found.snapshot, found.trim = match.reuse_tokens, snapshot, match.trim
         if disk is not None:
@@ -58,7 +62,7 @@ def restore_longest(
                     store.release(found.lease)
                     found.lease = None
                 found.cache = restore(disk_snapshot, trim=disk_match.trim)
-                found.reuse = disk_match.reuse_tokens
+                found.reuse, found.source = disk_match.reuse_tokens, "disk"
                 found.snapshot, found.trim = disk_snapshot, disk_match.trim
                 store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
     except BaseException:
