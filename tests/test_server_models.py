@@ -25,6 +25,9 @@ from mlx_prefix.server import ServerSettings, create_app
 from mlx_prefix.server.served.names import ModelSpec
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
+# Every request's deadline: a request may load a model on demand, which a loaded machine
+# takes seconds for (httpx's own default, 5 s, failed count_tokens once under load).
+T = 120
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def ask(url: str, model: str | None, question: str, path="/v1/chat/completions",
     }
     if model is not None:
         body["model"] = model
-    return httpx.post(url + path, json=body, timeout=120)
+    return httpx.post(url + path, json=body, timeout=T)
 
 
 def answer(r: httpx.Response) -> tuple[str, int]:
@@ -121,7 +124,7 @@ def test_two_models_served_alternately_each_cache_hits_and_equals_its_cold_run(f
         reply = ask(url, b, "When does it close?").json()
         engines = [s.engine for s in pool.resident()]
         for path in ("/v1/cache", "/metrics", "/v1/dashboard", "/health"):
-            assert httpx.get(url + path).status_code == 200, path
+            assert httpx.get(url + path, timeout=T).status_code == 200, path
     for m in ("default", b):
         assert first[m][1] == 0 and warm[m][1] > 40  # each hits its own cache
         assert warm[m][0] == cold[m][0] and cold[m][1] == 0
@@ -160,7 +163,7 @@ def test_max_models_1_unloads_the_least_recently_used_and_reloads_it(folders):
         assert all(p.size == 0 for _, p in tree_flatten(first_a.model.model.parameters()))
         a2 = answer(ask(url, "tiny-a", "Can I renew online?"))
         b2 = answer(ask(url, b, "Can I renew online?"))
-        models = httpx.get(url + "/v1/models").json()["data"]
+        models = httpx.get(url + "/v1/models", timeout=T).json()["data"]
     assert a2[0] == a1[0] and b2[0] == b1[0]  # reloaded: the same answers
     assert pool.loads == 3 and pool.unloads == 3
     resident = {c["id"]: c["resident"] for c in models}
@@ -199,6 +202,7 @@ def test_unknown_names_keep_the_default_but_a_path_is_a_404(folders):
                 "max_tokens": 4,
                 "messages": [{"role": "user", "content": "Hello?"}],
             },
+            timeout=T,
         )
         assert m.status_code == 404
         assert m.json()["type"] == "error" and m.json()["error"]["type"] == "not_found_error"
@@ -216,7 +220,7 @@ def test_a_request_never_loads_a_folder_the_operator_did_not_name(folders, tmp_p
             r = ask(url, name, "Hello?")
             assert r.status_code == 404, r.text
             messages[name] = r.json()["error"]["message"].replace(name, "NAME")
-            got = httpx.get(url + "/v1/models/" + name.replace("/", "%2F"))
+            got = httpx.get(url + "/v1/models/" + name.replace("/", "%2F"), timeout=T)
             assert got.status_code == 404
             assert got.json()["error"]["message"].replace(name, "NAME") == messages[name]
         assert len(set(messages.values())) == 1  # nothing says what exists on disk
@@ -307,14 +311,14 @@ def test_a_model_too_large_for_memory_is_refused(folders, monkeypatch):
 
 def test_model_alias_selects_its_folder_and_is_listed(folders):
     with served(folders, max_models=2, model_aliases=(f"second={folders['b']}",)) as (url, _):
-        listed = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+        listed = {c["id"]: c for c in httpx.get(url + "/v1/models", timeout=T).json()["data"]}
         second = listed["second"]
         assert second["alias_of"] == str(folders["b"]) and not second["resident"]
         via_alias = ask(url, "second", "Where is the map room?")
         via_folder = ask(url, str(folders["b"]), "Where is the map room?", **COLD)
         assert via_alias.json()["model"] == "second"
         assert answer(via_alias)[0] == answer(via_folder)[0]
-        listed = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+        listed = {c["id"]: c for c in httpx.get(url + "/v1/models", timeout=T).json()["data"]}
         assert listed["second"]["resident"] and listed["second"]["context_length"] == 4096
 
 
@@ -330,7 +334,7 @@ def test_an_adapter_is_its_own_engine_and_cache(folders):
         assert warm[1] > 40 and warm[0] == cold[0] == first[0]
         again = answer(ask(url, None, "Which floor has the periodicals?"))
         assert again[0] == base[0] and again[1] > 40
-        listed = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+        listed = {c["id"]: c for c in httpx.get(url + "/v1/models", timeout=T).json()["data"]}
         assert listed["tiny-a"]["adapters"] == [str(Path(lora).resolve())]
         keys = {s.engine.model_key for s in pool.resident()}
         assert len(keys) == 2
@@ -341,7 +345,7 @@ def test_an_adapter_is_its_own_engine_and_cache(folders):
             "system": SYSTEM,
             "messages": [{"role": "user", "content": "Which floor has the periodicals?"}],
         }
-        with_lora = httpx.post(url + "/v1/messages", json={**messages, "adapters": lora})
+        with_lora = httpx.post(url + "/v1/messages", json={**messages, "adapters": lora}, timeout=T)
         assert with_lora.status_code == 200, with_lora.text
         assert with_lora.json()["content"][0]["text"] == first[0]
         assert with_lora.json()["usage"]["cache_read_input_tokens"] > 40
@@ -353,10 +357,10 @@ def test_count_tokens_and_warm_use_the_named_model(folders):
     b = str(folders["b"])
     with served(folders, max_models=2) as (url, pool):
         body = {"model": b, "messages": [{"role": "user", "content": "Count these words."}]}
-        r = httpx.post(url + "/v1/messages/count_tokens", json=body)
+        r = httpx.post(url + "/v1/messages/count_tokens", json=body, timeout=T)
         assert r.status_code == 200 and r.json()["input_tokens"] > 0
         assert [s.id for s in pool.resident()] == ["tiny-a", b]
-        warm = httpx.post(url + "/v1/cache/warm", json={**body, "model": "default"}, timeout=60)
+        warm = httpx.post(url + "/v1/cache/warm", json={**body, "model": "default"}, timeout=T)
         assert warm.status_code == 200
 
 
@@ -367,7 +371,7 @@ def test_flush_removes_every_resident_models_entries(folders):
             answer(ask(url, m, "Where are the atlases?"))
         store = pool.resident()[0].engine.store
         assert len({e.model_key.split("/")[0] for e in store.entries()}) == 2
-        removed = httpx.delete(url + "/v1/cache").json()["removed"]
+        removed = httpx.delete(url + "/v1/cache", timeout=T).json()["removed"]
         assert removed > 0 and store.entries() == []
         for m in ("default", b):  # neither model hits what was flushed
             assert answer(ask(url, m, "Where are the atlases?"))[1] == 0
@@ -377,7 +381,7 @@ def test_each_model_has_its_own_context_limit(folders):
     long = str(folders["long"])
     with served(folders, max_models=2) as (url, pool):
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6000}
-        short = httpx.post(url + "/v1/chat/completions", json=body)
+        short = httpx.post(url + "/v1/chat/completions", json=body, timeout=T)
         assert short.status_code == 400 and "(4096)" in short.json()["error"]["message"]
         # The 8192-token model accepts what the default model's context could not hold
         # (streamed, and left after its first event: the reply itself is not the point).
@@ -385,12 +389,14 @@ def test_each_model_has_its_own_context_limit(folders):
             "POST",
             url + "/v1/chat/completions",
             json={**body, "model": long, "stream": True},
-            timeout=120,
+            timeout=T,
         ) as r:
             assert r.status_code == 200, r.read()
             next(r.iter_lines())
         over = httpx.post(
-            url + "/v1/chat/completions", json={**body, "model": long, "max_tokens": 9000}
+            url + "/v1/chat/completions",
+            json={**body, "model": long, "max_tokens": 9000},
+            timeout=T,
         )
         assert over.status_code == 400 and "(8192)" in over.json()["error"]["message"]
         assert over.json()["error"]["param"] == "max_tokens"
@@ -435,7 +441,7 @@ def test_unloading_waits_for_the_running_requests_of_the_model(folders):
         def stream_a() -> None:
             body = {"model": "tiny-a", "prompt": "Once upon a time", "max_tokens": 48}
             body |= {"temperature": 0, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=T) as r:
                 for line in r.iter_lines():
                     lines.append(line)
                     first_chunk.set()
