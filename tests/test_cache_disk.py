@@ -781,7 +781,7 @@ def test_budget_evicts_least_recently_accessed(tmp_path: Path):
 def test_recency_survives_a_restart_when_accesses_share_a_clock_tick(tmp_path: Path, monkeypatch):
     # The kernel's file times advance in ticks: accesses within one read the same clock.
     # Every access is stamped after the one before it, so a restart keeps their order.
-    import mlx_prefix.cache.disk as disk_module
+    import mlx_prefix.cache.disk.tier as disk_module
 
     frozen = 1_800_000_000_000_000_000
     monkeypatch.setattr(disk_module.time, "time_ns", lambda: frozen)
