@@ -91,8 +91,10 @@ def run(engine: Engine, prompt: PromptInput, *, cache: bool = True, sampling=GRE
     return collect(engine.submit(prompt, sampling, CachePreference(enabled=cache)))
 
 
-def collect(handle: RequestHandle, timeout: float = 120) -> Result:
-    """A submitted request's whole answer (an engine error fails the test)."""
+def collect(handle: RequestHandle, timeout: float = 600) -> Result:
+    """A submitted request's whole answer (an engine error fails the test). `timeout`:
+    the longest wait for one event, a deadline for a hang only (a cold 16K-token prefill
+    took over 120 s before its first token on a loaded 2-core machine)."""
     text, tokens, logprobs = [], [], []
     for event in handle.events(timeout=timeout):
         if isinstance(event, TokenEvent):
