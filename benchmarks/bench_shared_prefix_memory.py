@@ -19,7 +19,7 @@ this benchmark; the servers inherit PYTHONPATH):
   tier on (`--disk-cache full`): bytes of the files written against the same KV.
 - `sessions`: eight interleaved agent sessions (a shared 600-token system prompt, then
   tool results of ~330 tokens and 16-token replies, 11 steps: ~4.2K tokens each), round
-  robin, under one byte budget (`--budget`, default 100 MiB: about three sessions' worth
+  robin, under one byte budget (`--budget`, default 112 MiB: about three sessions' worth
   of today's entries), on mlx-prefix, mlx_lm.server (`--prompt-cache-bytes`, same bytes)
   and vllm-mlx where `make peers` installed it. Model: a random-weight llama with
   SmolLM2's tokenizer, 4 layers, 2 KV heads of 64 (4,096 bytes of KV per token): the
@@ -258,6 +258,8 @@ def measure_sessions(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     )
     results: dict[str, Any] = {}
     for spec in session_specs(path, args.budget, log_dir):
+        if args.servers and spec.label not in args.servers:
+            continue
         server = Server(spec, log_dir)
         try:
             server.start()
@@ -311,7 +313,8 @@ def run_sessions(
         out["held_bytes"] = data["memory"]["bytes"]
         out["entries"] = len([n for n in data["tree"] if n["entry_id"] is not None])
         out["evictions"] = data["memory"]["evictions"]
-    print(f"  {server.spec.label}: {{k: v for k, v in out.items() if k != 'rows'}}", flush=True)
+    summary = {k: v for k, v in out.items() if k != "rows"}
+    print(f"  {server.spec.label}: {summary}", flush=True)
     return out
 
 
@@ -416,7 +419,11 @@ def main() -> None:
     p.add_argument("--session-system-tokens", type=int, default=600)
     p.add_argument("--result-tokens", type=int, default=330)
     p.add_argument("--reply-tokens", type=int, default=16)
-    p.add_argument("--budget", type=int, default=100 * MiB)
+    p.add_argument("--budget", type=int, default=112 * MiB)
+    p.add_argument(
+        "--servers", type=lambda x: x.split(","), default=None,
+        help="sessions: labels to run (ours, peer, vllm-mlx; default: all)",
+    )  # fmt: skip
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
                    default=[2048, 16384, 65536])  # fmt: skip
     args = p.parse_args()

@@ -225,3 +225,30 @@ def test_a_running_requests_pieces_count_once_and_a_locked_chain_is_never_freed(
     store.drop_active("req")
     assert store.stats().bytes == 0
     store.check_integrity()
+
+
+def test_a_chain_is_saved_whole_and_loads_as_one_piece_later_turns_chain_onto(tmp_path):
+    """The disk tier keeps whole files (about one copy of each token on disk); a file
+    read back restores what the chain held, and a turn restored from it chains onto
+    its arrays instead of copying them again."""
+    from mlx_prefix.cache.disk import DiskCache
+
+    snaps = _turns(lambda: [KVCache(), ArraysCache(size=1)], [10, 15, 40])
+    chain_snap = snaps[-1]
+    disk = DiskCache(tmp_path)
+    assert disk.save("m", list(range(40)), chain_snap, CheckpointKind.HISTORY)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) < 1.2 * chain_snap.nbytes + (64 << 10)
+    match = DiskCache(tmp_path).match("m", list(range(41)), lambda n: n)
+    loaded = DiskCache(tmp_path).load(match)
+    assert loaded is not None and [(p.start, p.end) for p in loaded.chain.pieces] == [(0, 40)]
+    assert loaded.nbytes == chain_snap.nbytes
+    a, b = restore(loaded, extend=2), restore(chain_snap, extend=2)
+    assert all(
+        np.array_equal(np.array(x), np.array(y))
+        for x, y in zip(_append(a, 2, 8), _append(b, 2, 8), strict=True)
+    )
+    # The next turn restored from the loaded file holds only what it adds.
+    nxt = capture(a, 42, loaded.chain)
+    assert nxt.chain.pieces[0].buffer == loaded.chain.pieces[0].buffer
+    assert [(p.start, p.end) for p in nxt.chain.pieces] == [(0, 40), (40, 42)]
