@@ -85,8 +85,10 @@ class KvKind(LayerKind):
         return -(-extend // step) * step if extend and step else 0
 
     def merge(self, layers: Sequence[Any], steps: int) -> Any:
-        if all(type(c) is KVCache and c.keys is not None for c in layers) and (
-            steps or any(stashed(c) is not None for c in layers)
+        if (
+            all(type(c) is KVCache for c in layers)
+            and any(c.keys is not None for c in layers)
+            and (steps or any(stashed(c) is not None for c in layers))
         ):
             return _merged_with_room(layers, steps)
         return super().merge(layers, steps)
@@ -126,12 +128,14 @@ def _merged_with_room(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
     `stashed`), not from the concatenation it would evaluate first: one copy."""
     longest = max(c.offset for c in layers)
     size = min(longest + steps, (longest // BatchKVCache.step + 1) * BatchKVCache.step)
-    first = layers[0]
+    first = next(c for c in layers if c.keys is not None)
     _, heads, _, k_dim = first.keys.shape
     keys = mx.zeros((len(layers), heads, size, k_dim), first.keys.dtype)
     values = mx.zeros((len(layers), heads, size, first.values.shape[3]), first.values.dtype)
     padding = [longest - c.offset for c in layers]
     for i, (pad, c) in enumerate(zip(padding, layers, strict=True)):
+        if c.keys is None:
+            continue  # nothing yet: all padding
         parts = stashed(c) or [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])]
         at = pad
         for k, v in parts:
