@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
@@ -299,6 +300,9 @@ def run_sessions(
                     "ttft_s": reply.ttft_s,
                 }  # fmt: skip
             )
+    if server.name == VLLM:  # it reports no cached tokens; its log says each fetch's
+        for row, cached in zip(rows, vllm_cached(server), strict=False):
+            row["cached_tokens"] = cached
     later = [r for r in rows if r["step"] > 0]
     out: dict[str, Any] = {
         "rows": rows,
@@ -316,6 +320,22 @@ def run_sessions(
     summary = {k: v for k, v in out.items() if k != "rows"}
     print(f"  {server.spec.label}: {summary}", flush=True)
     return out
+
+
+def vllm_cached(server: Server) -> list[int]:
+    """vllm-mlx's cached tokens per request, in order, from its log's `[cache_fetch]`
+    lines (its usage carries none); the warm-up request's first line left out."""
+    return vllm_cached_from(Path(server._log.name))  # type: ignore[union-attr]
+
+
+def vllm_cached_from(log: Path) -> list[int]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "[cache_fetch]" not in line:
+            continue
+        found = re.search(r"cached=(\d+)", line)
+        out.append(int(found.group(1)) if found and " HIT " in line else 0)
+    return out[1:]
 
 
 # -- part 3: restore time and warm-turn TTFT ---------------------------------------------
