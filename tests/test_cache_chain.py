@@ -231,7 +231,7 @@ def test_a_chain_is_saved_whole_and_loads_as_one_piece_later_turns_chain_onto(tm
     """The disk tier keeps whole files (about one copy of each token on disk); a file
     read back restores what the chain held, and a turn restored from it chains onto
     its arrays instead of copying them again."""
-    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.disk.tier import DiskCache
 
     snaps = _turns(lambda: [KVCache(), ArraysCache(size=1)], [10, 15, 40])
     chain_snap = snaps[-1]

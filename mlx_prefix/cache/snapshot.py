@@ -1,6 +1,6 @@
 """Immutable captures of a request's per-layer cache, restored copy-on-write.
 
-Besides `disk_payload`, `chain` and the per-class kinds it asks (cache/layers/: what each
+Besides `disk/payload.py`, `chain` and the per-class kinds it asks (cache/layers/: what each
 cache class keeps, captures and restores), the only cache module that touches MLX.
 
 What a snapshot holds: its append-only attention KV as a chain of pieces (chain.py: the
@@ -43,12 +43,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList
 
 from mlx_prefix.cache.chain import Chain, Piece, assemble, chained, extend, whole
 from mlx_prefix.cache.layers import LayerSnapshot, kind_of, layers_of
-from mlx_prefix.cache.layers.base import stash
+from mlx_prefix.cache.layers.base import arrays_in, stash
 from mlx_prefix.cache.types import Buffer, new_buffer_key
 
 
@@ -247,7 +246,7 @@ def _leaves(layers: tuple[LayerSnapshot, ...]) -> list[LayerSnapshot]:
 def _arrays(layers: tuple[LayerSnapshot, ...]) -> list[mx.array]:
     out: list[mx.array] = []
     for layer in layers:
-        out.extend(a for _, a in tree_flatten(list(layer.state)) if isinstance(a, mx.array))
+        out.extend(arrays_in(list(layer.state)))
         out.extend(_arrays(layer.children))
     return out
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 # The part of a prefill's work a layer does (models/cost.py): attention over every
 # earlier token, over a window of them, or a recurrent state update per token.
@@ -26,7 +26,7 @@ CostRole = Literal["full", "window", "recurrent"]
 
 @dataclass(frozen=True, slots=True)
 class LayerSnapshot:
-    cls: type  # the cache class to rebuild (through its `from_state`)
+    cls: type[Any]  # the cache class to rebuild (through its `from_state`)
     # Its `state`, arrays as the snapshot's own objects, KV sliced to offset; for a layer
     # in the snapshot's chain (`slot` >= 0), only what its kind's `join` needs besides the
     # KV (cache/chain.py).
@@ -108,6 +108,28 @@ class LayerKind:
             obj.trim(trim)
         return obj
 
+    # -- a `chained` kind's KV as pieces (cache/chain.py; layers/kv.py implements them) --
+    def split(self, state: tuple[Any, ...]) -> tuple[tuple[mx.array, ...], tuple[Any, ...]]:
+        """A state as (its KV arrays, positions on axis -2; the rest `join` needs)."""
+        raise NotImplementedError(f"{type(self).__name__} is not chained")
+
+    def join(self, arrays: tuple[mx.array, ...], n: int, rest: tuple[Any, ...]) -> tuple:
+        """The state holding `n` positions of `arrays` (which may be longer: room)."""
+        raise NotImplementedError(f"{type(self).__name__} is not chained")
+
+    def holds(self, state: tuple[Any, ...], n: int) -> bool:
+        """Whether `state` (read from a file) is this kind's whole state of `n` positions."""
+        return False
+
+    def cut(self, c: Any, start: int, end: int) -> tuple[mx.array, ...]:
+        """Live layer `c`'s positions [start, end), copied into arrays of their own."""
+        raise NotImplementedError(f"{type(self).__name__} is not chained")
+
+    def room(self, cls: type, extend: int) -> int:
+        """Positions a restored layer leaves past its offset for a first append of
+        `extend` tokens (0: none)."""
+        return 0
+
     def batchable(self, c: Any) -> bool:
         """Whether this layer may decode in a batch with others (mlx-lm can merge it)."""
         return hasattr(c, "merge")
@@ -131,6 +153,15 @@ class LayerKind:
 
     def arrays(self, c: Any) -> list[Any]:
         """The live layer's state, flattened (for evaluation and byte counts)."""
-        from mlx.utils import tree_flatten
+        return arrays_in(c.state)
 
-        return [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    def keeping(self, c: Any, n: int) -> tuple[Any, ...]:
+        """The state of `c` keeping its first `n` tokens, as fresh views: only an
+        append-only kind can (a deferred capture, cache/snapshot.py)."""
+        raise NotImplementedError(f"{type(c).__name__} keeps no prefix of its state")
+
+
+def arrays_in(tree: Any) -> list[mx.array]:
+    """The MLX arrays of a nested state (mlx.utils.tree_flatten's leaves)."""
+    leaves = cast("list[tuple[str, Any]]", tree_flatten(tree))  # a list without `destination`
+    return [a for _, a in leaves if isinstance(a, mx.array)]

@@ -25,7 +25,7 @@ class KvKind(LayerKind):
     past its offset; a restored one holds exactly n, so its first write reallocates
     rather than writing into memory a snapshot still references)."""
 
-    classes = (KVCache,)
+    classes: tuple[type, ...] = (KVCache,)
     append_only = True
     always_trimmable = True
     chained = True
@@ -48,11 +48,9 @@ class KvKind(LayerKind):
 
     # -- as a chain of pieces (cache/chain.py) -------------------------------------------
     def split(self, state: tuple[Any, ...]) -> tuple[tuple[mx.array, ...], tuple[Any, ...]]:
-        """A state as (its KV arrays, positions on axis -2; the rest `join` needs)."""
         return (state[0], state[1]), ()
 
     def join(self, arrays: tuple[mx.array, ...], n: int, rest: tuple[Any, ...]) -> tuple:
-        """The state holding `n` positions of `arrays` (which may be longer: room)."""
         return (arrays[0], arrays[1], n)
 
     def holds(self, state: tuple[Any, ...], n: int) -> bool:
@@ -118,7 +116,7 @@ class ConcatenateKvKind(KvKind):
         return False
 
 
-def _merged_with_room(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
+def _merged_with_room(layers: Sequence[Any], steps: int) -> BatchKVCache:
     """mlx_lm's BatchKVCache.merge into a buffer with room for the next `steps` tokens
     (at most up to the next multiple of its growth step): its own holds exactly the
     longest sequence, so the first decode step would copy the whole batch again to grow
@@ -144,7 +142,7 @@ def _merged_with_room(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
             values[i : i + 1, :, at : at + n] = v
             at += n
         assert at == longest, "parts must cover the restored offset"
-    cache = BatchKVCache(padding)
+    cache: Any = BatchKVCache(padding)
     cache.keys, cache.values = keys, values
     cache.offset += longest
     cache._idx = longest
