@@ -202,7 +202,9 @@ def _build(
         model_aliases=settings.model_alias_map(),
         allowed_models=settings.allowed_models,
     )
-    metrics = ServerMetrics(lambda: models.primary().cache_stats())
+    metrics = ServerMetrics(
+        lambda: models.primary().cache_stats(), explain=settings.explain_requests
+    )
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
         Middleware(HostGuard, policy=host_policy(settings)),
@@ -214,6 +216,7 @@ def _build(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
+        metrics.explainer.close()
         if on_shutdown is not None:
             log.info("shutting down the engine")
             await run_in_threadpool(on_shutdown)

@@ -195,6 +195,9 @@ class PrefillPhase:
             disk = self.disk if self.disk_on(job) else None
             found = restore_longest(self.store, disk, job.cache_key, tokens, self.planner.grid)
         cache, reuse, lease = found.cache, found.reuse, found.lease
+        if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
+            trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
+            trace.admitted = True
         try:
             if cache is None:
                 cache = make_prompt_cache(self.model.model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.snapshot import Snapshot, restore
@@ -26,6 +27,8 @@ class Restored:
     branch: int = 0
     snapshot: Snapshot | None = None  # what was restored (its draft part may serve too)
     trim: int = 0
+    source: Literal["memory", "disk", "none"] = "none"
+    matched: int = 0  # longest common prefix with a stored entry (the trie walk's)
 
     @property
     def chain(self) -> Chain:
@@ -57,11 +60,12 @@ def restore_longest(
 
     try:
         match = store.match(key, tokens, align)
+        found.matched = match.matched_tokens
         found.branch = align(min(match.matched_tokens, len(tokens) - 1))
         if match.entry_id is not None:
             snapshot = store.acquire(match.entry_id)
             if snapshot is not None:
-                found.lease = match.entry_id
+                found.lease, found.source = match.entry_id, "memory"
                 found.cache = restore(snapshot, match.trim, first_chunk(match.reuse_tokens))
                 found.reuse, found.snapshot, found.trim = match.reuse_tokens, snapshot, match.trim
         if disk is not None:
@@ -73,7 +77,7 @@ def restore_longest(
                     found.lease = None
                 reuse = disk_match.reuse_tokens
                 found.cache = restore(disk_snapshot, disk_match.trim, first_chunk(reuse))
-                found.reuse = disk_match.reuse_tokens
+                found.reuse, found.source = reuse, "disk"
                 found.snapshot, found.trim = disk_snapshot, disk_match.trim
                 store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
     except BaseException:
