@@ -81,7 +81,9 @@ def check_url(url: str, param: str, resolve: Resolver = system_resolver) -> Targ
     try:
         addresses = resolve(parts.hostname, port)
     except (OSError, UnicodeError):
-        raise InvalidRequest(f"{param}: the host {parts.hostname!r} does not resolve", param=param)
+        raise InvalidRequest(
+            f"{param}: the host {parts.hostname!r} does not resolve", param=param
+        ) from None
     if not addresses or not all(public_address(a) for a in addresses):
         raise InvalidRequest(
             f"{param}: {parts.hostname!r} is a loopback, private or otherwise non-public "
@@ -136,7 +138,7 @@ def fetch_image(
                 )
     except InvalidRequest:
         raise
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise InvalidRequest(
             f"{param}: fetching the image took longer than {limits.fetch_timeout_s:g}s",
             param=param,

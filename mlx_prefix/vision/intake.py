@@ -135,6 +135,11 @@ def decode_image(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
             f"({', '.join(f.upper() for f in FORMATS)})",
             param=param,
         )
+    too_many = InvalidRequest(
+        f"{param}: the image has more pixels than the server's limit of {limits.max_pixels:,}",
+        param=param,
+        code="image_too_large",
+    )
     try:
         with warnings.catch_warnings():
             # PIL warns on big images itself; the limit below decides instead.
@@ -161,7 +166,9 @@ def decode_image(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
             rgb = img.convert("RGB")
     except InvalidRequest:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # past PIL's own limit, at open
+        raise too_many from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise InvalidRequest(
             f"{param}: the {fmt.upper()} data is corrupt or truncated", param=param
         ) from None

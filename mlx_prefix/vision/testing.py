@@ -7,10 +7,10 @@ preprocessor_config.json, and a real tokenizer with the family's vision tokens a
 template (tests pass the vendored ones from tests/data). They load through the same path
 as a real checkpoint: mlx-lm for the text, vision/tower.py for the tower.
 
-| kind        | text (mlx-lm)                     | tower (mlx-vlm)      | image tokens      |
-|-------------|-----------------------------------|----------------------|-------------------|
-| `qwen3_5`   | qwen3_5: linear, full, linear, full (hybrid), M-RoPE | qwen3_5, 2 blocks of 32 | t*h*w/4, 16 px patches |
-| `gemma3`    | gemma3_text: 2 global layers (all KV: trimmable), bidirectional over images | siglip, 2 blocks of 32 | 4 per image |
+| kind      | text (mlx-lm)                                  | tower (mlx-vlm)   | tokens    |
+|-----------|------------------------------------------------|-------------------|-----------|
+| `qwen3_5` | qwen3_5: linear, full, linear, full; M-RoPE    | qwen3_5, 2 blocks | t*h*w / 4 |
+| `gemma3`  | gemma3_text: global layers (all KV, trimmable) | siglip, 2 blocks  | 4 each    |
 """
 
 from __future__ import annotations
