@@ -22,13 +22,27 @@ from mlx_prefix.vision.tower import load_vision
 LIMITS = ImageLimits()
 
 
-@pytest.fixture(scope="module")
+_models: dict = {}
+
+
+def _vision(kind):
+    if kind not in _models:
+        folder = vision_model_folder(kind)
+        loaded = load_model(str(folder))
+        family = load_vision(folder, mx.float32, loaded.tokenizer)
+        family.install(loaded.model)
+        _models[kind] = loaded, family
+    return _models[kind]
+
+
+@pytest.fixture
 def qwen():
-    folder = vision_model_folder("qwen3_5")
-    loaded = load_model(str(folder))
-    family = load_vision(folder, mx.float32)
-    family.install(loaded.model)
-    return loaded, family
+    return _vision("qwen3_5")
+
+
+@pytest.fixture(params=["qwen3_5", "gemma3"])
+def vision(request):
+    return _vision(request.param)
 
 
 def _prompt(loaded, family, images, text="What is in these pictures?"):
@@ -73,7 +87,7 @@ def _prefill(model, prompt, key, features, cache, start, ends, on_end=None):
     logits = None
     for end in [e for e in ends if e > start]:
         inputs = chunk_inputs(model, prompt, key, start, end, features)
-        logits = forward_chunk(model, inputs, cache)[:, -1, :]
+        logits = forward_chunk(model, prompt.family, inputs, cache)[:, -1, :]
         mx.eval(logits, [c.state for c in cache])
         if on_end is not None:
             on_end(end, cache)
@@ -105,8 +119,8 @@ def test_the_answer_is_mlx_vlms_and_positions_are_its_rope_index(qwen):
 
 
 @pytest.mark.parametrize("where", ["before", "at", "after"])
-def test_a_snapshot_before_at_or_after_an_image_restores_bit_for_bit(qwen, where):
-    loaded, family = qwen
+def test_a_snapshot_before_at_or_after_an_image_restores_bit_for_bit(vision, where):
+    loaded, family = vision
     model = loaded.model
     _, key, prompt = _prompt(loaded, family, [picture(120, 90, 3)], "Describe it. " * 8)
     span = prompt.spans[0]
@@ -134,8 +148,8 @@ def test_a_snapshot_before_at_or_after_an_image_restores_bit_for_bit(qwen, where
     assert mx.array_equal(a, b)
 
 
-def test_two_images_of_one_size_share_ids_and_positions_but_not_key_or_answer(qwen):
-    loaded, family = qwen
+def test_two_images_of_one_size_share_ids_and_positions_but_not_key_or_answer(vision):
+    loaded, family = vision
     ids_a, key_a, prompt_a = _prompt(loaded, family, [picture(80, 80, 4)])
     ids_b, key_b, prompt_b = _prompt(loaded, family, [picture(80, 80, 5)])
     assert ids_a == ids_b
@@ -167,3 +181,19 @@ def test_a_batched_decode_step_rotates_each_row_at_its_own_delta(qwen):
         both = layer.rope(x, offset=batch.offset)
     assert mx.allclose(both, mx.concatenate(alone), atol=1e-6)
     assert isinstance(KVCache(), KVCache)
+
+
+def test_gemma_images_attend_both_ways_and_text_before_them_is_unchanged():
+    loaded, family = _vision("gemma3")
+    model = loaded.model
+    _, key, prompt = _prompt(loaded, family, [picture(50, 40, 6)], "And this?")
+    span = prompt.spans[0]
+    inputs = chunk_inputs(model, prompt, key, 0, len(key), _features(family))
+    assert inputs.blocks == ((span.start, span.end),)
+    both = forward_chunk(model, family, inputs, model.make_cache())
+    # Fresh inputs: gemma3_text scales its input embeddings in place (h *= ...).
+    again = chunk_inputs(model, prompt, key, 0, len(key), _features(family))
+    causal = model(again.ids, cache=model.make_cache(), input_embeddings=again.embeddings)
+    before = slice(0, span.start)
+    assert mx.allclose(both[:, before], causal[:, before], atol=1e-5)
+    assert not mx.allclose(both[:, span.start], causal[:, span.start], atol=1e-4)

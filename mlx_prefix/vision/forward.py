@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_prefix.vision import rope
 from mlx_prefix.vision.key import ImageSpan, unsalt
 from mlx_prefix.vision.positions import PositionTable
-from mlx_prefix.vision.tower import PreparedImage, VisionFamily
+from mlx_prefix.vision.tower import ChunkInputs, PreparedImage, VisionFamily
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,13 +48,6 @@ class VisionPrompt:
 
 
 Features = Callable[[PreparedImage], mx.array]  # [tokens, hidden], evaluated
-
-
-@dataclass(frozen=True, eq=False)
-class ChunkInputs:
-    ids: mx.array  # [1, L]
-    embeddings: mx.array | None  # [1, L, H] when an image is in the chunk
-    positions: rope.RopePositions | None  # None: the cache offset as is
 
 
 def chunk_inputs(
@@ -89,12 +82,15 @@ def chunk_inputs(
         positions = rope.RopePositions(shift=where.shift)
     else:
         positions = None
-    return ChunkInputs(ids, embeddings, positions)
+    blocks = tuple((s.start - start, s.end - start) for s in inside)
+    return ChunkInputs(ids, embeddings, positions, blocks)
 
 
-def forward_chunk(model: nn.Module, inputs: ChunkInputs, cache: list) -> mx.array:
+def forward_chunk(
+    model: nn.Module, family: VisionFamily, inputs: ChunkInputs, cache: list
+) -> mx.array:
     """The model on one chunk's inputs: logits [1, L, V] (lazy)."""
-    with rope.positions(inputs.positions):
+    with family.context(inputs):
         if inputs.embeddings is None:
             return model(inputs.ids, cache=cache)
         return model(inputs.ids, cache=cache, input_embeddings=inputs.embeddings)

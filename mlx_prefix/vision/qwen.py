@@ -55,7 +55,9 @@ class QwenVision(VisionFamily):
     name = "qwen3_5"
 
     @classmethod
-    def load(cls, folder: Path, config: dict[str, Any], dtype: mx.Dtype) -> QwenVision:
+    def load(
+        cls, folder: Path, config: dict[str, Any], dtype: mx.Dtype, tokenizer: Any = None
+    ) -> QwenVision:
         import importlib
 
         from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_prefix.models.testing import _copy_tokenizer
+from mlx_prefix.vision.tower import model_config
 
 VISION_TEST_KINDS = ("qwen3_5", "gemma3")
 
@@ -102,9 +103,13 @@ def make_vision_test_model(
     if kind == "qwen3_5":
         config, processor = _qwen_config(vocab, bos, eos, context), _QWEN_PROCESSOR
     else:
-        from mlx_prefix.vision.gemma_testing import gemma_config
-
-        config, processor = gemma_config(dest, vocab, bos, eos, context)
+        config, processor = _gemma_config(vocab, bos, eos, context), _GEMMA_PROCESSOR
+        # Gemma's templates write the boi token alone for an image (its processor adds
+        # the rest): Qwen3.5's template rendering images that way, on Qwen3's vocabulary.
+        tok_config["chat_template"] = chat_template.replace(
+            "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|>"
+        )
+        tok_config_path.write_text(json.dumps(tok_config, indent=1) + "\n")
     _save(kind, config, dest, seed)
     (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=1) + "\n")
     return dest
@@ -128,12 +133,68 @@ def _qwen_config(vocab: int, bos: int | None, eos: list[int], context: int) -> d
     }
 
 
+# Gemma 3 on Qwen3's vocabulary: boi, the soft image token and eoi are Qwen's vision
+# tokens. All layers global (sliding_window_pattern 1): every cache is a KVCache, the
+# trimmable "dense" case; an image is 4 tokens (a 32 px image, 8 px patches, pooled 2x2).
+_GEMMA_TEXT: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 32,
+    "sliding_window": 512,
+    "sliding_window_pattern": 1,
+    "rope_global_base_freq": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "mm_tokens_per_image": 4,
+}
+_GEMMA_VISION: dict[str, Any] = {
+    "model_type": "siglip_vision_model",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "patch_size": 8,
+    "image_size": 32,
+    "layer_norm_eps": 1e-6,
+}
+_GEMMA_PROCESSOR: dict[str, Any] = {
+    "image_processor_type": "SiglipImageProcessor",
+    "size": {"height": 32, "width": 32},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def _gemma_config(vocab: int, bos: int | None, eos: list[int], context: int) -> dict[str, Any]:
+    text = dict(_GEMMA_TEXT, vocab_size=vocab, max_position_embeddings=context)
+    return {
+        "model_type": "gemma3",
+        "vocab_size": vocab,
+        "hidden_size": text["hidden_size"],
+        "boi_token_index": QWEN_VISION_START,
+        "image_token_index": QWEN_IMAGE_PAD,
+        "eoi_token_index": QWEN_VISION_END,
+        "mm_tokens_per_image": text["mm_tokens_per_image"],
+        "pad_token_id": eos[-1] if eos else 0,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "text_config": text,
+        "vision_config": dict(_GEMMA_VISION),
+    }
+
+
 def _save(kind: str, config: dict[str, Any], dest: Path, seed: int) -> None:
     import importlib
 
     module = importlib.import_module(f"mlx_vlm.models.{kind}")
     mx.random.seed(seed)
-    model = module.Model(module.ModelConfig.from_dict(json.loads(json.dumps(config))))
+    model = module.Model(model_config(module, config))
     weights = {
         k: v
         for k, v in tree_flatten(model.parameters())

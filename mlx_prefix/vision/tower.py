@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,17 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.vision.intake import DecodedImage
 from mlx_prefix.vision.key import ImageSpan
 from mlx_prefix.vision.positions import PositionTable
+from mlx_prefix.vision.rope import RopePositions, positions
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkInputs:
+    """What the text model takes for one prefill chunk (vision/forward.py builds it)."""
+
+    ids: mx.array  # [1, L]
+    embeddings: mx.array | None  # [1, L, H] when an image is in the chunk
+    positions: RopePositions | None  # None: the cache offset as is
+    blocks: tuple[tuple[int, int], ...] = ()  # each image's [start, end) in the chunk
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +105,10 @@ class VisionFamily:
     def install(self, text_model: nn.Module) -> None:
         """Adapt the text model to take explicit positions (idempotent)."""
 
+    def context(self, inputs: ChunkInputs) -> AbstractContextManager[None]:
+        """What a forward of `inputs` runs inside (the positions it reads)."""
+        return positions(inputs.positions)
+
     def embed_tokens(self, text_model: nn.Module) -> nn.Module:
         return text_model.model.embed_tokens
 
@@ -109,9 +125,9 @@ def is_vision_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("vision_config"), dict)
 
 
-def load_vision(folder: Path, dtype: mx.Dtype) -> VisionFamily | None:
-    """The folder's vision part, or None for a text-only model. InvalidRequest-free:
-    a vision config of a family not served here raises ValueError (a load error)."""
+def load_vision(folder: Path, dtype: mx.Dtype, tokenizer: Any) -> VisionFamily | None:
+    """The folder's vision part, or None for a text-only model. A vision config of a
+    family not served here raises ValueError (a load error)."""
     config = read_config(folder)
     if not is_vision_config(config):
         return None
@@ -119,15 +135,25 @@ def load_vision(folder: Path, dtype: mx.Dtype) -> VisionFamily | None:
     if kind in ("qwen3_5", "qwen3_5_moe"):
         from mlx_prefix.vision.qwen import QwenVision
 
-        return QwenVision.load(Path(folder), config, dtype)
+        return QwenVision.load(Path(folder), config, dtype, tokenizer)
     if kind == "gemma3":
         from mlx_prefix.vision.gemma import GemmaVision
 
-        return GemmaVision.load(Path(folder), config, dtype)
+        return GemmaVision.load(Path(folder), config, dtype, tokenizer)
     raise ValueError(
         f"this model's vision tower ({kind!r}) is not supported: served families are "
         "qwen3_5, qwen3_5_moe and gemma3 (its text part loads with --text-only)"
     )
+
+
+def model_config(module: Any, config: dict[str, Any]) -> Any:
+    """mlx-vlm's ModelConfig of `module` from a config dict, its nested configs built too
+    (some families' from_dict leaves them dicts; mlx-vlm's loader fills them in)."""
+    built = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    for name, cls in (("text_config", "TextConfig"), ("vision_config", "VisionConfig")):
+        if isinstance(getattr(built, name, None), dict) and hasattr(module, cls):
+            setattr(built, name, getattr(module, cls).from_dict(getattr(built, name)))
+    return built
 
 
 def vision_weights(folder: Path, prefixes: Sequence[str]) -> dict[str, mx.array]:
