@@ -197,3 +197,21 @@ def test_gemma_images_attend_both_ways_and_text_before_them_is_unchanged():
     before = slice(0, span.start)
     assert mx.allclose(both[:, before], causal[:, before], atol=1e-5)
     assert not mx.allclose(both[:, span.start], causal[:, span.start], atol=1e-4)
+
+
+def test_the_feature_cache_serves_an_image_once_computed_and_stays_in_its_bytes(qwen):
+    from mlx_prefix.vision.features import FeatureCache
+
+    loaded, family = qwen
+    images = [
+        family.prepare(decode_image(encoded(picture(64, 64, s)), LIMITS, "p")) for s in (7, 8, 9)
+    ]
+    one = family.features(images[0]).nbytes  # 4 tokens x 128 floats
+    cache = FeatureCache(family, max_bytes=2 * one)
+    first = cache(images[0])
+    assert mx.array_equal(cache(images[0]), first) and cache.stats().hits == 1
+    cache(images[1])
+    cache(images[2])  # evicts images[0], the least recently used
+    stats = cache.stats()
+    assert (stats.entries, stats.nbytes, stats.misses) == (2, 2 * one, 3)
+    assert mx.array_equal(cache(images[0]), first) and cache.stats().misses == 4
