@@ -30,7 +30,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_prefix.vision.intake import DecodedImage
 from mlx_prefix.vision.key import ImageSpan, image_key
 from mlx_prefix.vision.positions import PositionTable, plain_table
 from mlx_prefix.vision.tower import (
@@ -116,15 +115,15 @@ class GemmaVision(VisionFamily):
         family.scale = mx.array(config["text_config"]["hidden_size"] ** 0.5, mx.bfloat16)
         return family
 
-    def prepare(self, image: DecodedImage) -> PreparedImage:
+    def _prepare(self, pixels: Any, digest: str, processing: str) -> PreparedImage:
         from PIL import Image
 
-        resized = image.pixels.resize((self.size, self.size), Image.Resampling.BILINEAR)
+        resized = pixels.resize((self.size, self.size), Image.Resampling.BILINEAR)
         arr = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / 255.0
         pixels = ((arr - self.mean) / self.std)[None]  # [1, 3, S, S]
         grid = (self.size, self.size)
         return PreparedImage(
-            key=image_key(image.digest, f"{self.name};{self.processing}", grid),
+            key=image_key(digest, f"{self.name};{processing}", grid),
             grid=grid,
             tokens=self.tokens,
             pixel_values=pixels,

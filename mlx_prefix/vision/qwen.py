@@ -20,7 +20,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_prefix.vision.intake import DecodedImage
 from mlx_prefix.vision.key import ImageSpan, image_key
 from mlx_prefix.vision.positions import PositionTable, mrope_table
 from mlx_prefix.vision.rope import install as install_rope
@@ -81,12 +80,12 @@ class QwenVision(VisionFamily):
         family.mrope_section = list(rope["mrope_section"])
         return family
 
-    def prepare(self, image: DecodedImage) -> PreparedImage:
-        out = self.processor([image.pixels])
+    def _prepare(self, pixels: Any, digest: str, processing: str) -> PreparedImage:
+        out = self.processor([pixels])
         grid = tuple(int(g) for g in out["image_grid_thw"][0])
         tokens = grid[0] * grid[1] * grid[2] // self.merge**2
         return PreparedImage(
-            key=image_key(image.digest, f"{self.name};{self.processing}", grid),
+            key=image_key(digest, f"{self.name};{processing}", grid),
             grid=grid,
             tokens=tokens,
             pixel_values=out["pixel_values"],

@@ -69,7 +69,16 @@ class VisionFamily:
         self.config = config
         self.processing = processing  # the preprocessing parameters, as text (in the key)
 
-    def prepare(self, image: DecodedImage) -> PreparedImage:
+    def prepare(self, image: DecodedImage, detail: str = "auto") -> PreparedImage:
+        """The image as this tower takes it; `detail` "low" fits it in 512 x 512 first
+        (vision/parts.py), and is then part of its key."""
+        from mlx_prefix.vision.parts import low_detail
+
+        low = detail == "low"
+        pixels = low_detail(image) if low else image.pixels
+        return self._prepare(pixels, image.digest, self.processing + (";detail=low" if low else ""))
+
+    def _prepare(self, pixels: Any, digest: str, processing: str) -> PreparedImage:
         raise NotImplementedError
 
     def features(self, image: PreparedImage) -> mx.array:
