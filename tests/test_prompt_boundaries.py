@@ -179,14 +179,14 @@ def test_chatml_boundaries_sit_just_after_each_message_start_token():
 
 def test_two_messages_render_the_sentinel_once(monkeypatch):
     calls = []
-    original = ChatRenderer.messages_tokens
+    original = ChatRenderer.render_text
 
-    def counting(self, prompt, contents=None):
-        calls.append(contents)
-        return original(self, prompt, contents)
+    def counting(self, messages, **kwargs):
+        calls.append(kwargs.get("contents"))
+        return original(self, messages, **kwargs)
 
-    monkeypatch.setattr(ChatRenderer, "messages_tokens", counting)
     p = planner("chatml")
+    monkeypatch.setattr(ChatRenderer, "render_text", counting)
     rendered = p.plan(chat(*CONVERSATION[:2]))
     assert len(calls) == 2  # the prompt, then one sentinel render for message 1
     assert SYSTEM in kinds(rendered).values()

@@ -14,9 +14,10 @@ from vision_models import encoded, picture, vision_model_folder
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.models.load import load_model
 from mlx_prefix.vision import rope
-from mlx_prefix.vision.forward import VisionPrompt, chunk_inputs, decode_positions, forward_chunk
+from mlx_prefix.vision.forward import chunk_inputs, decode_positions, forward_chunk
 from mlx_prefix.vision.intake import ImageLimits, decode_image
 from mlx_prefix.vision.key import inside_span, salt
+from mlx_prefix.vision.prompt import VisionPrompt
 from mlx_prefix.vision.tower import load_vision
 
 LIMITS = ImageLimits()

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.token_ids import TokenIds
@@ -46,6 +46,10 @@ from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import PromptInput
+from mlx_prefix.vision.prompt import VisionPrompt
+
+if TYPE_CHECKING:
+    from mlx_prefix.vision.tower import VisionFamily
 
 log = logging.getLogger("mlx_prefix.prompt")
 
@@ -80,6 +84,8 @@ class RenderedPrompt:
     # What the reply's reasoning drops where written: the template writes it itself when
     # the reasoning comes back (ReasoningMarkers.reply_edges; Gemma 4's `\n`s).
     reasoning_edges: ReasoningEdges = NO_EDGES
+    # The prompt's images (tokens is then the cache key: their spans salted); None: none.
+    vision: VisionPrompt | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):
@@ -259,11 +265,21 @@ class PromptPlanner:
     """Renders prompts to tokens and plans their checkpoints. Thread-safe (no mutable state)."""
 
     def __init__(
-        self, tokenizer: Any, config: CacheConfig, template_args: dict[str, Any] | None = None
+        self,
+        tokenizer: Any,
+        config: CacheConfig,
+        template_args: dict[str, Any] | None = None,
+        vision: VisionFamily | None = None,
     ):
         self.renderer = ChatRenderer(tokenizer, template_args)
         self.config = config
         self.grid = detect_grid(self.renderer, config.prefill_chunk)
+        if vision is not None:
+            # An image's start is a grid point: right after the token that opens it.
+            segment = self.grid.segment_tokens | {vision.opener}
+            self.grid = replace(self.grid, segment_tokens=segment)
+        self.vision = vision
+        self.renderer.vision = vision
         self.reasoning = ReasoningMarkers.of(self.renderer)
         self.renderer.reasoning = self.reasoning
 
@@ -275,11 +291,22 @@ class PromptPlanner:
             if not tokens:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             found = {cp.position: cp.kind for cp in self._periodic(tokens)}
-            return RenderedPrompt(tuple(tokens), self._with_tail(len(tokens), found), False)
-        tokens = self.renderer.messages_tokens(prompt)
+            return RenderedPrompt(tuple(tokens), self._with_tail(tokens, found), False)
+        key = self.renderer.messages_key(prompt)
+        tokens = key.tokens
         checkpoints = self._chat_checkpoints(prompt, tokens)
         opens = self.reasoning is not None and self.reasoning.opens(tokens)
-        return RenderedPrompt(tuple(tokens), checkpoints, True, opens, self.reply_edges(opens))
+        vision = None
+        if key.spans:
+            assert self.vision is not None
+            vision = VisionPrompt(
+                self.vision,
+                key.spans,
+                self.vision.table(len(tokens), key.spans),
+                {s.key: image for s, image in zip(key.spans, key.images, strict=True)},
+            )
+        edges = self.reply_edges(opens)
+        return RenderedPrompt(tuple(tokens), checkpoints, True, opens, edges, vision)
 
     def reply_edges(self, opened: bool) -> ReasoningEdges:
         """What a reply's reasoning drops where its model wrote them (`opened`: its
@@ -290,12 +317,16 @@ class PromptPlanner:
         positions = self.grid.periodic(len(tokens), self.config.checkpoint_interval)
         return tuple(Checkpoint(p, CheckpointKind.PERIODIC) for p in positions)
 
-    def _with_tail(self, n: int, found: dict[int, CheckpointKind]) -> tuple[Checkpoint, ...]:
+    def _with_tail(
+        self, tokens: Sequence[int], found: dict[int, CheckpointKind]
+    ) -> tuple[Checkpoint, ...]:
         """`found` as checkpoints, plus the tail: the last multiple of the chunk size before
-        the prompt's end (always a grid point), when it lies after every checkpoint inside
-        the prompt and before the history-end ones (a new question after the same long
-        text then restores next to it, not at the text's start)."""
-        tail = (n - 1) // self.grid.chunk_size * self.grid.chunk_size
+        the prompt's end (a grid point, or the one before it where it falls inside an
+        image), when it lies after every checkpoint inside the prompt and before the
+        history-end ones (a new question after the same long text then restores next to
+        it, not at the text's start)."""
+        n = len(tokens)
+        tail = self.grid.align(tokens, (n - 1) // self.grid.chunk_size * self.grid.chunk_size)
         history = CheckpointKind.HISTORY
         inside = max((p for p, k in found.items() if k != history), default=0)
         end = min((p for p, k in found.items() if k == history), default=n)
@@ -345,7 +376,7 @@ class PromptPlanner:
         for position in breakpoint_positions(self.renderer, prompt, tokens, start):
             add(position, CheckpointKind.BREAKPOINT)
             marked.add(grid.align(tokens, position))
-        planned = {c.position: c.kind for c in self._with_tail(n, found)}
+        planned = {c.position: c.kind for c in self._with_tail(tokens, found)}
         # Where the last assistant turns open: a template that re-renders an earlier reply
         # once the conversation grows (GLM-4.7, DeepSeek V3.1 and MiniMax M2 drop its
         # reasoning) makes the next request diverge at the first of them, and a client

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mlx_prefix.conversation import Message, canonical_json, template_messages
+from mlx_prefix.conversation import Message, canonical_json, rendered_images, template_messages
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.call_ids import CallIdForm, detect, map_call_ids
 from mlx_prefix.records import PromptInput
+from mlx_prefix.vision.key import ImageSpan, salt
 
 from .bounded import Timeout, call_bounded
 
 if TYPE_CHECKING:
     from mlx_prefix.prompt.reasoning import ReasoningMarkers
+    from mlx_prefix.vision.tower import PreparedImage, VisionFamily
 
 # apply_chat_template's own arguments: in chat_template_kwargs they would replace the
 # template, change how it is rendered or tokenized, or collide with what the renderer
@@ -77,6 +80,8 @@ class ChatRenderer:
         self.reserved = reserved_template_kwargs(tokenizer)
         # The model's think markers, once known (prompt/reasoning.py; set by the planner).
         self.reasoning: ReasoningMarkers | None = None
+        # The model's vision part (vision/tower.py; set by the planner); None: text only.
+        self.vision: VisionFamily | None = None
         # The server's apply_chat_template arguments (--chat-template-args); a request's
         # own chat_template_kwargs win over them, as in mlx_lm.server.
         self.defaults = dict(defaults or {})
@@ -160,7 +165,33 @@ class ChatRenderer:
         self, prompt: PromptInput, contents: Mapping[int, str] | None = None
     ) -> list[int]:
         """The tokens of `prompt`'s conversation, with `contents` replacing some messages'
-        content (a planner's probe)."""
+        content (a planner's probe). With images: the cache key, each image's placeholder
+        run salted with its key (vision/key.py)."""
+        return self.messages_key(prompt, contents).tokens
+
+    def messages_key(
+        self, prompt: PromptInput, contents: Mapping[int, str] | None = None
+    ) -> RenderedKey:
+        """messages_tokens with the image spans it salted (a plan's probes render the same
+        images again: the family memoizes their preparation)."""
+        ids = self._messages_ids(prompt, contents)
+        images = rendered_images(prompt.messages or (), contents)
+        if not images:
+            return RenderedKey(ids, (), ())
+        if self.vision is None:
+            raise InvalidRequest(
+                f"{images[0].param or 'messages'}: this model is text-only and cannot take "
+                "images; serve a vision model (its folder has a vision_config) to send them",
+                param=images[0].param or "messages",
+                code="model_not_multimodal",
+            )
+        items = [self.vision.prepare_input(at.image) for at in images]
+        expanded, spans = self.vision.expand(ids, items)
+        return RenderedKey(salt(expanded, spans), tuple(spans), tuple(items))
+
+    def _messages_ids(
+        self, prompt: PromptInput, contents: Mapping[int, str] | None = None
+    ) -> list[int]:
         if not prompt.messages:
             raise InvalidRequest("'messages' must not be empty", param="messages")
         text = self.render_text(
@@ -175,3 +206,12 @@ class ChatRenderer:
             # prompt opened is closed first, as the template closes one.
             prefix = self.reasoning.close_text + prefix
         return self.encode_chat(text + prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedKey:
+    """A conversation's key tokens and the image spans salted in them."""
+
+    tokens: list[int]
+    spans: tuple[ImageSpan, ...]
+    images: tuple[PreparedImage, ...]  # the spans' images, in order

@@ -17,35 +17,14 @@ holds each of its images whole. For a chunk this module builds
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.vision import rope
-from mlx_prefix.vision.key import ImageSpan, unsalt
-from mlx_prefix.vision.positions import PositionTable
+from mlx_prefix.vision.key import unsalt
+from mlx_prefix.vision.prompt import VisionPrompt
 from mlx_prefix.vision.tower import ChunkInputs, PreparedImage, VisionFamily
-
-
-@dataclass(frozen=True, eq=False)
-class VisionPrompt:
-    """A prompt's images as the engine computes them (built when the prompt is planned)."""
-
-    family: VisionFamily
-    spans: tuple[ImageSpan, ...]  # ascending
-    table: PositionTable  # the whole prompt's positions
-    images: dict[str, PreparedImage]  # by image key
-
-    @property
-    def delta(self) -> int:
-        """What a decode step adds to its cache offset for a rotary position."""
-        return self.table.delta
-
-    @property
-    def image_tokens(self) -> int:
-        return sum(s.tokens for s in self.spans)
-
 
 Features = Callable[[PreparedImage], mx.array]  # [tokens, hidden], evaluated
 
@@ -61,7 +40,7 @@ def chunk_inputs(
     """What the model takes for key[start:end] (module docstring)."""
     family = prompt.family
     ids = mx.array(unsalt(key[start:end], family.placeholder))[None]  # [1, L]
-    inside = [s for s in prompt.spans if s.start < end and start < s.end]
+    inside = prompt.spans_in(start, end)
     for s in inside:
         assert start <= s.start and s.end <= end, f"chunk [{start}, {end}) splits image {s}"
     embeddings = None

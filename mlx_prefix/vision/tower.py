@@ -18,6 +18,7 @@ A family is chosen by the config's model_type (`load_vision`); a folder without 
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ import numpy as np
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.vision.intake import DecodedImage
 from mlx_prefix.vision.key import ImageSpan
+from mlx_prefix.vision.parts import ImageInput
 from mlx_prefix.vision.positions import PositionTable
 from mlx_prefix.vision.rope import RopePositions, positions
 
@@ -68,6 +70,12 @@ class VisionFamily:
         self.tower = tower
         self.config = config
         self.processing = processing  # the preprocessing parameters, as text (in the key)
+        # A plan renders its conversation several times (sentinel probes): each image is
+        # prepared once. Thread-safe; a few images (pixel values can be tens of MB).
+        self.prepare_input = functools.lru_cache(maxsize=8)(self._prepare_input)
+
+    def _prepare_input(self, item: ImageInput) -> PreparedImage:
+        return self.prepare(item.image, item.detail)
 
     def prepare(self, image: DecodedImage, detail: str = "auto") -> PreparedImage:
         """The image as this tower takes it; `detail` "low" fits it in 512 x 512 first
