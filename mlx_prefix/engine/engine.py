@@ -42,7 +42,12 @@ from mlx_prefix.engine.keys import cache_key, entry_key
 from mlx_prefix.engine.loop import EngineLoop
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.phase import PrefillPhase
-from mlx_prefix.engine.requests.admission import check_reply_fits, check_sampling, plan_prompt
+from mlx_prefix.engine.requests.admission import (
+    check_images,
+    check_reply_fits,
+    check_sampling,
+    plan_prompt,
+)
 from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
@@ -87,7 +92,9 @@ class Engine(CacheViews, EngineLoop):
         self.draft = draft
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
-        self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
+        self.planner = PromptPlanner(
+            model.tokenizer, self.cache_config, model.template_args, vision=model.vision
+        )
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
         self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or PromptCache(
@@ -210,6 +217,7 @@ class Engine(CacheViews, EngineLoop):
         check_sampling(sampling, cache, self.vocab_size)
         check_request(sampling, self._decode.speculator)
         rendered = self.plan(prompt)
+        check_images(rendered, sampling)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
         fmt = sampling.response_format

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+    from mlx_prefix.vision.tower import VisionFamily
+
 __all__ = [
     "LoadedModel",
     "ModelIdentity",
@@ -51,6 +53,8 @@ class LoadedModel:
     context_length: int | None  # from config; None if the config does not say
     # apply_chat_template arguments of every request (--chat-template-args)
     template_args: dict[str, Any] = field(default_factory=dict)
+    # A vision checkpoint's tower and image handling (vision/tower.py); None: text only.
+    vision: VisionFamily | None = None
 
 
 def choose_dtype(device: mx.Device, checkpoint_dtype: str) -> str:
@@ -114,7 +118,26 @@ def load_model(
         message = f"model '{label}' could not be loaded: {reason}"
         raise ModelNotFound(message, param="adapter" if part == "adapter" else "model") from e
 
-    return finish_loading(model, tokenizer, config, resolved, dtype, defaults, adapter_path)
+    loaded = finish_loading(model, tokenizer, config, resolved, dtype, defaults, adapter_path)
+    loaded.vision = _load_vision(loaded, label)
+    return loaded
+
+
+def _load_vision(loaded: LoadedModel, label: str) -> VisionFamily | None:
+    """The folder's vision part, its hooks installed in the text model (vision/tower.py);
+    None for a text-only folder. mlx-vlm is imported only here."""
+    from mlx_prefix.vision.tower import is_vision_config, load_vision, read_config
+
+    if not is_vision_config(read_config(loaded.path)):
+        return None
+    try:
+        family = load_vision(loaded.path, _DTYPES[loaded.identity.dtype], loaded.tokenizer)
+    except Exception as e:  # noqa: BLE001 (mlx-vlm missing, an unserved family, bad weights)
+        reason = load_failure("vision tower", e, loaded.path)
+        raise ModelNotFound(f"model '{label}' could not be loaded: {reason}", param="model") from e
+    assert family is not None
+    family.install(loaded.model)
+    return family
 
 
 def tokenizer_config(chat_template: str | None, trust_remote_code: bool) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.render import ChatRenderer
 from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import PromptInput
+from mlx_prefix.vision.key import ImageSpan
 from mlx_prefix.vision.prompt import VisionPrompt
 
 if TYPE_CHECKING:
@@ -294,7 +295,7 @@ class PromptPlanner:
             return RenderedPrompt(tuple(tokens), self._with_tail(tokens, found), False)
         key = self.renderer.messages_key(prompt)
         tokens = key.tokens
-        checkpoints = self._chat_checkpoints(prompt, tokens)
+        checkpoints = self._chat_checkpoints(prompt, tokens, key.spans)
         opens = self.reasoning is not None and self.reasoning.opens(tokens)
         vision = None
         if key.spans:
@@ -339,7 +340,9 @@ class PromptPlanner:
         probe = self.renderer.messages_tokens(prompt, {index: SENTINEL})
         return common_prefix_length(tokens, probe)
 
-    def _chat_checkpoints(self, prompt: PromptInput, tokens: list[int]) -> tuple[Checkpoint, ...]:
+    def _chat_checkpoints(
+        self, prompt: PromptInput, tokens: list[int], spans: Sequence[ImageSpan] = ()
+    ) -> tuple[Checkpoint, ...]:
         grid, n = self.grid, len(tokens)
         messages = prompt.messages or ()
         found: dict[int, CheckpointKind] = {}
@@ -385,4 +388,12 @@ class PromptPlanner:
         # at every turn; a long history arriving cold gets the recent ones.
         for position in grid.turn_starts(tokens)[-TURN_CHECKPOINTS:]:
             planned.setdefault(position, CheckpointKind.HISTORY)
+        # Where each image begins and ends (grid points): a request that sends another
+        # image there, or none, diverges exactly at its start, one that asks something
+        # else of the same image past its end; a hybrid model restores only at
+        # checkpoints, so the next screenshot starts from the text before it.
+        for span in spans:
+            planned.setdefault(span.start, CheckpointKind.HISTORY)
+            if span.end < n:
+                planned.setdefault(span.end, CheckpointKind.HISTORY)
         return tuple(Checkpoint(p, planned[p], p in marked) for p in sorted(planned))

@@ -21,7 +21,9 @@ and never inside an image: where tokens[b-1] is an image's placeholder value oth
 than its last (a prompt's key salts each image's placeholder run: vision/key.py; the
 values are negative, the last one marked), b is no point, whatever the rules above say,
 so an image is always computed in one chunk; the special token that opens an image
-(`<|vision_start|>`) is a segment token of a vision model, so its start is a point.
+(`<|vision_start|>`) is a segment token of a vision model, so its start is a point, and
+so is its end (tokens[b-1] the last of its values): text after the same image restores
+past it.
 Whether b is on the grid depends on tokens[:b] alone, so two prompts sharing a prefix
 agree on every grid point inside it. Checkpoints are taken only on grid points and
 prefill always runs chunk by chunk between consecutive grid points: a request restored
@@ -47,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlx_prefix.vision.key import inside_span
+from mlx_prefix.vision.key import ends_span, inside_span
 
 # Bump when the rules above change: entries cut by other rules (on disk, say) must not
 # match, so the version is part of `signature()` and thereby of every cache key.
@@ -80,6 +82,8 @@ class ChunkGrid:
         if b <= 0 or b > len(tokens) or inside_span(tokens, b):
             return False
         if b % self.chunk_size == 0 or (b >= 2 and tokens[b - 1] in self.segment_tokens):
+            return True
+        if ends_span(tokens[b - 1]):
             return True
         if b < self.chunk_size and b >= EARLY_MIN and self.chunk_size % b == 0:
             if (self.chunk_size // b) & (self.chunk_size // b - 1) == 0:  # a power of 2

@@ -17,6 +17,7 @@ holds each of its images whole. For a chunk this module builds
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -82,3 +83,17 @@ def decode_positions(deltas: Sequence[int]) -> rope.RopePositions | None:
     if len(deltas) == 1:
         return rope.RopePositions(shift=int(deltas[0]))
     return rope.RopePositions(shift=mx.array(list(deltas), dtype=mx.int32))
+
+
+@dataclass(frozen=True, eq=False)
+class VisionChunks:
+    """What the prefill runner needs to compute a prompt with images chunk by chunk."""
+
+    prompt: VisionPrompt
+    features: Features  # the engine's feature cache (vision/features.py)
+
+    def forward(
+        self, model: nn.Module, cache: list, key: Sequence[int], start: int, end: int
+    ) -> mx.array:
+        inputs = chunk_inputs(model, self.prompt, key, start, end, self.features)
+        return forward_chunk(model, self.prompt.family, inputs, cache)  # [1, L, V]

@@ -61,6 +61,9 @@ class PositionedRoPE(nn.Module):
         self.dims = dims
         self._inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2).astype(mx.float32) / dims))
         self._selector = mx.array(list(selector), dtype=mx.int32)  # axis of each frequency
+        # Evaluated now: a lazy array belongs to the stream of the thread that made it
+        # (a loader's), and the engine thread computes with it.
+        mx.eval(self._inv_freq, self._selector)
         self.freeze()
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:

@@ -24,6 +24,7 @@ from mlx_prefix.engine.requests.jobs import Job, PrefillTask, Running, usage
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.reasoning import ReasoningMarkers
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
+from mlx_prefix.vision.key import unsalt
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
 
@@ -119,7 +120,9 @@ class DecodePhase:
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
         running.reasoning = budget
-        self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0))
+        vision = task.job.prompt.vision
+        delta = vision.delta if vision is not None else 0  # text after images: vision/rope.py
+        self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0), delta)
         if self.speculator is not None and task.draft is not None:
             self.speculator.adopt(running, task.draft)
         return running, token, logprob, top
@@ -196,7 +199,10 @@ class DecodePhase:
         if job.sampling.xtc_probability > 0:  # as mlx_lm.server: XTC never cuts these
             tokenizer = self.model.tokenizer
             special = tokenizer.encode("\n") + sorted(tokenizer.eos_token_ids)
-        return TokenSampler(job.sampling, job.constraint, job.tokens, special)
+        history = job.tokens
+        if (vision := job.prompt.vision) is not None:  # the model's ids, not the key's
+            history = unsalt(history, vision.family.placeholder)
+        return TokenSampler(job.sampling, job.constraint, history, special)
 
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
