@@ -145,3 +145,32 @@ def test_an_image_prompt_refuses_draft_tokens_it_cannot_use(engines):
     with pytest.raises(InvalidRequest) as e:
         engine.submit(p, SamplingParams(max_tokens=2, num_draft_tokens=4))
     assert e.value.param == "num_draft_tokens"
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
+def test_the_disk_tier_keeps_image_keys_across_a_restart(tmp_path, kind):
+    from mlx_prefix.config import DiskConfig
+
+    disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
+    target = prompt(SYSTEM, user("My screen:", image(9), "What is on it?"))
+    first = Engine(
+        loaded(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False), disk_config=disk
+    )
+    try:
+        cold = answer(first, target)
+    finally:
+        first.shutdown()  # writes the queued saves
+    files = list(tmp_path.rglob("*.safetensors"))
+    assert files and all(b"IHDR" not in f.read_bytes() for f in files)  # no image bytes
+    second = Engine(
+        loaded(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False), disk_config=disk
+    )
+    try:
+        end = second.plan(target).vision.spans[0].end
+        warm = answer(second, target)
+        other = answer(second, prompt(SYSTEM, user("My screen:", image(10), "What is on it?")))
+    finally:
+        second.shutdown()
+    assert warm.usage.cached_tokens >= end and warm.tokens == cold.tokens
+    assert warm.logprobs == cold.logprobs
+    assert other.usage.cached_tokens <= second.plan(target).vision.spans[0].start
