@@ -105,6 +105,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="render Claude Code's x-anthropic-billing-header system block "
         "(left out by default: it changes between requests and would defeat the cache)",
     )
+    images = p.add_argument_group("images in requests (vision models)")
+    images.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        default=None,
+        help="fetch http(s) image URLs a request names (public addresses only, no redirects, "
+        "size and time bounded); by default a URL is a 400 and images come as base64",
+    )
+    images.add_argument(
+        "--image-max-bytes", type=parse_bytes, help="largest encoded image (default 20MiB)"
+    )
+    images.add_argument(
+        "--image-max-pixels",
+        type=int,
+        help="largest image, width x height, checked before decoding (default 32,000,000)",
+    )
+    images.add_argument("--max-images", type=int, help="images per request (default 32)")
     sampling = p.add_argument_group("sampling defaults (for requests that leave the field out)")
     sampling.add_argument("--temp", type=float, dest="temperature", help="temperature (0: greedy)")
     sampling.add_argument("--top-p", type=float, help="nucleus sampling top-p (1: off)")
@@ -195,6 +212,10 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
+        "allow_image_urls": args.allow_image_urls,
+        "image_max_bytes": args.image_max_bytes,
+        "image_max_pixels": args.image_max_pixels,
+        "max_images": args.max_images,
         "embedding_aliases": tuple(args.embedding_aliases)
         if getattr(args, "embedding_aliases", None) is not None
         else None,

@@ -192,6 +192,7 @@ def _build(
             settings.temperature, settings.top_p, settings.top_k, settings.min_p
         ),
         draft_names=_draft_names(engine),
+        images=settings.images,
     )
     models = ModelPool(
         engine,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_prefix.vision.intake import ImageLimits
+
 from .hosts import check_allowed_host
 
 
@@ -19,7 +21,8 @@ class ServerSettings:
     # or "*" for any (behind a proxy that rewrites Host).
     allowed_hosts: tuple[str, ...] = ()
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
-    max_body_bytes: int = 4 * 1024 * 1024
+    # A request body's bytes: images come base64 inside (a screenshot or two).
+    max_body_bytes: int = 48 * 1024 * 1024
     log_level: str = "info"
     default_max_tokens: int = 512  # when a request names neither max_tokens form
     # Sampling defaults for requests that leave the field out (None: the API's own).
@@ -44,6 +47,13 @@ class ServerSettings:
     # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
+    # Images in requests (mlx_prefix/vision/intake.py, fetch.py): --allow-image-urls,
+    # --image-max-bytes, --image-max-pixels, --max-images.
+    allow_image_urls: bool = False
+    image_max_bytes: int = 20 * 1024 * 1024
+    image_max_pixels: int = 32_000_000
+    max_images: int = 32
+    image_fetch_timeout_s: float = 10.0
     responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
     # Cache namespaces (server/namespaces.py): "origin" keeps each Origin's (and API
     # key's) entries apart; "global" shares one cache among every client.
@@ -53,6 +63,16 @@ class ServerSettings:
     embedding_aliases: tuple[str, ...] = ()
     embedding_max_inputs: int = 2048
     embedding_max_tokens: int = 300_000
+
+    @property
+    def images(self) -> ImageLimits:
+        return ImageLimits(
+            max_bytes=self.image_max_bytes,
+            max_pixels=self.image_max_pixels,
+            max_images=self.max_images,
+            allow_urls=self.allow_image_urls,
+            fetch_timeout_s=self.image_fetch_timeout_s,
+        )
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins

@@ -1,0 +1,162 @@
+"""Images over HTTP with the official SDKs: OpenAI chat `image_url` parts, Responses
+`input_image`, Anthropic `image` blocks (also inside a tool_result, as Claude Code's Read
+tool sends a screenshot), streamed and not, on a tiny Qwen3.5 vision model; the second
+request reads the image from the cache and answers as the first. Refusals: a text-only
+model, URLs without the flag (nothing fetched), bad base64, a bomb; each a 400 in the
+API's own shape, and the server goes on serving."""
+
+from __future__ import annotations
+
+import base64
+import socket
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import TEST_CACHE, loaded_test_model
+from server_fakes import serving
+from vision_models import encoded, picture, vision_model_folder
+
+from mlx_prefix.config import EngineConfig
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.models.load import load_model
+
+PNG = encoded(picture(96, 64, seed=11))
+B64 = base64.b64encode(PNG).decode()
+DATA_URL = f"data:image/png;base64,{B64}"
+SYSTEM = "You read screenshots for a developer. " * 4
+
+
+@pytest.fixture(scope="module")
+def live():
+    engine = Engine(
+        load_model(str(vision_model_folder("qwen3_5"))),
+        TEST_CACHE,
+        EngineConfig(prefetch_next_turn=False),
+    )
+    with serving(engine) as (url, _):
+        yield url, engine
+
+
+@pytest.fixture(autouse=True)
+def no_fetch(monkeypatch):
+    """Any outbound connection but to the test server (loopback) fails the test."""
+    original = socket.create_connection
+
+    def guarded(address, *args, **kwargs):
+        if address[0] not in ("127.0.0.1", "localhost", "::1"):
+            raise AssertionError(f"network touched: {address}")
+        return original(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", guarded)
+
+
+def test_openai_chat_with_an_image_hits_the_second_time(live):
+    url, _ = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is on this screen?"},
+            {"type": "image_url", "image_url": {"url": DATA_URL, "detail": "high"}},
+        ]},
+    ]  # fmt: skip
+    first = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=6, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=messages, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text == first.choices[0].message.content
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.prompt_tokens == first.usage.prompt_tokens
+
+
+def test_responses_input_image(live):
+    url, _ = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    item = {"role": "user", "content": [
+        {"type": "input_text", "text": "Describe:"},
+        {"type": "input_image", "image_url": DATA_URL, "detail": "auto"},
+    ]}  # fmt: skip
+    a = client.responses.create(model="m", input=[item], max_output_tokens=6, temperature=0)
+    b = client.responses.create(model="m", input=[item], max_output_tokens=6, temperature=0)
+    assert a.output_text == b.output_text
+    assert b.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
+    url, _ = live
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
+    tools = [{"name": "Read", "description": "Read a file.",
+              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Look at shot.png"}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "shot.png"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]},
+            {"type": "text", "text": "What do you see?"},
+        ]},
+    ]  # fmt: skip
+    first = client.messages.create(
+        model="m", max_tokens=6, system=SYSTEM, tools=tools, messages=messages,
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    with client.messages.stream(
+        model="m", max_tokens=6, system=SYSTEM, tools=tools, messages=messages,
+        extra_body={"temperature": 0},
+    ) as stream:  # fmt: skip
+        second = stream.get_final_message()
+    assert [b.model_dump() for b in second.content] == [b.model_dump() for b in first.content]
+    assert second.usage.cache_read_input_tokens > 0
+    # A user message's own image block reads the same way.
+    plain = [{"role": "user", "content": [image, {"type": "text", "text": "And this?"}]}]
+    assert client.messages.create(model="m", max_tokens=2, messages=plain).content
+
+
+def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(live):
+    url, _ = live
+    bomb = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 30).decode()
+    with httpx.Client(base_url=url, timeout=60) as http:
+        cases = [
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+             "messages[0].content[0].image_url.url"),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
+             "messages[0].content[0].image_url.url"),
+            ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [
+                {"type": "input_image", "file_id": "file-1"}]}]}, "input[0].content[0].file_id"),
+        ]  # fmt: skip
+        for path, body, param in cases:
+            r = http.post(path, json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == param
+        r = http.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": bomb}}]}]})  # fmt: skip
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        assert "messages[0].content[0].source.data" in r.json()["error"]["message"]
+        ok = http.post("/v1/chat/completions", json={
+            "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert ok.status_code == 200
+
+
+def test_a_text_only_model_answers_400_saying_so():
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
+    with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "See:"},
+                                         {"type": "image_url", "image_url": {"url": DATA_URL}}]}]})  # fmt: skip
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "text-only" in error["message"] and error["param"] == "messages[0].content[1]"
