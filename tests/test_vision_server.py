@@ -62,13 +62,14 @@ def test_openai_chat_with_an_image_hits_the_second_time(live):
             {"type": "image_url", "image_url": {"url": DATA_URL, "detail": "high"}},
         ]},
     ]  # fmt: skip
+    plain = {"chat_template_kwargs": {"enable_thinking": False}}  # the reply as content
     first = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=6, temperature=0
+        model="m", messages=messages, max_tokens=6, temperature=0, extra_body=plain
     )
     chunks = list(
         client.chat.completions.create(
             model="m", messages=messages, max_tokens=6, temperature=0, stream=True,
-            stream_options={"include_usage": True},
+            stream_options={"include_usage": True}, extra_body=plain,
         )
     )  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -174,10 +174,9 @@ class ChatRenderer:
     ) -> RenderedKey:
         """messages_tokens with the image spans it salted (a plan's probes render the same
         images again: the family memoizes their preparation)."""
-        ids = self._messages_ids(prompt, contents)
         images = rendered_images(prompt.messages or (), contents)
         if not images:
-            return RenderedKey(ids, (), ())
+            return RenderedKey(self._messages_ids(prompt, contents), (), ())
         if self.vision is None:
             raise InvalidRequest(
                 f"{images[0].param or 'messages'}: this model is text-only and cannot take "
@@ -185,6 +184,7 @@ class ChatRenderer:
                 param=images[0].param or "messages",
                 code="model_not_multimodal",
             )
+        ids = self._messages_ids(prompt, contents)
         items = [self.vision.prepare_input(at.image) for at in images]
         expanded, spans = self.vision.expand(ids, items)
         return RenderedKey(salt(expanded, spans), tuple(spans), tuple(items))
