@@ -161,3 +161,19 @@ def test_a_text_only_model_answers_400_saying_so():
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert "text-only" in error["message"] and error["param"] == "messages[0].content[1]"
+
+
+def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
+    url, engine = live
+    with httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Spans:"},
+                                         {"type": "image_url", "image_url": {"url": DATA_URL}}]}]})  # fmt: skip
+        assert r.status_code == 200
+        nodes = http.get("/v1/dashboard").json()["tree"]
+    with_images = [n for n in nodes if n["images"]]
+    assert with_images and all("[image]" in n["head"] or n["start"] > n["images"][0][0]
+                               for n in with_images)  # fmt: skip
+    for n in with_images:
+        for a, b in n["images"]:
+            assert n["start"] <= a < b <= n["tokens"]

@@ -20,6 +20,7 @@ from .args import (
     engine_config,
     model_args,
     model_from_args,
+    parse_bytes,
 )
 
 if TYPE_CHECKING:
