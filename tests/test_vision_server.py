@@ -19,13 +19,21 @@ from server_fakes import serving
 from vision_models import encoded, picture, vision_model_folder
 
 from mlx_prefix.config import EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
+from mlx_prefix.records import PromptInput
 
 PNG = encoded(picture(96, 64, seed=11))
 B64 = base64.b64encode(PNG).decode()
 DATA_URL = f"data:image/png;base64,{B64}"
 SYSTEM = "You read screenshots for a developer. " * 4
+IMAGE_PART = {"type": "image_url", "image_url": {"url": DATA_URL}}
+READ = {
+    "name": "Read",
+    "description": "Read a file.",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +104,7 @@ def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
     url, _ = live
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
-    tools = [{"name": "Read", "description": "Read a file.",
-              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]  # fmt: skip
+    tools = [READ]
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Look at shot.png"}]},
         {"role": "assistant", "content": [
@@ -147,8 +154,8 @@ def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(live):
                 "type": "base64", "media_type": "image/png", "data": bomb}}]}]})  # fmt: skip
         assert r.status_code == 400 and r.json()["type"] == "error"
         assert "messages[0].content[0].source.data" in r.json()["error"]["message"]
-        ok = http.post("/v1/chat/completions", json={
-            "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        hi = [{"role": "user", "content": "hi"}]
+        ok = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": hi})
         assert ok.status_code == 200
 
 
@@ -156,8 +163,7 @@ def test_a_text_only_model_answers_400_saying_so():
     engine = Engine(loaded_test_model("dense"), TEST_CACHE)
     with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "See:"},
-                                         {"type": "image_url", "image_url": {"url": DATA_URL}}]}]})  # fmt: skip
+            {"role": "user", "content": [{"type": "text", "text": "See:"}, IMAGE_PART]}]})  # fmt: skip
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert "text-only" in error["message"] and error["param"] == "messages[0].content[1]"
@@ -167,8 +173,7 @@ def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
     url, engine = live
     with httpx.Client(base_url=url, timeout=60) as http:
         r = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 1, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Spans:"},
-                                         {"type": "image_url", "image_url": {"url": DATA_URL}}]}]})  # fmt: skip
+            {"role": "user", "content": [{"type": "text", "text": "Spans:"}, IMAGE_PART]}]})  # fmt: skip
         assert r.status_code == 200
         nodes = http.get("/v1/dashboard").json()["tree"]
     with_images = [n for n in nodes if n["images"]]
@@ -177,3 +182,24 @@ def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
     for n in with_images:
         for a, b in n["images"]:
             assert n["start"] <= a < b <= n["tokens"]
+
+
+def test_metrics_count_image_tokens(live):
+    url, engine = live
+    with httpx.Client(base_url=url, timeout=60) as http:
+
+        def counted():
+            text = http.get("/metrics").text
+            line = next(
+                x for x in text.splitlines() if x.startswith("mlx_prefix_image_tokens_total")
+            )
+            return float(line.split()[-1])
+
+        before = counted()
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": DATA_URL}}]}]}  # fmt: skip
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        tokens = engine.plan(
+            PromptInput(messages=conversation_from_dicts(body["messages"]))
+        ).vision.image_tokens
+        assert counted() - before == tokens > 0
