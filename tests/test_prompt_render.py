@@ -60,8 +60,8 @@ def test_a_content_part_of_no_known_type_is_refused_by_name():
 
 def test_an_image_for_a_text_only_model_is_refused_naming_its_part():
     png = base64.b64encode(encoded(picture(8, 8))).decode()
-    parts = [{"type": "text", "text": "Look: "},
-             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]  # fmt: skip
+    url = f"data:image/png;base64,{png}"
+    parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": url}}]
     with pytest.raises(InvalidRequest, match="text-only") as e:
         tokens({"role": "user", "content": "hi"}, {"role": "user", "content": parts})
     assert e.value.param == "messages[1].content[1]" and e.value.code == "model_not_multimodal"

@@ -162,8 +162,8 @@ def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(live):
 def test_a_text_only_model_answers_400_saying_so():
     engine = Engine(loaded_test_model("dense"), TEST_CACHE)
     with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
-        r = http.post("/v1/chat/completions", json={"model": "m", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "See:"}, IMAGE_PART]}]})  # fmt: skip
+        see = [{"role": "user", "content": [{"type": "text", "text": "See:"}, IMAGE_PART]}]
+        r = http.post("/v1/chat/completions", json={"model": "m", "messages": see})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert "text-only" in error["message"] and error["param"] == "messages[0].content[1]"
@@ -172,8 +172,9 @@ def test_a_text_only_model_answers_400_saying_so():
 def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
     url, engine = live
     with httpx.Client(base_url=url, timeout=60) as http:
-        r = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 1, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Spans:"}, IMAGE_PART]}]})  # fmt: skip
+        spans = [{"role": "user", "content": [{"type": "text", "text": "Spans:"}, IMAGE_PART]}]
+        body = {"model": "m", "max_tokens": 1, "messages": spans}
+        r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200
         nodes = http.get("/v1/dashboard").json()["tree"]
     with_images = [n for n in nodes if n["images"]]
