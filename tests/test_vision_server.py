@@ -204,3 +204,27 @@ def test_metrics_count_image_tokens(live):
             PromptInput(messages=conversation_from_dicts(body["messages"]))
         ).vision.image_tokens
         assert counted() - before == tokens > 0
+
+
+def test_generate_takes_images_from_files(tmp_path):
+    import subprocess
+    import sys
+
+    shot = tmp_path / "shot.png"
+    shot.write_bytes(PNG)
+    model = str(vision_model_folder("qwen3_5"))
+    base = [sys.executable, "-m", "mlx_prefix", "generate", "--model", model, "-n", "3"]
+    run = subprocess.run(
+        [*base, "--image", str(shot), "--image", str(shot), "--json", "What is this?"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    import json
+
+    body = json.loads(run.stdout)
+    assert body["usage"]["prompt_tokens"] > 2 * 6  # two images of 6 tokens each
+    missing = subprocess.run(
+        [*base, "--image", str(tmp_path / "none.png"), "hi"], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert missing.returncode != 0 and "cannot read image" in missing.stderr
