@@ -421,6 +421,7 @@ def _request(tokens: list[int]) -> list[int]:
         "appended",
         "version",
         "version_1",
+        "version_2",
         "format",
         "count",
         "trimmable_value",

@@ -19,7 +19,7 @@ function of the token prefix: position b (0 < b) is on the grid iff
     re-renders an earlier reply (drops or moves its reasoning) diverges on the grid.
 and never inside an image: where tokens[b-1] is an image's placeholder value other
 than its last (a prompt's key salts each image's placeholder run: vision/key.py; the
-values are negative, the last one marked), b is no point, whatever the rules above say,
+values are below -2**32, the last one marked), b is no point, whatever the rules above say,
 so an image is always computed in one chunk; the special token that opens an image
 (`<|vision_start|>`) is a segment token of a vision model, so its start is a point, and
 so is its end (tokens[b-1] the last of its values): text after the same image restores

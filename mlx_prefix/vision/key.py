@@ -4,7 +4,7 @@ A prompt's image is a run of placeholder tokens (`<|image_pad|>` x N for Qwen3.5
 same ids for every image of the same size: a cache keyed on token ids alone lets a
 second screenshot reuse the first one's state (vllm-mlx's issue #718). Here the trie
 key replaces each placeholder of the run with a negative int64 derived from the image's
-key (never a token id: ids are >= 0), so
+key (below -2**32: never a token id), so
 - the same image at the same place gives the same key: a hit;
 - another image, the same size or not, another order or a transposed image gives
   another key from the span's first token on: nothing past the image's start is shared,
@@ -25,7 +25,10 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_MOD = 1 << 61  # a span's values: -(1 + 2 * ((h + j) % _MOD) + last), all < 0
+# A span's values: -(_FLOOR + 2 * ((h + j) % _MOD) + last): all below -2**32, where no
+# token id (or a test's negative stand-in id) ever is, and above -2**63 (int64).
+_MOD = 1 << 60
+_FLOOR = 1 << 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,23 +54,23 @@ def image_key(pixel_digest: str, processing: str, grid: Sequence[int]) -> str:
 def span_values(key: str, n: int) -> list[int]:
     """The n key values of an image's placeholder span (module docstring)."""
     h = int(key[:16], 16) % _MOD
-    out = [-(1 + 2 * ((h + j) % _MOD)) for j in range(n)]
+    out = [-(_FLOOR + 2 * ((h + j) % _MOD)) for j in range(n)]
     out[-1] -= 1  # the last value's lowest bit: the span ends here
     return out
 
 
 def is_image_value(value: int) -> bool:
-    return value < 0
+    return value <= -_FLOOR
 
 
 def ends_span(value: int) -> bool:
     """Whether `value` is the last of an image span's values."""
-    return value < 0 and (-value - 1) & 1 == 1
+    return value <= -_FLOOR and (-value - _FLOOR) & 1 == 1
 
 
 def inside_span(key: Sequence[int], b: int) -> bool:
     """Whether a cut after key[:b] falls inside an image span (0 < b <= len(key))."""
-    return b > 0 and key[b - 1] < 0 and not ends_span(key[b - 1])
+    return b > 0 and is_image_value(key[b - 1]) and not ends_span(key[b - 1])
 
 
 def salt(ids: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
@@ -80,4 +83,4 @@ def salt(ids: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
 
 def unsalt(key: Sequence[int], placeholder: int) -> list[int]:
     """The model's ids of a key: every image value back to the placeholder token."""
-    return [placeholder if v < 0 else v for v in key]
+    return [placeholder if v <= -_FLOOR else v for v in key]
