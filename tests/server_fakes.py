@@ -34,7 +34,7 @@ from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
-from mlx_prefix.prompt.thinking import NO_EDGES
+from mlx_prefix.prompt.reply.thinking import NO_EDGES
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,

@@ -14,11 +14,10 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_prefix.cache.snapshot import capture
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
-from mlx_prefix.config import DiskConfig
+from mlx_prefix.config import DiskConfig, DiskScope
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.prefill import disk_access as disk_tier
 from mlx_prefix.engine.prefill.disk_access import MAX_PENDING_SAVES, DiskAccess
-from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, SamplingParams
 
 SYSTEM = "You are the front desk of a hotel. Answer guests kindly and in one sentence. " * 5
@@ -104,11 +103,11 @@ def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_pat
         handle = engine.submit(
             chat(("system", SYSTEM), ("user", "Hi")),
             SamplingParams(max_tokens=3),
-            CachePreference(scope=scope),
+            CachePreference(scope=DiskScope.parse(scope) if scope else None),
         )
         list(handle.events(timeout=60))
-        with pytest.raises(InvalidRequest):
-            engine.submit(chat(("user", "Hi")), SamplingParams(), CachePreference(scope="most"))
+        with pytest.raises(ValueError):  # parsed where it enters (server/protocol/request.py)
+            CachePreference(scope=DiskScope.parse("most"))
     finally:
         engine.shutdown()
     assert len(list(tmp_path.glob("*.safetensors"))) == (0 if scope == "off" else 1)
@@ -202,7 +201,7 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
         )  # fmt: skip
     finally:
         probe.shutdown()
-    scope = CachePreference(scope=str(p))
+    scope = CachePreference(scope=DiskScope.parse(str(p)))
     sampling = SamplingParams(max_tokens=2)
 
     def serve(engine, pref):
@@ -217,7 +216,8 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
 
     engine = engine_on("qwen3_5", tmp_path / "warm", "full")
     try:
-        serve(engine, CachePreference(scope="off"))  # memory keeps the planned checkpoints
+        off = CachePreference(scope=DiskScope.parse("off"))
+        serve(engine, off)  # memory keeps the planned checkpoints
         with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
             usage = serve(engine, scope)
         assert usage.cached_tokens > p  # restored from memory past the chosen position
@@ -232,7 +232,7 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
     caplog.clear()
     again = engine_on("qwen3_5", tmp_path / "cold", "full")
     try:
-        serve(again, CachePreference(scope="off"))
+        serve(again, CachePreference(scope=DiskScope.parse("off")))
         with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
             serve(again, scope)
         assert not _warnings(caplog, "dropped")

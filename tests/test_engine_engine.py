@@ -242,7 +242,7 @@ def test_seed_range_and_reply_fit_are_checked_before_queueing(make_engine):
         engine.submit(PROMPT, SamplingParams(seed=-1))
     with pytest.raises(InvalidRequest):
         engine.submit(PROMPT, SamplingParams(seed=2**64))
-    engine.model = dataclasses.replace(
+    engine.model = engine.loop.model = dataclasses.replace(
         engine.model, context_length=len(engine.plan(PROMPT).tokens) + 4
     )
     with pytest.raises(ContextLengthExceeded):

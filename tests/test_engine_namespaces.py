@@ -17,7 +17,7 @@ from mlx_prefix.conversation import Message
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key, namespace_id, namespace_key, namespace_of
 from mlx_prefix.engine.requests.scheduler import extends
-from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,

@@ -10,7 +10,7 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import chat, run, wait_for, warm_equals_cold
 
-from mlx_prefix.config import EngineConfig
+from mlx_prefix.config import DiskScope, EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
@@ -200,7 +200,7 @@ def test_the_prefetch_keeps_to_the_requests_disk_scope(tmp_path, scope):
             ("assistant", "A part of a whole."),
             ("user", "And a decimal?"),
         )
-        pref = CachePreference(scope=scope)
+        pref = CachePreference(scope=DiskScope.parse(scope) if scope else None)
         handle = engine.submit(history, SamplingParams(max_tokens=4), pref)
         list(handle.events(timeout=120))
         assert wait_for(lambda: engine.prefetch.completed == 1)
@@ -218,7 +218,9 @@ def test_a_pinned_warm_up_keeps_to_its_disk_scope(tmp_path, scope):
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW, disk_config=disk)
     try:
         prompt = chat(("system", SYSTEM), ("user", "Warm me."))
-        assert engine.warm(prompt, pin=True, cache=CachePreference(scope=scope)).pinned
+        assert engine.warm(
+            prompt, pin=True, cache=CachePreference(scope=DiskScope.parse(scope) if scope else None)
+        ).pinned
     finally:
         engine.shutdown()  # writes the queued disk saves first
     files = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]

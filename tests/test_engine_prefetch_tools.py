@@ -20,8 +20,8 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE, cached_test_model
-from mlx_prefix.prompt.boundaries import PromptPlanner
-from mlx_prefix.prompt.tool_calls import ToolSyntax
+from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,

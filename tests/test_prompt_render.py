@@ -12,10 +12,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import AutoTokenizer
 from vision_models import encoded, picture
 
+from mlx_prefix.config import CacheConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.request.plan import PromptPlanner
+from mlx_prefix.prompt.request.render import ChatRenderer
 from mlx_prefix.records import PromptInput
 
 
@@ -33,7 +35,8 @@ def tokens(*messages: dict, tools=None, template_kwargs: dict | None = None) -> 
         tools=tools,
         chat_template_kwargs=template_kwargs or {},
     )
-    return renderer().messages_tokens(prompt)
+    r = renderer()
+    return r.encode_chat(r.messages_text(prompt) + prompt.assistant_prefix)
 
 
 def text(token_ids: list[int]) -> str:
@@ -62,8 +65,11 @@ def test_an_image_for_a_text_only_model_is_refused_naming_its_part():
     png = base64.b64encode(encoded(picture(8, 8))).decode()
     url = f"data:image/png;base64,{png}"
     parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": url}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": parts}]
+    prompt = PromptInput(messages=conversation_from_dicts(messages))
+    planner = PromptPlanner(renderer().tokenizer, CacheConfig())  # the planner keys images
     with pytest.raises(InvalidRequest, match="text-only") as e:
-        tokens({"role": "user", "content": "hi"}, {"role": "user", "content": parts})
+        planner.plan(prompt)
     assert e.value.param == "messages[1].content[1]" and e.value.code == "model_not_multimodal"
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import FakeEngine, serving, wait_until
 
-from mlx_prefix.cache.disk_index import DiskEntryInfo
+from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.types import StoredTokens
 from mlx_prefix.config import DiskConfig, EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts

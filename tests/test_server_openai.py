@@ -11,6 +11,7 @@ import openai
 import pytest
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
 
+from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.records import CachePreference, ToolCallIds
 
@@ -218,7 +219,7 @@ def test_prefix_cache_extension_and_template_kwargs(client, engine):
         )
         assert r.usage.prompt_tokens_details.cached_tokens == 0
     submission = engine.submissions[-1]
-    assert submission.cache == CachePreference(enabled=False, scope="off")
+    assert submission.cache == CachePreference(enabled=False, scope=DiskScope.parse("off"))
     assert submission.prompt.chat_template_kwargs == {"enable_thinking": False}
 
 

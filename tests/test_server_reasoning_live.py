@@ -385,7 +385,7 @@ def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat
 def test_gpt_oss_renders_reasoning_sent_back_as_its_analysis_channel():
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_prefix.prompt.render import ChatRenderer
+    from mlx_prefix.prompt.request.render import ChatRenderer
 
     folder = cached_test_model("qwen3_5", tokenizer=DATA / "tokenizers" / "qwen3")
     template = (DATA / "templates" / "openai-gpt-oss-120b.jinja").read_text()

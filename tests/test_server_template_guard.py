@@ -14,7 +14,7 @@ from server_fakes import serving
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt import render
+from mlx_prefix.prompt.request import render
 
 SPIN = (  # ChatML, looping for hours when a request sets the template variable `spin`
     "{% if spin %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"

@@ -17,7 +17,7 @@ from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import load_model
-from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, logprobs=True)

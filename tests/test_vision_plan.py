@@ -1,4 +1,4 @@
-"""A conversation with images planned into its cache key (prompt/boundaries.py with a
+"""A conversation with images planned into its cache key (prompt/request/plan.py with a
 vision model): spans salted with the image's key, the chunk grid and every checkpoint out
 of every span, an image's start on the grid; what shares and what does not."""
 
@@ -15,7 +15,8 @@ from vision_models import encoded, picture, vision_model_folder
 
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.models.load import load_model
-from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
+from mlx_prefix.prompt.request.plan import PromptPlanner
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
 from mlx_prefix.vision.key import inside_span
 from mlx_prefix.vision.tower import load_vision

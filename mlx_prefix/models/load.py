@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
+from mlx_prefix.models.stops import add_reply_stops
 from mlx_prefix.models.template import ensure_template, template_args, template_text
 
 if TYPE_CHECKING:
@@ -159,8 +160,9 @@ def finish_loading(
     shard: str | None = None,
 ) -> LoadedModel:
     """Cast the floating weights (`dtype`, else `choose_dtype`) and compute the identity:
-    the steps after mlx-lm's load, shared with sharded loading (models/sharded.py)."""
+    the steps after mlx-lm's load, shared with sharded loading (engine/sharded/load.py)."""
     target = cast_weights(model, dtype)
+    add_reply_stops(tokenizer)
 
     weight_files = [resolved.path / "config.json", *resolved.path.glob("model*.safetensors")]
     if adapter_path is not None:

@@ -4,12 +4,12 @@ API family (chat, completions, Anthropic messages, Responses).
 Tool-call markup never leaks as text: the model's calls come out as structured calls in
 OpenAI's `tool_calls` shape ({"id", "type": "function", "function": {"name",
 "arguments": JSON text}}), the one form each family converts from, named by the
-prompt's `reply_tool_call_ids`. Splitting, parsing and naming are prompt/tool_calls.py's,
+prompt's `reply_tool_call_ids`. Splitting, parsing and naming are prompt/reply/tool_calls.py's,
 shared with the engine's next-turn prefetch, so the prefetch renders the reply exactly as
 the client receives it (whitespace-only text around calls dropped alike).
 
 A reply whose prompt opened the assistant's turn (a forced tool call, server/tool_choice.py)
-is read as continuing that opening. A chat reply is read by prompt/reply.py's reader:
+is read as continuing that opening. A chat reply is read by prompt/reply/reader.py's reader:
 its reasoning (at the reply's start, or from its first token when the prompt left a
 think block open; gpt-oss's analysis channel) is split off before the text is searched
 for calls, so markup written while reasoning never becomes a call.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlx_prefix.prompt.reply import ReplyReader, reply_reader, tool_syntax
-from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
+from mlx_prefix.prompt.reply.reader import ReplyReader, reply_reader, tool_syntax
+from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
 from . import chat_bodies as R

@@ -18,8 +18,8 @@ import json
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.prompt import harmony
-from mlx_prefix.prompt.reply import tool_syntax
+from mlx_prefix.prompt.reply import harmony
+from mlx_prefix.prompt.reply.reader import tool_syntax
 
 from .protocol.request import GenerationRequest, ToolChoice
 from .tools import ToolSyntax

@@ -1,5 +1,5 @@
 """Tool calls in generated text -> OpenAI chat `tool_calls`. Splitting, parsing and naming
-live in prompt/tool_calls.py (the engine's next-turn prefetch needs them too); this
+live in prompt/reply/tool_calls.py (the engine's next-turn prefetch needs them too); this
 module only shapes the calls for chat completions."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.prompt.tool_calls import (
+from mlx_prefix.prompt.reply.tool_calls import (
     CallParser,
     ReplySplitter,
     Split,

@@ -1,7 +1,7 @@
 """One prefill chunk of a prompt with images: embeddings and positions, then the model.
 
 The engine computes a prompt chunk by chunk on the canonical grid (invariant 4); the
-grid keeps every point out of an image span (prompt/grid.py, vision/key.py), so a chunk
+grid keeps every point out of an image span (prompt/request/grid.py, vision/key.py), so a chunk
 holds each of its images whole. For a chunk this module builds
 - the input ids: the key's image values back to the placeholder token (the model's
   ids; their embedding rows are replaced anyway);

@@ -11,7 +11,7 @@ key (below -2**32: never a token id), so
   while everything before it still is (text before the first image shares with
   text-only prompts);
 - the key alone tells where a span ends (the lowest bit of its last value is set), so
-  the chunk grid (prompt/grid.py) keeps every point out of a span as a pure function of
+  the chunk grid (prompt/request/grid.py) keeps every point out of a span as a pure function of
   the key's prefix.
 
 `image_key` binds the picture's pixel digest (vision/intake.py) to how it was processed

@@ -1,5 +1,5 @@
 """A prompt's images as the engine computes them: built when the prompt is planned
-(prompt/boundaries.py), read by every prefill chunk (vision/forward.py) and decode step.
+(prompt/request/plan.py), read by every prefill chunk (vision/forward.py) and decode step.
 No MLX here: the planner runs in the caller's thread."""
 
 from __future__ import annotations

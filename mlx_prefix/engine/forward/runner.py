@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +20,7 @@ import mlx.nn as nn
 from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.engine.forward.head import last_position_head
 from mlx_prefix.engine.forward.rowwise import batched
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 from mlx_prefix.vision.forward import VisionChunks
 
 
@@ -99,7 +100,8 @@ def compute_chunks(
                 if w.vision is not None:
                     out = w.vision.forward(model, w.cache, w.tokens, w.start, w.end)
                 else:
-                    out = model(mx.array(w.tokens[w.start : w.end])[None], cache=w.cache)
+                    chunk = mx.array(tuple(w.tokens[w.start : w.end]))[None]  # [1, L']
+                    out = model(chunk, cache=w.cache)  # [1, L', V]
             if w.last:
                 logits[members[0]] = out[:, -1, :]  # out: [1, L', V]
             continue
@@ -204,7 +206,7 @@ def greedy_continue(model: nn.Module, cache: list, logits: mx.array, n: int) -> 
     out: list[int] = []
     token = mx.argmax(logits, axis=-1)  # [1]
     while True:
-        out.append(int(token.item()))
+        out.append(int(cast(int, token.item())))
         if len(out) == n:
             return out
         token = mx.argmax(model(token[:, None], cache=cache)[:, -1, :], axis=-1)

@@ -18,7 +18,7 @@ from typing import Any
 class ReasoningEdges:
     """What a template writes itself around reasoning sent back: after the start marker
     (`lead`) and before the end marker (`trail`); Gemma 4: `<|channel>thought` `\\n` R
-    `\\n` `<channel|>` (prompt/reasoning.py reads them from a render). A reply's reasoning
+    `\\n` `<channel|>` (prompt/reply/reasoning.py reads them from a render). A reply's reasoning
     drops them where its model wrote them, else the next turn's prompt would hold them
     twice and stop reusing the cache there. Reasoning they would leave empty comes as
     written (Qwen3's `<think>\\n\\n</think>` renders back only with some)."""

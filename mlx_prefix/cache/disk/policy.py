@@ -25,76 +25,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 from mlx_prefix.cache.eviction import PROTECTED_ABOVE
 from mlx_prefix.cache.token_ids import packed as packed_ids
 from mlx_prefix.cache.types import CheckpointKind
-
-DEFAULT_AUTO_WINDOW = 16
-MAX_AUTO_WINDOW = 128  # requests remembered per model key (4 bytes per token each)
-
-
-class ScopeMode(str, Enum):
-    OFF = "off"
-    FULL = "full"
-    AUTO = "auto"
-    FIXED = "fixed"  # written as a bare token count
-
-
-@dataclass(frozen=True, slots=True)
-class DiskScope:
-    mode: ScopeMode
-    n: int = 0  # AUTO: window in requests; FIXED: tokens; else 0
-
-    def __post_init__(self) -> None:
-        if self.mode is ScopeMode.AUTO and not 1 <= self.n <= MAX_AUTO_WINDOW:
-            raise ValueError(f"auto window {self.n} outside 1..{MAX_AUTO_WINDOW}")
-        if self.mode is ScopeMode.FIXED and self.n < 1:
-            raise ValueError(f"token count {self.n} must be at least 1")
-
-    @classmethod
-    def parse(cls, text: str) -> DiskScope:
-        """Parse `off | full | auto | auto:N | N`; ValueError with the accepted forms."""
-        s = text.strip().lower()
-        if s == "off":
-            return cls(ScopeMode.OFF)
-        if s == "full":
-            return cls(ScopeMode.FULL)
-        if s == "auto":
-            return cls(ScopeMode.AUTO, DEFAULT_AUTO_WINDOW)
-        head, colon, tail = s.partition(":")
-        if head == "auto" and colon:
-            window = _positive(tail)
-            if window is not None and window <= MAX_AUTO_WINDOW:
-                return cls(ScopeMode.AUTO, window)
-        elif not colon:
-            tokens = _positive(s)
-            if tokens is not None:
-                return cls(ScopeMode.FIXED, tokens)
-        raise ValueError(
-            f"invalid disk cache scope {text!r}: expected off, full, auto, auto:N "
-            f"(1 <= N <= {MAX_AUTO_WINDOW} recent requests) or a token count N >= 1"
-        )
-
-    def __str__(self) -> str:
-        if self.mode is ScopeMode.FIXED:
-            return str(self.n)
-        if self.mode is ScopeMode.AUTO:
-            return f"auto:{self.n}"
-        return self.mode.value
-
-
-DEFAULT_SCOPE = DiskScope(ScopeMode.AUTO, DEFAULT_AUTO_WINDOW)
-
-
-def _positive(s: str) -> int | None:
-    if not s.isdigit():
-        return None
-    value = int(s)
-    return value if value >= 1 else None
+from mlx_prefix.config import DEFAULT_SCOPE, MAX_AUTO_WINDOW, DiskScope, ScopeMode
 
 
 class _Position(Protocol):

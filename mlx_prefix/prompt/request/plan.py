@@ -10,62 +10,43 @@ Checkpoint kinds (see cache.store.CheckpointKind for their eviction order):
 - HISTORY: the end of the history before the generation prompt, and the end of the
   prompt itself (the next turn's history starts with it);
 - PERIODIC: geometrically spaced near the start (64, 128, 256), then every N tokens
-  (prompt/grid.py: ChunkGrid.periodic), so a divergence anywhere restores within
+  (grid.py: ChunkGrid.periodic), so a divergence anywhere restores within
   max(63, p/2) and N tokens before it; and one tail checkpoint at the last multiple of
   the chunk size inside the prompt, so "same document, new question at its end"
   restores next to the question;
 - BREAKPOINT: where the client marked its stable prefix (`cache_control`), found by
-  prompt/breakpoints.py; kept after the last message's start, before the system prompt.
+  breakpoints.py; kept after the last message's start, before the system prompt.
 Every position is aligned down onto the grid, so a checkpoint is always a point where a
 cold prefill of the same tokens also ends a chunk.
-
-How close a boundary lands depends on the template's special tokens (detect_grid):
-ChatML, Llama 3, Phi-3 and DeepSeek put one before every message's content, so every
-message start is a grid point. Templates with none there (Mistral v1: `[INST]` is plain
-text) cut after the end-of-turn token `</s>` instead, one point per exchange. Templates
-that merge the system prompt into the first user turn as plain text (Gemma) have no
-special token at the system end: SYSTEM falls back to the turn's start or a multiple of
-the chunk size. Without any, every boundary falls back to multiples of the chunk size.
+The grid itself comes from the template (template_grid.py).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.conversation import Message, Role, ToolCall
+from mlx_prefix.conversation import rendered_images
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.prompt.breakpoints import breakpoint_positions
-from mlx_prefix.prompt.grid import ChunkGrid
-from mlx_prefix.prompt.reasoning import ReasoningMarkers
-from mlx_prefix.prompt.render import ChatRenderer
-from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
+from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
+from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
+from mlx_prefix.prompt.request.breakpoints import breakpoint_positions
+from mlx_prefix.prompt.request.render import SENTINEL, ChatRenderer, common_prefix_length
+from mlx_prefix.prompt.request.template_grid import detect_grid
 from mlx_prefix.records import PromptInput
-from mlx_prefix.vision.key import ImageSpan
+from mlx_prefix.vision.key import ImageSpan, salt
 from mlx_prefix.vision.prompt import VisionPrompt
 
 if TYPE_CHECKING:
-    from mlx_prefix.vision.tower import VisionFamily
-
-log = logging.getLogger("mlx_prefix.prompt")
-
-SENTINEL = "\u2063"  # invisible separator: short, and never merges across a message start
+    from mlx_prefix.vision.tower import PreparedImage, VisionFamily
 
 # Checkpoints at the starts of this many of a prompt's last assistant turns (see
 # _chat_checkpoints): each costs a hybrid model its recurrent state.
 TURN_CHECKPOINTS = 4
-
-# Conversations rendered once per model to find the template's segment tokens; the second
-# is for templates that refuse a system message (Mistral, Gemma 1).
-_PROBES: tuple[tuple[Role, ...], ...] = (
-    ("system", "user", "assistant", "user"),
-    ("user", "assistant", "user"),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,175 +74,6 @@ class RenderedPrompt:
             object.__setattr__(self, "tokens", TokenIds(self.tokens))
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def _special_ids(tokenizer: Any) -> set[int]:
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(added, "special", False):
-            ids.add(int(token_id))
-    return ids
-
-
-def _marker(i: int) -> str:
-    return f"zqprobe{i}content"  # plain text no template rewrites, unique in the render
-
-
-def _tokens_before_content(
-    renderer: ChatRenderer, text: str, messages: list[Message], specials: set[int]
-) -> set[int]:
-    """The last special token before each marked message's content in `text`, the render
-    of `messages` (the message-start token: `<|im_start|>`, `<|user|>`,
-    `<|end_header_id|>`; `</s>` where a turn starts with plain text)."""
-    found: set[int] = set()
-    previous_end = 0
-    for message in messages:
-        marker = message.content
-        if not marker or text.count(marker) != 1:
-            continue
-        start = text.index(marker)
-        if start >= previous_end:
-            gap = renderer.encode_chat(text[previous_end:start])
-            last = next((t for t in reversed(gap) if t in specials), None)
-            if last is not None:
-                found.add(last)
-        previous_end = max(previous_end, start + len(marker))
-    return found
-
-
-def detect_grid(renderer: ChatRenderer, chunk_size: int) -> ChunkGrid:
-    """The template's chunk grid, from renders of small probe conversations.
-
-    Segment tokens: for each role, the last special token before a message's content,
-    one per message start. Taking only that one keeps chunks few (a grid point is a chunk
-    boundary in every cold prefill: ChatML's `<|im_end|>` too would double them) and
-    still puts every message start on the grid. The generation suffix is what the
-    generation prompt appends; if none of its special tokens is a segment token, its
-    first special token becomes one, so the history-end checkpoint is a grid point.
-    """
-    if not renderer.has_template:
-        return ChunkGrid(chunk_size)
-    specials = _special_ids(renderer.tokenizer)
-    segment: set[int] = set()
-    suffix: tuple[int, ...] = ()
-    for roles in _PROBES:
-        messages = [Message(r, _marker(i)) for i, r in enumerate(roles)]
-        try:
-            history = renderer.render_text(messages, add_generation_prompt=False)
-            generation = renderer.render_text(messages, add_generation_prompt=True)
-        except InvalidRequest:
-            continue
-        segment = _tokens_before_content(renderer, history, messages, specials)
-        t_history, t_gen = renderer.encode_chat(history), renderer.encode_chat(generation)
-        suffix = tuple(t_gen[common_prefix_length(t_history, t_gen) :])
-        break
-    tool_probe = [
-        Message("user", _marker(0)),
-        Message("assistant", tool_calls=(_CALL,)),
-        Message("tool", _marker(2), tool_call_id="call_0", name="f"),
-    ]
-    try:
-        text = renderer.render_text(tool_probe, add_generation_prompt=False)
-        segment |= _tokens_before_content(renderer, text, tool_probe, specials)
-    except InvalidRequest:
-        pass  # no tool role in this template
-    suffix_specials = [t for t in suffix if t in specials]
-    if suffix_specials and not segment.intersection(suffix_specials):
-        segment.add(suffix_specials[0])
-    turn = _turn_start(renderer, specials)
-    if not segment:
-        log.warning(
-            "the chat template puts no special token before a message: chat boundaries "
-            "fall back to multiples of %d tokens, so hybrid models reuse less of a prompt",
-            chunk_size,
-        )
-    return ChunkGrid(
-        chunk_size, segment_tokens=frozenset(segment), generation_suffix=suffix, turn_start=turn
-    )
-
-
-# What precedes an assistant turn in the probes: the previous message's last characters,
-# varied so that plain-text markup merging into them (`?<|` is one BPE piece) falls off
-# the turn start, which keeps only what every context tokenizes alike.
-_ENDINGS = ("zqprobe", "zqprobe?", "zqprobe.", 'zqprobe"}', "zqprobe)\n", "zqprobe ")
-_CALL = ToolCall("f", {}, "call_0")
-# How an assistant turn may render: with and without reasoning, a call, and as an earlier
-# turn once a new question follows (templates drop or move reasoning there).
-_REPLIES = (
-    Message("assistant", SENTINEL),
-    Message("assistant", "zqanswer", reasoning="zqthought"),
-    Message("assistant", "", tool_calls=(_CALL,), reasoning="zqthought"),
-)
-_LATER = Message("user", "zqnext")
-
-
-def _turn_start(renderer: ChatRenderer, specials: set[int]) -> tuple[tuple[int, ...], ...]:
-    """The token runs that open an assistant turn, one per message it may follow (a user
-    message, a tool result): the end of what a generation prompt and every probed
-    history turn share, common to every ending of the message before. A run of plain
-    text must be distinctive, so that it rarely occurs elsewhere."""
-    leads = (
-        lambda e: [Message("user", e)],
-        lambda e: [
-            Message("user", "zqask"),
-            Message("assistant", tool_calls=(_CALL,)),
-            Message("tool", e, tool_call_id="call_0", name="f"),
-        ],
-    )
-    runs: list[tuple[int, ...]] = []
-    for lead in leads:
-        heads = [_turn_head(renderer, lead(ending)) for ending in _ENDINGS]
-        if None in heads:
-            continue  # not a conversation this template accepts
-        run = common_suffix(heads)
-        if _distinctive(renderer, run, specials):
-            runs.append(run)
-    runs = list(dict.fromkeys(runs))
-    # A run that ends another makes the longer one redundant.
-    return tuple(r for r in runs if not any(o != r and r[len(r) - len(o) :] == o for o in runs))
-
-
-def _distinctive(renderer: ChatRenderer, run: tuple[int, ...], specials: set[int]) -> bool:
-    """Whether `run` rarely occurs but where a turn opens: it holds a special token, or
-    at least 4 characters of plain text (Mistral's `INST`, whose `]` merges with what
-    follows; GLM's `assistant|>`), never a `\n` alone that would cut at every line."""
-    if any(t in specials for t in run):
-        return True
-    return len(renderer.tokenizer.decode(list(run)).strip()) >= 4
-
-
-def _turn_head(renderer: ChatRenderer, before: list[Message]) -> tuple[int, ...] | None:
-    """The tokens the generation prompt after `before` shares with every probed history
-    turn there, or None if the template refuses `before`."""
-    try:
-        generation = renderer.encode_chat(renderer.render_text(before, add_generation_prompt=True))
-    except InvalidRequest:
-        return None
-    shared = len(generation)
-    for reply in _REPLIES:
-        for after in ([], [_LATER]):
-            try:
-                text = renderer.render_text([*before, reply, *after], add_generation_prompt=False)
-            except InvalidRequest:
-                continue
-            shared = min(shared, common_prefix_length(generation, renderer.encode_chat(text)))
-    return tuple(generation[:shared])
-
-
-def common_suffix(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    n = min(len(r) for r in runs)
-    k = 0
-    while k < n and len({r[len(r) - 1 - k] for r in runs}) == 1:
-        k += 1
-    return tuple(runs[0][len(runs[0]) - k :])
-
-
 class PromptPlanner:
     """Renders prompts to tokens and plans their checkpoints. Thread-safe (no mutable state)."""
 
@@ -279,10 +91,48 @@ class PromptPlanner:
             # An image's start is a grid point: right after the token that opens it.
             segment = self.grid.segment_tokens | {vision.opener}
             self.grid = replace(self.grid, segment_tokens=segment)
-        self.vision = vision
-        self.renderer.vision = vision
-        self.reasoning = ReasoningMarkers.of(self.renderer)
-        self.renderer.reasoning = self.reasoning
+        self.vision = vision  # the model's vision part (vision/tower.py); None: text only
+        self.reasoning = ReasoningMarkers.of(self.renderer)  # the model's think markers
+
+    def prompt_tokens(self, prompt: PromptInput) -> list[int]:
+        """The tokens `prompt` renders to (no checkpoint planning, no context check)."""
+        if prompt.text is not None:
+            return self.renderer.encode_completion(prompt.text)
+        return self.tokens(prompt)
+
+    def tokens(self, prompt: PromptInput, contents: Mapping[int, str] | None = None) -> list[int]:
+        """The tokens of `prompt`'s conversation and its assistant prefix, with `contents`
+        replacing some messages' content (a probe). With images: the cache key, each
+        image's placeholder run salted with its key (vision/key.py)."""
+        return self.key(prompt, contents).tokens
+
+    def key(self, prompt: PromptInput, contents: Mapping[int, str] | None = None) -> RenderedKey:
+        """tokens() with the image spans it salted (a plan's probes render the same images
+        again: the family memoizes their preparation)."""
+        images = rendered_images(prompt.messages or (), contents)
+        if not images:
+            return RenderedKey(self._ids(prompt, contents), (), ())
+        if self.vision is None:
+            raise InvalidRequest(
+                f"{images[0].param or 'messages'}: this model is text-only and cannot take "
+                "images; serve a vision model (its folder has a vision_config) to send them",
+                param=images[0].param or "messages",
+                code="model_not_multimodal",
+            )
+        ids = self._ids(prompt, contents)
+        items = [self.vision.prepare_input(at.image) for at in images]
+        expanded, spans = self.vision.expand(ids, items)
+        return RenderedKey(salt(expanded, spans), tuple(spans), tuple(items))
+
+    def _ids(self, prompt: PromptInput, contents: Mapping[int, str] | None) -> list[int]:
+        """The template's token ids, images still one placeholder each."""
+        text = self.renderer.messages_text(prompt, contents)
+        prefix = prompt.assistant_prefix
+        if prefix and self.reasoning is not None and self.reasoning.opens_text(text):
+            # A forced tool call is never reasoning: the think block the generation
+            # prompt opened is closed first, as the template closes one.
+            prefix = self.reasoning.close_text + prefix
+        return self.renderer.encode_chat(text + prefix)
 
     def plan(self, prompt: PromptInput) -> RenderedPrompt:
         if (prompt.messages is None) == (prompt.text is None):
@@ -293,7 +143,7 @@ class PromptPlanner:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             found = {cp.position: cp.kind for cp in self._periodic(tokens)}
             return RenderedPrompt(tuple(tokens), self._with_tail(tokens, found), False)
-        key = self.renderer.messages_key(prompt)
+        key = self.key(prompt)
         tokens = key.tokens
         checkpoints = self._chat_checkpoints(prompt, tokens, key.spans)
         opens = self.reasoning is not None and self.reasoning.opens(tokens)
@@ -337,7 +187,7 @@ class PromptPlanner:
 
     def _sentinel_start(self, prompt: PromptInput, index: int, tokens: list[int]) -> int:
         """Token position where messages[index]'s content begins."""
-        probe = self.renderer.messages_tokens(prompt, {index: SENTINEL})
+        probe = self.tokens(prompt, {index: SENTINEL})
         return common_prefix_length(tokens, probe)
 
     def _chat_checkpoints(
@@ -397,3 +247,12 @@ class PromptPlanner:
             if span.end < n:
                 planned.setdefault(span.end, CheckpointKind.HISTORY)
         return tuple(Checkpoint(p, planned[p], p in marked) for p in sorted(planned))
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedKey:
+    """A conversation's key tokens and the image spans salted in them."""
+
+    tokens: list[int]
+    spans: tuple[ImageSpan, ...]
+    images: tuple[PreparedImage, ...]  # the spans' images, in order

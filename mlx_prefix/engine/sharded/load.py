@@ -22,8 +22,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.engine.sharded.group import Channel, Cluster, RankInfo, host_name
 from mlx_prefix.errors import ModelNotFound
-from mlx_prefix.group import Channel, Cluster, RankInfo, host_name
 from mlx_prefix.models.load import LoadedModel, finish_loading, tokenizer_config
 from mlx_prefix.models.resolve import resolve_model
 from mlx_prefix.models.template import ensure_template, template_args

@@ -5,7 +5,7 @@ A checkpoint file is a standard safetensors file (invariant 8; `mx.load` reads i
   [8, 8+N)     JSON header, space-padded to a multiple of 8:
                {"__metadata__": {str: str}, "<tensor>": {dtype, shape, data_offsets}, ...}
   [8+N, end)   tensor data, tensors back to back in header order, no gaps
-               (written and read by `disk_payload`)
+               (written and read by `payload.py`)
 
 Metadata (all values are strings):
   format         "mlx-prefix-disk"
@@ -22,7 +22,7 @@ Metadata (all values are strings):
   header_digest  sha256 hex of bytes [0, 8+N) with this field's value replaced by
                  HEADER_PLACEHOLDER: covers every header byte (shapes, dtypes, offsets,
                  layers, tokens, flags) and, through data_digest, the data
-  layers         JSON, one object per model layer (`disk_payload`'s layer tree)
+  layers         JSON, one object per model layer (`payload.py`'s layer tree)
 
 File name: blake2b-256 hex of (model_key, 0x00, token bytes) + ".safetensors": equal
 names mean equal model and tokens, so a save of a stored checkpoint is a no-op.

@@ -1,14 +1,14 @@
 """The disk tier: checkpoints as files that outlive the process (invariant 8).
 
-One safetensors file per checkpoint (format: `disk_header`, `disk_payload`), named by
+One safetensors file per checkpoint (format: `header.py`, `payload.py`), named by
 a strong hash of (model key, token ids). `DiskCache` is the tier's one entry point; its
-parts: the in-memory index (`disk_index`: matching, LRU order, byte budget), rebuilt
-by `scan` from file headers alone, and the file I/O (`disk_files`: atomic writes,
+parts: the in-memory index (`index.py`: matching, LRU order, byte budget), rebuilt
+by `scan` from file headers alone, and the file I/O (`files.py`: atomic writes,
 directory survey). Tensors are read only by `load`.
 
 Never serve a wrong file:
 - writes are atomic (temp file, flock, fsync, rename); a crash leaves at most a temp
-  file, which a later scan removes once its writer is gone (`disk_files`);
+  file, which a later scan removes once its writer is gone (`files.py`);
 - a scan removes, with a warning, files that are truncated, corrupt (the header is
   digested whole), of another format version, or whose token ids do not match their
   name; `listing` reports the same without touching the directory;
@@ -42,12 +42,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_prefix.cache import disk_files as files
-from mlx_prefix.cache import disk_header as hdr
-from mlx_prefix.cache import disk_payload as payload
-from mlx_prefix.cache import disk_trust as trust
-from mlx_prefix.cache.disk_files import DiskListing
-from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
+from mlx_prefix.cache.disk import files, payload, trust
+from mlx_prefix.cache.disk import header as hdr
+from mlx_prefix.cache.disk.files import DiskListing
+from mlx_prefix.cache.disk.index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
 from mlx_prefix.cache.snapshot import Snapshot
 from mlx_prefix.cache.types import CheckpointKind, StoredTokens, covers
 
@@ -128,7 +126,7 @@ class DiskCache:
     @staticmethod
     def listing(directory: Path | str) -> DiskListing:
         """What a scan of `directory` would index and remove, without changing anything
-        (for `mlx-prefix cache ls`): see `disk_files.listing`."""
+        (for `mlx-prefix cache ls`): see `files.listing`."""
         return files.listing(Path(directory).expanduser())
 
     # -- lookup -------------------------------------------------------------
@@ -177,9 +175,9 @@ class DiskCache:
             return None
         with self._lock:
             self._counters.hits += 1
-            e = self._index.get(match.name)
-            if e is not None:
-                self._touch(e)
+            entry = self._index.get(match.name)
+            if entry is not None:
+                self._touch(entry)
         return snapshot
 
     # -- mutation -----------------------------------------------------------
@@ -231,7 +229,7 @@ class DiskCache:
             self._warned_errnos.clear()
             self._counters.saves += 1
             self._index.drop(name)  # if saved concurrently under the same name
-            e = DiskEntry(
+            entry = DiskEntry(
                 name,
                 model_key,
                 self.runtime,
@@ -241,9 +239,9 @@ class DiskCache:
                 enc.size,
                 time.time(),
             )
-            self._index.add(e)
-            if e.trimmable:
-                for prefix in self._index.served_prefixes(e):
+            self._index.add(entry)
+            if entry.trimmable:
+                for prefix in self._index.served_prefixes(entry):
                     self._unlink_entry(prefix, f"{name} serves it by trimming")
             self._evict(keep=name, why="after a save")
         return True

@@ -2,7 +2,7 @@
 
 A breakpoint marks the end of the prefix a client will send again unchanged: the end of
 a tool definition, of a message, or of a system block inside the system message. Its
-position is found like a message start (prompt/boundaries.py): render the prompt again
+position is found like a message start (plan.py): render the prompt again
 with what follows the breakpoint replaced by a sentinel; the common token prefix of the
 two renders ends at or just before the breakpoint. The planner then aligns it down onto
 the chunk grid, so a breakpoint at a message's end lands just after the next message's
@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.request.render import SENTINEL as MARK
+from mlx_prefix.prompt.request.render import ChatRenderer, common_prefix_length
 from mlx_prefix.records import Breakpoint, PromptInput
 
-MARK = "\u2063"  # the planner's sentinel (boundaries.SENTINEL): never merges across a cut
 _SENTINEL_TOOL = {"type": "function", "function": {"name": MARK, "parameters": {}}}
 
 
@@ -53,14 +53,13 @@ def _position(
         tools = prompt.tools or ()
         if not 0 <= bp.tool < len(tools):
             return None
-        probe = (*tools[: bp.tool + 1], _SENTINEL_TOOL)
-        return _differs_at(renderer, prompt, tokens, tools=probe)
+        return _differs_at(renderer, prompt, tokens, tools=(*tools[: bp.tool + 1], _SENTINEL_TOOL))
     if bp.message is None or not 0 <= bp.message < len(messages):
         return None
     content = messages[bp.message].content
     if bp.chars is not None and bp.chars < len(content):
-        probe = {bp.message: content[: bp.chars] + MARK}
-        return _differs_at(renderer, prompt, tokens, tools=prompt.tools, contents=probe)
+        contents = {bp.message: content[: bp.chars] + MARK}
+        return _differs_at(renderer, prompt, tokens, tools=prompt.tools, contents=contents)
     if bp.message + 1 < len(messages):
         return message_start(bp.message + 1)
     return len(tokens)  # the last message: up to the generation prompt (aligned down)
@@ -73,9 +72,6 @@ def _differs_at(
     tools: Sequence[dict[str, Any]] | None,
     contents: Mapping[int, str] | None = None,
 ) -> int:
-    # Imported here: boundaries imports this module (its planner calls breakpoint_positions).
-    from mlx_prefix.prompt.boundaries import common_prefix_length
-
     text = renderer.render_text(
         prompt.messages or (),
         tools=tools,

@@ -1,6 +1,6 @@
 """The payload of a checkpoint file: the layer tree and the tensor data (MLX).
 
-The header (`disk_header`) holds the file's identity and digests; this module lays a
+The header (`header.py`) holds the file's identity and digests; this module lays a
 Snapshot out as a header plus tensor data, and reads it back. The header's `layers`
 field is JSON, one object per model layer:
   LAYER: {"cls": "module:QualName", "state": TREE, "children": [LAYER, ...]}
@@ -26,9 +26,9 @@ from typing import Any, BinaryIO
 import mlx.core as mx
 import numpy as np
 
-from mlx_prefix.cache import disk_header as hdr
-from mlx_prefix.cache import disk_trust as trust
-from mlx_prefix.cache.disk_header import DiskFormatError, FileHeader, TensorInfo
+from mlx_prefix.cache.disk import header as hdr
+from mlx_prefix.cache.disk import trust
+from mlx_prefix.cache.disk.header import DiskFormatError, FileHeader, TensorInfo
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot
 
 _ALLOWED_MODULE_PREFIX = "mlx_lm.models."  # cache classes are only resolved from here
@@ -104,7 +104,7 @@ def write(f: BinaryIO, enc: Encoded) -> None:
 def write_array(f: BinaryIO, a: mx.array, h: Any) -> None:
     """Append one array's bytes (row-major) to `f` and to the hash `h`."""
     raw = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # a C-contiguous copy
-    data = memoryview(raw).cast("B") if raw.size else b""
+    data = raw.data.cast("B") if raw.size else b""
     h.update(data)
     f.write(data)
 
@@ -161,8 +161,8 @@ def load(path: Path, model_key: str, tokens: tuple[int, ...], runtime: str) -> S
         f.seek(header.data_start)
         for name, t in header.tensors.items():  # data order: one sequential read
             raw = np.empty(t.end - t.begin, dtype=np.uint8)
-            _read_exact(f, memoryview(raw))
-            h.update(raw)
+            _read_exact(f, raw.data)
+            h.update(raw.data)
             mx_dtype, width = _FROM_NAME[t.dtype]
             a = mx.array(raw.view(_UINT[width]).reshape(t.shape))  # copies
             arrays[name] = a if a.dtype == mx_dtype else a.view(mx_dtype)

@@ -3,7 +3,7 @@
 mlx-lm's tokenizer wrapper knows a thinking model's markers (`think_start` /
 `think_end`, one token or several: `<think>`, `<|channel>thought`); gpt-oss's are its
 harmony analysis message (`<|channel|>analysis<|message|>` ... `<|end|>`, whose close
-before the answer is harmony's, prompt/harmony.py). Two facts follow
+before the answer is harmony's, prompt/reply/harmony.py). Two facts follow
 from a prompt's tokens and the template:
 - whether the prompt leaves a think block open (Qwen3.5 and Nemotron 3 Nano end their
   generation prompt with `<think>\\n`): then the reply starts as reasoning, as
@@ -16,9 +16,9 @@ from a prompt's tokens and the template:
 - what the template writes itself around reasoning sent back (its edges: `\\n` after
   Gemma 4's `<|channel>thought`, Qwen's and MiniMax's `<think>`, and `\\n` before the
   end marker), read from the same render: a reply that writes them hands its reasoning
-  out without them (prompt/thinking.py), so the client's copy renders back as the model
+  out without them (prompt/reply/thinking.py), so the client's copy renders back as the model
   wrote it and the next turn reuses the cache past the reasoning.
-Built once per model (prompt/boundaries.PromptPlanner); pure, no MLX.
+Built once per model (prompt/request/plan.PromptPlanner); pure, no MLX.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.prompt import harmony
-from mlx_prefix.prompt.render import ChatRenderer
-from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
+from mlx_prefix.prompt.reply import harmony
+from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
 
 log = logging.getLogger("mlx_prefix.prompt")
 
@@ -41,6 +41,18 @@ _PROBES = (
     Message("assistant", _ANSWER, reasoning=_REASONING),
     Message("assistant", _ANSWER, reasoning=_REASONING, tool_calls=(ToolCall("f", {}, "c0"),)),
 )
+
+
+class ChatRenderer(Protocol):
+    """What the markers are read with: the template's renderer (prompt/request/render.py)."""
+
+    tokenizer: Any
+
+    def render_text(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
+        """The template's text for `messages` (InvalidRequest where it refuses them)."""
+        ...
+
+    def encode_chat(self, text: str) -> list[int]: ...
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -111,7 +112,10 @@ class Channel:
         words = struct.unpack(f"<{self.size}Q", summed[_WORD:inline_at].tobytes())
         if length <= HEADER_BYTES - inline_at:
             return summed[inline_at : inline_at + length].tobytes(), words
-        body = np.frombuffer(payload, np.uint8) if self.leader else np.zeros(length, np.uint8)
+        if self.leader and payload is not None:  # rank 0 passes the payload
+            body = np.frombuffer(payload, np.uint8)
+        else:
+            body = np.zeros(length, np.uint8)
         return self._sum(body).tobytes(), words
 
     def agree_tokens(self, tokens: mx.array) -> mx.array:
@@ -131,7 +135,7 @@ class Channel:
         out = mx.distributed.all_gather(
             mx.array([value], dtype=mx.int64), group=self.group, stream=mx.cpu
         )
-        return tuple(int(v) for v in out.tolist())
+        return tuple(int(v) for v in cast("list[int]", out.tolist()))
 
     def gather_bytes(self, blob: bytes, width: int = 512) -> list[bytes]:
         """Every rank's `blob` (at most `width` bytes), in rank order."""

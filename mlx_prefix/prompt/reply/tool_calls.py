@@ -8,10 +8,10 @@ on the markers in text, holding back a delta's tail while it could still be the 
 of a marker.
 
 The server answers with the calls this module finds; the engine's next-turn prefetch
-renders the reply as the client will send it back (prompt/reply.py's `client_reply`).
+renders the reply as the client will send it back (prompt/reply/reader.py's `client_reply`).
 Both must split, parse and name a reply identically, so both use this module, whatever
 API shape (chat `tool_calls`, Anthropic `tool_use`, Responses `function_call`) the calls
-travel in. gpt-oss's harmony calls are read by prompt/harmony.py and parsed here too.
+travel in. gpt-oss's harmony calls are read by prompt/reply/harmony.py and parsed here too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.prompt.thinking import partial_suffix
+from mlx_prefix.prompt.reply.thinking import partial_suffix
 from mlx_prefix.records import ToolCallIds
 
 log = logging.getLogger("mlx_prefix.prompt")
@@ -53,7 +53,7 @@ class ToolSyntax:
 class Split:
     text: str  # plain text, safe to send now
     calls: list[str]  # complete tool-call bodies, markers stripped
-    reasoning: str = ""  # reasoning, safe to send now (a reader's, prompt/reply.py)
+    reasoning: str = ""  # reasoning, safe to send now (a reader's, prompt/reply/reader.py)
 
 
 # One piece of a reply, in order: (True, a call's body, markers stripped) or (False, text).

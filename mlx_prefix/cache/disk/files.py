@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from mlx_prefix.cache import disk_header as hdr
-from mlx_prefix.cache import disk_trust as trust
-from mlx_prefix.cache.disk_index import DiskEntry, DiskEntryInfo
+from mlx_prefix.cache.disk import header as hdr
+from mlx_prefix.cache.disk import trust
+from mlx_prefix.cache.disk.index import DiskEntry, DiskEntryInfo
 
 log = logging.getLogger("mlx_prefix.cache.disk")  # one logger for the whole disk tier
 
@@ -53,7 +53,7 @@ def survey(directory: Path) -> Survey:
 
     Files that are neither checkpoints nor our temp files are ignored; temp files still
     being written are neither found nor bad. A folder or file another user could have
-    written is skipped with a warning (disk_trust.py): neither found nor removed.
+    written is skipped with a warning (trust.py): neither found nor removed.
     """
     found: list[DiskEntry] = []
     bad: list[BadFile] = []

@@ -1,6 +1,6 @@
 """The disk tier's index: the checkpoint files it knows, held in memory (invariant 8).
 
-Rebuilt by a scan from file headers (`disk_files.survey`), then kept up to date by
+Rebuilt by a scan from file headers (`files.survey`), then kept up to date by
 saves, loads and removals. Matching uses a token trie per (model key, runtime) and
 the reuse rules (`reuse`); the byte budget uses one LRU order across every file
 (access = save or load). Files of other model keys or runtimes are indexed and count
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from mlx_prefix.cache.disk_header import entry_name
+from mlx_prefix.cache.disk.header import entry_name
 from mlx_prefix.cache.reuse import best_reuse
 from mlx_prefix.cache.trie import TokenTrie
 from mlx_prefix.cache.types import CheckpointKind

@@ -4,10 +4,10 @@ next-turn prefetch (`client_reply`).
 
 Two formats of reply:
 - think markers and tool-call markers in text (every family but gpt-oss): reasoning at
-  the reply's start (prompt/thinking.py; from the first token when the prompt left a
-  think block open), then calls split off the text (prompt/tool_calls.py), so markup
+  the reply's start (prompt/reply/thinking.py; from the first token when the prompt left a
+  think block open), then calls split off the text (prompt/reply/tool_calls.py), so markup
   written while reasoning never becomes a call;
-- gpt-oss's harmony channels (prompt/harmony.py): analysis messages are reasoning,
+- gpt-oss's harmony channels (prompt/reply/harmony.py): analysis messages are reasoning,
   messages to a function are calls, the rest is text.
 Pure: no MLX.
 """
@@ -19,10 +19,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mlx_prefix.conversation import Message, ToolCall, decode_arguments
-from mlx_prefix.prompt.harmony import SYNTAX as HARMONY_SYNTAX
-from mlx_prefix.prompt.harmony import Harmony, HarmonyReader
-from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges, ThinkSplitter
-from mlx_prefix.prompt.tool_calls import CallParser, ReplyCall, ReplySplitter, Split, ToolSyntax
+from mlx_prefix.prompt.reply.harmony import SYNTAX as HARMONY_SYNTAX
+from mlx_prefix.prompt.reply.harmony import Harmony, HarmonyReader
+from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges, ThinkSplitter
+from mlx_prefix.prompt.reply.tool_calls import (
+    CallParser,
+    ReplyCall,
+    ReplySplitter,
+    Split,
+    ToolSyntax,
+)
 from mlx_prefix.records import ToolCallIds
 
 

@@ -1,4 +1,4 @@
-"""Run a call with a time bound, for chat template rendering (prompt/render.py).
+"""Run a call with a time bound, for chat template rendering (prompt/request/render.py).
 
 A Jinja template is a program: `{% for i in range(99999) %}{% for j in range(99999) %}`
 runs for hours, and rendering happens in a handler's thread shielded from client

@@ -9,21 +9,19 @@ serialized with a stable key order.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from mlx_prefix.conversation import Message, canonical_json, rendered_images, template_messages
+from mlx_prefix.conversation import Message, canonical_json, template_messages
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.prompt.call_ids import CallIdForm, detect, map_call_ids
+from mlx_prefix.prompt.request.bounded import Timeout, call_bounded
+from mlx_prefix.prompt.request.call_ids import CallIdForm, detect, map_call_ids
 from mlx_prefix.records import PromptInput
-from mlx_prefix.vision.key import ImageSpan, salt
 
-from .bounded import Timeout, call_bounded
-
-if TYPE_CHECKING:
-    from mlx_prefix.prompt.reasoning import ReasoningMarkers
-    from mlx_prefix.vision.tower import PreparedImage, VisionFamily
+# The planner's sentinel (plan.py, breakpoints.py): an invisible separator, short, and
+# never merging across a message start; a probe render with it in place of some content
+# shares its tokens with the real render up to where that content begins.
+SENTINEL = "\u2063"
 
 # apply_chat_template's own arguments: in chat_template_kwargs they would replace the
 # template, change how it is rendered or tokenized, or collide with what the renderer
@@ -53,6 +51,7 @@ RENDER_TIMEOUT_S = 10.0
 def reserved_template_kwargs(tokenizer: Any) -> dict[str, str]:
     """The keys a chat_template_kwargs may not set for this tokenizer, with the reason."""
     reserved = dict(_RESERVED_KWARGS)
+    params: Iterable[inspect.Parameter]
     try:
         params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     except (AttributeError, TypeError, ValueError):
@@ -78,10 +77,6 @@ class ChatRenderer:
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self._timeout_s = timeout_s  # None: RENDER_TIMEOUT_S, read at each render
         self.reserved = reserved_template_kwargs(tokenizer)
-        # The model's think markers, once known (prompt/reasoning.py; set by the planner).
-        self.reasoning: ReasoningMarkers | None = None
-        # The model's vision part (vision/tower.py; set by the planner); None: text only.
-        self.vision: VisionFamily | None = None
         # The server's apply_chat_template arguments (--chat-template-args); a request's
         # own chat_template_kwargs win over them, as in mlx_lm.server.
         self.defaults = dict(defaults or {})
@@ -90,7 +85,7 @@ class ChatRenderer:
                 f"--chat-template-args may not set {key!r}: {self.reserved[key]}",
                 param="chat_template_args",
             )
-        # The tool-call ids this template accepts (prompt/call_ids.py): found once.
+        # The tool-call ids this template accepts (prompt/request/call_ids.py): found once.
         self.call_ids = CallIdForm.AS_SENT
         if self.has_template:
             self.call_ids = detect(
@@ -155,63 +150,22 @@ class ChatRenderer:
     def encode_completion(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def prompt_tokens(self, prompt: PromptInput) -> list[int]:
-        """The tokens `prompt` renders to (no checkpoint planning, no context check)."""
-        if prompt.text is not None:
-            return self.encode_completion(prompt.text)
-        return self.messages_tokens(prompt)
-
-    def messages_tokens(
-        self, prompt: PromptInput, contents: Mapping[int, str] | None = None
-    ) -> list[int]:
-        """The tokens of `prompt`'s conversation, with `contents` replacing some messages'
-        content (a planner's probe). With images: the cache key, each image's placeholder
-        run salted with its key (vision/key.py)."""
-        return self.messages_key(prompt, contents).tokens
-
-    def messages_key(
-        self, prompt: PromptInput, contents: Mapping[int, str] | None = None
-    ) -> RenderedKey:
-        """messages_tokens with the image spans it salted (a plan's probes render the same
-        images again: the family memoizes their preparation)."""
-        images = rendered_images(prompt.messages or (), contents)
-        if not images:
-            return RenderedKey(self._messages_ids(prompt, contents), (), ())
-        if self.vision is None:
-            raise InvalidRequest(
-                f"{images[0].param or 'messages'}: this model is text-only and cannot take "
-                "images; serve a vision model (its folder has a vision_config) to send them",
-                param=images[0].param or "messages",
-                code="model_not_multimodal",
-            )
-        ids = self._messages_ids(prompt, contents)
-        items = [self.vision.prepare_input(at.image) for at in images]
-        expanded, spans = self.vision.expand(ids, items)
-        return RenderedKey(salt(expanded, spans), tuple(spans), tuple(items))
-
-    def _messages_ids(
-        self, prompt: PromptInput, contents: Mapping[int, str] | None = None
-    ) -> list[int]:
+    def messages_text(self, prompt: PromptInput, contents: Mapping[int, str] | None = None) -> str:
+        """The template's text for `prompt`'s conversation, with `contents` replacing some
+        messages' content (a planner's probe); without its assistant prefix."""
         if not prompt.messages:
             raise InvalidRequest("'messages' must not be empty", param="messages")
-        text = self.render_text(
-            prompt.messages or (),
+        return self.render_text(
+            prompt.messages,
             tools=prompt.tools,
             template_kwargs=prompt.chat_template_kwargs,
             contents=contents,
         )
-        prefix = prompt.assistant_prefix
-        if prefix and self.reasoning is not None and self.reasoning.opens_text(text):
-            # A forced tool call is never reasoning: the think block the generation
-            # prompt opened is closed first, as the template closes one.
-            prefix = self.reasoning.close_text + prefix
-        return self.encode_chat(text + prefix)
 
 
-@dataclass(frozen=True, slots=True)
-class RenderedKey:
-    """A conversation's key tokens and the image spans salted in them."""
-
-    tokens: list[int]
-    spans: tuple[ImageSpan, ...]
-    images: tuple[PreparedImage, ...]  # the spans' images, in order
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -21,7 +21,7 @@ import struct
 import threading
 from collections.abc import Callable
 
-from mlx_prefix.group import Channel
+from mlx_prefix.engine.sharded.group import Channel
 
 log = logging.getLogger("mlx_prefix.engine")
 

@@ -33,12 +33,19 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.prompt.thinking import partial_suffix
-from mlx_prefix.prompt.tool_calls import Split, ToolSyntax
+from mlx_prefix.models.stops import (
+    CALL,
+    CHANNEL,
+    CONSTRAIN,
+    CONTROL,
+    END,
+    MESSAGE,
+    START,
+    harmony_stops,
+)
+from mlx_prefix.prompt.reply.thinking import partial_suffix
+from mlx_prefix.prompt.reply.tool_calls import Split, ToolSyntax
 
-START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
-CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
-CONTROL = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 # Reasoning as the model opens it right after the generation prompt, and the close a
 # reasoning budget forces: the analysis message ended, the final answer begun.
 ANALYSIS = f"{CHANNEL}analysis{MESSAGE}"
@@ -67,11 +74,8 @@ class Harmony:
             return _known[tokenizer]
         except KeyError:
             pass
-        ids = [tokenizer.encode(token, add_special_tokens=False) for token in CONTROL]
-        found = None
-        if all(len(i) == 1 for i in ids):
-            by_token = dict(zip(CONTROL, (i[0] for i in ids), strict=True))
-            found = cls(stops=(by_token[RETURN], by_token[CALL]))
+        stops = harmony_stops(tokenizer)
+        found = cls(stops=stops) if stops is not None else None
         _known[tokenizer] = found
         return found
 
