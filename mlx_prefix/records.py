@@ -65,7 +65,7 @@ class CachePreference:
     enabled: bool = True  # False: neither read nor write the prefix cache
     scope: DiskScope | None = None  # disk policy override (None: the server's)
     # The cache namespace (invariant 10): a request matches only entries of its own. The
-    # server derives it from who sent the request (server/namespaces.py); "" is the one
+    # server derives it from who sent the request (server/guards/namespaces.py); "" is the one
     # of clients without an Origin, the CLI and library callers.
     namespace: str = ""
     salt: str | None = None  # the body's `cache_salt`: splits the namespace further
@@ -110,7 +110,7 @@ class PromptInput:
     # The client's cache breakpoints; they change only which prefixes are kept.
     breakpoints: tuple[Breakpoint, ...] = ()
     # Text the assistant's turn opens with, after the generation prompt (a forced tool
-    # call's opening, server/tool_choice.py); the reply continues it.
+    # call's opening, server/routes/tool_choice.py); the reply continues it.
     assistant_prefix: str = ""
     # How the reply's tool calls will be named (None: after the engine's request id).
     # Not part of the prompt's identity: it changes nothing rendered.

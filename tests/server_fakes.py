@@ -211,6 +211,7 @@ class FakeHandle:
 class FakeEngine:
     def __init__(self, model: FakeModel | None = None, reply: str = DEFAULT_REPLY):
         self.model = model or FakeModel()
+        self.model_key = MODEL_KEY
         self.reply = reply
         self.submissions: list[Submission] = []
         self.handles: list[FakeHandle] = []
@@ -418,7 +419,7 @@ class FakeEngine:
                 del self._stored[k]
             return len(gone)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = 10.0) -> None:
         self.shutdown_calls += 1
         self._closed = True
         for handle in list(self.handles):

@@ -153,7 +153,7 @@ def test_the_client_reply_and_the_answer_read_as_the_server_does(gpt_oss):
 
 def test_a_forced_call_opens_the_commentary_channel_to_the_function(gpt_oss):
     from mlx_prefix.server.protocol.request import ToolChoice
-    from mlx_prefix.server.tool_choice import forced_opening
+    from mlx_prefix.server.routes.tool_choice import forced_opening
 
     named = forced_opening(gpt_oss, ToolChoice(mode="named", name="read"))
     assert named == "<|channel|>commentary to=functions.read <|constrain|>json<|message|>"

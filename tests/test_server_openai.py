@@ -9,7 +9,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
+from live import live_server, tool_calling_engine
+from server_fakes import DEFAULT_REPLY, FakeEngine, serving
 
 from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Message, ToolCall
@@ -27,13 +28,7 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def live():
-    model = FakeModel(
-        path=Path("/models/org/SmolLM-fake"), tokenizer=FakeTokenizer.with_json_tools()
-    )
-    with serving(FakeEngine(model)) as (url, engine):
-        yield url, engine
+live = live_server(lambda: tool_calling_engine(path=Path("/models/org/SmolLM-fake")))
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from .args import (
 )
 
 if TYPE_CHECKING:
-    from mlx_prefix.server.model_loading import EngineLoader
-    from mlx_prefix.server.model_names import ModelSpec
+    from mlx_prefix.server.served.loading import EngineLoader
+    from mlx_prefix.server.served.names import ModelSpec
     from mlx_prefix.server.settings import ServerSettings
 
 
@@ -280,7 +280,7 @@ def embedding_worker(args: argparse.Namespace) -> Any:
     from mlx_prefix.models.preflight import load_estimate
     from mlx_prefix.models.resolve import resolve_model
     from mlx_prefix.platform import available_memory
-    from mlx_prefix.server.model_loading import InsufficientMemory
+    from mlx_prefix.server.served.loading import InsufficientMemory
 
     cfg = embedding_config(args)
     if cfg.embedding_model is None:
@@ -302,7 +302,7 @@ def embedding_worker(args: argparse.Namespace) -> Any:
 
 
 def engine_loader(args: argparse.Namespace) -> EngineLoader:
-    """How the server loads a model on demand (server/model_pool.py): the model flags,
+    """How the server loads a model on demand (server/served/pool.py): the model flags,
     except that --chat-template applies to the default model only, and the cache and
     engine flags; the engine shares the store and disk cache it is given."""
     from mlx_prefix.config import ModelConfig

@@ -82,7 +82,7 @@ class Engine:
     ):
         """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
         draft model for speculative decoding (engine/decode/speculative.py). `store` and
-        `disk_cache` may be shared with other engines (server/model_pool.py). `turns`:
+        `disk_cache` may be shared with other engines (server/served/pool.py). `turns`:
         how the engine thread takes its turns (None: LocalTurns, this process alone)."""
         check_draft_config(model, draft, engine_config)
         self.model = model

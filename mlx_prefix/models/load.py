@@ -106,7 +106,7 @@ def load_model(
             model = load_adapters(model, str(adapter_path))
             model.eval()
             # Not lazy: the LoRA layers' arrays would belong to this thread's stream, and
-            # a server loads on a thread of its own (server/model_pool.py).
+            # a server loads on a thread of its own (server/served/pool.py).
             mx.eval(model.parameters())
         part = "tokenizer"
         tokenizer = load_tokenizer(resolved.path, options, eos_token_ids=config.get("eos_token_id"))

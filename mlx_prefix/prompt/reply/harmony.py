@@ -98,7 +98,7 @@ def parse_call(body: str, tools: Any = None) -> dict[str, Any]:
 @dataclass(frozen=True)
 class HarmonyToolSyntax(ToolSyntax):
     """Harmony's calls: `start` opens a forced call after the generation prompt
-    (server/tool_choice.py); a call that does not parse is shown as its arguments."""
+    (server/routes/tool_choice.py); a call that does not parse is shown as its arguments."""
 
     def written(self, body: str) -> str:
         return body.partition(MESSAGE)[2]

@@ -1,5 +1,5 @@
 """A reply's text read apart: reasoning, text and tool-call bodies, as the deltas arrive
-and at the end, the same way for the server (server/assembler.py) and the engine's
+and at the end, the same way for the server (server/replies/assembler.py) and the engine's
 next-turn prefetch (`client_reply`).
 
 Two formats of reply:

@@ -53,7 +53,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """Whether the reply may, must or must not call a tool (server/tool_choice.py
+    """Whether the reply may, must or must not call a tool (server/routes/tool_choice.py
     honours the forced modes)."""
 
     mode: Literal["auto", "none", "required", "named"] = "auto"
@@ -79,7 +79,7 @@ class GenerationRequest:
     # 400 otherwise); False: it only bounds the reply, cut at the context's end.
     fit_reply: bool = True
     # mlx_lm.server's `adapters`: a LoRA adapter folder; its engine is the model's with
-    # the adapter applied (server/model_pool.py), its cache apart from the base model's.
+    # the adapter applied (server/served/pool.py), its cache apart from the base model's.
     adapter: str | None = None
     # The body used the deprecated `functions`: a call comes back as `function_call`.
     legacy_functions: bool = False

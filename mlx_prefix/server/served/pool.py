@@ -2,10 +2,10 @@
 
 One engine per (model folder, adapter). Only models the operator named can be selected
 (any page can send a request here): which model a name selects is
-server/model_names.py's ModelSelector.
+server/served/names.py's ModelSelector.
 
 At most `max_models` engines are resident. A model not resident is loaded on its own
-thread (never on the event loop), after a memory check (server/model_loading.py, which
+thread (never on the event loop), after a memory check (server/served/loading.py, which
 also says how a failed load never leaves the server without what it served). Making
 room unloads the least recently used engine once it is drained: no lease (a handler
 between its lookup and the end of its call) and no job pending in the engine.
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.platform import available_memory
 
-from .model_loading import EngineLoader, EngineSwapper, Slot, memory_fit, on_own_thread
-from .model_names import ModelSelector, ModelSpec, ServedModel
+from .loading import EngineLoader, EngineSwapper, Slot, memory_fit, on_own_thread
+from .names import ModelSelector, ModelSpec, ServedModel
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI

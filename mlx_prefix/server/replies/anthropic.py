@@ -27,10 +27,11 @@ from typing import Any
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import DoneEvent, Usage
 
+from ..errors import anthropic_error_body
+from ..protocol.sealed import seal
 from .assembler import Delta
-from .errors import anthropic_error_body
-from .protocol.sealed import seal
 from .sse import event as sse
+from .stream import Collected
 
 
 def new_message_id() -> str:
@@ -190,25 +191,26 @@ def message_body(
 
 
 @dataclass
-class AnthropicStream:
-    """The Messages SSE stream of one request (a generation.StreamShaper)."""
+class AnthropicWriter:
+    """A Messages reply (a stream.ReplyWriter): the SSE events above, or the whole
+    message; either way its content written by one BlockWriter."""
 
     message_id: str
     model: str
     handle: Any  # the engine's RequestHandle: prompt size, and cache use once prefilled
-    stop_sequences: tuple[str, ...]
-    writer: BlockWriter
+    stop_sequences: tuple[str, ...]  # the client's own (not a parallel-call stop added)
+    blocks: BlockWriter
     _started: bool = False
 
     def opening(self) -> list[bytes]:
         return []
 
     def delta(self, delta: Delta) -> list[bytes]:
-        return [*self._start(None), *(sse(e) for e in self.writer.feed(delta))]
+        return [*self._start(None), *(sse(e) for e in self.blocks.feed(delta))]
 
     def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
-        out = [*self._start(done.usage), *(sse(e) for e in self.writer.close())]
-        reason, sequence = stop_reason(done, self.writer.made_tool_use, self.stop_sequences)
+        out = [*self._start(done.usage), *(sse(e) for e in self.blocks.close())]
+        reason, sequence = stop_reason(done, self.blocks.made_tool_use, self.stop_sequences)
         out.append(
             sse(
                 {
@@ -223,6 +225,14 @@ class AnthropicStream:
 
     def failure(self, error: MlxPrefixError) -> list[bytes]:
         return [sse(anthropic_error_body(error))]
+
+    def whole(self, result: Collected, finish: str) -> dict[str, Any]:
+        for delta in result.deltas:
+            self.blocks.feed(delta)
+        self.blocks.close()
+        reason = stop_reason(result.done, self.blocks.made_tool_use, self.stop_sequences)
+        usage = final_usage(result.done.usage, self.handle.breakpoint_end)
+        return message_body(self.message_id, self.model, self.blocks, reason, usage)
 
     def _start(self, usage: Usage | None) -> list[bytes]:
         if self._started:

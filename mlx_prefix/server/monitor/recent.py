@@ -31,7 +31,7 @@ class RequestRecord:
     prefill_tokens_per_s: float | None
     decode_tokens_per_s: float | None
     finish: str | None  # "stop", "length", "tool_calls"
-    namespace: str | None = None  # the sender's cache namespace id (server/namespaces.py)
+    namespace: str | None = None  # the sender's cache namespace id (server/guards/namespaces.py)
 
 
 class RecentRequests:

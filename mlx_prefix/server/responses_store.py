@@ -34,7 +34,7 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by cache namespace (server/namespaces.py): a response is found
+    """Stored responses by cache namespace (server/guards/namespaces.py): a response is found
     only by a request of the namespace that created it (another's id is a 404, as an id
     never stored), so one extension can neither read, continue nor delete another's.
 

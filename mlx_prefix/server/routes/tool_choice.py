@@ -21,8 +21,8 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.reply import harmony
 from mlx_prefix.prompt.reply.reader import tool_syntax
 
-from .protocol.request import GenerationRequest, ToolChoice
-from .tools import ToolSyntax
+from ..protocol.request import GenerationRequest, ToolChoice
+from ..replies.tools import ToolSyntax
 
 
 def _named_opening(syntax: ToolSyntax, name: str) -> str | None:

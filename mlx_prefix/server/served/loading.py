@@ -1,4 +1,4 @@
-"""Loading and unloading the model pool's engines (server/model_pool.py decides which).
+"""Loading and unloading the model pool's engines (server/served/pool.py decides which).
 
 Everything here runs on a loader thread of its own (`on_own_thread`), never on the event
 loop, except `memory_fit`, the check made before anything is unloaded: a model's weight
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 from mlx_prefix.models.preflight import check_loadable, load_estimate
 
-from .model_names import ModelSpec, ServedModel
+from .names import ModelSpec, ServedModel
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI

@@ -1,5 +1,5 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from
-streaming responses): the Host check, CORS policy, API-key check, request counting.
+streaming responses): the Host check, CORS policy, API-key check.
 
 Who may call what is decided here, once, for every route (the API under /v1 and its
 unprefixed twins, /health, /metrics, the dashboard and the cache admin routes), in this
@@ -8,18 +8,16 @@ order: HostGuard (DNS rebinding), OriginPolicy (pages and extensions), ApiKeyAut
 from __future__ import annotations
 
 import hmac
-import re
 from collections.abc import Collection
 
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import HostRefused, OriginRefused, Unauthorized, error_response, error_response_for
+from ..errors import HostRefused, OriginRefused, Unauthorized, error_response, error_response_for
 from .hosts import HostPolicy
-from .metrics import ServerMetrics
 
 # Pages served from this machine on any port, and browser extensions. Other web origins
 # are refused unless configured: a page on the open web must not drive a local model.
@@ -30,7 +28,7 @@ DEFAULT_ORIGIN_REGEX = (
 
 
 class HostGuard:
-    """Refuses a request whose Host header the HostPolicy refuses (server/hosts.py), on
+    """Refuses a request whose Host header the HostPolicy refuses (server/guards/hosts.py), on
     every path and method, before anything else runs: a 403 in the path's API family's
     error shape."""
 
@@ -135,40 +133,3 @@ class ApiKeyAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-class RequestCounter:
-    """Counts responses by endpoint and HTTP status. Unknown paths share one label so a
-    scanner cannot blow up the metric's cardinality."""
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, endpoints: Collection[str]):
-        self.app = app
-        self._metrics = metrics
-        self._endpoints = [(p, re.compile(_path_regex(p))) for p in endpoints]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def counting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            self._metrics.requests.labels(self._label(scope), str(status)).inc()
-
-    def _label(self, scope: Scope) -> str:
-        if scope["method"] == "OPTIONS":
-            return "preflight"
-        path = scope["path"]
-        return next((p for p, rx in self._endpoints if rx.fullmatch(path)), "other")
-
-
-def _path_regex(path: str) -> str:
-    return re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(path))

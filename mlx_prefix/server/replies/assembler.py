@@ -8,7 +8,7 @@ prompt's `reply_tool_call_ids`. Splitting, parsing and naming are prompt/reply/t
 shared with the engine's next-turn prefetch, so the prefetch renders the reply exactly as
 the client receives it (whitespace-only text around calls dropped alike).
 
-A reply whose prompt opened the assistant's turn (a forced tool call, server/tool_choice.py)
+A reply whose prompt opened the assistant's turn (a forced tool call, server/routes/tool_choice.py)
 is read as continuing that opening. A chat reply is read by prompt/reply/reader.py's reader:
 its reasoning (at the reply's start, or from its first token when the prompt left a
 think block open; gpt-oss's analysis channel) is split off before the text is searched
@@ -24,8 +24,7 @@ from mlx_prefix.prompt.reply.reader import ReplyReader, reply_reader, tool_synta
 from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
-from . import chat_bodies as R
-from .protocol.request import GenerationRequest
+from ..protocol.request import GenerationRequest
 from .tools import Split, ToolCallFormatter, ToolSyntax
 
 if TYPE_CHECKING:
@@ -33,10 +32,23 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    token: str  # the token decoded on its own
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[Alternative, ...] = ()  # the most likely tokens here, when asked for
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
     tool_calls: list[dict[str, Any]]  # OpenAI's tool_calls shape
-    logprobs: list[R.TokenLogprob]
+    logprobs: list[TokenLogprob]
     reasoning: str = ""
 
     def __bool__(self) -> bool:
@@ -115,8 +127,8 @@ class Assembler:
             # Each token as decoded on its own, the sampled one like its alternatives (the
             # text delta may hold back a stop string or an incomplete character).
             token = self._text(event.token) if event.token is not None else event.text
-            top = tuple(R.Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
-            lps.append(R.TokenLogprob(token, event.logprob, top))
+            top = tuple(Alternative(self._text(t.token), t.logprob) for t in event.top_logprobs)
+            lps.append(TokenLogprob(token, event.logprob, top))
         if self.reader is None:
             return Delta(event.text, [], lps)
         before = self.reader.reasoning
@@ -139,7 +151,7 @@ class Assembler:
             self._texts[token] = self.tokenizer.decode([token])
         return self._texts[token]
 
-    def _split(self, split: Split, lps: list[R.TokenLogprob]) -> Delta:
+    def _split(self, split: Split, lps: list[TokenLogprob]) -> Delta:
         if not split.calls or self.formatter is None:
             return Delta(split.text, [], lps, split.reasoning)
         calls, failed = self.formatter.format(split.calls)

@@ -2,7 +2,7 @@
 engine's activity and the last requests; and its single-entry actions.
 
 Who sees what: every listing and every action goes through `visible` with the
-`Caller` (server/namespaces.py): a page or extension sees its own namespace's entries,
+`Caller` (server/guards/namespaces.py): a page or extension sees its own namespace's entries,
 jobs and requests; the admin key's holder and local clients without an Origin (this
 page included) see all.
 
@@ -26,7 +26,7 @@ from mlx_prefix.engine.keys import namespace_of
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.vision.key import ends_span, is_image_value
 
-from .namespaces import Caller, visible
+from ..guards.namespaces import Caller, visible
 from .recent import RecentRequests
 
 if TYPE_CHECKING:

@@ -1,5 +1,6 @@
-"""OpenAI response bodies and SSE chunks (chat and completions), built from plain values.
-No I/O here."""
+"""The chat and completions families' replies: OpenAI's response bodies and SSE chunks,
+built from plain values (one shape for both: `kind` picks chat's message and deltas or a
+completion's text). No I/O here."""
 
 from __future__ import annotations
 
@@ -11,16 +12,21 @@ from typing import Any, Literal
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import Usage
 
-from .errors import body_for
+from ..errors import body_for
+from ..protocol.request import GenerationRequest
+from .assembler import TokenLogprob
 from .sse import DONE
 from .sse import chunk as sse
+from .stream import Collected
+
+Kind = Literal["chat", "completion"]
 
 
 @dataclass(frozen=True)
 class ResponseMeta:
     """What every body and chunk of one response repeats."""
 
-    kind: Literal["chat", "completion"]
+    kind: Kind
     model: str
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
@@ -47,21 +53,8 @@ class ResponseMeta:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def new_request_id(kind: Literal["chat", "completion"]) -> str:
+def new_request_id(kind: Kind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-@dataclass(frozen=True)
-class Alternative:
-    token: str  # the token decoded on its own
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: str
-    logprob: float
-    top: tuple[Alternative, ...] = ()  # the most likely tokens here, when asked for
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -178,13 +171,25 @@ def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
 
 
 @dataclass
-class OpenAIStream:
-    """The chat / completion chunk stream (generation.StreamShaper): a role chunk first
+class ChatWriter:
+    """A chat or completion reply (a stream.ReplyWriter). Streamed: a role chunk first
     (chat), content and tool-call deltas, the finish chunk, optionally a usage chunk,
-    then [DONE]; a failure is one error chunk."""
+    then [DONE]; a failure is one error chunk. Whole: one completion body."""
 
     meta: ResponseMeta
     include_usage: bool
+    logprobs: bool = False  # the request asked for them: the body carries them
+
+    @classmethod
+    def for_request(
+        cls,
+        kind: Literal["chat", "completion"],
+        model: str,
+        request_id: str,
+        req: GenerationRequest,
+    ) -> ChatWriter:
+        meta = ResponseMeta(kind, model, request_id, legacy_functions=req.legacy_functions)
+        return cls(meta, req.include_usage, req.sampling.logprobs)
 
     def opening(self) -> list[bytes]:
         if self.meta.kind != "chat":
@@ -210,3 +215,14 @@ class OpenAIStream:
 
     def failure(self, error: MlxPrefixError) -> list[bytes]:
         return [sse(body_for(error))]
+
+    def whole(self, result: Collected, finish: str) -> dict[str, Any]:
+        return completion_body(
+            self.meta,
+            text=result.text,
+            reasoning=result.reasoning,
+            tool_calls=result.tool_calls,
+            finish_reason=finish,
+            usage=result.done.usage,
+            logprobs=result.logprobs if self.logprobs else None,
+        )

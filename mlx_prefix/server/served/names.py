@@ -8,7 +8,7 @@ clients send names of their own (`gpt-4o-mini` from the openai examples, Claude 
 reply's `model` field then names the model that answered. With `strict` such a name
 is a 404 instead. Nothing here ever downloads a model: only served models are chosen.
 
-A server that loads models on demand (server/model_pool.py) lets a name select, after
+A server that loads models on demand (server/served/pool.py) lets a name select, after
 the served model, only what the operator named: a `--model-alias NAME=PATH`, or an
 entry of `--allowed-models` (a folder or a Hugging Face repo id already in the local hub
 cache, never downloaded; named as given or, for a folder, by its last component).

@@ -1,15 +1,21 @@
-"""Prometheus metrics on a registry of the app's own, so many apps can live in one process."""
+"""What each request leaves behind: Prometheus metrics on a registry of the app's own (so
+many apps can live in one process), its one log line (RequestLog, which also feeds the
+dashboard's recent requests) and the response count by endpoint and status
+(RequestCounter, a pure ASGI middleware)."""
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlx_prefix.records import Usage
 
@@ -198,3 +204,84 @@ _DOCS = {
     "misses": "Prefix-cache lookups that reused nothing",
     "tokens_reused": "Prompt tokens restored from the cache",
 }
+
+
+@dataclass
+class RequestLog:
+    """The per-request log line and token metrics, written exactly once."""
+
+    request_id: str
+    endpoint: str
+    metrics: ServerMetrics
+    namespace: str | None = None  # the sender's cache namespace id: who sees the record
+    prompt_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    _written: bool = False
+
+    def write(
+        self,
+        status: str,
+        usage: Usage | None = None,
+        finish: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        if self._written:
+            return
+        self._written = True
+        total_ms = (time.perf_counter() - self.started) * 1000
+        self.metrics.recent.add(
+            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish,
+            self.namespace,
+        )  # fmt: skip
+        if usage is None:
+            log.info(
+                "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms%s",
+                self.request_id, self.endpoint, self.prompt_tokens, status, total_ms,
+                f" error={error!r}" if error else "",
+            )  # fmt: skip
+            return
+        self.metrics.observe_generation(usage)
+        log.info(
+            "%s %s prompt=%d cached=%d completion=%d ttft=%.1fms decode=%.1ftok/s "
+            "finish=%s status=%s total=%.0fms",
+            self.request_id, self.endpoint, usage.prompt_tokens, usage.cached_tokens,
+            usage.completion_tokens, usage.ttft_s * 1000, usage.decode_tokens_per_s,
+            finish, status, total_ms,
+        )  # fmt: skip
+
+
+class RequestCounter:
+    """Counts responses by endpoint and HTTP status. Unknown paths share one label so a
+    scanner cannot blow up the metric's cardinality."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, endpoints: Collection[str]):
+        self.app = app
+        self._metrics = metrics
+        self._endpoints = [(p, re.compile(_path_regex(p))) for p in endpoints]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self._metrics.requests.labels(self._label(scope), str(status)).inc()
+
+    def _label(self, scope: Scope) -> str:
+        if scope["method"] == "OPTIONS":
+            return "preflight"
+        path = scope["path"]
+        return next((p for p, rx in self._endpoints if rx.fullmatch(path)), "other")
+
+
+def _path_regex(path: str) -> str:
+    return re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(path))

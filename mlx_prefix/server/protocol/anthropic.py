@@ -16,7 +16,7 @@ Every field is honoured or refused with a 400 naming it:
   spent, the server closes the think block as the template does and the model answers
   (engine/decode/reasoning_budget.py); disabled also closes at once a block the prompt opens
   anyway (a budget of 0); `display: "omitted"` sends thinking blocks without their text
-  (the signature carries it back, server/anthropic_stream.py);
+  (the signature carries it back, server/replies/anthropic.py);
 - `output_config.format` (the beta's `output_format`): `json_schema` structured output,
   held to the schema as chat's `response_format` is (not with `stop_sequences` or tools);
 - `output_config.effort`: a local model has one knob for how hard it works, whether it
@@ -57,6 +57,14 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 class MessagesRequest:
     generation: GenerationRequest
     show_thinking: bool  # the reply's reasoning goes out as thinking blocks
+
+    @property
+    def model(self) -> str | None:
+        return self.generation.model
+
+    @property
+    def adapter(self) -> str | None:
+        return self.generation.adapter
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 from mlx_prefix.embeddings.worker import EmbeddingWorker
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 
-from .model_names import ModelRegistry, ServedModel
+from .names import ModelRegistry, ServedModel
 
 
 class NoEmbeddingModel(InvalidRequest):

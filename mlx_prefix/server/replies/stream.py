@@ -1,5 +1,5 @@
 """One engine request's events -> a response in any API family: an SSE stream (through
-the family's StreamShaper) or the collected reply for one JSON body.
+the family's ReplyWriter) or the collected reply for the writer's one JSON body.
 
 Whatever way a request ends (done, engine error, client gone, server shutdown), the
 `finally` blocks cancel the engine handle (idempotent) and write the request's one
@@ -9,22 +9,20 @@ log line, so an abandoned request never keeps the engine decoding.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
 
 from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, Usage
+from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent
 
-from . import chat_bodies as R
-from .assembler import Assembler, Delta
-from .errors import CancelledByServer, GenerationFailed
-from .metrics import ServerMetrics
+from ..errors import CancelledByServer, GenerationFailed
+from ..monitor.metrics import RequestLog
+from .assembler import Assembler, Delta, TokenLogprob
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -55,52 +53,10 @@ class InFlight:
         return len(handles)
 
 
-@dataclass
-class RequestLog:
-    """The per-request log line and token metrics, written exactly once."""
-
-    request_id: str
-    endpoint: str
-    metrics: ServerMetrics
-    namespace: str | None = None  # the sender's cache namespace id: who sees the record
-    prompt_tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    _written: bool = False
-
-    def write(
-        self,
-        status: str,
-        usage: Usage | None = None,
-        finish: str | None = None,
-        error: str | None = None,
-    ) -> None:
-        if self._written:
-            return
-        self._written = True
-        total_ms = (time.perf_counter() - self.started) * 1000
-        self.metrics.recent.add(
-            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish,
-            self.namespace,
-        )  # fmt: skip
-        if usage is None:
-            log.info(
-                "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms%s",
-                self.request_id, self.endpoint, self.prompt_tokens, status, total_ms,
-                f" error={error!r}" if error else "",
-            )  # fmt: skip
-            return
-        self.metrics.observe_generation(usage)
-        log.info(
-            "%s %s prompt=%d cached=%d completion=%d ttft=%.1fms decode=%.1ftok/s "
-            "finish=%s status=%s total=%.0fms",
-            self.request_id, self.endpoint, usage.prompt_tokens, usage.cached_tokens,
-            usage.completion_tokens, usage.ttft_s * 1000, usage.decode_tokens_per_s,
-            finish, status, total_ms,
-        )  # fmt: skip
-
-
-class StreamShaper(Protocol):
-    """One API family's SSE stream: the bytes each step of a reply becomes."""
+class ReplyWriter(Protocol):
+    """One API family's reply, written from the assembler's deltas: streamed, the SSE
+    bytes each step becomes; collected, one JSON body. Each family has one, in
+    replies/<family>.py."""
 
     def opening(self) -> list[bytes]:
         """Sent at once, before the engine's first event."""
@@ -118,16 +74,20 @@ class StreamShaper(Protocol):
         """The request failed or was cancelled by the server; the stream's end."""
         ...
 
+    def whole(self, result: Collected, finish: str) -> dict[str, Any]:
+        """The reply not streamed: its JSON body (`finish`: the assembler's finish reason)."""
+        ...
+
 
 async def stream_events(
-    handle: Any, assembler: Assembler, shaper: StreamShaper, record: RequestLog
+    handle: Any, assembler: Assembler, writer: ReplyWriter, record: RequestLog
 ) -> AsyncIterator[bytes]:
-    """Engine events -> SSE bytes in `shaper`'s family. Errors become the family's error
+    """Engine events -> SSE bytes in `writer`'s family. Errors become the family's error
     events: the stream is the edge, it never cuts the connection."""
     status = "client_disconnected"  # stays so if the response task is cancelled mid-stream
     usage = finish = None
     try:
-        for chunk in shaper.opening():
+        for chunk in writer.opening():
             yield chunk
         try:
             async with aclosing(handle.aevents()) as events:
@@ -135,37 +95,37 @@ async def stream_events(
                     if isinstance(event, TokenEvent):
                         delta = assembler.feed(event)
                         if delta:
-                            for chunk in shaper.delta(delta):
+                            for chunk in writer.delta(delta):
                                 yield chunk
                     elif isinstance(event, DoneEvent):
                         if event.finish_reason == "cancelled":
                             status = "cancelled"
-                            for chunk in shaper.failure(CancelledByServer(CANCELLED)):
+                            for chunk in writer.failure(CancelledByServer(CANCELLED)):
                                 yield chunk
                             return
                         delta = assembler.finish()
                         if delta:
-                            for chunk in shaper.delta(delta):
+                            for chunk in writer.delta(delta):
                                 yield chunk
                         usage, finish = event.usage, assembler.finish_reason(event)
-                        for chunk in shaper.closing(event, finish):
+                        for chunk in writer.closing(event, finish):
                             yield chunk
                         status = "200"
                         return
                     elif isinstance(event, ErrorEvent):
                         status = "error"
                         log.error("%s generation failed: %s", record.request_id, event.message)
-                        for chunk in shaper.failure(as_error(event)):
+                        for chunk in writer.failure(as_error(event)):
                             yield chunk
                         return
             status = "error"
             ended = GenerationFailed("the engine ended the stream without a result")
-            for chunk in shaper.failure(ended):
+            for chunk in writer.failure(ended):
                 yield chunk
         except Exception as e:
             status = "error"
             log.exception("%s generation failed", record.request_id)
-            for chunk in shaper.failure(as_error(e)):
+            for chunk in writer.failure(as_error(e)):
                 yield chunk
     finally:
         handle.cancel()
@@ -196,7 +156,7 @@ class Collected:
         return [call for d in self.deltas for call in d.tool_calls]
 
     @property
-    def logprobs(self) -> list[R.TokenLogprob]:
+    def logprobs(self) -> list[TokenLogprob]:
         return [lp for d in self.deltas for lp in d.logprobs]
 
 

@@ -1,4 +1,5 @@
-"""Responses API objects and stream events, built from the engine's assembled deltas.
+"""The Responses family's replies: API objects and stream events, built from the engine's
+assembled deltas.
 
 One OutputEvents per response builds its output items (a `reasoning` item holding the
 reply's reasoning as one `reasoning_text` part, one assistant message holding all the
@@ -15,13 +16,17 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.records import DoneEvent, Usage
 
-from .assembler import Delta
-from .protocol.sealed import seal
+from ..protocol.sealed import seal
+from .assembler import Assembler, Delta
+from .sse import event as sse
+from .stream import Collected
 
 
 def new_id(prefix: str) -> str:
@@ -281,3 +286,37 @@ class OutputEvents:
                         arguments=function["arguments"]),
             self._event("response.output_item.done", output_index=index, item=done),
         ]  # fmt: skip
+
+
+@dataclass
+class ResponsesWriter:
+    """A Responses reply (a stream.ReplyWriter): the stream's events or the whole response
+    object, both from one OutputEvents; the finished response is stored (`save`) before
+    the stream's last event goes out, so the client can chain on it."""
+
+    output: OutputEvents
+    save: Callable[[dict[str, Any]], None]
+    assembler: Assembler  # counts the reply's reasoning tokens
+
+    def opening(self) -> list[bytes]:
+        return [sse(e) for e in self.output.start()]
+
+    def delta(self, delta: Delta) -> list[bytes]:
+        return [sse(e) for e in self.output.add(delta)]
+
+    def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
+        self.output.reasoning_tokens = self.assembler.reasoning_tokens
+        events = self.output.finish(done)
+        self.save(events[-1]["response"])
+        return [sse(e) for e in events]
+
+    def failure(self, error: MlxPrefixError) -> list[bytes]:
+        return [sse(self.output.fail(error.message))]
+
+    def whole(self, result: Collected, finish: str) -> dict[str, Any]:
+        for delta in result.deltas:
+            self.output.add(delta)
+        self.output.reasoning_tokens = self.assembler.reasoning_tokens
+        body = self.output.finish(result.done)[-1]["response"]
+        self.save(body)
+        return body
