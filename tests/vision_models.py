@@ -20,22 +20,39 @@ QWEN3_TOKENIZER = DATA / "tokenizers" / "qwen3"
 QWEN35_TEMPLATE = DATA / "templates" / "Qwen3.5-4B.jinja"
 
 _root: Path | None = None
-_folders: dict[str, Path] = {}
+# Qwen3.5's template refuses a system message anywhere but first; Claude Code 2.1.328
+# sends its environment block as one after the user's message. This variant renders it
+# where it stands, as Qwen3's template does.
+_SYSTEM_FIRST = "{{- raise_exception('System message must be at the beginning.') }}"
+_SYSTEM_HERE = "{{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}"
+
+_folders: dict[tuple[str, int, bool], Path] = {}
 
 
-def vision_model_folder(kind: str = "qwen3_5") -> Path:
+def vision_model_folder(
+    kind: str = "qwen3_5", context: int = 8192, system_anywhere: bool = False
+) -> Path:
+    """The tiny vision model of `kind` with a `context`-token context (an agent's prompt
+    needs 32K), the same weights whatever the context; `system_anywhere`: its template
+    renders a system message wherever it stands."""
     global _root
-    if kind not in _folders:
+    key = (kind, context, system_anywhere)
+    if key not in _folders:
         if _root is None:
             _root = Path(tempfile.mkdtemp(prefix="mlx-prefix-vision-models-"))
             atexit.register(shutil.rmtree, _root, ignore_errors=True)
-        _folders[kind] = make_vision_test_model(
+        template = QWEN35_TEMPLATE.read_text()
+        if system_anywhere:
+            assert _SYSTEM_FIRST in template
+            template = template.replace(_SYSTEM_FIRST, _SYSTEM_HERE)
+        _folders[key] = make_vision_test_model(
             kind,
-            _root / f"tiny-vl-{kind}",
+            _root / f"tiny-vl-{kind}-{context}{'-system' if system_anywhere else ''}",
             tokenizer=QWEN3_TOKENIZER,
-            chat_template=QWEN35_TEMPLATE.read_text(),
+            chat_template=template,
+            context=context,
         )
-    return _folders[kind]
+    return _folders[key]
 
 
 def picture(width: int, height: int, seed: int = 0) -> Image.Image:
