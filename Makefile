@@ -7,7 +7,7 @@ HOST_OS := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null && echo "sudo -n"))
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps python-venv test-deps test serve lint typecheck format peers bench bench-full clean
+.PHONY: install system-deps python-venv test-deps test serve lint typecheck format peers bench bench-full bench-vision clean
 
 # Linux: a fast BLAS for MLX's CPU backend (the mlx[cpu] wheel's own is ~65x slower).
 system-deps:
@@ -101,7 +101,8 @@ format: install
 	$(VENV)/bin/ruff check --fix mlx_prefix tests benchmarks
 
 # The benchmarks' second peer, vllm-mlx 0.6.0, in its own git-ignored venv (.peers/vllm-mlx,
-# see benchmarks/peers.py); where it cannot be installed, the benchmarks run without it.
+# see benchmarks/peers.py; mlx-vlm's server runs from it too); where it cannot be installed,
+# the benchmarks run without it.
 peers: install
 	$(PY) -m benchmarks.peers
 
@@ -110,6 +111,10 @@ bench: install peers
 
 bench-full: install peers
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile full
+
+# Issue 42's image conversation beside mlx-vlm's server and vllm-mlx (benchmarks/bench_vision.py).
+bench-vision: install peers
+	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks.bench_vision
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache $(TEST_CLIENTS) .peers
