@@ -1,11 +1,13 @@
 """Images through the engine: a hit computes what a miss computes, every token's logprob
 bit for bit, with the restore point before, at and after an image, on a dense (Gemma 3,
 all KV: trimmable) and a hybrid (Qwen3.5: recurrent layers, M-RoPE) vision model; what the
-key shares and what it never shares; batching rows with and without images."""
+key shares and what it never shares; --deterministic batches rows with and without
+images as each alone."""
 
 from __future__ import annotations
 
 import base64
+import threading
 
 import pytest
 from conftest import TEST_CACHE
@@ -18,7 +20,7 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import load_model
 from mlx_prefix.prompt.request.render import common_prefix_length
-from mlx_prefix.records import PromptInput, SamplingParams
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, logprobs=True)
 _loaded: dict = {}
@@ -128,15 +130,53 @@ def test_a_new_image_in_turn_three_reuses_turns_one_and_two(engines, kind):
     assert r3.tokens == cold.tokens and r3.logprobs == cold.logprobs
 
 
-def test_rows_with_and_without_images_decode_together_each_as_alone(engines):
-    engine = engines("qwen3_5")
-    with_image = prompt(SYSTEM, user("Look:", image(7), "Describe."))
-    text_only = prompt(SYSTEM, user("Describe a sunset."))
-    alone = [answer(engines("qwen3_5"), p) for p in (with_image, text_only)]
-    handles = [engine.submit(p, GREEDY) for p in (with_image, text_only)]
-    together = [collect(h) for h in handles]
-    for a, b in zip(alone, together, strict=True):
-        assert a.tokens == b.tokens
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
+def test_deterministic_rows_with_and_without_images_give_alone_logprobs_bit_for_bit(kind):
+    """--deterministic: requests with images (two of the same size) and one without,
+    arriving together, prefilled side by side and decoded in one batch, give every token's
+    logprob of each run alone and cold; again from the cache, the image prompts restored
+    past their image."""
+    engine = Engine(
+        loaded(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False, deterministic=True)
+    )
+    try:
+        prompts = [
+            prompt(SYSTEM, user("Look:", image(7), "Describe.")),
+            prompt(SYSTEM, user("Look:", image(9), "Describe.")),
+            prompt(SYSTEM, user("Describe a sunset over the harbour.")),
+        ]
+        off = CachePreference(enabled=False)
+        alone = [collect(engine.submit(p, GREEDY, off)) for p in prompts]
+        for burst in range(2):
+            together = _together(engine, prompts)
+            for a, b in zip(alone, together, strict=True):
+                assert b.tokens == a.tokens, "batching changed an answer"
+                assert b.logprobs == a.logprobs, "batching changed the numbers"
+            if burst:
+                for p, r in zip(prompts[:2], together[:2], strict=True):
+                    vision = engine.plan(p).vision
+                    assert vision is not None and r.usage.cached_tokens >= vision.spans[0].end
+        assert engine.peak_batch >= 2
+    finally:
+        engine.shutdown()
+
+
+def _together(engine, prompts):
+    """Serve `prompts` arriving together: the first prefill step waits until every one is
+    submitted, whatever the machine's speed."""
+    gate, step = threading.Event(), engine._prefill.step
+
+    def gated(*args, **kwargs):
+        gate.wait(60)
+        return step(*args, **kwargs)
+
+    engine._prefill.step = gated
+    try:
+        handles = [engine.submit(p, GREEDY) for p in prompts]
+        gate.set()
+        return [collect(h) for h in handles]
+    finally:
+        engine._prefill.step = step
 
 
 def test_an_image_prompt_refuses_draft_tokens_it_cannot_use(engines):
