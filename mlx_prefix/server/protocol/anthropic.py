@@ -125,12 +125,13 @@ def parse_messages_request(
 
 
 def parse_count_tokens(
-    body: dict[str, Any], *, keep_billing_header: bool = False
+    body: dict[str, Any], *, keep_billing_header: bool = False, images: ImageLimits | None = None
 ) -> tuple[str, PromptInput]:
-    """The model name and the prompt whose tokens /v1/messages/count_tokens counts."""
+    """The model name and the prompt whose tokens /v1/messages/count_tokens counts (its
+    images under the server's limits, as /v1/messages reads them)."""
     model = _model(body)
     thinking = _thinking(body, None).enable
-    prompt, tools = _prompt(body, keep_billing_header, thinking)
+    prompt, tools = _prompt(body, keep_billing_header, thinking, images)
     _tool_choice(body, tools, thinking)
     return model, prompt
 

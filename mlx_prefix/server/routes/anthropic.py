@@ -46,7 +46,12 @@ def _parse(body: dict[str, Any], st: ServerState) -> MessagesRequest:
 async def count_tokens(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
-    model, prompt = parse_count_tokens(body, keep_billing_header=st.settings.keep_billing_header)
+    model, prompt = await run_in_threadpool(  # its images decode off the event loop
+        parse_count_tokens,
+        body,
+        keep_billing_header=st.settings.keep_billing_header,
+        images=st.settings.images,
+    )
     served = await model_for(request, model)
     count = await run_in_threadpool(served.engine.count_tokens, prompt)
     return JSONResponse({"input_tokens": count})

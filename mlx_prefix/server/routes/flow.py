@@ -131,7 +131,9 @@ async def start(
     who = caller(request)
     record = RequestLog(ids.seed, request.url.path, st.metrics, who.namespace_id)
     try:
-        parsed = parse(await read_json(request), st)
+        # Off the event loop: a body's images are decoded (and, with --allow-image-urls,
+        # fetched) while it is parsed, which must not hold up other requests' streams.
+        parsed = await run_in_threadpool(parse, await read_json(request), st)
         served = await model_for(request, parsed.model, parsed.adapter)
         req = generation(parsed, who)
         req = replace(
