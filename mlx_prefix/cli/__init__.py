@@ -1,4 +1,5 @@
-"""mlx-prefix serve | generate | cache: the parser, dispatch and one-line errors.
+"""mlx-prefix serve | generate | cache | pull | ls | rm | ps | launch: the parser,
+dispatch and one-line errors.
 
 Text goes to stdout, diagnostics to stderr. Model, cache, disk, engine and server flags
 have MLX_PREFIX_* variable fallbacks (see config.py); generate's per-request flags do not.
@@ -17,10 +18,35 @@ from typing import NoReturn
 from mlx_prefix import __version__
 from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 
-from . import cache, generate, serve
+from . import cache, generate, launch, models, ps, serve
 from .cache import cmd_cache
 from .generate import cmd_generate
+from .launch import cmd_launch
+from .models import cmd_ls, cmd_pull, cmd_rm
+from .ps import cmd_ps
 from .serve import cmd_serve
+
+# command -> (one line for --help, its arguments, what runs it)
+COMMANDS = {
+    "serve": ("run the OpenAI-compatible HTTP server", serve.add_arguments, cmd_serve),
+    "generate": ("generate one reply and exit", generate.add_arguments, cmd_generate),
+    "pull": (
+        "download an MLX model from the Hugging Face Hub",
+        models.add_pull_arguments,
+        cmd_pull,
+    ),
+    "ls": ("list the models on this machine", models.add_ls_arguments, cmd_ls),
+    "rm": ("delete a downloaded model", models.add_rm_arguments, cmd_rm),
+    "ps": ("show what the running server has loaded", ps.add_arguments, cmd_ps),
+    "launch": (
+        "run a coding agent (claude, codex, opencode, qwen, continue, aider) against a server",
+        launch.add_arguments,
+        cmd_launch,
+    ),
+    "cache": ("inspect or clear the disk cache", cache.add_arguments, cmd_cache),
+}
+# What the device and BLAS line at startup is for: the commands that run a model.
+_RUNS_A_MODEL = ("serve", "generate")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,9 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlx-prefix {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve.add_arguments(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
-    generate.add_arguments(sub.add_parser("generate", help="generate one reply and exit"))
-    cache.add_arguments(sub.add_parser("cache", help="inspect or clear the disk cache"))
+    for name, (line, add_arguments, _) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=line, description=line))
     return parser
 
 
@@ -48,15 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    from mlx_prefix.platform import startup_line
+    if args.command in _RUNS_A_MODEL:
+        from mlx_prefix.platform import startup_line
 
-    print(startup_line(), file=sys.stderr)
+        print(startup_line(), file=sys.stderr)
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "cache":
-            return cmd_cache(args)
-        return cmd_serve(args)
+        return COMMANDS[args.command][2](args)
     except ModelNotFound as e:
         return _error(e.message, 2, args.verbose)
     except (MlxPrefixError, ValueError) as e:

@@ -31,6 +31,7 @@ from mlx_prefix.engine.requests.prefetch import Prefetcher, wants_prefetch
 from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.platform import trim_heap
 from mlx_prefix.prompt.reply import answer_text
 from mlx_prefix.records import ErrorEvent
 
@@ -89,8 +90,10 @@ class EngineLoop:
             mx.clear_streams()
 
     def _run_until_closed(self) -> None:
+        worked = False  # since the heap was last trimmed
         while True:
             idle = not (self._waiting.has_requests() or self._prefill.tasks or len(self._decode))
+            worked = worked or not idle
             saving = self.disk is not None and self.disk.pending > 0
             if saving and self._abandon_saves:
                 self.disk.drop_pending("the shutdown's time for disk saves ran out")
@@ -102,7 +105,15 @@ class EngineLoop:
                     # Off the requests' critical path: never between two tokens.
                     self.disk.write_pending(busy=not idle, decoding=len(self._decode) > 0)
                 block = idle and not self._closing and not saving
-                self._take_inbox(block, timeout=self._waiting.background_wait() if block else None)
+                wait = self._waiting.background_wait() if block else None
+                trim_s = self.config.idle_trim_s
+                # Idle after work: wait a moment first (never between two requests of a
+                # burst), unless a background prefill is due sooner.
+                trim = block and worked and trim_s is not None and (wait is None or wait >= trim_s)
+                self._take_inbox(block, timeout=trim_s if trim else wait)
+                if trim and not self._waiting.has_requests():
+                    trim_heap()  # once per idle transition, off every request's path
+                    worked = False
                 self._step()
             except Exception as e:  # a bug in one request must not stop the engine
                 log.exception("engine step failed")

@@ -18,6 +18,7 @@ from starlette.middleware import Middleware
 from .errors import EXCEPTION_HANDLERS
 from .generation import InFlight
 from .hosts import HostPolicy
+from .idle_unload import IdleUnloader
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, HostGuard, RequestCounter, cors
 from .model_loading import EngineLoader
@@ -31,10 +32,9 @@ from .served_embeddings import ServedEmbeddings
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
-    from mlx_prefix.engine.interface import EngineAPI
-
-if TYPE_CHECKING:
     from mlx_prefix.embeddings.worker import EmbeddingWorker
+    from mlx_prefix.engine.interface import EngineAPI
+    from mlx_prefix.models.settings_file import ModelsFile
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -44,12 +44,14 @@ def create_app(
     settings: ServerSettings,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
+    model_settings: ModelsFile | None = None,
 ) -> Starlette:
     """An app serving `engine`. Without a `loader` it never shuts the engine down: whoever
-    made it owns it. With one, other models are loaded on demand (server/model_pool.py)
-    and the app owns `engine` too: it may unload it (shut down, weights dropped).
-    `embeddings` serves /v1/embeddings; its owner closes it."""
-    return _build(engine, settings, on_shutdown=None, loader=loader, embeddings=embeddings)
+    made it owns it. With one, other models are loaded on demand (server/model_pool.py),
+    idle ones unloaded (server/idle_unload.py), and the app owns `engine` too: it may
+    unload it (shut down, weights dropped). `embeddings` serves /v1/embeddings; its
+    owner closes it. `model_settings`: the settings file, read (models/settings_file.py)."""
+    return _build(engine, settings, None, loader, embeddings, model_settings)
 
 
 def serve(
@@ -57,6 +59,7 @@ def serve(
     settings: ServerSettings,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
+    model_settings: ModelsFile | None = None,
 ) -> None:
     """Serves until SIGINT/SIGTERM, then: stop accepting connections, give in-flight
     requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engines
@@ -66,13 +69,7 @@ def serve(
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shut_down = False
 
-    app = _build(
-        engine,
-        settings,
-        on_shutdown=lambda: shutdown_engine(),
-        loader=loader,
-        embeddings=embeddings,
-    )
+    app = _build(engine, settings, lambda: shutdown_engine(), loader, embeddings, model_settings)
     pool: ModelPool = app.state.server.models
 
     def shutdown_engine() -> None:
@@ -184,6 +181,7 @@ def _build(
     on_shutdown: Callable[[], None] | None,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
+    model_settings: ModelsFile | None = None,
 ) -> Starlette:
     limits = Limits(  # for parsing: each served model's own limit comes after (limits_for)
         default_max_tokens=settings.default_max_tokens,
@@ -201,7 +199,11 @@ def _build(
         max_models=settings.max_models,
         model_aliases=settings.model_alias_map(),
         allowed_models=settings.allowed_models,
+        settings=model_settings,
+        keep_alive_s=settings.keep_alive_s,
+        default_keep_alive_s=settings.model_keep_alive_s,
     )
+    unloader = IdleUnloader(models) if loader is not None else None
     metrics = ServerMetrics(lambda: models.primary().cache_stats())
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
@@ -213,7 +215,12 @@ def _build(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        watch = asyncio.create_task(unloader.run()) if unloader is not None else None
         yield
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         if on_shutdown is not None:
             log.info("shutting down the engine")
             await run_in_threadpool(on_shutdown)
@@ -235,6 +242,7 @@ def _build(
         embeddings=ServedEmbeddings.of(embeddings, settings.embedding_aliases)
         if embeddings is not None
         else None,
+        unloader=unloader,
     )
     app.state.namespaces = Namespaces(settings.cache_sharing, settings.api_key)
     return app

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_prefix.config import FOREVER
+
 from .hosts import check_allowed_host
 
 
@@ -38,6 +40,10 @@ class ServerSettings:
     # (LRU), and "NAME=PATH" names for other model folders or cached hub ids.
     max_models: int = 1
     model_aliases: tuple[str, ...] = ()
+    # Idle unload (server/idle_unload.py): seconds a model loaded on demand stays once
+    # idle, and the same for the --model one (FOREVER: until a swap needs its room).
+    keep_alive_s: float = 300.0
+    model_keep_alive_s: float = FOREVER
     # Model folders, cached hub ids and LoRA adapter folders a request may name, loaded
     # on demand (besides the served model and the model_aliases); nothing else is.
     allowed_models: tuple[str, ...] = ()
@@ -81,6 +87,8 @@ class ServerSettings:
         self.model_alias_map()  # ValueError for a malformed pair
         if self.max_models < 1:
             raise ValueError("max_models must be at least 1")
+        if min(self.keep_alive_s, self.model_keep_alive_s) < 0:
+            raise ValueError("keep_alive_s and model_keep_alive_s must not be negative")
         for origin in self.allowed_origins:
             if origin != "*" and "://" not in origin:
                 raise ValueError(

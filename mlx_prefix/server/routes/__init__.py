@@ -20,7 +20,7 @@ from .embeddings import embeddings
 from .generate import chat_completions, completions
 from .messages import count_tokens, messages
 from .responses import create_response, delete_response, get_response
-from .status import get_model, health, list_models, metrics
+from .status import get_model, health, list_models, metrics, ps
 
 API_PREFIXES = ("/v1", "")
 
@@ -45,6 +45,7 @@ ROUTES = [
         for prefix in API_PREFIXES
     ),
     # mlx-prefix's own endpoints and the dashboard: under /v1 (or their own paths) only.
+    Route("/v1/ps", ps, methods=["GET"]),
     Route("/v1/cache", cache_info, methods=["GET"]),
     Route("/v1/cache", cache_flush, methods=["DELETE"]),
     Route("/v1/cache/warm", cache_warm, methods=["POST"]),

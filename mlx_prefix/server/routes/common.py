@@ -17,11 +17,12 @@ from mlx_prefix.errors import MlxPrefixError
 from ..dashboard import TreeShapes
 from ..errors import PayloadTooLarge, UnsupportedMediaType, error_response_for
 from ..generation import InFlight
+from ..idle_unload import IdleUnloader
 from ..metrics import ServerMetrics
 from ..model_names import ServedModel
 from ..model_pool import ModelPool
 from ..protocol.fields import parse_json_object
-from ..protocol.request import Limits
+from ..protocol.request import Limits, SamplingDefaults
 from ..response_store import ResponseStore
 from ..served_embeddings import ServedEmbeddings
 from ..settings import ServerSettings
@@ -43,11 +44,34 @@ class ServerState:
     responses: ResponseStore  # past /v1/responses answers, for previous_response_id
     tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
     embeddings: ServedEmbeddings | None = None  # --embedding-model, for /v1/embeddings
+    unloader: IdleUnloader | None = None  # idle unload, when models load on demand
 
-    def limits_for(self, engine: EngineAPI) -> Limits:
-        """The request limits of the model `engine` serves: its own context length."""
+    def limits_named(self, body: dict[str, Any]) -> Limits:
+        """The limits to parse `body` with: the server's, with the sampling defaults of
+        the settings file's table for the model the body names (the body's own fields
+        win). A name that selects nothing keeps the server's: the lookup after parsing
+        gives its error."""
+        name = body.get("model")
+        try:
+            spec = self.models.spec_for(name if isinstance(name, str) else None)
+            own = self.models.settings_for(spec)
+        except MlxPrefixError:
+            return self.limits
+        server = self.limits.sampling
+        sampling = SamplingDefaults(
+            *(
+                server.get(f, None) if getattr(own, f) is None else getattr(own, f)
+                for f in ("temperature", "top_p", "top_k", "min_p")
+            )
+        )
+        default_max = own.max_tokens or self.limits.default_max_tokens
+        return replace(self.limits, sampling=sampling, default_max_tokens=default_max)
+
+    def limits_for(self, engine: EngineAPI, base: Limits | None = None) -> Limits:
+        """The request limits of the model `engine` serves: its own context length (and
+        `base`'s defaults: `limits_named`'s)."""
         cap = self.settings.max_tokens_limit
-        return replace(self.limits, max_tokens=min(cap, engine.model.context_length or cap))
+        return replace(base or self.limits, max_tokens=min(cap, engine.model.context_length or cap))
 
     @property
     def engine(self) -> EngineAPI:

@@ -41,13 +41,14 @@ async def _generate(request: Request, kind: Literal["chat", "completion"]) -> Re
     record = RequestLog(R.new_request_id(kind), request.url.path, st.metrics, who.namespace_id)
     try:
         body = await read_json(request)
-        req = parse_chat(body, st.limits) if kind == "chat" else parse_completion(body, st.limits)
+        limits = st.limits_named(body)
+        req = parse_chat(body, limits) if kind == "chat" else parse_completion(body, limits)
         # Calls named after the request: the engine's next-turn prefetch names them alike.
         ids = ToolCallIds(record.request_id)
         req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         served = await model_for(request, req.model, req.adapter)
-        req = fit_to_model(req, st.limits_for(served.engine))
+        req = fit_to_model(req, st.limits_for(served.engine, limits))
         tokenizer = served.engine.model.tokenizer
         req = with_tool_choice(req, tokenizer)
         handle = await submit(served.engine, req, record.request_id)

@@ -40,14 +40,17 @@ async def messages(request: Request) -> Response:
     keep = st.settings.keep_billing_header
     try:
         body = await read_json(request)
-        parsed = parse_messages_request(body, st.limits, keep_billing_header=keep)
+        limits = st.limits_named(body)
+        parsed = parse_messages_request(body, limits, keep_billing_header=keep)
         served = await model_for(request, parsed.generation.model, parsed.generation.adapter)
         tokenizer = served.engine.model.tokenizer
         # tool_use ids named after the message, as the engine's next-turn prefetch names
         # them, so the client's next turn (which sends them back) finds its prefix cached.
         ids = ToolCallIds(message_id, prefix="toolu_")
         prompt = replace(parsed.generation.prompt, reply_tool_call_ids=ids)
-        req = fit_to_model(replace(parsed.generation, prompt=prompt), st.limits_for(served.engine))
+        req = fit_to_model(
+            replace(parsed.generation, prompt=prompt), st.limits_for(served.engine, limits)
+        )
         req = with_tool_choice(req, tokenizer)
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         handle = await submit(served.engine, req, message_id)

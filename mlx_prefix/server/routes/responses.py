@@ -42,12 +42,14 @@ async def create_response(request: Request) -> Response:
     who = caller(request)
     record = RequestLog(response_id, request.url.path, st.metrics, who.namespace_id)
     try:
-        parsed = parse_responses(await read_json(request), st.limits)
+        body = await read_json(request)
+        limits = st.limits_named(body)
+        parsed = parse_responses(body, limits)
         served = await model_for(request, parsed.model)
         tokenizer = served.engine.model.tokenizer
         history = _history(st.responses, who.namespace, parsed)
         req = parsed.generation(history, ToolCallIds(response_id))
-        req = with_tool_choice(fit_to_model(req, st.limits_for(served.engine)), tokenizer)
+        req = with_tool_choice(fit_to_model(req, st.limits_for(served.engine, limits)), tokenizer)
         req = replace(req, cache=replace(req.cache, namespace=who.namespace))
         handle = await submit(served.engine, req, response_id)
     except MlxPrefixError as e:
