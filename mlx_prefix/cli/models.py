@@ -31,7 +31,12 @@ def add_pull_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    import logging
+
     from mlx_prefix.models.pull import check_loadable, plan_pull, pull, split_name
+
+    for name in ("httpx", "httpx2"):  # one line per HTTP request: the bar says enough
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     repo_id, revision = split_name(args.model)
     plan = plan_pull(repo_id, revision)

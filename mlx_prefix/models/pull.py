@@ -72,22 +72,26 @@ def split_name(spec: str) -> tuple[str, str | None]:
 
 def plan_pull(repo_id: str, revision: str | None) -> PullPlan:
     """What pulling would download (nothing is downloaded)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
     label = f"{repo_id}@{revision}" if revision else repo_id
-    infos = _hub_call(
-        label,
-        revision,
-        lambda: snapshot_download(
-            repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, dry_run=True
-        ),
-    )
-    if not infos:
-        raise NotAnMlxModel(
-            f"'{label}' is not a model mlx-lm can load: the repo has no model files"
+    # Asked first, alone: its errors say what is wrong (no such repo, revision, access).
+    info = _hub_call(label, revision, lambda: HfApi().repo_info(repo_id, revision=revision))
+    commit = info.sha
+    disable_progress_bars()  # a dry run: nothing to watch
+    try:
+        infos = _hub_call(
+            label,
+            revision,
+            lambda: snapshot_download(
+                repo_id, revision=commit, allow_patterns=ALLOW_PATTERNS, dry_run=True
+            ),
         )
+    finally:
+        enable_progress_bars()
     files = tuple(PlannedFile(i.filename, i.file_size, not i.will_download) for i in infos)
-    return PullPlan(repo_id, revision, infos[0].commit_hash, files)
+    return PullPlan(repo_id, revision, commit, files)
 
 
 def check_loadable(plan: PullPlan) -> None:

@@ -178,9 +178,12 @@ def drop_weights(model: Any) -> None:
     import mlx.core as mx
     from mlx.utils import tree_map
 
+    module = getattr(model, "model", None)
+    if not hasattr(module, "parameters"):
+        return  # a test's fake
     empty = mx.zeros((0,))
     mx.eval(empty)
-    model.model.update(tree_map(lambda _: empty, model.model.parameters()))
+    module.update(tree_map(lambda _: empty, module.parameters()))
 
 
 def weights_bytes(model: Any) -> int:
