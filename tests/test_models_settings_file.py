@@ -4,7 +4,6 @@ naming the file and the line, before any model loads."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fakes import FakeEngine, serving
+from server_fakes import FakeEngine, LiveServer
 
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.loader import engine_loader
@@ -131,8 +130,6 @@ def test_sampling_defaults_and_aliases_apply_and_a_request_wins():
     )
     engine = FakeEngine()
     app = create_app(engine, ServerSettings(strict_model_names=True), model_settings=settings)
-    from server_fakes import LiveServer
-
     with LiveServer(app) as server:
         url = server.url + "/v1/chat/completions"
         hi = [{"role": "user", "content": "Hi"}]
@@ -159,8 +156,6 @@ def test_a_model_named_only_in_the_file_is_served_on_demand_under_its_name(tmp_p
         return FakeEngine()
 
     app = create_app(FakeEngine(), ServerSettings(), loader, model_settings=settings)
-    from server_fakes import LiveServer
-
     with LiveServer(app) as server:
         body = {"model": "o", "messages": [{"role": "user", "content": "Hi"}]}
         reply = httpx.post(server.url + "/v1/chat/completions", json=body).json()
