@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, agent_args = launch.split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        args.agent_args = agent_args
+    elif agent_args:
+        args = build_parser().parse_args([*argv, "--", *agent_args])  # argparse's own error
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

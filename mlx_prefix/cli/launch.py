@@ -49,11 +49,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the agent's settings (variables, files, command) instead of running it",
     )
-    p.add_argument("agent_args", nargs=argparse.REMAINDER, help="-- then the agent's own arguments")
+    p.set_defaults(agent_args=())  # what follows `--` (`split_agent_args`)
+
+
+def split_agent_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`launch ... -- AGENT ARGS`: the agent's arguments are cut off before parsing, so
+    launch's own options may come before or after AGENT."""
+    if "launch" in argv:
+        start = argv.index("launch")
+        if "--" in argv[start:]:
+            cut = argv.index("--", start)
+            return argv[:cut], argv[cut + 1 :]
+    return argv, []
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    agent_args = tuple(args.agent_args[1:] if args.agent_args[:1] == ["--"] else args.agent_args)
+    agent_args = tuple(args.agent_args)
     url, key = server_url(args.url), api_key(args.api_key)
     folder = launch_folder(args.agent)
     models = get_json(url, "/v1/models", key)
@@ -94,7 +105,7 @@ def target_for(url: str, key: str | None, model: str | None, models: dict | None
         if not cards:
             raise MlxPrefixError(f"the server at {url} lists no chat model")
         card = cards[0] if model is None else _card_for(model, cards, url)
-        name = (card.get("alias_of") or card["id"]) if model is None else model
+        name = card["id"]  # as the server names it (a path given to --model is not)
         context = card.get("context_length") or _folder_context(model, quiet=True)
     return Target(url, key or "local", name, context, output_cap(context))
 
