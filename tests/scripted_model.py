@@ -39,7 +39,9 @@ def scripted_model(dest: Path, word: str = "Hi", **kwargs) -> Path:
     for cfg in (config, config.get("text_config") or {}):
         if "tie_word_embeddings" in cfg:
             cfg["tie_word_embeddings"] = False
-    ids = Tokenizer.from_file(str(dest / "tokenizer.json")).encode(word, add_special_tokens=False).ids
+    ids = (
+        Tokenizer.from_file(str(dest / "tokenizer.json")).encode(word, add_special_tokens=False).ids
+    )
     assert len(ids) == 1, f"{word!r} is {len(ids)} tokens"
     eos = config["eos_token_id"]
     eos = eos[0] if isinstance(eos, list) else eos

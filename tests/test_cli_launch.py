@@ -88,7 +88,9 @@ def test_print_env_reads_the_running_servers_context(tmp_path):
     assert "export QWEN_CODE_MAX_OUTPUT_TOKENS=1024" in lines
     assert lines[-1] == "qwen"
     defaults = tmp_path / "launch" / "qwen" / "settings.json"
-    assert json.loads(defaults.read_text())["model"]["generationConfig"]["contextWindowSize"] == 8192
+    assert (
+        json.loads(defaults.read_text())["model"]["generationConfig"]["contextWindowSize"] == 8192
+    )
 
 
 def _free_port() -> int:
@@ -188,7 +190,7 @@ def test_an_agent_runs_twice_through_launch_and_reads_its_prompt_from_the_cache(
     for d in (bin_dir, home, work):
         d.mkdir()
     wrapper = bin_dir / agent
-    wrapper.write_text(f"#!/bin/sh\nexec {' '.join(map(repr, command))} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\nexec {" ".join(map(repr, command))} "$@"\n')
     wrapper.chmod(0o755)
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -196,11 +198,22 @@ def test_an_agent_runs_twice_through_launch_and_reads_its_prompt_from_the_cache(
         "MLX_PREFIX_HOME": str(home / ".mlx-prefix"),
         **OFFLINE,
     }
+    if "PYTHONPATH" in os.environ:  # launch itself is this checkout's
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
 
     def run() -> subprocess.CompletedProcess:
         done = subprocess.run(
-            [sys.executable, "-m", "mlx_prefix", "launch", agent, "--url", served_model,
-             "--", *HEADLESS[agent]],  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "mlx_prefix",
+                "launch",
+                agent,
+                "--url",
+                served_model,
+                "--",
+                *HEADLESS[agent],
+            ],  # fmt: skip
             cwd=work,
             env=env,
             capture_output=True,
