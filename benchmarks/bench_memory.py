@@ -17,6 +17,14 @@ Two more measurements (`--mode`):
   --keep-alive 2s): RSS before it loads, once loaded, once unloaded when idle (goal:
   within 10% of before); then --max-models 1, RSS after each of three swaps and back.
 
+Measured 2026-11-27 on a 2-core AMD EPYC (Linux, OpenBLAS), SmolLM2-135M float32:
+- burst: RSS 715 MiB before, 1116 right after the burst, 716 after 3 s idle with the
+  trim; 1117 still after 3 s without it (glibc kept the burst's 400 MiB of freed heap).
+- swaps, idle unload: 667 MiB before the second model loads, 735 loaded, 687 once it was
+  unloaded when idle (1.03x before: the goal is 1.10x). Swaps with --max-models 1: start
+  668, then micro 163 / SmolLM2 702, 209 / 728, 214 / 732 over three swaps (before the
+  trim on unload: 171 -> 702 -> 1222 -> 1700, ~500 MiB kept per swap).
+
     python -m mlx_prefix.blas_exec python -m benchmarks.bench_memory [--budget 64MiB]
     python -m mlx_prefix.blas_exec python -m benchmarks.bench_memory --mode burst
     python -m mlx_prefix.blas_exec python -m benchmarks.bench_memory --mode swaps

@@ -142,13 +142,7 @@ def available_memory() -> int | None:
         info = mx.device_info()
         limit = int(info.get("max_recommended_working_set_size", 0))
         return max(limit - mx.get_active_memory(), 0) if limit else None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable:")
 
 
 def cap_buffer_cache(budget_bytes: int) -> int:
@@ -170,9 +164,14 @@ def cap_buffer_cache(budget_bytes: int) -> int:
 def process_rss() -> int | None:
     """This process's resident set size in bytes, from Linux's /proc; None elsewhere or
     when unknown."""
+    return _proc_bytes("/proc/self/status", "VmRSS:")
+
+
+def _proc_bytes(path: str, field: str) -> int | None:
+    """A `field: N kB` line of a /proc file, in bytes; None when there is none."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

@@ -4,25 +4,18 @@ and refuses what a running server serves; ps shows what the server has loaded.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TEST_CACHE
 from hub_standin import Repo, StandInHub
-from server_fakes import LiveServer
+from pool_server import pool_server
 
-from mlx_prefix.engine.engine import Engine
-from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.server import ServerSettings, create_app
-from mlx_prefix.server.model_names import ModelSpec
 
 
 @pytest.fixture(scope="module")
@@ -81,24 +74,9 @@ def test_ls_one_line_per_model_and_json(machine):
     assert rows["tiny-qwen3_5"]["tools"] and rows["tiny-qwen3_5"]["reasoning"]
 
 
-@contextlib.contextmanager
-def server_of(folder: Path, **settings) -> Iterator[str]:
-    def loader(spec: ModelSpec, store, disk):
-        return Engine(load_model(str(spec.folder)), TEST_CACHE, store=store)
-
-    app = create_app(loader(ModelSpec(folder, None, folder.name, True), None, None),
-                     ServerSettings(**settings), loader)  # fmt: skip
-    pool = app.state.server.models
-    try:
-        with LiveServer(app) as server:
-            yield server.url
-    finally:
-        pool.close()
-
-
 def test_rm_refuses_a_served_model_asks_without_y_and_deletes(machine):
     home = Path(machine["MLX_PREFIX_HOME"]) / "models"
-    with server_of(home / "tiny-sliding") as url:
+    with pool_server(home / "tiny-sliding") as (url, _):
         refused = cli(machine, "rm", "-y", "tiny-sliding", "--url", url)
         no_tty = cli(machine, "rm", "tiny-dense", "--url", url, stdin="y\n")
         deleted = cli(machine, "rm", "-y", "org/tiny", "--url", url)
@@ -115,7 +93,7 @@ def test_rm_refuses_a_served_model_asks_without_y_and_deletes(machine):
 
 def test_ps_shows_what_the_server_has_loaded(machine, tmp_path):
     home = Path(machine["MLX_PREFIX_HOME"]) / "models"
-    with server_of(home / "tiny-qwen3_5", api_key="sesame") as url:
+    with pool_server(home / "tiny-qwen3_5", api_key="sesame") as (url, _):
         table = cli(machine, "ps", "--url", url, "--api-key", "sesame")
         as_json = cli(machine | {"MLX_PREFIX_SERVER_API_KEY": "sesame"}, "ps", "--json",
                       "--url", url)  # fmt: skip

@@ -6,21 +6,16 @@ the test moves; the live part on real tiny models, polled with a deadline."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import TEST_CACHE
-from server_fakes import FakeEngine, FakeModel, LiveServer, wait_until
+from pool_server import pool_server
+from server_fakes import FakeEngine, FakeModel, wait_until
 
 from mlx_prefix.config import FOREVER
-from mlx_prefix.engine.engine import Engine
-from mlx_prefix.models.load import load_model
 from mlx_prefix.models.settings_file import parse_models_file
 from mlx_prefix.models.testing import make_test_model
-from mlx_prefix.server import ServerSettings, create_app
 from mlx_prefix.server.idle_unload import IdleUnloader
 from mlx_prefix.server.model_names import ModelSpec
 from mlx_prefix.server.model_pool import ModelPool
@@ -147,27 +142,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {k: make_test_model("dense", root / f"tiny-{k}", seed=i) for i, k in enumerate("abc")}
 
 
-@contextlib.contextmanager
-def served(folders, settings_text: str = "", **settings) -> Iterator[tuple[str, ModelPool]]:
-    def loader(spec: ModelSpec, store, disk_cache) -> Engine:
-        return Engine(load_model(str(spec.folder)), TEST_CACHE, store=store)
-
-    default = loader(ModelSpec(folders["a"], None, "tiny-a", True), None, None)
-    allowed = (str(folders["b"]), str(folders["c"]))
-    app = create_app(
-        default,
-        ServerSettings(allowed_models=allowed, max_models=3, **settings),
-        loader,
-        model_settings=parse_models_file(settings_text),
-    )
-    pool = app.state.server.models
-    try:
-        with LiveServer(app) as server:
-            yield server.url, pool
-    finally:
-        pool.close()
-
-
 def ask(url: str, model: str) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": "Opening hours?"}],
             "max_tokens": 8, "temperature": 0}  # fmt: skip
@@ -183,7 +157,14 @@ def loaded(url: str) -> list[str]:
 def test_unloaded_after_its_keep_alive_and_reloaded_with_the_same_answer(folders):
     b, c = str(folders["b"]), str(folders["c"])
     pinned = f'[models."{c}"]\npinned = true\n'
-    with served(folders, pinned, keep_alive_s=0.5) as (url, pool):
+    allowed = (b, c)
+    with pool_server(
+        folders["a"],
+        model_settings=parse_models_file(pinned),
+        allowed_models=allowed,
+        max_models=3,
+        keep_alive_s=0.5,
+    ) as (url, pool):
         first = ask(url, b)
         ask(url, c)
         assert wait_until(lambda: b not in loaded(url), timeout=120), loaded(url)
