@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from agent_e2e import CLIENTS, NODE_MODULES, OFFLINE, RUN_TIMEOUT_S, Counted
+from pool_server import pool_server
 from scripted_model import scripted_model
 from server_fakes import FakeEngine, FakeModel, serving
 
@@ -27,6 +28,7 @@ from mlx_prefix.cli.agents import AGENTS, Target, output_cap
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
+from mlx_prefix.models.testing import cached_test_model
 
 TARGET = Target("http://127.0.0.1:9", "k", "tiny", 32768, output_cap(32768))
 
@@ -91,6 +93,20 @@ def test_print_env_reads_the_running_servers_context(tmp_path):
     assert (
         json.loads(defaults.read_text())["model"]["generationConfig"]["contextWindowSize"] == 8192
     )
+
+
+def test_print_env_for_a_model_the_server_loads_on_demand(tmp_path):
+    other = scripted_model(tmp_path / "other", kind="dense", context=16384)
+    env = {**os.environ, "MLX_PREFIX_HOME": str(tmp_path / "home")}
+    default = cached_test_model("dense")
+    with pool_server(default, allowed_models=(str(other),)) as (url, pool):
+        named = launch("claude", "--url", url, "--model", str(other), "--print-env", env=env)
+        unknown = launch("claude", "--url", url, "--model", "/no/such", "--print-env", env=env)
+        assert len(pool.slots()) == 1  # nothing was loaded for launch
+    assert named.returncode == 0, named.stderr
+    assert f"export ANTHROPIC_MODEL={other}" in named.stdout.splitlines()
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=16384" in named.stdout.splitlines()
+    assert unknown.returncode == 1 and "does not serve '/no/such'" in unknown.stderr
 
 
 def _free_port() -> int:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 
@@ -104,17 +104,25 @@ def target_for(url: str, key: str | None, model: str | None, models: dict | None
         cards = [c for c in models.get("data", []) if c.get("type") != "embedding"]
         if not cards:
             raise MlxPrefixError(f"the server at {url} lists no chat model")
-        card = cards[0] if model is None else _card_for(model, cards, url)
+        card = cards[0] if model is None else _card_for(model, cards, url, key)
         name = card["id"]  # as the server names it (a path given to --model is not)
         context = card.get("context_length") or _folder_context(model, quiet=True)
     return Target(url, key or "local", name, context, output_cap(context))
 
 
-def _card_for(model: str, cards: list[dict], url: str) -> dict:
+def _card_for(model: str, cards: list[dict], url: str, key: str | None) -> dict:
+    """The listed card `model` names, else the one the server gives for it when it can
+    load it on demand (not listed until loaded)."""
     base = model.rstrip("/").rsplit("/", 1)[-1]
     for card in cards:
         if model in (card["id"], card.get("alias_of")) or card["id"] == base:
             return card
+    try:
+        card = get_json(url, "/v1/models/" + quote(model, safe="/@"), key)
+    except MlxPrefixError:  # a 404: not a name this server serves
+        card = None
+    if card is not None and card.get("id") in (model, base):
+        return card
     raise InvalidRequest(
         f"the server at {url} does not serve {model!r} (it lists "
         f"{', '.join(c['id'] for c in cards)}): stop it, or pass --url for another"

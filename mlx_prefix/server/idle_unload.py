@@ -69,9 +69,3 @@ class IdleUnloader:
                 gone.append(slot.spec.id)
         self.unloaded += gone
         return gone
-
-    def unloads_in(self, slot_last_used: float, keep: float) -> float | None:
-        """Seconds until a model idle since `slot_last_used` is unloaded (None: never)."""
-        if keep == FOREVER:
-            return None
-        return max(keep - (self.clock() - slot_last_used), 0.0)
