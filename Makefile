@@ -7,7 +7,7 @@ HOST_OS := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null && echo "sudo -n"))
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps python-venv test-deps test serve lint format peers bench bench-full clean
+.PHONY: install system-deps python-venv test-deps test serve lint typecheck format peers bench bench-full clean
 
 # Linux: a fast BLAS for MLX's CPU backend (the mlx[cpu] wheel's own is ~65x slower).
 system-deps:
@@ -86,9 +86,13 @@ test: install test-deps
 serve: install
 	$(VENV)/bin/mlx-prefix serve $(ARGS)
 
-lint: install
+lint: install typecheck
 	$(VENV)/bin/ruff check mlx_prefix tests benchmarks
 	$(VENV)/bin/ruff format --check mlx_prefix tests benchmarks
+
+# mypy over the core (cache/, engine/, prompt/, the records): pyproject's [tool.mypy].
+typecheck: install
+	$(VENV)/bin/mypy
 
 format: install
 	$(VENV)/bin/ruff format mlx_prefix tests benchmarks

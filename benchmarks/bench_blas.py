@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_prefix.models.load import load_model
 from mlx_prefix.platform import loaded_blas
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 from mlx_prefix.engine.forward.runner import prefill
 
 n, spec = int(sys.argv[1]), (sys.argv[2] or None)

@@ -21,8 +21,8 @@ from mlx_prefix.config import CacheConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.models.load import load_model
-from mlx_prefix.prompt.boundaries import PromptPlanner
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput
 
 

@@ -23,7 +23,7 @@ from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import CachePreference, DoneEvent, ErrorEvent, PromptInput, SamplingParams
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

@@ -29,7 +29,7 @@ def record(run: dict[str, Any], model: str) -> dict[str, Any]:
     from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
     from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
     from mlx_prefix.models.load import load_model
-    from mlx_prefix.prompt.boundaries import PromptPlanner
+    from mlx_prefix.prompt.request.plan import PromptPlanner
     from mlx_prefix.records import PromptInput
 
     path = (dense_model() if model == "dense" else hybrid_model()).path

@@ -182,7 +182,7 @@ class Tokens:
     def __init__(self, path: Path):
         from transformers import AutoTokenizer
 
-        from mlx_prefix.prompt.render import ChatRenderer
+        from mlx_prefix.prompt.request.render import ChatRenderer
 
         self._tok = AutoTokenizer.from_pretrained(str(path))
         self._renderer = ChatRenderer(self._tok)

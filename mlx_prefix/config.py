@@ -9,19 +9,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
-
-from mlx_prefix.cache.eviction import POLICIES
 
 T = TypeVar("T")
 
 GiB = 1024**3
 
-EVICTION_POLICIES = tuple(POLICIES)  # cache/eviction.py registers them
+EVICTION_POLICIES = ("value", "kind")  # cache/eviction.py builds each (POLICIES)
 KV_BITS = (2, 3, 4, 5, 6, 8)  # --kv-bits: what mx.quantize supports
 KV_GROUP_SIZES = (32, 64, 128)  # --kv-group-size
 
@@ -76,26 +76,113 @@ class CacheConfig:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}")
 
 
+DEFAULT_AUTO_WINDOW = 16
+MAX_AUTO_WINDOW = 128  # requests remembered per model key (4 bytes per token each)
+
+
+class ScopeMode(str, Enum):
+    OFF = "off"
+    FULL = "full"
+    AUTO = "auto"
+    FIXED = "fixed"  # written as a bare token count
+
+
+@dataclass(frozen=True, slots=True)
+class DiskScope:
+    """Which positions of a request go to disk (cache/disk/policy.py says how each is
+    chosen): the server's `--disk-scope`, or a request's `prefix_cache.scope`, parsed
+    once where it enters (the CLI, the request body) and passed on typed."""
+
+    mode: ScopeMode
+    n: int = 0  # AUTO: window in requests; FIXED: tokens; else 0
+
+    def __post_init__(self) -> None:
+        if self.mode is ScopeMode.AUTO and not 1 <= self.n <= MAX_AUTO_WINDOW:
+            raise ValueError(f"auto window {self.n} outside 1..{MAX_AUTO_WINDOW}")
+        if self.mode is ScopeMode.FIXED and self.n < 1:
+            raise ValueError(f"token count {self.n} must be at least 1")
+
+    @classmethod
+    def parse(cls, text: str) -> DiskScope:
+        """Parse `off | full | auto | auto:N | N`; ValueError with the accepted forms."""
+        s = text.strip().lower()
+        if s == "off":
+            return cls(ScopeMode.OFF)
+        if s == "full":
+            return cls(ScopeMode.FULL)
+        if s == "auto":
+            return cls(ScopeMode.AUTO, DEFAULT_AUTO_WINDOW)
+        head, colon, tail = s.partition(":")
+        if head == "auto" and colon:
+            window = _positive(tail)
+            if window is not None and window <= MAX_AUTO_WINDOW:
+                return cls(ScopeMode.AUTO, window)
+        elif not colon:
+            tokens = _positive(s)
+            if tokens is not None:
+                return cls(ScopeMode.FIXED, tokens)
+        raise ValueError(
+            f"invalid disk cache scope {text!r}: expected off, full, auto, auto:N "
+            f"(1 <= N <= {MAX_AUTO_WINDOW} recent requests) or a token count N >= 1"
+        )
+
+    @property
+    def off(self) -> bool:
+        return self.mode is ScopeMode.OFF
+
+    def __str__(self) -> str:
+        if self.mode is ScopeMode.FIXED:
+            return str(self.n)
+        if self.mode is ScopeMode.AUTO:
+            return f"auto:{self.n}"
+        return self.mode.value
+
+
+DEFAULT_SCOPE = DiskScope(ScopeMode.AUTO, DEFAULT_AUTO_WINDOW)
+FULL_SCOPE = DiskScope(ScopeMode.FULL)
+
+
+def _positive(s: str) -> int | None:
+    if not s.isdigit():
+        return None
+    value = int(s)
+    return value if value >= 1 else None
+
+
 @dataclass(frozen=True, slots=True)
 class DiskConfig:
     """The disk tier: checkpoints persisted so the cache survives restarts."""
 
-    scope: str = "auto"  # off | full | auto[:N] | N (see cache/disk_policy.py)
+    scope: str = "auto"  # off | full | auto[:N] | N (DiskScope; cache/disk/policy.py)
     directory: str | None = None  # None = <user cache dir>/mlx-prefix/prompt-cache
     budget_bytes: int = 16 * GiB
     min_tokens: int = 64  # shorter prefixes are cheaper to recompute than to read
 
     def __post_init__(self) -> None:
-        from mlx_prefix.cache.disk_policy import DiskScope
+        self.default_scope  # noqa: B018 - ValueError names the accepted forms
 
-        DiskScope.parse(self.scope)  # ValueError names the accepted forms
+    @property
+    def default_scope(self) -> DiskScope:
+        return DiskScope.parse(self.scope)
 
     def path(self) -> Path:
         if self.directory:
             return Path(self.directory).expanduser()
-        from mlx_prefix.models.default import default_models_dir
+        return home_dir() / "prompt-cache"
 
-        return default_models_dir().parent / "prompt-cache"
+
+def home_dir() -> Path:
+    """Where mlx-prefix keeps its files (models, the disk cache): `$MLX_PREFIX_HOME`,
+    else the platform's user cache dir + `mlx-prefix`."""
+    if home := os.environ.get("MLX_PREFIX_HOME"):
+        return Path(home).expanduser()
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    elif sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "mlx-prefix"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Conversation, Message
 
 
@@ -62,9 +63,9 @@ class CachePreference:
     """The per-request `prefix_cache` body object, and whose cache it is (issue 19)."""
 
     enabled: bool = True  # False: neither read nor write the prefix cache
-    scope: str | None = None  # disk policy override: off | full | auto[:N] | N
+    scope: DiskScope | None = None  # disk policy override (None: the server's)
     # The cache namespace (invariant 10): a request matches only entries of its own. The
-    # server derives it from who sent the request (server/namespaces.py); "" is the one
+    # server derives it from who sent the request (server/guards/namespaces.py); "" is the one
     # of clients without an Origin, the CLI and library callers.
     namespace: str = ""
     salt: str | None = None  # the body's `cache_salt`: splits the namespace further
@@ -75,7 +76,7 @@ class Breakpoint:
     """Where a client marked its stable prefix (Anthropic's `cache_control`): the end of
     `messages[message]`, or of its first `chars` characters of content; with `tool` set
     (and `message` None), the end of `tools[tool]`. It becomes a checkpoint of its own
-    kind (prompt/breakpoints.py), aligned onto the chunk grid."""
+    kind (prompt/request/breakpoints.py), aligned onto the chunk grid."""
 
     message: int | None = None
     chars: int | None = None  # None: the whole message
@@ -87,7 +88,8 @@ class ToolCallIds:
     """How the API layer names the tool calls of one request's reply: the i-th call is
     `prefix` + a digest of (`seed`, i). Deterministic, so the engine's next-turn prefetch
     renders the ids the client will send back (Mistral and Kimi templates print them,
-    in their own form: prompt/call_ids.py maps them at render time, never in replies)."""
+    in their own form: prompt/request/call_ids.py maps them at render time, never in
+    replies)."""
 
     seed: str  # the request's id
     prefix: str = "call_"  # OpenAI's; Anthropic's tool_use ids start "toolu_"
@@ -108,7 +110,7 @@ class PromptInput:
     # The client's cache breakpoints; they change only which prefixes are kept.
     breakpoints: tuple[Breakpoint, ...] = ()
     # Text the assistant's turn opens with, after the generation prompt (a forced tool
-    # call's opening, server/tool_choice.py); the reply continues it.
+    # call's opening, server/routes/tool_choice.py); the reply continues it.
     assistant_prefix: str = ""
     # How the reply's tool calls will be named (None: after the engine's request id).
     # Not part of the prompt's identity: it changes nothing rendered.

@@ -1,14 +1,8 @@
-"""What the coding agents' end-to-end tests share: finding an agent that `make test-deps`
-installed into the git-ignored .test-clients/ folder, the real engine on a tiny hybrid
-model with a long context, the fake engine that scripts a tool call, and the server's
-token counters, from which a run's cache reads are measured whatever the agent reports.
-
-The real engine's replies are noise (random weights), so a tool round trip cannot come
-from it: the fake engine replies with a call to one of the agent's own tools (the
-`[[reply:...]]` directive of server_fakes), the agent runs it, and the tool's output
-holds the directive for the next reply, so a reply of "All done." proves that the
-output came back. The cache is measured on the real engine: two runs of the same
-prompt, the second reading at least 95% of its input from the cache.
+"""What the coding agents' end-to-end tests (test_agents.py, over the table in agents.py)
+share: finding an agent that `make test-deps` installed into the git-ignored
+.test-clients/ folder, the real engine on a tiny hybrid model with a long context, the
+fake engine that scripts a tool call, and the server's token counters, from which a
+run's cache reads are measured whatever the agent reports.
 """
 
 from __future__ import annotations
@@ -16,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +51,21 @@ def npm_package(name: str, version: str) -> tuple[Path | None, str]:
     return folder, ""
 
 
+def native_binary(pattern: str, version: str, agent: str) -> tuple[Path | None, str]:
+    """The native binary of an npm package for this platform (NODE_MODULES/`pattern`,
+    one per platform package), or why none runs here."""
+    for candidate in sorted(NODE_MODULES.glob(pattern)):
+        try:
+            out = subprocess.run(
+                [str(candidate), "--version"], capture_output=True, text=True, timeout=60
+            )
+        except OSError:
+            continue  # another platform's binary
+        if out.returncode == 0 and version in out.stdout:
+            return candidate, ""
+    return None, f"no {agent} binary for this platform runs here"
+
+
 def call(name: str, arguments: dict) -> str:
     """A reply directive: the fake engine answers with this tool call (Qwen's JSON syntax,
     which the fake's tokenizer parses as the real engine's does), with no spaces, so an
@@ -81,17 +91,21 @@ def scripted_server() -> Iterator[tuple[str, FakeEngine]]:
         yield url, engine
 
 
+# The agents' prompts are 1.6K to 15K tokens: a small chunk, checkpoints every 2048.
+AGENT_CACHE = CacheConfig(budget_bytes=1 << 30, prefill_chunk=256, checkpoint_interval=2048)
+
+
 @contextlib.contextmanager
-def real_server(max_tokens: int = 8) -> Iterator[str]:
+def real_server(max_tokens: int | None = 8, cache: CacheConfig = AGENT_CACHE) -> Iterator[str]:
     """A live server over the real engine on the tiny qwen3_5 hybrid (linear and full
     attention layers, Qwen3's template with tools and thinking) with a 32K context, large
     enough for any agent's prompt here. `max_tokens` is the server's default reply cap,
-    for the agents that send none."""
+    for the agents that send none (None: the server's own default)."""
     folder = cached_test_model("qwen3_5", think_template=True, context=32768)
-    cache = CacheConfig(budget_bytes=1 << 30, prefill_chunk=256, checkpoint_interval=2048)
+    settings = {} if max_tokens is None else {"default_max_tokens": max_tokens}
     engine = Engine(load_model(str(folder)), cache)
     try:
-        with serving(engine, default_max_tokens=max_tokens) as (url, _):
+        with serving(engine, **settings) as (url, _):
             yield url
     finally:
         engine.shutdown()

@@ -1,14 +1,23 @@
-"""Run requests through an Engine and compare warm answers to cold ones."""
+"""Run requests through an Engine and compare warm answers to cold ones; engines that
+shut down however a `with` block ends."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
+import pytest
+from conftest import TEST_CACHE
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import Message
+from mlx_prefix.engine.decode import phase as decode
+from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.engine.requests.handle import RequestHandle
@@ -23,6 +32,48 @@ from mlx_prefix.records import (
 )
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@contextlib.contextmanager
+def open_engine(*args: Any, **kwargs: Any) -> Iterator[Engine]:
+    """`Engine(*args, **kwargs)` for the `with` block, shut down however the block ends
+    (a failed assertion included: no engine thread outlives its test)."""
+    engine = Engine(*args, **kwargs)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+class ScriptedSampler:
+    """The script's tokens in turn, then EOS, whatever the logits say."""
+
+    def __init__(self, tokens: list[int], eos: int):
+        self.tokens, self.eos = list(tokens), eos
+
+    def __call__(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
+        return mx.array([self.tokens.pop(0) if self.tokens else self.eos], dtype=mx.uint32)
+
+
+@contextlib.contextmanager
+def scripted_engine(model: Any, scripts: Mapping[int, str]) -> Iterator[Engine]:
+    """An engine (prefetching at once) whose requests seeded with a key of `scripts`
+    reply with its text, token for token, then EOS, through the real engine's path
+    (prefill, cache, prefetch); other requests sample as usual. The engine is made, and
+    must be used, inside the block: the sampler is patched for as long as it lasts."""
+    tokenizer = model.tokenizer
+    ids = {s: tokenizer.encode(t, add_special_tokens=False) for s, t in scripts.items()}
+    assert all(tokenizer.decode(ids[s]) == t for s, t in scripts.items())
+    eos = min(tokenizer.eos_token_ids)
+
+    def sampler(params: SamplingParams, *args: Any) -> Any:
+        if params.seed in ids:
+            return ScriptedSampler(ids[params.seed], eos)
+        return TokenSampler(params, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "TokenSampler", sampler)
+        yield Engine(model, TEST_CACHE, EngineConfig(prefetch_delay_s=0))
 
 
 @dataclass

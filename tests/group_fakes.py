@@ -10,8 +10,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_prefix.engine.sharded.group import Cluster
 from mlx_prefix.engine.sharded.plan import TurnPlan
-from mlx_prefix.group import Cluster
 
 WAIT_S = 60.0  # a rank that waits longer than this for the others counts them as gone
 

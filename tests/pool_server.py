@@ -1,4 +1,4 @@
-"""A live server over real tiny models that loads others on demand (server/model_pool.py):
+"""A live server over real tiny models that loads others on demand (server/served/pool.py):
 the default model's folder, the loader every test shares, and the pool, closed after."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.settings_file import ModelsFile
 from mlx_prefix.server import ServerSettings, create_app
-from mlx_prefix.server.model_names import ModelSpec
-from mlx_prefix.server.model_pool import ModelPool
+from mlx_prefix.server.served.names import ModelSpec
+from mlx_prefix.server.served.pool import ModelPool
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
-from mlx_prefix.prompt.thinking import NO_EDGES
+from mlx_prefix.prompt.reply.thinking import NO_EDGES
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
@@ -211,6 +211,7 @@ class FakeHandle:
 class FakeEngine:
     def __init__(self, model: FakeModel | None = None, reply: str = DEFAULT_REPLY):
         self.model = model or FakeModel()
+        self.model_key = MODEL_KEY
         self.reply = reply
         self.submissions: list[Submission] = []
         self.handles: list[FakeHandle] = []
@@ -418,7 +419,7 @@ class FakeEngine:
                 del self._stored[k]
             return len(gone)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = 10.0) -> None:
         self.shutdown_calls += 1
         self._closed = True
         for handle in list(self.handles):

@@ -24,6 +24,7 @@ from mlx_prefix.engine import loop
 from mlx_prefix.engine.calibration import Calibration
 from mlx_prefix.models.identity import chat_template_hash
 from mlx_prefix.models.load import LoadedModel, load_model
+from mlx_prefix.models.stops import add_reply_stops
 from mlx_prefix.models.testing import cached_test_model
 
 DATA = Path(__file__).parent / "data"
@@ -93,6 +94,7 @@ def template_model(family: str, kind: str = "dense") -> LoadedModel:
         tokenizer = load_tokenizer(
             base.path, {"chat_template": template}, eos_token_ids=config.get("eos_token_id")
         )
+        add_reply_stops(tokenizer)  # as models/load.py does for every model it loads
         identity = replace(base.identity, chat_template_hash=chat_template_hash(template))
         _loaded[key] = replace(base, tokenizer=tokenizer, identity=identity)
     return _loaded[key]

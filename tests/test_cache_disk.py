@@ -28,13 +28,14 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlx_prefix.cache import disk_header, disk_payload
-from mlx_prefix.cache.disk import DiskCache
+from mlx_prefix.cache.disk import header as disk_header
+from mlx_prefix.cache.disk import payload as disk_payload
+from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.forward.runner import greedy_continue, prefill
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = ChunkGrid(32)
@@ -242,11 +243,11 @@ def _child_env() -> dict[str, str]:
 _CHILD = textwrap.dedent(
     """
     import json, sys
-    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.disk.tier import DiskCache
     from mlx_prefix.cache.snapshot import restore
     from mlx_prefix.engine.forward.runner import greedy_continue, prefill
     from mlx_prefix.models.load import load_model
-    from mlx_prefix.prompt.grid import ChunkGrid
+    from mlx_prefix.prompt.request.grid import ChunkGrid
 
     model_path, directory, tokens_json = sys.argv[1:4]
     tokens = json.loads(tokens_json)
@@ -675,8 +676,8 @@ _KILLED_CHILD = textwrap.dedent(
     import os, sys, time
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
-    from mlx_prefix.cache import disk_payload
-    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.disk import payload as disk_payload
+    from mlx_prefix.cache.disk.tier import DiskCache
     from mlx_prefix.cache.snapshot import capture
     from mlx_prefix.cache.store import CheckpointKind
 

@@ -9,18 +9,13 @@ from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import chat
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.disk import DiskCache
-from mlx_prefix.cache.disk_policy import (
-    DEFAULT_AUTO_WINDOW,
-    MAX_AUTO_WINDOW,
-    DiskPolicy,
-    DiskScope,
-    ScopeMode,
-)
+from mlx_prefix.cache.disk.policy import DiskPolicy
+from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.config import DEFAULT_AUTO_WINDOW, MAX_AUTO_WINDOW, DiskScope, ScopeMode
 from mlx_prefix.engine.forward.runner import always_trimmable, greedy_continue, prefill
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.request.plan import PromptPlanner
 
 # -- parsing ------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_cache_disk import HISTORY, LOGGER, _kv_snapshot, _seq, _warnings
 
-from mlx_prefix.cache import disk_header
-from mlx_prefix.cache.disk import DiskCache
+from mlx_prefix.cache.disk import header as disk_header
+from mlx_prefix.cache.disk.tier import DiskCache
 
 
 def _align(tokens):

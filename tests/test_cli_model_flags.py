@@ -20,7 +20,7 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.template import CHATML
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput
 
 # A template that shows what it was given: the flavour argument and each message.

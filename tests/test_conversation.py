@@ -12,10 +12,10 @@ from server_fakes import serving
 
 from mlx_prefix.conversation import Message, ToolCall, conversation_from_dicts, template_messages
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput, ToolCallIds
+from mlx_prefix.server.protocol.anthropic import parse_messages_request
 from mlx_prefix.server.protocol.chat import parse_chat
-from mlx_prefix.server.protocol.messages import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
 from mlx_prefix.server.protocol.responses import parse_responses
 

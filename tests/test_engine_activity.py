@@ -4,20 +4,18 @@ decoding, warm-ups, prefetches), this model's sequences, pin and evict by entry 
 from __future__ import annotations
 
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import chat, open_engine, run
 from server_fakes import wait_until
 
 from mlx_prefix.cache.types import CheckpointKind, EvictOutcome
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput, SamplingParams, TokenEvent
 
 PROMPT = chat(("system", "You are a terse assistant. " * 8), ("user", "Count to one hundred."))
 
 
 def test_activity_shows_decoding_and_queued_requests_then_nothing():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(max_running=1))
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(max_running=1)) as engine:
         first = engine.submit(PROMPT, SamplingParams(max_tokens=400), request_id="first")
         second = engine.submit(PROMPT, SamplingParams(max_tokens=3), request_id="second")
         events = first.events(timeout=60)
@@ -43,13 +41,10 @@ def test_activity_shows_decoding_and_queued_requests_then_nothing():
         first.cancel()
         assert list(second.events(timeout=60))[-1].finish_reason == "length"
         assert wait_until(lambda: engine.activity().jobs == (), timeout=30)
-    finally:
-        engine.shutdown()
 
 
 def test_a_warm_up_is_listed_as_one_while_it_prefills():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(max_running=1))
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(max_running=1)) as engine:
         # A request decoding keeps the warm-up waiting long enough to be seen.
         busy = engine.submit(PROMPT, SamplingParams(max_tokens=400))
         events = busy.events(timeout=60)
@@ -63,8 +58,6 @@ def test_a_warm_up_is_listed_as_one_while_it_prefills():
         busy.cancel()
         assert future.result(60).prompt_tokens > 0
         assert wait_until(lambda: engine.activity().jobs == (), timeout=30)
-    finally:
-        engine.shutdown()
 
 
 def test_sequences_pin_and_evict_by_entry_id(make_engine):
@@ -91,8 +84,9 @@ def test_sequences_pin_and_evict_by_entry_id(make_engine):
 
 
 def test_a_prefetch_is_listed_with_its_role():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_delay_s=0.3))
-    try:
+    with open_engine(
+        loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_delay_s=0.3)
+    ) as engine:
         history = chat(
             ("system", "You are a terse assistant. " * 8),
             ("user", "Hello."),
@@ -108,5 +102,3 @@ def test_a_prefetch_is_listed_with_its_role():
         assert wait_until(lambda: engine.activity().jobs == (), timeout=10)
         kinds = {s.info.kind for s in engine.cache_sequences()}
         assert CheckpointKind.HISTORY in kinds
-    finally:
-        engine.shutdown()

@@ -12,7 +12,7 @@ import pytest
 from engine_helpers import chat, run
 
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,

@@ -21,8 +21,8 @@ from mlx_prefix.config import CacheConfig
 from mlx_prefix.engine.forward.runner import prefill, prefill_steps
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.prefill.checkpoints import Checkpointer
-from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
+from mlx_prefix.prompt.request.plan import Checkpoint, RenderedPrompt
 from mlx_prefix.records import CachePreference, PromptInput
 
 HYBRIDS = ["qwen3_5", "nemotron_h", "sliding"]

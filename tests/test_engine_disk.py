@@ -5,47 +5,45 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from contextlib import AbstractContextManager
 
 import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import EXACT, chat, run, warm_equals_cold
+from engine_helpers import EXACT, chat, open_engine, run, warm_equals_cold
 from mlx_lm.models.cache import KVCache
 
 from mlx_prefix.cache.snapshot import capture
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
-from mlx_prefix.config import DiskConfig
+from mlx_prefix.config import DiskConfig, DiskScope
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.prefill import disk_access as disk_tier
 from mlx_prefix.engine.prefill.disk_access import MAX_PENDING_SAVES, DiskAccess
-from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, SamplingParams
 
 SYSTEM = "You are the front desk of a hotel. Answer guests kindly and in one sentence. " * 5
 
 
-def engine_on(kind: str, directory, scope: str) -> Engine:
+def engine_on(kind: str, directory, scope: str) -> AbstractContextManager[Engine]:
+    """An engine with a disk tier, shut down (writing what is still queued) when the
+    `with` block ends."""
     disk = DiskConfig(scope=scope, directory=str(directory), min_tokens=16)
-    return Engine(loaded_test_model(kind), TEST_CACHE, disk_config=disk)
+    return open_engine(loaded_test_model(kind), TEST_CACHE, disk_config=disk)
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
 def test_restart_hits_the_disk_and_gives_the_cold_answer(tmp_path, kind):
     prompt = chat(("system", SYSTEM), ("user", "Is breakfast included?"))
-    first = engine_on(kind, tmp_path, "full")
-    cold = run(first, prompt, cache=False)
-    run(first, prompt)
-    first.shutdown()  # writes what is still queued
+    with engine_on(kind, tmp_path, "full") as first:
+        cold = run(first, prompt, cache=False)
+        run(first, prompt)
     assert list(tmp_path.glob("*.safetensors"))
 
-    second = engine_on(kind, tmp_path, "full")
-    try:
+    with engine_on(kind, tmp_path, "full") as second:
         warm = run(second, chat(("system", SYSTEM), ("user", "Is breakfast included?")))
         assert warm.usage.cached_tokens >= warm.usage.prompt_tokens - 3
         assert warm.tokens == cold.tokens
         assert second.cache_stats()["disk"]["hits"] == 1
-    finally:
-        second.shutdown()
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h"])
@@ -53,38 +51,32 @@ def test_one_request_a_restart_and_the_same_request_hits(tmp_path, kind):
     # A 1K-token system prompt, seen once: `auto` persists it the first time.
     system = " ".join(f"Rule {i}: greet every guest by name and offer water." for i in range(80))
     prompt = chat(("system", system), ("user", "Is breakfast included?"))
-    first = engine_on(kind, tmp_path, "auto")
-    system_end = max(c.position for c in first.plan(prompt).checkpoints if c.kind.name == "SYSTEM")
-    assert system_end >= 1000
-    run(first, prompt, sampling=EXACT)
-    first.shutdown()
+    with engine_on(kind, tmp_path, "auto") as first:
+        plan = first.plan(prompt)
+        system_end = max(c.position for c in plan.checkpoints if c.kind.name == "SYSTEM")
+        assert system_end >= 1000
+        run(first, prompt, sampling=EXACT)
 
-    second = engine_on(kind, tmp_path, "auto")
-    try:
+    with engine_on(kind, tmp_path, "auto") as second:
         warm = run(second, prompt, sampling=EXACT)
         assert warm.usage.cached_tokens >= system_end
         assert second.cache_stats()["disk"]["hits"] == 1
         cold = run(second, prompt, cache=False, sampling=EXACT)
         assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
-    finally:
-        second.shutdown()
 
 
 def test_auto_persists_the_prefix_shared_by_recent_requests(tmp_path):
-    engine = engine_on("qwen3_5", tmp_path, "auto")
-    run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
-    engine.shutdown()
+    with engine_on("qwen3_5", tmp_path, "auto") as engine:
+        run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
     assert len(list(tmp_path.glob("*.safetensors"))) == 1, "the system prompt, first seen"
 
-    engine = engine_on("qwen3_5", tmp_path, "auto")
-    run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
-    run(engine, chat(("system", SYSTEM), ("user", "When is checkout?")))
-    engine.shutdown()
+    with engine_on("qwen3_5", tmp_path, "auto") as engine:
+        run(engine, chat(("system", SYSTEM), ("user", "Where is the pool?")))
+        run(engine, chat(("system", SYSTEM), ("user", "When is checkout?")))
     files = list(tmp_path.glob("*.safetensors"))
     assert len(files) == 1  # what the two share is the system prompt already on disk
 
-    engine = engine_on("qwen3_5", tmp_path, "auto")
-    try:
+    with engine_on("qwen3_5", tmp_path, "auto") as engine:
         third = chat(("system", SYSTEM), ("user", "Can I get a late checkout?"))
         result = warm_equals_cold(engine, third)  # restored from disk, answers like cold
         system_end = max(
@@ -92,58 +84,45 @@ def test_auto_persists_the_prefix_shared_by_recent_requests(tmp_path):
         )
         assert result.usage.cached_tokens >= system_end
         assert engine.cache_stats()["disk"]["hits"] == 1
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("scope", ["off", None])
 def test_per_request_scope_off_writes_nothing_and_bad_scopes_are_refused(tmp_path, scope):
     # None (the server's "full") is the control: the same request does write.
-    engine = engine_on("dense", tmp_path, "full")
-    try:
+    with engine_on("dense", tmp_path, "full") as engine:
         handle = engine.submit(
             chat(("system", SYSTEM), ("user", "Hi")),
             SamplingParams(max_tokens=3),
-            CachePreference(scope=scope),
+            CachePreference(scope=DiskScope.parse(scope) if scope else None),
         )
         list(handle.events(timeout=60))
-        with pytest.raises(InvalidRequest):
-            engine.submit(chat(("user", "Hi")), SamplingParams(), CachePreference(scope="most"))
-    finally:
-        engine.shutdown()
+        with pytest.raises(ValueError):  # parsed where it enters (server/protocol/request.py)
+            CachePreference(scope=DiskScope.parse("most"))
     assert len(list(tmp_path.glob("*.safetensors"))) == (0 if scope == "off" else 1)
 
 
 def test_a_few_shared_tokens_are_not_worth_reading_a_file(tmp_path):
-    engine = engine_on("dense", tmp_path, "full")
-    run(engine, chat(("system", SYSTEM), ("user", "Is breakfast included?")))
-    engine.shutdown()
-    engine = engine_on("dense", tmp_path, "full")
-    try:
+    with engine_on("dense", tmp_path, "full") as engine:
+        run(engine, chat(("system", SYSTEM), ("user", "Is breakfast included?")))
+    with engine_on("dense", tmp_path, "full") as engine:
         other = run(engine, chat(("system", "A different prompt."), ("user", "Hello")))
         assert other.usage.cached_tokens == 0
         assert engine.cache_stats()["disk"]["hits"] == 0
-    finally:
-        engine.shutdown()
 
 
 def test_files_from_another_chunk_grid_are_never_served(tmp_path):
     # A checkpoint computed on another grid would not reproduce this engine's cold run.
     prompt = chat(("system", SYSTEM), ("user", "Is breakfast included?"))
-    first = engine_on("dense", tmp_path, "full")
-    run(first, prompt)
-    first.shutdown()
+    with engine_on("dense", tmp_path, "full") as first:
+        run(first, prompt)
     assert list(tmp_path.glob("*.safetensors"))
 
     disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
     other_grid = dataclasses.replace(TEST_CACHE, prefill_chunk=16)
-    second = Engine(loaded_test_model("dense"), other_grid, disk_config=disk)
-    try:
+    with open_engine(loaded_test_model("dense"), other_grid, disk_config=disk) as second:
         assert second.model_key != first.model_key
         assert run(second, prompt).usage.cached_tokens == 0
         assert second.cache_stats()["disk"]["hits"] == 0
-    finally:
-        second.shutdown()
 
 
 def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_path):
@@ -158,10 +137,9 @@ def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_p
         # Long questions: no checkpoint of the prompt falls inside the shared document.
         return run(engine, chat(("system", SYSTEM), ("user", document + question * 8)))
 
-    first = Engine(loaded_test_model("dense"), config, disk_config=disk)
-    ask(first, "Where is the pool? ")
-    second = ask(first, "When does the gym open? ")
-    first.shutdown()
+    with open_engine(loaded_test_model("dense"), config, disk_config=disk) as first:
+        ask(first, "Where is the pool? ")
+        second = ask(first, "When does the gym open? ")
     # The user message's start (where the system prompt ends): the boundary auto keeps.
     boundary = max(
         c.position
@@ -171,14 +149,11 @@ def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_p
     assert second.usage.cached_tokens > boundary  # memory restored past the boundary
     assert list(tmp_path.glob("*.safetensors")), "the chosen prefix never reached the disk"
 
-    restarted = Engine(loaded_test_model("dense"), config, disk_config=disk)
-    try:
+    with open_engine(loaded_test_model("dense"), config, disk_config=disk) as restarted:
         question = chat(("system", SYSTEM), ("user", document + "Is there a garden? " * 8))
         third = warm_equals_cold(restarted, question)
         assert third.usage.cached_tokens >= boundary
         assert restarted.cache_stats()["disk"]["hits"] == 1
-    finally:
-        restarted.shutdown()
 
 
 def _warnings(caplog, text: str) -> list[str]:
@@ -191,8 +166,7 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
     # says so (seed 004's "a chosen save never fires", issue 20 item 8).
     # Long enough for a multiple of the chunk size that no checkpoint is planned at.
     prompt = chat(("system", SYSTEM), ("user", "Is breakfast included? " * 12))
-    probe = engine_on("qwen3_5", tmp_path / "probe", "full")
-    try:
+    with engine_on("qwen3_5", tmp_path / "probe", "full") as probe:
         plan = probe.plan(prompt)
         planned = {c.position for c in plan.checkpoints}
         grid = probe.planner.grid
@@ -200,9 +174,7 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
             n for n in range(32, len(plan.tokens), 32)
             if n not in planned and grid.align(plan.tokens, n) == n
         )  # fmt: skip
-    finally:
-        probe.shutdown()
-    scope = CachePreference(scope=str(p))
+    scope = CachePreference(scope=DiskScope.parse(str(p)))
     sampling = SamplingParams(max_tokens=2)
 
     def serve(engine, pref):
@@ -210,35 +182,29 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
         return [e for e in handle.events(timeout=60)][-1].usage
 
     # Control: on a cold engine that position is saved.
-    cold = engine_on("qwen3_5", tmp_path / "cold", "full")
-    serve(cold, scope)
-    cold.shutdown()
+    with engine_on("qwen3_5", tmp_path / "cold", "full") as cold:
+        serve(cold, scope)
     assert len(list((tmp_path / "cold").glob("*.safetensors"))) == 1
 
-    engine = engine_on("qwen3_5", tmp_path / "warm", "full")
-    try:
-        serve(engine, CachePreference(scope="off"))  # memory keeps the planned checkpoints
+    with engine_on("qwen3_5", tmp_path / "warm", "full") as engine:
+        # Memory keeps the planned checkpoints.
+        serve(engine, CachePreference(scope=DiskScope.parse("off")))
         with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
             usage = serve(engine, scope)
         assert usage.cached_tokens > p  # restored from memory past the chosen position
         (line,) = _warnings(caplog, "dropped")
         assert f"{p}-token prefix" in line
         assert engine.cache_stats()["disk"]["dropped_saves"] == 1
-    finally:
-        engine.shutdown()
     assert not list((tmp_path / "warm").glob("*.safetensors"))
 
     # Where the disk already holds that prefix, nothing is lost and nothing is logged.
     caplog.clear()
-    again = engine_on("qwen3_5", tmp_path / "cold", "full")
-    try:
-        serve(again, CachePreference(scope="off"))
+    with engine_on("qwen3_5", tmp_path / "cold", "full") as again:
+        serve(again, CachePreference(scope=DiskScope.parse("off")))
         with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
             serve(again, scope)
         assert not _warnings(caplog, "dropped")
         assert again.cache_stats()["disk"]["dropped_saves"] == 0
-    finally:
-        again.shutdown()
 
 
 def _slow_saves(monkeypatch, engine: Engine, seconds: float) -> list[float]:
@@ -269,22 +235,22 @@ def _queue_saves(engine: Engine, count: int) -> None:
 
 def test_shutdown_writes_every_queued_save(tmp_path, monkeypatch):
     # More queued writing than the old fixed 5 s after the grace period: all of it lands.
-    engine = engine_on("dense", tmp_path, "full")
-    _slow_saves(monkeypatch, engine, 1.2)
-    _queue_saves(engine, 5)
-    engine.shutdown(timeout=0.1)
+    with engine_on("dense", tmp_path, "full") as engine:
+        _slow_saves(monkeypatch, engine, 1.2)
+        _queue_saves(engine, 5)
+        engine.shutdown(timeout=0.1)
     assert not engine._thread.is_alive()
     assert len(list(tmp_path.glob("*.safetensors"))) == 5
     assert engine.disk.pending == 0 and engine.disk.dropped == 0
 
 
 def test_shutdown_out_of_time_drops_queued_saves_with_a_line_each(tmp_path, monkeypatch, caplog):
-    engine = engine_on("dense", tmp_path, "full")
-    _slow_saves(monkeypatch, engine, 1.0)
-    _queue_saves(engine, 4)
-    t = time.monotonic()
-    with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
-        engine.shutdown(timeout=0.1, save_timeout=0.3)
+    with engine_on("dense", tmp_path, "full") as engine:
+        _slow_saves(monkeypatch, engine, 1.0)
+        _queue_saves(engine, 4)
+        t = time.monotonic()
+        with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
+            engine.shutdown(timeout=0.1, save_timeout=0.3)
     assert time.monotonic() - t < 4.0  # bounded: the save being written, then the drops
     assert not engine._thread.is_alive()
     written = len(list(tmp_path.glob("*.safetensors")))

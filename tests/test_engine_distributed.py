@@ -18,7 +18,7 @@ from group_fakes import LocalGroup
 from server_fakes import serving
 
 from mlx_prefix.cache.types import CheckpointKind
-from mlx_prefix.config import DiskConfig
+from mlx_prefix.config import DiskConfig, DiskScope
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.requests.jobs import Job
@@ -27,7 +27,7 @@ from mlx_prefix.engine.sharded.plan import JobSpec, LatchedHandle, TurnPlan
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
+from mlx_prefix.prompt.request.plan import Checkpoint, RenderedPrompt
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
@@ -72,7 +72,7 @@ def settled(engines: list[DistributedEngine]) -> None:
             break
         time.sleep(0.2)
     for e, view in zip(engines, views, strict=True):
-        assert view == views[0], f"rank {e.cluster.rank} differs from rank 0"
+        assert view == views[0], f"rank {e.turns.cluster.rank} differs from rank 0"
         assert e.failure is None
 
 
@@ -205,7 +205,15 @@ def test_a_plan_carries_a_job_whole_and_a_cancel_is_latched_once():
     handle = LatchedHandle("req-1", 4)
     fmt = ResponseFormat("json_object")
     sampling = SamplingParams(max_tokens=3, temperature=0.5, seed=11, response_format=fmt)
-    job = Job(handle, prompt, sampling, CachePreference(scope="full"), "key/ns", 0.0, pin=True)
+    job = Job(
+        handle,
+        prompt,
+        sampling,
+        CachePreference(scope=DiskScope.parse("full")),
+        "key/ns",
+        0.0,
+        pin=True,
+    )
     plan = TurnPlan(1.5, 64, jobs=(JobSpec.of(job),), cancels=(3,), write_save=True)
     again = TurnPlan.decode(plan.encode())
     assert again == plan

@@ -1,7 +1,7 @@
 """A document edited anywhere is reused up to within 512 tokens of the edit, and within
 half the tokens before it near its start (issue 14), on the models that can only resume
 from exact checkpoints: both tiny hybrids and the sliding-window model, with the default
-chunk grid and checkpoint placement (prompt/grid.py: 64, 128, 256, then every 512).
+chunk grid and checkpoint placement (prompt/request/grid.py: 64, 128, 256, then every 512).
 
 Each case prefills the original document once, then asks about versions edited at
 10%, 50%, 70% and 95% of it: the restored position r must satisfy edit - r < 512 and
@@ -21,7 +21,7 @@ from conftest import loaded_test_model
 from engine_helpers import chat, run
 
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import SamplingParams
 
 KINDS = ["qwen3_5", "nemotron_h", "sliding"]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run
+from engine_helpers import chat, open_engine, run
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
@@ -38,8 +38,7 @@ def test_cancel_stops_the_request_and_frees_its_cache(make_engine):
 
 def test_queue_limit_gives_a_busy_error():
     config = EngineConfig(max_running=1, max_queued=1)
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, config) as engine:
         running = engine.submit(PROMPT, SamplingParams(max_tokens=300))
         waiting = engine.submit(PROMPT, SamplingParams(max_tokens=300))
         with pytest.raises(EngineBusy):
@@ -47,8 +46,6 @@ def test_queue_limit_gives_a_busy_error():
         for handle in (running, waiting):
             handle.cancel()
             assert list(handle.events(timeout=60))[-1].finish_reason == "cancelled"
-    finally:
-        engine.shutdown()
 
 
 def test_another_model_never_hits_the_first_models_entries():
@@ -83,8 +80,7 @@ class SpyStore(PromptCache):
 def test_byte_budget_holds_with_running_requests_counted():
     budget = 400_000
     store = SpyStore(budget)
-    engine = Engine(loaded_test_model("qwen3_5"), TEST_CACHE, store=store)
-    try:
+    with open_engine(loaded_test_model("qwen3_5"), TEST_CACHE, store=store) as engine:
         for i in range(8):
             run(engine, chat(("system", f"Prompt {i}. " * 20), ("user", "Hello")))
         # Both a prefilling request's cache and the decode batch were counted...
@@ -94,8 +90,6 @@ def test_byte_budget_holds_with_running_requests_counted():
         assert stats.active_bytes == 0 and stats.active_requests == 0
         assert stats.evictions > 0 and stats.bytes <= budget
         store.check_integrity()
-    finally:
-        engine.shutdown()
 
 
 class SharingSpy(PromptCache):
@@ -123,11 +117,8 @@ class SharingSpy(PromptCache):
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
 def test_a_stored_end_and_its_live_prefill_cache_count_once(kind):
     store = SharingSpy(1 << 30)
-    engine = Engine(loaded_test_model(kind), TEST_CACHE, store=store)
-    try:
+    with open_engine(loaded_test_model(kind), TEST_CACHE, store=store) as engine:
         run(engine, chat(("user", "Tell me about the sea. " * 12)))
-    finally:
-        engine.shutdown()
     [(stats, prefill_bytes, batch_bytes, end_payload)] = store.at_batch
     # The end snapshot views the prefill cache's final KV: one buffer (dense: all of
     # the cache; hybrid: its attention layers, shared by every checkpoint).
@@ -169,8 +160,7 @@ def test_warm_then_pin_survives_eviction_pressure():
     config = CacheConfig(
         budget_bytes=300_000, prefill_chunk=32, checkpoint_interval=64, pin_share=1.0
     )
-    engine = Engine(loaded_test_model("dense"), config)
-    try:
+    with open_engine(loaded_test_model("dense"), config) as engine:
         system = chat(("system", "Pinned instructions. " * 12))
         assert engine.warm(system, pin=True).pinned
         for i in range(6):
@@ -178,8 +168,6 @@ def test_warm_then_pin_survives_eviction_pressure():
         user = chat(("system", "Pinned instructions. " * 12), ("user", "Go"))
         assert run(engine, user).usage.cached_tokens > 30
         engine.store.check_integrity()
-    finally:
-        engine.shutdown()
 
 
 def test_warm_pins_what_an_earlier_request_already_cached(make_engine):
@@ -194,12 +182,9 @@ def test_warm_pins_what_an_earlier_request_already_cached(make_engine):
 
 def test_warm_reports_no_pin_when_nothing_could_be_stored():
     config = dataclasses.replace(TEST_CACHE, budget_bytes=1_000)  # smaller than any snapshot
-    engine = Engine(loaded_test_model("dense"), config)
-    try:
+    with open_engine(loaded_test_model("dense"), config) as engine:
         assert engine.warm(chat(("system", "Pinned instructions. " * 12)), pin=True).pinned is False
         assert engine.store.stats().pinned == 0
-    finally:
-        engine.shutdown()
 
 
 def test_dense_system_prompt_outlives_conversation_ends_under_pressure(make_engine):
@@ -223,8 +208,7 @@ def test_dense_system_prompt_outlives_conversation_ends_under_pressure(make_engi
 
 def test_no_more_than_max_running_requests_decode_together():
     config = EngineConfig(max_running=2)
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, config) as engine:
         handles = [
             engine.submit(chat(("user", f"Tell me about the number {i}.")), SamplingParams(8))
             for i in range(5)
@@ -232,8 +216,6 @@ def test_no_more_than_max_running_requests_decode_together():
         for handle in handles:
             assert list(handle.events(timeout=60))[-1].finish_reason in ("stop", "length")
         assert engine.peak_batch == 2
-    finally:
-        engine.shutdown()
 
 
 def test_seed_range_and_reply_fit_are_checked_before_queueing(make_engine):
@@ -242,7 +224,7 @@ def test_seed_range_and_reply_fit_are_checked_before_queueing(make_engine):
         engine.submit(PROMPT, SamplingParams(seed=-1))
     with pytest.raises(InvalidRequest):
         engine.submit(PROMPT, SamplingParams(seed=2**64))
-    engine.model = dataclasses.replace(
+    engine.model = engine.loop.model = dataclasses.replace(
         engine.model, context_length=len(engine.plan(PROMPT).tokens) + 4
     )
     with pytest.raises(ContextLengthExceeded):

@@ -13,12 +13,19 @@ import time
 import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import alone_prefill, cache_states, chat, collect, run, warm_equals_cold
+from engine_helpers import (
+    alone_prefill,
+    cache_states,
+    chat,
+    collect,
+    open_engine,
+    run,
+    warm_equals_cold,
+)
 
 from mlx_prefix.cache.snapshot import restore
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine import calibration, loop
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import CachePreference, SamplingParams, TokenEvent
 
 INSTRUCTION = "Answer in one line and keep every name. " + " ".join(
@@ -29,8 +36,9 @@ QUESTIONS = [f"Question {i}: " + "lamp river " * (2 + 3 * i) for i in range(4)]
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h", "sliding"])
 def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(kind):
-    engine = Engine(loaded_test_model(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
-    try:
+    with open_engine(
+        loaded_test_model(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False)
+    ) as engine:
         # Two long replies decode while a burst sharing an instruction prefills beside them.
         early = [
             engine.submit(chat(("user", f"Tell a long story number {i}.")), SamplingParams(40))
@@ -66,8 +74,6 @@ def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(k
                 f"the entry at {len(tokens)} tokens is not the alone prefill's"
             )
         engine.store.check_integrity()
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5", "sliding"])
@@ -123,8 +129,7 @@ def test_requests_prefill_fewest_tokens_left_first():
     its chunks (one 256-token chunk a step here, so the order decides)."""
     cache = CacheConfig(budget_bytes=1 << 30, prefill_chunk=256)
     config = EngineConfig(gather_tokens=0, prefill_tokens_per_step=256)
-    engine = Engine(loaded_test_model("dense"), cache, config)
-    try:
+    with open_engine(loaded_test_model("dense"), cache, config) as engine:
         off, sampling = CachePreference(enabled=False), SamplingParams(max_tokens=2)
         long = engine.submit(chat(("user", "word " * 900)), sampling, off)
         short = engine.submit(chat(("user", "Hi")), sampling, off)
@@ -148,5 +153,3 @@ def test_requests_prefill_fewest_tokens_left_first():
             t.join(120)
         assert engine._prefill.peak_tasks == 2  # they prefilled side by side
         assert [name for _, name in sorted(arrivals)] == ["short", "long"]
-    finally:
-        engine.shutdown()

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.engine.forward import rowwise, runner
 from mlx_prefix.engine.forward.runner import ChunkWork, PrefillCursor, compute_chunks, prefill
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 GRID = ChunkGrid(16)
 KINDS = ["dense", "qwen3_5", "nemotron_h", "sliding"]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import EXACT, GREEDY, Result, chat, run
+from engine_helpers import EXACT, GREEDY, Result, chat, open_engine, run
 
 from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
@@ -17,7 +17,7 @@ from mlx_prefix.conversation import Message
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key, namespace_id, namespace_key, namespace_of
 from mlx_prefix.engine.requests.scheduler import extends
-from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
@@ -136,8 +136,9 @@ def test_in_flight_sharing_stays_inside_a_namespace(make_engine, kind):
 
 
 def test_a_next_turn_prefetch_serves_only_its_own_namespace():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_delay_s=0.0))
-    try:
+    with open_engine(
+        loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_delay_s=0.0)
+    ) as engine:
         history = chat(("system", SYSTEM), ("user", "Hi."), ("assistant", "Hello!"))
         history = PromptInput(messages=(*history.messages, Message("user", "Go on.")))
         reply = ask(engine, history, A, sampling=GREEDY)
@@ -159,8 +160,6 @@ def test_a_next_turn_prefetch_serves_only_its_own_namespace():
         from_a = ask(engine, nxt, A)
         assert from_a.usage.cached_tokens > computed  # the prefetch reached past the reply
         assert same_answer(from_a, ask(engine, nxt, CachePreference(enabled=False)))
-    finally:
-        engine.shutdown()
 
 
 def test_a_pinned_warm_up_pins_only_its_namespace(make_engine):
@@ -233,8 +232,9 @@ def test_files_from_before_namespaces_are_never_served(tmp_path):
 def test_a_running_prefetch_gives_way_to_another_namespace_extending_it():
     # A request of B extending A's prefetch cannot restore from it, so the prefetch must
     # give way (were it to go on, B's first token would wait for it: a timing tell).
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_delay_s=0.0))
-    try:
+    with open_engine(
+        loaded_test_model("dense"), TEST_CACHE, EngineConfig(prefetch_delay_s=0.0)
+    ) as engine:
         history = chat(
             ("system", "A long lesson about rivers and their deltas. " * 120),
             ("user", "Go on."),
@@ -257,5 +257,3 @@ def test_a_running_prefetch_gives_way_to_another_namespace_extending_it():
         assert from_b.usage.cached_tokens == 0
         assert engine.prefetch.cancelled == 1 and engine.prefetch.completed == 0
         engine.store.check_integrity()
-    finally:
-        engine.shutdown()

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import chat, run, wait_for, warm_equals_cold
+from engine_helpers import chat, open_engine, run, wait_for, warm_equals_cold
 
-from mlx_prefix.config import EngineConfig
+from mlx_prefix.config import DiskScope, EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
@@ -27,8 +27,7 @@ def last_message_start(engine: Engine, prompt: PromptInput) -> int:
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5", "sliding"])
 def test_the_next_turn_restores_the_whole_history_and_answers_like_a_cold_run(kind):
-    engine = Engine(loaded_test_model(kind), TEST_CACHE, NOW)
-    try:
+    with open_engine(loaded_test_model(kind), TEST_CACHE, NOW) as engine:
         history = [
             ("system", SYSTEM),
             ("user", "What is a fraction?"),
@@ -44,16 +43,13 @@ def test_the_next_turn_restores_the_whole_history_and_answers_like_a_cold_run(ki
         assert result.usage.cached_tokens >= last_message_start(engine, third)
         assert result.usage.cached_tokens > second.usage.prompt_tokens
         engine.store.check_integrity()
-    finally:
-        engine.shutdown()
 
 
 def test_thinking_template_prefetch_matches_the_next_request():
     # The reply's <think> block is dropped when the next user message arrives; the
     # prefetched prompt must be what the next request renders, not what was generated.
     model = loaded_test_model("dense", think_template=True)
-    engine = Engine(model, TEST_CACHE, NOW)
-    try:
+    with open_engine(model, TEST_CACHE, NOW) as engine:
         history = (
             {"role": "user", "content": "Name a prime."},
             {"role": "assistant", "content": "<think>\nTwo is prime.\n</think>\n\n2"},
@@ -78,8 +74,6 @@ def test_thinking_template_prefetch_matches_the_next_request():
         assert real[: len(prefetched.tokens)] == prefetched.tokens
         assert len(prefetched.tokens) == last_message_start(engine, nxt)
         assert "Three works" not in model.tokenizer.decode(list(prefetched.tokens))
-    finally:
-        engine.shutdown()
 
 
 def test_one_shot_requests_are_not_prefetched():
@@ -100,18 +94,14 @@ def test_one_shot_requests_are_not_prefetched():
     assert wants_prefetch(replace(one_shot, tools=({"type": "function"},)))
     assert not wants_prefetch(PromptInput(text="Once upon a time"))
 
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, NOW) as engine:
         run(engine, one_shot)
         time.sleep(0.2)
         assert engine.prefetch.started == 0
-    finally:
-        engine.shutdown()
 
 
 def test_a_request_that_cannot_use_a_running_prefetch_takes_over():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, NOW) as engine:
         long_history = chat(
             ("system", "A long lesson about rivers and their deltas. " * 120),
             ("user", "Go on."),
@@ -126,8 +116,6 @@ def test_a_request_that_cannot_use_a_running_prefetch_takes_over():
         assert engine.prefetch.cancelled == 1 and engine.prefetch.completed == 0
         assert engine.prefetch.tokens < len(rendered.tokens)
         engine.store.check_integrity()
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -135,20 +123,16 @@ def test_prefetch_can_be_turned_off(enabled):
     # No delay, and a control run: with the flag on, the same turn starts a prefetch well
     # within the time the "off" run is watched, so an ignored flag would show.
     config = EngineConfig(prefetch_next_turn=enabled, prefetch_delay_s=0.0)
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, config) as engine:
         history = chat(("user", "Hi"), ("assistant", "Hello."), ("user", "How are you?"))
         run(engine, history, sampling=SamplingParams(max_tokens=4))
         started = wait_for(lambda: engine.prefetch.started == 1, timeout=60.0 if enabled else 3.0)
         assert started is enabled
         assert engine.prefetch.started == int(enabled)
-    finally:
-        engine.shutdown()
 
 
 def test_a_chat_clients_first_turns_are_prefetched_once_it_sent_a_reply_back():
-    engine = Engine(loaded_test_model("qwen3_5"), TEST_CACHE, NOW)
-    try:
+    with open_engine(loaded_test_model("qwen3_5"), TEST_CACHE, NOW) as engine:
         first = run(engine, chat(("system", SYSTEM), ("user", "What is a fraction?")))
         time.sleep(0.2)
         assert engine.prefetch.started == 0, "a first turn, from a client not known yet"
@@ -164,13 +148,10 @@ def test_a_chat_clients_first_turns_are_prefetched_once_it_sent_a_reply_back():
         result = warm_equals_cold(engine, nxt)
         assert result.usage.cached_tokens >= last_message_start(engine, nxt)
         assert result.usage.cached_tokens > reply.usage.prompt_tokens
-    finally:
-        engine.shutdown()
 
 
 def test_one_shot_clients_are_never_prefetched():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, NOW) as engine:
         chat_system = ("system", SYSTEM)
         first = run(engine, chat(chat_system, ("user", "Hi")))
         run(engine, chat(chat_system, ("user", "Hi"), ("assistant", first.text), ("user", "Go")))
@@ -181,8 +162,6 @@ def test_one_shot_clients_are_never_prefetched():
             run(engine, chat(("user", page)))  # no system prompt: nothing to know it by
         time.sleep(0.2)
         assert engine.prefetch.started == 1
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("scope", [None, "off"])
@@ -192,20 +171,18 @@ def test_the_prefetch_keeps_to_the_requests_disk_scope(tmp_path, scope):
     from mlx_prefix.config import DiskConfig
 
     disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW, disk_config=disk)
-    try:
+    # Leaving the block shuts the engine down: it writes the queued disk saves first.
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, NOW, disk_config=disk) as engine:
         history = chat(
             ("system", SYSTEM),
             ("user", "What is a fraction?"),
             ("assistant", "A part of a whole."),
             ("user", "And a decimal?"),
         )
-        pref = CachePreference(scope=scope)
+        pref = CachePreference(scope=DiskScope.parse(scope) if scope else None)
         handle = engine.submit(history, SamplingParams(max_tokens=4), pref)
         list(handle.events(timeout=120))
         assert wait_for(lambda: engine.prefetch.completed == 1)
-    finally:
-        engine.shutdown()  # writes the queued disk saves first
     files = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert (len(files) > 0) is (scope is None), [p.name for p in files]
 
@@ -215,11 +192,11 @@ def test_a_pinned_warm_up_keeps_to_its_disk_scope(tmp_path, scope):
     from mlx_prefix.config import DiskConfig
 
     disk = DiskConfig(scope="auto", directory=str(tmp_path), min_tokens=16)
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE, NOW, disk_config=disk)
-    try:
+    # Leaving the block shuts the engine down: it writes the queued disk saves first.
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, NOW, disk_config=disk) as engine:
         prompt = chat(("system", SYSTEM), ("user", "Warm me."))
-        assert engine.warm(prompt, pin=True, cache=CachePreference(scope=scope)).pinned
-    finally:
-        engine.shutdown()  # writes the queued disk saves first
+        assert engine.warm(
+            prompt, pin=True, cache=CachePreference(scope=DiskScope.parse(scope) if scope else None)
+        ).pinned
     files = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert (len(files) > 0) is (scope is None)  # pinned: "full" unless told otherwise

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import wait_for, warm_equals_cold
+from engine_helpers import open_engine, wait_for, warm_equals_cold
 from mlx_lm.utils import load_tokenizer
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE, cached_test_model
-from mlx_prefix.prompt.boundaries import PromptPlanner
-from mlx_prefix.prompt.tool_calls import ToolSyntax
+from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
@@ -30,12 +29,12 @@ from mlx_prefix.records import (
     ToolCallIds,
     Usage,
 )
-from mlx_prefix.server.assembler import Assembler
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import GenerationRequest, Limits
-from mlx_prefix.server.protocol.response_items import reply_messages
 from mlx_prefix.server.protocol.responses import parse_responses
-from mlx_prefix.server.responses_api_objects import OutputEvents, ResponseHead
+from mlx_prefix.server.protocol.responses_items import reply_messages
+from mlx_prefix.server.replies.assembler import Assembler
+from mlx_prefix.server.replies.responses import OutputEvents, ResponseHead
 
 NOW = EngineConfig(prefetch_delay_s=0.0)
 LIMITS = Limits(default_max_tokens=16, max_tokens=1000)
@@ -105,8 +104,7 @@ def first_result_start(planner: PromptPlanner, prompt: PromptInput) -> int:
 def test_a_tool_loop_restores_its_whole_history_and_answers_like_a_cold_run(kind):
     model = loaded_test_model(kind, think_template=True)
     assert model.tokenizer.has_tool_calling
-    engine = Engine(model, TEST_CACHE, NOW)
-    try:
+    with open_engine(model, TEST_CACHE, NOW) as engine:
         ids = ToolCallIds("chatcmpl-first-turn")
         first, nxt = tool_loop(model.tokenizer, ids)
         computed = len(engine.plan(first.prompt).tokens)
@@ -120,8 +118,6 @@ def test_a_tool_loop_restores_its_whole_history_and_answers_like_a_cold_run(kind
         assert result.usage.cached_tokens >= first_result_start(engine.planner, nxt)
         assert result.usage.cached_tokens > computed
         engine.store.check_integrity()
-    finally:
-        engine.shutdown()
 
 
 # A template that prints tool-call ids (as Kimi's and Mistral's do): the prefetch must

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.sampling import TokenSampler
-from mlx_prefix.prompt.reasoning import ReasoningMarkers
+from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.records import SamplingParams
 
 START, END, NL, NL2, WORD = 10, 11, 1, 2, 5

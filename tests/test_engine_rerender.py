@@ -12,7 +12,7 @@ from template_models import RERENDERING, TOOLS, calibrated_once, chat_messages, 
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.prompt.boundaries import common_prefix_length
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
 
 # No periodic checkpoint past 32 x 2^k: only the turn starts can serve a divergence.

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.engine.forward.runner import prefill
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.request.plan import PromptPlanner
 
 PROMPT = chat(
     ("system", "You answer questions about trains, timetables and tickets, briefly. " * 4),

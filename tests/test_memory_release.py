@@ -18,8 +18,8 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams
-from mlx_prefix.server.model_loading import EngineSwapper, Slot
-from mlx_prefix.server.model_names import ModelSpec, ServedModel
+from mlx_prefix.server.served.loading import EngineSwapper, Slot
+from mlx_prefix.server.served.names import ModelSpec, ServedModel
 
 
 def test_trim_heap_runs_on_glibc_only(monkeypatch):
@@ -54,7 +54,7 @@ def test_the_engine_trims_once_per_idle_transition(monkeypatch):
         trimmed.set()
         return True
 
-    monkeypatch.setattr("mlx_prefix.engine.loop.trim_heap", count)
+    monkeypatch.setattr("mlx_prefix.engine.turns.trim_heap", count)
     config = EngineConfig(idle_trim_s=0.05, prefetch_next_turn=False)
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
     try:
@@ -70,7 +70,7 @@ def test_the_engine_trims_once_per_idle_transition(monkeypatch):
 
 def test_an_idle_trim_of_none_is_off(monkeypatch):
     trims = []
-    monkeypatch.setattr("mlx_prefix.engine.loop.trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr("mlx_prefix.engine.turns.trim_heap", lambda: trims.append(1))
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(idle_trim_s=None))
     try:
         ask(engine, "A question?")

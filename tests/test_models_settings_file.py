@@ -25,7 +25,7 @@ from mlx_prefix.models.settings_file import (
 from mlx_prefix.models.testing import cached_test_model, make_test_model
 from mlx_prefix.records import PromptInput
 from mlx_prefix.server import ServerSettings, create_app
-from mlx_prefix.server.model_names import ModelSpec
+from mlx_prefix.server.served.names import ModelSpec
 
 GOOD = """\
 # settings for two models

@@ -1,4 +1,4 @@
-"""Which models can be sharded, decided before any weight is read (models/sharded.py),
+"""Which models can be sharded, decided before any weight is read (engine/sharded/load.py),
 the ranks' cache layouts compared, and the watch connection that notices a dead rank
 (watch.py). Collectives go through tests/group_fakes.py."""
 
@@ -13,11 +13,11 @@ import pytest
 from group_fakes import LocalGroup, on_every_rank
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from mlx_prefix.engine.sharded.load import check_equal_caches, shard_refusal
+from mlx_prefix.engine.sharded.watch import PeerWatch
 from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.models.load import load_model
-from mlx_prefix.models.sharded import check_equal_caches, shard_refusal
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.watch import PeerWatch
 
 
 def refusal(kind: str, world: int, pipeline: bool, edit=None, tmp_path=None) -> str | None:

@@ -19,13 +19,9 @@ from mlx_prefix.config import CacheConfig
 from mlx_prefix.conversation import Message
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.boundaries import (
-    PromptPlanner,
-    RenderedPrompt,
-    _special_ids,
-    common_prefix_length,
-)
-from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
+from mlx_prefix.prompt.request.render import common_prefix_length
+from mlx_prefix.prompt.request.template_grid import _special_ids
 from mlx_prefix.records import PromptInput
 
 SYSTEM, LAST, HISTORY, PERIODIC = (
@@ -179,13 +175,13 @@ def test_chatml_boundaries_sit_just_after_each_message_start_token():
 
 def test_two_messages_render_the_sentinel_once(monkeypatch):
     calls = []
-    original = ChatRenderer.messages_tokens
+    original = PromptPlanner.tokens
 
     def counting(self, prompt, contents=None):
         calls.append(contents)
         return original(self, prompt, contents)
 
-    monkeypatch.setattr(ChatRenderer, "messages_tokens", counting)
+    monkeypatch.setattr(PromptPlanner, "tokens", counting)
     p = planner("chatml")
     rendered = p.plan(chat(*CONVERSATION[:2]))
     assert len(calls) == 2  # the prompt, then one sentinel render for message 1
@@ -226,7 +222,7 @@ def test_no_tail_outside_the_last_message(reply):
     history_cut = min(pos for pos, kind in found.items() if kind == HISTORY)
     assert not last < tail < history_cut  # precondition
     # Only the periodic series (the early points, then powers of two below the
-    # interval: prompt/grid.py), no tail.
+    # interval: prompt/request/grid.py), no tail.
     periodic = {pos for pos, kind in found.items() if kind == PERIODIC}
     assert periodic <= set(p.grid.periodic(len(rendered.tokens), 4096))
 
@@ -237,7 +233,7 @@ def test_text_completions_get_periodic_checkpoints_and_a_tail():
     rendered = p.plan(PromptInput(text=text))
     assert len(rendered.tokens) == 200
     assert not rendered.is_chat
-    # The series (one chunk, then every interval: prompt/grid.py) and the tail: 192.
+    # The series (one chunk, then every interval: prompt/request/grid.py) and the tail: 192.
     assert kinds(rendered) == {32: PERIODIC, 64: PERIODIC, 128: PERIODIC, 192: PERIODIC}
     shorter = p.plan(PromptInput(text="word" + " word" * 179))  # 180 tokens: tail at 160
     assert kinds(shorter) == {32: PERIODIC, 64: PERIODIC, 128: PERIODIC, 160: PERIODIC}

@@ -10,7 +10,7 @@ from engine_helpers import run, warm_equals_cold
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import CacheConfig
 from mlx_prefix.conversation import Message
-from mlx_prefix.prompt.boundaries import PromptPlanner
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import Breakpoint, PromptInput
 
 BREAKPOINT = CheckpointKind.BREAKPOINT
@@ -110,7 +110,7 @@ def test_an_assistant_prefix_is_rendered_after_the_generation_prompt():
     rendered = p.plan(prompt(assistant_prefix="<tool_call>"))
     text = p.renderer.tokenizer.decode(list(rendered.tokens))
     assert text.endswith("<|im_start|>assistant\n<tool_call>")
-    assert p.renderer.prompt_tokens(prompt(assistant_prefix="<tool_call>")) == list(rendered.tokens)
+    assert p.prompt_tokens(prompt(assistant_prefix="<tool_call>")) == list(rendered.tokens)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "dense"])

@@ -1,4 +1,4 @@
-from mlx_prefix.prompt.grid import GRID_RULES, ChunkGrid
+from mlx_prefix.prompt.request.grid import GRID_RULES, ChunkGrid
 
 START, A, NL = 1, 7, 8  # a message-start token, "assistant", "\n"
 

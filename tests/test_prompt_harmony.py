@@ -1,4 +1,4 @@
-"""gpt-oss's harmony replies read apart (prompt/harmony.py, prompt/reply.py): the analysis
+"""gpt-oss's harmony replies read apart (prompt/reply/harmony.py, reader.py): the analysis
 channel is reasoning, a commentary message to a function is a call, the rest is text,
 whatever deltas the reply arrives in, and no control token reaches the client."""
 
@@ -13,13 +13,13 @@ from mlx_lm.utils import load_tokenizer
 from template_models import DATA, GPT_OSS_TOKENIZER, QWEN3_TOKENIZER
 
 from mlx_prefix.conversation import Message
-from mlx_prefix.prompt import harmony
-from mlx_prefix.prompt.harmony import CONTROL, Harmony, HarmonyReader
-from mlx_prefix.prompt.reasoning import ReasoningMarkers, _probe_renders, _template_close
-from mlx_prefix.prompt.render import ChatRenderer
-from mlx_prefix.prompt.reply import answer_text, client_reply, reply_reader, tool_syntax
-from mlx_prefix.prompt.thinking import NO_EDGES
-from mlx_prefix.prompt.tool_calls import CallParser, Split
+from mlx_prefix.prompt.reply import harmony
+from mlx_prefix.prompt.reply.harmony import CONTROL, Harmony, HarmonyReader
+from mlx_prefix.prompt.reply.reader import answer_text, client_reply, reply_reader, tool_syntax
+from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers, _probe_renders, _template_close
+from mlx_prefix.prompt.reply.thinking import NO_EDGES
+from mlx_prefix.prompt.reply.tool_calls import CallParser, Split
+from mlx_prefix.prompt.request.render import ChatRenderer
 from mlx_prefix.records import ToolCallIds
 
 TEMPLATE = (DATA / "templates" / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")
@@ -153,7 +153,7 @@ def test_the_client_reply_and_the_answer_read_as_the_server_does(gpt_oss):
 
 def test_a_forced_call_opens_the_commentary_channel_to_the_function(gpt_oss):
     from mlx_prefix.server.protocol.request import ToolChoice
-    from mlx_prefix.server.tool_choice import forced_opening
+    from mlx_prefix.server.routes.tool_choice import forced_opening
 
     named = forced_opening(gpt_oss, ToolChoice(mode="named", name="read"))
     assert named == "<|channel|>commentary to=functions.read <|constrain|>json<|message|>"

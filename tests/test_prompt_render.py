@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt.render import ChatRenderer
+from mlx_prefix.prompt.request.render import ChatRenderer
 from mlx_prefix.records import PromptInput
 
 
@@ -31,7 +31,8 @@ def tokens(*messages: dict, tools=None, template_kwargs: dict | None = None) -> 
         tools=tools,
         chat_template_kwargs=template_kwargs or {},
     )
-    return renderer().messages_tokens(prompt)
+    r = renderer()
+    return r.encode_chat(r.messages_text(prompt) + prompt.assistant_prefix)
 
 
 def text(token_ids: list[int]) -> str:

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.tool_parsers import kimi_k2
 
 from mlx_prefix.conversation import Message, conversation_from_dicts
-from mlx_prefix.prompt.reply import client_reply
-from mlx_prefix.prompt.tool_calls import CallParser, ReplySplitter, ToolSyntax
+from mlx_prefix.prompt.reply.reader import client_reply
+from mlx_prefix.prompt.reply.tool_calls import CallParser, ReplySplitter, ToolSyntax
 from mlx_prefix.records import ToolCallIds
 
 JSON_TOOLS = ToolSyntax.of(

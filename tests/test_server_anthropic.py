@@ -9,13 +9,14 @@ from dataclasses import replace
 import anthropic
 import httpx
 import pytest
-from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
+from live import live_server, tool_calling_engine
+from server_fakes import DEFAULT_REPLY, FakeEngine, FakeTokenizer, serving
 
 from mlx_prefix.conversation import Message
 from mlx_prefix.records import TokenEvent, ToolCallIds
-from mlx_prefix.server.assembler import Assembler
-from mlx_prefix.server.protocol.messages import parse_messages_request
+from mlx_prefix.server.protocol.anthropic import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
+from mlx_prefix.server.replies.assembler import Assembler
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 3
 WEATHER = {
@@ -26,11 +27,7 @@ WEATHER = {
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def live():
-    model = FakeModel(tokenizer=FakeTokenizer.with_json_tools())
-    with serving(FakeEngine(model)) as (url, engine):
-        yield url, engine
+live = live_server(tool_calling_engine)
 
 
 @pytest.fixture

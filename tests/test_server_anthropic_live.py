@@ -8,6 +8,7 @@ import time
 import anthropic
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
+from live import live_server
 from server_fakes import serving
 
 from mlx_prefix.cache.store import CheckpointKind
@@ -35,12 +36,18 @@ def system(request_number: int) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "dense"])
-def live(request):
-    engine = Engine(loaded_test_model(request.param, think_template=True), TEST_CACHE)
-    with serving(engine) as (url, _):
-        with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
-            yield client, engine
+served = live_server(
+    lambda kind: Engine(loaded_test_model(kind, think_template=True), TEST_CACHE),
+    params=["qwen3_5", "dense"],
+    name="served",
+)
+
+
+@pytest.fixture(scope="module")
+def live(served):
+    url, engine = served
+    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
+        yield client, engine
 
 
 def ask(client, messages, n: int, cache: bool = True):

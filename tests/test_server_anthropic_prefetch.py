@@ -12,26 +12,26 @@ real ones; the follow-up turns sample from the model as usual.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
-import mlx.core as mx
 import pytest
-from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import wait_for
-from server_fakes import serving
+from conftest import loaded_test_model
+from engine_helpers import scripted_engine, wait_for
+from live import live_server
 from test_engine_prefetch_tools import ID_TEMPLATE
 
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine.decode import phase as decode
-from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import PromptInput, ToolCallIds
-from mlx_prefix.server.protocol.messages import parse_messages_request
+from mlx_prefix.server.protocol.anthropic import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
 
 SYSTEM = "You are a coding agent working in a small repository. Read before editing. " * 4
@@ -57,16 +57,6 @@ SCRIPTS = {7001: TOOL_REPLY, 7002: FORCED_REPLY}
 COLD = {"temperature": 0, "prefix_cache": {"enabled": False}}
 
 
-class ScriptedSampler:
-    """The script's tokens in turn, then EOS, whatever the logits say."""
-
-    def __init__(self, tokens: list[int], eos: int):
-        self.tokens, self.eos = list(tokens), eos
-
-    def __call__(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
-        return mx.array([self.tokens.pop(0) if self.tokens else self.eos], dtype=mx.uint32)
-
-
 def id_model(folder):
     """The dense test model with a template that prints tool-call ids (as Kimi's and
     Mistral's do): the prefetch must render the ids the client received."""
@@ -77,28 +67,25 @@ def id_model(folder):
     return load_model(str(folder))
 
 
-@pytest.fixture(scope="module", params=["dense", "qwen3_5", "dense-printing-ids"])
-def live(request, tmp_path_factory):
-    if request.param == "dense-printing-ids":
-        model = id_model(tmp_path_factory.mktemp("ids") / "model")
-    else:
-        model = loaded_test_model(request.param, think_template=True)
-    tokenizer = model.tokenizer
-    scripts = {s: tokenizer.encode(t, add_special_tokens=False) for s, t in SCRIPTS.items()}
-    assert all(tokenizer.decode(scripts[s]) == t for s, t in SCRIPTS.items())
-    eos = min(tokenizer.eos_token_ids)
+@contextlib.contextmanager
+def scripted(kind: str) -> Iterator[Engine]:
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind == "dense-printing-ids":
+            model = id_model(Path(tmp) / "model")
+        else:
+            model = loaded_test_model(kind, think_template=True)
+        with scripted_engine(model, SCRIPTS) as engine:
+            yield engine
 
-    def sampler(params, *args):
-        if params.seed in scripts:
-            return ScriptedSampler(scripts[params.seed], eos)
-        return TokenSampler(params, *args)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode, "TokenSampler", sampler)
-        engine = Engine(model, TEST_CACHE, EngineConfig(prefetch_delay_s=0))
-        with serving(engine) as (url, _):
-            with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
-                yield client, engine
+served = live_server(scripted, params=["dense", "qwen3_5", "dense-printing-ids"], name="served")
+
+
+@pytest.fixture(scope="module")
+def live(served):
+    url, engine = served
+    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
+        yield client, engine
 
 
 def sent_back(message) -> list[dict]:

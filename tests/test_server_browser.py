@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fakes import DEFAULT_REPLY, FakeEngine, serving
+from live import live_server
+from server_fakes import DEFAULT_REPLY, serving
 
 from mlx_prefix.browsers import NO_CHROMIUM, find_chromium
 
@@ -24,10 +25,7 @@ WEB = Path(__file__).parent / "web"
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[tuple[str, FakeEngine]]:
-    with serving(allowed_origins=("https://app.example.com",)) as (url, engine):
-        yield url, engine
+live = live_server(allowed_origins=("https://app.example.com",))
 
 
 @pytest.fixture

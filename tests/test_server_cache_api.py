@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import raw_post, serving, wait_until
 
 from mlx_prefix.cache.types import CheckpointKind, EntryInfo
-from mlx_prefix.server.metrics import ServerMetrics
+from mlx_prefix.server.monitor.metrics import ServerMetrics
 
 SYSTEM = {"role": "system", "content": "You are the shared system prompt of an extension. " * 4}
 

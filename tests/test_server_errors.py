@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from live import live_server
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, raw_post, serving, wait_until
 
 MAX_BODY = 64 * 1024
@@ -17,11 +18,7 @@ CONTEXT = 2000
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def live():
-    engine = FakeEngine(FakeModel(context_length=CONTEXT))
-    with serving(engine, max_body_bytes=MAX_BODY) as (url, engine):
-        yield url, engine
+live = live_server(lambda: FakeEngine(FakeModel(context_length=CONTEXT)), max_body_bytes=MAX_BODY)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The Host check against DNS rebinding (server/hosts.py, middleware.HostGuard): which
+"""The Host check against DNS rebinding (server/guards/hosts.py, middleware.HostGuard): which
 names a Host header may carry, and that every route refuses the others in one place,
 in its API family's error shape."""
 
@@ -10,7 +10,7 @@ from server_fakes import serving
 
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.serve import server_settings
-from mlx_prefix.server.hosts import HostPolicy, host_name
+from mlx_prefix.server.guards.hosts import HostPolicy, host_name
 from mlx_prefix.server.settings import ServerSettings
 
 EVIL = "evil.example"

@@ -1,4 +1,4 @@
-"""Idle unload (server/idle_unload.py): a model idle past its keep-alive is unloaded and
+"""Idle unload (server/served/idle.py): a model idle past its keep-alive is unloaded and
 the next request loads it again with the same answer; a pinned one, the --model one by
 default, and one a request is using are not. The policy is checked on fakes with a clock
 the test moves; the live part on real tiny models, polled with a deadline."""
@@ -16,9 +16,9 @@ from server_fakes import FakeEngine, FakeModel, wait_until
 from mlx_prefix.config import FOREVER
 from mlx_prefix.models.settings_file import parse_models_file
 from mlx_prefix.models.testing import make_test_model
-from mlx_prefix.server.idle_unload import IdleUnloader
-from mlx_prefix.server.model_names import ModelSpec
-from mlx_prefix.server.model_pool import ModelPool
+from mlx_prefix.server.served.idle import IdleUnloader
+from mlx_prefix.server.served.names import ModelSpec
+from mlx_prefix.server.served.pool import ModelPool
 
 
 class Clock:
@@ -63,7 +63,7 @@ async def use(pool: ModelPool, name: str) -> None:
 
 def test_keep_alive_policy_with_a_clock_the_test_moves(tmp_path, monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("mlx_prefix.server.model_pool.time.monotonic", clock)
+    monkeypatch.setattr("mlx_prefix.server.served.pool.time.monotonic", clock)
     c = str(tmp_path / "c")
     pool, loaded = fake_pool(tmp_path, f'[models."{c}"]\npinned = true\n', keep_alive_s=60)
     unloader = IdleUnloader(pool, clock)
@@ -97,7 +97,7 @@ def test_keep_alive_policy_with_a_clock_the_test_moves(tmp_path, monkeypatch):
 
 def test_a_model_in_use_is_never_unloaded(tmp_path, monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("mlx_prefix.server.model_pool.time.monotonic", clock)
+    monkeypatch.setattr("mlx_prefix.server.served.pool.time.monotonic", clock)
     pool, _ = fake_pool(tmp_path, keep_alive_s=5)
     unloader = IdleUnloader(pool, clock)
     b = str(tmp_path / "b")

@@ -9,8 +9,8 @@ import time
 
 import httpx
 import openai
-import pytest
 from conftest import TEST_CACHE, loaded_test_model
+from live import live_server
 from server_fakes import serving
 
 from mlx_prefix.cache.store import CheckpointKind
@@ -22,11 +22,9 @@ from mlx_prefix.records import PromptInput
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 
 
-@pytest.fixture(scope="module", params=["dense", "qwen3_5"])
-def live(request):
-    engine = Engine(loaded_test_model(request.param), TEST_CACHE)
-    with serving(engine) as (url, _):
-        yield url, engine
+live = live_server(
+    lambda kind: Engine(loaded_test_model(kind), TEST_CACHE), params=["dense", "qwen3_5"]
+)
 
 
 def ask(client, question: str, **extra):

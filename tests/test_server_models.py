@@ -1,4 +1,4 @@
-"""Several models behind one live server (server/model_pool.py): the request's `model`
+"""Several models behind one live server (server/served/pool.py): the request's `model`
 and `adapters` select the engine, each with its own cache in one shared byte budget;
 models load on demand and the least recently used is unloaded past --max-models."""
 
@@ -22,7 +22,7 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import make_test_model
 from mlx_prefix.server import ServerSettings, create_app
-from mlx_prefix.server.model_names import ModelSpec
+from mlx_prefix.server.served.names import ModelSpec
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 
@@ -261,7 +261,7 @@ def test_a_model_that_fails_to_load_is_one_clear_error_and_the_default_keeps_ser
 
 @pytest.mark.parametrize("memory", ["room for both", "room for one"])
 def test_a_failed_load_never_unloads_what_is_serving(folders, monkeypatch, memory):
-    import mlx_prefix.server.model_pool as model_pool
+    import mlx_prefix.server.served.pool as model_pool
 
     if memory == "room for one":  # the new model can only load once the default is gone
         monkeypatch.setattr(model_pool, "available_memory", lambda: 0)
@@ -291,7 +291,7 @@ def test_a_load_failing_after_the_unload_loads_the_served_model_again(folders, t
 
 
 def test_a_model_too_large_for_memory_is_refused(folders, monkeypatch):
-    import mlx_prefix.server.model_pool as model_pool
+    import mlx_prefix.server.served.pool as model_pool
 
     monkeypatch.setattr(model_pool, "available_memory", lambda: 1000)  # bytes
     with served(folders, max_models=2) as (url, pool):

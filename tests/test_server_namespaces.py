@@ -1,4 +1,4 @@
-"""Cache namespaces over HTTP (server/namespaces.py): who a request's namespace says
+"""Cache namespaces over HTTP (server/guards/namespaces.py): who a request's namespace says
 sent it, and that requests, cache_salt, listings, flush, warm, pins and the dashboard
 keep to it. The fake engine for the routing, a real tiny model where caching matters."""
 
@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import open_engine
 from server_fakes import serving
 from starlette.requests import Request
 
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import namespace_id
-from mlx_prefix.server.namespaces import Caller, Namespaces
+from mlx_prefix.server.guards.namespaces import Caller, Namespaces
 
 MAIL = {"Origin": "chrome-extension://mailhelperextensionid"}
 PAGE = {"Origin": "moz-extension://4b1d2c3e-unknown-page-script"}
@@ -204,8 +204,7 @@ def test_global_sharing_shares_between_origins():
 
 
 def test_two_extensions_over_http_with_a_real_model(tmp_path):
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE) as engine:
         with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
 
             def ask(headers: dict, **extra) -> tuple[int, str]:
@@ -228,15 +227,12 @@ def test_two_extensions_over_http_with_a_real_model(tmp_path):
             assert all(cached > 40 for cached, _ in again)
             assert {text for _, text in first + again} == {cold[1]}
             assert ask({})[0] == 0  # nor does curl see the extensions' entries
-    finally:
-        engine.shutdown()
 
 
 def test_a_client_pins_only_its_share_and_others_still_cache(tmp_path):
     """Pins are never evicted: without a bound, one page could warm-and-pin the budget
     full and no one else's prompt would be stored again."""
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
-    try:
+    with open_engine(loaded_test_model("dense"), TEST_CACHE) as engine:
         with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
 
             def warm(headers: dict, text: str) -> httpx.Response:
@@ -263,5 +259,3 @@ def test_a_client_pins_only_its_share_and_others_still_cache(tmp_path):
                 r = c.post("/v1/chat/completions", json={**body, "max_tokens": 2})
                 hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert (hit > 0) is cached
-    finally:
-        engine.shutdown()

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
+from live import live_server, tool_calling_engine
+from server_fakes import DEFAULT_REPLY, FakeEngine, serving
 
+from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.records import CachePreference, ToolCallIds
 
@@ -26,13 +28,7 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def live():
-    model = FakeModel(
-        path=Path("/models/org/SmolLM-fake"), tokenizer=FakeTokenizer.with_json_tools()
-    )
-    with serving(FakeEngine(model)) as (url, engine):
-        yield url, engine
+live = live_server(lambda: tool_calling_engine(path=Path("/models/org/SmolLM-fake")))
 
 
 @pytest.fixture
@@ -218,7 +214,7 @@ def test_prefix_cache_extension_and_template_kwargs(client, engine):
         )
         assert r.usage.prompt_tokens_details.cached_tokens == 0
     submission = engine.submissions[-1]
-    assert submission.cache == CachePreference(enabled=False, scope="off")
+    assert submission.cache == CachePreference(enabled=False, scope=DiskScope.parse("off"))
     assert submission.prompt.chat_template_kwargs == {"enable_thinking": False}
 
 

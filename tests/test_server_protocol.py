@@ -14,12 +14,13 @@ from mlx_prefix.engine.decode.sampling import TokenSampler, normalize
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams, ToolCallIds, Usage
 from mlx_prefix.server import ServerSettings
-from mlx_prefix.server import chat_bodies as R
 from mlx_prefix.server.protocol.chat import parse_chat, parse_messages
 from mlx_prefix.server.protocol.completions import parse_completion
 from mlx_prefix.server.protocol.fields import parse_json_object
 from mlx_prefix.server.protocol.request import Limits
-from mlx_prefix.server.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
+from mlx_prefix.server.replies import chat as R
+from mlx_prefix.server.replies.assembler import Alternative, TokenLogprob
+from mlx_prefix.server.replies.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 LIMITS = Limits(default_max_tokens=64, max_tokens=1000)
 CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
@@ -244,8 +245,8 @@ def test_chunks_and_usage_shapes():
     raw = R.sse(R.usage_chunk(meta, usage))
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
     assert json.loads(raw[6:])["choices"] == []
-    alt = (R.Alternative("x", -0.5), R.Alternative("a", -1.0))
-    lps = [R.TokenLogprob("a", -1.0, alt), R.TokenLogprob("bc", -2.0)]
+    alt = (Alternative("x", -0.5), Alternative("a", -1.0))
+    lps = [TokenLogprob("a", -1.0, alt), TokenLogprob("bc", -2.0)]
     assert R.logprobs_body("completion", lps) == {
         "tokens": ["a", "bc"],
         "token_logprobs": [-1.0, -2.0],

@@ -8,7 +8,8 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from server_fakes import FakeEngine, FakeModel, FakeTokenizer, serving
+from live import live_server, tool_calling_engine
+from server_fakes import FakeEngine
 
 from mlx_prefix.conversation import conversation_from_dicts, template_messages
 
@@ -24,10 +25,7 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def live():
-    with serving(FakeEngine(FakeModel(tokenizer=FakeTokenizer.with_json_tools()))) as served:
-        yield served
+live = live_server(tool_calling_engine)
 
 
 @pytest.fixture

@@ -11,22 +11,18 @@ prefetch) is the real path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import anthropic
-import mlx.core as mx
 import openai
 import pytest
-from conftest import TEST_CACHE
-from engine_helpers import wait_for
-from server_fakes import serving
+from engine_helpers import scripted_engine, wait_for
+from live import live_server
 
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
-from mlx_prefix.engine.decode import phase as decode
-from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -55,36 +51,13 @@ ANSWER_REPLY = "The user greets me.\n</think>\n\nHello there."
 ANSWER_SEED = 8002
 
 
-class ScriptedSampler:
-    """The script's tokens in turn, then EOS, whatever the logits say."""
-
-    def __init__(self, tokens: list[int], eos: int):
-        self.tokens, self.eos = list(tokens), eos
-
-    def __call__(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
-        return mx.array([self.tokens.pop(0) if self.tokens else self.eos], dtype=mx.uint32)
-
-
-@pytest.fixture(scope="module")
-def live():
+def scripted() -> contextlib.AbstractContextManager[Engine]:
     folder = cached_test_model("qwen3_5", tokenizer=DATA / "tokenizers" / "qwen3")
     model = load_model(str(folder), chat_template=str(TEMPLATE))
-    tokenizer = model.tokenizer
-    scripts = {SCRIPT_SEED: TOOL_REPLY, ANSWER_SEED: ANSWER_REPLY}
-    scripts = {s: tokenizer.encode(t, add_special_tokens=False) for s, t in scripts.items()}
-    assert tokenizer.decode(scripts[SCRIPT_SEED]) == TOOL_REPLY
-    eos = min(tokenizer.eos_token_ids)
+    return scripted_engine(model, {SCRIPT_SEED: TOOL_REPLY, ANSWER_SEED: ANSWER_REPLY})
 
-    def sampler(params, *args):
-        if params.seed in scripts:
-            return ScriptedSampler(scripts[params.seed], eos)
-        return TokenSampler(params, *args)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode, "TokenSampler", sampler)
-        engine = Engine(model, TEST_CACHE, EngineConfig(prefetch_delay_s=0))
-        with serving(engine) as (url, _):
-            yield url, engine
+live = live_server(scripted)
 
 
 @pytest.fixture
@@ -385,7 +358,7 @@ def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat
 def test_gpt_oss_renders_reasoning_sent_back_as_its_analysis_channel():
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_prefix.prompt.render import ChatRenderer
+    from mlx_prefix.prompt.request.render import ChatRenderer
 
     folder = cached_test_model("qwen3_5", tokenizer=DATA / "tokenizers" / "qwen3")
     template = (DATA / "templates" / "openai-gpt-oss-120b.jinja").read_text()

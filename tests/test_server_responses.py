@@ -9,7 +9,8 @@ import json
 import httpx
 import openai
 import pytest
-from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, FakeTokenizer, serving
+from live import live_server, tool_calling_engine
+from server_fakes import DEFAULT_REPLY, FakeEngine, serving
 
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.records import ToolCallIds
@@ -30,11 +31,7 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def live():
-    model = FakeModel(tokenizer=FakeTokenizer.with_json_tools())
-    with serving(FakeEngine(model), responses_store=4) as (url, engine):
-        yield url, engine
+live = live_server(tool_calling_engine, responses_store=4)
 
 
 @pytest.fixture

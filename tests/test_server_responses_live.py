@@ -5,10 +5,9 @@ exactly as a cold run does."""
 from __future__ import annotations
 
 import openai
-import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import wait_for
-from server_fakes import serving
+from live import live_server
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
@@ -20,11 +19,10 @@ LOGPROBS = ["message.output_text.logprobs"]
 COLD = {"prefix_cache": {"enabled": False}}
 
 
-@pytest.fixture(scope="module", params=["dense", "qwen3_5"])
-def live(request):
-    engine = Engine(loaded_test_model(request.param), TEST_CACHE, EngineConfig(prefetch_delay_s=0))
-    with serving(engine) as (url, _):
-        yield url, engine
+live = live_server(
+    lambda kind: Engine(loaded_test_model(kind), TEST_CACHE, EngineConfig(prefetch_delay_s=0)),
+    params=["dense", "qwen3_5"],
+)
 
 
 def ask(client, text: str, previous: str | None = None, **extra):

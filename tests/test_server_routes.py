@@ -9,22 +9,22 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from live import live_server
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, serving
 
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.serve import server_settings
 from mlx_prefix.errors import ModelNotFound
-from mlx_prefix.server.model_names import ModelRegistry, ServedModel
 from mlx_prefix.server.routes import API_ROUTES, ROUTES
+from mlx_prefix.server.served.names import ModelRegistry, ServedModel
 
 SYSTEM = "You answer questions about the opening hours of a small public library. " * 3
 
 
-@pytest.fixture(scope="module")
-def live():
-    model = FakeModel(path=Path("/models/org/SmolLM-fake"))
-    with serving(FakeEngine(model), aliases=("house-model", "claude-sonnet-4-5")) as (url, engine):
-        yield url, engine
+live = live_server(
+    lambda: FakeEngine(FakeModel(path=Path("/models/org/SmolLM-fake"))),
+    aliases=("house-model", "claude-sonnet-4-5"),
+)
 
 
 def chat_body(question: str, **extra) -> dict:

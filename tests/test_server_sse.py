@@ -1,4 +1,4 @@
-"""server/sse.py: every API family streams through one writer (sse-starlette's
+"""server/replies/sse.py: every API family streams through one writer (sse-starlette's
 EventSourceResponse): the events' bytes as framed, comment pings on an idle stream that
 the official clients skip, and a client that leaves cancels the engine request."""
 
@@ -12,7 +12,7 @@ import openai
 import pytest
 from server_fakes import FakeEngine, raw_post, serving, wait_until
 
-import mlx_prefix.server.sse as sse
+import mlx_prefix.server.replies.sse as sse
 
 REPLY = "Hello from the fake engine, one word at a time."
 SLOW = "[[delay:0.15]] Say hello."  # each word waits 0.15 s: pings come in between

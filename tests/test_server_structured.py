@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from server_fakes import serving
+from live import live_server
 from test_engine_structured import PERSON, check_person
 
 from mlx_prefix.engine.engine import Engine
@@ -28,12 +28,14 @@ CHAT_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema"
 COLD = {"prefix_cache": {"enabled": False}}
 
 
+served = live_server(lambda: Engine(loaded_test_model("dense"), TEST_CACHE), name="served")
+
+
 @pytest.fixture(scope="module")
-def live():
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
-    with serving(engine) as (url, _):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
-            yield client, url
+def live(served):
+    url, _ = served
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        yield client, url
 
 
 def person_chat(client, seed: int = 3, **extra):

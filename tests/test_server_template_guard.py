@@ -9,12 +9,12 @@ import time
 import httpx
 import pytest
 from conftest import TEST_CACHE
-from server_fakes import serving
+from live import live_server
 
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
-from mlx_prefix.prompt import render
+from mlx_prefix.prompt.request import render
 
 SPIN = (  # ChatML, looping for hours when a request sets the template variable `spin`
     "{% if spin %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
@@ -29,10 +29,15 @@ def chat(c: httpx.Client, **kwargs) -> httpx.Response:
     return c.post("/v1/chat/completions", json=body)
 
 
+served = live_server(
+    lambda: Engine(load_model(str(cached_test_model("dense")), chat_template=SPIN), TEST_CACHE),
+    name="served",
+)
+
+
 @pytest.fixture(scope="module")
-def live():
-    engine = Engine(load_model(str(cached_test_model("dense")), chat_template=SPIN), TEST_CACHE)
-    with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=120) as c:
+def live(served):
+    with httpx.Client(base_url=served[0], timeout=120) as c:
         yield c
 
 

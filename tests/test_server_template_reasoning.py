@@ -29,9 +29,9 @@ from mlx_prefix.engine.decode import phase as decode
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
-from mlx_prefix.prompt.boundaries import common_prefix_length
-from mlx_prefix.prompt.harmony import CONTROL, Harmony
-from mlx_prefix.prompt.reply import tool_syntax
+from mlx_prefix.prompt.reply.harmony import CONTROL, Harmony
+from mlx_prefix.prompt.reply.reader import tool_syntax
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
 
 SEED, BUDGET_SEED = 9001, 9002
@@ -85,7 +85,7 @@ class Family:
             return
         # Written as the templates write a turn: the start marker and a newline (Gemma 4's
         # `<|channel>thought` label ends there), the reasoning, the template's own close
-        # (prompt/reasoning.py reads it from the template: `\n<channel|>` for Gemma 4).
+        # (prompt/reply/reasoning.py reads it from the template: `\n<channel|>` for Gemma 4).
         opening += "\n" if opening else ""
         close = engine.planner.reasoning.close_text
         self.reasoning = f"Maybe {self._markup('b.py')} first."

@@ -26,7 +26,8 @@ from template_models import (
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
+from mlx_prefix.prompt.request.plan import RenderedPrompt
+from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
 
 TURNS = len(AGENT_TURNS)
@@ -54,7 +55,7 @@ def served(request):
 
 # family -> the refusal its template raises for this conversation (a 400 naming it).
 # None today: Mistral's "Tool call IDs should be alphanumeric strings with length 9!"
-# is met by mapping the ids (prompt/call_ids.py).
+# is met by mapping the ids (prompt/request/call_ids.py).
 REFUSALS: dict[str, str] = {}
 
 

@@ -1,7 +1,7 @@
 """The reuse rules (invariant 3): which stored sequence serves a request best.
 
 One rule for both tiers: the memory store (`store`) and the disk index
-(`disk_index`) each keep a trie per model key, with their own values.
+(`disk/index.py`) each keep a trie per model key, with their own values.
 Pure Python (no MLX).
 """
 

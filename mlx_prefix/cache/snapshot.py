@@ -1,6 +1,6 @@
 """Immutable captures of a request's per-layer cache, restored copy-on-write.
 
-Besides `disk_payload` and the per-class kinds it asks (cache/layers/: what each
+Besides `disk/payload.py` and the per-class kinds it asks (cache/layers/: what each
 cache class keeps, captures and restores), the only cache module that touches MLX.
 Why sharing is safe (invariant 2):
 - MLX arrays are values: `x[a:b] = y` builds a new array and rebinds that one
@@ -39,9 +39,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from mlx_prefix.cache.layers import CacheListKind, LayerSnapshot, kind_of
+from mlx_prefix.cache.layers.base import arrays_in
 from mlx_prefix.cache.types import Buffer, new_buffer_key
 
 
@@ -206,7 +206,7 @@ def _arrays(layers: tuple[LayerSnapshot | None, ...]) -> list[mx.array]:
     for layer in layers:
         if layer is None:
             continue
-        out.extend(a for _, a in tree_flatten(list(layer.state)) if isinstance(a, mx.array))
+        out.extend(arrays_in(list(layer.state)))
         out.extend(_arrays(layer.children))
     return out
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from mlx_prefix.cache.token_ids import ids, packed
 
@@ -276,7 +276,7 @@ class TokenTrie(Generic[V]):
     @staticmethod
     def _match(walk: _Walk) -> TrieMatch[V]:
         ancestors = tuple(
-            TriePrefix(d, n.value)  # type: ignore[arg-type]
+            TriePrefix(d, cast(V, n.value))  # not _MISSING: a stored value
             for n, d in zip(walk.nodes, walk.depths, strict=True)
             if n.value is not _MISSING
         )

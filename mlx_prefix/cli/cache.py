@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from mlx_prefix.cache.disk import DiskCache
+    from mlx_prefix.cache.disk.tier import DiskCache
     from mlx_prefix.config import DiskConfig, from_env
 
     config = from_env(DiskConfig, "DISK", {"directory": args.directory})

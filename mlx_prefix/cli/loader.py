@@ -1,8 +1,8 @@
 """How `serve` loads a model, at startup and on demand: the model flags, then the model's
 table in the settings file (models/settings_file.py) over them: its context length,
-chat-template kwargs, KV bits and draft model. The pool (server/model_pool.py) calls
+chat-template kwargs, KV bits and draft model. The pool (server/served/pool.py) calls
 the loader on a thread of its own; sampling defaults, aliases, keep-alive and pins are
-the server's business (server/routes/common.py, server/idle_unload.py)."""
+the server's business (server/routes/common.py, server/served/idle.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from .args import cache_config, disk_config, engine_config
 if TYPE_CHECKING:
     from mlx_prefix.engine.engine import Engine
     from mlx_prefix.models.load import LoadedModel
-    from mlx_prefix.server.model_loading import EngineLoader
-    from mlx_prefix.server.model_names import ModelSpec
+    from mlx_prefix.server.served.loading import EngineLoader
+    from mlx_prefix.server.served.names import ModelSpec
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -55,7 +55,7 @@ def find_settings(models_file: ModelsFile, *names: str | None) -> ModelSettings:
 
 
 def engine_loader(args: argparse.Namespace, models_file: ModelsFile) -> EngineLoader:
-    """How the server loads a model on demand (server/model_pool.py): the model flags,
+    """How the server loads a model on demand (server/served/pool.py): the model flags,
     except that --chat-template applies to the default model only, the cache and
     engine flags, then the model's settings; the engine shares the store and disk
     cache it is given."""

@@ -292,7 +292,7 @@ def embedding_worker(args: argparse.Namespace) -> Any:
     from mlx_prefix.models.preflight import load_estimate
     from mlx_prefix.models.resolve import resolve_model
     from mlx_prefix.platform import available_memory
-    from mlx_prefix.server.model_loading import InsufficientMemory
+    from mlx_prefix.server.served.loading import InsufficientMemory
 
     cfg = embedding_config(args)
     if cfg.embedding_model is None:

@@ -1,5 +1,5 @@
 """`mlx-prefix serve` on every rank of an `mlx.launch` group: the model sharded over the
-ranks (models/sharded.py), one DistributedEngine per rank (engine/sharded/distributed.py);
+ranks (engine/sharded/load.py), one DistributedEngine per rank (engine/sharded/distributed.py);
 rank 0 serves HTTP, the others follow it until it stops the group.
 
     mlx.launch -n 2 --backend ring --python .venv/bin/python -m mlx_prefix serve --model M
@@ -17,16 +17,16 @@ import time
 from typing import TYPE_CHECKING
 
 from mlx_prefix.config import ModelConfig, from_env
+from mlx_prefix.engine.sharded.group import Channel, Cluster, detect_backend
+from mlx_prefix.engine.sharded.watch import PeerWatch
 from mlx_prefix.errors import InvalidRequest, Unavailable
-from mlx_prefix.group import Channel, detect_backend
-from mlx_prefix.watch import PeerWatch
 
 from .args import cache_config, disk_config, engine_config
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlx_prefix.engine.sharded.distributed import DistributedEngine
+    from mlx_prefix.engine.engine import Engine
     from mlx_prefix.server.settings import ServerSettings
 
 log = logging.getLogger("mlx_prefix.server")
@@ -48,7 +48,8 @@ def serve_sharded(
     args: argparse.Namespace, group: mx.distributed.Group, settings: ServerSettings
 ) -> int:
     from mlx_prefix.engine.sharded.distributed import QUANTIZED_KV_SHARDED, DistributedEngine
-    from mlx_prefix.models.sharded import load_sharded
+    from mlx_prefix.engine.sharded.load import load_sharded
+    from mlx_prefix.engine.sharded.lockstep import Lockstep
     from mlx_prefix.server.app import serve
 
     keys = ("model", "adapter", "dtype", "chat_template", "use_default_chat_template",
@@ -77,18 +78,20 @@ def serve_sharded(
     engine = DistributedEngine(
         model, cluster, channel, cache_config(args), engine_config(args), disk_config(args)
     )
-    watch.start(engine.lost)
+    assert isinstance(engine.turns, Lockstep)
+    watch.start(engine.turns.lost)
     if not cluster.leader:
-        return follow(engine)
+        return follow(engine, cluster)
     serve(engine, settings)
     return ended(engine)
 
 
-def follow(engine: DistributedEngine) -> int:
+def follow(engine: Engine, cluster: Cluster) -> int:
     """A rank other than 0: run the engine until rank 0 stops the group. Rank 0 decides
     when that is: SIGINT is ignored (a terminal's Ctrl-C reaches rank 0 too), and on
     SIGTERM this rank still waits up to TERM_WAIT_S for rank 0's stop."""
-    log.info("rank %d: %s", engine.cluster.rank, engine.cluster.describe())
+    rank = cluster.rank
+    log.info("rank %d: %s", rank, cluster.describe())
     termed = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: termed.set())
@@ -97,12 +100,12 @@ def follow(engine: DistributedEngine) -> int:
         if termed.is_set():
             deadline = deadline or time.monotonic() + TERM_WAIT_S
             if time.monotonic() > deadline:
-                log.warning("rank %d: no stop from rank 0; exiting", engine.cluster.rank)
+                log.warning("rank %d: no stop from rank 0; exiting", rank)
                 os._exit(143)  # the engine thread may sit in a collective: do not join it
     return ended(engine)
 
 
-def ended(engine: DistributedEngine) -> int:
+def ended(engine: Engine) -> int:
     """After serving: 0, or the group's failure as the CLI's one line and exit status 1.
     An engine thread still inside a collective with a dead rank never returns, so then
     the process exits without waiting for it."""

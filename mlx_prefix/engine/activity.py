@@ -16,8 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.keys import namespace_of
-from mlx_prefix.engine.requests.jobs import Job, PrefillTask, Running
+from mlx_prefix.engine.prefill.task import PrefillTask
+from mlx_prefix.engine.requests.jobs import Job
 
 State = Literal["queued", "prefilling", "decoding"]
 Role = Literal["request", "warm", "prefetch"]

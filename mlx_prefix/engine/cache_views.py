@@ -2,30 +2,52 @@
 cache and the single-entry actions they take: statistics, listings with token ids,
 flush, pin/unpin and evict one entry, and the engine's published activity. Every call
 goes to the thread-safe store and disk tier, never to the engine thread's records
-(invariant 1); the Engine inherits them (a sharded engine overrides the actions, which it
-must agree on across ranks)."""
+(invariant 1). An action is a CacheAction, applied where the engine's turn driver says
+(engine/turns.py: at once; a sharded group: on every rank at the same turn)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from mlx_prefix.cache.disk_index import DiskEntryInfo
+from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.engine.activity import Activity, ActivityBoard
+from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.keys import namespace_key
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.requests.jobs import PrefetchStats
 
 
-class CacheViews:
-    store: PromptCache
-    disk: DiskAccess | None
-    model_key: str
-    prefetch: PrefetchStats
-    _board: ActivityBoard
+@dataclass(frozen=True, slots=True)
+class CacheAction:
+    """A caller's change to the cache (a sharded group does it on every rank at the
+    same point: engine/sharded/plan.py carries it)."""
 
-    def cache_stats(self) -> dict:
+    name: str  # "flush" | "pin" | "unpin" | "evict"
+    entry_id: int = -1
+    namespace: str | None = None  # flush: of one namespace (None: all)
+
+
+class CacheViews:
+    def __init__(
+        self,
+        store: PromptCache,
+        disk: DiskAccess | None,
+        model_key: str,
+        prefetch: PrefetchStats,
+        board: ActivityBoard,
+        speculator: Speculator | None = None,
+    ):
+        self.store = store
+        self.disk = disk
+        self.model_key = model_key
+        self.prefetch = prefetch  # counted by the engine thread, read here
+        self.board = board
+        self.speculator = speculator
+
+    def stats(self) -> dict:
         stats = asdict(self.store.stats())
         lookups = stats["hits"] + stats["misses"]
         stats["hit_ratio"] = stats["hits"] / lookups if lookups else 0.0
@@ -36,28 +58,19 @@ class CacheViews:
             disk["pending_saves"] = self.disk.pending
             disk["dropped_saves"] = self.disk.dropped  # each logged when dropped
             stats["disk"] = disk
-        if (spec := getattr(self, "speculation", None)) is not None:  # --draft-model
+        if self.speculator is not None:  # --draft-model
+            spec = self.speculator.stats
             stats["speculative"] = {**asdict(spec), "acceptance": spec.acceptance}
         return stats
 
-    def cache_entries(self) -> list[dict]:
+    def entries(self) -> list[dict]:
         return [asdict(e) for e in self.store.entries()]
 
-    def flush_cache(self, namespace: str | None = None) -> int:
-        """Drop this model's entries (of one namespace, every salt in it; None: of all)
-        from memory and disk; returns how many."""
-        key = self.model_key if namespace is None else namespace_key(self.model_key, namespace)
-        removed = self.store.clear(key)
-        if self.disk is not None:
-            removed += self.disk.cache.clear(key)
-        return removed
-
-    # -- the dashboard: read-only views (any thread) and single-entry actions ---------
     def activity(self) -> Activity:
         """Requests waiting, prefilling and decoding, as of the engine's last turn."""
-        return self._board.current
+        return self.board.current
 
-    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+    def sequences(self) -> list[StoredTokens[EntryInfo]]:
         """This model's entries in memory (every namespace: `info.model_key` names each
         one's), with their token ids. Does not mutate."""
         return self.store.sequences(self.model_key)
@@ -66,10 +79,25 @@ class CacheViews:
         """This model's checkpoint files, with their token ids. Does not mutate."""
         return self.disk.cache.sequences(self.model_key) if self.disk is not None else []
 
-    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
-        """Pin or unpin one of this model's entries; False if there is no such entry."""
-        return self.store.set_pinned(self.model_key, entry_id, pinned)
+    def apply(self, action: CacheAction) -> Any:
+        """Do a caller's action; its result (mutates the store, and the disk for a flush)."""
+        if action.name == "flush":
+            return self.flush(action.namespace)
+        if action.name in ("pin", "unpin"):
+            return self.store.set_pinned(self.model_key, action.entry_id, action.name == "pin")
+        if action.name == "evict":
+            return self.evict(action.entry_id)
+        raise ValueError(f"unknown cache action {action.name!r}")
 
-    def evict_entry(self, entry_id: int) -> EvictOutcome:
+    def flush(self, namespace: str | None) -> int:
+        """Drop this model's entries (of one namespace, every salt in it; None: of all)
+        from memory and disk; returns how many."""
+        key = self.model_key if namespace is None else namespace_key(self.model_key, namespace)
+        removed = self.store.clear(key)
+        if self.disk is not None:
+            removed += self.disk.cache.clear(key)
+        return removed
+
+    def evict(self, entry_id: int) -> EvictOutcome:
         """Drop one of this model's entries from memory (a disk copy stays)."""
         return self.store.evict_entry(self.model_key, entry_id)

@@ -1,16 +1,14 @@
 """The engine's request-facing side: one thread owns the model and every MLX array
 (invariant 1), and this class is how every other thread reaches it.
 
-Callers (HTTP handlers, the CLI, library users) call `submit`, which renders and
-validates the prompt in the caller's thread and queues a job; the engine thread
-(engine/loop.py) runs jobs and reports typed events through each request's handle.
-Cache statistics are read straight from the thread-safe store (engine/cache_views.py).
-
-A request's path: match the longest usable cached prefix -> restore it (shared arrays)
--> prefill the rest chunk by chunk on the grid, capturing checkpoints at planned
-positions and at prefixes shared with waiting requests -> join the decode batch ->
-stream tokens -> leave the batch. Every job ends with exactly one final event
-(engine/requests/lifecycle.py).
+An Engine holds its parts, each built whole here: the prompt planner, the store and the
+disk tier, the cache views callers read (engine/cache_views.py), the engine thread's
+loop built from its phases (engine/loop.py), and the turn driver that runs that loop
+(engine/turns.py; a sharded group's is engine/sharded/lockstep.py, passed in by
+engine/sharded/distributed.py). Callers call `submit`, which renders and validates the
+prompt in the caller's thread and queues a job; the engine thread runs jobs and reports
+typed events through each request's handle. Every job ends with exactly one final
+event (engine/requests/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -25,12 +23,14 @@ from dataclasses import replace
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.disk import DiskCache
+from mlx_prefix.cache.disk.index import DiskEntryInfo
+from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.store import PromptCache
-from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
-from mlx_prefix.engine.activity import ActivityBoard
-from mlx_prefix.engine.cache_views import CacheViews
+from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
+from mlx_prefix.config import FULL_SCOPE, CacheConfig, DiskConfig, DiskScope, EngineConfig
+from mlx_prefix.engine.activity import Activity, ActivityBoard
+from mlx_prefix.engine.cache_views import CacheAction, CacheViews
 from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
@@ -46,28 +46,23 @@ from mlx_prefix.engine.requests.admission import check_reply_fits, check_samplin
 from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
-from mlx_prefix.engine.requests.lifecycle import Lifecycle
-from mlx_prefix.engine.requests.pace import Pace
 from mlx_prefix.engine.requests.prefetch import Prefetcher
 from mlx_prefix.engine.requests.scheduler import WaitingList
+from mlx_prefix.engine.turns import LocalTurns, Turns
+from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import cap_buffer_cache
-from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
-from mlx_prefix.prompt.harmony import Harmony
-from mlx_prefix.prompt.reply import tool_syntax
+from mlx_prefix.prompt.reply.reader import tool_syntax
+from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 log = logging.getLogger("mlx_prefix.engine")
 
 SHUTDOWN_SAVES_S = 30.0  # after the requests, a shutdown writes queued disk saves this long
 
-__all__ = ["Engine", "PrefetchStats", "WarmResult", "cache_key"]
 
-
-class Engine(CacheViews, EngineLoop):
-    handle_type: type[RequestHandle] = RequestHandle  # what callers hold for each job
-
+class Engine:
     def __init__(
         self,
         model: LoadedModel,
@@ -77,120 +72,128 @@ class Engine(CacheViews, EngineLoop):
         disk_config: DiskConfig | None = None,
         draft: LoadedModel | None = None,
         disk_cache: DiskCache | None = None,
+        *,
+        turns: Turns | None = None,
     ):
         """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
         draft model for speculative decoding (engine/decode/speculative.py). `store` and
-        `disk_cache` may be shared with other engines (server/model_pool.py)."""
+        `disk_cache` may be shared with other engines (server/served/pool.py). `turns`:
+        how the engine thread takes its turns (None: LocalTurns, this process alone)."""
         check_draft_config(model, draft, engine_config)
         self.model = model
-        output_head.install(model.model)  # a prompt's logits: its last position's (head.py)
         self.draft = draft
         self.cache_config = cache_config or CacheConfig()
         self.config = engine_config or EngineConfig()
+        self.turns = turns or LocalTurns(self.config)
+        self.lifecycle = self.turns.lifecycle
+        self.handle_type = self.turns.handle_type  # what callers hold for each job
+        output_head.install(model.model)  # a prompt's logits: its last position's (head.py)
         self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
         self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
-        self.store = store or PromptCache(
-            self.cache_config.budget_bytes,
-            self.cache_config.max_entries,
-            policy=policy_named(self.cache_config.eviction),
-            pin_share=self.cache_config.pin_share,
-        )
+        self.store = store or new_store(self.cache_config)
         cap_buffer_cache(self.store.budget_bytes)  # freed MLX buffers count too
         # Quantized KV (engine/forward/kv_quant.py): in the key, one request at a time.
         self.kv_quant = quantized_kv(model, self.config)
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         fresh_cache = make_prompt_cache(model.model)
-        # Until the engine thread's calibration (the probe, with --deterministic) says more.
-        self.batchable = batchable(fresh_cache) and self.kv_quant is None
-        self.capacity = 1  # requests decoding at once: set by `_calibrate`
-        # A server-wide scope of "off" disables the tier: no folder, no files, and no
-        # per-request scope can turn it back on.
-        self.disk = (
-            DiskAccess(
-                disk_config,
-                always_trimmable(fresh_cache) and self.kv_quant is None,
-                self.store,
-                bytes_key=f"engine-{id(self):x}-disk",
-                cache=disk_cache,
-            )
-            if disk_config is not None and disk_config.scope != "off" and self.cache_config.enabled
+        trimmable = always_trimmable(fresh_cache) and self.kv_quant is None
+        self.disk = self._disk_access(disk_config, trimmable, disk_cache)
+        speculator = Speculator(draft, self.config.num_draft_tokens) if draft else None
+        self.prefetch = PrefetchStats()
+        board = ActivityBoard(1)
+        self.views = CacheViews(
+            self.store, self.disk, self.model_key, self.prefetch, board, speculator
+        )
+        self._prefetcher = (
+            Prefetcher(self.planner, tool_syntax(model.tokenizer), self._enqueue_prefetch)
+            if self.config.prefetch_next_turn and self.cache_config.enabled and self.turns.leader
             else None
         )
-        self.lifecycle = Lifecycle(lambda: self.capacity, self.config.max_queued)
-        self._board = ActivityBoard(self.capacity)
-        self._waiting: WaitingList[Job] = WaitingList()  # engine thread only
-        # Keys of this engine's running caches in the store's byte budget (invariant 6); the
-        # store may be shared with other engines.
-        self._prefill = PrefillPhase(
-            model,
+        # Until the engine thread's calibration (the probe, with --deterministic) says more.
+        can_batch = batchable(fresh_cache) and self.kv_quant is None
+        self.loop = self._build_loop(speculator, board, can_batch)
+        self._thread = threading.Thread(
+            target=self.turns.run, args=(self.loop, self.views), name="mlx-prefix-engine"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _disk_access(
+        self, config: DiskConfig | None, trimmable: bool, shared: DiskCache | None
+    ) -> DiskAccess | None:
+        # A server-wide scope of "off" disables the tier: no folder, no files, and no
+        # per-request scope can turn it back on.
+        if config is None or config.default_scope.off or not self.cache_config.enabled:
+            return None
+        bytes_key = f"engine-{id(self):x}-disk"
+        return DiskAccess(config, trimmable, self.store, bytes_key, shared, self.turns.agree)
+
+    def _build_loop(
+        self, speculator: Speculator | None, board: ActivityBoard, can_batch: bool
+    ) -> EngineLoop:
+        """The engine thread's parts, each complete. Their bytes count in the store's
+        budget under keys of this engine's own (the store may be shared)."""
+        waiting: WaitingList[Job] = WaitingList(self.turns.clock)
+        prefill = PrefillPhase(
+            self.model,
             self.planner,
             self.store,
             self.disk,
             self.cache_config,
             self.config,
-            lambda: self._waiting,
+            waiting,
             bytes_key=f"engine-{id(self):x}-prefill",
+            kv_quant=self.kv_quant,
+            speculator=speculator,
         )
-        self._prefill.kv_quant = self.kv_quant
-        self._decode = DecodePhase(
-            model,
-            None,
+        prefetcher = self._prefetcher
+        decode = DecodePhase(
+            self.model,
             self.store,
             f"engine-{id(self):x}-batch",
             self.lifecycle.end,
-            self._maybe_prefetch,
+            prefetcher.after_reply if prefetcher is not None else _no_follow_up,
             kv=self.kv_quant,
+            speculator=speculator,
+            reasoning=self.planner.reasoning,  # reasoning budgets' markers
+            agree_tokens=self.turns.agree_tokens,
         )
-        self._decode.reasoning = self.planner.reasoning  # reasoning budgets' markers
-        if (harmony := Harmony.of(model.tokenizer)) is not None:
-            # gpt-oss's <|return|> and <|call|> end a reply: its generation_config.json
-            # lists them, a folder converted without that file does not.
-            tokenizer = model.tokenizer
-            tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | set(harmony.stops)
-        if draft is not None:
-            speculator = Speculator(draft, self.config.num_draft_tokens)
-            self._decode.speculator = self._prefill.speculator = speculator
-        self._pace = Pace(self.config)
-        self.prefetch = PrefetchStats()
-        self._chat_traffic = ChatTraffic()  # engine thread only
-        self._prefetcher = (
-            Prefetcher(self.planner, tool_syntax(model.tokenizer), self._enqueue_prefetch)
-            if self.config.prefetch_next_turn and self.cache_config.enabled
-            else None
-        )
-        self._closing = False  # the engine thread saw the shutdown marker
-        self._stopping = False  # the grace period is over: cancel running requests too
-        self._abandon_saves = False  # shutdown's time for queued disk saves is over
-        self._thread = threading.Thread(target=self._loop, name="mlx-prefix-engine", daemon=True)
-        self._thread.start()
+        return EngineLoop(
+            self.model, self.config, self.lifecycle, waiting, prefill, decode, self.turns.pace,
+            self.disk, board, self.prefetch, can_batch,
+        )  # fmt: skip
+
+    # -- what the engine is and does (any thread) -----------------------------------
+    @property
+    def capacity(self) -> int:
+        """Requests decoding at once (1 until the engine thread has calibrated)."""
+        return self.loop.capacity
 
     @property
     def peak_batch(self) -> int:
         """Most requests ever decoded together (observability, tests)."""
-        return self._decode.peak_batch
+        return self.loop.decode.peak_batch
 
     @property
     def speculation(self) -> SpeculationStats | None:
         """Draft tokens proposed and accepted (None: no draft model)."""
-        spec = self._decode.speculator
+        spec = self.loop.decode.speculator
         return spec.stats if spec is not None else None
 
     @property
-    def _pending(self) -> int:
-        return self.lifecycle.pending
+    def failure(self) -> str | None:
+        """Why the engine stopped serving for good (a sharded group); None: serving."""
+        return self.turns.failure
 
-    @property
-    def _steps(self) -> int:
-        return self._decode.steps
-
+    # -- submitting (any thread) ----------------------------------------------------
     def plan(self, prompt: PromptInput) -> RenderedPrompt:
         return plan_prompt(self.planner, self.model.context_length, prompt)
 
     def count_tokens(self, prompt: PromptInput) -> int:
         """Tokens `prompt` renders to, whether or not it fits the context."""
-        return len(self.planner.renderer.prompt_tokens(prompt))
+        return len(self.planner.prompt_tokens(prompt))
 
     def submit(
         self,
@@ -202,13 +205,14 @@ class Engine(CacheViews, EngineLoop):
         fit_reply: bool = False,
     ) -> RequestHandle:
         """Render, validate and queue a request. Raises InvalidRequest,
-        ContextLengthExceeded or EngineBusy in the caller's thread.
+        ContextLengthExceeded, EngineBusy or Unavailable in the caller's thread.
 
         `fit_reply`: refuse a prompt that leaves less than `max_tokens` of the context
         for the reply; otherwise the reply is cut at the context's end. The request
         reads and writes only the entries of `cache.namespace` (and `cache.salt`)."""
-        check_sampling(sampling, cache, self.vocab_size)
-        check_request(sampling, self._decode.speculator)
+        self._check_serving()
+        check_sampling(sampling, self.vocab_size)
+        check_request(sampling, self.loop.decode.speculator)
         rendered = self.plan(prompt)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
@@ -249,12 +253,13 @@ class Engine(CacheViews, EngineLoop):
     ) -> tuple[RequestHandle, Future[WarmResult]]:
         """Queue a warm-up into `cache.namespace` (and `cache.salt`); its future gives the
         WarmResult (cancel it with the handle)."""
+        self._check_serving()
         rendered = self.plan(prompt)
         future: Future[WarmResult] = Future()
         handle = self.handle_type(f"warm-{uuid.uuid4().hex[:12]}", len(rendered.tokens))
         # A pinned warm-up is meant to last: persist all of its checkpoints to disk too,
         # unless the caller chose its disk scope.
-        scope = cache.scope if cache.scope is not None else "full" if pin else None
+        scope = cache.scope if cache.scope is not None else FULL_SCOPE if pin else None
         pref = replace(cache, enabled=True, scope=scope)
         key, sampling = entry_key(self.model_key, pref), SamplingParams(max_tokens=1)
         now = time.perf_counter()
@@ -262,7 +267,9 @@ class Engine(CacheViews, EngineLoop):
         self.lifecycle.put(job)
         return handle, future
 
-    def _enqueue_prefetch(self, prompt: RenderedPrompt, key: str, scope: str | None = None) -> None:
+    def _enqueue_prefetch(
+        self, prompt: RenderedPrompt, key: str, scope: DiskScope | None = None
+    ) -> None:
         """Queue a next-turn prefetch under the entry key and disk scope of the request it
         follows (from the prefetcher's thread)."""
         handle = self.handle_type(f"prefetch-{uuid.uuid4().hex[:12]}", len(prompt.tokens))
@@ -272,6 +279,43 @@ class Engine(CacheViews, EngineLoop):
         job = Job(handle, prompt, sampling, pref, key, now, background=True, not_before=not_before)
         self.lifecycle.put_background(job)
 
+    def _check_serving(self) -> None:
+        if self.turns.failure is not None:
+            raise Unavailable(self.turns.failure)
+
+    # -- the cache (any thread): views, and actions through the turns ---------------
+    def cache_stats(self) -> dict:
+        return {**self.views.stats(), **self.turns.describe()}
+
+    def cache_entries(self) -> list[dict]:
+        return self.views.entries()
+
+    def activity(self) -> Activity:
+        """Requests waiting, prefilling and decoding, as of the engine's last turn."""
+        return self.views.activity()
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+        """This model's entries in memory (every namespace), with their token ids."""
+        return self.views.sequences()
+
+    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
+        """This model's checkpoint files, with their token ids."""
+        return self.views.disk_sequences()
+
+    def flush_cache(self, namespace: str | None = None) -> int:
+        """Drop this model's entries (of one namespace, every salt in it; None: of all)
+        from memory and disk; returns how many."""
+        return self.turns.act(CacheAction("flush", namespace=namespace), self.views)
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        """Pin or unpin one of this model's entries; False if there is no such entry."""
+        return self.turns.act(CacheAction("pin" if pinned else "unpin", entry_id), self.views)
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        """Drop one of this model's entries from memory (a disk copy stays)."""
+        return self.turns.act(CacheAction("evict", entry_id), self.views)
+
+    # -- the end ----------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0, save_timeout: float = SHUTDOWN_SAVES_S) -> None:
         """Stop accepting; cancel what waits; let running requests finish until `timeout`,
         then cancel them too; write the queued disk saves for up to `save_timeout` more,
@@ -279,13 +323,57 @@ class Engine(CacheViews, EngineLoop):
         if self._prefetcher is not None:
             self._prefetcher.close()
         self.lifecycle.close()
+        if self.turns.failure is not None:
+            self._thread.join(1.0)  # a sharded group's thread may sit in a dead collective
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
-            self._stopping = True
+            self.turns.stop()
             self._thread.join(save_timeout)
         if self._thread.is_alive():
-            self._abandon_saves = True
+            self.turns.abandon_saves()
             self._thread.join(5)  # the file being written, if any
         if self._thread.is_alive():
             pending = self.disk.pending if self.disk is not None else 0
             log.warning("the engine thread is still busy; %d queued disk save(s) lost", pending)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the engine thread to end; True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- the engine thread's parts, for tests (read them while the engine is idle) -----
+    @property
+    def _prefill(self) -> PrefillPhase:
+        return self.loop.prefill
+
+    @property
+    def _decode(self) -> DecodePhase:
+        return self.loop.decode
+
+    @property
+    def _pending(self) -> int:
+        return self.lifecycle.pending
+
+    @property
+    def _steps(self) -> int:
+        return self.loop.decode.steps
+
+    @property
+    def _chat_traffic(self) -> ChatTraffic:
+        assert self._prefetcher is not None
+        return self._prefetcher.chat_traffic
+
+
+def new_store(config: CacheConfig) -> PromptCache:
+    """A store of its own for one engine (a server's models share one: server/served/pool.py)."""
+    return PromptCache(
+        config.budget_bytes,
+        config.max_entries,
+        policy=policy_named(config.eviction),
+        pin_share=config.pin_share,
+    )
+
+
+def _no_follow_up(job: Job, reply: str) -> None:
+    """No next-turn prefetch: a reply ends its request, nothing follows."""

@@ -1,7 +1,7 @@
 """What the server may call on an engine: the typed face of HTTP -> engine.
 
-`Engine` (engine.py) and the sharded `DistributedEngine` (sharded/distributed.py)
-provide it; the server's tests use fakes with the same methods. Every method is safe
+`Engine` (engine.py) provides it, a sharded rank's too (built by sharded/distributed.py);
+the server's tests use fakes with the same methods. Every method is safe
 from any thread: submissions go through the engine's inbox, cache views through the
 thread-safe store and disk tier; none touches an MLX array.
 """
@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from mlx_prefix.cache.disk_index import DiskEntryInfo
+    from mlx_prefix.cache.disk.index import DiskEntryInfo
     from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
     from mlx_prefix.engine.activity import Activity
     from mlx_prefix.engine.requests.handle import RequestHandle

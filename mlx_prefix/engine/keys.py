@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from mlx_prefix.models.identity import ModelIdentity
 from mlx_prefix.platform import device_name, loaded_blas
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 from mlx_prefix.records import CachePreference
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ def cache_key(identity: ModelIdentity, grid: ChunkGrid, kv: KvQuant | None = Non
     (device, BLAS, MLX version) and the same KV quantization (`kv`; None: float), so
     all of them are in it (invariants 4 and 7); a server restarted with another
     --prefill-chunk, BLAS or --kv-bits never reads the old files."""
-    parts = [identity.key(), grid.signature(), device_name(), loaded_blas(), mx.__version__]
+    mlx_version: str = mx.__version__  # type: ignore[attr-defined]  # not in mlx's stubs
+    parts = [identity.key(), grid.signature(), device_name(), loaded_blas(), mlx_version]
     if kv is not None:  # float keys stay as they were: their files remain valid
         parts.append(kv.signature())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]

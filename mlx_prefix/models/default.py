@@ -11,10 +11,10 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
+from mlx_prefix.config import home_dir
 from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.models.gguf_convert import convert_gguf
 
@@ -57,15 +57,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
 def default_models_dir() -> Path:
     """`$MLX_PREFIX_HOME/models`, else the platform's user cache dir + `mlx-prefix/models`."""
-    if home := os.environ.get("MLX_PREFIX_HOME"):
-        return Path(home).expanduser() / "models"
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    elif sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "mlx-prefix" / "models"
+    return home_dir() / "models"
 
 
 def _find_gguf() -> Path:

@@ -26,7 +26,7 @@ class ModelIdentity:
     dtype: str  # floating dtype the weights are held in after loading, e.g. "float32"
     weights_fingerprint: str  # see fingerprint_files()
     chat_template_hash: str  # sha256 prefix of the chat template ("" template if none)
-    # This process's part of a model sharded over ranks (models/sharded.py), e.g.
+    # This process's part of a model sharded over ranks (engine/sharded/load.py), e.g.
     # "tensor 0/2": its cache holds only that part. None: the whole model.
     shard: str | None = None
 

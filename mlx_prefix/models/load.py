@@ -13,6 +13,7 @@ from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
 from mlx_prefix.models.preflight import context_length
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
+from mlx_prefix.models.stops import add_reply_stops
 from mlx_prefix.models.template import ensure_template, template_args, template_text
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def load_model(
             model = load_adapters(model, str(adapter_path))
             model.eval()
             # Not lazy: the LoRA layers' arrays would belong to this thread's stream, and
-            # a server loads on a thread of its own (server/model_pool.py).
+            # a server loads on a thread of its own (server/served/pool.py).
             mx.eval(model.parameters())
         part = "tokenizer"
         tokenizer = load_tokenizer(resolved.path, options, eos_token_ids=config.get("eos_token_id"))
@@ -129,8 +130,9 @@ def finish_loading(
     shard: str | None = None,
 ) -> LoadedModel:
     """Cast the floating weights (`dtype`, else `choose_dtype`) and compute the identity:
-    the steps after mlx-lm's load, shared with sharded loading (models/sharded.py)."""
+    the steps after mlx-lm's load, shared with sharded loading (engine/sharded/load.py)."""
     target = cast_weights(model, dtype)
+    add_reply_stops(tokenizer)
 
     weight_files = [resolved.path / "config.json", *resolved.path.glob("model*.safetensors")]
     if adapter_path is not None:

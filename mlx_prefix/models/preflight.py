@@ -1,6 +1,6 @@
 """Checks on a model folder before it is loaded, read cheaply from its files: whether it
 looks loadable (so that a server does not unload a model for one that fails) and how
-much memory its weights will take (server/model_pool.py and the CLI decide with these).
+much memory its weights will take (server/served/pool.py and the CLI decide with these).
 Which folder a name means is models/resolve.py's business. No MLX.
 """
 

@@ -169,7 +169,7 @@ def make_test_model(
         weights.pop("lm_head.weight")
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     # The index mlx_lm.convert writes: pipeline-sharded loading reads it to pick each
-    # rank's files (models/sharded.py).
+    # rank's files (engine/sharded/load.py).
     index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(weights), "model.safetensors")}
     (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")

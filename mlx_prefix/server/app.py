@@ -16,19 +16,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 
 from .errors import EXCEPTION_HANDLERS
-from .generation import InFlight
-from .hosts import HostPolicy
-from .idle_unload import IdleUnloader
-from .metrics import ServerMetrics
-from .middleware import ApiKeyAuth, HostGuard, RequestCounter, cors
-from .model_loading import EngineLoader
-from .model_pool import ModelPool
-from .namespaces import Namespaces
+from .guards.hosts import HostPolicy
+from .guards.middleware import ApiKeyAuth, HostGuard, cors
+from .guards.namespaces import Namespaces
+from .monitor.metrics import RequestCounter, ServerMetrics
 from .protocol.request import Limits, SamplingDefaults
-from .response_store import ResponseStore
+from .replies.stream import InFlight
+from .responses_store import ResponseStore
 from .routes import ROUTES
 from .routes.common import ServerState
-from .served_embeddings import ServedEmbeddings
+from .served.embeddings import ServedEmbeddings
+from .served.idle import IdleUnloader
+from .served.loading import EngineLoader
+from .served.pool import ModelPool
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ def create_app(
     model_settings: ModelsFile | None = None,
 ) -> Starlette:
     """An app serving `engine`. Without a `loader` it never shuts the engine down: whoever
-    made it owns it. With one, other models are loaded on demand (server/model_pool.py),
-    idle ones unloaded (server/idle_unload.py), and the app owns `engine` too: it may
+    made it owns it. With one, other models are loaded on demand (server/served/pool.py),
+    idle ones unloaded (server/served/idle.py), and the app owns `engine` too: it may
     unload it (shut down, weights dropped). `embeddings` serves /v1/embeddings; its
     owner closes it. `model_settings`: the settings file, read (models/settings_file.py)."""
     return _build(engine, settings, None, loader, embeddings, model_settings)

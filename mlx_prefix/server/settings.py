@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mlx_prefix.config import FOREVER
 
-from .hosts import check_allowed_host
+from .guards.hosts import check_allowed_host
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class ServerSettings:
     # exact origins such as "https://app.example.com", or "*" for any.
     allowed_origins: tuple[str, ...] = ()
     # Host header names accepted besides loopback names and the bound address (DNS
-    # rebinding, server/hosts.py): "llm.example.com", ".example.com" (with subdomains),
+    # rebinding, server/guards/hosts.py): "llm.example.com", ".example.com" (with subdomains),
     # or "*" for any (behind a proxy that rewrites Host).
     allowed_hosts: tuple[str, ...] = ()
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
@@ -32,15 +32,15 @@ class ServerSettings:
     max_tokens_limit: int = 1_000_000  # hard cap when the model's context length is unknown
     shutdown_grace_s: float = 10.0  # in-flight requests get this long, then are cancelled
     warm_timeout_s: float = 600.0  # POST /v1/cache/warm answers 504 after this long
-    # More names for the served model (--alias); see server/model_names.py.
+    # More names for the served model (--alias); see server/served/names.py.
     aliases: tuple[str, ...] = ()
     # An unknown model name is a 404 instead of being served by the default model.
     strict_model_names: bool = False
-    # Several models (server/model_pool.py): how many engines stay resident at once
+    # Several models (server/served/pool.py): how many engines stay resident at once
     # (LRU), and "NAME=PATH" names for other model folders or cached hub ids.
     max_models: int = 1
     model_aliases: tuple[str, ...] = ()
-    # Idle unload (server/idle_unload.py): seconds a model loaded on demand stays once
+    # Idle unload (server/served/idle.py): seconds a model loaded on demand stays once
     # idle, and the same for the --model one (FOREVER: until a swap needs its room).
     keep_alive_s: float = 300.0
     model_keep_alive_s: float = FOREVER
@@ -51,7 +51,7 @@ class ServerSettings:
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
     responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
-    # Cache namespaces (server/namespaces.py): "origin" keeps each Origin's (and API
+    # Cache namespaces (server/guards/namespaces.py): "origin" keeps each Origin's (and API
     # key's) entries apart; "global" shares one cache among every client.
     cache_sharing: str = "origin"
     # /v1/embeddings (with --embedding-model): more names for the embedding model, and

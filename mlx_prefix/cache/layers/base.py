@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 # The part of a prefill's work a layer does (models/cost.py): attention over every
 # earlier token, over a window of them, or a recurrent state update per token.
@@ -26,7 +26,7 @@ CostRole = Literal["full", "window", "recurrent"]
 
 @dataclass(frozen=True, slots=True)
 class LayerSnapshot:
-    cls: type  # the cache class to rebuild (through its `from_state`)
+    cls: type[Any]  # the cache class to rebuild (through its `from_state`)
     state: tuple[Any, ...]  # its `state`, arrays as the snapshot's own objects, KV sliced to offset
     children: tuple[LayerSnapshot, ...] = ()  # CacheList members (then `state` is empty)
 
@@ -99,6 +99,15 @@ class LayerKind:
 
     def arrays(self, c: Any) -> list[Any]:
         """The live layer's state, flattened (for evaluation and byte counts)."""
-        from mlx.utils import tree_flatten
+        return arrays_in(c.state)
 
-        return [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    def keeping(self, c: Any, n: int) -> tuple[Any, ...]:
+        """The state of `c` keeping its first `n` tokens, as fresh views: only an
+        append-only kind can (a deferred capture, cache/snapshot.py)."""
+        raise NotImplementedError(f"{type(c).__name__} keeps no prefix of its state")
+
+
+def arrays_in(tree: Any) -> list[mx.array]:
+    """The MLX arrays of a nested state (mlx.utils.tree_flatten's leaves)."""
+    leaves = cast("list[tuple[str, Any]]", tree_flatten(tree))  # a list without `destination`
+    return [a for _, a in leaves if isinstance(a, mx.array)]

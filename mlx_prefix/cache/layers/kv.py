@@ -24,7 +24,7 @@ class KvKind(LayerKind):
     past its offset; a restored one holds exactly n, so its first write reallocates
     rather than writing into memory a snapshot still references)."""
 
-    classes = (KVCache,)
+    classes: tuple[type, ...] = (KVCache,)
     append_only = True
     always_trimmable = True
 
@@ -68,7 +68,7 @@ class ConcatenateKvKind(KvKind):
         return False
 
 
-def _merged_with_room(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
+def _merged_with_room(layers: Sequence[Any], steps: int) -> BatchKVCache:
     """mlx_lm's BatchKVCache.merge into a buffer with room for the next `steps` tokens
     (at most up to the next multiple of its growth step): its own holds exactly the
     longest sequence, so the first decode step would copy the whole batch again to grow
@@ -84,7 +84,7 @@ def _merged_with_room(layers: Sequence[KVCache], steps: int) -> BatchKVCache:
     for i, (pad, c) in enumerate(zip(padding, layers, strict=True)):
         keys[i : i + 1, :, pad:longest] = c.keys[..., : c.offset, :]
         values[i : i + 1, :, pad:longest] = c.values[..., : c.offset, :]
-    cache = BatchKVCache(padding)
+    cache: Any = BatchKVCache(padding)
     cache.keys, cache.values = keys, values
     cache.offset += longest
     cache._idx = longest

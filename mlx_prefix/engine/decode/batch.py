@@ -11,14 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.cache.snapshot import cache_nbytes
-from mlx_prefix.engine.decode.sampling import TokenSampler, normalize, top_logprobs
+from mlx_prefix.engine.decode.sampling import (
+    TokenSampler,
+    float_list,
+    int_list,
+    normalize,
+    top_logprobs,
+)
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.forward.rowwise import batched
 
@@ -99,7 +105,7 @@ class DecodeBatch:
     ):
         self.model = model
         self.rows = rows  # rows one matmul may hold and still compute each like alone
-        self.agree = agree  # sharded: every rank goes on with rank 0's tokens (group.py)
+        self.agree = agree  # sharded: every rank goes on with rank 0's tokens (sharded/group.py)
         self.kv = kv
         self.cache: list = []
         # Caches of sequences that joined since the last step: merged into `cache` all at
@@ -244,12 +250,22 @@ class DecodeBatch:
     def _read(self, step: _Step) -> list[tuple[Any, RowSample]]:
         """Wait for `step` and hand out its rows; they become those rows' next inputs."""
         mx.eval(*step.arrays)
-        token_list = step.tokens.tolist()
+        token_list = int_list(step.tokens)
         self._inputs[: len(token_list)] = token_list
         rows = len(token_list)
-        chosen = step.chosen.tolist() if step.chosen is not None else [None] * rows
-        ids = step.top_ids.tolist() if step.top_ids is not None else [[]] * rows
-        values = step.top_values.tolist() if step.top_values is not None else [[]] * rows
+        chosen: list[float | None] = [None] * rows
+        if step.chosen is not None:
+            chosen = list(float_list(step.chosen))
+        ids = (
+            cast("list[list[int]]", step.top_ids.tolist())
+            if step.top_ids is not None
+            else [[]] * rows
+        )
+        values = (
+            cast("list[list[float]]", step.top_values.tolist())
+            if step.top_values is not None
+            else [[]] * rows
+        )
         samples = [RowSample(*row) for row in zip(token_list, chosen, ids, values, strict=True)]
         return list(zip(step.members, samples, strict=True))
 
@@ -265,7 +281,7 @@ class DecodeBatch:
         self.join()
         length = self._lengths[0] + len(tokens)
         with batched(self.rows or 1, [length], verify=True):
-            logits = self.model(mx.array(tokens)[None], cache=self.cache)[0]  # [L, V]
+            logits = self.model(mx.array(tuple(tokens))[None], cache=self.cache)[0]  # [L, V]
         return logits
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:

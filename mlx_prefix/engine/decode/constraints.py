@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -39,36 +39,17 @@ import numpy as np
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import ResponseFormat
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Options we impose on every schema (they win over a schema's own "x-guidance").
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
 }
 ANY_OBJECT = '{"type": "object"}'
 MAX_ERROR_CHARS = 500
-
-
-class Constraint(Protocol):
-    """One request's grammar state. Engine thread only, once created."""
-
-    def allowed(self, vocab_size: int) -> mx.array:
-        """The tokens that may come next: bool [vocab_size]. EOS is among them only when
-        the reply so far is complete. Does not change the state."""
-        ...
-
-    def advance(self, token: int) -> bool:
-        """Consume a sampled token; False if the grammar did not allow it (`error` says
-        why; the constraint is broken for good)."""
-        ...
-
-    @property
-    def finished(self) -> bool:
-        """The reply is complete and nothing but EOS may follow."""
-        ...
-
-    @property
-    def error(self) -> str: ...
 
 
 class JsonConstraint:

@@ -10,49 +10,77 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.decode.batch import DecodeBatch, RowSample
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
-from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
-from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.decode.running import Running
+from mlx_prefix.engine.decode.sampling import (
+    TokenSampler,
+    alternatives,
+    float_list,
+    int_list,
+    item_float,
+    item_int,
+    normalize,
+    top_logprobs,
+)
+from mlx_prefix.engine.decode.speculative import DraftCache, Speculator
 from mlx_prefix.engine.decode.text import TextStream
 from mlx_prefix.engine.forward.kv_quant import KvQuant
-from mlx_prefix.engine.requests.jobs import Job, PrefillTask, Running, usage
+from mlx_prefix.engine.requests.jobs import Job, usage
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.prompt.reasoning import ReasoningMarkers
+from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A request whose prompt is computed, as it joins the decode batch."""
+
+    job: Job
+    cache: list  # its prompt's cache, merged into the batch
+    logits: mx.array  # the prompt's last logits [1, V]: its first token is sampled from them
+    limit: int  # completion tokens it may produce (cut at the context's end)
+    reuse: int  # prompt tokens restored from the cache
+    prefill_tps: float  # prompt tokens computed per second of its prefill
+    draft: DraftCache | None = None  # --draft-model: the draft's cache of the prompt
 
 
 class DecodePhase:
     def __init__(
         self,
         model: LoadedModel,
-        rows: int | None,
         store: PromptCache,
         bytes_key: str,
         end: Callable[[Job, DoneEvent | ErrorEvent], None],
         on_reply: Callable[[Job, str], None],
+        *,
         kv: KvQuant | None = None,
+        speculator: Speculator | None = None,
+        reasoning: ReasoningMarkers | None = None,
+        agree_tokens: Callable[[mx.array], mx.array] | None = None,
     ):
         self.model = model
-        self.rows = rows  # decode rows one matmul may hold (engine/forward/rowwise.py); None: all
         self.store = store
         self._bytes_key = bytes_key  # this engine's batch bytes in the store's budget
         self._end = end  # sends a job's final event
         self._on_reply = on_reply  # a request finished with this reply (not cancelled)
         # Sharded: the tokens every rank goes on with, rank 0's (engine/sharded/distributed.py).
-        self.agree_tokens: Callable[[mx.array], mx.array] | None = None
+        self.agree_tokens = agree_tokens
         self.kv = kv  # quantized KV: one request at a time, unmerged (engine/decode/batch.py)
-        self.batch = DecodeBatch(model.model, rows, kv=kv)
+        # Decode rows one matmul may hold (engine/forward/rowwise.py); None: all, until
+        # the engine's calibration says more (`set_rows`).
+        self.rows: int | None = None
+        self.batch = DecodeBatch(model.model, None, agree_tokens, kv)
         # With --draft-model: a request decoding alone speculates (engine/decode/speculative.py).
-        self.speculator: Speculator | None = None
-        # The model's think markers, for reasoning budgets (set by the engine).
-        self.reasoning: ReasoningMarkers | None = None
+        self.speculator = speculator
+        self.reasoning = reasoning  # the model's think markers, for reasoning budgets
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
         # Launch a step before the one ahead of it is read (DecodeBatch.step): only where
@@ -77,13 +105,13 @@ class DecodePhase:
         self.rows = rows
         self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens, self.kv)
 
-    def admit(self, arrivals: Sequence[tuple[PrefillTask, mx.array, int]]) -> None:
-        """Requests whose prompt is computed join the batch: each (task, its prefill
-        logits [1, V], limit) samples its first token from the logits and may produce
-        `limit` tokens; one its first token ends leaves at once. The batch cache is
-        merged before the first tokens go out, so that copy never sits between a
-        request's first and second token. The caller closes the prefills after."""
-        firsts = [self._arrive(task, logits, limit) for task, logits, limit in arrivals]
+    def admit(self, arrivals: Sequence[Arrival]) -> None:
+        """Requests whose prompt is computed join the batch: each samples its first
+        token from its logits and may produce `limit` tokens; one its first token ends
+        leaves at once. The batch cache is merged before the first tokens go out, so
+        that copy never sits between a request's first and second token. The caller
+        closes the prefills after."""
+        firsts = [self._arrive(arrival) for arrival in arrivals]
         self.batch.join()
         mx.eval([c.state for c in self.batch.cache])
         for running, token, logprob, top in firsts:
@@ -92,14 +120,13 @@ class DecodePhase:
             self.store.set_active_bytes(self._bytes_key, self._nbytes())
 
     def _arrive(
-        self, task: PrefillTask, logits: mx.array, limit: int
+        self, arrival: Arrival
     ) -> tuple[Running, int, float | None, tuple[TopLogprob, ...]]:
-        """Sample `task`'s first token and add it to the batch; the token is not handed
-        on yet."""
-        job = task.job
-        job.handle.cached_tokens = task.reuse
-        job.handle.cache_written_tokens = max(0, job.stored_to - task.reuse)
-        prefill_tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
+        """Sample the arrival's first token and add it to the batch; the token is not
+        handed on yet."""
+        job, logits, limit, reuse = arrival.job, arrival.logits, arrival.limit, arrival.reuse
+        job.handle.cached_tokens = reuse
+        job.handle.cache_written_tokens = max(0, job.stored_to - reuse)
         sampler = self._sampler(job)
         budget = ReasoningBudget.of(
             job.sampling.reasoning_budget, self.reasoning, job.prompt.opens_reasoning, sampler
@@ -108,20 +135,21 @@ class DecodePhase:
         first = sampler(logits, logprobs)  # [1]
         if self.agree_tokens is not None:
             first = self.agree_tokens(first)
-        token = int(first.item())
-        logprob, top = None, ()
-        if job.sampling.logprobs:
-            logprob = logprobs[0, token].item()
+        token = item_int(first)
+        logprob: float | None = None
+        top: tuple[TopLogprob, ...] = ()
+        if logprobs is not None:  # job.sampling.logprobs
+            logprob = item_float(logprobs[0, token])
             if n := job.sampling.top_logprobs:
                 ids, values = top_logprobs(logprobs, n)
                 mx.eval(ids, values)
-                top = alternatives(ids[0].tolist(), values[0].tolist(), n)
+                top = alternatives(int_list(ids[0]), float_list(values[0]), n)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
-        running = Running(job, stream, limit, task.reuse, prefill_tps, time.perf_counter())
-        running.reasoning = budget
-        self.batch.add(running, task.cache, sampler, token, max(limit - 1, 0))
-        if self.speculator is not None and task.draft is not None:
-            self.speculator.adopt(running, task.draft)
+        now = time.perf_counter()
+        running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)
+        self.batch.add(running, arrival.cache, sampler, token, max(limit - 1, 0))
+        if self.speculator is not None and arrival.draft is not None:
+            self.speculator.adopt(running, arrival.draft)
         return running, token, logprob, top
 
     def step(self, stopping: bool, overlap: bool = True) -> None:

@@ -1,6 +1,6 @@
 """A reasoning budget (SamplingParams.reasoning_budget): once a reply has reasoned that
 many tokens inside its think block, the block is closed the way the chat template
-closes one (prompt/reasoning.py: Qwen3.5's `\\n</think>\\n\\n`) by forcing those tokens
+closes one (prompt/reply/reasoning.py: Qwen3.5's `\\n</think>\\n\\n`) by forcing those tokens
 through the request's sampler, and the model goes on to answer.
 
 The block is the one the prompt left open, or one the reply opens with its first
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlx_prefix.engine.decode.sampling import TokenSampler
-from mlx_prefix.prompt.reasoning import ReasoningMarkers
+from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 
 
 @dataclass(slots=True)

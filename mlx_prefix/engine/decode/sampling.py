@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
-from mlx_prefix.engine.decode.constraints import Constraint
 from mlx_prefix.engine.decode.logits import LogitsAdjuster
+from mlx_prefix.engine.requests.jobs import Constraint
 from mlx_prefix.records import SamplingParams, TopLogprob
 
 XTC_SALT = 0x58_54_43  # "XTC": a different seed for the coin chain, still in 64 bits
@@ -111,6 +112,24 @@ def top_logprobs(logprobs: mx.array, n: int) -> tuple[mx.array, mx.array]:
     values = mx.take_along_axis(logprobs, ids, axis=-1)
     order = mx.argsort(-values, axis=-1)
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+def item_int(a: mx.array) -> int:
+    """A one-element array's value as an int (a token id; evaluates it)."""
+    return int(cast(int, a.item()))
+
+
+def item_float(a: mx.array) -> float:
+    """A one-element array's value as a float (a logprob; evaluates it)."""
+    return cast(float, a.item())
+
+
+def int_list(a: mx.array) -> list[int]:
+    return cast("list[int]", a.tolist())
+
+
+def float_list(a: mx.array) -> list[float]:
+    return cast("list[float]", a.tolist())
 
 
 def alternatives(ids: list[int], values: list[float], n: int) -> tuple[TopLogprob, ...]:

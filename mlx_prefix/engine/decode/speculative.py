@@ -32,9 +32,18 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, restore
 from mlx_prefix.engine.decode.batch import DecodeBatch
-from mlx_prefix.engine.decode.sampling import TokenSampler, alternatives, normalize, top_logprobs
+from mlx_prefix.engine.decode.running import Running
+from mlx_prefix.engine.decode.sampling import (
+    TokenSampler,
+    alternatives,
+    float_list,
+    int_list,
+    item_float,
+    item_int,
+    normalize,
+    top_logprobs,
+)
 from mlx_prefix.engine.forward.runner import ChunkWork, always_trimmable, compute_chunks
-from mlx_prefix.engine.requests.jobs import Running
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import SamplingParams, TopLogprob
@@ -101,7 +110,7 @@ def verify_matches(model: nn.Module, rows: int, vocab: int, k: int = 3) -> bool:
     inputs = [prompt[-1], *(s.token for s in steps[:-1])]
     logprobs = [normalize(row[None]) for row in fresh().verify(inputs)]
     return all(
-        int(mx.argmax(lp, axis=-1).item()) == s.token and lp[0, s.token].item() == s.logprob
+        item_int(mx.argmax(lp, axis=-1)) == s.token and item_float(lp[0, s.token]) == s.logprob
         for lp, s in zip(logprobs, steps, strict=True)
     )
 
@@ -135,7 +144,8 @@ class DraftCache:
         logits = None
         for start in range(self.held, end, DRAFT_CHUNK):
             stop = min(start + DRAFT_CHUNK, end)
-            logits = self.model(mx.array(tokens[start:stop])[None], cache=self.cache)[:, -1, :]
+            chunk = mx.array(tuple(tokens[start:stop]))[None]  # [1, L]
+            logits = self.model(chunk, cache=self.cache)[:, -1, :]
             if stop < end:
                 mx.eval([c.state for c in self.cache])
         self.held = max(self.held, end)
@@ -216,17 +226,18 @@ class Speculator:
             logprobs = normalize(row) if params.logprobs else None
             token = sampler(row, logprobs)  # [1]
             out = [token]
-            if params.logprobs:
+            if logprobs is not None:  # params.logprobs
                 out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])
                 if params.top_logprobs:
                     out.extend(top_logprobs(logprobs, params.top_logprobs))
             mx.eval(*out)
-            value = int(token.item())
-            logprob, top = None, ()
+            value = item_int(token)
+            logprob: float | None = None
+            top: tuple[TopLogprob, ...] = ()
             if params.logprobs:
-                logprob = out[1].item()
+                logprob = item_float(out[1])
                 if params.top_logprobs:
-                    ids, values = out[2][0].tolist(), out[3][0].tolist()
+                    ids, values = int_list(out[2][0]), float_list(out[3][0])
                     top = alternatives(ids, values, params.top_logprobs)
             kept += 1
             matched = kept <= k and value == drafted[kept - 1]
@@ -256,4 +267,4 @@ class Speculator:
         drafted = mx.concatenate(tokens)
         mx.eval(drafted)
         state.held = len(sequence) + k - 1
-        return drafted.tolist()
+        return int_list(drafted)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -78,6 +79,8 @@ def install(model: nn.Module) -> int:
 
 def _tied(embedding: nn.Module):
     def as_linear(x: mx.array) -> mx.array:
-        return type(embedding).as_linear(embedding, _last(x))
+        # Its class at call time: --deterministic may have made it a batch-invariant one.
+        cls: Any = type(embedding)
+        return cls.as_linear(embedding, _last(x))
 
     return as_linear

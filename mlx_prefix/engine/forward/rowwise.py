@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -183,7 +183,7 @@ def _per_row_sdpa(base):
             )
         return mx.concatenate(outs)
 
-    scaled_dot_product_attention._batch_invariant = True
+    scaled_dot_product_attention._batch_invariant = True  # type: ignore[attr-defined]
     return scaled_dot_product_attention
 
 
@@ -225,7 +225,7 @@ _SHARDED = (
 _CALLED = (nn.Linear, nn.QuantizedLinear, *_SHARDED)
 
 
-def _rowwise_class(cls: type) -> type:
+def _rowwise_class(cls: type[Any]) -> type:
     if cls not in _subclasses:
         namespace: dict = {}
         if issubclass(cls, _CALLED):
@@ -249,7 +249,7 @@ def install(model: nn.Module) -> None:
         cls = type(module)
         if cls in _TARGETS:
             module.__class__ = _rowwise_class(cls)
-        source = sys.modules.get(cls.__module__)
+        source: Any = sys.modules.get(cls.__module__)  # an mlx-lm model module
         sdpa = getattr(source, "scaled_dot_product_attention", None)
         if sdpa is not None and not getattr(sdpa, "_batch_invariant", False):
             source.scaled_dot_product_attention = _per_row_sdpa(sdpa)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +20,7 @@ import mlx.nn as nn
 from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.engine.forward.head import last_position_head
 from mlx_prefix.engine.forward.rowwise import batched
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 
 def always_trimmable(cache: list) -> bool:
@@ -93,7 +94,8 @@ def compute_chunks(
         if len(members) == 1:
             w = works[members[0]]
             with last_position_head() if w.last else nullcontext():
-                out = model(mx.array(w.tokens[w.start : w.end])[None], cache=w.cache)  # [1, L', V]
+                chunk = mx.array(tuple(w.tokens[w.start : w.end]))[None]  # [1, L']
+                out = model(chunk, cache=w.cache)  # [1, L', V]
             if w.last:
                 logits[members[0]] = out[:, -1, :]
             continue
@@ -198,7 +200,7 @@ def greedy_continue(model: nn.Module, cache: list, logits: mx.array, n: int) -> 
     out: list[int] = []
     token = mx.argmax(logits, axis=-1)  # [1]
     while True:
-        out.append(int(token.item()))
+        out.append(int(cast(int, token.item())))
         if len(out) == n:
             return out
         token = mx.argmax(model(token[:, None], cache=cache)[:, -1, :], axis=-1)

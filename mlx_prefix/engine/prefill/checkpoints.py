@@ -49,8 +49,9 @@ from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.cache.types import Buffer
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
-from mlx_prefix.prompt.boundaries import RenderedPrompt, common_prefix_length
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
+from mlx_prefix.prompt.request.plan import RenderedPrompt
+from mlx_prefix.prompt.request.render import common_prefix_length
 
 # Kinds an all-KV cache stores besides its prompt's end (which trimming serves from).
 KEPT_FOR_KV = frozenset({CheckpointKind.SYSTEM, CheckpointKind.BREAKPOINT})
@@ -285,4 +286,5 @@ class Checkpointer:
             self.store.insert(self.key, tokens, snapshot, kind)
             self.on_stored(snapshot.length)
         if to_disk:
+            assert self.disk is not None, "disk positions come from the disk tier"
             self.disk.defer(self.key, tokens, snapshot, kind)

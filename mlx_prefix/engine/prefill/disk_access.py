@@ -21,14 +21,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mlx_prefix.cache.disk import DiskCache, DiskMatch
-from mlx_prefix.cache.disk_policy import DiskPolicy, DiskScope, ScopeMode
+from mlx_prefix.cache.disk.policy import DiskPolicy
+from mlx_prefix.cache.disk.tier import DiskCache, DiskMatch
 from mlx_prefix.cache.snapshot import Snapshot
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.cache.token_ids import TokenIds
-from mlx_prefix.config import DiskConfig
-from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.prompt.boundaries import RenderedPrompt
+from mlx_prefix.config import DiskConfig, DiskScope
+from mlx_prefix.prompt.request.plan import RenderedPrompt
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -53,34 +52,26 @@ class DiskAccess:
         store: PromptCache,
         bytes_key: str,
         cache: DiskCache | None = None,
+        agree: Callable[[int], bool] | None = None,
     ):
         """`cache`: a DiskCache shared with other engines (several models served at once:
-        one index, one disk budget); None opens the configured folder."""
+        one index, one disk budget); None opens the configured folder. `agree`: a
+        sharded group's check that every rank has the same value (a collective)."""
         self.config = config
         self.trimmable = trimmable  # one snapshot serves every shorter prefix
         self.cache = cache or DiskCache(config.path(), config.budget_bytes)
-        self.policy = DiskPolicy(config.scope, min_tokens=config.min_tokens)
+        self.policy = DiskPolicy(config.default_scope, min_tokens=config.min_tokens)
         self.store = store  # the queued snapshots' bytes count in its budget
         self._bytes_key = bytes_key
         self._pending: deque[_PendingSave] = deque()
-        # Sharded (engine/sharded/distributed.py): whether every rank has the same value, a
-        # collective; a disk hit is used only when every rank has it.
-        self.agree: Callable[[int], bool] | None = None
+        # Sharded (engine/sharded/lockstep.py): a disk hit is used only when every rank
+        # has it.
+        self.agree = agree
         self.dropped = 0  # saves given up (logged each): shutdown out of time, a lost state
 
-    @staticmethod
-    def parse_scope(scope: str | None) -> DiskScope | None:
-        """Validate a per-request scope in the caller's thread."""
-        if scope is None:
-            return None
-        try:
-            return DiskScope.parse(scope)
-        except ValueError as e:
-            raise InvalidRequest(str(e), param="prefix_cache.scope") from None
-
-    def is_off(self, scope: str | None) -> bool:
-        chosen = self.parse_scope(scope) or self.policy.default
-        return chosen.mode is ScopeMode.OFF
+    def is_off(self, scope: DiskScope | None) -> bool:
+        """Whether a request of disk `scope` (None: the server's) writes nothing here."""
+        return (scope or self.policy.default).off
 
     def lookup(
         self, key: str, tokens: Sequence[int], align: Callable[[int], int], better_than: int
@@ -100,7 +91,11 @@ class DiskAccess:
         return (match, snapshot) if snapshot is not None else None
 
     def positions(
-        self, key: str, prompt: RenderedPrompt, align: Callable[[int], int], scope: str | None
+        self,
+        key: str,
+        prompt: RenderedPrompt,
+        align: Callable[[int], int],
+        scope: DiskScope | None,
     ) -> set[int]:
         """Positions of this prompt to persist (records the request for `auto`, whose
         window of recent requests is per entry key: what one namespace sends never

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.types import Buffer
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
@@ -43,10 +44,12 @@ from mlx_prefix.engine.prefill.tails import (
     stackable,
     tail_group,
 )
-from mlx_prefix.engine.requests.jobs import Job, PrefillTask
+from mlx_prefix.engine.prefill.task import PrefillTask
+from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.prompt.boundaries import PromptPlanner, common_prefix_length
+from mlx_prefix.prompt.request.plan import PromptPlanner
+from mlx_prefix.prompt.request.render import common_prefix_length
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -57,7 +60,7 @@ class PrefillStep:
 
     tokens: int = 0  # prompt tokens computed
     seconds: float = 0.0
-    finished: list[tuple[PrefillTask, mx.array]] = field(default_factory=list)  # + logits [1, V]
+    finished: list[PrefillTask] = field(default_factory=list)  # their `logits` set
 
 
 def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tuple[list, int]:
@@ -65,7 +68,8 @@ def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tupl
     tokens (`spent` in earlier rounds) stay within `budget`. The step's first chunk goes
     whatever its size (a chunk cannot be split: invariant 4); no later one overruns the
     budget, or a running request would wait for several chunks where one fits."""
-    chosen, tokens = [], 0
+    chosen: list[PrefillTask] = []
+    tokens = 0
     for task in tasks:
         if task.cursor.done:
             continue
@@ -86,8 +90,11 @@ class PrefillPhase:
         disk: DiskAccess | None,
         cache_config: CacheConfig,
         config: EngineConfig,
-        waiting: Callable[[], Iterable[Job]],
+        waiting: Iterable[Job],
         bytes_key: str,
+        *,
+        kv_quant: KvQuant | None = None,
+        speculator: Speculator | None = None,
     ):
         self.model = model
         self.planner = planner
@@ -107,12 +114,10 @@ class PrefillPhase:
         self.tails_stacked = 0  # prompt rests computed stacked (tails.py), never stored
         # Padded tokens a stacked group may compute per token of its rests (tails.py).
         self.stack_padding = padding_allowance(mx.default_device())
-        self.kv_quant: KvQuant | None = (
-            None  # quantize KV after each chunk (engine/forward/kv_quant.py)
-        )
+        self.kv_quant = kv_quant  # quantize KV after each chunk (engine/forward/kv_quant.py)
         # With --draft-model: the draft follows each prefill, restored and checkpointed
         # beside the target's cache (engine/decode/speculative.py).
-        self.speculator: Speculator | None = None
+        self.speculator = speculator
 
     def uses_cache(self, job: Job) -> bool:
         return self.cache_config.enabled and job.cache_pref.enabled
@@ -162,7 +167,7 @@ class PrefillPhase:
         return stackable(task, self.stack_limit) and not self._awaited(task)
 
     def _awaited(self, task: PrefillTask) -> bool:
-        return awaited(task, self._waiting(), self.config.share_min_tokens)
+        return awaited(task, self._waiting, self.config.share_min_tokens)
 
     def left_to_compute(self) -> int:
         """Prompt tokens the tasks still computing have left, background prefetches
@@ -241,7 +246,8 @@ class PrefillPhase:
             for task, logits in zip(chosen, outputs, strict=True):
                 end = task.cursor.advance()
                 self._quantize(task)
-                if task.draft is not None:  # at `end` before the checkpoint captures it
+                if task.draft is not None and self.speculator is not None:
+                    # at `end` before the checkpoint captures it
                     self.speculator.prefill_to(task.draft, task.tokens, end)
                 if task.checkpointer is not None:
                     task.checkpointer(end)
@@ -249,7 +255,8 @@ class PrefillPhase:
                         task.checkpointer.finish()  # before decode writes into the cache
                 self._report(task)
                 if logits is not None:
-                    result.finished.append((task, logits))
+                    task.logits = logits
+                    result.finished.append(task)
             if result.finished:
                 break  # those join the decode batch now
         result.seconds = time.perf_counter() - started
@@ -278,7 +285,8 @@ class PrefillPhase:
                 task.checkpointer.finish()
                 task.checkpointer.live = ()  # its cache is a new row now: shares no entry's
             self._report(task)
-            result.finished.append((task, logits))
+            task.logits = logits
+            result.finished.append(task)
 
     def _in_order(self) -> list[PrefillTask]:
         """The order a step takes chunks in. Stacked forwards want the oldest-first
@@ -292,7 +300,8 @@ class PrefillPhase:
     def _report(self, task: PrefillTask) -> None:
         """The task's active bytes: its cache, its draft's, its checkpoints' captured
         layers not yet stored; those that stored snapshots hold too count once."""
-        nbytes, live = cache_nbytes(task.cache), ()
+        nbytes = cache_nbytes(task.cache)
+        live: tuple[Buffer, ...] = ()
         if task.draft is not None:
             nbytes += task.draft.nbytes()
         if task.checkpointer is not None:
@@ -348,7 +357,7 @@ class PrefillPhase:
                 # checkpoint made for another namespace would be a hit it can time.
                 return [
                     WaitingPrompt(j.serial, j.prompt.tokens)
-                    for j in self._waiting()
+                    for j in self._waiting
                     if j.cache_pref.enabled and j.cache_key == job.cache_key
                 ]
 
@@ -356,7 +365,7 @@ class PrefillPhase:
                 tokens, self.planner.grid, waiting, self.config.share_min_tokens
             )
         disk_positions: frozenset[int] = frozenset()
-        if self.disk_on(job):
+        if self.disk is not None and self.disk_on(job):
             disk_positions = frozenset(
                 self.disk.positions(
                     job.cache_key, job.prompt, self.align(tokens), job.cache_pref.scope

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from mlx_prefix.cache.snapshot import Snapshot, restore
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
-from mlx_prefix.prompt.grid import ChunkGrid
+from mlx_prefix.prompt.request.grid import ChunkGrid
 
 
 @dataclass(slots=True)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_prefix.cache.layers import EQUAL_TAILS, NO_STACKING, PADDED_TAILS, kind_of
-from mlx_prefix.engine.requests.jobs import Job, PrefillTask
+from mlx_prefix.engine.prefill.task import PrefillTask
+from mlx_prefix.engine.requests.jobs import Job
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,8 @@ def closest_rests(tasks: list[PrefillTask], padding: float, budget: int) -> tupl
     (on ties, the fewest padded tokens)."""
     ordered = sorted(tasks, key=lambda t: len(t.tokens) - t.position)
     rests = [len(t.tokens) - t.position for t in ordered]
-    best, best_cost = (), (0, 0)
+    best: tuple[PrefillTask, ...] = ()
+    best_cost = (0, 0)
     for i in range(len(ordered)):
         tokens = 0
         for j in range(i, len(ordered)):

@@ -3,10 +3,9 @@ a bad request is refused with a 4xx before it reaches the engine)."""
 
 from __future__ import annotations
 
-from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.errors import ContextLengthExceeded, InvalidRequest
-from mlx_prefix.prompt.boundaries import PromptPlanner, RenderedPrompt
-from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
+from mlx_prefix.records import PromptInput, SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's chat limit)
 
@@ -25,8 +24,9 @@ def plan_prompt(
     return rendered
 
 
-def check_sampling(sampling: SamplingParams, cache: CachePreference, vocab_size: int) -> None:
-    """Raise InvalidRequest for sampling or cache settings the engine cannot honour."""
+def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
+    """Raise InvalidRequest for sampling settings the engine cannot honour (a request's
+    disk scope was parsed where it entered: records.CachePreference)."""
     if sampling.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
@@ -45,7 +45,6 @@ def check_sampling(sampling: SamplingParams, cache: CachePreference, vocab_size:
                 f"(0 to {vocab_size - 1})",
                 param="logit_bias",
             )
-    DiskAccess.parse_scope(cache.scope)
 
 
 def _check_filters(s: SamplingParams) -> None:

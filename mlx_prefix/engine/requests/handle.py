@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 
-from mlx_prefix.prompt.thinking import NO_EDGES
+from mlx_prefix.prompt.reply.thinking import NO_EDGES
 from mlx_prefix.records import DoneEvent, ErrorEvent, Event
 
 
@@ -55,7 +55,7 @@ class RequestHandle:
         """Ask the engine to stop this request; idempotent. A DoneEvent('cancelled') follows."""
         self.cancelled.set()
 
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
+    def events(self, timeout: float | None = None) -> Generator[Event, None, None]:
         """Blocking iterator; ends after a DoneEvent or ErrorEvent. A consumer that stops
         early (break, an exception, Ctrl-C) cancels the request."""
         ended = False

@@ -1,26 +1,46 @@
-"""The engine's records of one request: queued (Job), being prefilled (PrefillTask),
-decoding (Running). Engine thread only, except where a field says otherwise."""
+"""A request's record as every stage of the engine sees it: the Job, from the caller's
+queue to its one final event, and what it reports (WarmResult, usage). The floor of the
+engine: the stages' own records build on it (prefill/task.py's PrefillTask,
+decode/running.py's Running), and it imports no stage. Engine thread only, except where
+a field says otherwise."""
 
 from __future__ import annotations
 
 import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from mlx_prefix.engine.decode.constraints import Constraint
-from mlx_prefix.engine.decode.text import TextStream
-from mlx_prefix.engine.forward.runner import PrefillCursor
 from mlx_prefix.engine.requests.handle import RequestHandle
-from mlx_prefix.prompt.boundaries import RenderedPrompt
 from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, SamplingParams, Usage
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
-    from mlx_prefix.engine.decode.speculative import DraftCache
-    from mlx_prefix.engine.prefill.checkpoints import Checkpointer
+    from mlx_prefix.prompt.request.plan import RenderedPrompt
+
+
+class Constraint(Protocol):
+    """One request's grammar state (response_format; engine/decode/constraints.py builds
+    it). Engine thread only, once created."""
+
+    def allowed(self, vocab_size: int) -> mx.array:
+        """The tokens that may come next: bool [vocab_size]. EOS is among them only when
+        the reply so far is complete. Does not change the state."""
+        ...
+
+    def advance(self, token: int) -> bool:
+        """Consume a sampled token; False if the grammar did not allow it (`error` says
+        why; the constraint is broken for good)."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """The reply is complete and nothing but EOS may follow."""
+        ...
+
+    @property
+    def error(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,53 +85,6 @@ class Job:
     @property
     def tokens(self) -> tuple[int, ...]:
         return self.prompt.tokens
-
-
-@dataclass(slots=True)
-class PrefillTask:
-    """A request being prefilled (several may be at once, each on its own grid)."""
-
-    job: Job
-    cache: list  # updated in place chunk by chunk (the Checkpointer holds the same list)
-    reuse: int  # prompt tokens restored from the cache
-    lease: int | None  # store entry locked while its arrays may still be shared
-    cursor: PrefillCursor
-    started_at: float
-    bytes_key: str  # its cache's bytes in the store's budget
-    checkpointer: Checkpointer | None = None  # what this prefill stores (None: no cache)
-    draft: DraftCache | None = None  # --draft-model: the draft's cache of the same prefix
-    # The prompt is computed: its last logits [1, V], held until the request joins the
-    # decode batch with the rest of its burst (engine/requests/pace.py `gathers`).
-    logits: mx.array | None = None
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return self.job.prompt.tokens
-
-    @property
-    def position(self) -> int:
-        """Prompt tokens in `cache` so far."""
-        return self.cursor.position
-
-    @property
-    def computed(self) -> int:
-        """Prompt tokens this prefill has computed so far (not restored)."""
-        return self.position - self.reuse
-
-
-@dataclass(slots=True)
-class Running:
-    """A request in the decode batch."""
-
-    job: Job
-    stream: TextStream
-    limit: int  # completion tokens allowed
-    reuse: int
-    prefill_tps: float
-    first_at: float
-    count: int = 0
-    emitted: list[int] = field(default_factory=list)  # its reply's token ids so far
-    reasoning: ReasoningBudget | None = None  # its reasoning budget, if it has one
 
 
 def usage(

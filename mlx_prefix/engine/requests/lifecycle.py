@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
 
 from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.errors import EngineBusy, MlxPrefixError
@@ -20,8 +19,10 @@ _WAKE = object()  # wakes the engine without a job (engine/sharded/distributed.p
 
 
 class Lifecycle:
-    def __init__(self, capacity: Callable[[], int], max_queued: int):
-        self._capacity = capacity  # requests that may decode at once (not waiting)
+    def __init__(self, max_queued: int):
+        # Requests that may decode at once (not waiting): the engine thread sets it once
+        # its calibration knows (engine/loop.py); until then one.
+        self.capacity = 1
         self._max_queued = max_queued
         self._inbox: queue.SimpleQueue[Job | object | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -38,7 +39,7 @@ class Lifecycle:
         with self._lock:
             if not self._accepting:
                 raise EngineBusy("the server is shutting down")
-            waiting = self._pending - self._capacity()
+            waiting = self._pending - self.capacity
             if waiting >= self._max_queued:
                 raise EngineBusy(f"too many requests waiting ({waiting}); try again shortly")
             self._pending += 1

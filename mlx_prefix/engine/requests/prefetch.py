@@ -22,11 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
+from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Conversation, Message
-from mlx_prefix.prompt.boundaries import Checkpoint, PromptPlanner, RenderedPrompt
-from mlx_prefix.prompt.reply import client_reply, reply_reader
-from mlx_prefix.prompt.thinking import NO_EDGES, ReasoningEdges
-from mlx_prefix.prompt.tool_calls import ToolSyntax
+from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
+from mlx_prefix.engine.requests.jobs import Job
+from mlx_prefix.prompt.reply.reader import answer_text, client_reply, reply_reader
+from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
+from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
+from mlx_prefix.prompt.request.plan import Checkpoint, PromptPlanner, RenderedPrompt
 from mlx_prefix.records import PromptInput, ToolCallIds
 
 log = logging.getLogger("mlx_prefix.engine")
@@ -60,7 +63,7 @@ def next_turn_messages(
     other reply as its text, followed by a user message. A reply that continues the
     opening its prompt forced (a forced tool call) is read with that opening, as the
     server's assembler reads it. With the model's `tokenizer`, the reply is read as the
-    server reads it (prompt/reply.py; `opened`: the prompt left a think block open,
+    server reads it (prompt/reply/reader.py; `opened`: the prompt left a think block open,
     `edges`: what its reasoning drops where written), its reasoning coming back as its
     `reasoning_content`, as the server answered it apart."""
     assert source.messages is not None
@@ -126,12 +129,35 @@ class Prefetcher:
         self,
         planner: PromptPlanner,
         syntax: ToolSyntax | None,
-        enqueue: Callable[[RenderedPrompt, str, str | None], None],
+        enqueue: Callable[[RenderedPrompt, str, DiskScope | None], None],
     ):
         self.planner = planner
         self.syntax = syntax  # the tokenizer's tool-call syntax, as the server parses it
         self.enqueue = enqueue
+        self.chat_traffic = ChatTraffic()  # engine thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-prefix-prefetch")
+
+    def after_reply(self, job: Job, reply: str) -> None:
+        """A request ended with `reply` (engine thread): prefetch its next turn if its
+        client will send one."""
+        if job.source is None or not job.cache_pref.enabled:
+            return
+        # A chat's first turn, known from its client's earlier traffic in the same
+        # namespace (chat_traffic.py); later turns and tool-call turns from the request.
+        # The reply as its client sees it and sends it back: without its reasoning.
+        tokenizer = self.planner.renderer.tokenizer
+        shown = answer_text(tokenizer, reply, job.prompt.opens_reasoning)
+        first_turn = self.chat_traffic.finished(job.source, shown, job.cache_key)
+        if first_turn or wants_prefetch(job.source):
+            self.submit(
+                job.source,
+                reply,
+                len(job.tokens),
+                job.handle.request_id,
+                job.cache_key,
+                job.cache_pref.scope,  # its disk scope: "off" writes nothing, prefetch too
+                job.prompt.opens_reasoning,
+            )
 
     def submit(
         self,
@@ -140,7 +166,7 @@ class Prefetcher:
         computed: int,
         request_id: str,
         key: str,
-        scope: str | None = None,
+        scope: DiskScope | None = None,
         opens_reasoning: bool = False,
     ) -> None:
         """`opens_reasoning`: the request's prompt left a think block open (its reply
@@ -162,7 +188,7 @@ class Prefetcher:
         computed: int,
         request_id: str,
         key: str,
-        scope: str | None,
+        scope: DiskScope | None,
         opens_reasoning: bool,
     ) -> None:
         try:

@@ -62,9 +62,11 @@ class WaitingList(Generic[W]):
     only). Requests always go first; a background job starts only on an idle engine,
     after its delay, and gives way to any request that cannot restore from it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.jobs: list[W] = []
-        self.clock: Callable[[], float] = time.monotonic  # when background jobs may start
+        # When background jobs may start: this process's clock, or a sharded group's
+        # (rank 0's, from the turn's plan: engine/sharded/lockstep.py).
+        self.clock = clock
 
     def __len__(self) -> int:
         return len(self.jobs)

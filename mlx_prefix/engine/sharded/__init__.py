@@ -1,16 +1,7 @@
-"""A model split over mlx.distributed ranks (mlx.launch): every rank runs the engine's
-steps in lockstep (lockstep.py) under rank 0's plan for each turn (plan.py);
-DistributedEngine (distributed.py) is the callers' side and the failure path.
+"""A model split over mlx.distributed ranks (mlx.launch): the process group and its
+collectives (group.py), the model loaded sharded (load.py), every rank's engine taking
+its turns in lockstep (lockstep.py, a turn driver) under rank 0's plan for each turn
+(plan.py), how the group ends when a rank is lost (failure.py, watch.py), and
+DistributedEngine (distributed.py), which builds a rank's Engine with those turns.
+Import each name from its module.
 """
-
-from __future__ import annotations
-
-from mlx_prefix.lazy import exports
-
-_NAMES = {
-    "DistributedEngine": "distributed",
-    "Lockstep": "lockstep",
-    "TurnPlan": "plan",
-}
-__all__ = list(_NAMES)
-__getattr__ = exports(__name__, _NAMES)

@@ -19,10 +19,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from mlx_prefix.cache.token_ids import TokenIds, packed
+from mlx_prefix.engine.cache_views import CacheAction
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job
-from mlx_prefix.prompt.boundaries import Checkpoint, RenderedPrompt
+from mlx_prefix.prompt.request.plan import Checkpoint, RenderedPrompt
 from mlx_prefix.records import CachePreference, Event, SamplingParams
 
 
@@ -82,15 +83,6 @@ class JobSpec:
             not_before=self.not_before,
             serial=self.serial,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class CacheAction:
-    """A caller's change to the cache, done on every rank at the same point."""
-
-    name: str  # "flush" | "pin" | "unpin" | "evict"
-    entry_id: int = -1
-    namespace: str | None = None  # flush: of one namespace (None: all)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,10 @@ prefix_cache extension and cache_salt."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from mlx_prefix.config import DiskScope
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
@@ -18,7 +18,6 @@ from .sampling_fields import mlx_lm_sampling
 MAX_STOP_SEQUENCES = 16
 # Characters in one stop string: the engine's matcher holds a node per character.
 MAX_STOP_CHARS = 1024
-_SCOPE = re.compile(r"off|full|auto(:\d+)?|\d+")
 _PREFIX_CACHE_KEYS = frozenset({"enabled", "scope"})
 SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 
@@ -52,7 +51,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """Whether the reply may, must or must not call a tool (server/tool_choice.py
+    """Whether the reply may, must or must not call a tool (server/routes/tool_choice.py
     honours the forced modes)."""
 
     mode: Literal["auto", "none", "required", "named"] = "auto"
@@ -78,7 +77,7 @@ class GenerationRequest:
     # 400 otherwise); False: it only bounds the reply, cut at the context's end.
     fit_reply: bool = True
     # mlx_lm.server's `adapters`: a LoRA adapter folder; its engine is the model's with
-    # the adapter applied (server/model_pool.py), its cache apart from the base model's.
+    # the adapter applied (server/served/pool.py), its cache apart from the base model's.
     adapter: str | None = None
     # The body used the deprecated `functions`: a call comes back as `function_call`.
     legacy_functions: bool = False
@@ -264,9 +263,19 @@ def cache_preference(body: dict[str, Any]) -> CachePreference:
     if not isinstance(enabled, bool):
         raise InvalidRequest("prefix_cache.enabled must be a boolean", param="prefix_cache.enabled")
     scope = pref.get("scope")
-    if scope is not None and not (isinstance(scope, str) and _SCOPE.fullmatch(scope)):
-        raise InvalidRequest(
-            "prefix_cache.scope must be one of off, full, auto, auto:N or N",
-            param="prefix_cache.scope",
-        )
-    return CachePreference(enabled=enabled, scope=scope, salt=salt)
+    return CachePreference(enabled=enabled, scope=disk_scope(scope), salt=salt)
+
+
+def disk_scope(text: Any) -> DiskScope | None:
+    """`prefix_cache.scope`, parsed once here: the engine reads the typed value."""
+    if text is None:
+        return None
+    if isinstance(text, str) and text == text.strip().lower():  # as written, no case games
+        try:
+            return DiskScope.parse(text)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="prefix_cache.scope") from None
+    raise InvalidRequest(
+        "prefix_cache.scope must be one of off, full, auto, auto:N or N",
+        param="prefix_cache.scope",
+    )

@@ -26,7 +26,7 @@ from .fields import field as read
 from .fields import integer, number
 from .formats import responses_text_format
 from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
-from .response_items import chat_tools, input_messages, is_empty
+from .responses_items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
 # Asks for a field of reasoning items; this server's always carry it (their text, sealed:
@@ -72,6 +72,11 @@ class ResponsesRequest:
     chat_template_kwargs: dict[str, Any]
     # What the response object repeats back: tools (flat), tool_choice, metadata, ...
     echo: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def adapter(self) -> None:
+        """No LoRA adapter: `adapters` (mlx_lm.server's chat field) is refused here."""
+        return None
 
     def prompt(self, history: Conversation, ids: ToolCallIds) -> PromptInput:
         """The engine's prompt: instructions, the previous responses' conversation, this

@@ -1,6 +1,10 @@
-"""HTTP handlers, one module per family, and the route table. Handlers parse (protocol),
-call the engine off the event loop, and shape the answer (responses / generation).
-Engine calls that may block go through the threadpool.
+"""HTTP handlers, one module per API family, and the route table. A family has one name
+used in protocol/ (its bodies), routes/ (its handlers) and replies/ (its writer): chat,
+completions (whose reply is chat's shape), anthropic, responses, embeddings; the cache
+admin routes are cache (routes/cache.py, protocol/cache.py). Every generation handler
+runs one preamble and one reply (flow.py); engine calls that may block go through the
+threadpool. To add a family: protocol/<family>.py, replies/<family>.py, and here
+routes/<family>.py and its rows in API_ROUTES.
 
 One table: every API route is served under /v1 and under its unprefixed path
 (`/chat/completions` as well as `/v1/chat/completions`), as llama.cpp's server and
@@ -15,10 +19,11 @@ from __future__ import annotations
 from starlette.routing import Route
 
 from . import dashboard
+from .anthropic import count_tokens, messages
 from .cache import cache_flush, cache_info, cache_warm
+from .chat import chat_completions
+from .completions import completions
 from .embeddings import embeddings
-from .generate import chat_completions, completions
-from .messages import count_tokens, messages
 from .responses import create_response, delete_response, get_response
 from .status import get_model, health, list_models, metrics, ps
 

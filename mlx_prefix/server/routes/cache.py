@@ -1,6 +1,6 @@
 """The prompt cache over HTTP: GET /v1/cache (stats, entries), DELETE /v1/cache (flush),
 POST /v1/cache/warm (prefill a prompt into the cache without generating). Entries and
-flushes are the caller's namespace's, warm-ups go into it (server/namespaces.py)."""
+flushes are the caller's namespace's, warm-ups go into it (server/guards/namespaces.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..errors import WarmTimeout
-from ..generation import ClientGone, until_disconnect
-from ..namespaces import caller, visible
+from ..guards.body import read_json
+from ..guards.namespaces import caller, visible
+from ..protocol.cache import parse_warm
 from ..protocol.fields import field
-from ..protocol.warm import parse_warm
-from .common import api, model_for, read_json, state
+from ..replies.stream import ClientGone, until_disconnect
+from .common import api, model_for, state
 
 log = logging.getLogger("mlx_prefix.server")
 

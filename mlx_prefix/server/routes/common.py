@@ -1,5 +1,5 @@
-"""What every handler shares: the app's state (with the served models), the model
-lookup, the error wrapper and the JSON body reader."""
+"""What every handler shares: the app's state (with the served models), the model lookup
+and the error wrapper."""
 
 from __future__ import annotations
 
@@ -14,17 +14,16 @@ from starlette.responses import Response
 
 from mlx_prefix.errors import MlxPrefixError
 
-from ..dashboard import TreeShapes
-from ..errors import PayloadTooLarge, UnsupportedMediaType, error_response_for
-from ..generation import InFlight
-from ..idle_unload import IdleUnloader
-from ..metrics import ServerMetrics
-from ..model_names import ServedModel
-from ..model_pool import ModelPool
-from ..protocol.fields import parse_json_object
+from ..errors import error_response_for
+from ..monitor.dashboard import TreeShapes
+from ..monitor.metrics import ServerMetrics
 from ..protocol.request import Limits, SamplingDefaults
-from ..response_store import ResponseStore
-from ..served_embeddings import ServedEmbeddings
+from ..replies.stream import InFlight
+from ..responses_store import ResponseStore
+from ..served.embeddings import ServedEmbeddings
+from ..served.idle import IdleUnloader
+from ..served.names import ServedModel
+from ..served.pool import ModelPool
 from ..settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -118,29 +117,3 @@ def api(handler: Handler) -> Handler:
                 lease.release()
 
     return wrapped
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    # A browser page must send JSON: a form or text/plain body is what a page can send
-    # without a preflight (refused origins never get here; this is the second fence).
-    # Other clients (`curl -d`, scripts) often omit the header: their body is parsed as
-    # JSON whatever it says.
-    content_type = request.headers.get("content-type", "")
-    from_page = "origin" in request.headers
-    if from_page and content_type.partition(";")[0].strip().lower() != "application/json":
-        raise UnsupportedMediaType(
-            "send the request body as JSON with 'Content-Type: application/json'"
-            + (f" (got {content_type!r})" if content_type else " (none was sent)")
-        )
-    limit = state(request).settings.max_body_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
-    # Content-Length may be absent (chunked) or lie, so count what actually arrives.
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return parse_json_object(b"".join(chunks))

@@ -3,14 +3,14 @@ GET /v1/dashboard (its data), and the single-entry actions
 POST /v1/cache/entries/{id}/pin and DELETE /v1/cache/entries/{id}. Flush and warm are
 the API's own DELETE /v1/cache and POST /v1/cache/warm.
 
-Who may read and act (the API's own rules, server/middleware.py):
+Who may read and act (the API's own rules, server/guards/middleware.py):
 - a page from a refused origin gets a 403 before anything runs, and the page's data
   and actions are under /v1/, so they need the API key when one is set (the page asks
   for it and keeps it in sessionStorage);
 - actions are POST (with a JSON body, which a page can only send after a CORS
   preflight) or DELETE (always preflighted): no form or image tag can trigger one;
 - a Host header naming neither this machine nor an allowed host is refused before
-  any route runs (server/hosts.py): a browser sends no Origin with a same-origin GET,
+  any route runs (server/guards/hosts.py): a browser sends no Origin with a same-origin GET,
   so without it a page on a hostile name re-pointed at 127.0.0.1 (DNS rebinding) would
   be "same origin" and could read the text heads of cached prompts;
 - the page and its files are served with a Content-Security-Policy that allows only
@@ -28,9 +28,10 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from mlx_prefix.errors import InvalidRequest
 
-from .. import dashboard as D
-from ..namespaces import caller
-from .common import api, read_json, state
+from ..guards.body import read_json
+from ..guards.namespaces import caller
+from ..monitor import dashboard as D
+from .common import api, state
 
 _STATIC = {  # name -> media type: the only files served
     "dashboard.html": "text/html; charset=utf-8",
@@ -53,7 +54,9 @@ _HEADERS = {
 
 @functools.cache
 def _static(name: str) -> bytes:
-    return importlib.resources.files("mlx_prefix.server").joinpath("static", name).read_bytes()
+    return (
+        importlib.resources.files("mlx_prefix.server.monitor").joinpath("static", name).read_bytes()
+    )
 
 
 async def root(request: Request) -> Response:

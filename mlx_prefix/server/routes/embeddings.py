@@ -1,7 +1,8 @@
 """POST /v1/embeddings (and /embeddings): OpenAI's embeddings API over the server's
 --embedding-model. Parse the body, check the model name, tokenize in the threadpool
 (bounded: inputs, tokens per input and per request), queue the ids on the embedding
-worker's thread (embeddings/worker.py), then shape the vectors: floats or base64.
+worker's thread (embeddings/worker.py), then shape the vectors: floats or base64
+(replies/embeddings.py).
 
 Embeddings keep no cache, so there is nothing for a namespace to keep apart; the
 caller's namespace goes into the log line as on the other routes."""
@@ -9,12 +10,9 @@ caller's namespace goes into the log line as on the other routes."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import uuid
-from typing import Any
 
-import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,11 +20,13 @@ from starlette.responses import JSONResponse, Response
 from mlx_prefix.embeddings.model import EmbeddingModel, truncate
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 
-from ..generation import RequestLog
-from ..namespaces import caller
+from ..guards.body import read_json
+from ..guards.namespaces import caller
+from ..monitor.metrics import RequestLog
 from ..protocol.embeddings import EmbeddingRequest, parse_embeddings
-from ..served_embeddings import require
-from .common import api, read_json, state
+from ..replies.embeddings import embeddings_body
+from ..served.embeddings import require
+from .common import api, state
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -57,17 +57,8 @@ async def embeddings(request: Request) -> Response:
     record.write("200")
     if req.user is not None:  # OpenAI's end-user id, for the operator's monitoring
         log.debug("%s user=%r", record.request_id, req.user[:256])
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
-                for i, v in enumerate(vectors)
-            ],
-            "model": served.id,
-            "usage": {"prompt_tokens": record.prompt_tokens, "total_tokens": record.prompt_tokens},
-        }
-    )
+    body = embeddings_body(vectors, req.encoding_format, served.id, record.prompt_tokens)
+    return JSONResponse(body)
 
 
 def _dimensions(model: EmbeddingModel, asked: int | None) -> int:
@@ -120,9 +111,3 @@ def _token_rows(model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int) -
             param="input",
         )
     return rows
-
-
-def _encoded(vector: np.ndarray, encoding: str) -> Any:
-    if encoding == "base64":
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-    return vector.tolist()

@@ -1,11 +1,23 @@
-"""The steps every generation route shares, whatever its API family: submit to the
-served model's engine, then stream SSE (through the family's StreamShaper) or collect
-the reply into one JSON body, writing the request's one log line either way."""
+"""What every generation route shares, whatever its API family, written once.
+
+`start` is the preamble, always in this order: who called (their cache namespace) and
+the request's one log line; the body read (guards/body.py) and parsed by the family's
+parser, under the server's limits with the defaults the settings file gives the model
+it names (ServerState.limits_named); the served model it names, loaded if need be; the
+request as the engine takes it (the family's GenerationRequest, its reply's tool calls
+named after the request, in the caller's namespace, its reply bounded by the model's
+context, a forced tool choice opened); submitted. A failure on the way writes the log
+line and is raised, to leave in the family's error shape (common.api).
+
+`Started.respond` is the reply: SSE through the family's writer when streaming, else the
+collected reply as the writer's `whole` body; the log line is written either way.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import anyio
 from starlette.concurrency import run_in_threadpool
@@ -13,16 +25,130 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
+from mlx_prefix.records import ToolCallIds
 
-from ..assembler import Assembler
-from ..generation import ClientGone, Collected, RequestLog, StreamShaper, collect, stream_events
-from ..protocol.request import GenerationRequest
-from ..sse import SSEResponse
-from .common import ServerState
+from ..guards.body import read_json
+from ..guards.namespaces import Caller, caller
+from ..protocol.request import GenerationRequest, Limits, fit_to_model
+from ..replies.assembler import Assembler
+from ..replies.sse import SSEResponse
+from ..replies.stream import ClientGone, ReplyWriter, RequestLog, collect, stream_events
+from ..served.names import ServedModel
+from .common import ServerState, model_for, state
+from .tool_choice import with_tool_choice
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
     from mlx_prefix.engine.requests.handle import RequestHandle
+
+
+class NamesModel(Protocol):
+    """A parsed body: the served model it asks for."""
+
+    @property
+    def model(self) -> str | None: ...  # as the client named it; None: the default
+
+    @property
+    def adapter(self) -> str | None: ...  # a LoRA adapter folder (mlx_lm.server's `adapters`)
+
+
+P = TypeVar("P", bound=NamesModel)
+
+
+@dataclass(frozen=True)
+class Started(Generic[P]):
+    """A generation request submitted to its served model's engine."""
+
+    request: Request
+    state: ServerState
+    caller: Caller
+    record: RequestLog  # the request's one log line, written once it ends
+    parsed: P  # the body as the family's parser read it
+    served: ServedModel
+    req: GenerationRequest  # as the engine took it
+    handle: RequestHandle
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.served.engine.model.tokenizer
+
+    def assembler(self, streaming: bool) -> Assembler:
+        """The reply's deltas as the prompt left it; `streaming`: tool calls carry the
+        `index` of OpenAI's chunks."""
+        return Assembler.for_request(self.req, self.tokenizer, streaming, self.handle)
+
+    async def respond(self, assembler: Assembler, writer: ReplyWriter) -> Response:
+        """SSE through `writer` when streaming, else the collected reply as its `whole`."""
+        st, handle, record = self.state, self.handle, self.record
+        record.prompt_tokens = handle.prompt_tokens
+        st.inflight.add(handle)
+        if self.req.stream:
+
+            def on_close() -> None:
+                handle.cancel()
+                st.inflight.discard(handle)
+                record.write("client_disconnected")
+
+            return SSEResponse(stream_events(handle, assembler, writer, record), on_close)
+        try:
+            result = await collect(handle, assembler, self.request)
+        except MlxPrefixError as e:
+            record.write(str(e.status), error=e.message)
+            raise
+        except ClientGone:
+            record.write("client_disconnected")
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        except BaseException:
+            record.write("client_disconnected")
+            raise
+        finally:
+            handle.cancel()
+            st.inflight.discard(handle)
+        finish = assembler.finish_reason(result.done)
+        record.write("200", result.done.usage, finish)
+        return JSONResponse(writer.whole(result, finish))
+
+
+def _as_is(parsed: Any, who: Caller) -> GenerationRequest:
+    return parsed
+
+
+async def start(
+    request: Request,
+    ids: ToolCallIds,
+    parse: Callable[[dict[str, Any], Limits], P],
+    generation: Callable[[P, Caller], GenerationRequest] = _as_is,
+) -> Started[P]:
+    """The preamble (above). `ids` names the request (its seed is the request id) and its
+    reply's tool calls, as the engine's next-turn prefetch names them, so the client's
+    next turn, which sends them back, finds its prefix cached. `generation` turns the
+    parsed body into the engine's request once the model is known (as it is: the body
+    was parsed into one)."""
+    st = state(request)
+    who = caller(request)
+    record = RequestLog(ids.seed, request.url.path, st.metrics, who.namespace_id)
+    try:
+        body = await read_json(request)
+        limits = st.limits_named(body)  # the named model's defaults from the settings file
+        parsed = parse(body, limits)
+        served = await model_for(request, parsed.model, parsed.adapter)
+        req = generation(parsed, who)
+        req = replace(
+            req,
+            prompt=replace(req.prompt, reply_tool_call_ids=ids),
+            cache=replace(req.cache, namespace=who.namespace),
+        )
+        req = fit_to_model(req, st.limits_for(served.engine, limits))
+        req = with_tool_choice(req, served.engine.model.tokenizer)
+        handle = await submit(served.engine, req, ids.seed)
+    except MlxPrefixError as e:
+        record.write(str(e.status), error=e.message)
+        raise
+    return Started(request, st, who, record, parsed, served, req, handle)
 
 
 async def submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> RequestHandle:
@@ -48,44 +174,3 @@ def _submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> Reque
         if req.max_tokens_param is not None and req.max_tokens_param != "max_tokens":
             e.message = e.message.replace("max_tokens", req.max_tokens_param)
         raise
-
-
-async def respond(
-    request: Request,
-    st: ServerState,
-    handle: RequestHandle,
-    req: GenerationRequest,
-    record: RequestLog,
-    assembler: Assembler,
-    shaper: StreamShaper,
-    whole: Callable[[Collected, str], dict[str, Any]],
-) -> Response:
-    """The reply to a submitted request: SSE through `shaper` when streaming, else the
-    collected reply as `whole(collected, finish_reason)`."""
-    record.prompt_tokens = handle.prompt_tokens
-    st.inflight.add(handle)
-    if req.stream:
-
-        def on_close() -> None:
-            handle.cancel()
-            st.inflight.discard(handle)
-            record.write("client_disconnected")
-
-        return SSEResponse(stream_events(handle, assembler, shaper, record), on_close)
-    try:
-        result = await collect(handle, assembler, request)
-    except MlxPrefixError as e:
-        record.write(str(e.status), error=e.message)
-        raise
-    except ClientGone:
-        record.write("client_disconnected")
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    except BaseException:
-        record.write("client_disconnected")
-        raise
-    finally:
-        handle.cancel()
-        st.inflight.discard(handle)
-    finish = assembler.finish_reason(result.done)
-    record.write("200", result.done.usage, finish)
-    return JSONResponse(whole(result, finish))

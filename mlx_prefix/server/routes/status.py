@@ -10,16 +10,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..metrics import CONTENT_TYPE
-from ..model_pool import ModelCard
-from ..model_status import cache_use, model_statuses, status_body
+from ..monitor.metrics import CONTENT_TYPE
+from ..served.pool import ModelCard
+from ..served.status import cache_use, model_statuses, status_body
 from .common import ServerState, api, state
 
 
 @api
 async def list_models(request: Request) -> Response:
     """OpenAI's list: one card per served id and per alias (`alias_of` names its model),
-    each --model-alias, and the other models resident (server/model_pool.py), then the
+    each --model-alias, and the other models resident (server/served/pool.py), then the
     embedding model's. A client sending `anthropic-version` (the Anthropic SDKs) gets
     Anthropic's shape, chat models only."""
     st = state(request)

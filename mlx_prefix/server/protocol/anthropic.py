@@ -1,0 +1,385 @@
+"""POST /v1/messages and /v1/messages/count_tokens bodies (Anthropic's Messages API) ->
+the engine's records.
+
+Every field is honoured or refused with a 400 naming it:
+- `model`, `max_tokens` (required; it bounds the reply, which is cut at the context's
+  end, so an agent asking for 32000 on a small model still gets an answer), `stream`,
+  `stop_sequences`, `temperature` (Anthropic's default 1.0), `top_p`, `top_k`;
+- `system`, `messages` (protocol/anthropic_blocks.py), top-level and block
+  `cache_control` (breakpoints: checkpoints of their own kind);
+- `tools` (custom tools with `input_schema`; `defer_loading` tools stay out of the prompt
+  until a `tool_reference` loads them; server tools and `strict` are refused),
+  `tool_choice` auto / any / tool / none and `disable_parallel_tool_use`;
+- `thinking` enabled / disabled / adaptive -> the template's `enable_thinking` switch
+  (adaptive: the template's default); `budget_tokens` (any non-negative count below
+  max_tokens: Anthropic's 1024 floor is a billing rule) bounds the reasoning: once
+  spent, the server closes the think block as the template does and the model answers
+  (engine/decode/reasoning_budget.py); disabled also closes at once a block the prompt opens
+  anyway (a budget of 0); `display: "omitted"` sends thinking blocks without their text
+  (the signature carries it back, server/replies/anthropic.py);
+- `output_config.format` (the beta's `output_format`): `json_schema` structured output,
+  held to the schema as chat's `response_format` is (not with `stop_sequences` or tools);
+- `output_config.effort`: a local model has one knob for how hard it works, whether it
+  reasons before answering, so "low" turns the template's thinking off (unless
+  `thinking` enables it) and the other levels leave it as `thinking` says;
+- `context_management` edits `clear_thinking_20251015` (keep all, or the last N turns);
+  `metadata` is ignored (it names the caller, nothing about the reply); `service_tier`
+  has one tier here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.records import Breakpoint, PromptInput, SamplingParams
+
+from .anthropic_blocks import convert
+from .fields import MISSING, field, integer, json_type, number
+from .formats import anthropic_output_format
+from .request import (
+    MAX_STOP_SEQUENCES,
+    SEED_LIMIT,
+    GenerationRequest,
+    Limits,
+    ToolChoice,
+    cache_preference,
+    check_stop_lengths,
+    refuse_stop_with_format,
+)
+
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    generation: GenerationRequest
+    show_thinking: bool  # the reply's reasoning goes out as thinking blocks
+
+    @property
+    def model(self) -> str | None:
+        return self.generation.model
+
+    @property
+    def adapter(self) -> str | None:
+        return self.generation.adapter
+
+
+@dataclass(frozen=True)
+class _Tools:
+    rendered: tuple[dict[str, Any], ...] | None  # OpenAI-shaped, for the template
+    names: tuple[str, ...]  # of the rendered tools
+    deferred: dict[str, dict[str, Any]]  # defer_loading tools by name
+    breakpoints: tuple[Breakpoint, ...]
+
+
+def parse_messages_request(
+    body: dict[str, Any], limits: Limits, *, keep_billing_header: bool = False
+) -> MessagesRequest:
+    model = _model(body)
+    max_tokens = integer(body, "max_tokens", MISSING, lo=1, hi=None)
+    if max_tokens is MISSING:
+        raise InvalidRequest("max_tokens: Field required", param="max_tokens")
+    thinking = _thinking(body, max_tokens)
+    prompt, tools = _prompt(body, keep_billing_header, thinking.enable)
+    choice = _tool_choice(body, tools, thinking.enable)
+    sampling = SamplingParams(
+        max_tokens=min(max_tokens, limits.max_tokens),
+        temperature=number(
+            body, "temperature", limits.sampling.get("temperature", 1.0), lo=0.0, hi=1.0
+        ),
+        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
+        top_k=integer(body, "top_k", limits.sampling.get("top_k", 0), lo=0, hi=None),
+        min_p=limits.sampling.get("min_p", 0.0),
+        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),  # mlx-prefix's extension
+        stop=_stop_sequences(body),
+        reasoning_budget=thinking.budget,
+        response_format=anthropic_output_format(body),
+    )
+    offer = prompt.tools is not None
+    refuse_stop_with_format(sampling, "stop_sequences")
+    if offer and sampling.response_format is not None:
+        raise InvalidRequest(
+            f"{sampling.response_format.param.rsplit('.', 1)[0]} cannot be combined with tools "
+            "here: a reply held to the format could never call one (send tool_choice "
+            "'none', or no tools)",
+            param=sampling.response_format.param.rsplit(".", 1)[0],
+        )
+    generation = GenerationRequest(
+        kind="chat",
+        model=model,
+        prompt=prompt,
+        sampling=sampling,
+        cache=cache_preference(body),
+        stream=bool(field(body, "stream", bool, False)),
+        max_tokens_param="max_tokens",
+        include_usage=False,
+        parse_tools=offer,
+        tool_choice=choice,
+        fit_reply=False,
+        adapter=field(body, "adapters", str, None) or None,  # as mlx_lm.server's chat field
+    )
+    return MessagesRequest(generation, show_thinking=thinking.show)
+
+
+def parse_count_tokens(
+    body: dict[str, Any], *, keep_billing_header: bool = False
+) -> tuple[str, PromptInput]:
+    """The model name and the prompt whose tokens /v1/messages/count_tokens counts."""
+    model = _model(body)
+    thinking = _thinking(body, None).enable
+    prompt, tools = _prompt(body, keep_billing_header, thinking)
+    _tool_choice(body, tools, thinking)
+    return model, prompt
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = field(body, "model", str, None)
+    if model is None:
+        raise InvalidRequest("model: Field required", param="model")
+    return model
+
+
+def _prompt(
+    body: dict[str, Any], keep_billing_header: bool, thinking: bool | None
+) -> tuple[PromptInput, _Tools]:
+    tools = _tools(body)
+    choice = body.get("tool_choice")
+    offer = tools.rendered is not None and not (
+        isinstance(choice, dict) and choice.get("type") == "none"
+    )
+    conv = convert(
+        body.get("system"),
+        body.get("messages"),
+        deferred_tools=tools.deferred,
+        keep_billing_header=keep_billing_header,
+        keep_thinking_turns=_keep_thinking_turns(body),
+    )
+    breakpoints = [*tools.breakpoints] if offer else []
+    breakpoints += conv.breakpoints
+    if field(body, "cache_control", dict, None) is not None:  # automatic caching
+        breakpoints.append(Breakpoint(message=len(conv.messages) - 1))
+    _refuse_unsupported(body)
+    prompt = PromptInput(
+        messages=tuple(conv.messages),
+        tools=tools.rendered if offer else None,
+        chat_template_kwargs={} if thinking is None else {"enable_thinking": thinking},
+        breakpoints=tuple(breakpoints),
+    )
+    return prompt, tools
+
+
+def _tools(body: dict[str, Any]) -> _Tools:
+    tools = field(body, "tools", list, None) or []
+    rendered, names, deferred, breakpoints = [], [], {}, []
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"{param} must be an object", param=param)
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            raise InvalidRequest(
+                f"{param}.type {kind!r}: only custom tools (name, input_schema) are supported; "
+                "Anthropic's server tools run on Anthropic's servers",
+                param=f"{param}.type",
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"{param}.name must be a non-empty string", param=f"{param}.name")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest(
+                f"{param}.input_schema is required and must be an object",
+                param=f"{param}.input_schema",
+            )
+        if tool.get("strict") is True:
+            raise InvalidRequest(
+                f"{param}.strict: tool inputs are not constrained to their schema here",
+                param=f"{param}.strict",
+            )
+        function: dict[str, Any] = {"name": name, "parameters": schema}
+        description = tool.get("description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise InvalidRequest(
+                    f"{param}.description must be a string", param=f"{param}.description"
+                )
+            function["description"] = description
+        definition = {"type": "function", "function": function}
+        if tool.get("defer_loading") is True:
+            deferred[name] = definition
+            continue
+        if tool.get("cache_control") is not None:
+            breakpoints.append(Breakpoint(tool=len(rendered)))
+        rendered.append(definition)
+        names.append(name)
+    return _Tools(tuple(rendered) or None, tuple(names), deferred, tuple(breakpoints))
+
+
+def _tool_choice(body: dict[str, Any], tools: _Tools, thinking: bool | None) -> ToolChoice:
+    choice = field(body, "tool_choice", dict, None)
+    if choice is None:
+        return ToolChoice()
+    kind = choice.get("type")
+    parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(parallel, bool):
+        raise InvalidRequest(
+            "tool_choice.disable_parallel_tool_use must be a boolean",
+            param="tool_choice.disable_parallel_tool_use",
+        )
+    if kind == "auto":
+        return ToolChoice(parallel=not parallel)
+    if kind == "none":
+        return ToolChoice("none")
+    if kind not in ("any", "tool"):
+        raise InvalidRequest(
+            "tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type"
+        )
+    if not tools.names:
+        raise InvalidRequest(
+            "tool_choice forces a tool call, but no tools were given", param="tool_choice"
+        )
+    if thinking:
+        raise InvalidRequest(
+            "tool_choice 'any' or 'tool' cannot be combined with extended thinking",
+            param="tool_choice",
+        )
+    if kind == "any":
+        return ToolChoice("required", parallel=not parallel)
+    name = choice.get("name")
+    if name not in tools.names:
+        raise InvalidRequest(
+            f"tool_choice.name {name!r} is not among the tools ({', '.join(tools.names)})",
+            param="tool_choice.name",
+        )
+    return ToolChoice("named", name, parallel=not parallel)
+
+
+@dataclass(frozen=True)
+class _Thinking:
+    enable: bool | None  # the template's enable_thinking; None: its default
+    show: bool  # the reasoning's text goes out (display "omitted": False)
+    budget: int | None  # reasoning tokens before the server closes the block; None: unbounded
+
+
+def _thinking(body: dict[str, Any], max_tokens: int | None) -> _Thinking:
+    """Off (disabled, or effort "low" without thinking enabled) is the template's switch
+    off and a budget of 0, so a template without the switch is held to it too."""
+    effort = (field(body, "output_config", dict, None) or {}).get("effort", "high")
+    if effort not in EFFORTS:
+        raise InvalidRequest(
+            f"output_config.effort must be one of {', '.join(EFFORTS)}",
+            param="output_config.effort",
+        )
+    thinking = field(body, "thinking", dict, None)
+    if thinking is None or (effort == "low" and thinking.get("type") != "enabled"):
+        return _Thinking(False, True, 0) if effort == "low" else _Thinking(None, True, None)
+    kind = thinking.get("type")
+    display = thinking.get("display", "summarized")
+    if display not in ("summarized", "omitted"):
+        raise InvalidRequest(
+            "thinking.display must be 'summarized' or 'omitted'", param="thinking.display"
+        )
+    if kind == "disabled":
+        return _Thinking(False, True, 0)
+    if kind == "adaptive":
+        return _Thinking(None, display != "omitted", None)
+    if kind != "enabled":
+        raise InvalidRequest(
+            "thinking.type must be 'enabled', 'disabled' or 'adaptive'", param="thinking.type"
+        )
+    budget = thinking.get("budget_tokens")
+    # Anthropic's floor of 1024 is a billing rule; a local model may think less.
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidRequest(
+            "thinking.budget_tokens must be a non-negative integer",
+            param="thinking.budget_tokens",
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise InvalidRequest(
+            f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+            param="thinking.budget_tokens",
+        )
+    return _Thinking(True, display != "omitted", budget)
+
+
+def _keep_thinking_turns(body: dict[str, Any]) -> int | None:
+    """context_management's clear_thinking edit: None keeps every turn's thinking."""
+    management = field(body, "context_management", dict, None)
+    if management is None:
+        return None
+    edits = management.get("edits", [])
+    if not isinstance(edits, list):
+        raise InvalidRequest(
+            "context_management.edits must be an array", param="context_management.edits"
+        )
+    keep: int | None = None
+    for i, edit in enumerate(edits):
+        param = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else json_type(edit)
+        if kind != "clear_thinking_20251015":
+            raise InvalidRequest(
+                f"{param}: context edits of type {kind!r} are not supported "
+                "(clear_thinking_20251015 is)",
+                param=param,
+            )
+        value = edit.get("keep", "all")
+        if value == "all":
+            continue
+        turns = value.get("value") if isinstance(value, dict) else None
+        if not (
+            isinstance(value, dict)
+            and value.get("type") == "thinking_turns"
+            and isinstance(turns, int)
+            and not isinstance(turns, bool)
+            and turns >= 0
+        ):
+            raise InvalidRequest(
+                f'{param}.keep must be \'all\' or {{"type": "thinking_turns", "value": N}}',
+                param=f"{param}.keep",
+            )
+        keep = turns if keep is None else min(keep, turns)
+    return keep
+
+
+def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
+    stops = field(body, "stop_sequences", list, None) or []
+    if len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequest(
+            f"stop_sequences must be an array of at most {MAX_STOP_SEQUENCES} non-empty strings",
+            param="stop_sequences",
+        )
+    check_stop_lengths(stops, "stop_sequences")
+    return tuple(stops)
+
+
+# Every top-level field this module reads (or refuses by name); anything else is a 400.
+KNOWN_FIELDS = frozenset(
+    {
+        *("model", "messages", "max_tokens", "system", "stop_sequences", "stream"),
+        *("temperature", "top_p", "top_k", "tools", "tool_choice", "thinking"),
+        *("metadata", "service_tier", "output_config", "output_format"),
+        *("context_management", "cache_control", "mcp_servers", "container"),
+        # mlx-prefix's and mlx_lm.server's extensions
+        *("seed", "prefix_cache", "cache_salt", "adapters"),
+    }
+)
+_OUTPUT_CONFIG_KEYS = frozenset({"effort", "format"})
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise InvalidRequest(f"{unknown[0]}: not a Messages API field here", param=unknown[0])
+    field(body, "metadata", dict, None)  # ignored, but it must be an object
+    output = field(body, "output_config", dict, None) or {}
+    unknown = sorted(set(output) - _OUTPUT_CONFIG_KEYS)
+    if unknown:
+        raise InvalidRequest(
+            f"output_config.{unknown[0]} is not supported (effort and format are)",
+            param=f"output_config.{unknown[0]}",
+        )
+    for name in ("mcp_servers", "container"):
+        if body.get(name):
+            raise InvalidRequest(f"{name} is not supported", param=name)

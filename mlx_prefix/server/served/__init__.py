@@ -1,0 +1,3 @@
+"""What the server serves: a request's model name -> a served model (names.py), the pool of
+resident engines loaded on demand (pool.py) on a loader thread of their own (loading.py),
+and the --embedding-model beside them (embeddings.py)."""
