@@ -129,12 +129,16 @@ class EngineSwapper:
                 f"model '{spec.id}' could not be loaded: {type(e).__name__}: {e}"
             ) from e
 
-    def _unload(self, slot: Slot) -> None:
+    def unload(self, slot: Slot, reason: str) -> None:
+        """Unload one drained slot for `reason` (a client's keep_alive, say)."""
+        self._unload(slot, reason)
+
+    def _unload(self, slot: Slot, reason: str = "least recently used") -> None:
         import mlx.core as mx
         from mlx.utils import tree_map
 
         engine = slot.served.engine
-        log.info("unloading model %s (least recently used)", slot.spec.id)
+        log.info("unloading model %s (%s)", slot.spec.id, reason)
         engine.shutdown(timeout=10.0)
         if self._store is not None:
             self._store.clear(engine.model_key)  # its disk files stay: a reload finds them

@@ -172,6 +172,10 @@ class ModelPool:
     def resident(self) -> list[ServedModel]:
         return [s.served for s in self._slots.values()]
 
+    def resident_specs(self) -> list[tuple[ModelSpec, ServedModel]]:
+        """The resident engines with what they were loaded as (least recent first)."""
+        return [(s.spec, s.served) for s in self._slots.values()]
+
     def cards(self) -> list[ModelCard]:
         """/v1/models: the default (with its aliases), each --model-alias, then the
         other resident models; adapters under their base model's row."""
@@ -223,6 +227,23 @@ class ModelPool:
             served = ServedModel(spec.id, engine, aliases, str(spec.folder))
             slot = self._slots[spec.key] = Slot(spec, served)
             return slot
+
+    async def unload(self, spec: ModelSpec, reason: str) -> bool:
+        """Unload `spec`'s engine once its requests end (a client asked: Ollama's
+        keep_alive). A lookup meanwhile loads it again, after this. False when it is not
+        resident, or when this pool could not load it back (no loader)."""
+        if self._swapper is None or spec.key not in self._slots:
+            return False
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            slot = self._slots.pop(spec.key, None)
+            if slot is None:
+                return False
+            slot.retiring = True  # no new lease from here on: a lookup loads it again
+            while slot.leases or _busy(slot.served.engine):
+                await asyncio.sleep(DRAIN_POLL_S)
+            await asyncio.wrap_future(on_own_thread(self._swapper.unload, slot, reason))
+        return True
 
     def _check_memory(self, spec: ModelSpec, victims: list[Slot]) -> bool:
         """InsufficientMemory when `spec` does not fit even after unloading `victims`;

@@ -17,6 +17,7 @@ from mlx_prefix.errors import MlxPrefixError
 from ..dashboard import TreeShapes
 from ..errors import PayloadTooLarge, UnsupportedMediaType, error_response_for
 from ..generation import InFlight
+from ..keep_alive import KeepAlives
 from ..metrics import ServerMetrics
 from ..model_names import ServedModel
 from ..model_pool import ModelPool
@@ -43,6 +44,10 @@ class ServerState:
     responses: ResponseStore  # past /v1/responses answers, for previous_response_id
     tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
     embeddings: ServedEmbeddings | None = None  # --embedding-model, for /v1/embeddings
+    keep_alives: KeepAlives = field(init=False)  # Ollama's keep_alive on `models`
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keep_alives", KeepAlives(self.models))
 
     def limits_for(self, engine: EngineAPI) -> Limits:
         """The request limits of the model `engine` serves: its own context length."""

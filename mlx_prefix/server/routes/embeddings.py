@@ -44,8 +44,8 @@ async def embeddings(request: Request) -> Response:
         served = require(st.embeddings)
         served.select(req.model, st.models.names)
         model = served.worker.model
-        dims = _dimensions(model, req.dimensions)
-        rows = await run_in_threadpool(_token_rows, model, req, st.settings.embedding_max_tokens)
+        dims = dimensions_for(model, req.dimensions)
+        rows = await run_in_threadpool(token_rows, model, req, st.settings.embedding_max_tokens)
         record.prompt_tokens = sum(map(len, rows))
         vectors = await asyncio.wrap_future(served.worker.submit(rows))
     except MlxPrefixError as e:
@@ -70,7 +70,7 @@ async def embeddings(request: Request) -> Response:
     )
 
 
-def _dimensions(model: EmbeddingModel, asked: int | None) -> int:
+def dimensions_for(model: EmbeddingModel, asked: int | None) -> int:
     if asked is None or model.allowed_dimensions(asked):
         return asked or model.dimensions
     if not model.pooling.matryoshka:
@@ -87,9 +87,12 @@ def _dimensions(model: EmbeddingModel, asked: int | None) -> int:
     raise InvalidRequest(f"'dimensions' {asked} is not supported: {reason}", param="dimensions")
 
 
-def _token_rows(model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int) -> list[list[int]]:
+def token_rows(
+    model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int, truncate: bool = False
+) -> list[list[int]]:
     """Every input as token ids, checked: non-empty, in the vocabulary, within the model's
-    context, and within `max_tokens` over the request."""
+    context (`truncate`: cut to it, as Ollama's /api/embed does by default), and within
+    `max_tokens` over the request."""
     if req.texts is not None:
         rows = model.tokenize(list(req.texts))
     else:
@@ -103,6 +106,8 @@ def _token_rows(model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int) -
                     param="input",
                 )
     limit = model.context_length or DEFAULT_MAX_INPUT_TOKENS
+    if truncate:
+        rows = [ids[:limit] for ids in rows]
     for i, ids in enumerate(rows):
         if not ids:
             raise InvalidRequest(f"input[{i}] has no tokens", param="input")

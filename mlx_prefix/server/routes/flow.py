@@ -4,7 +4,7 @@ the reply into one JSON body, writing the request's one log line either way."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -23,6 +23,9 @@ from .common import ServerState
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
     from mlx_prefix.engine.requests.handle import RequestHandle
+
+# (the stream's bytes, what to run however it ends) -> the streaming response
+StreamResponse = Callable[[AsyncIterator[bytes], Callable[[], None]], Response]
 
 
 async def submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> RequestHandle:
@@ -59,8 +62,10 @@ async def respond(
     assembler: Assembler,
     shaper: StreamShaper,
     whole: Callable[[Collected, str], dict[str, Any]],
+    stream_response: StreamResponse = SSEResponse,
 ) -> Response:
-    """The reply to a submitted request: SSE through `shaper` when streaming, else the
+    """The reply to a submitted request: a stream of `shaper`'s bytes when streaming (SSE
+    by default; `stream_response` frames another format: Ollama's NDJSON), else the
     collected reply as `whole(collected, finish_reason)`."""
     record.prompt_tokens = handle.prompt_tokens
     st.inflight.add(handle)
@@ -71,7 +76,7 @@ async def respond(
             st.inflight.discard(handle)
             record.write("client_disconnected")
 
-        return SSEResponse(stream_events(handle, assembler, shaper, record), on_close)
+        return stream_response(stream_events(handle, assembler, shaper, record), on_close)
     try:
         result = await collect(handle, assembler, request)
     except MlxPrefixError as e:
