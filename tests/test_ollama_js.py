@@ -15,18 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 from agent_e2e import OFFLINE, npm_package
-from conftest import TEST_CACHE, loaded_test_model
-from server_fakes import LiveServer
-
-from mlx_prefix.embeddings.model import load_embedding_model
-from mlx_prefix.embeddings.testing import make_embedding_test_model
-from mlx_prefix.embeddings.worker import EmbeddingWorker
-from mlx_prefix.engine.engine import Engine
-from mlx_prefix.server import ServerSettings, create_app
+from ollama_e2e import SYSTEM, chat_records, real_server
 
 OLLAMA_JS_VERSION = "0.6.4"  # the Makefile's OLLAMA_JS_VERSION
 SCRIPT = Path(__file__).parent / "ollama_js_client.cjs"
-SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +33,8 @@ def package() -> Path:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> Iterator[str]:
-    folder = make_embedding_test_model(tmp_path_factory.mktemp("emb") / "tiny-embed")
-    worker = EmbeddingWorker(load_embedding_model(str(folder)))
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
-    try:
-        with LiveServer(create_app(engine, ServerSettings(), embeddings=worker)) as server:
-            yield server.url
-    finally:
-        engine.shutdown()
-        worker.close()
+    with real_server(tmp_path_factory.mktemp("ollama")) as url:
+        yield url
 
 
 def test_the_npm_client_chats_streams_lists_and_reads_its_second_prompt_from_the_cache(
@@ -62,9 +47,7 @@ def test_the_npm_client_chats_streams_lists_and_reads_its_second_prompt_from_the
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    records = httpx.get(live + "/v1/dashboard").json()["requests"]
-    chats = [r for r in records if r["endpoint"] == "/api/chat" and r["status"] == "200"]
-    first, second, streamed = chats[:3]
+    first, second, streamed = chat_records(live)[:3]
     assert first["cached_tokens"] < second["cached_tokens"] and second["cached_tokens"] > 40
     cold = httpx.post(live + "/api/chat", timeout=120, json={
         "model": "tiny-dense", "stream": False, "options": {"temperature": 0, "num_predict": 8},

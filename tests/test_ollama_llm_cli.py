@@ -12,21 +12,12 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from agent_e2e import CLIENTS
-from conftest import TEST_CACHE, loaded_test_model
-from server_fakes import LiveServer
-
-from mlx_prefix.embeddings.model import load_embedding_model
-from mlx_prefix.embeddings.testing import make_embedding_test_model
-from mlx_prefix.embeddings.worker import EmbeddingWorker
-from mlx_prefix.engine.engine import Engine
-from mlx_prefix.server import ServerSettings, create_app
+from ollama_e2e import SYSTEM, chat_records, real_server
 
 LLM = CLIENTS / "llm" / "bin" / "llm"
 LLM_VERSION, LLM_OLLAMA_VERSION = "0.36", "0.19.1"  # the Makefile's
-SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +33,8 @@ def llm_cli() -> Path:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> Iterator[str]:
-    folder = make_embedding_test_model(tmp_path_factory.mktemp("emb") / "tiny-embed")
-    worker = EmbeddingWorker(load_embedding_model(str(folder)))
-    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
-    try:
-        with LiveServer(create_app(engine, ServerSettings(), embeddings=worker)) as server:
-            yield server.url
-    finally:
-        engine.shutdown()
-        worker.close()
+    with real_server(tmp_path_factory.mktemp("ollama")) as url:
+        yield url
 
 
 def run(llm: Path, url: str, home: Path, *args: str) -> str:
@@ -67,8 +51,7 @@ def test_llm_lists_chats_from_the_cache_and_embeds(llm_cli, live, tmp_path):
            "-o", "num_predict", "8", "--no-stream", "When do you close?"]  # fmt: skip
     first = run(llm_cli, live, tmp_path, *ask)
     second = run(llm_cli, live, tmp_path, *ask)
-    records = httpx.get(live + "/v1/dashboard").json()["requests"]
-    chats = [r for r in records if r["endpoint"] == "/api/chat"]
+    chats = chat_records(live)
     assert len(chats) == 2 and chats[1]["cached_tokens"] > 40
     assert second == first and chats[1]["completion_tokens"] == 8
     vector = json.loads(

@@ -70,7 +70,7 @@ class OllamaRequest:
 
 
 def parse_ollama_chat(body: dict[str, Any], limits: Limits) -> OllamaRequest:
-    _refuse_unknown(body, CHAT_FIELDS, "/api/chat")
+    refuse_unknown(body, CHAT_FIELDS, "/api/chat")
     raw_messages = field(body, "messages", list, None) or []
     think = parse_think(body.get("think"))
     tools = read_tools(body)
@@ -83,7 +83,7 @@ def parse_ollama_chat(body: dict[str, Any], limits: Limits) -> OllamaRequest:
 
 
 def parse_ollama_generate(body: dict[str, Any], limits: Limits) -> OllamaRequest:
-    _refuse_unknown(body, GENERATE_FIELDS, "/api/generate")
+    refuse_unknown(body, GENERATE_FIELDS, "/api/generate")
     prompt = field(body, "prompt", str, "")
     system = field(body, "system", str, "")
     raw = bool(field(body, "raw", bool, False))
@@ -220,8 +220,12 @@ def _message(message: Any, param: str) -> dict[str, Any]:
     for key, to in (("thinking", "reasoning_content"), ("tool_name", "name")):
         value = message.get(key)
         if value:
-            if not isinstance(value, str):
-                raise InvalidRequest(f"{param}.{key} must be a string", param=f"{param}.{key}")
+            if not isinstance(value, str) or (key == "thinking" and role != "assistant"):
+                raise InvalidRequest(
+                    f"{param}.{key} must be a string"
+                    + " on an assistant message" * (key == "thinking"),
+                    param=f"{param}.{key}",
+                )
             out[to] = value
     if message.get("tool_call_id"):
         out["tool_call_id"] = message["tool_call_id"]
@@ -259,7 +263,7 @@ def _refuse_images(images: Any, param: str) -> None:
         )
 
 
-def _refuse_unknown(body: dict[str, Any], known: frozenset[str], route: str) -> None:
+def refuse_unknown(body: dict[str, Any], known: frozenset[str], route: str) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
         raise InvalidRequest(

@@ -25,8 +25,8 @@ from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from ..generation import RequestLog
 from ..namespaces import caller
 from ..protocol.embeddings import EmbeddingRequest, parse_embeddings
-from ..served_embeddings import require
-from .common import api, read_json, state
+from ..served_embeddings import ServedEmbeddings, require
+from .common import ServerState, api, read_json, state
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -43,17 +43,10 @@ async def embeddings(request: Request) -> Response:
         req = parse_embeddings(body, st.settings.embedding_max_inputs)
         served = require(st.embeddings)
         served.select(req.model, st.models.names)
-        model = served.worker.model
-        dims = dimensions_for(model, req.dimensions)
-        rows = await run_in_threadpool(token_rows, model, req, st.settings.embedding_max_tokens)
-        record.prompt_tokens = sum(map(len, rows))
-        vectors = await asyncio.wrap_future(served.worker.submit(rows))
+        vectors = await embed(st, served, req, record)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
-    if dims != model.dimensions:
-        vectors = truncate(vectors, dims, model.pooling.normalize)
-    st.metrics.observe_embeddings(len(rows), record.prompt_tokens)
     record.write("200")
     if req.user is not None:  # OpenAI's end-user id, for the operator's monitoring
         log.debug("%s user=%r", record.request_id, req.user[:256])
@@ -68,6 +61,28 @@ async def embeddings(request: Request) -> Response:
             "usage": {"prompt_tokens": record.prompt_tokens, "total_tokens": record.prompt_tokens},
         }
     )
+
+
+async def embed(
+    st: ServerState,
+    served: ServedEmbeddings,
+    req: EmbeddingRequest,
+    record: RequestLog,
+    cut: bool = False,
+) -> list[np.ndarray]:
+    """`req`'s vectors from the embedding worker (each input cut to the model's context
+    when `cut`), in the asked dimensions; the tokens counted on `record` and in the
+    metrics. Shared by /v1/embeddings and Ollama's /api/embed."""
+    model = served.worker.model
+    dims = dimensions_for(model, req.dimensions)
+    limit = st.settings.embedding_max_tokens
+    rows = await run_in_threadpool(token_rows, model, req, limit, cut)
+    record.prompt_tokens = sum(map(len, rows))
+    vectors = await asyncio.wrap_future(served.worker.submit(rows))
+    if dims != model.dimensions:
+        vectors = truncate(vectors, dims, model.pooling.normalize)
+    st.metrics.observe_embeddings(len(rows), record.prompt_tokens)
+    return vectors
 
 
 def dimensions_for(model: EmbeddingModel, asked: int | None) -> int:

@@ -10,17 +10,14 @@ what it does not use."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_prefix.embeddings.model import truncate as shorten
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 
 from ..generation import RequestLog
@@ -29,10 +26,11 @@ from ..ollama_models import listed_name
 from ..ollama_stream import ns
 from ..protocol.embeddings import parse_embeddings
 from ..protocol.fields import field, json_type
+from ..protocol.ollama import refuse_unknown
 from ..protocol.ollama_options import parse_keep_alive
 from ..served_embeddings import ServedEmbeddings, require
 from .common import api, read_json, state
-from .embeddings import dimensions_for, token_rows
+from .embeddings import embed as embed_inputs
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -43,7 +41,7 @@ EMBEDDINGS_FIELDS = frozenset({"model", "prompt", "options", "keep_alive"})
 @api
 async def embed(request: Request) -> Response:
     body = await read_json(request)
-    _known(body, EMBED_FIELDS, "/api/embed")
+    refuse_unknown(body, EMBED_FIELDS, "/api/embed")
     texts = body.get("input")
     if texts is None or texts == []:
         texts = []
@@ -70,7 +68,7 @@ async def embed(request: Request) -> Response:
 @api
 async def embeddings(request: Request) -> Response:
     body = await read_json(request)
-    _known(body, EMBEDDINGS_FIELDS, "/api/embeddings")
+    refuse_unknown(body, EMBEDDINGS_FIELDS, "/api/embeddings")
     prompt = field(body, "prompt", str, "")
     _, vectors, _, _ = await _vectors(request, body, [prompt] if prompt else [], None, True)
     return JSONResponse({"embedding": vectors[0] if vectors else []})
@@ -106,18 +104,10 @@ async def _vectors(
         req = parse_embeddings(
             {"input": texts, "dimensions": dimensions}, st.settings.embedding_max_inputs
         )
-        model = served.worker.model
-        dims = dimensions_for(model, req.dimensions)
-        limit = st.settings.embedding_max_tokens
-        rows = await run_in_threadpool(token_rows, model, req, limit, truncate)
-        record.prompt_tokens = sum(map(len, rows))
-        vectors = await asyncio.wrap_future(served.worker.submit(rows))
+        vectors = await embed_inputs(st, served, req, record, truncate)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
-    if dims != model.dimensions:
-        vectors = shorten(vectors, dims, model.pooling.normalize)
-    st.metrics.observe_embeddings(len(rows), record.prompt_tokens)
     record.write("200")
     return listed_name(served.id), [v.tolist() for v in vectors], record.prompt_tokens, began
 
@@ -128,12 +118,3 @@ def _untagged(served: ServedEmbeddings, name: str) -> str:
     if sep and base and served.names.find(name) is None and served.names.find(base) is not None:
         return base
     return name
-
-
-def _known(body: dict[str, Any], fields: frozenset[str], route: str) -> None:
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise InvalidRequest(
-            f"'{unknown[0]}' is not a field of {route} (fields: {', '.join(sorted(fields))})",
-            param=unknown[0],
-        )
