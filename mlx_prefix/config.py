@@ -286,13 +286,14 @@ def parse_bytes(text: str) -> int:
 
 
 FOREVER = float("inf")
-_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                   "h": 3600.0, "d": 86400.0}  # fmt: skip
 
 
 def parse_duration(value: str | int | float) -> float:
-    """A keep-alive as Ollama writes it -> seconds: '5m', '1h30m', '90s', '250ms', or a
-    number of seconds; a negative one (or 'forever') is `FOREVER`; 0 is "at once".
-    ValueError otherwise."""
+    """A keep-alive as Ollama writes it (a Go duration) -> seconds: '5m', '1h30m', '90s',
+    '250ms', or a number of seconds; a negative one (or 'forever') is `FOREVER`; 0 is
+    "at once". ValueError otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"not a duration: {value!r}")
     if isinstance(value, (int, float)):
@@ -307,8 +308,9 @@ def parse_duration(value: str | int | float) -> float:
     except ValueError:
         pass
     sign = -1.0 if text.startswith("-") else 1.0
-    parts = re.findall(r"([0-9]*\.?[0-9]+)(ms|s|m|h|d)", text.lstrip("-"))
-    if not parts or "".join(n + u for n, u in parts) != text.lstrip("-"):
+    unsigned = text[1:] if text[:1] in ("-", "+") else text
+    parts = re.findall(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h|d)", unsigned)
+    if not parts or "".join(n + u for n, u in parts) != unsigned:
         raise ValueError(f"not a duration: {value!r} (e.g. 5m, 30s, 1h, -1 for forever)")
     seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
     return FOREVER if sign < 0 else seconds

@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import TEST_CACHE
 from server_fakes import LiveServer
 
-from mlx_prefix.config import CacheConfig
+from mlx_prefix.config import CacheConfig, DiskConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.settings_file import ModelsFile
@@ -24,13 +24,17 @@ def pool_server(
     default: Path,
     cache: CacheConfig = TEST_CACHE,
     model_settings: ModelsFile | None = None,
+    disk: DiskConfig | None = None,
     **settings,
 ) -> Iterator[tuple[str, ModelPool]]:
-    """(base URL, pool) of a server whose --model is `default`; `settings` are
-    ServerSettings fields (allowed_models, max_models, keep_alive_s, api_key...)."""
+    """(base URL, pool) of a server whose --model is `default` (with its disk tier when
+    `disk`); `settings` are ServerSettings fields (allowed_models, max_models,
+    keep_alive_s, api_key...). Models load with their adapter, as `serve` loads them."""
 
     def loader(spec: ModelSpec, store, disk_cache) -> Engine:
-        return Engine(load_model(str(spec.folder)), cache, store=store)
+        adapter = str(spec.adapter) if spec.adapter else None
+        model = load_model(str(spec.folder), adapter=adapter)
+        return Engine(model, cache, store=store, disk_config=disk, disk_cache=disk_cache)
 
     first = loader(ModelSpec(default, None, default.name, True), None, None)
     app = create_app(first, ServerSettings(**settings), loader, model_settings=model_settings)

@@ -174,6 +174,7 @@ def test_unloaded_after_its_keep_alive_and_reloaded_with_the_same_answer(folders
         ps = httpx.get(url + "/v1/ps").json()
     assert again == first
     assert pool.loads == 3
-    row = next(m for m in ps["models"] if m["id"] == b)
-    assert row["keep_alive_s"] == 0.5 and row["weights_bytes"] > 0
-    assert next(m for m in ps["models"] if m["id"] == c)["pinned"]
+    # b may be gone again already (0.5 s idle: how soon depends on the machine); the
+    # pinned one stays, with its weights counted. keep_alive_for's values: the fakes'.
+    row = next(m for m in ps["models"] if m["id"] == c)
+    assert row["pinned"] and row["keep_alive_s"] is None and row["weights_bytes"] > 0

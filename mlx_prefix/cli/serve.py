@@ -52,6 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or ::, IP addresses and this machine's own name are accepted too",
     )
     p.add_argument(
+        "--ollama",
+        nargs="?",
+        const="",  # Ollama's own address (ServerSettings)
+        default=None,
+        metavar="HOST:PORT",
+        help="also listen on Ollama's address (127.0.0.1:11434 unless given), for apps "
+        "that assume it; refused when something already listens there",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
@@ -219,6 +228,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
+        "ollama": args.ollama,
         "embedding_aliases": tuple(args.embedding_aliases)
         if getattr(args, "embedding_aliases", None) is not None
         else None,
@@ -253,6 +263,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--pipeline needs a sharded launch: mlx.launch -n 2 --backend ring "
             "--python <venv>/bin/python -m mlx_prefix serve --model M --pipeline"
         )
+    # Ollama's port before the model loads: a server that cannot have it stops at once.
+    ollama_socket = ollama_port(settings)
     # No local name for the engine: the server owns it and may unload it.
     model = model_from_args(args)
     named = from_env(ModelConfig, "MODEL", {"model": args.model}).model
@@ -271,8 +283,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_loader(args, models_file),
         embeddings,
         models_file,
+        ollama_socket,
     )
     return 0
+
+
+def ollama_port(settings: ServerSettings) -> Any:
+    """With --ollama, the socket bound to Ollama's address (None without, or when --host
+    and --port already are that address)."""
+    from mlx_prefix.server.ollama_port import bind_ollama_port, covered
+
+    if not settings.ollama or covered(settings.host, settings.port, settings.ollama):
+        return None
+    return bind_ollama_port(settings.ollama)
 
 
 def embedding_config(args: argparse.Namespace) -> Any:

@@ -95,8 +95,8 @@ def describe(folder: Path, name: str, source: str, size: int, revision: str | No
         vision=isinstance(config.get("vision_config"), dict),
         embedding=(folder / "modules.json").is_file(),
         context_length=context_length(config),
-        tools=bool(_TOOLS.search(template)),
-        reasoning=bool(_REASONING.search(template)),
+        tools=renders_tools(template),
+        reasoning=knows_reasoning(template),
         revision=revision,
     )
 
@@ -138,6 +138,16 @@ def cache_kind(config: dict[str, Any]) -> str:
     if any(isinstance(c, RotatingKVCache) for c in flat):
         return "sliding"
     return "dense"
+
+
+def renders_tools(template: str) -> bool:
+    """Whether a chat template's text handles tools (read, not rendered)."""
+    return bool(_TOOLS.search(template))
+
+
+def knows_reasoning(template: str) -> bool:
+    """Whether a chat template's text knows reasoning (<think>, enable_thinking...)."""
+    return bool(_REASONING.search(template))
 
 
 def template_text(folder: Path) -> str:

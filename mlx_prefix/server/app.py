@@ -20,6 +20,7 @@ from .guards.hosts import HostPolicy
 from .guards.middleware import ApiKeyAuth, HostGuard, cors
 from .guards.namespaces import Namespaces
 from .monitor.metrics import RequestCounter, ServerMetrics
+from .ollama_port import bind_ollama_port, bound_address, covered
 from .protocol.request import Limits, SamplingDefaults
 from .replies.stream import InFlight
 from .responses_store import ResponseStore
@@ -60,10 +61,16 @@ def serve(
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
     model_settings: ModelsFile | None = None,
+    ollama_socket: socket.socket | None = None,
 ) -> None:
     """Serves until SIGINT/SIGTERM, then: stop accepting connections, give in-flight
     requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engines
-    (and the embedding worker) down."""
+    (and the embedding worker) down. With `settings.ollama`, also on Ollama's address,
+    through `ollama_socket` when the caller bound it early (before loading the model),
+    else bound here."""
+    ollama = settings.ollama
+    if ollama and ollama_socket is None and not covered(settings.host, settings.port, ollama):
+        ollama_socket = bind_ollama_port(ollama)
     logging.getLogger("mlx_prefix").setLevel(settings.log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,6 +100,10 @@ def serve(
         lifespan="on",
     )
     log.info("%s", serving_line(engine.model.name, settings.host, settings.port))
+    if ollama_socket is not None:
+        log.info(
+            "Ollama's address: http://%s (its API is served on both)", bound_address(ollama_socket)
+        )
     if embeddings is not None:
         log.info("%s", embeddings_line(embeddings))
     cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/sharded/distributed.py)
@@ -103,7 +114,13 @@ def serve(
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
-        _GracefulServer(config, app.state.server.inflight, settings.shutdown_grace_s, failed).run()
+        server = _GracefulServer(
+            config, app.state.server.inflight, settings.shutdown_grace_s, failed
+        )
+        if ollama_socket is None:
+            server.run()
+        else:  # both addresses on one server, the main one bound as uvicorn binds it
+            server.run(sockets=[config.bind_socket(), ollama_socket])
     finally:
         shutdown_engine()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from mlx_prefix.config import FOREVER
 
 from .guards.hosts import check_allowed_host
+from .ollama_port import OLLAMA_ADDRESS, split_address
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class ServerSettings:
     embedding_aliases: tuple[str, ...] = ()
     embedding_max_inputs: int = 2048
     embedding_max_tokens: int = 300_000
+    # Also listen on this address, Ollama's ("127.0.0.1:11434"; server/ollama_port.py).
+    ollama: str | None = None
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
@@ -85,6 +88,10 @@ class ServerSettings:
             models = tuple(m.strip() for m in self.allowed_models.split(",") if m.strip())
             object.__setattr__(self, "allowed_models", models)
         self.model_alias_map()  # ValueError for a malformed pair
+        if self.ollama == "":  # `--ollama` alone
+            object.__setattr__(self, "ollama", OLLAMA_ADDRESS)
+        if self.ollama is not None:
+            split_address(self.ollama)  # ValueError for a malformed address
         if self.max_models < 1:
             raise ValueError("max_models must be at least 1")
         if min(self.keep_alive_s, self.model_keep_alive_s) < 0:

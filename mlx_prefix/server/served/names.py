@@ -181,6 +181,15 @@ class ModelSelector:
             spec = replace(spec, adapter=adapter_folder(entry))
         return spec
 
+    def named(self, name: str) -> bool:
+        """Whether `name` is one of the served names (not a fallback to the default)."""
+        return (
+            self.registry.find(name) is not None
+            or name in self.model_aliases
+            or self.settings.find(name) is not None
+            or self.allowed.find(name) is not None
+        )
+
     def _base_spec(self, name: str | None, resident: Iterable[ModelSpec]) -> ModelSpec:
         if name is None or self.registry.find(name) is not None:
             return self.default_spec

@@ -226,12 +226,20 @@ class ModelPool:
             return own.keep_alive_s
         return self.default_keep_alive_s if slot.spec.default else self.keep_alive_s
 
-    def keep_alive(self, name: str | None, seconds: float, adapter: str | None = None) -> bool:
+    @property
+    def can_unload(self) -> bool:
+        """Whether a model may go when idle: only a pool that can load it back."""
+        return self.loader is not None
+
+    def keep_alive(
+        self, name: str | None, seconds: float | None, adapter: str | None = None
+    ) -> bool:
         """A request's keep_alive (Ollama's `keep_alive`): the model `name` selects stays
         `seconds` once idle from now on (0: unloaded as soon as it is idle; FOREVER:
-        until a swap needs its room), until the next call or its unload. Returns whether
-        it is resident (a model not loaded has nothing to keep). ModelNotFound as
-        `acquire`. Event loop only."""
+        until a swap needs its room; None: the settings file's or the server's again, as
+        an Ollama request without one resets it), until the next call or its unload. A
+        pin still wins. Returns whether it is resident (a model not loaded has nothing
+        to keep). ModelNotFound as `acquire`. Event loop only."""
         slot = self._slots.get(self.spec_for(name, adapter).key)
         if slot is None:
             return False
