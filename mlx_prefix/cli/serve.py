@@ -136,6 +136,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="render Claude Code's x-anthropic-billing-header system block "
         "(left out by default: it changes between requests and would defeat the cache)",
     )
+    p.add_argument(
+        "--no-explain",
+        dest="explain_requests",
+        action="store_false",
+        default=None,
+        help="keep no record of why requests reused what they did (GET /v1/cache/requests, "
+        "the dashboard's misses, the per-reason metrics and log lines)",
+    )
     sampling = p.add_argument_group("sampling defaults (for requests that leave the field out)")
     sampling.add_argument("--temp", type=float, dest="temperature", help="temperature (0: greedy)")
     sampling.add_argument("--top-p", type=float, help="nucleus sampling top-p (1: off)")
@@ -229,6 +237,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
         "ollama": args.ollama,
+        "explain_requests": args.explain_requests,
         "embedding_aliases": tuple(args.embedding_aliases)
         if getattr(args, "embedding_aliases", None) is not None
         else None,

@@ -221,7 +221,9 @@ def _build(
         default_keep_alive_s=settings.model_keep_alive_s,
     )
     unloader = IdleUnloader(models) if loader is not None else None
-    metrics = ServerMetrics(lambda: models.primary().cache_stats())
+    metrics = ServerMetrics(
+        lambda: models.primary().cache_stats(), explain=settings.explain_requests
+    )
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),
         Middleware(HostGuard, policy=host_policy(settings)),
@@ -238,6 +240,7 @@ def _build(
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
+        metrics.explainer.close()
         if on_shutdown is not None:
             log.info("shutting down the engine")
             await run_in_threadpool(on_shutdown)

@@ -57,6 +57,14 @@ class WarmTimeout(MlxPrefixError):
     code = "timeout"
 
 
+class ExplainOff(MlxPrefixError):
+    """GET /v1/cache/requests on a server started with --no-explain."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "explain_off"
+
+
 class CancelledByServer(MlxPrefixError):
     """The engine cancelled a request the client still waits for (shutdown)."""
 

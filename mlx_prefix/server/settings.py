@@ -51,6 +51,9 @@ class ServerSettings:
     # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
+    # Explain every request's reuse (explain/): GET /v1/cache/requests, the dashboard's
+    # misses, per-reason metrics and log lines. Off: none of them (--no-explain).
+    explain_requests: bool = True
     responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
     # Cache namespaces (server/guards/namespaces.py): "origin" keeps each Origin's (and API
     # key's) entries apart; "global" shares one cache among every client.

@@ -147,6 +147,8 @@ class DecodePhase:
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         now = time.perf_counter()
         running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)
+        if (trace := job.handle.trace) is not None:  # read by the request explainer
+            trace.reply = running.emitted  # complete by the final event
         self.batch.add(running, arrival.cache, sampler, token, max(limit - 1, 0))
         if self.speculator is not None and arrival.draft is not None:
             self.speculator.adopt(running, arrival.draft)

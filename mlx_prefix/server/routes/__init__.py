@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from . import dashboard, ollama, ollama_embed, ollama_info
 from .anthropic import count_tokens, messages
-from .cache import cache_flush, cache_info, cache_warm
+from .cache import cache_flush, cache_info, cache_requests, cache_warm
 from .chat import chat_completions
 from .completions import completions
 from .embeddings import embeddings
@@ -76,6 +76,7 @@ ROUTES = [
     Route("/v1/cache", cache_info, methods=["GET"]),
     Route("/v1/cache", cache_flush, methods=["DELETE"]),
     Route("/v1/cache/warm", cache_warm, methods=["POST"]),
+    Route("/v1/cache/requests", cache_requests, methods=["GET"]),
     Route("/v1/cache/entries/{entry_id:int}/pin", dashboard.pin, methods=["POST"]),
     Route("/v1/cache/entries/{entry_id:int}", dashboard.evict, methods=["DELETE"]),
     Route("/v1/dashboard", dashboard.data, methods=["GET"]),

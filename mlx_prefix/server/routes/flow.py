@@ -96,6 +96,7 @@ class Started(Generic[P]):
         NDJSON, replies/ndjson.py), else the collected reply as its `whole`."""
         st, handle, record = self.state, self.handle, self.record
         record.prompt_tokens = handle.prompt_tokens
+        record.trace = handle.trace  # handed to the request explainer once it ends
         st.inflight.add(handle)
         if self.req.stream:
 
