@@ -269,9 +269,11 @@ def test_metrics_count_requests_and_tokens_lost_per_reason_and_misses_are_logged
     assert len(lines) == 1 and "edited" in lines[0] and "fourth" in lines[0]
 
 
-# A budget of about three of the tiny model's snapshots (128 KiB each at this length): a
-# second system prompt's checkpoints push the first one's out.
-TIGHT = CacheConfig(budget_bytes=384 << 10, prefill_chunk=32, checkpoint_interval=64)
+# The tiny model's entries hold 512 bytes of KV a token, each token once (about 74 KiB
+# for the longer system prompt's 149 tokens), and a decoding request's batch cache holds
+# room for 256 steps (128 KiB) in the same budget. 272 KiB: the second system prompt is
+# stored (from 224 KiB up) and pushes the first one's checkpoints out (up to 320 KiB).
+TIGHT = CacheConfig(budget_bytes=272 << 10, prefill_chunk=32, checkpoint_interval=64)
 tight = live_server(lambda: Engine(loaded_test_model("dense"), TIGHT, NO_PREFETCH), name="tight")
 
 

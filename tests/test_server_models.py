@@ -117,7 +117,7 @@ def test_two_models_served_alternately_each_cache_hits_and_equals_its_cold_run(f
 
 
 def test_shared_budget_holds_both_models_entries_under_one_limit(folders):
-    small = CacheConfig(budget_bytes=600_000, prefill_chunk=32, checkpoint_interval=64)
+    small = CacheConfig(budget_bytes=200_000, prefill_chunk=32, checkpoint_interval=64)
     b = str(folders["b"])
     with served(folders, cache=small, max_models=2) as (url, pool):
         for i in range(4):
@@ -125,7 +125,7 @@ def test_shared_budget_holds_both_models_entries_under_one_limit(folders):
                 answer(ask(url, m, f"Question number {i} about the opening hours?"))
         store = pool.resident()[0].engine.store
         stats = store.stats()
-    assert stats.budget_bytes == 600_000
+    assert stats.budget_bytes == 200_000
     assert stats.bytes + stats.active_bytes <= stats.budget_bytes
     assert stats.evictions > 0  # the two models' entries competed for the one budget
     store.check_integrity()
