@@ -55,6 +55,11 @@ QWEN_CODE_VERSION := 0.24.4
 CONTINUE_CLI_VERSION := 1.5.47
 CRUSH_VERSION := 0.96.1
 AIDER_VERSION := 0.86.2
+# Ollama's clients: the official npm package (the Python one is in pyproject's [test]),
+# and Simon Willison's llm CLI with its Ollama plugin, in a venv of its own.
+OLLAMA_JS_VERSION := 0.6.4
+LLM_VERSION := 0.36
+LLM_OLLAMA_VERSION := 0.19.1
 TEST_CLIENTS := .test-clients
 
 # $(call npm_client,PACKAGE,VERSION,NAME[,NPM FLAGS]): install PACKAGE@VERSION unless present.
@@ -76,11 +81,17 @@ endif
 	$(call npm_client,@qwen-code/qwen-code,$(QWEN_CODE_VERSION),Qwen Code)
 	$(call npm_client,@continuedev/cli,$(CONTINUE_CLI_VERSION),Continue CLI)
 	$(call npm_client,@charmland/crush,$(CRUSH_VERSION),Crush,--foreground-scripts)
+	$(call npm_client,ollama,$(OLLAMA_JS_VERSION),ollama (npm))
 	@if ! grep -qs '^Version: $(AIDER_VERSION)$$' \
 	    $(TEST_CLIENTS)/aider/lib/python*/site-packages/aider_chat-*.dist-info/METADATA; then \
 	  { [ -x $(TEST_CLIENTS)/aider/bin/pip ] || $(PYTHON) -m venv $(TEST_CLIENTS)/aider; } && \
 	  $(TEST_CLIENTS)/aider/bin/pip install -q "aider-chat==$(AIDER_VERSION)" \
 	  || echo "warning: could not install Aider; its end-to-end tests skip"; fi
+	@if ! grep -qs '^Version: $(LLM_OLLAMA_VERSION)$$' \
+	    $(TEST_CLIENTS)/llm/lib/python*/site-packages/llm_ollama-*.dist-info/METADATA; then \
+	  { [ -x $(TEST_CLIENTS)/llm/bin/pip ] || $(PYTHON) -m venv $(TEST_CLIENTS)/llm; } && \
+	  $(TEST_CLIENTS)/llm/bin/pip install -q "llm==$(LLM_VERSION)" "llm-ollama==$(LLM_OLLAMA_VERSION)" \
+	  || echo "warning: could not install llm and llm-ollama; their Ollama test skips"; fi
 
 test: install test-deps
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q -rs $(PYTEST_ARGS)

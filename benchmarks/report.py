@@ -91,7 +91,7 @@ def markdown(doc: dict[str, Any], plots: list[str], vision: dict[str, Any] | Non
         "--help` lists the options (`--model`, `--workloads`, `--peers`, `--out`).",
         *_caveat_lines(doc),
     ]
-    lines += _goal_lines(doc)
+    lines += _goal_lines(doc) + standalone_lines()
     lines += report_throughput.lines(doc) + _burst_lines(doc) + _concurrency_lines(doc)
     lines += itl_lines(doc) + edit_lines(doc) + _memory_lines(doc) + mixed_lines(doc)
     lines += report_sharded.lines(doc) + report_vision.lines(vision)
@@ -142,6 +142,18 @@ def markdown(doc: dict[str, Any], plots: list[str], vision: dict[str, Any] | Non
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+# Hand-kept sections of benchmarks run on their own, before and after a change (a script
+# per issue, e.g. bench_shared_prefix_memory.py): each file here, as written.
+STANDALONE = Path(__file__).resolve().parent / "results" / "standalone"
+
+
+def standalone_lines() -> list[str]:
+    out: list[str] = []
+    for path in sorted(STANDALONE.glob("*.md")):
+        out += ["", *path.read_text().rstrip("\n").splitlines()]
+    return out
 
 
 def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:

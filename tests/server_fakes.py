@@ -149,6 +149,7 @@ class FakeHandle:
         self.reasoning_edges = NO_EDGES  # what the reasoning drops where written
         self.breakpoint_end = 0  # the furthest client breakpoint's position
         self.namespace = namespace  # its cache namespace's id
+        self.trace = None  # no CacheTrace: the fake engine's requests go unexplained
         self.cancelled = threading.Event()
         self._events: list[Event] = []
         self._cond = threading.Condition()

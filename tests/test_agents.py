@@ -9,20 +9,29 @@ from it: the fake engine replies with a call to one of the agent's own tools (th
 holds the directive for the next reply, so a reply of "All done." proves that the
 output came back. The cache is measured on the real engine (a tiny qwen3_5 hybrid with a
 32K context): two runs of the same prompt, the second reading at least 95% of its input
-from the cache, as the server's token counters say whatever the agent reports.
+from the cache, as the server's token counters say whatever the agent reports. With its
+billing header kept, Claude Code's sessions differ at that header, and GET
+/v1/cache/requests says so (issue 46): `volatile`, at the header's text.
 """
 
 from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from agent_e2e import DONE, DONE_DIRECTIVE, Counted, scripted_server
 from agents import AGENTS, Agent
+from engine_helpers import open_engine
 from server_fakes import FakeEngine, serving
+
+from mlx_prefix.config import CacheConfig
+from mlx_prefix.models.load import load_model
+from mlx_prefix.models.testing import cached_test_model
 
 TRIPS = [agent for agent in AGENTS if agent.trip is not None]
 AIDER = next(agent for agent in AGENTS if agent.name == "aider")
+CLAUDE = next(agent for agent in AGENTS if agent.name == "claude_code")
 
 
 def installed(agent: Agent):
@@ -84,3 +93,28 @@ def test_an_edit_round_trip(tmp_path):
     sent_back = engine.submissions[1].prompt.messages[-1]
     assert sent_back.role == "user" and DONE_DIRECTIVE in sent_back.content
     assert DONE in out
+
+
+def test_claude_codes_kept_billing_header_shows_as_volatile_on_its_text(tmp_path):
+    """Three sessions, three first prompts: the header's `cc_version` suffix changes
+    each time, right at the prompt's start, and everything after it is computed again.
+    The second session's first request is `edited` there, the third's `volatile`."""
+    claude = installed(CLAUDE)
+    model = load_model(str(cached_test_model("dense", think_template=True, context=32768)))
+    with (
+        open_engine(model, CacheConfig(budget_bytes=2 << 30)) as engine,
+        serving(engine, keep_billing_header=True) as (url, _),
+    ):
+        for prompt in ("Say hi", "Say hello", "Name a colour"):
+            run = CLAUDE.run(claude, url, tmp_path, prompt)
+            assert run["api_error_status"] is None, run["result"]
+        records = httpx.get(f"{url}/v1/cache/requests", params={"limit": 100}).json()["data"]
+    assert {r["api"] for r in records} == {"messages"}
+    changed = [r for r in reversed(records) if r["reason"] in ("edited", "volatile")]
+    # Each later session's first request; the others continue their session (hits).
+    assert [r["reason"] for r in changed] == ["edited", "volatile"], records
+    volatile = changed[-1]
+    assert volatile["location"] == {"message": 0, "role": "system"}
+    assert "cc_version=" in volatile["before"] and "cc_version=" in volatile["after"]
+    assert volatile["before"] != volatile["after"]
+    assert volatile["diverged_at"] < 32 and volatile["lost_tokens"] > 8000

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import (
 from mlx_prefix.cache.disk import header as disk_header
 from mlx_prefix.cache.disk import payload as disk_payload
 from mlx_prefix.cache.disk.tier import DiskCache
-from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore
+from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, capture, restore, whole_layers
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.forward.runner import greedy_continue, prefill
 from mlx_prefix.models.testing import cached_test_model
@@ -87,7 +87,7 @@ def _flat(snapshot: Snapshot) -> list[tuple[str, Any]]:
             out.append((f"{path}{i}.shape", _structure(layer.state)))
             walk(layer.children, f"{path}{i}/")
 
-    walk(snapshot.layers, "")
+    walk(whole_layers(snapshot), "")  # a chain's pieces concatenated: what a file holds
     return out
 
 

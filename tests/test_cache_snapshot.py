@@ -20,6 +20,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from mlx_prefix.cache.chain import chained
+from mlx_prefix.cache.layers import layers_of
 from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, capture, is_trimmable, restore
 
 H, D = 2, 32  # kv heads, head dim (32: QuantizedKVCache needs a multiple of its group)
@@ -56,6 +58,8 @@ def _advance(cache: list[Any], chunks: list[int], seed: int) -> list[mx.array]:
 
 
 def _snapshot_arrays(s: Snapshot) -> list[np.ndarray]:
+    """Every array a snapshot holds: its layers' state and its chain's pieces."""
+
     def walk(layers) -> list[np.ndarray]:
         out = []
         for layer in layers:
@@ -64,7 +68,7 @@ def _snapshot_arrays(s: Snapshot) -> list[np.ndarray]:
             out += walk(layer.children)
         return out
 
-    return walk(s.layers)
+    return walk(s.layers) + [np.array(a) for a in s.chain.arrays()]
 
 
 def _same(a: list, b: list) -> bool:
@@ -111,9 +115,12 @@ def test_restored_cache_cannot_change_the_snapshot(name: str):
     snap = capture(orig, length)
     assert snap.length == length and snap.trimmable is trimmable == is_trimmable(orig)
     before = _snapshot_arrays(snap)
-    # It counts at least its own arrays, and every buffer their views keep alive.
+    # It counts at least its own arrays, and every buffer their views keep alive; its
+    # KV pieces exactly as long as the prefix (no step padding).
     assert before and snap.nbytes >= sum(a.nbytes for a in before)
-    assert snap.nbytes >= cache_nbytes(orig)
+    assert snap.nbytes >= cache_nbytes([c for c in layers_of(orig) if not chained(c)])
+    for piece in snap.chain.pieces:
+        assert all(a.shape[-2] == piece.end - piece.start for p in piece.parts for a in p)
 
     restored = restore(snap)
     assert all(type(r) is type(o) for r, o in zip(restored, orig, strict=True))
@@ -174,10 +181,11 @@ def test_kv_snapshot_is_exactly_offset_long_and_restore_reallocates():
     _advance(cache, [10], 1)
     assert cache[0].keys.shape[2] == 256  # step-padded buffer
     snap = capture(cache, 10)
-    # The views are 10 tokens long, but they keep the 256-token buffer alive: the byte
-    # budget must see what is resident.
-    assert all(a.shape[2] == 10 for a in snap.layers[0].state[:2])
-    assert snap.nbytes == 2 * 256 * H * D * 4
+    # A piece of its own, 10 tokens long: it keeps no step padding (nor the live buffer)
+    # alive, and the byte budget counts exactly that.
+    (piece,) = snap.chain.pieces
+    assert all(a.shape[2] == 10 for a in piece.parts[0])
+    assert snap.nbytes == piece.buffer.nbytes == 2 * 10 * H * D * 4
     r = restore(snap)[0]
     assert r.keys.shape[2] == 10 and r.offset == 10
     keys_before = r.keys
@@ -196,11 +204,13 @@ def test_restore_shares_buffers_without_copying():
     mx.eval(cache)
     base = mx.get_active_memory()
     restored = restore(snap, trim=100)
-    # Views, not copies: no new memory, same data pointers as the snapshot.
+    # One piece and no room asked: views, not copies: no new memory, same data pointers
+    # as the snapshot's piece.
     assert mx.get_active_memory() - base < snap.nbytes // 100
-    for r, layer in zip(restored, snap.layers, strict=True):
-        assert _data_ptr(r.keys) == _data_ptr(layer.state[0])
-        assert r.keys is not layer.state[0]
+    (piece,) = snap.chain.pieces
+    for r, part in zip(restored, piece.parts, strict=True):
+        assert _data_ptr(r.keys) == _data_ptr(part[0])
+        assert r.keys is not part[0]
     assert cache_nbytes(restored) == snap.nbytes * (2048 - 100) // 2048
 
 

@@ -128,9 +128,10 @@ def test_batched_prefill_and_decode_give_alone_logprobs_bit_for_bit(make_engine,
     engine.store.check_integrity()
 
 
-@pytest.mark.parametrize(("kind", "budget"), [("dense", 1_500_000), ("nemotron_h", 3_000_000)])
+@pytest.mark.parametrize(("kind", "budget"), [("dense", 1_500_000), ("nemotron_h", 1_000_000)])
 def test_soak_of_mixed_requests_with_cancellations(make_engine, kind, budget):
-    # A budget small enough that entries are evicted while requests run.
+    # A budget small enough that entries are evicted while requests run (each token's KV
+    # is held once: the hybrid's 3 MB held every entry then).
     engine = make_engine(
         kind,
         cache_config=CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64),

@@ -1,5 +1,6 @@
 """What one prefill stores (engine/prefill/checkpoints.py): checkpoints that share the prefill's
-attention KV, counted once in the byte budget, and the branch point.
+attention KV as one chain of pieces (cache/chain.py), counted once in the byte budget, and
+the branch point.
 
 Memory is measured with MLX's own allocator counter (`mx.get_active_memory`): what the
 store counts must be what is resident once the request's cache is gone.
@@ -11,8 +12,8 @@ import gc
 
 import mlx.core as mx
 import pytest
-from conftest import loaded_test_model
-from engine_helpers import run, warm_equals_cold
+from conftest import TEST_CACHE, loaded_test_model
+from engine_helpers import chat, run, warm_equals_cold
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture
@@ -78,10 +79,12 @@ def test_a_prefills_checkpoints_share_its_kv_and_the_budget_counts_it_once(kind)
     assert len(entries) == N // EVERY
     # Bytes counted are bytes resident (a few KB of MLX's own small arrays aside).
     assert abs(resident - counted) <= 32 << 10, (resident, counted)
-    # All checkpoints hold one KV buffer: each adds only its recurrent / rotating state.
+    # All checkpoints hold one chain of KV pieces: each adds its own piece and its
+    # recurrent / rotating state; each holds exactly its prefix's KV (no step padding).
     assert counted == kv + len(entries) * state
-    assert all(e.nbytes - e.shared_bytes == state for e in entries)
-    assert all(e.shared_bytes == kv for e in entries)
+    assert all(e.nbytes == state + kv * e.tokens // N for e in entries)
+    last = max(entries, key=lambda e: e.tokens)
+    assert all(e.shared_bytes == kv * e.tokens // N for e in entries if e is not last)
 
     before, before_counted, _, _ = _resident(kind, False)
     assert abs(before - before_counted) <= 32 << 10
@@ -176,3 +179,47 @@ def test_pending_states_beyond_the_budget_are_thinned_evenly():
     # end, which is not periodic and never thinned.
     assert kept == [2 * EVERY, 4 * EVERY, 6 * EVERY, N]
     store.check_integrity()
+
+
+def _distinct_tokens(sequences: list[tuple[int, ...]]) -> int:
+    """Tokens of the union of `sequences` as a trie (each shared prefix once)."""
+    root: dict = {}
+    count = 0
+    for tokens in sequences:
+        node = root
+        for t in tokens:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]
+    return count
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_a_conversations_turns_hold_each_token_once_and_keep_the_turn_before(make_engine, kind):
+    # Issue 48: turn N+1's entry holds only what it adds to turn N's (its chain shares
+    # the pieces), so the store holds each distinct token's KV once plus each entry's
+    # fixed-size state, and a regenerate of the turn before still restores that turn.
+    engine = make_engine(kind)
+    messages = [("system", "You sort library cards. " + "shelf " * 40)]
+    prompts = []
+    for turn in range(3):
+        messages.append(("user", f"Card {turn}: " + "river lamp " * (10 + 7 * turn)))
+        prompts.append(chat(*messages))
+        result = warm_equals_cold(engine, prompts[-1])
+        if turn:
+            assert result.usage.cached_tokens >= len(engine.plan(prompts[-2]).tokens) - 1
+        messages.append(("assistant", result.text))
+    stored = engine.store.sequences(engine.model_key)
+    assert len(stored) >= 3
+    snapshots = [engine.store.get(s.info.model_key, s.tokens) for s in stored]
+    longest = max(snapshots, key=lambda s: s.length)
+    kv_per_token = longest.chain.nbytes // longest.length
+    states = sum(s.nbytes - s.chain.nbytes for s in snapshots)
+    distinct = _distinct_tokens([s.tokens for s in stored])
+    assert engine.store.stats().bytes == distinct * kv_per_token + states
+    engine.store.check_integrity()
+    # Regenerating the turn before restores up to its own end, bit for bit as a miss.
+    before = engine.plan(prompts[1]).tokens
+    again = warm_equals_cold(engine, prompts[1])
+    assert again.usage.cached_tokens >= len(before) - TEST_CACHE.prefill_chunk

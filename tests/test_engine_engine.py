@@ -8,6 +8,7 @@ import time
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import chat, open_engine, run
+from mlx_lm.models.cache import KVCache
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
@@ -120,13 +121,13 @@ def test_a_stored_end_and_its_live_prefill_cache_count_once(kind):
     with open_engine(loaded_test_model(kind), TEST_CACHE, store=store) as engine:
         run(engine, chat(("user", "Tell me about the sea. " * 12)))
     [(stats, prefill_bytes, batch_bytes, end_payload)] = store.at_batch
-    # The end snapshot views the prefill cache's final KV: one buffer (dense: all of
-    # the cache; hybrid: its attention layers, shared by every checkpoint).
-    kv = end_payload.buffers[0]
-    assert (kv.nbytes == prefill_bytes) == (kind == "dense") and 0 < kv.nbytes <= prefill_bytes
-    # Counted: the stored entries, the batch's merged copy, and of the live prefill cache
-    # only what no entry holds (before: all of it again).
-    assert stats.active_bytes == batch_bytes + prefill_bytes - kv.nbytes
+    # The end snapshot holds its own KV pieces, exactly as long as the prompt (cache/
+    # chain.py), never the live cache's step-padded buffer: the live cache and the
+    # batch's merged copy are the request's, the pieces the entries' (a hybrid's
+    # checkpoints share them), each counted once: stored bytes are the distinct buffers.
+    assert 0 < end_payload.chain.nbytes < prefill_bytes
+    assert all(b.nbytes != prefill_bytes for b in end_payload.buffers)
+    assert stats.active_bytes == batch_bytes + prefill_bytes
     store.check_integrity()
 
 
@@ -195,9 +196,14 @@ def test_dense_system_prompt_outlives_conversation_ends_under_pressure(make_engi
     run(engine, chat(("system", system), ("user", "Do you open on Sundays?")))
     kinds = {e.kind.name: e.nbytes for e in engine.store.entries()}
     assert set(kinds) == {"SYSTEM", "HISTORY"}
-    engine.store.set_budget(kinds["SYSTEM"] + 3 * kinds["HISTORY"])
-    for i in range(6):
-        run(engine, chat(("user", f"Unrelated question number {i} about the weather " * 3)))
+    # Room for three conversation ends besides the system prompt, and for a running
+    # request's step-padded caches (its prefill's and the decode batch's: entries hold
+    # exactly their tokens, a live cache whole steps).
+    history = next(e for e in engine.store.entries() if e.kind.name == "HISTORY")
+    live = 2 * KVCache.step * history.nbytes // history.tokens
+    engine.store.set_budget(kinds["SYSTEM"] + 3 * kinds["HISTORY"] + live)
+    for i in range(12):
+        run(engine, chat(("user", f"Unrelated question number {i} about the weather " * 6)))
     assert engine.store.stats().evictions > 0
     assert "SYSTEM" in {e.kind.name for e in engine.store.entries()}
     later = chat(("system", system), ("user", "Can I renew a loan online?"))

@@ -152,6 +152,29 @@ def test_the_page_shows_an_entry_then_its_hits_going_up(browser, watched, real):
     assert watched.errors == []
 
 
+def test_the_misses_panel_shows_an_edited_prompt_with_both_texts(browser, watched, real):
+    url, _ = real
+    page = watched.page
+    page.goto(url + "/dashboard")
+    wait_live(page)
+    sync_api.expect(page.locator("#misses-empty")).to_be_visible()
+    chat(url)
+    chat(url)  # a hit: not a miss
+    edited = {**SYSTEM, "content": SYSTEM["content"].replace("public", "private", 1)}
+    body = {"messages": [edited, {"role": "user", "content": QUESTION}], "max_tokens": 8}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    misses = page.locator("#misses tbody tr")
+    sync_api.expect(misses).to_have_count(2)  # the first request (new), the edited one
+    latest = misses.first
+    sync_api.expect(latest.locator(".badge")).to_have_text("edited")
+    assert "message 0 (system)" in latest.inner_text()
+    assert "public" in latest.locator(".was").inner_text()
+    assert "private" in latest.locator(".now").inner_text()
+    sync_api.expect(misses.last.locator(".badge")).to_have_text("new")
+    sync_api.expect(page.locator("#misses-empty")).to_be_hidden()
+    assert watched.errors == []
+
+
 def test_pin_evict_warm_and_flush_through_the_page(browser, watched, real):
     url, engine = real
     chat(url)

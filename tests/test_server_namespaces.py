@@ -243,7 +243,9 @@ def test_a_client_pins_only_its_share_and_others_still_cache(tmp_path):
             one = sum(e.nbytes for e in engine.store.entries() if e.pinned)
             engine.store.pin_share = 1.5 * one / engine.store.budget_bytes
             assert warm(MAIL, "Reply to Bob.").json()["pinned"] is True
-            refused = warm(MAIL, "Reply to Alice, at length, about the mail you got today.")
+            # Stored once, Alice's prompt adds only what follows the system prompt it
+            # shares with Bob's: long enough that this alone passes the share.
+            refused = warm(MAIL, "Reply to Alice, at length, about the mail you got today. " * 12)
             assert refused.status_code == 409, refused.text
             error = refused.json()["error"]
             assert error["code"] == "pin_quota_exceeded" and "--pin-share" in error["message"]

@@ -34,16 +34,20 @@ class Budget:
     def active_bytes(self) -> int:
         return self.active.total(self._table.resident.holds)
 
+    def used(self) -> int:
+        """Stored and active bytes, each buffer counted once."""
+        return self._table.resident.total + self.active_bytes()
+
     def over(self) -> bool:
-        if self._table.resident.total + self.active_bytes() > self.nbytes:
+        if self.used() > self.nbytes:
             return True
         return self.max_entries is not None and len(self._table.by_id) > self.max_entries
 
-    def fits(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> bool:
-        """Whether `new`, holding `buffers`, would survive eviction once the `leaving`
-        entries are gone: what stays is what the policy evicts after it, plus the
-        pinned and locked entries (buffers they share with it, or with running
-        requests, count once)."""
+    def shortfall(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> int:
+        """Bytes the budget lacks for `new`, holding `buffers`, to survive eviction once the
+        `leaving` entries are gone (0: it fits; 1: only the entry count is over): what
+        stays is what the policy evicts after it, plus the pinned and locked entries
+        (buffers they share with it, or with running requests, count once)."""
         gone = {e.entry_id for e in leaving}
         outlasting = self._policy.outlasting(new)
         kept = [
@@ -53,9 +57,9 @@ class Budget:
         ]
         groups = [buffers, *(e.buffers for e in kept), self.active.shared()]
         kept_bytes = self._table.resident.union(groups)
-        if kept_bytes + self.active.own_total > self.nbytes:
-            return False
-        return self.max_entries is None or len(kept) + 1 <= self.max_entries
+        if (over := kept_bytes + self.active.own_total - self.nbytes) > 0:
+            return over
+        return 0 if self.max_entries is None or len(kept) + 1 <= self.max_entries else 1
 
     def victim(self) -> Entry | None:
         """The entry eviction takes next: the first in the policy's order neither locked

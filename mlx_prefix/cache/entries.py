@@ -52,7 +52,7 @@ class Entry:
     parent: Entry | None  # its longest stored strict prefix
     saved_work: float  # prefill cost of tokens [covered, len(tokens))
     covered: int = 0  # tokens another stored entry serves (>= base)
-    share_bytes: float = 0.0  # its buffers, each split among their holders
+    share_bytes: float = 0.0  # what removing it frees: its buffers no other entry holds
     children: int = 0  # entries whose parent it is
     hits: int = 0
     refs: int = 0  # >0: in use by a running request; never evicted

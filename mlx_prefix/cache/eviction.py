@@ -18,8 +18,11 @@ Two policies:
   included) lost if the entry goes: from what the other stored entries would serve
   of it (`entries.py`: its longest stored prefix, or more for a dense model, whose
   trimmable entries serve every prefix they share) to its end. An entry that saves
-  nothing goes first. `share_bytes` splits buffers shared between entries (one
-  prefill's checkpoints share its KV) among their holders. Log scale: work per byte
+  nothing goes first. `share_bytes` is what removing the entry frees now: the buffers
+  no other entry holds (`residency.py`: a parent whose children build on its KV piece
+  frees only its own state, folding the piece into them at no copy; a leaf frees its
+  piece too; so the ranking weighs a fold against evicting the leaves by what each
+  frees per prefill it costs). Log scale: work per byte
   spans orders of magnitude (a recurrent-state-only checkpoint against a whole KV
   prefix), and a raw scale would let the extremes flatten everyone else. An entry
   with one stored extension (`children == 1`: a later checkpoint of the same path
@@ -81,7 +84,7 @@ class Evictable(Protocol):
     tokens: tuple[int, ...]
     last_access: float  # the store's clock at the last insert/acquire
     saved_work: float  # prefill work lost if it goes (from its longest stored prefix)
-    share_bytes: float  # its bytes, each buffer split among the entries holding it
+    share_bytes: float  # what removing it frees: its buffers no other entry holds
     children: int  # stored entries whose longest stored strict prefix it is
 
 

@@ -1,11 +1,15 @@
 """Which buffers the stored entries keep alive, each counted once (invariant 6).
 
-A payload lists the buffers it holds (`types.Buffer`): the checkpoints of one
-prefill share its attention KV buffer (`snapshot.complete`), so summing the entries'
-sizes would count it once per checkpoint. Here the resident total is the sum over
-distinct buffers; removing an entry frees only the buffers no other entry holds; and
-for ranking (the eviction policy), an entry's share splits each buffer's bytes evenly
-among its holders.
+A payload lists the buffers it holds (`types.Buffer`): a snapshot's attention KV is a
+chain of pieces that the entries of one conversation share (cache/chain.py: turn N+1's
+chain is turn N's plus one piece), so summing the entries' sizes would count a piece
+once per entry built on it. Here the resident total is the sum over distinct buffers;
+removing an entry frees only the buffers no other entry holds; and for ranking (the
+eviction policy), an entry's share is exactly that: what removing it now frees. A parent
+whose children build on its piece frees its own state only (the piece stays theirs: a
+fold, no copy); a leaf frees its piece too. Ranking by what each frees per prefill it
+costs picks between the two, as Marconi does (a node with children keeps its KV for
+them and offers only its recurrent state).
 
 Pure Python (no MLX). Not thread-safe: the store calls it with its lock held.
 """
@@ -58,13 +62,13 @@ class Residency:
         return changed
 
     def share(self, buffers: Iterable[Buffer], joining: bool = False) -> float:
-        """Bytes of `buffers` with each held buffer split among its holders; `joining`:
-        as if one more entry held them (a candidate for insertion). Does not mutate."""
+        """Bytes of `buffers` no other entry holds: what removing their holder frees;
+        `joining`: what a candidate for insertion would add. Does not mutate."""
         total = 0.0
         for b in buffers:
             held = self._held.get(b.key)
             holders = (len(held.holders) if held else 0) + joining
-            total += b.nbytes / max(holders, 1)
+            total += b.nbytes if holders <= 1 else 0.0
         return total
 
     def union(self, groups: Iterable[Iterable[Buffer]]) -> int:

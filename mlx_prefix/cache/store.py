@@ -32,6 +32,7 @@ from typing import Any
 from mlx_prefix.cache.budget import Budget
 from mlx_prefix.cache.counters import Counters
 from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
+from mlx_prefix.cache.evicted import EvictionLog
 from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
 from mlx_prefix.cache.pins import Pins
 from mlx_prefix.cache.reuse import best_reuse
@@ -67,6 +68,8 @@ class PromptCache:
         self._budget = Budget(budget_bytes, max_entries, self._table, self._policy)
         self._pins = Pins(pin_share, self._entries)
         self._counters = Counters()
+        # What eviction took (and inserts refused for room): why a later request missed.
+        self.evicted = EvictionLog()
 
     @property
     def budget_bytes(self) -> int:
@@ -181,7 +184,9 @@ class PromptCache:
             # prefixes it would have made redundant, nor evicted entries to no avail.
             parent = self._table.parent_of(model_key, key)
             new = self._table.candidate(model_key, key, kind, buffers, parent)
-            if not self._budget.fits(new, buffers, redundant):
+            if short := self._budget.shortfall(new, buffers, redundant):
+                trimmable, nbytes = payload.trimmable, payload.nbytes
+                self.evicted.add(model_key, key, trimmable, nbytes, short, refused=True)
                 return False
             e = self._table.add(model_key, key, payload, kind, buffers, self._clock(), parent)
             self._pins.adopt(e, self.budget_bytes)  # a pin that came before its entry
@@ -356,6 +361,9 @@ class PromptCache:
             victim = self._budget.victim()
             if victim is None:
                 return  # everything left is pinned or in use
+            short = self._budget.used() - self._budget.nbytes
+            v = victim
+            self.evicted.add(v.model_key, v.tokens, v.trimmable, v.nbytes, short)
             self._remove(victim)
             self._counters.evictions += 1
 

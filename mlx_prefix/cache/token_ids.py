@@ -7,6 +7,9 @@ import struct
 from array import array
 from collections.abc import Sequence
 
+WIDTH = 8  # bytes per packed token id (int64, native byte order)
+_BLOCK = 32 * 1024  # bytes compared per call before galloping on
+
 
 class TokenIds(tuple):
     """A tuple of token ids that also holds them packed (`packed`: int64 bytes), built
@@ -35,3 +38,27 @@ def ids(raw: bytes) -> tuple[int, ...]:
     a = array("q")
     a.frombytes(raw)
     return tuple(a)
+
+
+def common_tokens(raw: bytes, start: int, other: bytes) -> int:
+    """Token ids in common between `raw` from token `start` and `other` (both packed):
+    blocks of growing size compared in place, then a binary search inside the first
+    differing block. O(common) bytes compared (memcmp), nothing copied."""
+    b = start * WIDTH
+    n = min(len(other), len(raw) - b)
+    view = memoryview(other)
+    lo, step = 0, _BLOCK
+    while lo < n:
+        hi = min(n, lo + step)
+        if not raw.startswith(view[lo:hi], b + lo):
+            break
+        lo, step = hi, step * 2
+    else:
+        return n // WIDTH
+    while hi - lo > 1:  # view[:lo] matches, view[:hi] does not
+        mid = (lo + hi) // 2
+        if raw.startswith(view[lo:mid], b + lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo // WIDTH

@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, cast
 
-from mlx_prefix.cache.token_ids import ids, packed
+from mlx_prefix.cache.token_ids import WIDTH, common_tokens, ids, packed
 
 V = TypeVar("V")
 
-_W = 8  # bytes per packed token id (int64, native byte order)
-_BLOCK = 32 * 1024  # bytes compared per call before galloping on
+_W = WIDTH  # bytes per packed token id
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,27 +96,9 @@ class _Query:
         return len(self.ids)
 
     def common(self, start: int, edge: bytes) -> int:
-        """Tokens in common between the query from token `start` and `edge`: blocks of
-        growing size compared in place, then a binary search inside the first differing
-        block. O(common) bytes compared, nothing copied."""
-        b = start * _W
-        n = min(len(edge), len(self.raw) - b)
-        view = memoryview(edge)
-        lo, step = 0, _BLOCK
-        while lo < n:
-            hi = min(n, lo + step)
-            if not self.raw.startswith(view[lo:hi], b + lo):
-                break
-            lo, step = hi, step * 2
-        else:
-            return n // _W
-        while hi - lo > 1:  # view[:lo] matches, view[:hi] does not
-            mid = (lo + hi) // 2
-            if self.raw.startswith(view[lo:mid], b + lo):
-                lo = mid
-            else:
-                hi = mid
-        return lo // _W
+        """Tokens in common between the query from token `start` and `edge`: O(common)
+        bytes compared, nothing copied (token_ids.common_tokens)."""
+        return common_tokens(self.raw, start, edge)
 
 
 class TokenTrie(Generic[V]):

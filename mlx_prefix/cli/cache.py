@@ -1,4 +1,6 @@
-"""mlx-prefix cache ls | clear: the disk cache, read or emptied without a server."""
+"""mlx-prefix cache ls | clear: the disk cache, read or emptied without a server;
+mlx-prefix cache explain: a running server's recent requests and why each missed
+(cli/explain.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,19 @@ import dataclasses
 import json
 import sys
 
+from . import explain
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["ls", "clear"])
+    p.add_argument("action", choices=["ls", "clear", "explain"])
     p.add_argument("--cache-dir", dest="directory", default=None)
-    p.add_argument("--json", action="store_true", help="ls: one JSON object per line")
+    p.add_argument("--json", action="store_true", help="ls, explain: one JSON object per line")
+    explain.add_arguments(p)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
+    if args.action == "explain":
+        return explain.cmd_explain(args)
     from mlx_prefix.cache.disk.tier import DiskCache
     from mlx_prefix.config import DiskConfig, from_env
 

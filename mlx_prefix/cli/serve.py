@@ -16,6 +16,7 @@ from .args import (
     disk_config,
     draft_args,
     draft_from_args,
+    duration,
     engine_args,
     engine_config,
     model_args,
@@ -24,8 +25,6 @@ from .args import (
 )
 
 if TYPE_CHECKING:
-    from mlx_prefix.server.served.loading import EngineLoader
-    from mlx_prefix.server.served.names import ModelSpec
     from mlx_prefix.server.settings import ServerSettings
 
 
@@ -54,6 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or ::, IP addresses and this machine's own name are accepted too",
     )
     p.add_argument(
+        "--ollama",
+        nargs="?",
+        const="",  # Ollama's own address (ServerSettings)
+        default=None,
+        metavar="HOST:PORT",
+        help="also listen on Ollama's address (127.0.0.1:11434 unless given), for apps "
+        "that assume it; refused when something already listens there",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
@@ -79,6 +87,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="models (or model+adapter pairs) resident at once, least recently used "
         "unloaded first (default 1: a request naming another model swaps it in)",
+    )
+    p.add_argument(
+        "--keep-alive",
+        type=duration,
+        default=None,
+        metavar="DURATION",
+        help="how long a model loaded on demand stays loaded once idle: 5m (default), "
+        "30s, 1h, 0 (unload after each request), -1 (until another needs its room)",
+    )
+    p.add_argument(
+        "--model-keep-alive",
+        type=duration,
+        default=None,
+        metavar="DURATION",
+        help="the same for the --model one (default -1: it stays)",
+    )
+    p.add_argument(
+        "--models-file",
+        default=None,
+        metavar="PATH",
+        help="per-model settings (aliases, context length, sampling defaults, chat template "
+        "kwargs, draft model, KV bits, keep_alive, pinned); default: models.toml in "
+        "$MLX_PREFIX_HOME, if there",
     )
     p.add_argument(
         "--model-alias",
@@ -123,6 +154,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest image, width x height, checked before decoding (default 32,000,000)",
     )
     images.add_argument("--max-images", type=int, help="images per request (default 32)")
+    p.add_argument(
+        "--no-explain",
+        dest="explain_requests",
+        action="store_false",
+        default=None,
+        help="keep no record of why requests reused what they did (GET /v1/cache/requests, "
+        "the dashboard's misses, the per-reason metrics and log lines)",
+    )
     sampling = p.add_argument_group("sampling defaults (for requests that leave the field out)")
     sampling.add_argument("--temp", type=float, dest="temperature", help="temperature (0: greedy)")
     sampling.add_argument("--top-p", type=float, help="nucleus sampling top-p (1: off)")
@@ -210,6 +249,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "aliases": tuple(args.aliases) if args.aliases is not None else None,
         "strict_model_names": args.strict_model_names,
         "max_models": args.max_models,
+        "keep_alive_s": args.keep_alive,
+        "model_keep_alive_s": args.model_keep_alive,
         "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
@@ -217,6 +258,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "image_max_bytes": args.image_max_bytes,
         "image_max_pixels": args.image_max_pixels,
         "max_images": args.max_images,
+        "ollama": args.ollama,
+        "explain_requests": args.explain_requests,
         "embedding_aliases": tuple(args.embedding_aliases)
         if getattr(args, "embedding_aliases", None) is not None
         else None,
@@ -225,14 +268,20 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from mlx_prefix.config import ModelConfig
     from mlx_prefix.engine.engine import Engine
+    from mlx_prefix.models.settings_file import load_models_file
     from mlx_prefix.server.app import serve
 
+    from .loader import engine_loader, find_settings, with_settings
     from .sharded import launched_group, serve_sharded
 
     settings = server_settings(args)
+    models_file = load_models_file(args.models_file)  # a bad file stops here, by its line
     group = launched_group()
     if group is not None:
+        if args.models_file is not None:
+            raise InvalidRequest("--models-file needs an unsharded server")
         if settings.max_models > 1 or settings.model_aliases or settings.allowed_models:
             raise InvalidRequest(
                 "--max-models > 1, --model-alias and --allowed-models need an unsharded server"
@@ -245,22 +294,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--pipeline needs a sharded launch: mlx.launch -n 2 --backend ring "
             "--python <venv>/bin/python -m mlx_prefix serve --model M --pipeline"
         )
+    # Ollama's port before the model loads: a server that cannot have it stops at once.
+    ollama_socket = ollama_port(settings)
     # No local name for the engine: the server owns it and may unload it.
     model = model_from_args(args)
+    named = from_env(ModelConfig, "MODEL", {"model": args.model}).model
+    own = find_settings(models_file, named, model.name, str(model.path))
+    model, config, draft = with_settings(model, own, engine_config(args))
     embeddings = embedding_worker(args)
     serve(
         Engine(
             model,
             cache_config(args),
-            engine_config(args),
+            config,
             disk_config=disk_config(args),
-            draft=draft_from_args(args, model),  # the default model's; others decode plainly
+            draft=draft or draft_from_args(args, model),
         ),
         settings,
-        engine_loader(args),
+        engine_loader(args, models_file),
         embeddings,
+        models_file,
+        ollama_socket,
     )
     return 0
+
+
+def ollama_port(settings: ServerSettings) -> Any:
+    """With --ollama, the socket bound to Ollama's address (None without, or when --host
+    and --port already are that address)."""
+    from mlx_prefix.server.ollama_port import bind_ollama_port, covered
+
+    if not settings.ollama or covered(settings.host, settings.port, settings.ollama):
+        return None
+    return bind_ollama_port(settings.ollama)
 
 
 def embedding_config(args: argparse.Namespace) -> Any:
@@ -299,37 +365,3 @@ def embedding_worker(args: argparse.Namespace) -> Any:
         cfg.embedding_model, dtype=cfg.dtype, matryoshka=cfg.embedding_matryoshka
     )
     return EmbeddingWorker(model)
-
-
-def engine_loader(args: argparse.Namespace) -> EngineLoader:
-    """How the server loads a model on demand (server/served/pool.py): the model flags,
-    except that --chat-template applies to the default model only, and the cache and
-    engine flags; the engine shares the store and disk cache it is given."""
-    from mlx_prefix.config import ModelConfig
-    from mlx_prefix.engine.engine import Engine
-    from mlx_prefix.models.load import load_model
-
-    keys = ("model", "dtype", "chat_template", "use_default_chat_template",
-            "chat_template_args", "trust_remote_code")  # fmt: skip
-    cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
-
-    def load(spec: ModelSpec, store: Any, disk_cache: Any) -> Engine:
-        model = load_model(
-            cfg.model if spec.default else str(spec.folder),
-            adapter=str(spec.adapter) if spec.adapter else None,
-            dtype=cfg.dtype,
-            chat_template=cfg.chat_template if spec.default else None,
-            use_default_chat_template=cfg.use_default_chat_template,
-            chat_template_args=cfg.chat_template_args,
-            trust_remote_code=cfg.trust_remote_code,
-        )
-        return Engine(
-            model,
-            cache_config(args),
-            engine_config(args),
-            store=store,
-            disk_config=disk_config(args),
-            disk_cache=disk_cache,
-        )
-
-    return load

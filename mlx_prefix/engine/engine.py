@@ -55,6 +55,7 @@ from mlx_prefix.engine.requests.prefetch import Prefetcher
 from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.engine.turns import LocalTurns, Turns
 from mlx_prefix.errors import Unavailable
+from mlx_prefix.explain.trace import CacheTrace, ExplainContext
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import cap_buffer_cache
@@ -104,6 +105,11 @@ class Engine:
         self.kv_quant = quantized_kv(model, self.config)
         self.model_key = cache_key(model.identity, self.planner.grid, self.kv_quant)
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
+        # What the request explainer (explain/) reads of this model: each job's trace holds it.
+        self.explain_context = ExplainContext(
+            model.name, model.identity.key(), self.model_key, model.tokenizer,
+            self.planner.grid, self.store.evicted, self.planner.renderer,
+        )  # fmt: skip
         fresh_cache = make_prompt_cache(model.model)
         trimmable = always_trimmable(fresh_cache) and self.kv_quant is None
         self.disk = self._disk_access(disk_config, trimmable, disk_cache)
@@ -234,6 +240,9 @@ class Engine:
             (c.position for c in rendered.checkpoints if c.marked), default=0
         )
         key = entry_key(self.model_key, cache)
+        handle.trace = CacheTrace.of(  # for the request explainer, filled at admission
+            self.explain_context, rendered.tokens, prompt, cache, key, self.cache_config.enabled
+        )
         now = time.perf_counter()
         self.lifecycle.put(
             Job(handle, rendered, sampling, cache, key, now, prompt, constraint=constraint)
@@ -374,7 +383,7 @@ class Engine:
 
 
 def new_store(config: CacheConfig) -> PromptCache:
-    """A store of its own for one engine (a server's models share one: model_pool.py)."""
+    """A store of its own for one engine (a server's models share one: server/served/pool.py)."""
     return PromptCache(
         config.budget_bytes,
         config.max_entries,

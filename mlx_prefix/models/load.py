@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
+from mlx_prefix.models.preflight import context_length
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
 from mlx_prefix.models.stops import add_reply_stops
 from mlx_prefix.models.template import ensure_template, template_args, template_text
@@ -34,14 +35,6 @@ __all__ = [
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-_CONTEXT_KEYS = (
-    "max_position_embeddings",
-    "max_sequence_length",
-    "max_seq_len",
-    "seq_length",
-    "n_positions",
-    "n_ctx",
-)
 
 
 @dataclass
@@ -242,11 +235,3 @@ def _cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
     if updates:
         model.load_weights(updates, strict=False)
         mx.eval(model.parameters())
-
-
-def context_length(config: dict[str, Any]) -> int | None:
-    for cfg in (config, config.get("text_config") or {}):
-        for key in _CONTEXT_KEYS:
-            if isinstance(value := cfg.get(key), int) and value > 0:
-                return value
-    return None

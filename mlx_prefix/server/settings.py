@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_prefix.config import FOREVER
 from mlx_prefix.vision.intake import ImageLimits
 
 from .guards.hosts import check_allowed_host
+from .ollama_port import OLLAMA_ADDRESS, split_address
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class ServerSettings:
     # (LRU), and "NAME=PATH" names for other model folders or cached hub ids.
     max_models: int = 1
     model_aliases: tuple[str, ...] = ()
+    # Idle unload (server/served/idle.py): seconds a model loaded on demand stays once
+    # idle, and the same for the --model one (FOREVER: until a swap needs its room).
+    keep_alive_s: float = 300.0
+    model_keep_alive_s: float = FOREVER
     # Model folders, cached hub ids and LoRA adapter folders a request may name, loaded
     # on demand (besides the served model and the model_aliases); nothing else is.
     allowed_models: tuple[str, ...] = ()
@@ -54,6 +60,9 @@ class ServerSettings:
     image_max_pixels: int = 32_000_000
     max_images: int = 32
     image_fetch_timeout_s: float = 10.0
+    # Explain every request's reuse (explain/): GET /v1/cache/requests, the dashboard's
+    # misses, per-reason metrics and log lines. Off: none of them (--no-explain).
+    explain_requests: bool = True
     responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
     # Cache namespaces (server/guards/namespaces.py): "origin" keeps each Origin's (and API
     # key's) entries apart; "global" shares one cache among every client.
@@ -63,6 +72,8 @@ class ServerSettings:
     embedding_aliases: tuple[str, ...] = ()
     embedding_max_inputs: int = 2048
     embedding_max_tokens: int = 300_000
+    # Also listen on this address, Ollama's ("127.0.0.1:11434"; server/ollama_port.py).
+    ollama: str | None = None
 
     @property
     def images(self) -> ImageLimits:
@@ -99,8 +110,14 @@ class ServerSettings:
             models = tuple(m.strip() for m in self.allowed_models.split(",") if m.strip())
             object.__setattr__(self, "allowed_models", models)
         self.model_alias_map()  # ValueError for a malformed pair
+        if self.ollama == "":  # `--ollama` alone
+            object.__setattr__(self, "ollama", OLLAMA_ADDRESS)
+        if self.ollama is not None:
+            split_address(self.ollama)  # ValueError for a malformed address
         if self.max_models < 1:
             raise ValueError("max_models must be at least 1")
+        if min(self.keep_alive_s, self.model_keep_alive_s) < 0:
+            raise ValueError("keep_alive_s and model_keep_alive_s must not be negative")
         for origin in self.allowed_origins:
             if origin != "*" and "://" not in origin:
                 raise ValueError(

@@ -29,7 +29,7 @@ import numpy as np
 from mlx_prefix.cache.disk import header as hdr
 from mlx_prefix.cache.disk import trust
 from mlx_prefix.cache.disk.header import DiskFormatError, FileHeader, TensorInfo
-from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot
+from mlx_prefix.cache.snapshot import LayerSnapshot, Snapshot, from_whole, whole_layers
 
 _ALLOWED_MODULE_PREFIX = "mlx_lm.models."  # cache classes are only resolved from here
 
@@ -77,7 +77,9 @@ def encode(
     strings, None and (nested) tuples/lists/dicts of them.
     """
     arrays: list[mx.array] = []
-    layers = [_encode_layer(layer, arrays) for layer in snapshot.layers]
+    # Whole: a file stands alone (its chain's pieces concatenated, evaluated one at a
+    # time as they are written), so the disk tier holds about one copy of each token.
+    layers = [_encode_layer(layer, arrays) for layer in whole_layers(snapshot)]
     tensors: list[TensorInfo] = []
     offset = 0
     for a in arrays:
@@ -182,16 +184,19 @@ def _read_exact(f: BinaryIO, view: memoryview) -> None:
 
 
 def decode(header: FileHeader, arrays: dict[str, mx.array]) -> Snapshot:
-    """Rebuild the Snapshot from a header and its loaded tensors. Does not mutate."""
+    """Rebuild the Snapshot from a header and its loaded tensors, its KV as a chain of
+    one piece (the loaded arrays: requests restored from it chain onto them). Does not
+    mutate."""
     if set(arrays) != set(header.tensors):
         raise DiskFormatError("tensors differ from the header")
     layers = tuple(_decode_layer(x, arrays) for x in header.layers)
-    return Snapshot(
+    whole = Snapshot(
         length=len(header.tokens),
         trimmable=header.trimmable,
         nbytes=sum(a.nbytes for a in arrays.values()),
         layers=layers,
     )
+    return from_whole(whole)
 
 
 def _decode_layer(x: dict[str, Any], arrays: dict[str, mx.array]) -> LayerSnapshot:

@@ -27,8 +27,37 @@ CostRole = Literal["full", "window", "recurrent"]
 @dataclass(frozen=True, slots=True)
 class LayerSnapshot:
     cls: type[Any]  # the cache class to rebuild (through its `from_state`)
-    state: tuple[Any, ...]  # its `state`, arrays as the snapshot's own objects, KV sliced to offset
+    # Its `state`, arrays as the snapshot's own objects, KV sliced to offset; for a layer
+    # in the snapshot's chain (`slot` >= 0), only what its kind's `join` needs besides the
+    # KV (cache/chain.py).
+    state: tuple[Any, ...]
     children: tuple[LayerSnapshot, ...] = ()  # CacheList members (then `state` is empty)
+    slot: int = -1  # >= 0: its KV is the snapshot chain's parts[slot]
+
+
+# A restored layer's parts (cache/chain.py), for a merge before its first append.
+_STASH = "_mlx_prefix_parts"
+
+
+def stash(c: Any, parts: Sequence[tuple[Any, ...]]) -> None:
+    """Remember on restored layer `c` the parts its (lazy) arrays concatenate."""
+    setattr(c, _STASH, (tuple(parts), c.offset, c.keys))
+
+
+def stashed(c: Any) -> list[tuple[Any, ...]] | None:
+    """The parts of a restored layer nothing has written into since (its offset and
+    arrays as restored; a write moves the offset), else None."""
+    found = getattr(c, _STASH, None)
+    if found is None:
+        return None
+    parts, offset, keys = found
+    return list(parts) if c.offset == offset and c.keys is keys else None
+
+
+def unstash(c: Any) -> None:
+    """Forget `c`'s parts (they would keep the pieces alive as long as `c`)."""
+    if hasattr(c, _STASH):
+        delattr(c, _STASH)
 
 
 def view(a: Any) -> Any:
@@ -64,6 +93,9 @@ class LayerKind:
     exact_only = False
     quantized = False  # holds --kv-bits quantized KV
     cost_role: CostRole = "full"
+    # Its KV goes into a snapshot's chain of pieces, each token's once (cache/chain.py):
+    # append-only KV, whose positions below the offset never change once written.
+    chained = False
 
     def capture(self, c: Any, length: int) -> LayerSnapshot:
         """The layer after `length` tokens, as views of its buffers. Does not mutate."""
@@ -75,6 +107,28 @@ class LayerKind:
         if trim:
             obj.trim(trim)
         return obj
+
+    # -- a `chained` kind's KV as pieces (cache/chain.py; layers/kv.py implements them) --
+    def split(self, state: tuple[Any, ...]) -> tuple[tuple[mx.array, ...], tuple[Any, ...]]:
+        """A state as (its KV arrays, positions on axis -2; the rest `join` needs)."""
+        raise NotImplementedError(f"{type(self).__name__} is not chained")
+
+    def join(self, arrays: tuple[mx.array, ...], n: int, rest: tuple[Any, ...]) -> tuple:
+        """The state holding `n` positions of `arrays` (which may be longer: room)."""
+        raise NotImplementedError(f"{type(self).__name__} is not chained")
+
+    def holds(self, state: tuple[Any, ...], n: int) -> bool:
+        """Whether `state` (read from a file) is this kind's whole state of `n` positions."""
+        return False
+
+    def cut(self, c: Any, start: int, end: int) -> tuple[mx.array, ...]:
+        """Live layer `c`'s positions [start, end), copied into arrays of their own."""
+        raise NotImplementedError(f"{type(self).__name__} is not chained")
+
+    def room(self, cls: type, extend: int) -> int:
+        """Positions a restored layer leaves past its offset for a first append of
+        `extend` tokens (0: none)."""
+        return 0
 
     def batchable(self, c: Any) -> bool:
         """Whether this layer may decode in a batch with others (mlx-lm can merge it)."""

@@ -16,6 +16,7 @@ class ChunkedKvKind(KvKind):
 
     classes = (ChunkedKVCache,)
     append_only = False  # it drops positions before `start_position`
+    chained = False
     always_trimmable = False
 
     def keeping(self, c: Any, n: int) -> tuple[Any, ...]:

@@ -16,6 +16,7 @@ from mlx_prefix.cache.layers.base import (
     LayerSnapshot,
     check_offset,
     head,
+    stashed,
 )
 
 
@@ -27,6 +28,7 @@ class KvKind(LayerKind):
     classes: tuple[type, ...] = (KVCache,)
     append_only = True
     always_trimmable = True
+    chained = True
 
     def capture(self, c: Any, length: int) -> LayerSnapshot:
         check_offset(c, length)
@@ -44,8 +46,48 @@ class KvKind(LayerKind):
         src = layer.cls.from_state(layer.state)  # read only: its arrays are the snapshot's
         return layer.cls.from_state(self.keeping(src, src.offset - trim))
 
+    # -- as a chain of pieces (cache/chain.py) -------------------------------------------
+    def split(self, state: tuple[Any, ...]) -> tuple[tuple[mx.array, ...], tuple[Any, ...]]:
+        return (state[0], state[1]), ()
+
+    def join(self, arrays: tuple[mx.array, ...], n: int, rest: tuple[Any, ...]) -> tuple:
+        return (arrays[0], arrays[1], n)
+
+    def holds(self, state: tuple[Any, ...], n: int) -> bool:
+        """Whether `state` (read from a file) is this kind's whole state of `n` positions,
+        which `split` takes apart."""
+        try:
+            arrays, rest = self.split(state)
+        except (TypeError, ValueError, IndexError):
+            return False
+        if not arrays or not all(
+            isinstance(a, mx.array) and a.ndim == 4 and a.shape[-2] >= n for a in arrays
+        ):
+            return False
+        joined = self.join(arrays, n, rest)
+        return len(joined) == len(state) and all(
+            x == y for x, y in zip(joined[2:], state[2:], strict=True)
+        )
+
+    def cut(self, c: Any, start: int, end: int) -> tuple[mx.array, ...]:
+        """Live layer `c`'s positions [start, end), copied into arrays of their own
+        (lazy). Does not mutate `c`."""
+        arrays, _ = self.split(c.state)
+        return tuple(mx.contiguous(a[..., start:end, :]) for a in arrays)
+
+    def room(self, cls: type, extend: int) -> int:
+        """Positions a restored layer leaves past its offset so that a first append of
+        `extend` tokens writes in place, into the very buffer mlx-lm's growth would
+        have made (the prefix plus whole steps)."""
+        step = getattr(cls, "step", 0)
+        return -(-extend // step) * step if extend and step else 0
+
     def merge(self, layers: Sequence[Any], steps: int) -> Any:
-        if steps and all(type(c) is KVCache and c.keys is not None for c in layers):
+        if (
+            all(type(c) is KVCache for c in layers)
+            and any(c.keys is not None for c in layers)
+            and (steps or any(stashed(c) is not None for c in layers))
+        ):
             return _merged_with_room(layers, steps)
         return super().merge(layers, steps)
 
@@ -64,6 +106,12 @@ class ConcatenateKvKind(KvKind):
     def keeping(self, c: Any, n: int) -> tuple[Any, ...]:
         return (head(c.keys, n), head(c.values, n))
 
+    def join(self, arrays: tuple[mx.array, ...], n: int, rest: tuple[Any, ...]) -> tuple:
+        return (head(arrays[0], n), head(arrays[1], n))  # its offset is the keys' length
+
+    def room(self, cls: type, extend: int) -> int:
+        return 0  # it concatenates on every append
+
     def quantizes(self, c: Any, start: int) -> bool:
         return False
 
@@ -73,17 +121,27 @@ def _merged_with_room(layers: Sequence[Any], steps: int) -> BatchKVCache:
     (at most up to the next multiple of its growth step): its own holds exactly the
     longest sequence, so the first decode step would copy the whole batch again to grow
     it. The keys a step returns (the buffer up to `_idx`) are the same. The room is
-    resident memory, counted as such (invariant 6): no more than the sequences may use."""
+    resident memory, counted as such (invariant 6): no more than the sequences may use.
+    A restored layer not written since is copied from its chain's parts (base.py
+    `stashed`), not from the concatenation it would evaluate first: one copy."""
     longest = max(c.offset for c in layers)
     size = min(longest + steps, (longest // BatchKVCache.step + 1) * BatchKVCache.step)
-    first = layers[0]
+    first = next(c for c in layers if c.keys is not None)
     _, heads, _, k_dim = first.keys.shape
     keys = mx.zeros((len(layers), heads, size, k_dim), first.keys.dtype)
     values = mx.zeros((len(layers), heads, size, first.values.shape[3]), first.values.dtype)
     padding = [longest - c.offset for c in layers]
     for i, (pad, c) in enumerate(zip(padding, layers, strict=True)):
-        keys[i : i + 1, :, pad:longest] = c.keys[..., : c.offset, :]
-        values[i : i + 1, :, pad:longest] = c.values[..., : c.offset, :]
+        if c.keys is None:
+            continue  # nothing yet: all padding
+        parts = stashed(c) or [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])]
+        at = pad
+        for k, v in parts:
+            n = k.shape[-2]
+            keys[i : i + 1, :, at : at + n] = k
+            values[i : i + 1, :, at : at + n] = v
+            at += n
+        assert at == longest, "parts must cover the restored offset"
     cache: Any = BatchKVCache(padding)
     cache.keys, cache.values = keys, values
     cache.offset += longest

@@ -25,6 +25,14 @@ class QuantizedKvKind(KvKind):
         values = tuple(head(x, n) for x in c.values)
         return (keys, values, n, c.group_size, c.bits)
 
+    def split(self, state: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        keys, values, _, group_size, bits = state
+        return (*keys, *values), (group_size, bits)
+
+    def join(self, arrays: tuple[Any, ...], n: int, rest: tuple[Any, ...]) -> tuple:
+        half = len(arrays) // 2
+        return (tuple(arrays[:half]), tuple(arrays[half:]), n, *rest)
+
     def batchable(self, c: Any) -> bool:
         return False
 

@@ -19,6 +19,7 @@ class RotatingKvKind(KvKind):
 
     classes = (RotatingKVCache,)
     append_only = False  # its ring is written in place
+    chained = False
     always_trimmable = False
     cost_role = "window"
 

@@ -148,6 +148,8 @@ class DecodePhase:
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         now = time.perf_counter()
         running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)
+        if (trace := job.handle.trace) is not None:  # read by the request explainer
+            trace.reply = running.emitted  # complete by the final event
         vision = job.prompt.vision
         delta = vision.delta if vision is not None else 0  # text after images: vision/rope.py
         self.batch.add(running, arrival.cache, sampler, token, max(limit - 1, 0), delta)

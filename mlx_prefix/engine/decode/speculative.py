@@ -170,13 +170,17 @@ class Speculator:
     enabled: bool = True  # False: the startup check found the verify forward inexact
     _states: dict[int, DraftCache] = field(default_factory=dict)  # by id(Running)
 
-    def draft_for(self, snapshot: Snapshot | None, trim: int, reuse: int) -> DraftCache:
+    def draft_for(
+        self, snapshot: Snapshot | None, trim: int, reuse: int, first: int = 0
+    ) -> DraftCache:
         """A prefill's draft cache: restored beside the target's from the entry's draft
-        part, or empty (prefill computes the draft over the prefix: `prefill_to`)."""
+        part (with room for a first chunk of `first` tokens), or empty (prefill computes
+        the draft over the prefix: `prefill_to`)."""
         part = snapshot.draft if snapshot is not None else None
         if part is not None and part.length - trim == reuse:
             self.stats.draft_restored += reuse
-            return DraftCache(self.draft.model, restore(part, trim=trim), reuse)
+            cache = restore(part, trim=trim, extend=min(first, DRAFT_CHUNK))
+            return DraftCache(self.draft.model, cache, reuse)
         return DraftCache(self.draft.model, make_prompt_cache(self.draft.model))
 
     def prefill_to(self, draft: DraftCache, tokens: Sequence[int], end: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -106,9 +106,7 @@ def compute_chunks(
                 logits[members[0]] = out[:, -1, :]  # out: [1, L', V]
             continue
         first = works[members[0]].cache
-        merged = [
-            type(layer).merge([works[i].cache[n] for i in members]) for n, layer in enumerate(first)
-        ]
+        merged = [_merge([works[i].cache[n] for i in members]) for n in range(len(first))]
         inputs = mx.array([list(works[i].tokens[works[i].start : works[i].end]) for i in members])
         ends = any(works[i].last for i in members)
         with batched(), last_position_head() if ends else nullcontext():
@@ -119,6 +117,13 @@ def compute_chunks(
                 logits[i] = out[row : row + 1, -1, :]
     mx.eval([x for x in logits if x is not None], [[c.state for c in w.cache] for w in works])
     return logits
+
+
+def _merge(layers: list) -> Any:
+    """mlx-lm's merge of one layer of several sequences; a KV layer restored from a chain
+    of pieces merges from them (cache/layers/kv.py: one copy, not two)."""
+    kind = kind_of(layers[0])
+    return kind.merge(layers, 0) if kind.chained else type(layers[0]).merge(layers)
 
 
 def compute_tails(model: nn.Module, works: Sequence[ChunkWork], padded: bool) -> list[mx.array]:

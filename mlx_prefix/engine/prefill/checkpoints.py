@@ -6,20 +6,20 @@ waiting requests, the branch point) and/or the disk queue (positions the disk po
 chose, the end of prefill included: seed 004's bug was a save there that silently
 never fired).
 
-A cache with recurrent or rotating layers keeps every checkpoint (it can only resume
-from an exact one). Those checkpoints share the prefill's attention KV: each captures
-its other layers at its boundary and is completed, stored and queued for disk when
-the prefill ends or stops between chunks (`finish`; snapshot.py says why this is
-exact). Waiting requests start only after that, so in-flight sharing still finds
-them. Checkpoints of the protected kinds (above LAST_MESSAGE: the system prompt, a
-client's cache breakpoint) are captured whole at once: they outlive the rest, and a
-share of a long prefill's buffer would keep all of it alive for a short prefix.
+Every snapshot holds its attention KV as a chain of pieces (cache/chain.py): `chain`
+starts as the restored entry's, up to the restored position, and each capture adds a
+piece copied from the cache for what this prefill computed since the last one. So the
+checkpoints of one prefill share their KV, and the entry a conversation's next turn
+stores holds only what that turn added. A cache with recurrent or rotating layers
+keeps every checkpoint (it can only resume from an exact one); those of the ordinary
+kinds are stored when the prefill ends or stops between chunks (`finish`), waiting
+requests starting only after that, so in-flight sharing still finds them, and a failed
+prefill stores none. Checkpoints of the protected kinds (above LAST_MESSAGE: the system
+prompt, a client's cache breakpoint) are stored at once.
 
-The snapshots stored at the boundary just reached view the cache's current memory
-(a capture's views; a completed checkpoint's KV buffer): `live` lists those buffers,
-so the request's active bytes count them once with the stored entries (cache/active.py).
-A later write into the cache copies or grows its buffers (MLX writes in place only
-into a buffer nothing else references), so `live` starts empty at each boundary.
+The request's active bytes count the chain's pieces and the captured state of the
+checkpoints not stored yet (`held`), each once with the stored entries that hold them
+too (cache/active.py).
 
 Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
 past the restored position (an edit, a new question, another tool result), the grid
@@ -32,17 +32,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.eviction import PROTECTED_ABOVE
 from mlx_prefix.cache.snapshot import (
-    PendingSnapshot,
     Snapshot,
     cache_nbytes,
     capture,
-    capture_deferred,
-    complete,
     is_trimmable,
-    kv_buffer,
     restore,
+    shortened,
     with_draft,
 )
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
@@ -95,7 +93,7 @@ class SharedPrefixes:
 
 @dataclass(frozen=True, slots=True)
 class _Deferred:
-    pending: PendingSnapshot
+    snapshot: Snapshot
     kind: CheckpointKind
     in_memory: bool
     to_disk: bool
@@ -121,12 +119,15 @@ class Checkpointer:
     # --draft-model: the draft's cache, at each checkpoint's position too; captured
     # beside the target's (engine/decode/speculative.py). Only with always-trimmable caches.
     draft: list | None = None
-    # Reports the request's active bytes (its cache, `pending_bytes`, `live`) to the
-    # store; called before storing a snapshot that shares the cache's memory.
+    # Reports the request's active bytes (its cache, `held`) to the store; called before
+    # storing a snapshot, so that its pieces count once.
     report: Callable[[], None] = lambda: None
+    # The pieces holding the cache's first positions (the restored entry's, up to
+    # `reuse`), and the draft's; each capture continues them (cache/chain.py).
+    chain: Chain = Chain()
+    draft_chain: Chain = Chain()
 
     def __post_init__(self) -> None:
-        self.live: tuple[Buffer, ...] = ()
         self.planned = {
             c.position: c.kind for c in self.prompt.checkpoints if c.position > self.reuse
         }
@@ -157,11 +158,13 @@ class Checkpointer:
     def _restored_prefix(self, position: int) -> Snapshot | None:
         """A snapshot of the first `position` (<= reuse) prompt tokens, without compute."""
         if position == self.reuse:
-            return capture(self.cache, position)
+            return capture(self.cache, position, self.chain)  # the chain holds it all
         if self.keep_every_checkpoint:  # exact states only: the one memory holds, if any
             return self.store.get(self.key, self.prompt.tokens[:position])
-        restored = capture(self.cache, self.reuse)  # views: trim them back to `position`
-        return capture(restore(restored, trim=self.reuse - position), position)
+        restored = capture(self.cache, self.reuse, self.chain)
+        return shortened(restored, position) or capture(
+            restore(restored, trim=self.reuse - position), position
+        )
 
     def _plan(self, position: int, kind: CheckpointKind) -> None:
         self.planned[position] = max(self.planned.get(position, kind), kind)
@@ -178,13 +181,23 @@ class Checkpointer:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes of the captured layers of checkpoints not yet completed."""
-        return sum(d.pending.nbytes for d in self._deferred)
+        """Bytes of the checkpoints not stored yet besides their chain's pieces (their
+        captured recurrent / rotating state)."""
+        pieces = {b.key for d in self._deferred for b in _chain_buffers(d.snapshot)}
+        own = {b.key: b for d in self._deferred for b in d.snapshot.buffers if b.key not in pieces}
+        return sum(b.nbytes for b in own.values())
+
+    def held(self) -> tuple[Buffer, ...]:
+        """What this prefill keeps alive besides its cache: the chains' pieces and the
+        checkpoints not stored yet, each buffer once (stored entries may hold them too)."""
+        found = {b.key: b for b in (*self.chain.buffers, *self.draft_chain.buffers)}
+        for d in self._deferred:
+            found.update((b.key, b) for b in d.snapshot.buffers)
+        return tuple(found.values())
 
     def __call__(self, position: int) -> None:
         tokens = self.prompt.tokens
         assert not self.finished, "boundary after finish"
-        self.live = ()  # the chunk just computed wrote new buffers
         if self.shared is not None:
             for p in self.shared.positions():
                 if p >= position:
@@ -209,17 +222,22 @@ class Checkpointer:
         in_memory = in_memory and (
             not at_end or position in self.planned or is_trimmable(self.cache)
         )
+        snapshot = self._capture(position)
         if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
-            pending = capture_deferred(self.cache, position)
-            self._deferred.append(_Deferred(pending, kind, in_memory, to_disk))
+            self._deferred.append(_Deferred(snapshot, kind, in_memory, to_disk))
             self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
             return
-        snapshot = capture(self.cache, position)
+        self._keep(snapshot, kind, in_memory, to_disk)
+
+    def _capture(self, position: int) -> Snapshot:
+        """The cache (and the draft's) at `position`, continuing their chains."""
+        snapshot = capture(self.cache, position, self.chain)
+        self.chain = snapshot.chain
         if self.draft is not None:
-            snapshot = with_draft(snapshot, capture(self.draft, position))
-        # Views of the cache's buffers, but a recurrent layer's state may be a copy
-        # (snapshot.py): only an all-KV cache's capture is all its memory.
-        self._keep(snapshot, kind, in_memory, to_disk, shares=always_trimmable(self.cache))
+            draft = capture(self.draft, position, self.draft_chain)
+            self.draft_chain = draft.chain
+            snapshot = with_draft(snapshot, draft)
+        return snapshot
 
     def _thin(self, room: int) -> None:
         """While pending states take more than `room` bytes (a big hybrid's state is
@@ -229,11 +247,11 @@ class Checkpointer:
             periodic = [d for d in self._deferred if self._thinnable(d.kind, d.to_disk)]
             if not periodic:
                 return
-            self.stride = 2 * (self.stride or min(d.pending.length for d in periodic))
+            self.stride = 2 * (self.stride or min(d.snapshot.length for d in periodic))
             self._deferred = [
                 d
                 for d in self._deferred
-                if not self._thinnable(d.kind, d.to_disk) or d.pending.length % self.stride == 0
+                if not self._thinnable(d.kind, d.to_disk) or d.snapshot.length % self.stride == 0
             ]
 
     @staticmethod
@@ -241,50 +259,44 @@ class Checkpointer:
         return kind is CheckpointKind.PERIODIC and not to_disk
 
     def settle(self) -> None:
-        """Complete and store the deferred checkpoints now, from the KV buffers the cache
-        holds now: before its KV layers are replaced (quantized, engine/forward/kv_quant.py),
-        which `complete` must not see. Mutates the store and the disk queue."""
+        """Store / queue the deferred checkpoints now (before a stacked rest or a
+        quantization changes the cache; they hold their own copies). Mutates the store
+        and the disk queue."""
         if self.finished:
             return
-        if self._deferred:
-            kv = kv_buffer(self.cache)
-            while self._deferred:  # each counted in `pending_bytes` until it is stored
-                d = self._deferred[0]
-                snapshot = complete(d.pending, self.cache, kv)
-                self._keep(snapshot, d.kind, d.in_memory, d.to_disk, shares=True)
-                self._deferred.pop(0)
-                self.live = tuple(b for b in self.live if b == kv or b not in snapshot.buffers)
+        while self._deferred:  # each counted in `held` until it is stored
+            d = self._deferred[0]
+            self._keep(d.snapshot, d.kind, d.in_memory, d.to_disk)
+            self._deferred.pop(0)
 
     def finish(self, *, keep: bool = True) -> None:
-        """The prefill ended, or stopped between chunks: complete the deferred
-        checkpoints from the cache's KV buffers and store / queue them (mutates the
-        store and the disk queue; the cache is not changed). `keep=False` (the prefill
-        failed, the cache may be broken) drops them. Idempotent."""
+        """The prefill ended, or stopped between chunks: store / queue the deferred
+        checkpoints (mutates the store and the disk queue; the cache is not changed).
+        `keep=False` (the prefill failed, the cache may be broken) drops them. Lets go of
+        the chains: what they hold is the stored entries' now. Idempotent."""
         if self.finished:
             return
         if keep:
             self.settle()
         self._deferred = []
+        self.chain = self.draft_chain = Chain()
         self.finished = True
 
     def _keep(
-        self,
-        snapshot: Snapshot,
-        kind: CheckpointKind,
-        in_memory: bool,
-        to_disk: bool,
-        shares: bool = False,
+        self, snapshot: Snapshot, kind: CheckpointKind, in_memory: bool, to_disk: bool
     ) -> None:
-        """Store and/or queue `snapshot`; `shares`: it holds no memory but the cache's
-        current buffers and `live` (the request reports them before the insert, so that
-        the store never counts them twice)."""
+        """Store and/or queue `snapshot`. The request reports what it holds first (its
+        pieces among it), so that the store never counts them twice."""
         tokens = self.prompt.tokens[: snapshot.length]
         if in_memory:
-            if shares:
-                self.live = tuple({b.key: b for b in (*self.live, *snapshot.buffers)}.values())
-                self.report()
+            self.report()
             self.store.insert(self.key, tokens, snapshot, kind)
             self.on_stored(snapshot.length)
         if to_disk:
             assert self.disk is not None, "disk positions come from the disk tier"
             self.disk.defer(self.key, tokens, snapshot, kind)
+
+
+def _chain_buffers(snapshot: Snapshot) -> tuple[Buffer, ...]:
+    draft = snapshot.draft.chain.buffers if snapshot.draft is not None else ()
+    return (*snapshot.chain.buffers, *draft)

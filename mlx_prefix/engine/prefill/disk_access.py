@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from mlx_prefix.cache.disk.policy import DiskPolicy
 from mlx_prefix.cache.disk.tier import DiskCache, DiskMatch
+from mlx_prefix.cache.entries import buffers_of
 from mlx_prefix.cache.snapshot import Snapshot
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.cache.token_ids import TokenIds
@@ -147,15 +148,12 @@ class DiskAccess:
         self.cache.save(item.key, item.tokens, item.snapshot, item.kind)
 
     def _account(self) -> None:
-        """Report the queued snapshots' bytes the store does not hold itself (checked
-        when the queue changes: an entry the store evicts meanwhile is counted from the
-        next change on)."""
-        own = sum(
-            p.snapshot.nbytes
-            for p in self._pending
-            if self.store.get(p.key, p.tokens) is not p.snapshot
-        )
-        if own:
-            self.store.set_active_bytes(self._bytes_key, own)
+        """Report what the queued snapshots keep alive: their buffers, each once, those
+        stored entries hold too counted as the entries' (a queued checkpoint's chain
+        shares the stored turns' pieces: cache/chain.py)."""
+        held = {b.key: b for p in self._pending for b in buffers_of(p.snapshot)}
+        if held:
+            nbytes = sum(b.nbytes for b in held.values())
+            self.store.set_active_bytes(self._bytes_key, nbytes, tuple(held.values()))
         else:
             self.store.drop_active(self._bytes_key)

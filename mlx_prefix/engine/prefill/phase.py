@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.layers import layers_of
+from mlx_prefix.cache.layers.base import unstash
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.types import Buffer
@@ -208,17 +210,24 @@ class PrefillPhase:
             disk = self.disk if self.disk_on(job) else None
             found = restore_longest(self.store, disk, job.cache_key, tokens, self.planner.grid)
         cache, reuse, lease = found.cache, found.reuse, found.lease
+        if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
+            trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
+            trace.admitted = True
         try:
             if cache is None:
                 cache = make_prompt_cache(self.model.model)
             draft = None
             if self.speculator is not None and job.prompt.vision is None:
-                draft = self.speculator.draft_for(found.snapshot, found.trim, reuse)
+                first = self.planner.grid.chunk_ends(tokens, reuse)[0] - reuse
+                draft = self.speculator.draft_for(found.snapshot, found.trim, reuse, first)
             checkpointer = None
             if use_cache:
-                checkpointer = self._checkpointer(job, cache, reuse, found.branch)
+                checkpointer = self._checkpointer(job, cache, reuse, found)
             if checkpointer is not None and draft is not None:
                 checkpointer.draft = draft.cache
+                part = found.snapshot.draft if found.snapshot is not None else None
+                if reuse and draft.held == reuse and part is not None:
+                    checkpointer.draft_chain = part.chain.upto(reuse)
             cursor = PrefillCursor(tokens, reuse, self.planner.grid)
         except BaseException:
             if lease is not None:
@@ -298,7 +307,6 @@ class PrefillPhase:
             task.cursor.finish()
             if task.checkpointer is not None:
                 task.checkpointer.finish()
-                task.checkpointer.live = ()  # its cache is a new row now: shares no entry's
             self._report(task)
             task.logits = logits
             result.finished.append(task)
@@ -331,16 +339,16 @@ class PrefillPhase:
         return features
 
     def _report(self, task: PrefillTask) -> None:
-        """The task's active bytes: its cache, its draft's, its checkpoints' captured
-        layers not yet stored; those that stored snapshots hold too count once."""
+        """The task's active bytes: its cache, its draft's, the pieces and checkpoints its
+        prefill holds (`Checkpointer.held`); those stored entries hold too count once."""
         nbytes = cache_nbytes(task.cache)
-        live: tuple[Buffer, ...] = ()
+        held: tuple[Buffer, ...] = ()
         if task.draft is not None:
             nbytes += task.draft.nbytes()
         if task.checkpointer is not None:
-            nbytes += task.checkpointer.pending_bytes
-            live = task.checkpointer.live
-        self.store.set_active_bytes(task.bytes_key, nbytes, live)
+            held = task.checkpointer.held()
+            nbytes += sum(b.nbytes for b in held)
+        self.store.set_active_bytes(task.bytes_key, nbytes, held)
 
     def _quantize(self, task: PrefillTask) -> None:
         """mlx_lm's check after a forward: KV layers past --quantized-kv-start quantize.
@@ -356,6 +364,8 @@ class PrefillPhase:
         stores the checkpoints it reached; a failed one (its cache may be broken) only
         those already stored."""
         self.tasks.remove(task)
+        for layer in layers_of(task.cache):
+            unstash(layer)  # its restored parts: the entry's pieces, no longer needed
         if task.checkpointer is not None:
             task.checkpointer.finish(keep=not failed)
             # Its report callback holds the task: a cycle that kept the whole cache
@@ -380,7 +390,7 @@ class PrefillPhase:
                 job.warm.set_exception(e)
             return False
 
-    def _checkpointer(self, job: Job, cache: list, reuse: int, branch: int) -> Checkpointer:
+    def _checkpointer(self, job: Job, cache: list, reuse: int, found: Restored) -> Checkpointer:
         tokens = job.prompt.tokens
         shared = None
         if not always_trimmable(cache):
@@ -417,7 +427,8 @@ class PrefillPhase:
             shared,
             self.disk,
             disk_positions,
-            branch,
+            found.branch,
             on_stored=stored,
             exact_only=self.kv_quant is not None and len(tokens) >= self.kv_quant.start,
+            chain=found.chain,
         )

@@ -1,13 +1,16 @@
 """Where a request's prefill starts: the longest usable cached prefix of its own entry key
 (its namespace: invariant 10), from memory or, when that restores more, from disk,
-restored as the request's cache (invariant 2: sharing the snapshot's arrays, the memory
-entry locked while they may be shared). Engine thread only."""
+restored as the request's cache (invariant 2: sharing the snapshot's arrays, or a new
+buffer assembled from its chain of pieces with room for the first chunk; the memory
+entry locked while the request holds its pieces). Engine thread only."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.snapshot import Snapshot, restore
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
@@ -24,6 +27,16 @@ class Restored:
     branch: int = 0
     snapshot: Snapshot | None = None  # what was restored (its draft part may serve too)
     trim: int = 0
+    source: Literal["memory", "disk", "none"] = "none"
+    matched: int = 0  # longest common prefix with a stored entry (the trie walk's)
+
+    @property
+    def chain(self) -> Chain:
+        """The pieces holding the restored positions (the request's checkpoints continue
+        them: engine/prefill/checkpoints.py)."""
+        if self.snapshot is None or not self.snapshot.chain.pieces:
+            return Chain()
+        return self.snapshot.chain.upto(self.reuse)
 
 
 def restore_longest(
@@ -35,20 +48,25 @@ def restore_longest(
 ) -> Restored:
     """Match `tokens` in memory, then on `disk` (None: not for this request) when it
     gives more; a disk hit goes into memory too. The caller releases `lease` when the
-    request no longer shares the arrays."""
+    request no longer holds the arrays. The restored KV layers have room for the first
+    grid chunk after the restored position (its append then writes in place)."""
     found = Restored()
 
     def align(n: int) -> int:
         return grid.align(tokens, n)
 
+    def first_chunk(reuse: int) -> int:
+        return grid.chunk_ends(tokens, reuse)[0] - reuse if reuse < len(tokens) else 0
+
     try:
         match = store.match(key, tokens, align)
+        found.matched = match.matched_tokens
         found.branch = align(min(match.matched_tokens, len(tokens) - 1))
         if match.entry_id is not None:
             snapshot = store.acquire(match.entry_id)
             if snapshot is not None:
-                found.lease = match.entry_id
-                found.cache = restore(snapshot, trim=match.trim)
+                found.lease, found.source = match.entry_id, "memory"
+                found.cache = restore(snapshot, match.trim, first_chunk(match.reuse_tokens))
                 found.reuse, found.snapshot, found.trim = match.reuse_tokens, snapshot, match.trim
         if disk is not None:
             on_disk = disk.lookup(key, tokens, align, better_than=found.reuse)
@@ -57,8 +75,9 @@ def restore_longest(
                 if found.lease is not None:
                     store.release(found.lease)
                     found.lease = None
-                found.cache = restore(disk_snapshot, trim=disk_match.trim)
-                found.reuse = disk_match.reuse_tokens
+                reuse = disk_match.reuse_tokens
+                found.cache = restore(disk_snapshot, disk_match.trim, first_chunk(reuse))
+                found.reuse, found.source = reuse, "disk"
                 found.snapshot, found.trim = disk_snapshot, disk_match.trim
                 store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
     except BaseException:

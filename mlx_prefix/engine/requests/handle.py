@@ -6,9 +6,13 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Generator
+from typing import TYPE_CHECKING
 
 from mlx_prefix.prompt.reply.thinking import NO_EDGES
 from mlx_prefix.records import DoneEvent, ErrorEvent, Event
+
+if TYPE_CHECKING:
+    from mlx_prefix.explain.trace import CacheTrace
 
 
 class RequestHandle:
@@ -32,6 +36,9 @@ class RequestHandle:
         self.opens_reasoning = False
         self.reasoning_edges = NO_EDGES
         self.breakpoint_end = 0
+        # The request's CacheTrace (explain/trace.py): set at submit, filled at admission;
+        # the server hands it to the request explainer after the final event.
+        self.trace: CacheTrace | None = None
         self.cancelled = threading.Event()
         self._queue: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()

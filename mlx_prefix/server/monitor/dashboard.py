@@ -1,5 +1,6 @@
 """The dashboard's data: one JSON snapshot of the cache tree, memory and disk use, the
-engine's activity and the last requests; and its single-entry actions.
+engine's activity, the last requests and why the recent misses missed (explain/); and
+its single-entry actions.
 
 Who sees what: every listing and every action goes through `visible` with the
 `Caller` (server/guards/namespaces.py): a page or extension sees its own namespace's entries,
@@ -31,6 +32,7 @@ from .recent import RecentRequests
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
+    from mlx_prefix.explain.explainer import Explainer
 
 HEAD_TOKENS = 24  # tokens detokenized to show the start of what an entry adds
 
@@ -165,7 +167,16 @@ def _decode_text(tokenizer: Any, tokens: list[Any]) -> str:
         return ""
 
 
-def snapshot(engine: EngineAPI, recent: RecentRequests, shapes: TreeShapes, caller: Caller) -> dict:
+MISSES = 20  # the recent requests that missed something, in the page's panel
+
+
+def snapshot(
+    engine: EngineAPI,
+    recent: RecentRequests,
+    shapes: TreeShapes,
+    caller: Caller,
+    explainer: Explainer | None = None,
+) -> dict:
     """Everything the page shows, as JSON-ready values. Does not mutate the cache."""
     memory = visible(caller, engine.cache_sequences())
     disk = visible(caller, engine.disk_sequences())
@@ -205,7 +216,16 @@ def snapshot(engine: EngineAPI, recent: RecentRequests, shapes: TreeShapes, call
         "tree": tree,
         "activity": {"capacity": activity.capacity, "jobs": jobs},
         "requests": [asdict(r) for r in visible(caller, recent.records())],
+        "misses": _misses(explainer, caller),
     }
+
+
+def _misses(explainer: Explainer | None, caller: Caller) -> list[dict[str, Any]]:
+    """The caller's recent requests that reused less than a hit would, newest first."""
+    if explainer is None:
+        return []
+    records = visible(caller, explainer.records(wait_s=0))
+    return [r.as_json() for r in records if r.reason != "hit"][:MISSES]
 
 
 _MEMORY_STATS = (

@@ -10,16 +10,20 @@ import re
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlx_prefix.explain.explainer import Explainer
 from mlx_prefix.records import Usage
 
 from .recent import RecentRequests
+
+if TYPE_CHECKING:
+    from mlx_prefix.explain.trace import CacheTrace
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -28,7 +32,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 
 
 class ServerMetrics:
-    def __init__(self, cache_stats: Callable[[], dict[str, Any]]):
+    def __init__(self, cache_stats: Callable[[], dict[str, Any]], explain: bool = True):
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "mlx_prefix_requests",
@@ -72,7 +76,11 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(CacheCollector(cache_stats))
-        self.recent = RecentRequests()  # for the dashboard; fed by generation.RequestLog
+        self.recent = RecentRequests()  # for the dashboard; fed by RequestLog
+        # Why each request reused what it did (explain/): /v1/cache/requests, the
+        # dashboard, the per-reason counters below; fed by RequestLog too.
+        self.explainer = Explainer(enabled=explain)
+        self.registry.register(ReasonCollector(self.explainer))
 
     def observe_generation(self, usage: Usage) -> None:
         self.prompt_tokens.inc(usage.prompt_tokens)
@@ -135,6 +143,34 @@ class CacheCollector(Collector):
                 yield CounterMetricFamily(name, doc, value=value)
             else:
                 yield GaugeMetricFamily(name, doc, value=value)
+
+
+class ReasonCollector(Collector):
+    """Requests and prompt tokens lost per reason (explain/reasons.py), read at scrape."""
+
+    def __init__(self, explainer: Explainer):
+        self._explainer = explainer
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self._explainer.totals()
+        requests = CounterMetricFamily(
+            "mlx_prefix_cache_reason_requests",
+            "Requests by why they reused what they did (hit, new, edited, evicted, ...)",
+            labels=["reason"],
+        )
+        lost = CounterMetricFamily(
+            "mlx_prefix_cache_reason_lost_tokens",
+            "Prompt tokens computed that the cache would have served but for the reason",
+            labels=["reason"],
+        )
+        for reason, (count, tokens) in totals.items():
+            requests.add_metric([reason], count)
+            lost.add_metric([reason], tokens)
+        yield requests
+        yield lost
 
 
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -215,6 +251,7 @@ class RequestLog:
     metrics: ServerMetrics
     namespace: str | None = None  # the sender's cache namespace id: who sees the record
     prompt_tokens: int = 0
+    trace: CacheTrace | None = None  # the engine's (explain/trace.py), once submitted
     started: float = field(default_factory=time.perf_counter)
     _written: bool = False
 
@@ -241,6 +278,9 @@ class RequestLog:
             )  # fmt: skip
             return
         self.metrics.observe_generation(usage)
+        if self.trace is not None:  # ended with its usage: the engine wrote all of it
+            api = api_name(self.endpoint)
+            self.metrics.explainer.submit(self.trace, self.request_id, api, self.namespace or "")
         log.info(
             "%s %s prompt=%d cached=%d completion=%d ttft=%.1fms decode=%.1ftok/s "
             "finish=%s status=%s total=%.0fms",
@@ -248,6 +288,11 @@ class RequestLog:
             usage.completion_tokens, usage.ttft_s * 1000, usage.decode_tokens_per_s,
             finish, status, total_ms,
         )  # fmt: skip
+
+
+def api_name(path: str) -> str:
+    """The API family of a generation path: chat, completions, messages, responses."""
+    return path.removeprefix("/v1").strip("/").split("/")[0]
 
 
 class RequestCounter:

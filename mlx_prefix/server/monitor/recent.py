@@ -1,5 +1,5 @@
 """The last requests served, as records for the dashboard's charts: a bounded ring fed
-by each request's one log line (generation.RequestLog), read from any thread.
+by each request's one log line (metrics.RequestLog), read from any thread.
 
 Records carry numbers only (token counts, timings, status), never prompt text.
 """

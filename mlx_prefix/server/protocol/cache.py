@@ -1,8 +1,9 @@
 """POST /v1/cache/warm bodies: a chat (messages, tools) or a raw prompt to prefill and
-cache without generating."""
+cache without generating; GET /v1/cache/requests's query (`limit`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,3 +42,19 @@ def parse_warm(body: dict[str, Any]) -> WarmRequest:
             param="prefix_cache.enabled",
         )
     return WarmRequest(prompt=prompt, pin=pin, cache=cache)
+
+
+REQUESTS_LIMIT = 50  # records listed when the query names no limit
+
+
+def parse_requests_query(query: Mapping[str, str]) -> int:
+    """GET /v1/cache/requests's `?limit=N` (a positive integer; the explainer keeps at
+    most its own bound); any other parameter refused, naming it."""
+    unknown = sorted(set(query) - {"limit"})
+    if unknown:
+        name = unknown[0]
+        raise InvalidRequest(f"unknown query parameter {name!r} (known: limit)", param=name)
+    raw = query.get("limit", str(REQUESTS_LIMIT))
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidRequest(f"limit must be a positive integer, not {raw!r}", param="limit")
+    return int(raw)

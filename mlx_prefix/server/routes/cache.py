@@ -1,6 +1,8 @@
 """The prompt cache over HTTP: GET /v1/cache (stats, entries), DELETE /v1/cache (flush),
-POST /v1/cache/warm (prefill a prompt into the cache without generating). Entries and
-flushes are the caller's namespace's, warm-ups go into it (server/guards/namespaces.py)."""
+POST /v1/cache/warm (prefill a prompt into the cache without generating), GET
+/v1/cache/requests (why recent requests reused what they did: explain/). Entries,
+flushes and request records are the caller's namespace's, warm-ups go into it
+(server/guards/namespaces.py); the admin key sees every namespace."""
 
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import WarmTimeout
+from ..errors import ExplainOff, WarmTimeout
 from ..guards.body import read_json
 from ..guards.namespaces import caller, visible
-from ..protocol.cache import parse_warm
+from ..protocol.cache import parse_requests_query, parse_warm
 from ..protocol.fields import field
 from ..replies.stream import ClientGone, until_disconnect
 from .common import api, model_for, state
@@ -38,6 +40,18 @@ async def cache_info(request: Request) -> Response:
         for entry in entries
     ]
     return JSONResponse({"stats": stats, "entries": entries})
+
+
+@api
+async def cache_requests(request: Request) -> Response:
+    """The caller's recent requests, newest first: `?limit=N` (1 to the records kept)."""
+    limit = parse_requests_query(request.query_params)
+    explainer = state(request).metrics.explainer
+    if not explainer.enabled:
+        raise ExplainOff("this server keeps no request records (it was started with --no-explain)")
+    records = visible(caller(request), await run_in_threadpool(explainer.records))
+    data = [r.as_json() for r in records[:limit]]
+    return JSONResponse({"object": "list", "data": data})
 
 
 @api
@@ -91,6 +105,8 @@ async def cache_flush(request: Request) -> Response:
     engines = [served.engine for served in st.models.resident()] or [st.engine]
 
     def flush() -> int:
-        return sum(engine.flush_cache(namespace) for engine in engines)
+        removed = sum(engine.flush_cache(namespace) for engine in engines)
+        st.metrics.explainer.forget(namespace)  # what it held is no reason any more
+        return removed
 
     return JSONResponse({"removed": await run_in_threadpool(flush)})

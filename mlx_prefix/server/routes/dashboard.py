@@ -82,8 +82,9 @@ def _file(name: str) -> Response:
 async def data(request: Request) -> Response:
     st = state(request)
     body = await run_in_threadpool(
-        D.snapshot, st.engine, st.metrics.recent, st.tree_shapes, caller(request)
-    )
+        D.snapshot, st.engine, st.metrics.recent, st.tree_shapes, caller(request),
+        st.metrics.explainer,
+    )  # fmt: skip
     return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
 

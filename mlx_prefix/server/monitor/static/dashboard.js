@@ -132,6 +132,7 @@
     renderJobs(d.activity);
     renderTree(d.tree);
     renderRequests(d.requests);
+    renderMisses(d.misses || []);
   }
 
   function bar(container, legend, parts, total) {
@@ -406,6 +407,37 @@
     }));
     $("requests-empty").classList.toggle("hidden", requests.length > 0);
     $("requests-count").textContent = requests.length ? `(last ${requests.length})` : "";
+  }
+
+  function renderMisses(misses) {
+    const body = $("misses").tBodies[0];
+    const key = misses.length ? misses[0].id + "/" + misses.length : "";
+    if (body.dataset.key === key) return;
+    body.dataset.key = key;
+    body.replaceChildren(...misses.map((m) => {
+      const tr = el("tr");
+      tr.dataset.reason = m.reason;
+      const reason = el("td");
+      reason.append(el("span", "badge reason-" + m.reason, m.reason));
+      reason.title = m.detail;
+      const where = m.diverged_at === null ? "–"
+        : `token ${int(m.diverged_at)}` + (m.location
+          ? `, message ${m.location.message} (${m.location.role})` : "");
+      const texts = el("td", "text");
+      if (m.before !== null || m.after !== null) {
+        texts.append(el("div", "head was", m.before || ""), el("div", "head now", m.after || ""));
+      } else {
+        texts.append(el("span", "muted", m.detail));
+      }
+      tr.append(
+        el("td", "", new Date(m.created * 1000).toLocaleTimeString()), idCell(m.id), reason,
+        el("td", "num", `${int(m.cached_tokens)} / ${int(m.prompt_tokens)}`),
+        el("td", "num", int(m.lost_tokens)), el("td", "", where), texts,
+      );
+      return tr;
+    }));
+    $("misses-empty").classList.toggle("hidden", misses.length > 0);
+    $("misses-count").textContent = misses.length ? `(last ${misses.length})` : "";
   }
 
   // -- actions ---------------------------------------------------------------------
