@@ -185,6 +185,28 @@ def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
             assert n["start"] <= a < b <= n["tokens"]
 
 
+def test_a_request_with_another_image_is_explained_at_the_image(live):
+    url, _ = live
+    other = base64.b64encode(encoded(picture(96, 64, seed=12))).decode()  # PNG's size
+    other_part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{other}"}}
+    system = {"role": "system", "content": "You compare screens. " * 6}  # this test's own
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for part in (IMAGE_PART, other_part):
+            look = [{"type": "text", "text": "Which screen is this?"}, part]
+            body = {"model": "m", "max_tokens": 1, "messages": [system, user_turn(look)]}
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        record = http.get("/v1/cache/requests", params={"limit": 1}).json()["data"][0]
+    # It diverged where the images differ, and the texts either side show an image there
+    # (the key's values written as such, never decoded as token ids).
+    assert record["cached_tokens"] <= record["diverged_at"] < record["prompt_tokens"]
+    assert record["before"].count("[image]") == 1 and record["after"].count("[image]") == 1
+    assert "Which screen is this?" in record["before"]
+
+
+def user_turn(content: list) -> dict:
+    return {"role": "user", "content": content}
+
+
 def test_metrics_count_image_tokens(live):
     url, engine = live
     with httpx.Client(base_url=url, timeout=60) as http:

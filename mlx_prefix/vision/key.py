@@ -22,7 +22,7 @@ processed another way are another image for the cache.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # A span's values: -(_FLOOR + 2 * ((h + j) % _MOD) + last): all below -2**32, where no
@@ -84,3 +84,19 @@ def salt(ids: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
 def unsalt(key: Sequence[int], placeholder: int) -> list[int]:
     """The model's ids of a key: every image value back to the placeholder token."""
     return [placeholder if v <= -_FLOOR else v for v in key]
+
+
+def readable(tokens: Sequence[int], decode: Callable[[list[int]], str]) -> str:
+    """The text of a key's tokens for people (the dashboard, the request explainer): the
+    text between images through `decode`, each image span written `[image]` (its values
+    are keys, not token ids; a span the slice starts inside counts too)."""
+    parts: list[str] = []
+    text: list[int] = []
+    for i, t in enumerate(tokens):
+        if not is_image_value(t):
+            text.append(t)
+        elif i == 0 or not is_image_value(tokens[i - 1]) or ends_span(tokens[i - 1]):
+            parts += [decode(text) if text else "", "[image]"]
+            text = []
+    parts.append(decode(text) if text else "")
+    return "".join(parts)

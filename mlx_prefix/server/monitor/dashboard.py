@@ -25,7 +25,7 @@ from mlx_prefix.cache.trie import TokenTrie
 from mlx_prefix.cache.types import EvictOutcome
 from mlx_prefix.engine.keys import namespace_of
 from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.vision.key import ends_span, is_image_value
+from mlx_prefix.vision.key import ends_span, is_image_value, readable
 
 from ..guards.namespaces import Caller, visible
 from .recent import RecentRequests
@@ -143,19 +143,8 @@ def _image_spans(tokens: tuple[Any, ...], start: int) -> tuple[tuple[int, int], 
 
 
 def _decode(tokenizer: Any, tokens: tuple[Any, ...]) -> str:
-    """The text of `tokens`, each image span written `[image]` (its values are keys, not
-    token ids)."""
-    parts, text = [], []
-    for i, t in enumerate(tokens):
-        if is_image_value(t):
-            if i == 0 or not is_image_value(tokens[i - 1]) or ends_span(tokens[i - 1]):
-                parts.append(_decode_text(tokenizer, text))
-                parts.append("[image]")
-                text = []
-        else:
-            text.append(t)
-    parts.append(_decode_text(tokenizer, text))
-    return "".join(parts)
+    """The text of `tokens`, each image span written `[image]`."""
+    return readable(tokens, lambda text: _decode_text(tokenizer, text))
 
 
 def _decode_text(tokenizer: Any, tokens: list[Any]) -> str:
