@@ -63,7 +63,7 @@ def public_address(address: str) -> bool:
 
 def system_resolver(host: str, port: int) -> list[str]:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def check_url(url: str, param: str, resolve: Resolver = system_resolver) -> Target:

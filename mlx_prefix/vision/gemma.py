@@ -89,6 +89,31 @@ def _install_mask() -> None:
 class GemmaVision(VisionFamily):
     name = "gemma3"
 
+    def __init__(
+        self,
+        tower: nn.Module,
+        config: dict[str, Any],
+        processing: dict[str, Any],
+        *,
+        newlines: Sequence[int],
+    ):
+        text = config["text_config"]
+        super().__init__(
+            tower,
+            config,
+            json.dumps(processing, sort_keys=True),
+            placeholder=int(config.get("image_token_index", 262144)),
+            opener=int(config.get("boi_token_index", 255999)),
+        )
+        self.closer = int(config.get("eoi_token_index", 256000))
+        self.newlines = list(newlines)  # "\n\n" around an image, as Gemma's processor writes
+        self.tokens = int(text.get("mm_tokens_per_image", 256))  # every image's
+        self.size = int(processing["size"])  # pixels a side, after resizing
+        self.mean = np.array(processing["image_mean"], dtype=np.float32)[:, None, None]
+        self.std = np.array(processing["image_std"], dtype=np.float32)[:, None, None]
+        # The text model scales its input embeddings by this; an image's rows undo it.
+        self.scale = mx.array(text["hidden_size"] ** 0.5, mx.bfloat16)
+
     @classmethod
     def load(
         cls, folder: Path, config: dict[str, Any], dtype: mx.Dtype, tokenizer: Any
@@ -99,21 +124,12 @@ class GemmaVision(VisionFamily):
 
         built = model_config(gemma3, config)
         raw = vision_weights(folder, ("vision_tower.", "multi_modal_projector."))
-        tower = _Tower(VisionModel(built.vision_config), Gemma3MultiModalProjector(built))
-        weights = tower.tower.sanitize(raw)
-        tower = build_tower(tower, weights, dtype, config.get("quantization"))
+        parts = _Tower(VisionModel(built.vision_config), Gemma3MultiModalProjector(built))
+        weights = parts.tower.sanitize(raw)
+        tower = build_tower(parts, weights, dtype, config.get("quantization"))
         processing = _processing(folder, built.vision_config.image_size)
-        family = cls(tower, config, processing=json.dumps(processing, sort_keys=True))
-        family.size = processing["size"]
-        family.mean = np.array(processing["image_mean"], dtype=np.float32)[:, None, None]
-        family.std = np.array(processing["image_std"], dtype=np.float32)[:, None, None]
-        family.tokens = int(config["text_config"].get("mm_tokens_per_image", 256))
-        family.placeholder = int(config.get("image_token_index", 262144))
-        family.opener = int(config.get("boi_token_index", 255999))
-        family.closer = int(config.get("eoi_token_index", 256000))
-        family.newlines = list(tokenizer.encode("\n\n", add_special_tokens=False))
-        family.scale = mx.array(config["text_config"]["hidden_size"] ** 0.5, mx.bfloat16)
-        return family
+        newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+        return cls(tower, config, processing, newlines=newlines)
 
     def _prepare(self, pixels: Any, digest: str, processing: str) -> PreparedImage:
         from PIL import Image

@@ -28,6 +28,7 @@ import io
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
 
@@ -94,7 +95,7 @@ def media_format(media_type: str, param: str) -> str:
     return fmt
 
 
-def decode_base64(text: str, limits: ImageLimits, param: str) -> bytes:
+def decode_base64(text: Any, limits: ImageLimits, param: str) -> bytes:
     """Base64 text (line breaks allowed) to bytes, its size checked before decoding."""
     if not isinstance(text, str) or not text:
         raise InvalidRequest(f"{param} must be a non-empty base64 string", param=param)
@@ -161,9 +162,10 @@ def decode_image(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
                     param=param,
                 )
             img.load()
+            still: Image.Image = img
             if fmt == "jpeg":
-                img = ImageOps.exif_transpose(img)
-            rgb = img.convert("RGB")
+                still = ImageOps.exif_transpose(img)
+            rgb = still.convert("RGB")
     except InvalidRequest:
         raise
     except Image.DecompressionBombError:  # past PIL's own limit, at open

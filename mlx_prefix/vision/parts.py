@@ -110,7 +110,7 @@ def anthropic_image_block(block: dict[str, Any], limits: ImageLimits, param: str
                 param=f"{where}.media_type",
             )
         media_format(media, f"{where}.media_type")
-        data = decode_base64(source.get("data"), limits, f"{where}.data")
+        data = decode_base64(source.get("data"), limits, f"{where}.data")  # checks the type
         return ImageInput(decode_image(data, limits, f"{where}.data"))
     if kind == "url":
         return image_from_url(source.get("url"), limits, f"{where}.url")
@@ -125,12 +125,12 @@ def anthropic_image_block(block: dict[str, Any], limits: ImageLimits, param: str
     )
 
 
-def low_detail(image: DecodedImage) -> object:
+def low_detail(image: DecodedImage) -> Any:
     """The picture fitted in LOW_DETAIL_SIDE x LOW_DETAIL_SIDE (aspect kept; never
     enlarged): a PIL image."""
     from PIL import Image
 
-    pixels = image.pixels.copy()
+    pixels = image.pixels.copy()  # type: ignore[attr-defined]
     pixels.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE), Image.Resampling.BICUBIC)
     return pixels
 

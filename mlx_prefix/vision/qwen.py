@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,48 @@ def processor_kwargs(folder: Path) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class MRope:
+    """The text model's rotary embedding, as M-RoPE needs it."""
+
+    dims: int  # rotated dimensions of a head
+    base: float
+    section: tuple[int, ...]  # frequencies per axis (t, h, w)
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> MRope:
+        text = config.get("text_config", config)
+        rope = text["rope_parameters"] if "rope_parameters" in text else text["rope_scaling"]
+        return cls(
+            dims=int(text["head_dim"] * rope.get("partial_rotary_factor", 1.0)),
+            base=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            section=tuple(rope["mrope_section"]),
+        )
+
+
 class QwenVision(VisionFamily):
     name = "qwen3_5"
+
+    def __init__(
+        self,
+        tower: nn.Module,
+        config: dict[str, Any],
+        processing: str,
+        *,
+        processor: Any,
+        merge: int,
+        rope: MRope,
+    ):
+        super().__init__(
+            tower,
+            config,
+            processing,
+            placeholder=int(config.get("image_token_id") or config["image_token_index"]),
+            opener=int(config["vision_start_token_id"]),
+        )
+        self.processor = processor  # mlx-vlm's numpy image processor
+        self.merge = merge  # patches merged per side into one token
+        self.rope = rope
 
     @classmethod
     def load(
@@ -68,17 +109,14 @@ class QwenVision(VisionFamily):
         weights = tower.sanitize({k.removeprefix("vision_tower."): v for k, v in raw.items()})
         tower = build_tower(tower, weights, dtype, config.get("quantization"))
         kwargs = processor_kwargs(folder)
-        family = cls(tower, config, processing=json.dumps(kwargs, sort_keys=True))
-        family.processor = Qwen3VLImageProcessor(**kwargs)
-        family.merge = int(vision_config.spatial_merge_size)
-        family.placeholder = int(config.get("image_token_id", config.get("image_token_index")))
-        family.opener = int(config["vision_start_token_id"])
-        text = config.get("text_config", config)
-        rope = text["rope_parameters"] if "rope_parameters" in text else text["rope_scaling"]
-        family.rope_dims = int(text["head_dim"] * rope.get("partial_rotary_factor", 1.0))
-        family.rope_base = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-        family.mrope_section = list(rope["mrope_section"])
-        return family
+        return cls(
+            tower,
+            config,
+            json.dumps(kwargs, sort_keys=True),
+            processor=Qwen3VLImageProcessor(**kwargs),
+            merge=int(vision_config.spatial_merge_size),
+            rope=MRope.of(config),
+        )
 
     def _prepare(self, pixels: Any, digest: str, processing: str) -> PreparedImage:
         out = self.processor([pixels])
@@ -103,4 +141,4 @@ class QwenVision(VisionFamily):
 
     def install(self, text_model: nn.Module) -> None:
         layers = [layer.self_attn for layer in text_model.layers if hasattr(layer, "self_attn")]
-        install_rope(layers, self.rope_dims, self.rope_base, self.mrope_section)
+        install_rope(layers, self.rope.dims, self.rope.base, list(self.rope.section))

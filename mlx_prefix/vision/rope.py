@@ -71,6 +71,7 @@ class PositionedRoPE(nn.Module):
         if given is None:
             return self.rope(x, offset=offset)
         if given.explicit is None:
+            assert given.shift is not None  # exactly one of the two is set
             return self.rope(x, offset=offset + given.shift)
         return self._explicit(x, given.explicit)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -195,9 +195,10 @@ def _save(kind: str, config: dict[str, Any], dest: Path, seed: int) -> None:
     module = importlib.import_module(f"mlx_vlm.models.{kind}")
     mx.random.seed(seed)
     model = module.Model(model_config(module, config))
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
     weights = {
         k: v
-        for k, v in tree_flatten(model.parameters())
+        for k, v in flat
         if not k.startswith("language_model.lm_head")  # tied to the embeddings
     }
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -60,16 +60,24 @@ class PreparedImage:
 
 
 class VisionFamily:
-    """One family's vision part (module docstring). Subclasses set the token ids."""
+    """One family's vision part (module docstring), built whole by its `load`."""
 
     name: str = ""
-    placeholder: int  # the id each image's span is filled with
-    opener: int  # the special token right before every span: a grid point follows it
 
-    def __init__(self, tower: nn.Module, config: dict[str, Any], processing: str):
+    def __init__(
+        self,
+        tower: nn.Module,
+        config: dict[str, Any],
+        processing: str,
+        *,
+        placeholder: int,
+        opener: int,
+    ):
         self.tower = tower
         self.config = config
         self.processing = processing  # the preprocessing parameters, as text (in the key)
+        self.placeholder = placeholder  # the id each image's span is filled with
+        self.opener = opener  # the special token right before every span: a grid point
         # A plan renders its conversation several times (sentinel probes): each image is
         # prepared once. Thread-safe; a few images (pixel values can be tens of MB).
         self.prepare_input = functools.lru_cache(maxsize=8)(self._prepare_input)
@@ -177,7 +185,9 @@ def vision_weights(folder: Path, prefixes: Sequence[str]) -> dict[str, mx.array]
     """The weights under `prefixes` from the folder's safetensors, prefix kept."""
     out: dict[str, mx.array] = {}
     for path in sorted(glob.glob(str(Path(folder) / "*.safetensors"))):
-        for k, v in mx.load(path).items():
+        loaded = mx.load(path)
+        assert isinstance(loaded, dict)  # a safetensors file: its arrays by name
+        for k, v in loaded.items():
             if k.startswith(tuple(prefixes)):
                 out[k] = v
     return out
