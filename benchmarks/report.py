@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import claims, peers, report_sharded, report_throughput
+from . import claims, peers, report_sharded, report_throughput, report_vision
 from .device import table as device_table
 from .goals import Goal, evaluate
 from .names import GENERATE, OURS, PEER, SERVERS, VLLM
@@ -76,7 +76,7 @@ def versions() -> dict[str, str]:
 ONCE = ("restore", "blas")  # in-process, once per run: not in the per-server tables
 
 
-def markdown(doc: dict[str, Any], plots: list[str]) -> str:
+def markdown(doc: dict[str, Any], plots: list[str], vision: dict[str, Any] | None = None) -> str:
     lines = [
         "# Benchmarks: mlx-prefix vs mlx_lm.server and vllm-mlx",
         "",
@@ -95,7 +95,8 @@ def markdown(doc: dict[str, Any], plots: list[str]) -> str:
     lines += _goal_lines(doc) + standalone_lines()
     lines += report_throughput.lines(doc) + _burst_lines(doc) + _concurrency_lines(doc)
     lines += itl_lines(doc) + edit_lines(doc) + _memory_lines(doc) + mixed_lines(doc)
-    lines += report_sharded.lines(doc) + _restore_lines(doc) + _blas_lines(doc)
+    lines += report_sharded.lines(doc) + report_vision.lines(vision)
+    lines += _restore_lines(doc) + _blas_lines(doc)
     lines += _runs_lines(doc) + _size_lines(doc)
     lines += [
         "",
@@ -712,5 +713,8 @@ def write(doc: dict[str, Any], report_dir: Path) -> Path:
     pngs = plots(doc, report_dir / "results")
     rel = [str(p.relative_to(report_dir)) for p in pngs]
     path = report_dir / "RESULTS.md"
-    path.write_text(markdown(doc, rel) + device_table.kept_section(report_dir))
+    path.write_text(
+        markdown(doc, rel, report_vision.newest(report_dir))
+        + device_table.kept_section(report_dir)
+    )
     return path

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 
 from .claims import loaded_blas
-from .names import OURS, VLLM
-from .peers import vllm_mlx_command
+from .names import MLX_VLM, OURS, VLLM
+from .peers import VENV, vllm_mlx_command
 
 
 class ServerFailed(RuntimeError):
@@ -34,6 +34,7 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     label: str = ""  # for logs: "ours", "peer", "peer-cold"
     ranks: int = 1  # above 1: one group of ranks under mlx.launch (servers_sharded.py)
+    env: tuple[tuple[str, str], ...] = ()  # set in the server's environment
 
     def argv(self, port: int) -> list[str]:
         py = sys.executable
@@ -45,6 +46,10 @@ class ServerSpec:
         elif self.name == VLLM:
             cmd = [str(vllm_mlx_command()), "serve", str(self.model), "--continuous-batching"]
             cmd += ["--host", "127.0.0.1"]
+        elif self.name == MLX_VLM:
+            python = str(VENV / "bin" / "python")  # peers.mlx_vlm_problem says why there
+            cmd = [python, "-m", "mlx_vlm.server", "--model", str(self.model)]
+            cmd += ["--host", "127.0.0.1", "--log-level", "WARNING"]
         else:
             cmd = [py, "-m", "mlx_lm.server", "--model", str(self.model), "--log-level", "WARNING"]
         return [py, "-m", "mlx_prefix.blas_exec", *cmd, "--port", str(port), *self.extra_args]
@@ -52,14 +57,14 @@ class ServerSpec:
     @property
     def request_model(self) -> str | None:
         """The `model` a request must name (None: the server's default is used)."""
-        return str(self.model) if self.name == VLLM else None
+        return str(self.model) if self.name in (VLLM, MLX_VLM) else None
 
     @property
     def own_home(self) -> bool:
         """Whether the process gets an empty HOME of its own: vllm-mlx saves its prefix
         cache under ~/.cache/vllm-mlx at exit and loads it at start, and no server may
         start with a hit from an earlier run's files."""
-        return self.name == VLLM
+        return self.name in (VLLM, MLX_VLM)
 
 
 def free_port(span: int = 1) -> int:
@@ -116,7 +121,7 @@ class Server:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         label = self.spec.label or self.spec.name
         self._log = open(self.log_dir / f"{label}-{self.port}.log", "wb")  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **dict(self.spec.env))
         if self.spec.own_home:
             self._home = Path(tempfile.mkdtemp(prefix=f"bench-{label}-home-"))
             env["HOME"] = str(self._home)
@@ -146,10 +151,14 @@ class Server:
     def _warm_up(self) -> None:
         # The first request pays one-time costs (lazy init, kernel set-up); keep it out of
         # every workload. A raw completion shares no chat-template prefix with workloads.
-        body = {"prompt": "Warm up.", "max_tokens": 1, "temperature": 0.0}
+        body: dict = {"prompt": "Warm up.", "max_tokens": 1, "temperature": 0.0}
+        path = "/v1/completions"
+        if self.name == MLX_VLM:  # chat only
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "Hi."}]
+            del body["prompt"]
         if self.request_model is not None:
             body["model"] = self.request_model
-        httpx.post(self.url + "/v1/completions", json=body, timeout=300.0).raise_for_status()
+        httpx.post(self.url + path, json=body, timeout=300.0).raise_for_status()
 
     def start(self) -> Server:
         return self.launch().wait_ready()

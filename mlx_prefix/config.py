@@ -228,6 +228,10 @@ class EngineConfig:
     # runs. Off: decode batches every running row in one forward, as mlx_lm.server does;
     # the cache stays exact either way (prefill always computes alone, on the grid).
     deterministic: bool = False
+    # Going idle, the engine gives the C heap's freed pages back to the system once
+    # (platform.trim_heap: glibc keeps ~100 MiB after a burst) when nothing new arrived
+    # for this many seconds. None: never.
+    idle_trim_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         check_kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
@@ -279,6 +283,47 @@ def parse_bytes(text: str) -> int:
     except ValueError:
         pass
     raise ValueError(f"not a byte size: {text!r} (e.g. 4GiB, 512MB)")
+
+
+FOREVER = float("inf")
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                   "h": 3600.0, "d": 86400.0}  # fmt: skip
+
+
+def parse_duration(value: str | int | float) -> float:
+    """A keep-alive as Ollama writes it (a Go duration) -> seconds: '5m', '1h30m', '90s',
+    '250ms', or a number of seconds; a negative one (or 'forever') is `FOREVER`; 0 is
+    "at once". ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, (int, float)):
+        if value != value:  # nan
+            raise ValueError("not a duration: nan")
+        return FOREVER if value < 0 else float(value)
+    text = value.strip().lower()
+    if text in ("forever", "inf", "never"):
+        return FOREVER
+    try:
+        return parse_duration(float(text))
+    except ValueError:
+        pass
+    sign = -1.0 if text.startswith("-") else 1.0
+    unsigned = text[1:] if text[:1] in ("-", "+") else text
+    parts = re.findall(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h|d)", unsigned)
+    if not parts or "".join(n + u for n, u in parts) != unsigned:
+        raise ValueError(f"not a duration: {value!r} (e.g. 5m, 30s, 1h, -1 for forever)")
+    seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    return FOREVER if sign < 0 else seconds
+
+
+def format_duration(seconds: float) -> str:
+    """`parse_duration`'s inverse, for messages: 'forever', '90s', '5m', '1h'."""
+    if seconds == FOREVER:
+        return "forever"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def _parse(value: str, annotation: Any) -> Any:

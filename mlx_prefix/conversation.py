@@ -8,7 +8,8 @@ plain chat-completions dicts (the CLI's --messages file, the library, tests) go 
 conversation in the one form every template renders, so the same conversation renders
 the same tokens whoever sends it (the prefix cache depends on it):
 - content is one string: text parts are joined when parsed, so ["a", "b"] as parts and
-  "ab" are the same message;
+  "ab" are the same message; images stand between its characters (`images`: each at its
+  offset), and a message with images reaches the template as parts (text, image, text);
 - roles are the four every template knows (OpenAI's `developer` is `system`, a
   `function` result a `tool` message);
 - tool-call arguments are decoded JSON, dicts with sorted keys (templates print a mapping
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.vision.intake import ImageLimits
+from mlx_prefix.vision.parts import ImageInput, openai_image_part
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -67,6 +70,15 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageAt:
+    """An image in a message's content, after its first `offset` characters."""
+
+    offset: int
+    image: ImageInput
+    param: str = field(default="", compare=False)  # the request part it came from
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     role: Role
     content: str = ""  # text parts joined
@@ -76,10 +88,14 @@ class Message:
     # An assistant turn's reasoning, rendered where the template puts it; None: none sent
     # ("" is sent and empty: templates may tell the two apart).
     reasoning: str | None = None
+    images: tuple[ImageAt, ...] = ()  # ascending offsets, each <= len(content)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:  # a caller's bug: requests are validated before this
             raise ValueError(f"Message.role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        offsets = [i.offset for i in self.images]
+        if offsets != sorted(offsets) or any(not 0 <= o <= len(self.content) for o in offsets):
+            raise ValueError("Message.images must stand in the content, in order")
 
 
 Conversation = tuple[Message, ...]
@@ -89,19 +105,41 @@ def template_messages(
     messages: Sequence[Message], contents: Mapping[int, str] | None = None
 ) -> list[dict[str, Any]]:
     """The messages as the chat template receives them. `contents` replaces the content of
-    the messages at those indices (a planner's probe of where a message begins) after
-    everything else is derived from the real content."""
+    the messages at those indices (a planner's probe of where a message begins; its images
+    go with it) after everything else is derived from the real content."""
     contents = contents or {}
     return [_template_message(m, contents.get(i)) for i, m in enumerate(messages)]
+
+
+def rendered_images(
+    messages: Sequence[Message], contents: Mapping[int, str] | None = None
+) -> list[ImageAt]:
+    """The images `template_messages(messages, contents)` hands the template, in order."""
+    contents = contents or {}
+    return [im for i, m in enumerate(messages) if i not in contents for im in m.images]
+
+
+def _content_parts(message: Message) -> list[dict[str, Any]]:
+    """A message with images as the parts templates iterate over: text and image parts in
+    the order they were sent (empty text between two images left out)."""
+    parts: list[dict[str, Any]] = []
+    at = 0
+    for image in message.images:
+        if image.offset > at:
+            parts.append({"type": "text", "text": message.content[at : image.offset]})
+        parts.append({"type": "image"})
+        at = image.offset
+    if at < len(message.content):
+        parts.append({"type": "text", "text": message.content[at:]})
+    return parts
 
 
 def _template_message(message: Message, content: str | None) -> dict[str, Any]:
     # The keys, their order and when each appears are part of the rendered prompt: keep
     # them as they are, or every cached conversation renders anew.
-    out: dict[str, Any] = {
-        "role": message.role,
-        "content": message.content if content is None else content,
-    }
+    if content is None:
+        content = _content_parts(message) if message.images else message.content  # type: ignore[assignment]
+    out: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         out["tool_calls"] = [_template_call(c) for c in message.tool_calls]
     if message.name is not None:
@@ -138,18 +176,22 @@ CHAT_ROLES: dict[str, Role] = {
 _MISSING = object()
 
 
-def conversation_from_dicts(messages: Any, param: str = "messages") -> Conversation:
+def conversation_from_dicts(
+    messages: Any, param: str = "messages", images: ImageLimits | None = None
+) -> Conversation:
     """Chat completions' `messages` (OpenAI's shape, the deprecated `function_call` and
     `function` role included) as the conversation. InvalidRequest naming the field for
-    anything that cannot be rendered faithfully."""
+    anything that cannot be rendered faithfully. `image_url` parts are decoded under
+    `images` (the server's limits; the defaults when None)."""
     if not isinstance(messages, (list, tuple)):
         raise InvalidRequest(f"'{param}' must be an array, not {_json_type(messages)}", param=param)
     if not messages:
         raise InvalidRequest(f"'{param}' must not be empty", param=param)
-    return tuple(_message(m, f"{param}[{i}]", i) for i, m in enumerate(messages))
+    limits = images or ImageLimits()
+    return tuple(_message(m, f"{param}[{i}]", i, limits) for i, m in enumerate(messages))
 
 
-def _message(message: Any, param: str, index: int) -> Message:
+def _message(message: Any, param: str, index: int, limits: ImageLimits) -> Message:
     if not isinstance(message, dict):
         raise InvalidRequest(f"{param} must be an object", param=param)
     role = message.get("role")
@@ -182,13 +224,15 @@ def _message(message: Any, param: str, index: int) -> Message:
         if role != "assistant":
             raise InvalidRequest(f"{param}.content is required", param=f"{param}.content")
         content = ""
+    text, images = _content(content, f"{param}.content", limits)
     return Message(
         CHAT_ROLES[role],
-        _content_text(content, f"{param}.content"),
+        text,
         tool_calls=calls,
         tool_call_id=call_id,
         name=name,
         reasoning=reasoning,
+        images=images,
     )
 
 
@@ -245,25 +289,30 @@ def _tool_call(call: Any, param: str) -> ToolCall:
     return ToolCall(function["name"], arguments, call_id)
 
 
-def _content_text(content: Any, param: str) -> str:
+def _content(content: Any, param: str, limits: ImageLimits) -> tuple[str, tuple[ImageAt, ...]]:
     # Parts are joined so that ["a", "b"] as parts renders exactly like the string "ab":
     # both must produce the same tokens, or the prefix cache would miss.
     if isinstance(content, str):
-        return content
+        return content, ()
     if not isinstance(content, list):
         raise InvalidRequest(f"{param} must be a string or an array of text parts", param=param)
-    texts = []
+    text, images = "", []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        if kind == "image_url":
+            image = openai_image_part(part, limits, f"{param}[{j}]")
+            images.append(ImageAt(len(text), image, f"{param}[{j}]"))
+            continue
+        if kind != "text":
             raise InvalidRequest(
-                f"{param}[{j}]: only text content parts are supported, got {kind!r}",
+                f"{param}[{j}]: content parts of type {kind!r} are not supported (text and "
+                "image_url are)",
                 param=f"{param}[{j}]",
             )
         if not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
-        texts.append(part["text"])
-    return "".join(texts)
+        text += part["text"]
+    return text, tuple(images)
 
 
 def _json_type(value: Any) -> str:

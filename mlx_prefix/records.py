@@ -139,6 +139,8 @@ class Usage:
     # Prompt tokens this request computed and left in the cache: the furthest position
     # it stored (a checkpoint, or the prompt's end) less cached_tokens; 0 if none.
     cache_written_tokens: int = 0
+    images: int = 0  # images in the prompt
+    image_tokens: int = 0  # prompt tokens they take (counted in prompt_tokens too)
 
 
 @dataclass(frozen=True, slots=True)

@@ -376,6 +376,18 @@ def _write_v1(path: Path) -> None:
     )
 
 
+def _write_v2(path: Path) -> None:
+    """Rewrite a checkpoint as format version 2 wrote it: token ids as int32, the header
+    signed as version 2 signed it (read as int64 they would be other tokens)."""
+    import base64
+
+    import numpy as np
+
+    meta = _header(path)["__metadata__"]
+    ids = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i8").astype("<i4")
+    _rewrite_meta(path, version="2", tokens=base64.b64encode(ids.tobytes()).decode())
+
+
 def _request(tokens: list[int]) -> list[int]:
     return tokens + [7, 8, 9]
 
@@ -390,6 +402,7 @@ def _request(tokens: list[int]) -> list[int]:
         (lambda p: p.write_bytes(p.read_bytes() + b"\0" * 8), "header describes"),
         (lambda p: _rewrite_meta(p, version="99"), "format version 99"),
         (_write_v1, "format version 1"),
+        (_write_v2, "format version 2"),
         (lambda p: _rewrite_meta(p, format="something-else"), "not an mlx-prefix"),
         (lambda p: _rewrite_meta(p, length="3"), "length"),
         (lambda p: _rewrite_meta(p, trimmable="yes"), "bad metadata"),
@@ -409,6 +422,7 @@ def _request(tokens: list[int]) -> list[int]:
         "appended",
         "version",
         "version_1",
+        "version_2",
         "format",
         "count",
         "trimmable_value",

@@ -139,7 +139,11 @@ def test_equal_conversations_are_equal_records_whatever_form_they_came_in():
     [
         ([{"role": "robot", "content": "x"}], "messages[0].role"),
         ([{"role": "user"}], "messages[0].content"),
-        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "messages[0].content[0]"),
+        (
+            [{"role": "user", "content": [{"type": "image_url"}]}],
+            "messages[0].content[0].image_url",
+        ),
         ([{"role": "user", "content": "x", "name": 7}], "messages[0].name"),
         (
             [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],

@@ -20,7 +20,7 @@ from mlx_prefix.conversation import Message
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
-from mlx_prefix.prompt.request.render import common_prefix_length
+from mlx_prefix.prompt.request.render import ChatRenderer, common_prefix_length
 from mlx_prefix.prompt.request.template_grid import _special_ids
 from mlx_prefix.records import PromptInput
 
@@ -175,14 +175,14 @@ def test_chatml_boundaries_sit_just_after_each_message_start_token():
 
 def test_two_messages_render_the_sentinel_once(monkeypatch):
     calls = []
-    original = PromptPlanner.tokens
+    original = ChatRenderer.render_text
 
-    def counting(self, prompt, contents=None):
-        calls.append(contents)
-        return original(self, prompt, contents)
+    def counting(self, messages, **kwargs):
+        calls.append(kwargs.get("contents"))
+        return original(self, messages, **kwargs)
 
-    monkeypatch.setattr(PromptPlanner, "tokens", counting)
     p = planner("chatml")
+    monkeypatch.setattr(ChatRenderer, "render_text", counting)
     rendered = p.plan(chat(*CONVERSATION[:2]))
     assert len(calls) == 2  # the prompt, then one sentinel render for message 1
     assert SYSTEM in kinds(rendered).values()

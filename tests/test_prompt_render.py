@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from functools import cache
@@ -9,10 +10,13 @@ from functools import cache
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import AutoTokenizer
+from vision_models import encoded, picture
 
+from mlx_prefix.config import CacheConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.testing import cached_test_model
+from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.prompt.request.render import ChatRenderer
 from mlx_prefix.records import PromptInput
 
@@ -50,11 +54,23 @@ def test_content_as_a_string_or_as_text_parts_renders_the_same_tokens():
     assert "<|im_start|>user\nIs it raining in Paris?<|im_end|>" in text(as_string)
 
 
-def test_a_non_text_content_part_is_refused_by_name():
-    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
-    with pytest.raises(InvalidRequest, match="image_url") as e:
-        tokens({"role": "user", "content": image})
+def test_a_content_part_of_no_known_type_is_refused_by_name():
+    audio = [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+    with pytest.raises(InvalidRequest, match="input_audio") as e:
+        tokens({"role": "user", "content": audio})
     assert e.value.param == "messages[0].content[0]"
+
+
+def test_an_image_for_a_text_only_model_is_refused_naming_its_part():
+    png = base64.b64encode(encoded(picture(8, 8))).decode()
+    url = f"data:image/png;base64,{png}"
+    parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": url}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": parts}]
+    prompt = PromptInput(messages=conversation_from_dicts(messages))
+    planner = PromptPlanner(renderer().tokenizer, CacheConfig())  # the planner keys images
+    with pytest.raises(InvalidRequest, match="text-only") as e:
+        planner.plan(prompt)
+    assert e.value.param == "messages[1].content[1]" and e.value.code == "model_not_multimodal"
 
 
 def _call(function: dict) -> dict:

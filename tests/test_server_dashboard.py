@@ -169,7 +169,8 @@ def test_serving_line_names_the_dashboard():
 
 def test_the_page_its_files_and_the_redirect(fake):
     c, _ = fake
-    r = c.get("/", follow_redirects=False)
+    # A browser (asking for HTML) is sent to the dashboard; other clients get Ollama's probe.
+    r = c.get("/", headers={"Accept": "text/html"}, follow_redirects=False)
     assert r.status_code == 307 and r.headers["location"] == "/dashboard"
     page = c.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

@@ -61,9 +61,9 @@ BAD_CHAT_BODIES = {
     "missing content": (chat(messages=[{"role": "user"}]), "messages[0].content"),
     "null user content": (chat(messages=[{"role": "user", "content": None}]), None),
     "content a number": (chat(messages=[{"role": "user", "content": 5}]), None),
-    "image part": (
+    "image part without a url": (
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-        "messages[0].content[0]",
+        "messages[0].content[0].image_url.url",
     ),
     "max_tokens a string": (chat(max_tokens="ten"), "max_tokens"),
     "max_tokens a float": (chat(max_tokens=1.5), "max_tokens"),

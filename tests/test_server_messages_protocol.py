@@ -218,7 +218,7 @@ BAD = {
     ),
     "image block": (
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-        "messages[0].content[0]",
+        "messages[0].content[0].source.type",
     ),
     "orphan tool_result": (
         {

@@ -4,9 +4,7 @@ models load on demand and the least recently used is unloaded past --max-models.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,14 +13,13 @@ import mlx.core as mx
 import pytest
 from conftest import TEST_CACHE
 from mlx.utils import tree_flatten
-from server_fakes import LiveServer, wait_until
+from pool_server import pool_server
+from server_fakes import wait_until
 
 from mlx_prefix.config import CacheConfig, DiskConfig
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import make_test_model
-from mlx_prefix.server import ServerSettings, create_app
-from mlx_prefix.server.served.names import ModelSpec
+from mlx_prefix.server import ServerSettings
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 # Every request's deadline: a request may load a model on demand, which a loaded machine
@@ -69,26 +66,12 @@ def _lora_adapter(model_folder: Path, dest: Path) -> Path:
     return dest
 
 
-@contextlib.contextmanager
-def served(folders, cache=TEST_CACHE, disk=None, **settings) -> Iterator[tuple[str, object]]:
+def served(folders, cache=TEST_CACHE, disk=None, **settings):
     """A live server of model a (the default) that loads others on demand: by default
     the other folders are --allowed-models (a request may name only what is allowed)."""
     allowed = tuple(str(folders[k]) for k in ("b", "broken", "lora", "long") if k in folders)
     settings.setdefault("allowed_models", allowed)
-
-    def loader(spec: ModelSpec, store, disk_cache) -> Engine:
-        adapter = str(spec.adapter) if spec.adapter else None
-        model = load_model(str(spec.folder), adapter=adapter)
-        return Engine(model, cache, store=store, disk_config=disk, disk_cache=disk_cache)
-
-    default = loader(ModelSpec(folders["a"], None, "tiny-a", True), None, None)
-    app = create_app(default, ServerSettings(**settings), loader)
-    pool = app.state.server.models
-    try:
-        with LiveServer(app) as server:
-            yield server.url, pool
-    finally:
-        pool.close()
+    return pool_server(folders["a"], cache, disk=disk, **settings)
 
 
 def ask(url: str, model: str | None, question: str, path="/v1/chat/completions", **extra):

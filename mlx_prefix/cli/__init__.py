@@ -1,4 +1,5 @@
-"""mlx-prefix serve | generate | cache: the parser, dispatch and one-line errors.
+"""mlx-prefix serve | generate | cache | pull | ls | rm | ps | launch: the parser,
+dispatch and one-line errors.
 
 Text goes to stdout, diagnostics to stderr. Model, cache, disk, engine and server flags
 have MLX_PREFIX_* variable fallbacks (see config.py); generate's per-request flags do not.
@@ -17,10 +18,28 @@ from typing import NoReturn
 from mlx_prefix import __version__
 from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 
-from . import cache, generate, serve
+from . import cache, generate, launch, models, ps, serve
 from .cache import cmd_cache
 from .generate import cmd_generate
+from .launch import cmd_launch
+from .models import cmd_ls, cmd_pull, cmd_rm
+from .ps import cmd_ps
 from .serve import cmd_serve
+
+# command -> (one line for --help, its arguments)
+COMMANDS = {
+    "serve": ("run the OpenAI-compatible HTTP server", serve.add_arguments),
+    "generate": ("generate one reply and exit", generate.add_arguments),
+    "pull": ("download an MLX model from the Hugging Face Hub", models.add_pull_arguments),
+    "ls": ("list the models on this machine", models.add_ls_arguments),
+    "rm": ("delete a downloaded model", models.add_rm_arguments),
+    "ps": ("show what the running server has loaded", ps.add_arguments),
+    "launch": (
+        "run a coding agent (claude, codex, opencode, qwen, continue, aider) against a server",
+        launch.add_arguments,
+    ),
+    "cache": ("inspect or clear the disk cache", cache.add_arguments),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,14 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlx-prefix {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve.add_arguments(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
-    generate.add_arguments(sub.add_parser("generate", help="generate one reply and exit"))
-    cache.add_arguments(sub.add_parser("cache", help="inspect or clear the disk cache"))
+    for name, (line, add_arguments) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=line, description=line))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, agent_args = launch.split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        args.agent_args = agent_args
+    elif agent_args:
+        args = build_parser().parse_args([*argv, "--", *agent_args])  # argparse's own error
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -52,11 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(startup_line(), file=sys.stderr)
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "cache":
-            return cmd_cache(args)
-        return cmd_serve(args)
+        # Looked up when it runs, so that a test may replace one.
+        run = {"serve": cmd_serve, "generate": cmd_generate, "pull": cmd_pull, "ls": cmd_ls,
+               "rm": cmd_rm, "ps": cmd_ps, "launch": cmd_launch, "cache": cmd_cache}  # fmt: skip
+        return run[args.command](args)
     except ModelNotFound as e:
         return _error(e.message, 2, args.verbose)
     except (MlxPrefixError, ValueError) as e:

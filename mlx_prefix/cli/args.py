@@ -20,6 +20,7 @@ from mlx_prefix.config import (
     from_env,
 )
 from mlx_prefix.config import parse_bytes as config_parse_bytes
+from mlx_prefix.config import parse_duration as config_parse_duration
 
 if TYPE_CHECKING:
     from mlx_prefix.models.load import LoadedModel
@@ -29,6 +30,14 @@ def parse_bytes(text: str) -> int:
     """'4GiB', '512MB', '1e9', '1024' -> bytes (argparse type)."""
     try:
         return config_parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def duration(text: str) -> float:
+    """'5m', '30s', '1h', '0', '-1' (forever) -> seconds (argparse type)."""
+    try:
+        return config_parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -41,6 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     disk_args(p, "full")
     kv_quant_args(p)
     p.add_argument("-s", "--system", help="system prompt")
+    p.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image (PNG, JPEG, WebP, still GIF) before PROMPT in the user message "
+        "(repeatable; a vision model)",
+    )
     p.add_argument("--messages", type=Path, help="OpenAI messages JSON file (array)")
     p.add_argument("-n", "--max-tokens", type=_max_tokens, default=256)
     p.add_argument(
@@ -65,6 +74,32 @@ def _read_messages(path: Path) -> list[dict[str, Any]]:
     return data
 
 
+def _with_images(prompt: Any, files: list[Path], text: str | None) -> Any:
+    """`prompt` with the images before the last user message's text (a new user message
+    of them alone when PROMPT is not given)."""
+    from dataclasses import replace
+
+    from mlx_prefix.conversation import ImageAt, Message
+    from mlx_prefix.vision.intake import ImageLimits, decode_image
+    from mlx_prefix.vision.parts import ImageInput
+
+    images = []
+    for path in files:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise MlxPrefixError(f"cannot read image {path}: {e}") from None
+        image = decode_image(data, ImageLimits(), f"--image {path}")
+        images.append(ImageAt(0, ImageInput(image), f"--image {path}"))
+    messages = list(prompt.messages)
+    if text is not None:
+        last = messages[-1]
+        messages[-1] = replace(last, images=tuple(images))
+    else:
+        messages.append(Message("user", "", images=tuple(images)))
+    return replace(prompt, messages=tuple(messages))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
     from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams, TokenEvent
@@ -86,6 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"--system given, but {args.messages} already starts with a system message"
             )
         prompt = chat_prompt(prompt_text, system=args.system, messages=messages)
+        if args.image:
+            prompt = _with_images(prompt, args.image, prompt_text)
     sampling = SamplingParams(args.max_tokens, args.temp, args.top_p, args.seed, tuple(args.stop))
     model = model_from_args(args)
     session = PrefixCacheSession(

@@ -16,15 +16,15 @@ from .args import (
     disk_config,
     draft_args,
     draft_from_args,
+    duration,
     engine_args,
     engine_config,
     model_args,
     model_from_args,
+    parse_bytes,
 )
 
 if TYPE_CHECKING:
-    from mlx_prefix.server.served.loading import EngineLoader
-    from mlx_prefix.server.served.names import ModelSpec
     from mlx_prefix.server.settings import ServerSettings
 
 
@@ -58,6 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or ::, IP addresses and this machine's own name are accepted too",
     )
     p.add_argument(
+        "--ollama",
+        nargs="?",
+        const="",  # Ollama's own address (ServerSettings)
+        default=None,
+        metavar="HOST:PORT",
+        help="also listen on Ollama's address (127.0.0.1:11434 unless given), for apps "
+        "that assume it; refused when something already listens there",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
@@ -85,6 +94,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "unloaded first (default 1: a request naming another model swaps it in)",
     )
     p.add_argument(
+        "--keep-alive",
+        type=duration,
+        default=None,
+        metavar="DURATION",
+        help="how long a model loaded on demand stays loaded once idle: 5m (default), "
+        "30s, 1h, 0 (unload after each request), -1 (until another needs its room)",
+    )
+    p.add_argument(
+        "--model-keep-alive",
+        type=duration,
+        default=None,
+        metavar="DURATION",
+        help="the same for the --model one (default -1: it stays)",
+    )
+    p.add_argument(
+        "--models-file",
+        default=None,
+        metavar="PATH",
+        help="per-model settings (aliases, context length, sampling defaults, chat template "
+        "kwargs, draft model, KV bits, keep_alive, pinned); default: models.toml in "
+        "$MLX_PREFIX_HOME, if there",
+    )
+    p.add_argument(
         "--model-alias",
         action="append",
         dest="model_aliases",
@@ -110,6 +142,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="render Claude Code's x-anthropic-billing-header system block "
         "(left out by default: it changes between requests and would defeat the cache)",
     )
+    images = p.add_argument_group("images in requests (vision models)")
+    images.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        default=None,
+        help="fetch http(s) image URLs a request names (public addresses only, no redirects, "
+        "size and time bounded); by default a URL is a 400 and images come as base64",
+    )
+    images.add_argument(
+        "--image-max-bytes", type=parse_bytes, help="largest encoded image (default 20MiB)"
+    )
+    images.add_argument(
+        "--image-max-pixels",
+        type=int,
+        help="largest image, width x height, checked before decoding (default 32,000,000)",
+    )
+    images.add_argument("--max-images", type=int, help="images per request (default 32)")
     p.add_argument(
         "--no-explain",
         dest="explain_requests",
@@ -205,9 +254,16 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "aliases": tuple(args.aliases) if args.aliases is not None else None,
         "strict_model_names": args.strict_model_names,
         "max_models": args.max_models,
+        "keep_alive_s": args.keep_alive,
+        "model_keep_alive_s": args.model_keep_alive,
         "allowed_models": tuple(args.allowed_models) if args.allowed_models is not None else None,
         "model_aliases": tuple(args.model_aliases) if args.model_aliases is not None else None,
         "keep_billing_header": args.keep_billing_header,
+        "allow_image_urls": args.allow_image_urls,
+        "image_max_bytes": args.image_max_bytes,
+        "image_max_pixels": args.image_max_pixels,
+        "max_images": args.max_images,
+        "ollama": args.ollama,
         "explain_requests": args.explain_requests,
         "embedding_aliases": tuple(args.embedding_aliases)
         if getattr(args, "embedding_aliases", None) is not None
@@ -217,14 +273,20 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from mlx_prefix.config import ModelConfig
     from mlx_prefix.engine.engine import Engine
+    from mlx_prefix.models.settings_file import load_models_file
     from mlx_prefix.server.app import serve
 
+    from .loader import engine_loader, find_settings, with_settings
     from .sharded import launched_group, serve_sharded
 
     settings = server_settings(args)
+    models_file = load_models_file(args.models_file)  # a bad file stops here, by its line
     group = launched_group()
     if group is not None:
+        if args.models_file is not None:
+            raise InvalidRequest("--models-file needs an unsharded server")
         if settings.max_models > 1 or settings.model_aliases or settings.allowed_models:
             raise InvalidRequest(
                 "--max-models > 1, --model-alias and --allowed-models need an unsharded server"
@@ -237,22 +299,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--pipeline needs a sharded launch: mlx.launch -n 2 --backend ring "
             "--python <venv>/bin/python -m mlx_prefix serve --model M --pipeline"
         )
+    # Ollama's port before the model loads: a server that cannot have it stops at once.
+    ollama_socket = ollama_port(settings)
     # No local name for the engine: the server owns it and may unload it.
     model = model_from_args(args)
+    named = from_env(ModelConfig, "MODEL", {"model": args.model}).model
+    own = find_settings(models_file, named, model.name, str(model.path))
+    model, config, draft = with_settings(model, own, engine_config(args))
     embeddings = embedding_worker(args)
     serve(
         Engine(
             model,
             cache_config(args),
-            engine_config(args),
+            config,
             disk_config=disk_config(args),
-            draft=draft_from_args(args, model),  # the default model's; others decode plainly
+            draft=draft or draft_from_args(args, model),
         ),
         settings,
-        engine_loader(args),
+        engine_loader(args, models_file),
         embeddings,
+        models_file,
+        ollama_socket,
     )
     return 0
+
+
+def ollama_port(settings: ServerSettings) -> Any:
+    """With --ollama, the socket bound to Ollama's address (None without, or when --host
+    and --port already are that address)."""
+    from mlx_prefix.server.ollama_port import bind_ollama_port, covered
+
+    if not settings.ollama or covered(settings.host, settings.port, settings.ollama):
+        return None
+    return bind_ollama_port(settings.ollama)
 
 
 def embedding_config(args: argparse.Namespace) -> Any:
@@ -291,37 +370,3 @@ def embedding_worker(args: argparse.Namespace) -> Any:
         cfg.embedding_model, dtype=cfg.dtype, matryoshka=cfg.embedding_matryoshka
     )
     return EmbeddingWorker(model)
-
-
-def engine_loader(args: argparse.Namespace) -> EngineLoader:
-    """How the server loads a model on demand (server/served/pool.py): the model flags,
-    except that --chat-template applies to the default model only, and the cache and
-    engine flags; the engine shares the store and disk cache it is given."""
-    from mlx_prefix.config import ModelConfig
-    from mlx_prefix.engine.engine import Engine
-    from mlx_prefix.models.load import load_model
-
-    keys = ("model", "dtype", "chat_template", "use_default_chat_template",
-            "chat_template_args", "trust_remote_code")  # fmt: skip
-    cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
-
-    def load(spec: ModelSpec, store: Any, disk_cache: Any) -> Engine:
-        model = load_model(
-            cfg.model if spec.default else str(spec.folder),
-            adapter=str(spec.adapter) if spec.adapter else None,
-            dtype=cfg.dtype,
-            chat_template=cfg.chat_template if spec.default else None,
-            use_default_chat_template=cfg.use_default_chat_template,
-            chat_template_args=cfg.chat_template_args,
-            trust_remote_code=cfg.trust_remote_code,
-        )
-        return Engine(
-            model,
-            cache_config(args),
-            engine_config(args),
-            store=store,
-            disk_config=disk_config(args),
-            disk_cache=disk_cache,
-        )
-
-    return load

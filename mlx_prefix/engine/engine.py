@@ -42,7 +42,12 @@ from mlx_prefix.engine.keys import cache_key, entry_key
 from mlx_prefix.engine.loop import EngineLoop
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.phase import PrefillPhase
-from mlx_prefix.engine.requests.admission import check_reply_fits, check_sampling, plan_prompt
+from mlx_prefix.engine.requests.admission import (
+    check_images,
+    check_reply_fits,
+    check_sampling,
+    plan_prompt,
+)
 from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
@@ -89,7 +94,9 @@ class Engine:
         self.lifecycle = self.turns.lifecycle
         self.handle_type = self.turns.handle_type  # what callers hold for each job
         output_head.install(model.model)  # a prompt's logits: its last position's (head.py)
-        self.planner = PromptPlanner(model.tokenizer, self.cache_config, model.template_args)
+        self.planner = PromptPlanner(
+            model.tokenizer, self.cache_config, model.template_args, vision=model.vision
+        )
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
         self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or new_store(self.cache_config)
@@ -220,6 +227,7 @@ class Engine:
         check_sampling(sampling, self.vocab_size)
         check_request(sampling, self.loop.decode.speculator)
         rendered = self.plan(prompt)
+        check_images(rendered, sampling)
         if fit_reply:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
         fmt = sampling.response_format
@@ -375,7 +383,7 @@ class Engine:
 
 
 def new_store(config: CacheConfig) -> PromptCache:
-    """A store of its own for one engine (a server's models share one: model_pool.py)."""
+    """A store of its own for one engine (a server's models share one: server/served/pool.py)."""
     return PromptCache(
         config.budget_bytes,
         config.max_entries,

@@ -24,6 +24,7 @@ from mlx_prefix.engine.loop import EngineLoop, Pacing
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.lifecycle import Lifecycle
 from mlx_prefix.engine.requests.pace import Pace
+from mlx_prefix.platform import trim_heap
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -92,7 +93,8 @@ class Turns(Protocol):
 
 
 class LocalTurns:
-    """One process's turns: take the inbox, step, publish, until closed and drained."""
+    """One process's turns: take the inbox, step, publish, until closed and drained;
+    going idle after work, the heap trimmed once (`EngineConfig.idle_trim_s`)."""
 
     handle_type = RequestHandle
     leader = True
@@ -130,8 +132,11 @@ class LocalTurns:
 
     def _turns(self, loop: EngineLoop) -> None:
         disk = loop.disk
+        trim_s = loop.config.idle_trim_s
+        worked = False  # since the heap was last trimmed
         while True:
             idle = loop.idle()
+            worked = worked or not idle
             saving = disk is not None and disk.pending > 0
             if disk is not None and saving and self._abandon_saves:
                 disk.drop_pending("the shutdown's time for disk saves ran out")
@@ -143,7 +148,15 @@ class LocalTurns:
                     # Off the requests' critical path: never between two tokens.
                     disk.write_pending(busy=not idle, decoding=len(loop.decode) > 0)
                 block = idle and not loop.closing and not saving
-                loop.take_inbox(block, timeout=loop.waiting.background_wait() if block else None)
+                wait = loop.waiting.background_wait() if block else None
+                # Idle after work: wait a moment first (never between two requests of a
+                # burst), unless a background prefill is due sooner; then give the C
+                # heap's freed pages back once (glibc keeps ~100 MiB after a burst).
+                trim = block and worked and trim_s is not None and (wait is None or wait >= trim_s)
+                loop.take_inbox(block, timeout=trim_s if trim else wait)
+                if trim and not loop.waiting.has_requests():
+                    trim_heap()  # once per idle transition, off every request's path
+                    worked = False
                 loop.step(self._stopping)
             except Exception as e:  # a bug in one request must not stop the engine
                 log.exception("engine step failed")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mlx_prefix.cache.token_ids import WIDTH, ids, packed
+from mlx_prefix.vision.key import readable
 
 if TYPE_CHECKING:
     from mlx_prefix.prompt.request.grid import ChunkGrid
@@ -84,9 +85,12 @@ def reply_came_back(tokenizer: Any, reply: Sequence[int], sent: Sequence[int]) -
 
 
 def _decode(tokenizer: Any, tokens: Sequence[int]) -> str:
-    if not tokens:
-        return ""
+    """The text of `tokens`, an image's span (its key values: vision/key.py) as `[image]`."""
+    return readable(tokens, lambda text: _decode_ids(tokenizer, text))
+
+
+def _decode_ids(tokenizer: Any, tokens: list[int]) -> str:
     try:
-        return str(tokenizer.decode(list(tokens)))
+        return str(tokenizer.decode(tokens))
     except Exception:  # a tokenizer that cannot decode a bare slice: no text
         return ""

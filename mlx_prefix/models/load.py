@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
+from mlx_prefix.models.preflight import context_length
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
 from mlx_prefix.models.stops import add_reply_stops
 from mlx_prefix.models.template import ensure_template, template_args, template_text
@@ -18,6 +19,8 @@ from mlx_prefix.models.template import ensure_template, template_args, template_
 if TYPE_CHECKING:
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from mlx_prefix.vision.tower import VisionFamily
 
 __all__ = [
     "LoadedModel",
@@ -32,14 +35,6 @@ __all__ = [
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-_CONTEXT_KEYS = (
-    "max_position_embeddings",
-    "max_sequence_length",
-    "max_seq_len",
-    "seq_length",
-    "n_positions",
-    "n_ctx",
-)
 
 
 @dataclass
@@ -52,6 +47,8 @@ class LoadedModel:
     context_length: int | None  # from config; None if the config does not say
     # apply_chat_template arguments of every request (--chat-template-args)
     template_args: dict[str, Any] = field(default_factory=dict)
+    # A vision checkpoint's tower and image handling (vision/tower.py); None: text only.
+    vision: VisionFamily | None = None
 
 
 def choose_dtype(device: mx.Device, checkpoint_dtype: str) -> str:
@@ -115,7 +112,26 @@ def load_model(
         message = f"model '{label}' could not be loaded: {reason}"
         raise ModelNotFound(message, param="adapter" if part == "adapter" else "model") from e
 
-    return finish_loading(model, tokenizer, config, resolved, dtype, defaults, adapter_path)
+    loaded = finish_loading(model, tokenizer, config, resolved, dtype, defaults, adapter_path)
+    loaded.vision = _load_vision(loaded, label)
+    return loaded
+
+
+def _load_vision(loaded: LoadedModel, label: str) -> VisionFamily | None:
+    """The folder's vision part, its hooks installed in the text model (vision/tower.py);
+    None for a text-only folder. mlx-vlm is imported only here."""
+    from mlx_prefix.vision.tower import is_vision_config, load_vision, read_config
+
+    if not is_vision_config(read_config(loaded.path)):
+        return None
+    try:
+        family = load_vision(loaded.path, _DTYPES[loaded.identity.dtype], loaded.tokenizer)
+    except Exception as e:  # noqa: BLE001 (mlx-vlm missing, an unserved family, bad weights)
+        reason = load_failure("vision tower", e, loaded.path)
+        raise ModelNotFound(f"model '{label}' could not be loaded: {reason}", param="model") from e
+    assert family is not None
+    family.install(loaded.model)
+    return family
 
 
 def tokenizer_config(chat_template: str | None, trust_remote_code: bool) -> dict[str, Any]:
@@ -219,11 +235,3 @@ def _cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
     if updates:
         model.load_weights(updates, strict=False)
         mx.eval(model.parameters())
-
-
-def context_length(config: dict[str, Any]) -> int | None:
-    for cfg in (config, config.get("text_config") or {}):
-        for key in _CONTEXT_KEYS:
-            if isinstance(value := cfg.get(key), int) and value > 0:
-                return value
-    return None

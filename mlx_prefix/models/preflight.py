@@ -1,17 +1,26 @@
 """Checks on a model folder before it is loaded, read cheaply from its files: whether it
 looks loadable (so that a server does not unload a model for one that fails) and how
 much memory its weights will take (server/served/pool.py and the CLI decide with these).
-Which folder a name means is models/resolve.py's business.
+Which folder a name means is models/resolve.py's business. No MLX.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from mlx_prefix.errors import ModelNotFound
 
 _HALF = ("float16", "bfloat16")
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
 
@@ -74,3 +83,13 @@ def _upcast_on_cpu(folder: Path) -> bool:
     if config.get("quantization") or config.get("quantization_config"):
         return False
     return (config.get("torch_dtype") or config.get("dtype")) in _HALF
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    """The context length a model's config.json states (its text model's for a
+    vision-language config); None if it states none."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(value := cfg.get(key), int) and value > 0:
+                return value
+    return None

@@ -1,7 +1,8 @@
 """Model naming: what folder a model name means, in one place.
 
-A name is the bundled default (None or DEFAULT_MODEL_NAME), a local folder, or a Hugging
-Face repo id (`org/repo`, optionally `@revision`). Two lookups share these rules:
+A name is the bundled default (None or DEFAULT_MODEL_NAME), a local folder, a folder's
+name under `$MLX_PREFIX_HOME/models`, or a Hugging Face repo id (`org/repo`, optionally
+`@revision`). Two lookups share these rules:
 `resolve_model` (the server's own --model, the CLI: may download) and `find_local_model`
 (a name the operator listed for on-demand loading: never the network). `is_path` is the
 shape rule every layer uses to tell a path from a served name or a hub id.
@@ -20,7 +21,7 @@ from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.models.default import DEFAULT_MODEL_NAME, ensure_default_model
 
 # What a model folder needs from a hub snapshot; mirrors mlx_lm.utils' allow list.
-_ALLOW_PATTERNS = [
+ALLOW_PATTERNS = [
     "*.json",
     "model*.safetensors",
     "*.py",
@@ -41,6 +42,11 @@ class ResolvedModel:
     path: Path  # local folder holding config.json
     name: str  # id served in /v1/models: folder basename or repo id
     source: str  # resolved local path, or "org/repo@<commit sha>"
+
+
+def is_repo_id(name: str) -> bool:
+    """Whether `name` is shaped like a hub repo id `org/repo` (no revision)."""
+    return bool(_REPO_ID.fullmatch(name)) and not name.startswith(_PATH_PREFIXES)
 
 
 def is_path(name: str) -> bool:
@@ -67,6 +73,8 @@ def resolve_model(spec: str | None) -> ResolvedModel:
         return _local(local, name=local.resolve().name, spec=spec)
     if spec == DEFAULT_MODEL_NAME:
         return _local(ensure_default_model(), name=DEFAULT_MODEL_NAME)
+    if (home := _home_folder(spec)) is not None:
+        return _local(home, name=spec)
     repo_id, _, revision = spec.partition("@")
     if spec.startswith(_PATH_PREFIXES) or not _REPO_ID.fullmatch(repo_id):
         raise ModelNotFound(f"model '{spec}' not found: no such folder", param="model")
@@ -86,10 +94,22 @@ def find_local_model(name: str) -> ResolvedModel | None:
             raise ModelNotFound(f"model '{name}' not found: {why}", param="model")
         resolved = path.resolve()
         return ResolvedModel(path=resolved, name=resolved.name, source=str(resolved))
+    if (home := _home_folder(name)) is not None:
+        return ResolvedModel(path=home.resolve(), name=name, source=str(home.resolve()))
     repo_id, _, revision = name.partition("@")
     if _REPO_ID.fullmatch(repo_id):
         return _cached_hub_model(repo_id, revision or None)
     return None
+
+
+def _home_folder(name: str) -> Path | None:
+    """A model folder `$MLX_PREFIX_HOME/models/<name>` (a bare name: no slash)."""
+    from mlx_prefix.models.default import default_models_dir
+
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None
+    folder = default_models_dir() / name
+    return folder if (folder / "config.json").is_file() else None
 
 
 def adapter_folder(adapter: str) -> Path:
@@ -126,7 +146,7 @@ def _cached_hub_model(repo_id: str, revision: str | None) -> ResolvedModel | Non
         # local_files_only: the cache is consulted, the Hub never is.
         folder = Path(
             snapshot_download(
-                repo_id, revision=revision, allow_patterns=_ALLOW_PATTERNS, local_files_only=True
+                repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=True
             )
         )
     except (LocalEntryNotFoundError, HFValidationError, OSError):
@@ -152,7 +172,7 @@ def _from_hub(spec: str, repo_id: str, revision: str | None) -> ResolvedModel:
         folder = snapshot_download(
             repo_id,
             revision=revision,
-            allow_patterns=_ALLOW_PATTERNS,
+            allow_patterns=ALLOW_PATTERNS,
             local_files_only=offline,
         )
     except GatedRepoError:

@@ -20,21 +20,22 @@ from .guards.hosts import HostPolicy
 from .guards.middleware import ApiKeyAuth, HostGuard, cors
 from .guards.namespaces import Namespaces
 from .monitor.metrics import RequestCounter, ServerMetrics
+from .ollama_port import bind_ollama_port, bound_address, covered
 from .protocol.request import Limits, SamplingDefaults
 from .replies.stream import InFlight
 from .responses_store import ResponseStore
 from .routes import ROUTES
 from .routes.common import ServerState
 from .served.embeddings import ServedEmbeddings
+from .served.idle import IdleUnloader
 from .served.loading import EngineLoader
 from .served.pool import ModelPool
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
-    from mlx_prefix.engine.interface import EngineAPI
-
-if TYPE_CHECKING:
     from mlx_prefix.embeddings.worker import EmbeddingWorker
+    from mlx_prefix.engine.interface import EngineAPI
+    from mlx_prefix.models.settings_file import ModelsFile
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -44,12 +45,14 @@ def create_app(
     settings: ServerSettings,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
+    model_settings: ModelsFile | None = None,
 ) -> Starlette:
     """An app serving `engine`. Without a `loader` it never shuts the engine down: whoever
-    made it owns it. With one, other models are loaded on demand (server/served/pool.py)
-    and the app owns `engine` too: it may unload it (shut down, weights dropped).
-    `embeddings` serves /v1/embeddings; its owner closes it."""
-    return _build(engine, settings, on_shutdown=None, loader=loader, embeddings=embeddings)
+    made it owns it. With one, other models are loaded on demand (server/served/pool.py),
+    idle ones unloaded (server/served/idle.py), and the app owns `engine` too: it may
+    unload it (shut down, weights dropped). `embeddings` serves /v1/embeddings; its
+    owner closes it. `model_settings`: the settings file, read (models/settings_file.py)."""
+    return _build(engine, settings, None, loader, embeddings, model_settings)
 
 
 def serve(
@@ -57,22 +60,23 @@ def serve(
     settings: ServerSettings,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
+    model_settings: ModelsFile | None = None,
+    ollama_socket: socket.socket | None = None,
 ) -> None:
     """Serves until SIGINT/SIGTERM, then: stop accepting connections, give in-flight
     requests `settings.shutdown_grace_s` to finish, cancel the rest, shut the engines
-    (and the embedding worker) down."""
+    (and the embedding worker) down. With `settings.ollama`, also on Ollama's address,
+    through `ollama_socket` when the caller bound it early (before loading the model),
+    else bound here."""
+    ollama = settings.ollama
+    if ollama and ollama_socket is None and not covered(settings.host, settings.port, ollama):
+        ollama_socket = bind_ollama_port(ollama)
     logging.getLogger("mlx_prefix").setLevel(settings.log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shut_down = False
 
-    app = _build(
-        engine,
-        settings,
-        on_shutdown=lambda: shutdown_engine(),
-        loader=loader,
-        embeddings=embeddings,
-    )
+    app = _build(engine, settings, lambda: shutdown_engine(), loader, embeddings, model_settings)
     pool: ModelPool = app.state.server.models
 
     def shutdown_engine() -> None:
@@ -97,6 +101,10 @@ def serve(
     )
     name = engine.model.name
     listening = lambda port: log.info("%s", serving_line(name, settings.host, port))  # noqa: E731
+    if ollama_socket is not None:
+        log.info(
+            "Ollama's address: http://%s (its API is served on both)", bound_address(ollama_socket)
+        )
     if embeddings is not None:
         log.info("%s", embeddings_line(embeddings))
     cluster = getattr(engine, "cluster", None)  # a sharded engine (engine/sharded/distributed.py)
@@ -107,9 +115,13 @@ def serve(
     try:
         # uvicorn re-raises the captured signal after its shutdown; the engine is shut
         # down in the app's lifespan before that, and here when startup failed.
-        _GracefulServer(
+        server = _GracefulServer(
             config, app.state.server.inflight, settings.shutdown_grace_s, failed, listening
-        ).run()
+        )
+        if ollama_socket is None:
+            server.run()
+        else:  # both addresses on one server, the main one bound as uvicorn binds it
+            server.run(sockets=[config.bind_socket(), ollama_socket])
     finally:
         shutdown_engine()
 
@@ -195,6 +207,7 @@ def _build(
     on_shutdown: Callable[[], None] | None,
     loader: EngineLoader | None = None,
     embeddings: EmbeddingWorker | None = None,
+    model_settings: ModelsFile | None = None,
 ) -> Starlette:
     limits = Limits(  # for parsing: each served model's own limit comes after (limits_for)
         default_max_tokens=settings.default_max_tokens,
@@ -203,6 +216,7 @@ def _build(
             settings.temperature, settings.top_p, settings.top_k, settings.min_p
         ),
         draft_names=_draft_names(engine),
+        images=settings.images,
     )
     models = ModelPool(
         engine,
@@ -212,7 +226,11 @@ def _build(
         max_models=settings.max_models,
         model_aliases=settings.model_alias_map(),
         allowed_models=settings.allowed_models,
+        settings=model_settings,
+        keep_alive_s=settings.keep_alive_s,
+        default_keep_alive_s=settings.model_keep_alive_s,
     )
+    unloader = IdleUnloader(models) if loader is not None else None
     metrics = ServerMetrics(
         lambda: models.primary().cache_stats(), explain=settings.explain_requests
     )
@@ -226,7 +244,12 @@ def _build(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        watch = asyncio.create_task(unloader.run()) if unloader is not None else None
         yield
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         metrics.explainer.close()
         if on_shutdown is not None:
             log.info("shutting down the engine")
@@ -249,6 +272,7 @@ def _build(
         embeddings=ServedEmbeddings.of(embeddings, settings.embedding_aliases)
         if embeddings is not None
         else None,
+        unloader=unloader,
     )
     app.state.namespaces = Namespaces(settings.cache_sharing, settings.api_key)
     return app

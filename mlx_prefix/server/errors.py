@@ -1,6 +1,7 @@
 """Every failure leaves the server as one error body in the shape of the API family the
-path belongs to: OpenAI's `{"error": {message, type, param, code}}`, or on the Anthropic
-Messages routes `{"type": "error", "error": {type, message}}`, with the same status."""
+path belongs to: OpenAI's `{"error": {message, type, param, code}}`, on the Anthropic
+Messages routes `{"type": "error", "error": {type, message}}`, on Ollama's /api/ routes
+`{"error": "message"}`, with the same status."""
 
 from __future__ import annotations
 
@@ -102,6 +103,11 @@ def is_anthropic_path(path: str) -> bool:
     return path.removeprefix("/v1").startswith("/messages")
 
 
+def is_ollama_path(path: str) -> bool:
+    """Ollama's API routes (/api/chat, /api/tags, ...)."""
+    return path.startswith("/api/") or path == "/api"
+
+
 def anthropic_error_body(exc: MlxPrefixError) -> dict:
     kind = _ANTHROPIC_TYPES.get(exc.status)
     if kind is None:
@@ -109,23 +115,32 @@ def anthropic_error_body(exc: MlxPrefixError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
 
 
-def body_for(exc: MlxPrefixError, *, anthropic: bool = False) -> dict:
+def body_for(exc: MlxPrefixError, *, anthropic: bool = False, ollama: bool = False) -> dict:
     if anthropic:
         return anthropic_error_body(exc)
+    if ollama:  # Ollama's clients read the message from a bare "error" string
+        return {"error": exc.message}
     return error_body(exc.message, exc.type, param=exc.param, code=exc.code)
 
 
 def error_response(
-    exc: MlxPrefixError, headers: dict[str, str] | None = None, *, anthropic: bool = False
+    exc: MlxPrefixError,
+    headers: dict[str, str] | None = None,
+    *,
+    anthropic: bool = False,
+    ollama: bool = False,
 ) -> JSONResponse:
-    return JSONResponse(body_for(exc, anthropic=anthropic), status_code=exc.status, headers=headers)
+    body = body_for(exc, anthropic=anthropic, ollama=ollama)
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 def error_response_for(
     path: str, exc: MlxPrefixError, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     """The error in the shape of the API family `path` belongs to."""
-    return error_response(exc, headers, anthropic=is_anthropic_path(path))
+    return error_response(
+        exc, headers, anthropic=is_anthropic_path(path), ollama=is_ollama_path(path)
+    )
 
 
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}

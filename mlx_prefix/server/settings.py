@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_prefix.config import FOREVER
+from mlx_prefix.vision.intake import ImageLimits
+
 from .guards.hosts import check_allowed_host
+from .ollama_port import OLLAMA_ADDRESS, split_address
 
 
 @dataclass(frozen=True)
@@ -19,7 +23,8 @@ class ServerSettings:
     # or "*" for any (behind a proxy that rewrites Host).
     allowed_hosts: tuple[str, ...] = ()
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
-    max_body_bytes: int = 4 * 1024 * 1024
+    # A request body's bytes: images come base64 inside (a screenshot or two).
+    max_body_bytes: int = 48 * 1024 * 1024
     log_level: str = "info"
     default_max_tokens: int = 512  # when a request names neither max_tokens form
     # Sampling defaults for requests that leave the field out (None: the API's own).
@@ -38,12 +43,23 @@ class ServerSettings:
     # (LRU), and "NAME=PATH" names for other model folders or cached hub ids.
     max_models: int = 1
     model_aliases: tuple[str, ...] = ()
+    # Idle unload (server/served/idle.py): seconds a model loaded on demand stays once
+    # idle, and the same for the --model one (FOREVER: until a swap needs its room).
+    keep_alive_s: float = 300.0
+    model_keep_alive_s: float = FOREVER
     # Model folders, cached hub ids and LoRA adapter folders a request may name, loaded
     # on demand (besides the served model and the model_aliases); nothing else is.
     allowed_models: tuple[str, ...] = ()
     # Keep a system block shaped like Claude Code's `x-anthropic-billing-header: k=v;`
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
+    # Images in requests (mlx_prefix/vision/intake.py, fetch.py): --allow-image-urls,
+    # --image-max-bytes, --image-max-pixels, --max-images.
+    allow_image_urls: bool = False
+    image_max_bytes: int = 20 * 1024 * 1024
+    image_max_pixels: int = 32_000_000
+    max_images: int = 32
+    image_fetch_timeout_s: float = 10.0
     # Explain every request's reuse (explain/): GET /v1/cache/requests, the dashboard's
     # misses, per-reason metrics and log lines. Off: none of them (--no-explain).
     explain_requests: bool = True
@@ -56,6 +72,18 @@ class ServerSettings:
     embedding_aliases: tuple[str, ...] = ()
     embedding_max_inputs: int = 2048
     embedding_max_tokens: int = 300_000
+    # Also listen on this address, Ollama's ("127.0.0.1:11434"; server/ollama_port.py).
+    ollama: str | None = None
+
+    @property
+    def images(self) -> ImageLimits:
+        return ImageLimits(
+            max_bytes=self.image_max_bytes,
+            max_pixels=self.image_max_pixels,
+            max_images=self.max_images,
+            allow_urls=self.allow_image_urls,
+            fetch_timeout_s=self.image_fetch_timeout_s,
+        )
 
     def __post_init__(self) -> None:
         origins = self.allowed_origins
@@ -82,8 +110,14 @@ class ServerSettings:
             models = tuple(m.strip() for m in self.allowed_models.split(",") if m.strip())
             object.__setattr__(self, "allowed_models", models)
         self.model_alias_map()  # ValueError for a malformed pair
+        if self.ollama == "":  # `--ollama` alone
+            object.__setattr__(self, "ollama", OLLAMA_ADDRESS)
+        if self.ollama is not None:
+            split_address(self.ollama)  # ValueError for a malformed address
         if self.max_models < 1:
             raise ValueError("max_models must be at least 1")
+        if min(self.keep_alive_s, self.model_keep_alive_s) < 0:
+            raise ValueError("keep_alive_s and model_keep_alive_s must not be negative")
         for origin in self.allowed_origins:
             if origin != "*" and "://" not in origin:
                 raise ValueError(

@@ -15,7 +15,9 @@ Metadata (all values are strings):
   kind           CheckpointKind name
   length         number of tokens
   trimmable      "1" or "0"
-  tokens         base64 of the token ids as int32 little-endian
+  tokens         base64 of the key's token ids as int64 little-endian (an image's
+                 placeholders are 62-bit values salted with its hash: vision/key.py;
+                 never the image's bytes)
   data_digest    sha256 hex of the whole tensor data section
   header_digest  sha256 hex of bytes [0, 8+N) with this field's value replaced by
                  HEADER_PLACEHOLDER: covers every header byte (shapes, dtypes, offsets,
@@ -29,7 +31,8 @@ Reading a header never reads tensor data (`read_header`): the index is rebuilt f
 headers alone, each verified against its digest. Pure Python (no MLX).
 
 Version history: 1 digested only the token ids and the data (a damaged shape or
-`layers` field was served); files of any version but this one are stale.
+`layers` field was served); 2 held token ids as int32 (no room for image keys); files
+of any version but this one are stale.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 FORMAT_NAME = "mlx-prefix-disk"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 SUFFIX = ".safetensors"
-MAX_HEADER_BYTES = 256 << 20  # far above any real header (tokens are 4/3 * 4 bytes each)
+MAX_HEADER_BYTES = 256 << 20  # far above any real header (tokens are 4/3 * 8 bytes each)
 
 NAME_RE = re.compile(r"^([0-9a-f]{64})\.safetensors$")
 TEMP_RE = re.compile(r"^[0-9a-f]{64}\.safetensors\.tmp-(\d+)-[0-9a-f]+$")
@@ -125,7 +128,7 @@ def runtime_tag() -> str:
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    return np.asarray(tokens, dtype="<i4").tobytes()
+    return np.asarray(tokens, dtype="<i8").tobytes()
 
 
 def entry_name(model_key: str, tokens: Sequence[int]) -> str:
@@ -231,9 +234,9 @@ def read_from(f: BinaryIO) -> FileHeader:
             raise StaleFormat(f"format version {version}, this build reads {FORMAT_VERSION}")
         _verify_header(prefix + raw, meta.get("header_digest"))
         tbytes = base64.b64decode(meta["tokens"], validate=True)
-        if len(tbytes) % 4 or len(tbytes) // 4 != int(meta["length"]):
+        if len(tbytes) % 8 or len(tbytes) // 8 != int(meta["length"]):
             raise DiskFormatError("token count does not match the stored length")
-        tokens = tuple(np.frombuffer(tbytes, dtype="<i4").tolist())
+        tokens = tuple(np.frombuffer(tbytes, dtype="<i8").tolist())
         if not _HEX64.match(meta["data_digest"]):
             raise DiskFormatError("no data digest")
         result = FileHeader(

@@ -23,12 +23,12 @@ Pure Python (no MLX). Thread-safe.
 from __future__ import annotations
 
 import threading
-from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from mlx_prefix.cache.eviction import PROTECTED_ABOVE
+from mlx_prefix.cache.token_ids import packed as packed_ids
 from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.config import DEFAULT_SCOPE, MAX_AUTO_WINDOW, DiskScope, ScopeMode
 
@@ -84,7 +84,7 @@ class DiskPolicy:
         scope = scope or self.default
         tokens = prompt.tokens
         n = len(tokens)
-        packed = array("i", tokens).tobytes()
+        packed = packed_ids(tokens)  # int64: a key's image values are 62-bit
         with self._lock:
             history = self._history.setdefault(model_key, deque(maxlen=MAX_AUTO_WINDOW))
             recent = list(history)[-scope.n :] if scope.mode is ScopeMode.AUTO else []
@@ -123,15 +123,15 @@ class DiskPolicy:
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
-    """Common prefix length in tokens of two int32 token byte strings: a binary search
+    """Common prefix length in tokens of two int64 token byte strings: a binary search
     over bytes comparisons (memcmp), no Python loop over tokens."""
-    hi = min(len(a), len(b)) // 4
-    if a[: 4 * hi] == b[: 4 * hi]:
+    hi = min(len(a), len(b)) // 8
+    if a[: 8 * hi] == b[: 8 * hi]:
         return hi
     lo = 0  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi] (in tokens)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[4 * lo : 4 * mid] == b[4 * lo : 4 * mid]:
+        if a[8 * lo : 8 * mid] == b[8 * lo : 8 * mid]:
             lo = mid
         else:
             hi = mid

@@ -27,6 +27,8 @@ from mlx_prefix.engine.decode.sampling import (
 )
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.forward.rowwise import batched
+from mlx_prefix.vision.forward import decode_positions
+from mlx_prefix.vision.rope import positions
 
 
 def batchable(cache: list) -> bool:
@@ -116,16 +118,24 @@ class DecodeBatch:
         self._samplers: list[TokenSampler] = []
         self._inputs: list[int] = []  # next input token per row
         self._lengths: list[int] = []  # tokens in each row's cache
+        self._deltas: list[int] = []  # each row's rotary shift (images in its prompt)
         self._launched: _Step | None = None  # a step computing, not read yet (`step`)
 
     def __len__(self) -> int:
         return len(self.members)
 
     def add(
-        self, member: Any, cache: list, sampler: TokenSampler, first_token: int, steps: int = 0
+        self,
+        member: Any,
+        cache: list,
+        sampler: TokenSampler,
+        first_token: int,
+        steps: int = 0,
+        delta: int = 0,
     ) -> None:
         """Join a sequence whose prompt is fully in `cache`; its next input is first_token.
-        `steps`: decode steps it may take (the merged buffer makes room for them)."""
+        `steps`: decode steps it may take (the merged buffer makes room for them);
+        `delta`: its rotary position less its index (images before: vision/positions.py)."""
         if self.kv is not None:
             assert not self.cache, "a quantized-KV engine decodes one request at a time"
             self.cache = list(cache)
@@ -136,6 +146,7 @@ class DecodeBatch:
         self._samplers.append(sampler)
         self._inputs.append(first_token)
         self._lengths.append(_tokens_in(cache))
+        self._deltas.append(delta)
 
     def join(self) -> None:
         """Merge the sequences that joined into the batch cache, in joining order (lazy:
@@ -158,7 +169,7 @@ class DecodeBatch:
             return
         if not keep:
             self.cache, self.members, self._samplers, self._inputs = [], [], [], []
-            self._lengths, self._launched = [], None
+            self._lengths, self._deltas, self._launched = [], [], None
             return
         if self._launched is not None:  # its rows are the first ones (`in_flight`)
             launched = [i for i in keep if i < len(self._launched.members)]
@@ -172,6 +183,7 @@ class DecodeBatch:
         self._samplers = [self._samplers[i] for i in keep]
         self._inputs = [self._inputs[i] for i in keep]
         self._lengths = [self._lengths[i] for i in keep]
+        self._deltas = [self._deltas[i] for i in keep]
 
     @property
     def launched(self) -> bool:
@@ -223,14 +235,15 @@ class DecodeBatch:
                 inputs = mx.concatenate([inputs, mx.array(joined, dtype=inputs.dtype)])
         inputs = inputs[:, None]  # [B, 1]
         self._lengths = [n + 1 for n in self._lengths]
-        if self.kv is not None:
-            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [1, V]
-            self.kv.apply(self.cache)
-        elif self.rows is None:
-            logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
-        else:
-            with batched(self.rows, self._lengths):
+        with positions(decode_positions(self._deltas)):
+            if self.kv is not None:
+                logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [1, V]
+                self.kv.apply(self.cache)
+            elif self.rows is None:
                 logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+            else:
+                with batched(self.rows, self._lengths):
+                    logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
         logprobs = normalize(logits) if want_logprobs else None
         tokens = mx.concatenate(
             [
@@ -280,7 +293,10 @@ class DecodeBatch:
         assert tokens[0] == self._inputs[0]
         self.join()
         length = self._lengths[0] + len(tokens)
-        with batched(self.rows or 1, [length], verify=True):
+        with (
+            batched(self.rows or 1, [length], verify=True),
+            positions(decode_positions(self._deltas)),
+        ):
             logits = self.model(mx.array(tuple(tokens))[None], cache=self.cache)[0]  # [L, V]
         return logits
 

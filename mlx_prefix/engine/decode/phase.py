@@ -35,6 +35,7 @@ from mlx_prefix.engine.requests.jobs import Job, usage
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
+from mlx_prefix.vision.key import unsalt
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
 
@@ -149,7 +150,9 @@ class DecodePhase:
         running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)
         if (trace := job.handle.trace) is not None:  # read by the request explainer
             trace.reply = running.emitted  # complete by the final event
-        self.batch.add(running, arrival.cache, sampler, token, max(limit - 1, 0))
+        vision = job.prompt.vision
+        delta = vision.delta if vision is not None else 0  # text after images: vision/rope.py
+        self.batch.add(running, arrival.cache, sampler, token, max(limit - 1, 0), delta)
         if self.speculator is not None and arrival.draft is not None:
             self.speculator.adopt(running, arrival.draft)
         return running, token, logprob, top
@@ -226,7 +229,10 @@ class DecodePhase:
         if job.sampling.xtc_probability > 0:  # as mlx_lm.server: XTC never cuts these
             tokenizer = self.model.tokenizer
             special = tokenizer.encode("\n") + sorted(tokenizer.eos_token_ids)
-        return TokenSampler(job.sampling, job.constraint, job.tokens, special)
+        history: Sequence[int] = job.tokens
+        if (vision := job.prompt.vision) is not None:  # the model's ids, not the key's
+            history = unsalt(history, vision.family.placeholder)
+        return TokenSampler(job.sampling, job.constraint, history, special)
 
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""

@@ -197,8 +197,9 @@ class Speculator:
         return sum(d.nbytes() for d in self._states.values())
 
     def tokens_for(self, running: Running) -> int:
-        """Draft tokens for this request's next step (0: a plain decode step)."""
-        if not self.enabled:
+        """Draft tokens for this request's next step (0: a plain decode step; always for a
+        prompt with images: the draft model sees no images)."""
+        if not self.enabled or running.job.prompt.vision is not None:
             return 0
         asked = running.job.sampling.num_draft_tokens
         k = self.num_draft_tokens if asked is None else asked

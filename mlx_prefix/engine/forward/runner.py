@@ -21,6 +21,7 @@ from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.engine.forward.head import last_position_head
 from mlx_prefix.engine.forward.rowwise import batched
 from mlx_prefix.prompt.request.grid import ChunkGrid
+from mlx_prefix.vision.forward import VisionChunks
 
 
 def always_trimmable(cache: list) -> bool:
@@ -68,6 +69,8 @@ class ChunkWork:
     tokens: Sequence[int]
     start: int
     end: int
+    # A prompt with images: its chunks compute alone, through vision/forward.py.
+    vision: VisionChunks | None = None
 
     @property
     def last(self) -> bool:
@@ -87,17 +90,20 @@ def compute_chunks(
     """
     groups: dict[tuple[int, int], list[int]] = {}
     for i, w in enumerate(works):
-        key = (w.start, w.end - w.start) if group else (i, -1)
+        key = (w.start, w.end - w.start) if group and w.vision is None else (i, -1)
         groups.setdefault(key, []).append(i)
     logits: list[mx.array | None] = [None] * len(works)
     for members in groups.values():
         if len(members) == 1:
             w = works[members[0]]
             with last_position_head() if w.last else nullcontext():
-                chunk = mx.array(tuple(w.tokens[w.start : w.end]))[None]  # [1, L']
-                out = model(chunk, cache=w.cache)  # [1, L', V]
+                if w.vision is not None:
+                    out = w.vision.forward(model, w.cache, w.tokens, w.start, w.end)
+                else:
+                    chunk = mx.array(tuple(w.tokens[w.start : w.end]))[None]  # [1, L']
+                    out = model(chunk, cache=w.cache)  # [1, L', V]
             if w.last:
-                logits[members[0]] = out[:, -1, :]
+                logits[members[0]] = out[:, -1, :]  # out: [1, L', V]
             continue
         first = works[members[0]].cache
         merged = [_merge([works[i].cache[n] for i in members]) for n in range(len(first))]

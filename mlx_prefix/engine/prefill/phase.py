@@ -52,6 +52,12 @@ from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.prompt.request.render import common_prefix_length
+from mlx_prefix.vision.features import FeatureCache
+from mlx_prefix.vision.forward import VisionChunks
+from mlx_prefix.vision.tower import PreparedImage
+
+# The vision-feature cache holds at most this share of the cache's byte budget.
+FEATURE_SHARE = 16
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -120,6 +126,12 @@ class PrefillPhase:
         # With --draft-model: the draft follows each prefill, restored and checkpointed
         # beside the target's cache (engine/decode/speculative.py).
         self.speculator = speculator
+        # A vision model's tower outputs by image key (vision/features.py), their bytes
+        # in the store's budget beside the prefills'.
+        self.features: FeatureCache | None = None
+        if model.vision is not None:
+            share = max(cache_config.budget_bytes // FEATURE_SHARE, 1)
+            self.features = FeatureCache(model.vision, share)
 
     def uses_cache(self, job: Job) -> bool:
         return self.cache_config.enabled and job.cache_pref.enabled
@@ -166,6 +178,9 @@ class PrefillPhase:
         return 0 if self.group or self.config.deterministic else self.config.stack_tail_tokens
 
     def _may_stack(self, task: PrefillTask) -> bool:
+        # A prompt with images computes its chunks alone (vision/forward.py).
+        if task.job.prompt.vision is not None:
+            return False
         return stackable(task, self.stack_limit) and not self._awaited(task)
 
     def _awaited(self, task: PrefillTask) -> bool:
@@ -202,7 +217,7 @@ class PrefillPhase:
             if cache is None:
                 cache = make_prompt_cache(self.model.model)
             draft = None
-            if self.speculator is not None:
+            if self.speculator is not None and job.prompt.vision is None:
                 first = self.planner.grid.chunk_ends(tokens, reuse)[0] - reuse
                 draft = self.speculator.draft_for(found.snapshot, found.trim, reuse, first)
             checkpointer = None
@@ -246,7 +261,7 @@ class PrefillPhase:
             chosen, tokens = choose_chunks(self._in_order(), budget, result.tokens)
             if not chosen:
                 break
-            works = [ChunkWork(t.cache, t.tokens, *t.cursor.next_chunk()) for t in chosen]
+            works = [self._work(t) for t in chosen]
             outputs = compute_chunks(self.model.model, works, self.group)
             if self.group:
                 shapes = Counter((w.start, w.end - w.start) for w in works)
@@ -304,6 +319,24 @@ class PrefillPhase:
         if self.group:
             return self.tasks
         return sorted(self.tasks, key=lambda t: (t.job.background, len(t.tokens) - t.position))
+
+    def _work(self, task: PrefillTask) -> ChunkWork:
+        start, end = task.cursor.next_chunk()
+        return ChunkWork(task.cache, task.tokens, start, end, vision=self._vision(task))
+
+    def _vision(self, task: PrefillTask) -> VisionChunks | None:
+        """How `task`'s chunks take its images (None: a prompt without images)."""
+        vision = task.job.prompt.vision
+        if vision is None:
+            return None
+        assert self.features is not None
+        return VisionChunks(vision, self._features)
+
+    def _features(self, image: PreparedImage) -> mx.array:
+        assert self.features is not None
+        features = self.features(image)
+        self.store.set_active_bytes(f"{self._bytes_key}/vision", self.features.nbytes)
+        return features
 
     def _report(self, task: PrefillTask) -> None:
         """The task's active bytes: its cache, its draft's, the pieces and checkpoints its

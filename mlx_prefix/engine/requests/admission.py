@@ -47,6 +47,17 @@ def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
             )
 
 
+def check_images(rendered: RenderedPrompt, sampling: SamplingParams) -> None:
+    """What a prompt with images cannot have: draft tokens asked for (the draft model
+    sees no images; the server's default drafting just skips such a request)."""
+    if rendered.vision is not None and sampling.num_draft_tokens:
+        raise InvalidRequest(
+            "num_draft_tokens: a prompt with images is not drafted (the draft model sees "
+            "no images); leave it out or 0 for plain decoding",
+            param="num_draft_tokens",
+        )
+
+
 def _check_filters(s: SamplingParams) -> None:
     # mlx_lm.sample_utils raises ValueError past these bounds (a 500 mid-decode).
     checks = (

@@ -103,6 +103,8 @@ def usage(
         prefill_tokens_per_s=prefill_tps,
         decode_tokens_per_s=decode_tps,
         cache_written_tokens=max(0, job.stored_to - reuse),
+        images=len(vision.spans) if (vision := job.prompt.vision) is not None else 0,
+        image_tokens=vision.image_tokens if vision is not None else 0,
     )
 
 

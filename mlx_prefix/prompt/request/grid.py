@@ -17,6 +17,13 @@ function of the token prefix: position b (0 < b) is on the grid iff
     generation prompt goes on with `<think>` while an earlier turn goes on with
     `</think>`; boundaries.detect_grid finds them), so a conversation whose template
     re-renders an earlier reply (drops or moves its reasoning) diverges on the grid.
+and never inside an image: where tokens[b-1] is an image's placeholder value other
+than its last (a prompt's key salts each image's placeholder run: vision/key.py; the
+values are below -2**32, the last one marked), b is no point, whatever the rules above say,
+so an image is always computed in one chunk; the special token that opens an image
+(`<|vision_start|>`) is a segment token of a vision model, so its start is a point, and
+so is its end (tokens[b-1] the last of its values): text after the same image restores
+past it.
 Whether b is on the grid depends on tokens[:b] alone, so two prompts sharing a prefix
 agree on every grid point inside it. Checkpoints are taken only on grid points and
 prefill always runs chunk by chunk between consecutive grid points: a request restored
@@ -42,9 +49,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mlx_prefix.vision.key import ends_span, inside_span
+
 # Bump when the rules above change: entries cut by other rules (on disk, say) must not
 # match, so the version is part of `signature()` and thereby of every cache key.
-GRID_RULES = 4
+GRID_RULES = 5
 # The smallest early point: a shorter first chunk costs a forward pass for too little.
 EARLY_MIN = 64
 
@@ -70,9 +79,11 @@ class ChunkGrid:
 
     def is_point(self, tokens: Sequence[int], b: int) -> bool:
         """Whether position b (0 < b <= len(tokens)) is on the grid of `tokens`."""
-        if b <= 0 or b > len(tokens):
+        if b <= 0 or b > len(tokens) or inside_span(tokens, b):
             return False
         if b % self.chunk_size == 0 or (b >= 2 and tokens[b - 1] in self.segment_tokens):
+            return True
+        if ends_span(tokens[b - 1]):
             return True
         if b < self.chunk_size and b >= EARLY_MIN and self.chunk_size % b == 0:
             if (self.chunk_size // b) & (self.chunk_size // b - 1) == 0:  # a power of 2
@@ -101,7 +112,8 @@ class ChunkGrid:
 
     def periodic(self, n: int, interval: int) -> list[int]:
         """Periodic checkpoint positions <= n (the module docstring's series); every one
-        is a grid point of any prompt. `interval` is a multiple of the chunk size."""
+        is a grid point of any prompt without images (with images, align each: one may
+        fall inside an image). `interval` is a multiple of the chunk size."""
         out = [b for b in self.early_points() if b <= n]
         b = self.chunk_size
         while b < interval and b <= n:

@@ -24,12 +24,13 @@ The grid itself comes from the template (template_grid.py).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.config import CacheConfig
+from mlx_prefix.conversation import rendered_images
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
@@ -37,6 +38,11 @@ from mlx_prefix.prompt.request.breakpoints import breakpoint_positions
 from mlx_prefix.prompt.request.render import SENTINEL, ChatRenderer, common_prefix_length
 from mlx_prefix.prompt.request.template_grid import detect_grid
 from mlx_prefix.records import PromptInput
+from mlx_prefix.vision.key import ImageSpan, salt
+from mlx_prefix.vision.prompt import VisionPrompt
+
+if TYPE_CHECKING:
+    from mlx_prefix.vision.tower import PreparedImage, VisionFamily
 
 # Checkpoints at the starts of this many of a prompt's last assistant turns (see
 # _chat_checkpoints): each costs a hybrid model its recurrent state.
@@ -60,6 +66,8 @@ class RenderedPrompt:
     # What the reply's reasoning drops where written: the template writes it itself when
     # the reasoning comes back (ReasoningMarkers.reply_edges; Gemma 4's `\n`s).
     reasoning_edges: ReasoningEdges = NO_EDGES
+    # The prompt's images (tokens is then the cache key: their spans salted); None: none.
+    vision: VisionPrompt | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):
@@ -70,11 +78,20 @@ class PromptPlanner:
     """Renders prompts to tokens and plans their checkpoints. Thread-safe (no mutable state)."""
 
     def __init__(
-        self, tokenizer: Any, config: CacheConfig, template_args: dict[str, Any] | None = None
+        self,
+        tokenizer: Any,
+        config: CacheConfig,
+        template_args: dict[str, Any] | None = None,
+        vision: VisionFamily | None = None,
     ):
         self.renderer = ChatRenderer(tokenizer, template_args)
         self.config = config
         self.grid = detect_grid(self.renderer, config.prefill_chunk)
+        if vision is not None:
+            # An image's start is a grid point: right after the token that opens it.
+            segment = self.grid.segment_tokens | {vision.opener}
+            self.grid = replace(self.grid, segment_tokens=segment)
+        self.vision = vision  # the model's vision part (vision/tower.py); None: text only
         self.reasoning = ReasoningMarkers.of(self.renderer)  # the model's think markers
 
     def prompt_tokens(self, prompt: PromptInput) -> list[int]:
@@ -85,7 +102,30 @@ class PromptPlanner:
 
     def tokens(self, prompt: PromptInput, contents: Mapping[int, str] | None = None) -> list[int]:
         """The tokens of `prompt`'s conversation and its assistant prefix, with `contents`
-        replacing some messages' content (a probe)."""
+        replacing some messages' content (a probe). With images: the cache key, each
+        image's placeholder run salted with its key (vision/key.py)."""
+        return self.key(prompt, contents).tokens
+
+    def key(self, prompt: PromptInput, contents: Mapping[int, str] | None = None) -> RenderedKey:
+        """tokens() with the image spans it salted (a plan's probes render the same images
+        again: the family memoizes their preparation)."""
+        images = rendered_images(prompt.messages or (), contents)
+        if not images:
+            return RenderedKey(self._ids(prompt, contents), (), ())
+        if self.vision is None:
+            raise InvalidRequest(
+                f"{images[0].param or 'messages'}: this model is text-only and cannot take "
+                "images; serve a vision model (its folder has a vision_config) to send them",
+                param=images[0].param or "messages",
+                code="model_not_multimodal",
+            )
+        ids = self._ids(prompt, contents)
+        items = [self.vision.prepare_input(at.image) for at in images]
+        expanded, spans = self.vision.expand(ids, items)
+        return RenderedKey(salt(expanded, spans), tuple(spans), tuple(items))
+
+    def _ids(self, prompt: PromptInput, contents: Mapping[int, str] | None) -> list[int]:
+        """The template's token ids, images still one placeholder each."""
         text = self.renderer.messages_text(prompt, contents)
         prefix = prompt.assistant_prefix
         if prefix and self.reasoning is not None and self.reasoning.opens_text(text):
@@ -102,11 +142,22 @@ class PromptPlanner:
             if not tokens:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             found = {cp.position: cp.kind for cp in self._periodic(tokens)}
-            return RenderedPrompt(tuple(tokens), self._with_tail(len(tokens), found), False)
-        tokens = self.tokens(prompt)
-        checkpoints = self._chat_checkpoints(prompt, tokens)
+            return RenderedPrompt(tuple(tokens), self._with_tail(tokens, found), False)
+        key = self.key(prompt)
+        tokens = key.tokens
+        checkpoints = self._chat_checkpoints(prompt, tokens, key.spans)
         opens = self.reasoning is not None and self.reasoning.opens(tokens)
-        return RenderedPrompt(tuple(tokens), checkpoints, True, opens, self.reply_edges(opens))
+        vision = None
+        if key.spans:
+            assert self.vision is not None
+            vision = VisionPrompt(
+                self.vision,
+                key.spans,
+                self.vision.table(len(tokens), key.spans),
+                {s.key: image for s, image in zip(key.spans, key.images, strict=True)},
+            )
+        edges = self.reply_edges(opens)
+        return RenderedPrompt(tuple(tokens), checkpoints, True, opens, edges, vision)
 
     def reply_edges(self, opened: bool) -> ReasoningEdges:
         """What a reply's reasoning drops where its model wrote them (`opened`: its
@@ -117,12 +168,16 @@ class PromptPlanner:
         positions = self.grid.periodic(len(tokens), self.config.checkpoint_interval)
         return tuple(Checkpoint(p, CheckpointKind.PERIODIC) for p in positions)
 
-    def _with_tail(self, n: int, found: dict[int, CheckpointKind]) -> tuple[Checkpoint, ...]:
+    def _with_tail(
+        self, tokens: Sequence[int], found: dict[int, CheckpointKind]
+    ) -> tuple[Checkpoint, ...]:
         """`found` as checkpoints, plus the tail: the last multiple of the chunk size before
-        the prompt's end (always a grid point), when it lies after every checkpoint inside
-        the prompt and before the history-end ones (a new question after the same long
-        text then restores next to it, not at the text's start)."""
-        tail = (n - 1) // self.grid.chunk_size * self.grid.chunk_size
+        the prompt's end (a grid point, or the one before it where it falls inside an
+        image), when it lies after every checkpoint inside the prompt and before the
+        history-end ones (a new question after the same long text then restores next to
+        it, not at the text's start)."""
+        n = len(tokens)
+        tail = self.grid.align(tokens, (n - 1) // self.grid.chunk_size * self.grid.chunk_size)
         history = CheckpointKind.HISTORY
         inside = max((p for p, k in found.items() if k != history), default=0)
         end = min((p for p, k in found.items() if k == history), default=n)
@@ -135,7 +190,9 @@ class PromptPlanner:
         probe = self.tokens(prompt, {index: SENTINEL})
         return common_prefix_length(tokens, probe)
 
-    def _chat_checkpoints(self, prompt: PromptInput, tokens: list[int]) -> tuple[Checkpoint, ...]:
+    def _chat_checkpoints(
+        self, prompt: PromptInput, tokens: list[int], spans: Sequence[ImageSpan] = ()
+    ) -> tuple[Checkpoint, ...]:
         grid, n = self.grid, len(tokens)
         messages = prompt.messages or ()
         found: dict[int, CheckpointKind] = {}
@@ -172,7 +229,7 @@ class PromptPlanner:
         for position in breakpoint_positions(self.renderer, prompt, tokens, start):
             add(position, CheckpointKind.BREAKPOINT)
             marked.add(grid.align(tokens, position))
-        planned = {c.position: c.kind for c in self._with_tail(n, found)}
+        planned = {c.position: c.kind for c in self._with_tail(tokens, found)}
         # Where the last assistant turns open: a template that re-renders an earlier reply
         # once the conversation grows (GLM-4.7, DeepSeek V3.1 and MiniMax M2 drop its
         # reasoning) makes the next request diverge at the first of them, and a client
@@ -181,4 +238,21 @@ class PromptPlanner:
         # at every turn; a long history arriving cold gets the recent ones.
         for position in grid.turn_starts(tokens)[-TURN_CHECKPOINTS:]:
             planned.setdefault(position, CheckpointKind.HISTORY)
+        # Where each image begins and ends (grid points): a request that sends another
+        # image there, or none, diverges exactly at its start, one that asks something
+        # else of the same image past its end; a hybrid model restores only at
+        # checkpoints, so the next screenshot starts from the text before it.
+        for span in spans:
+            planned.setdefault(span.start, CheckpointKind.HISTORY)
+            if span.end < n:
+                planned.setdefault(span.end, CheckpointKind.HISTORY)
         return tuple(Checkpoint(p, planned[p], p in marked) for p in sorted(planned))
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedKey:
+    """A conversation's key tokens and the image spans salted in them."""
+
+    tokens: list[int]
+    spans: tuple[ImageSpan, ...]
+    images: tuple[PreparedImage, ...]  # the spans' images, in order

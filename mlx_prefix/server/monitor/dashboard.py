@@ -25,6 +25,7 @@ from mlx_prefix.cache.trie import TokenTrie
 from mlx_prefix.cache.types import EvictOutcome
 from mlx_prefix.engine.keys import namespace_of
 from mlx_prefix.errors import MlxPrefixError
+from mlx_prefix.vision.key import ends_span, is_image_value, readable
 
 from ..guards.namespaces import Caller, visible
 from .recent import RecentRequests
@@ -44,7 +45,8 @@ class TreeNode:
     parent: str | None  # the node of the longest stored strict prefix
     start: int  # the parent's length: this node adds tokens [start, length)
     length: int
-    head: str  # the first HEAD_TOKENS tokens it adds, detokenized
+    head: str  # the first HEAD_TOKENS tokens it adds, detokenized ([image] for an image)
+    images: tuple[tuple[int, int], ...] = ()  # [start, end) of each image span it adds
 
 
 def nest(sequences: dict[str, tuple[Any, ...]]) -> dict[str, str | None]:
@@ -120,12 +122,36 @@ def _tree_node(
     tokens = sequences[node_id]
     start = len(sequences[parent]) if parent is not None else 0
     head = _decode(tokenizer, tokens[start : start + HEAD_TOKENS])
-    return TreeNode(node_id, parent, start, len(tokens), head)
+    return TreeNode(node_id, parent, start, len(tokens), head, _image_spans(tokens, start))
+
+
+def _image_spans(tokens: tuple[Any, ...], start: int) -> tuple[tuple[int, int], ...]:
+    """Where the images a node adds stand: its key's runs of image values (vision/key.py)."""
+    out, at = [], None
+    for i in range(start, len(tokens)):
+        if is_image_value(tokens[i]):
+            at = i if at is None else at
+            if ends_span(tokens[i]):
+                out.append((at, i + 1))
+                at = None
+        elif at is not None:
+            out.append((at, i))
+            at = None
+    if at is not None:
+        out.append((at, len(tokens)))
+    return tuple(out)
 
 
 def _decode(tokenizer: Any, tokens: tuple[Any, ...]) -> str:
+    """The text of `tokens`, each image span written `[image]`."""
+    return readable(tokens, lambda text: _decode_text(tokenizer, text))
+
+
+def _decode_text(tokenizer: Any, tokens: list[Any]) -> str:
+    if not tokens:
+        return ""
     try:
-        return tokenizer.decode(list(tokens))
+        return tokenizer.decode(tokens)
     except Exception:  # a tokenizer that cannot decode a bare head: show no text
         return ""
 
@@ -206,6 +232,7 @@ def _node_json(node: TreeNode, mem: Any, disk: Any) -> dict[str, Any]:
         "start": node.start,
         "tokens": node.length,
         "head": node.head,
+        "images": [list(span) for span in node.images],
         "entry_id": mem.entry_id if mem else None,
         "kind": mem.kind.name if mem else disk.kind,
         "bytes": mem.nbytes if mem else None,

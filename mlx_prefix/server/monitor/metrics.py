@@ -51,6 +51,14 @@ class ServerMetrics:
         self.completion_tokens = Counter(
             "mlx_prefix_completion_tokens", "Tokens generated", registry=self.registry
         )
+        self.images = Counter(
+            "mlx_prefix_images", "Images received in prompts", registry=self.registry
+        )
+        self.image_tokens = Counter(
+            "mlx_prefix_image_tokens",
+            "Prompt tokens taken by images (also in mlx_prefix_prompt_tokens)",
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "mlx_prefix_time_to_first_token_seconds",
             "Submit to first generated token",
@@ -78,6 +86,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_tokens.inc(usage.cached_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
+        self.images.inc(usage.images)
+        self.image_tokens.inc(usage.image_tokens)
         if usage.completion_tokens:
             self.ttft.observe(usage.ttft_s)
 

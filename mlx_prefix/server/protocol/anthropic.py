@@ -34,6 +34,7 @@ from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint, PromptInput, SamplingParams
+from mlx_prefix.vision.intake import ImageLimits
 
 from .anthropic_blocks import convert
 from .fields import MISSING, field, integer, json_type, number
@@ -82,7 +83,7 @@ def parse_messages_request(
     if max_tokens is MISSING:
         raise InvalidRequest("max_tokens: Field required", param="max_tokens")
     thinking = _thinking(body, max_tokens)
-    prompt, tools = _prompt(body, keep_billing_header, thinking.enable)
+    prompt, tools = _prompt(body, keep_billing_header, thinking.enable, limits.images)
     choice = _tool_choice(body, tools, thinking.enable)
     sampling = SamplingParams(
         max_tokens=min(max_tokens, limits.max_tokens),
@@ -124,12 +125,13 @@ def parse_messages_request(
 
 
 def parse_count_tokens(
-    body: dict[str, Any], *, keep_billing_header: bool = False
+    body: dict[str, Any], *, keep_billing_header: bool = False, images: ImageLimits | None = None
 ) -> tuple[str, PromptInput]:
-    """The model name and the prompt whose tokens /v1/messages/count_tokens counts."""
+    """The model name and the prompt whose tokens /v1/messages/count_tokens counts (its
+    images under the server's limits, as /v1/messages reads them)."""
     model = _model(body)
     thinking = _thinking(body, None).enable
-    prompt, tools = _prompt(body, keep_billing_header, thinking)
+    prompt, tools = _prompt(body, keep_billing_header, thinking, images)
     _tool_choice(body, tools, thinking)
     return model, prompt
 
@@ -142,7 +144,10 @@ def _model(body: dict[str, Any]) -> str:
 
 
 def _prompt(
-    body: dict[str, Any], keep_billing_header: bool, thinking: bool | None
+    body: dict[str, Any],
+    keep_billing_header: bool,
+    thinking: bool | None,
+    images: ImageLimits | None = None,
 ) -> tuple[PromptInput, _Tools]:
     tools = _tools(body)
     choice = body.get("tool_choice")
@@ -155,6 +160,7 @@ def _prompt(
         deferred_tools=tools.deferred,
         keep_billing_header=keep_billing_header,
         keep_thinking_turns=_keep_thinking_turns(body),
+        images=images,
     )
     breakpoints = [*tools.breakpoints] if offer else []
     breakpoints += conv.breakpoints

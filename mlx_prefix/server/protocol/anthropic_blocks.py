@@ -7,16 +7,18 @@ renders (mlx_prefix/conversation.py), plus the client's cache breakpoints
   between the two forms keeps its prefix). A system block shaped like Claude Code's
   `x-anthropic-billing-header: cc_version=...; cch=...;` is left out unless kept: some
   versions change it on every request, and rendered first it would wipe the prefix.
-- user text blocks join into one user message; each `tool_result` becomes a `tool`
+- user text and `image` blocks join into one user message (each image where it stands:
+  vision/parts.py reads its base64 source); each `tool_result` becomes a `tool`
   message answering the `tool_use` of the previous assistant message (one that answers
-  nothing is a 400), its `is_error` marked as an `Error: ` prefix. A `tool_reference`
+  nothing is a 400), its `is_error` marked as an `Error: ` prefix, its images kept (Claude
+  Code's Read tool returns a screenshot as one). A `tool_reference`
   inside a result renders the referenced (deferred) tool's definition there.
 - assistant text blocks join into the content, `tool_use` blocks become `tool_calls`,
   `thinking` blocks the `reasoning_content` templates render (a block this server sent
   with its text omitted carries the reasoning in its signature); `redacted_thinking` holds
   only reasoning encrypted by Anthropic's servers, which no local template can render,
   so it is left out.
-- Other block types (images, documents, server tools) are refused with a 400 naming them.
+- Other block types (documents, server tools) are refused with a 400 naming them.
 Pure: no engine, no I/O.
 """
 
@@ -27,9 +29,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.conversation import Message, Role, ToolCall
+from mlx_prefix.conversation import ImageAt, Message, Role, ToolCall
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint
+from mlx_prefix.vision.intake import ImageLimits
+from mlx_prefix.vision.parts import anthropic_image_block
 
 from .fields import json_type
 from .sealed import unseal
@@ -61,6 +65,7 @@ class Converted:
 
     messages: list[Message] = field(default_factory=list)
     breakpoints: list[Breakpoint] = field(default_factory=list)
+    limits: ImageLimits = field(default_factory=ImageLimits)
 
     def mark(self, index: int, chars: int | None = None) -> None:
         self.breakpoints.append(Breakpoint(message=index, chars=chars))
@@ -73,10 +78,12 @@ def convert(
     deferred_tools: dict[str, dict[str, Any]],
     keep_billing_header: bool,
     keep_thinking_turns: int | None,
+    images: ImageLimits | None = None,
 ) -> Converted:
     """Anthropic `system` + `messages` -> the conversation and breakpoints. InvalidRequest
-    (naming the field) for anything that cannot be rendered faithfully."""
-    conv = Converted()
+    (naming the field) for anything that cannot be rendered faithfully. `image` blocks
+    (in a user message or a tool_result's content) are decoded under `images`."""
+    conv = Converted(limits=images or ImageLimits())
     _system(conv, system, keep_billing_header)
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
@@ -154,13 +161,19 @@ def _texts_message(
     param: str,
     indices: list[int] | None = None,
 ) -> None:
-    """Text blocks -> one message, joined; a breakpoint on a block marks its end."""
-    text, marks = "", []
+    """Text (and, in a user message, image) blocks -> one message, joined; a breakpoint
+    on a block marks its end (an image's: where it stands)."""
+    text, marks, images = "", [], []
     for j, block in zip(indices or range(len(blocks)), blocks, strict=True):
-        text += _text(block, f"{param}[{j}]" if param == "system" else f"{param}.content[{j}]")
+        where = f"{param}[{j}]" if param == "system" else f"{param}.content[{j}]"
+        if role == "user" and isinstance(block, dict) and block.get("type") == "image":
+            image = anthropic_image_block(block, conv.limits, where)
+            images.append(ImageAt(len(text), image, where))
+        else:
+            text += _text(block, where)
         if block.get("cache_control") is not None:
             marks.append(len(text))
-    conv.messages.append(Message(role, text))
+    conv.messages.append(Message(role, text, images=tuple(images)))
     for chars in marks:
         conv.mark(len(conv.messages) - 1, None if chars == len(text) else chars)
 
@@ -237,11 +250,11 @@ def _user(
     for j, block in enumerate(blocks):
         where = f"{param}.content[{j}]"
         kind = _kind(block, where)
-        if kind == "text":
+        if kind in ("text", "image"):
             pending.append((j, block))
         elif kind == "tool_result":
             flush()
-            conv.messages.append(_tool_result(block, where, tool_uses, deferred_tools))
+            conv.messages.append(_tool_result(block, where, tool_uses, deferred_tools, conv.limits))
             if block.get("cache_control") is not None:
                 conv.mark(len(conv.messages) - 1)
         else:
@@ -254,7 +267,10 @@ def _tool_result(
     where: str,
     tool_uses: dict[str, str],
     deferred_tools: dict[str, dict[str, Any]],
+    limits: ImageLimits,
 ) -> Message:
+    """A tool_result as a `tool` message: its text blocks joined, its image blocks (Claude
+    Code's Read tool returns a screenshot so) where they stand."""
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str):
         raise InvalidRequest(f"{where}.tool_use_id must be a string", param=f"{where}.tool_use_id")
@@ -265,20 +281,22 @@ def _tool_result(
             param=f"{where}.tool_use_id",
         )
     content = block.get("content", "")
+    images: list[ImageAt] = []
     if isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        parts = []
+        text = ""
         for k, part in enumerate(content):
             at = f"{where}.content[{k}]"
             kind = _kind(part, at)
             if kind == "text":
-                parts.append(_text(part, at))
+                text += _text(part, at)
+            elif kind == "image":
+                images.append(ImageAt(len(text), anthropic_image_block(part, limits, at), at))
             elif kind == "tool_reference" and part.get("tool_name") in deferred_tools:
-                parts.append(json.dumps(deferred_tools[part["tool_name"]], sort_keys=True))
+                text += json.dumps(deferred_tools[part["tool_name"]], sort_keys=True)
             else:
                 raise _unsupported(kind, at)
-        text = "".join(parts)
     else:
         raise InvalidRequest(
             f"{where}.content must be a string or an array of blocks", param=f"{where}.content"
@@ -286,11 +304,11 @@ def _tool_result(
     is_error = block.get("is_error", False)
     if not isinstance(is_error, bool):
         raise InvalidRequest(f"{where}.is_error must be a boolean", param=f"{where}.is_error")
+    if is_error:
+        text = f"Error: {text}"
+        images = [ImageAt(i.offset + len("Error: "), i.image, i.param) for i in images]
     return Message(
-        "tool",
-        f"Error: {text}" if is_error else text,
-        tool_call_id=call_id,
-        name=tool_uses[call_id],
+        "tool", text, tool_call_id=call_id, name=tool_uses[call_id], images=tuple(images)
     )
 
 
@@ -302,7 +320,7 @@ def _kind(block: Any, where: str) -> str:
 
 def _unsupported(kind: str, where: str) -> InvalidRequest:
     return InvalidRequest(
-        f"{where}: content blocks of type {kind!r} are not supported here (text, tool_use, "
-        "tool_result, thinking and redacted_thinking are)",
+        f"{where}: content blocks of type {kind!r} are not supported here (text, image, "
+        "tool_use, tool_result, thinking and redacted_thinking are)",
         param=where,
     )

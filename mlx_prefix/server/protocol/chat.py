@@ -12,6 +12,7 @@ from typing import Any
 from mlx_prefix.conversation import Conversation, conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import PromptInput
+from mlx_prefix.vision.intake import ImageLimits
 
 from .effort import effort_bound, token_budget
 from .fields import MISSING, field, integer, json_type
@@ -28,7 +29,7 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     bound = effort_bound(body.get("reasoning_effort"), "reasoning_effort")
     budget = token_budget(body.get("thinking_token_budget"), "thinking_token_budget")
     prompt = PromptInput(
-        messages=parse_messages(body.get("messages", MISSING)),
+        messages=parse_messages(body.get("messages", MISSING), limits.images),
         tools=tools if offer_tools else None,
         chat_template_kwargs=bound.kwargs_under(
             field(body, "chat_template_kwargs", dict, None) or {}
@@ -128,7 +129,7 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None)
     return choice
 
 
-def parse_messages(messages: Any) -> Conversation:
+def parse_messages(messages: Any, images: ImageLimits | None = None) -> Conversation:
     """`messages`, OpenAI's chat shape (conversation.py reads it for every caller)."""
     if messages is MISSING:
         raise InvalidRequest("'messages' is required", param="messages")
@@ -136,7 +137,7 @@ def parse_messages(messages: Any) -> Conversation:
         raise InvalidRequest(
             f"'messages' must be an array, not {json_type(messages)}", param="messages"
         )
-    return conversation_from_dicts(messages)
+    return conversation_from_dicts(messages, images=images)
 
 
 def read_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:

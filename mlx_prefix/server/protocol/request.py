@@ -10,6 +10,7 @@ from typing import Any, Literal
 from mlx_prefix.config import DiskScope
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+from mlx_prefix.vision.intake import ImageLimits
 
 from .fields import field, integer, number
 from .formats import chat_response_format
@@ -47,6 +48,7 @@ class Limits:
     sampling: SamplingDefaults = SamplingDefaults()
     # The server's --draft-model as a request may name it (its id, its path); empty: none.
     draft_names: tuple[str, ...] = ()
+    images: ImageLimits = ImageLimits()  # what a request's images may be
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
     }
     return ResponsesRequest(
         model=read(body, "model", str, None),
-        input=tuple(input_messages(body["input"])),
+        input=tuple(input_messages(body["input"], images=limits.images)),
         instructions=read(body, "instructions", str, None) or None,
         tools=tools if tool_choice != "none" else None,
         sampling=sampling,

@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_prefix.conversation import Message, Role, ToolCall, decode_arguments
+from mlx_prefix.conversation import ImageAt, Message, Role, ToolCall, decode_arguments
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.vision.intake import ImageLimits
+from mlx_prefix.vision.parts import responses_image_part
 
 from .fields import json_type
 from .sealed import unseal
@@ -50,8 +52,12 @@ class _Reply:
         return Message("assistant", self.content, tuple(self.calls), reasoning=self.reasoning)
 
 
-def input_messages(value: Any, param: str = "input") -> list[Message]:
-    """`input` (a string or an array of items) as the conversation's messages."""
+def input_messages(
+    value: Any, param: str = "input", images: ImageLimits | None = None
+) -> list[Message]:
+    """`input` (a string or an array of items) as the conversation's messages; a user
+    message's `input_image` parts decoded under `images` (vision/parts.py)."""
+    limits = images or ImageLimits()
     if isinstance(value, str):
         return [Message("user", value)]
     if not isinstance(value, list):
@@ -68,7 +74,7 @@ def input_messages(value: Any, param: str = "input") -> list[Message]:
             reply.content += _content(item, where, "output_text")
         elif kind == "message":
             reply = None
-            messages.append(_message(item, where))
+            messages.append(_message(item, where, limits))
         elif kind == "function_call":
             reply = reply or _new_reply(messages)
             reply.calls.append(_function_call(item, where))
@@ -101,14 +107,26 @@ def _new_reply(messages: list[Message | _Reply]) -> _Reply:
     return reply
 
 
-def _message(item: dict[str, Any], where: str) -> Message:
+def _message(item: dict[str, Any], where: str, limits: ImageLimits) -> Message:
     role = item.get("role")
     if role not in INPUT_ROLES:
         raise InvalidRequest(
             f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}",
             param=f"{where}.role",
         )
-    return Message(INPUT_ROLES[role], _content(item, where, "input_text"))
+    content = item.get("content")
+    if INPUT_ROLES[role] != "user" or not isinstance(content, list):
+        return Message(INPUT_ROLES[role], _content(item, where, "input_text"))
+    _no_other_fields(item, where, {"role", "content"})
+    text, images = "", []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            _no_other_fields(part, at, {"type", "image_url", "file_id", "detail"})
+            images.append(ImageAt(len(text), responses_image_part(part, limits, at), at))
+        else:
+            text += _text_part(part, at)
+    return Message("user", text, images=tuple(images))
 
 
 def _content(item: dict[str, Any], where: str, part_type: str) -> str:
@@ -128,7 +146,8 @@ def _text_part(part: Any, where: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else json_type(part)
     if kind not in ("input_text", "output_text"):
         raise InvalidRequest(
-            f"{where}: only text parts (input_text, output_text) are supported, got {kind!r}",
+            f"{where}: only text parts (input_text, output_text) and, in a user message, "
+            f"input_image parts are supported, got {kind!r}",
             param=where,
         )
     assert isinstance(part, dict)

@@ -45,8 +45,22 @@ class SSEResponse(EventSourceResponse):
     """An event stream of already framed events that runs `on_close` however it ends
     (done, client gone, server shutdown)."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
-        super().__init__(content, headers={"Cache-Control": "no-cache"}, ping=PING_S, sep="\n")
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        *,
+        media_type: str = "text/event-stream",
+        ping: float | None = None,  # None: PING_S (read now, so tests can shorten it)
+    ):
+        # media_type and ping: replies/ndjson.py streams Ollama's lines through this too.
+        super().__init__(
+            content,
+            headers={"Cache-Control": "no-cache"},
+            media_type=media_type,
+            ping=PING_S if ping is None else ping,
+            sep="\n",
+        )
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,7 +1,8 @@
 """HTTP handlers, one module per API family, and the route table. A family has one name
 used in protocol/ (its bodies), routes/ (its handlers) and replies/ (its writer): chat,
-completions (whose reply is chat's shape), anthropic, responses, embeddings; the cache
-admin routes are cache (routes/cache.py, protocol/cache.py). Every generation handler
+completions (whose reply is chat's shape), anthropic, responses, embeddings, ollama
+(routes/ollama.py, its model routes ollama_info.py and embeddings ollama_embed.py); the
+cache admin routes are cache (routes/cache.py, protocol/cache.py). Every generation handler
 runs one preamble and one reply (flow.py); engine calls that may block go through the
 threadpool. To add a family: protocol/<family>.py, replies/<family>.py, and here
 routes/<family>.py and its rows in API_ROUTES.
@@ -11,21 +12,24 @@ One table: every API route is served under /v1 and under its unprefixed path
 mlx_lm.server do, so a client configured with a base URL without `/v1` works. Both
 paths reach the same handler behind the same middleware (CORS, API key, body limits),
 and errors take the shape of the path's API family either way. To add an API route,
-add one row to API_ROUTES.
+add one row to API_ROUTES. Ollama's API has its own paths (/api/..., and / as its
+liveness probe), OLLAMA_ROUTES, behind the same middleware (guards/: Host, Origin, API
+key, namespace) and in Ollama's error shape.
 """
 
 from __future__ import annotations
 
 from starlette.routing import Route
 
-from . import dashboard
+from . import dashboard, ollama, ollama_embed, ollama_info
 from .anthropic import count_tokens, messages
 from .cache import cache_flush, cache_info, cache_requests, cache_warm
 from .chat import chat_completions
 from .completions import completions
 from .embeddings import embeddings
+from .ollama_info import store_route
 from .responses import create_response, delete_response, get_response
-from .status import get_model, health, list_models, metrics
+from .status import get_model, health, list_models, metrics, ps
 
 API_PREFIXES = ("/v1", "")
 
@@ -43,6 +47,24 @@ API_ROUTES = [
     ("/models/{model_id:path}", get_model, ["GET"]),
 ]
 
+# Ollama's API (GET routes answer HEAD too, as Ollama's do).
+OLLAMA_ROUTES = [
+    Route("/api/chat", ollama.chat, methods=["POST"]),
+    Route("/api/generate", ollama.generate, methods=["POST"]),
+    Route("/api/embed", ollama_embed.embed, methods=["POST"]),
+    Route("/api/embeddings", ollama_embed.embeddings, methods=["POST"]),
+    Route("/api/tags", ollama_info.tags, methods=["GET"]),
+    Route("/api/show", ollama_info.show, methods=["POST"]),
+    Route("/api/ps", ollama_info.ps, methods=["GET"]),
+    Route("/api/version", ollama_info.version, methods=["GET"]),
+    Route("/api/pull", ollama_info.pull, methods=["POST"]),
+    Route("/api/push", store_route("push"), methods=["POST"]),
+    Route("/api/create", store_route("create"), methods=["POST"]),
+    Route("/api/copy", store_route("copy"), methods=["POST"]),
+    Route("/api/delete", store_route("delete"), methods=["DELETE"]),
+    Route("/api/blobs/{digest}", store_route("blob upload"), methods=["POST", "HEAD"]),
+]
+
 ROUTES = [
     *(
         Route(prefix + path, handler, methods=methods)
@@ -50,6 +72,7 @@ ROUTES = [
         for prefix in API_PREFIXES
     ),
     # mlx-prefix's own endpoints and the dashboard: under /v1 (or their own paths) only.
+    Route("/v1/ps", ps, methods=["GET"]),
     Route("/v1/cache", cache_info, methods=["GET"]),
     Route("/v1/cache", cache_flush, methods=["DELETE"]),
     Route("/v1/cache/warm", cache_warm, methods=["POST"]),
@@ -57,7 +80,8 @@ ROUTES = [
     Route("/v1/cache/entries/{entry_id:int}/pin", dashboard.pin, methods=["POST"]),
     Route("/v1/cache/entries/{entry_id:int}", dashboard.evict, methods=["DELETE"]),
     Route("/v1/dashboard", dashboard.data, methods=["GET"]),
-    Route("/", dashboard.root, methods=["GET"]),
+    *OLLAMA_ROUTES,
+    Route("/", ollama_info.root, methods=["GET"]),  # Ollama's probe; browsers: the dashboard
     Route("/dashboard", dashboard.page, methods=["GET"]),
     Route("/dashboard/static/{name:path}", dashboard.static, methods=["GET"]),
     Route("/health", health, methods=["GET"]),

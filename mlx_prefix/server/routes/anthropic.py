@@ -16,8 +16,9 @@ from mlx_prefix.records import ToolCallIds
 
 from ..guards.body import read_json
 from ..protocol.anthropic import MessagesRequest, parse_count_tokens, parse_messages_request
+from ..protocol.request import Limits
 from ..replies.anthropic import AnthropicWriter, BlockWriter, new_message_id
-from .common import ServerState, api, model_for, state
+from .common import api, model_for, state
 from .flow import start
 
 
@@ -25,7 +26,12 @@ from .flow import start
 async def messages(request: Request) -> Response:
     # tool_use ids as Anthropic's start ("toolu_"), named after the message.
     ids = ToolCallIds(new_message_id(), prefix="toolu_")
-    call = await start(request, ids, _parse, lambda parsed, _: parsed.generation)
+    keep = state(request).settings.keep_billing_header
+
+    def parse(body: dict[str, Any], limits: Limits) -> MessagesRequest:
+        return parse_messages_request(body, limits, keep_billing_header=keep)
+
+    call = await start(request, ids, parse, lambda parsed, _: parsed.generation)
     parsed = call.parsed
     writer = AnthropicWriter(
         call.request_id,
@@ -37,16 +43,16 @@ async def messages(request: Request) -> Response:
     return await call.respond(call.assembler(streaming=False), writer)
 
 
-def _parse(body: dict[str, Any], st: ServerState) -> MessagesRequest:
-    keep = st.settings.keep_billing_header
-    return parse_messages_request(body, st.limits, keep_billing_header=keep)
-
-
 @api
 async def count_tokens(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
-    model, prompt = parse_count_tokens(body, keep_billing_header=st.settings.keep_billing_header)
+    model, prompt = await run_in_threadpool(  # its images decode off the event loop
+        parse_count_tokens,
+        body,
+        keep_billing_header=st.settings.keep_billing_header,
+        images=st.settings.images,
+    )
     served = await model_for(request, model)
     count = await run_in_threadpool(served.engine.count_tokens, prompt)
     return JSONResponse({"input_tokens": count})

@@ -29,6 +29,6 @@ async def chat_shaped(
 ) -> Response:
     """A request answered in chat's shape (chat, or completions' text choices)."""
     ids = ToolCallIds(new_request_id(kind))
-    call = await start(request, ids, lambda body, st: parse(body, st.limits))
+    call = await start(request, ids, parse)
     writer = ChatWriter.for_request(kind, call.served.id, call.request_id, call.req)
     return await call.respond(call.assembler(streaming=call.req.stream), writer)

@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -17,10 +17,11 @@ from mlx_prefix.errors import MlxPrefixError
 from ..errors import error_response_for
 from ..monitor.dashboard import TreeShapes
 from ..monitor.metrics import ServerMetrics
-from ..protocol.request import Limits
+from ..protocol.request import Limits, SamplingDefaults
 from ..replies.stream import InFlight
 from ..responses_store import ResponseStore
 from ..served.embeddings import ServedEmbeddings
+from ..served.idle import IdleUnloader
 from ..served.names import ServedModel
 from ..served.pool import ModelPool
 from ..settings import ServerSettings
@@ -42,11 +43,34 @@ class ServerState:
     responses: ResponseStore  # past /v1/responses answers, for previous_response_id
     tree_shapes: TreeShapes = field(default_factory=TreeShapes)  # the dashboard's, between polls
     embeddings: ServedEmbeddings | None = None  # --embedding-model, for /v1/embeddings
+    unloader: IdleUnloader | None = None  # idle unload, when models load on demand
 
-    def limits_for(self, engine: EngineAPI) -> Limits:
-        """The request limits of the model `engine` serves: its own context length."""
+    def limits_named(self, body: dict[str, Any]) -> Limits:
+        """The limits to parse `body` with: the server's, with the sampling defaults of
+        the settings file's table for the model the body names (the body's own fields
+        win). A name that selects nothing keeps the server's: the lookup after parsing
+        gives its error."""
+        name = body.get("model")
+        try:
+            spec = self.models.spec_for(name if isinstance(name, str) else None)
+            own = self.models.settings_for(spec)
+        except MlxPrefixError:
+            return self.limits
+        server = self.limits.sampling
+        sampling = SamplingDefaults(
+            *(
+                server.get(f, None) if getattr(own, f) is None else getattr(own, f)
+                for f in ("temperature", "top_p", "top_k", "min_p")
+            )
+        )
+        default_max = own.max_tokens or self.limits.default_max_tokens
+        return replace(self.limits, sampling=sampling, default_max_tokens=default_max)
+
+    def limits_for(self, engine: EngineAPI, base: Limits | None = None) -> Limits:
+        """The request limits of the model `engine` serves: its own context length (and
+        `base`'s defaults: `limits_named`'s)."""
         cap = self.settings.max_tokens_limit
-        return replace(self.limits, max_tokens=min(cap, engine.model.context_length or cap))
+        return replace(base or self.limits, max_tokens=min(cap, engine.model.context_length or cap))
 
     @property
     def engine(self) -> EngineAPI:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import uuid
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,8 +26,8 @@ from ..guards.namespaces import caller
 from ..monitor.metrics import RequestLog
 from ..protocol.embeddings import EmbeddingRequest, parse_embeddings
 from ..replies.embeddings import embeddings_body
-from ..served.embeddings import require
-from .common import api, state
+from ..served.embeddings import ServedEmbeddings, require
+from .common import ServerState, api, state
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -43,17 +44,10 @@ async def embeddings(request: Request) -> Response:
         req = parse_embeddings(body, st.settings.embedding_max_inputs)
         served = require(st.embeddings)
         served.select(req.model, st.models.names)
-        model = served.worker.model
-        dims = _dimensions(model, req.dimensions)
-        rows = await run_in_threadpool(_token_rows, model, req, st.settings.embedding_max_tokens)
-        record.prompt_tokens = sum(map(len, rows))
-        vectors = await asyncio.wrap_future(served.worker.submit(rows))
+        vectors = await embed(st, served, req, record)
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
-    if dims != model.dimensions:
-        vectors = truncate(vectors, dims, model.pooling.normalize)
-    st.metrics.observe_embeddings(len(rows), record.prompt_tokens)
     record.write("200")
     if req.user is not None:  # OpenAI's end-user id, for the operator's monitoring
         log.debug("%s user=%r", record.request_id, req.user[:256])
@@ -61,7 +55,29 @@ async def embeddings(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _dimensions(model: EmbeddingModel, asked: int | None) -> int:
+async def embed(
+    st: ServerState,
+    served: ServedEmbeddings,
+    req: EmbeddingRequest,
+    record: RequestLog,
+    cut: bool = False,
+) -> list[np.ndarray]:
+    """`req`'s vectors from the embedding worker (each input cut to the model's context
+    when `cut`), in the asked dimensions; the tokens counted on `record` and in the
+    metrics. Shared by /v1/embeddings and Ollama's /api/embed."""
+    model = served.worker.model
+    dims = dimensions_for(model, req.dimensions)
+    limit = st.settings.embedding_max_tokens
+    rows = await run_in_threadpool(token_rows, model, req, limit, cut)
+    record.prompt_tokens = sum(map(len, rows))
+    vectors = await asyncio.wrap_future(served.worker.submit(rows))
+    if dims != model.dimensions:
+        vectors = truncate(vectors, dims, model.pooling.normalize)
+    st.metrics.observe_embeddings(len(rows), record.prompt_tokens)
+    return vectors
+
+
+def dimensions_for(model: EmbeddingModel, asked: int | None) -> int:
     if asked is None or model.allowed_dimensions(asked):
         return asked or model.dimensions
     if not model.pooling.matryoshka:
@@ -78,9 +94,12 @@ def _dimensions(model: EmbeddingModel, asked: int | None) -> int:
     raise InvalidRequest(f"'dimensions' {asked} is not supported: {reason}", param="dimensions")
 
 
-def _token_rows(model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int) -> list[list[int]]:
+def token_rows(
+    model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int, truncate: bool = False
+) -> list[list[int]]:
     """Every input as token ids, checked: non-empty, in the vocabulary, within the model's
-    context, and within `max_tokens` over the request."""
+    context (`truncate`: cut to it, as Ollama's /api/embed does by default), and within
+    `max_tokens` over the request."""
     if req.texts is not None:
         rows = model.tokenize(list(req.texts))
     else:
@@ -94,6 +113,8 @@ def _token_rows(model: EmbeddingModel, req: EmbeddingRequest, max_tokens: int) -
                     param="input",
                 )
     limit = model.context_length or DEFAULT_MAX_INPUT_TOKENS
+    if truncate:
+        rows = [ids[:limit] for ids in rows]
     for i, ids in enumerate(rows):
         if not ids:
             raise InvalidRequest(f"input[{i}] has no tokens", param="input")

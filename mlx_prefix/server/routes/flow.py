@@ -2,19 +2,25 @@
 
 `start` is the preamble, always in this order: who called (their cache namespace) and
 the request's one log line; the body read (guards/body.py) and parsed by the family's
-parser; the served model it names, loaded if need be; the request as the engine takes it
-(the family's GenerationRequest, its reply's tool calls named after the request, in the
-caller's namespace, its reply bounded by the model's context, a forced tool choice
-opened); submitted. A failure on the way writes the log line and is raised, to leave in
-the family's error shape (common.api).
+parser, under the server's limits with the defaults the settings file gives the model
+it names (ServerState.limits_named); the served model it names, loaded if need be; the
+request as the engine takes it (the family's GenerationRequest, its reply's tool calls
+named after the request, in the caller's namespace, its reply bounded by the model's
+context, a forced tool choice opened); submitted. A failure on the way writes the log
+line and is raised, to leave in the family's error shape (common.api).
 
-`Started.respond` is the reply: SSE through the family's writer when streaming, else the
-collected reply as the writer's `whole` body; the log line is written either way.
+`start` is `open_call` (caller to model) then `Opened.prepared` and `Opened.submit`; a
+family with steps of its own before the engine (Ollama's) calls the three itself.
+
+`Started.respond` is the reply: SSE through the family's writer when streaming (or the
+family's own framing: Ollama's NDJSON), else the collected reply as the writer's `whole`
+body; the log line is written either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -24,11 +30,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
-from mlx_prefix.records import ToolCallIds
+from mlx_prefix.records import PromptInput, ToolCallIds
+from mlx_prefix.vision.intake import check_count
 
 from ..guards.body import read_json
 from ..guards.namespaces import Caller, caller
-from ..protocol.request import GenerationRequest, fit_to_model
+from ..protocol.request import GenerationRequest, Limits, fit_to_model
 from ..replies.assembler import Assembler
 from ..replies.sse import SSEResponse
 from ..replies.stream import ClientGone, ReplyWriter, RequestLog, collect, stream_events
@@ -39,6 +46,9 @@ from .tool_choice import with_tool_choice
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
     from mlx_prefix.engine.requests.handle import RequestHandle
+
+# (the stream's bytes, what to run however it ends) -> the streaming response
+StreamResponse = Callable[[AsyncIterator[bytes], Callable[[], None]], Response]
 
 
 class NamesModel(Protocol):
@@ -80,8 +90,11 @@ class Started(Generic[P]):
         `index` of OpenAI's chunks."""
         return Assembler.for_request(self.req, self.tokenizer, streaming, self.handle)
 
-    async def respond(self, assembler: Assembler, writer: ReplyWriter) -> Response:
-        """SSE through `writer` when streaming, else the collected reply as its `whole`."""
+    async def respond(
+        self, assembler: Assembler, writer: ReplyWriter, stream: StreamResponse = SSEResponse
+    ) -> Response:
+        """`writer`'s bytes when streaming (SSE; `stream` frames another format: Ollama's
+        NDJSON, replies/ndjson.py), else the collected reply as its `whole`."""
         st, handle, record = self.state, self.handle, self.record
         record.prompt_tokens = handle.prompt_tokens
         record.trace = handle.trace  # handed to the request explainer once it ends
@@ -93,7 +106,7 @@ class Started(Generic[P]):
                 st.inflight.discard(handle)
                 record.write("client_disconnected")
 
-            return SSEResponse(stream_events(handle, assembler, writer, record), on_close)
+            return stream(stream_events(handle, assembler, writer, record), on_close)
         try:
             result = await collect(handle, assembler, self.request)
         except MlxPrefixError as e:
@@ -117,10 +130,86 @@ def _as_is(parsed: Any, who: Caller) -> GenerationRequest:
     return parsed
 
 
+def _check_image_count(prompt: PromptInput, limits: Limits) -> None:
+    """--max-images over the whole prompt, whatever family sent it (a Responses chain's
+    earlier images included), naming the first image past the limit."""
+    images = [image for m in prompt.messages or () for image in m.images]
+    if len(images) > limits.images.max_images:
+        where = images[limits.images.max_images].param or "messages"
+        check_count(len(images), limits.images, where)
+
+
+@dataclass(frozen=True)
+class Opened(Generic[P]):
+    """The preamble's first half: the body parsed, its served model resident (a lease
+    until the handler returns). A family with steps of its own between the model and
+    the engine (Ollama's: a load without a prompt, options.num_ctx) takes them here,
+    inside `logged`, then `prepared` and `submit`; the others call `start`."""
+
+    request: Request
+    state: ServerState
+    caller: Caller
+    record: RequestLog
+    ids: ToolCallIds
+    limits: Limits  # what the body was parsed under (ServerState.limits_named)
+    parsed: P
+    served: ServedModel
+
+    def logged(self) -> contextlib.AbstractContextManager[None]:
+        """A failure inside writes the request's log line, then leaves (common.api)."""
+        return logged(self.record)
+
+    def prepared(self, req: GenerationRequest) -> GenerationRequest:
+        """`req` as the engine takes it: its reply's tool calls named after the request,
+        in the caller's namespace, its reply bounded by the model's context, a forced
+        tool choice opened."""
+        with self.logged():
+            _check_image_count(req.prompt, self.limits)
+            req = replace(
+                req,
+                prompt=replace(req.prompt, reply_tool_call_ids=self.ids),
+                cache=replace(req.cache, namespace=self.caller.namespace),
+            )
+            engine = self.served.engine
+            req = fit_to_model(req, self.state.limits_for(engine, self.limits))
+            return with_tool_choice(req, engine.model.tokenizer)
+
+    async def submit(self, req: GenerationRequest) -> Started[P]:
+        """`req` (prepared) submitted to the served model's engine."""
+        with self.logged():
+            handle = await submit(self.served.engine, req, self.ids.seed)
+        st, who, record = self.state, self.caller, self.record
+        return Started(self.request, st, who, record, self.parsed, self.served, req, handle)
+
+
+async def open_call(
+    request: Request,
+    ids: ToolCallIds,
+    parse: Callable[[dict[str, Any], Limits], P],
+    model_name: Callable[[str], str] | None = None,
+) -> Opened[P]:
+    """The preamble's first half (above): caller, log line, body, parse, model.
+    `model_name`: how the family's clients spell a served model's name, to the server's
+    (Ollama's `name:tag`), applied to the body's `model` before anything reads it."""
+    st = state(request)
+    who = caller(request)
+    record = RequestLog(ids.seed, request.url.path, st.metrics, who.namespace_id)
+    with logged(record):
+        body = await read_json(request)
+        if model_name is not None and isinstance(body.get("model"), str):
+            body["model"] = model_name(body["model"])
+        limits = st.limits_named(body)  # the named model's defaults from the settings file
+        # Off the event loop: a body's images are decoded (and, with --allow-image-urls,
+        # fetched) while it is parsed, which must not hold up other requests' streams.
+        parsed = await run_in_threadpool(parse, body, limits)
+        served = await model_for(request, parsed.model, parsed.adapter)
+    return Opened(request, st, who, record, ids, limits, parsed, served)
+
+
 async def start(
     request: Request,
     ids: ToolCallIds,
-    parse: Callable[[dict[str, Any], ServerState], P],
+    parse: Callable[[dict[str, Any], Limits], P],
     generation: Callable[[P, Caller], GenerationRequest] = _as_is,
 ) -> Started[P]:
     """The preamble (above). `ids` names the request (its seed is the request id) and its
@@ -128,25 +217,19 @@ async def start(
     next turn, which sends them back, finds its prefix cached. `generation` turns the
     parsed body into the engine's request once the model is known (as it is: the body
     was parsed into one)."""
-    st = state(request)
-    who = caller(request)
-    record = RequestLog(ids.seed, request.url.path, st.metrics, who.namespace_id)
+    call = await open_call(request, ids, parse)
+    with call.logged():
+        req = generation(call.parsed, call.caller)
+    return await call.submit(call.prepared(req))
+
+
+@contextlib.contextmanager
+def logged(record: RequestLog) -> Iterator[None]:
     try:
-        parsed = parse(await read_json(request), st)
-        served = await model_for(request, parsed.model, parsed.adapter)
-        req = generation(parsed, who)
-        req = replace(
-            req,
-            prompt=replace(req.prompt, reply_tool_call_ids=ids),
-            cache=replace(req.cache, namespace=who.namespace),
-        )
-        req = fit_to_model(req, st.limits_for(served.engine))
-        req = with_tool_choice(req, served.engine.model.tokenizer)
-        handle = await submit(served.engine, req, ids.seed)
+        yield
     except MlxPrefixError as e:
         record.write(str(e.status), error=e.message)
         raise
-    return Started(request, st, who, record, parsed, served, req, handle)
 
 
 async def submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> RequestHandle:

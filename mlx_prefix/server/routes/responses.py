@@ -38,7 +38,7 @@ async def create_response(request: Request) -> Response:
     st = state(request)
     ids = ToolCallIds(new_id("resp"))
     chain = _Chain(st.responses, ids)
-    call = await start(request, ids, lambda body, st: parse_responses(body, st.limits), chain.into)
+    call = await start(request, ids, parse_responses, chain.into)
     parsed = call.parsed
     head = ResponseHead(
         id=call.request_id,

@@ -1,4 +1,5 @@
-"""Read-only routes: the served models (/v1/models), /health and Prometheus /metrics."""
+"""Read-only routes: the served models (/v1/models), what is loaded (/v1/ps, for
+`mlx-prefix ps`), /health and Prometheus /metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..monitor.metrics import CONTENT_TYPE
 from ..served.pool import ModelCard
+from ..served.status import cache_use, model_statuses, status_body
 from .common import ServerState, api, state
 
 
@@ -95,6 +97,20 @@ def _anthropic_card(st: ServerState, model_id: str) -> dict[str, Any]:
         "display_name": model_id,
         "created_at": created.isoformat().replace("+00:00", "Z"),
     }
+
+
+@api
+async def ps(request: Request) -> Response:
+    """The resident models: memory, cache use, idle time and when each unloads."""
+    st = state(request)
+    engines = [served.engine for served in st.models.resident()]
+
+    def read() -> tuple[dict, dict]:
+        return {id(e): cache_use(e) for e in engines}, st.engine.cache_stats()
+
+    caches, stats = await run_in_threadpool(read)
+    rows = model_statuses(st.models, st.unloader, caches)
+    return JSONResponse(status_body(st.models, rows, stats))
 
 
 async def health(request: Request) -> Response:

@@ -14,8 +14,10 @@ entry of `--allowed-models` (a folder or a Hugging Face repo id already in the l
 cache, never downloaded; named as given or, for a folder, by its last component).
 `ModelSelector` turns such a name (and `adapters`) into a ModelSpec, what to load; an
 `adapters` folder must be the default model's --adapter or an --allowed-models entry.
-A name that selects nothing keeps the rule above, except that a name shaped like a
-path is always a 404. The 404 says the same for every name that is not allowed,
+A table of the settings file (models/settings_file.py) is named by the operator too:
+its name and its aliases select it, served under its name. A name that selects
+nothing keeps the rule above, except that a name shaped like a path is always a 404.
+The 404 says the same for every name that is not allowed,
 whatever exists on disk under it: the file system is consulted only for the
 operator's names (models/resolve.py: which folder a name means). No MLX.
 """
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.models.resolve import adapter_folder, find_local_model, is_path
+from mlx_prefix.models.settings_file import ModelsFile
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
@@ -148,10 +151,12 @@ class ModelSelector:
         strict: bool = False,
         model_aliases: Mapping[str, str] | None = None,
         allowed_models: Sequence[str] = (),
+        settings: ModelsFile | None = None,
     ):
         # Names only: the registry must not keep the default engine alive once unloaded.
         self.registry = ModelRegistry([replace(default, engine=None)], strict=strict)
         self.model_aliases = dict(model_aliases or {})
+        self.settings = settings or ModelsFile()
         self.allowed = AllowList(allowed_models)
         self.default_adapter = default_adapter
         adapter = Path(default_adapter) if default_adapter else None
@@ -176,12 +181,26 @@ class ModelSelector:
             spec = replace(spec, adapter=adapter_folder(entry))
         return spec
 
+    def named(self, name: str) -> bool:
+        """Whether `name` is one of the served names (not a fallback to the default)."""
+        return (
+            self.registry.find(name) is not None
+            or name in self.model_aliases
+            or self.settings.find(name) is not None
+            or self.allowed.find(name) is not None
+        )
+
     def _base_spec(self, name: str | None, resident: Iterable[ModelSpec]) -> ModelSpec:
         if name is None or self.registry.find(name) is not None:
             return self.default_spec
         if name in self.model_aliases:
             target = self.model_aliases[name]
             return self._operators(name, target, f"--model-alias {name}=", resident)
+        if (table := self.settings.find(name)) is not None:  # served under its table's name
+            if self.registry.find(table.name) is not None:
+                return self.default_spec
+            where = f"{self.settings.path or 'the settings file'}: "
+            return self._operators(table.name, table.name, where, resident)
         entry = self.allowed.find(name)
         if entry is not None:
             return self._operators(entry, entry, "--allowed-models ", resident)

@@ -15,22 +15,35 @@ one eviction order across models (cache keys carry the model, so entries never m
 and one DiskCache (one index, one disk budget).
 
 Without a loader (library use, sharded serving) only the default model is served, as
-before. With one, the pool owns the default engine too: it may unload and reload it.
+before. With one, the pool owns the default engine too: it may unload and reload it,
+and a model idle past its keep-alive is unloaded (server/served/idle.py decides when;
+`unload` does it as a swap would). The settings file (models/settings_file.py) names
+models too, gives them aliases, sampling defaults, a keep-alive or a pin.
 State is touched only on the event loop's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from mlx_prefix.config import FOREVER
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.models.settings_file import NO_SETTINGS, ModelSettings, ModelsFile
 from mlx_prefix.platform import available_memory
 
-from .loading import EngineLoader, EngineSwapper, Slot, memory_fit, on_own_thread
+from .loading import (
+    EngineLoader,
+    EngineSwapper,
+    Slot,
+    memory_fit,
+    on_own_thread,
+    weights_bytes,
+)
 from .names import ModelSelector, ModelSpec, ServedModel
 
 if TYPE_CHECKING:
@@ -77,10 +90,22 @@ class ModelPool:
         model_aliases: Mapping[str, str] | None = None,
         allowed_models: Sequence[str] = (),
         memory: Callable[[], int | None] | None = None,
+        settings: ModelsFile | None = None,
+        keep_alive_s: float = 300.0,
+        default_keep_alive_s: float = FOREVER,
     ):
+        """`keep_alive_s`: how long a model loaded on demand stays once idle (FOREVER:
+        until a swap needs its room); `default_keep_alive_s` the same for the default
+        model. The settings file's keep_alive and pinned win over both; a request's
+        keep_alive (`keep_alive`) over the file's keep_alive, never over a pin."""
         if max_models < 1:
             raise ValueError("max_models must be at least 1")
+        self.settings = settings or ModelsFile()
+        self.keep_alive_s = keep_alive_s
+        self.default_keep_alive_s = default_keep_alive_s
         default = ServedModel.of(engine, aliases)
+        own = self._find_settings(default.spellings())
+        default = replace(default, aliases=tuple(dict.fromkeys((*default.aliases, *own.aliases))))
         adapter = getattr(getattr(engine.model, "identity", None), "adapter", None)
         self.selector = ModelSelector(
             default,
@@ -88,6 +113,7 @@ class ModelPool:
             strict=strict,
             model_aliases=model_aliases,
             allowed_models=allowed_models,
+            settings=self.settings,
         )
         self.names = self.selector.registry  # the default model's names
         self.default_spec = self.selector.default_spec
@@ -107,7 +133,8 @@ class ModelPool:
             else None
         )
         self._slots: OrderedDict[tuple[str, str | None], Slot] = OrderedDict()
-        self._slots[self.default_spec.key] = Slot(self.default_spec, default)
+        first = Slot(self.default_spec, default, weights_bytes=weights_bytes(engine.model))
+        self._slots[self.default_spec.key] = first
         self._loading: dict[tuple[str, str | None], asyncio.Future[Slot]] = {}
         self._lock: asyncio.Lock | None = None  # made on the event loop
         self.loads = 0  # models loaded on demand (observability, tests)
@@ -147,6 +174,7 @@ class ModelPool:
                 break
         self._slots.move_to_end(spec.key)
         slot.leases += 1
+        slot.last_used = time.monotonic()
         return slot.served, Lease(slot)
 
     def spec_for(self, name: str | None, adapter: str | None = None) -> ModelSpec:
@@ -171,6 +199,53 @@ class ModelPool:
 
     def resident(self) -> list[ServedModel]:
         return [s.served for s in self._slots.values()]
+
+    def slots(self) -> list[Slot]:
+        """The resident models' slots, least recently used first (read-only use)."""
+        return list(self._slots.values())
+
+    def settings_for(self, spec: ModelSpec) -> ModelSettings:
+        """The settings file's table for `spec`'s model (NO_SETTINGS when it has none)."""
+        if spec.default:
+            return self._find_settings({spec.id, *self.names.default.spellings()})
+        return self.settings.find(spec.id) or NO_SETTINGS
+
+    def _find_settings(self, names: set[str]) -> ModelSettings:
+        return next((found for n in sorted(names) if (found := self.settings.find(n))), NO_SETTINGS)
+
+    def keep_alive_for(self, slot: Slot) -> float:
+        """Seconds `slot` may stay idle before it is unloaded (FOREVER: it stays until a
+        swap needs its room): a pin, else a request's keep_alive, else the settings
+        file's, else the server's default for its kind (default or on demand)."""
+        own = self.settings_for(slot.spec)
+        if own.pinned or self.loader is None:  # without a loader nothing could reload it
+            return FOREVER
+        if slot.keep_alive_s is not None:
+            return slot.keep_alive_s
+        if own.keep_alive_s is not None:
+            return own.keep_alive_s
+        return self.default_keep_alive_s if slot.spec.default else self.keep_alive_s
+
+    @property
+    def can_unload(self) -> bool:
+        """Whether a model may go when idle: only a pool that can load it back."""
+        return self.loader is not None
+
+    def keep_alive(
+        self, name: str | None, seconds: float | None, adapter: str | None = None
+    ) -> bool:
+        """A request's keep_alive (Ollama's `keep_alive`): the model `name` selects stays
+        `seconds` once idle from now on (0: unloaded as soon as it is idle; FOREVER:
+        until a swap needs its room; None: the settings file's or the server's again, as
+        an Ollama request without one resets it), until the next call or its unload. A
+        pin still wins. Returns whether it is resident (a model not loaded has nothing
+        to keep). ModelNotFound as `acquire`. Event loop only."""
+        slot = self._slots.get(self.spec_for(name, adapter).key)
+        if slot is None:
+            return False
+        slot.keep_alive_s = seconds
+        slot.last_used = time.monotonic()
+        return True
 
     def cards(self) -> list[ModelCard]:
         """/v1/models: the default (with its aliases), each --model-alias, then the
@@ -202,26 +277,24 @@ class ModelPool:
             if (slot := self._slots.get(spec.key)) is not None:
                 return slot
             victims = self._victims()
-            free = (self._memory or available_memory)()
-            alongside = (
-                not victims if free is None else memory_fit(spec, victims, free, self.max_models)
-            )
+            alongside = self._check_memory(spec, victims)
             for v in victims:  # no new lease from here on: a lookup loads it again
                 v.retiring = True
                 del self._slots[v.spec.key]
             for v in victims:
-                while v.leases or _busy(v.served.engine):
+                while busy(v):
                     await asyncio.sleep(DRAIN_POLL_S)
             try:
                 swap = self._swapper.swap  # type: ignore[union-attr]
-                engine = await asyncio.wrap_future(on_own_thread(swap, victims, spec, alongside))
+                loaded = await asyncio.wrap_future(on_own_thread(swap, victims, spec, alongside))
             except BaseException:
                 await self._reinstate(victims)
                 raise
             self.loads += 1
             aliases = self.names.default.aliases if spec == self.default_spec else ()
-            served = ServedModel(spec.id, engine, aliases, str(spec.folder))
-            slot = self._slots[spec.key] = Slot(spec, served)
+            served = ServedModel(spec.id, loaded.engine, aliases, str(spec.folder))
+            slot = Slot(spec, served, weights_bytes=loaded.weights_bytes)
+            self._slots[spec.key] = slot
             return slot
 
     def _check_memory(self, spec: ModelSpec, victims: list[Slot]) -> bool:
@@ -251,10 +324,32 @@ class ModelPool:
                 self._slots[slot.spec.key] = slot
                 self._slots.move_to_end(slot.spec.key, last=False)
 
+    async def unload(self, key: tuple[str, str | None], reason: str) -> bool:
+        """Unload the resident model of `key` if no request holds it or runs in it
+        (`reason` goes to the log); returns whether it did. Its memory-tier entries go
+        with it, its disk files stay, and the next request naming it loads it again."""
+        if self._swapper is None:
+            return False
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:  # never beside a swap
+            slot = self._slots.get(key)
+            if slot is None or busy(slot):
+                return False
+            slot.retiring = True  # no new lease from here on: a lookup loads it again
+            del self._slots[key]
+            unload = self._swapper.unload
+            await asyncio.wrap_future(on_own_thread(unload, slot, reason))
+            return True
+
     def close(self, timeout: float = 10.0) -> None:
         """Shut every resident engine down (the server's shutdown)."""
         for slot in list(self._slots.values()):
             slot.served.engine.shutdown(timeout=timeout)
+
+
+def busy(slot: Slot) -> bool:
+    """Whether a request holds the slot (a lease) or runs in its engine."""
+    return slot.leases > 0 or _busy(slot.served.engine)
 
 
 def _busy(engine: EngineAPI) -> bool:

@@ -355,7 +355,8 @@
     setText(text.children[0], level ? "  ".repeat(level - 1) + "└ " : "");
     setText(text.children[1], (n.start ? "… " : "") + n.head.replace(/\s+/g, " ").trim() +
       (n.tokens - n.start > 24 ? " …" : ""));
-    setText(text.children[2], `[${int(n.start)}–${int(n.tokens)})`);
+    const images = (n.images || []).map(([a, b]) => ` image [${int(a)}–${int(b)})`).join("");
+    setText(text.children[2], `[${int(n.start)}–${int(n.tokens)})` + images);
     setText(tokens, int(n.tokens));
     if (kind.dataset.kind !== n.kind) {
       kind.dataset.kind = n.kind;

@@ -1,0 +1,230 @@
+"""mlx-prefix launch AGENT [-- AGENT ARGS]: run a coding agent against mlx-prefix.
+
+The server at the address (default http://127.0.0.1:8080, or --url) is reused when one
+answers there; otherwise `mlx-prefix serve` is started on it (with --model, the
+--max-tokens the agent's cap gives, and --serve-arg flags) and stopped when the agent
+exits. The served model's context length, from the server's /v1/models, gives the
+agent's window and reply cap (cli/agents.py); the agent's exit code is launch's.
+`--print-env` prints the settings (variables, files, command) and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+from mlx_prefix.errors import InvalidRequest, MlxPrefixError
+
+from .agents import AGENTS, AgentRun, Target, output_cap
+from .client import api_key, get_json, server_url, url_args
+
+READY_TIMEOUT_S = 1800.0  # a first run may download and convert the model
+FALLBACK_CONTEXT = 8192  # a model whose config states no context length
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("agent", choices=sorted(AGENTS), help="the agent to run")
+    p.add_argument(
+        "-m", "--model", default=None,
+        help="the model to serve or select (default: the running server's, else the "
+        "bundled default)",
+    )  # fmt: skip
+    url_args(p)
+    p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for the server launch starts, e.g. --serve-arg=--kv-bits=8 (repeatable)",
+    )
+    p.add_argument(
+        "--print-env",
+        action="store_true",
+        help="print the agent's settings (variables, files, command) instead of running it",
+    )
+    p.set_defaults(agent_args=())  # what follows `--` (`split_agent_args`)
+
+
+def split_agent_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`launch ... -- AGENT ARGS`: the agent's arguments are cut off before parsing, so
+    launch's own options may come before or after AGENT."""
+    if "launch" in argv:
+        start = argv.index("launch")
+        if "--" in argv[start:]:
+            cut = argv.index("--", start)
+            return argv[:cut], argv[cut + 1 :]
+    return argv, []
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    agent_args = tuple(args.agent_args)
+    url, key = server_url(args.url), api_key(args.api_key)
+    folder = launch_folder(args.agent)
+    models = get_json(url, "/v1/models", key)
+    server: subprocess.Popen | None = None
+    if models is None and not args.print_env:
+        context = _folder_context(args.model)
+        server = start_server(url, key, args.model, output_cap(context), args.serve_arg)
+        models = get_json(url, "/v1/models", key)
+    try:
+        target = target_for(url, key, args.model, models)
+        run = AGENTS[args.agent](target, agent_args, folder)
+        for path, text in run.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        if args.print_env:
+            print_env(run, models is None, target, args.model)
+            return 0
+        return run_agent(run)
+    finally:
+        if server is not None:
+            stop_server(server)
+
+
+def launch_folder(agent: str) -> Path:
+    from mlx_prefix.models.default import default_models_dir
+
+    return default_models_dir().parent / "launch" / ("continue" if agent == "cn" else agent)
+
+
+def target_for(url: str, key: str | None, model: str | None, models: dict | None) -> Target:
+    """The served model (the server's default, or `model`) and its context: from the
+    server's /v1/models, else (no server: --print-env) the model folder's config."""
+    if models is None:
+        context = _folder_context(model)
+        name = model or _default_name()
+    else:
+        cards = [c for c in models.get("data", []) if c.get("type") != "embedding"]
+        if not cards:
+            raise MlxPrefixError(f"the server at {url} lists no chat model")
+        card = cards[0] if model is None else _card_for(model, cards, url, key)
+        name = card["id"]  # as the server names it (a path given to --model is not)
+        context = card.get("context_length") or _folder_context(model, quiet=True)
+    return Target(url, key or "local", name, context, output_cap(context))
+
+
+def _card_for(model: str, cards: list[dict], url: str, key: str | None) -> dict:
+    """The listed card `model` names, else the one the server gives for it when it can
+    load it on demand (not listed until loaded)."""
+    base = model.rstrip("/").rsplit("/", 1)[-1]
+    for card in cards:
+        if model in (card["id"], card.get("alias_of")) or card["id"] == base:
+            return card
+    try:
+        card = get_json(url, "/v1/models/" + quote(model, safe="/@"), key)
+    except MlxPrefixError:  # a 404: not a name this server serves
+        card = None
+    if card is not None and card.get("id") in (model, base):
+        return card
+    raise InvalidRequest(
+        f"the server at {url} does not serve {model!r} (it lists "
+        f"{', '.join(c['id'] for c in cards)}): stop it, or pass --url for another"
+    )
+
+
+def _default_name() -> str:
+    from mlx_prefix.models.default import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def _folder_context(model: str | None, quiet: bool = False) -> int:
+    """The context length the model folder's config states (FALLBACK_CONTEXT if none).
+    A hub id not downloaded yet is looked up in the local cache only."""
+    import json
+
+    from mlx_prefix.models.preflight import context_length
+    from mlx_prefix.models.resolve import find_local_model, resolve_model
+
+    try:
+        found = find_local_model(model) if model is not None else resolve_model(None)
+        config = json.loads((found.path / "config.json").read_text()) if found else {}
+    except (MlxPrefixError, OSError, ValueError):
+        config = {}
+    context = context_length(config)
+    if context is None and not quiet:
+        print(
+            f"mlx-prefix: the model's context length is unknown here; assuming {FALLBACK_CONTEXT}",
+            file=sys.stderr,
+        )
+    return context or FALLBACK_CONTEXT
+
+
+def start_server(
+    url: str, key: str | None, model: str | None, max_tokens: int, extra: list[str]
+) -> subprocess.Popen:
+    """`mlx-prefix serve` on the address of `url`, ready (its /health answers) or an
+    error naming its log."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or parts.hostname is None:
+        raise InvalidRequest(f"launch starts a server on an http:// address, not {url}")
+    log_path = launch_folder("server") / "serve.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "mlx_prefix", "serve", "--host", parts.hostname,
+               "--port", str(parts.port or 80), "--max-tokens", str(max_tokens)]  # fmt: skip
+    if model is not None:
+        command += ["--model", model]
+    if key is not None:
+        command += ["--api-key", key]
+    command += extra
+    print(f"mlx-prefix: starting the server at {url} (log: {log_path})", file=sys.stderr)
+    log = log_path.open("w")
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    )
+    log.close()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise MlxPrefixError(f"the server did not start: {' / '.join(tail)} (log: {log_path})")
+        try:
+            if get_json(url, "/health", key, timeout=2.0) is not None:
+                return server
+        except MlxPrefixError:
+            pass  # something answered but not yet our server's JSON
+        time.sleep(0.25)
+    stop_server(server)
+    raise MlxPrefixError(f"the server was not ready after {READY_TIMEOUT_S:.0f}s (log: {log_path})")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.terminate()  # SIGTERM: the server's graceful shutdown
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def run_agent(run: AgentRun) -> int:
+    """Run the agent in this terminal; its exit code."""
+    env = {**os.environ, **run.env}
+    program = shutil.which(run.command[0], path=env.get("PATH"))
+    if program is None:
+        raise MlxPrefixError(f"{run.command[0]} is not on PATH: install it first")
+    try:
+        return subprocess.run([program, *run.command[1:]], env=env, check=False).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+def print_env(run: AgentRun, no_server: bool, target: Target, model: str | None) -> None:
+    """The settings as shell lines: the files written, the variables, the command."""
+    for path in run.files:
+        print(f"# wrote {path}")
+    for name, value in run.env.items():
+        print(f"export {name}={shlex.quote(value)}")
+    print(shlex.join(run.command))
+    if no_server:
+        serve = ["mlx-prefix", "serve", *(["--model", model] if model else [])]
+        serve += ["--max-tokens", str(target.output)]
+        print(f"# no server at {target.url} yet: {shlex.join(serve)}", file=sys.stderr)

@@ -1,0 +1,19 @@
+"""Images in the prompt (issue 42): intake, cache key, positions, towers, forward.
+
+The modules, in the order an image travels:
+  intake.py     bytes -> a still RGB picture under limits (format read from the bytes,
+                pixel count checked before decoding), its pixel digest
+  fetch.py      http(s) image URLs: refused, or (--allow-image-urls) fetched from public
+                addresses only, pinned to the checked address, size and time bounded
+  tower.py      a vision checkpoint's vision part (VisionFamily): mlx-vlm's tower classes
+                on the folder's vision_tower.* weights; the text stays mlx-lm's
+  qwen.py       Qwen3.5 (qwen3_5, qwen3_5_moe): processor, tower, M-RoPE
+  gemma.py      Gemma 3: SigLIP tower + projector, bidirectional attention over an image
+  key.py        an image's key (pixels + processing + grid); its span salted in the trie key
+  positions.py  the whole prompt's rotary positions (M-RoPE) on every request
+  rope.py       mlx-lm's attention RoPE taking those positions per forward
+  features.py   the vision-feature cache: an image's tower output by key, in a byte budget
+  forward.py    one prefill chunk with images: ids, embeddings, positions, the model
+  testing.py    tiny random-weight vision model folders (tests, benchmarks)
+Nothing here is imported by a text-only server: mlx-vlm loads only for a vision model.
+"""

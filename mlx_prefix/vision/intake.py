@@ -1,0 +1,211 @@
+"""An image a request carries: its bytes decoded under limits, its content hashed.
+
+What comes in is base64 (a `data:` URL or Anthropic's base64 source) or, with the
+operator's --allow-image-urls, bytes fetched by vision/fetch.py; either way it arrives
+here as bytes, and this module alone turns bytes into pixels:
+- the encoded size is checked before decoding (base64 text before it is decoded);
+- the format is read from the bytes (magic numbers), never from a declared media type or
+  a file name: PNG, JPEG, WebP and GIF; an animated GIF or WebP is refused (one image
+  is one still picture);
+- the pixel count is read from the header and checked before any pixel is decoded, so a
+  decompression bomb (a few KB of PNG that decodes to gigabytes) is refused unread;
+- the decoded picture is converted to RGB (mlx-vlm's processors do the same), JPEG's
+  EXIF orientation applied (as a browser shows it).
+Every refusal is an InvalidRequest naming the request's part (`param`), so each API
+family answers a 400 in its own shape.
+
+`pixel_digest` is the image's identity for the cache: a hash of its size and RGB pixels,
+so the same picture re-encoded (another PNG compressor, base64 line breaks) is the same
+image, and any changed pixel is another one (vision/key.py adds how it was processed).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_prefix.errors import InvalidRequest
+
+FORMATS = ("png", "jpeg", "webp", "gif")
+MEDIA_TYPES = {f"image/{f}": f for f in FORMATS} | {"image/jpg": "jpeg"}
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What one request may send (`serve --image-*` flags; config.py maps them)."""
+
+    max_bytes: int = 20 * 1024 * 1024  # encoded, per image
+    max_pixels: int = 32_000_000  # width x height, per image, read from the header
+    max_images: int = 32  # per request, the history's included
+    allow_urls: bool = False  # --allow-image-urls: fetch http(s) URLs (vision/fetch.py)
+    fetch_timeout_s: float = 10.0  # the whole fetch of one URL
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedImage:
+    """A still picture in RGB, and the hash of what it shows."""
+
+    format: str  # one of FORMATS, read from the bytes
+    width: int
+    height: int
+    digest: str  # pixel_digest: sha256 of (width, height, RGB bytes), hex
+    encoded_bytes: int
+    pixels: object = field(repr=False)  # PIL.Image.Image in mode RGB
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DecodedImage) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+
+_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?);base64,", re.I)
+_SPACE = re.compile(rb"[\s]+")
+
+
+def sniff(data: bytes) -> str | None:
+    """The format the bytes are in (FORMATS), from their magic numbers; None if none."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    return None
+
+
+def media_format(media_type: str, param: str) -> str:
+    """A declared media type, checked: it must name a supported format (the bytes still
+    decide how they are read)."""
+    fmt = MEDIA_TYPES.get(media_type.strip().lower())
+    if fmt is None:
+        raise InvalidRequest(
+            f"{param}: media type {media_type!r} is not supported; send "
+            f"{', '.join(sorted(MEDIA_TYPES))}",
+            param=param,
+        )
+    return fmt
+
+
+def decode_base64(text: Any, limits: ImageLimits, param: str) -> bytes:
+    """Base64 text (line breaks allowed) to bytes, its size checked before decoding."""
+    if not isinstance(text, str) or not text:
+        raise InvalidRequest(f"{param} must be a non-empty base64 string", param=param)
+    raw = text.encode("ascii", "replace")
+    if len(raw) > (limits.max_bytes + 2) // 3 * 4 + len(raw) // 76 * 2 + 4:
+        raise _too_large(param, limits, at_least=len(raw) * 3 // 4)
+    try:
+        data = base64.b64decode(_SPACE.sub(b"", raw), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{param} is not valid base64", param=param) from None
+    if len(data) > limits.max_bytes:
+        raise _too_large(param, limits, at_least=len(data))
+    return data
+
+
+def decode_data_url(url: str, limits: ImageLimits, param: str) -> bytes:
+    """A `data:image/...;base64,...` URL to bytes (the media type, when given, checked)."""
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise InvalidRequest(
+            f"{param} must be a base64 data URL (data:image/png;base64,...)", param=param
+        )
+    if m.group("type"):
+        media_format(m.group("type"), param)
+    return decode_base64(url[m.end() :], limits, param)
+
+
+def decode_image(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
+    """Bytes to a DecodedImage under `limits`; InvalidRequest naming `param` otherwise."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    if len(data) > limits.max_bytes:
+        raise _too_large(param, limits, at_least=len(data))
+    fmt = sniff(data)
+    if fmt is None:
+        raise InvalidRequest(
+            f"{param}: the bytes are not an image in a supported format "
+            f"({', '.join(f.upper() for f in FORMATS)})",
+            param=param,
+        )
+    too_many = InvalidRequest(
+        f"{param}: the image has more pixels than the server's limit of {limits.max_pixels:,}",
+        param=param,
+        code="image_too_large",
+    )
+    try:
+        with warnings.catch_warnings():
+            # PIL warns on big images itself; the limit below decides instead.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=[fmt.upper()])
+            width, height = img.size  # from the header: nothing decoded yet
+            if width <= 0 or height <= 0:
+                raise InvalidRequest(f"{param}: the image has no pixels", param=param)
+            if width * height > limits.max_pixels:
+                raise InvalidRequest(
+                    f"{param}: the image is {width}x{height} = {width * height:,} pixels, "
+                    f"more than the server's limit of {limits.max_pixels:,}",
+                    param=param,
+                    code="image_too_large",
+                )
+            if getattr(img, "is_animated", False) or getattr(img, "n_frames", 1) > 1:
+                raise InvalidRequest(
+                    f"{param}: an animated {fmt.upper()} is not supported; send a still image",
+                    param=param,
+                )
+            img.load()
+            still: Image.Image = img
+            if fmt == "jpeg":
+                still = ImageOps.exif_transpose(img)
+            rgb = still.convert("RGB")
+    except InvalidRequest:
+        raise
+    except Image.DecompressionBombError:  # past PIL's own limit, at open
+        raise too_many from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise InvalidRequest(
+            f"{param}: the {fmt.upper()} data is corrupt or truncated", param=param
+        ) from None
+    return DecodedImage(
+        format=fmt,
+        width=rgb.width,
+        height=rgb.height,
+        digest=pixel_digest(rgb),
+        encoded_bytes=len(data),
+        pixels=rgb,
+    )
+
+
+def pixel_digest(rgb: object) -> str:
+    """sha256 over the picture's size and RGB bytes (row-major), hex."""
+    h = hashlib.sha256(b"mlx-prefix-image-v1")
+    h.update(f"{rgb.width}x{rgb.height};RGB;".encode())  # type: ignore[attr-defined]
+    h.update(rgb.tobytes())  # type: ignore[attr-defined]
+    return h.hexdigest()
+
+
+def check_count(count: int, limits: ImageLimits, param: str) -> None:
+    if count > limits.max_images:
+        raise InvalidRequest(
+            f"{param}: {count} images in one request, more than the server's limit of "
+            f"{limits.max_images}",
+            param=param,
+            code="too_many_images",
+        )
+
+
+def _too_large(param: str, limits: ImageLimits, at_least: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"{param}: the image is at least {at_least:,} bytes, more than the server's limit of "
+        f"{limits.max_bytes:,}",
+        param=param,
+        code="image_too_large",
+    )

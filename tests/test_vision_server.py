@@ -1,0 +1,252 @@
+"""Images over HTTP with the official SDKs: OpenAI chat `image_url` parts, Responses
+`input_image`, Anthropic `image` blocks (also inside a tool_result, as Claude Code's Read
+tool sends a screenshot), streamed and not, on a tiny Qwen3.5 vision model; the second
+request reads the image from the cache and answers as the first. Refusals: a text-only
+model, URLs without the flag (nothing fetched), bad base64, a bomb; each a 400 in the
+API's own shape, and the server goes on serving."""
+
+from __future__ import annotations
+
+import base64
+import socket
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import TEST_CACHE, loaded_test_model
+from server_fakes import serving
+from vision_models import encoded, picture, vision_model_folder
+
+from mlx_prefix.config import EngineConfig
+from mlx_prefix.conversation import conversation_from_dicts
+from mlx_prefix.engine.engine import Engine
+from mlx_prefix.models.load import load_model
+from mlx_prefix.records import PromptInput
+
+PNG = encoded(picture(96, 64, seed=11))
+B64 = base64.b64encode(PNG).decode()
+DATA_URL = f"data:image/png;base64,{B64}"
+SYSTEM = "You read screenshots for a developer. " * 4
+IMAGE_PART = {"type": "image_url", "image_url": {"url": DATA_URL}}
+READ = {
+    "name": "Read",
+    "description": "Read a file.",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+
+
+@pytest.fixture(scope="module")
+def live():
+    engine = Engine(
+        load_model(str(vision_model_folder("qwen3_5"))),
+        TEST_CACHE,
+        EngineConfig(prefetch_next_turn=False),
+    )
+    with serving(engine) as (url, _):
+        yield url, engine
+
+
+@pytest.fixture(autouse=True)
+def no_fetch(monkeypatch):
+    """Any outbound connection but to the test server (loopback) fails the test."""
+    original = socket.create_connection
+
+    def guarded(address, *args, **kwargs):
+        if address[0] not in ("127.0.0.1", "localhost", "::1"):
+            raise AssertionError(f"network touched: {address}")
+        return original(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", guarded)
+
+
+def test_openai_chat_with_an_image_hits_the_second_time(live):
+    url, _ = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is on this screen?"},
+            {"type": "image_url", "image_url": {"url": DATA_URL, "detail": "high"}},
+        ]},
+    ]  # fmt: skip
+    plain = {"chat_template_kwargs": {"enable_thinking": False}}  # the reply as content
+    first = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=6, temperature=0, extra_body=plain
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=messages, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=plain,
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text == first.choices[0].message.content
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.prompt_tokens == first.usage.prompt_tokens
+
+
+def test_responses_input_image(live):
+    url, _ = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    item = {"role": "user", "content": [
+        {"type": "input_text", "text": "Describe:"},
+        {"type": "input_image", "image_url": DATA_URL, "detail": "auto"},
+    ]}  # fmt: skip
+    a = client.responses.create(model="m", input=[item], max_output_tokens=6, temperature=0)
+    b = client.responses.create(model="m", input=[item], max_output_tokens=6, temperature=0)
+    assert a.output_text == b.output_text
+    assert b.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
+    url, _ = live
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
+    tools = [READ]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Look at shot.png"}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "shot.png"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]},
+            {"type": "text", "text": "What do you see?"},
+        ]},
+    ]  # fmt: skip
+    first = client.messages.create(
+        model="m", max_tokens=6, system=SYSTEM, tools=tools, messages=messages,
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    with client.messages.stream(
+        model="m", max_tokens=6, system=SYSTEM, tools=tools, messages=messages,
+        extra_body={"temperature": 0},
+    ) as stream:  # fmt: skip
+        second = stream.get_final_message()
+    assert [b.model_dump() for b in second.content] == [b.model_dump() for b in first.content]
+    assert second.usage.cache_read_input_tokens > 0
+    # A user message's own image block reads the same way.
+    plain = [{"role": "user", "content": [image, {"type": "text", "text": "And this?"}]}]
+    assert client.messages.create(model="m", max_tokens=2, messages=plain).content
+
+
+def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(live):
+    url, _ = live
+    bomb = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 30).decode()
+    with httpx.Client(base_url=url, timeout=60) as http:
+        cases = [
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+             "messages[0].content[0].image_url.url"),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
+             "messages[0].content[0].image_url.url"),
+            ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [
+                {"type": "input_image", "file_id": "file-1"}]}]}, "input[0].content[0].file_id"),
+        ]  # fmt: skip
+        for path, body, param in cases:
+            r = http.post(path, json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == param
+        r = http.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": bomb}}]}]})  # fmt: skip
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        assert "messages[0].content[0].source.data" in r.json()["error"]["message"]
+        hi = [{"role": "user", "content": "hi"}]
+        ok = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": hi})
+        assert ok.status_code == 200
+
+
+def test_a_text_only_model_answers_400_saying_so():
+    engine = Engine(loaded_test_model("dense"), TEST_CACHE)
+    with serving(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        see = [{"role": "user", "content": [{"type": "text", "text": "See:"}, IMAGE_PART]}]
+        r = http.post("/v1/chat/completions", json={"model": "m", "messages": see})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "text-only" in error["message"] and error["param"] == "messages[0].content[1]"
+
+
+def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
+    url, engine = live
+    with httpx.Client(base_url=url, timeout=60) as http:
+        spans = [{"role": "user", "content": [{"type": "text", "text": "Spans:"}, IMAGE_PART]}]
+        body = {"model": "m", "max_tokens": 1, "messages": spans}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        nodes = http.get("/v1/dashboard").json()["tree"]
+    with_images = [n for n in nodes if n["images"]]
+    assert with_images and all("[image]" in n["head"] or n["start"] > n["images"][0][0]
+                               for n in with_images)  # fmt: skip
+    for n in with_images:
+        for a, b in n["images"]:
+            assert n["start"] <= a < b <= n["tokens"]
+
+
+def test_a_request_with_another_image_is_explained_at_the_image(live):
+    url, _ = live
+    other = base64.b64encode(encoded(picture(96, 64, seed=12))).decode()  # PNG's size
+    other_part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{other}"}}
+    system = {"role": "system", "content": "You compare screens. " * 6}  # this test's own
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for part in (IMAGE_PART, other_part):
+            look = [{"type": "text", "text": "Which screen is this?"}, part]
+            body = {"model": "m", "max_tokens": 1, "messages": [system, user_turn(look)]}
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        record = http.get("/v1/cache/requests", params={"limit": 1}).json()["data"][0]
+    # It diverged where the images differ, and the texts either side show an image there
+    # (the key's values written as such, never decoded as token ids).
+    assert record["cached_tokens"] <= record["diverged_at"] < record["prompt_tokens"]
+    assert record["before"].count("[image]") == 1 and record["after"].count("[image]") == 1
+    assert "Which screen is this?" in record["before"]
+
+
+def user_turn(content: list) -> dict:
+    return {"role": "user", "content": content}
+
+
+def test_metrics_count_image_tokens(live):
+    url, engine = live
+    with httpx.Client(base_url=url, timeout=60) as http:
+
+        def counted():
+            text = http.get("/metrics").text
+            line = next(
+                x for x in text.splitlines() if x.startswith("mlx_prefix_image_tokens_total")
+            )
+            return float(line.split()[-1])
+
+        before = counted()
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": DATA_URL}}]}]}  # fmt: skip
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        tokens = engine.plan(
+            PromptInput(messages=conversation_from_dicts(body["messages"]))
+        ).vision.image_tokens
+        assert counted() - before == tokens > 0
+
+
+def test_generate_takes_images_from_files(tmp_path):
+    import subprocess
+    import sys
+
+    shot = tmp_path / "shot.png"
+    shot.write_bytes(PNG)
+    model = str(vision_model_folder("qwen3_5"))
+    base = [sys.executable, "-m", "mlx_prefix", "generate", "--model", model, "-n", "3"]
+    run = subprocess.run(
+        [*base, "--image", str(shot), "--image", str(shot), "--json", "What is this?"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    import json
+
+    body = json.loads(run.stdout)
+    assert body["usage"]["prompt_tokens"] > 2 * 6  # two images of 6 tokens each
+    missing = subprocess.run(
+        [*base, "--image", str(tmp_path / "none.png"), "hi"], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert missing.returncode != 0 and "cannot read image" in missing.stderr
