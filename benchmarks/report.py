@@ -714,7 +714,6 @@ def write(doc: dict[str, Any], report_dir: Path) -> Path:
     rel = [str(p.relative_to(report_dir)) for p in pngs]
     path = report_dir / "RESULTS.md"
     path.write_text(
-        markdown(doc, rel, report_vision.newest(report_dir))
-        + device_table.kept_section(report_dir)
+        markdown(doc, rel, report_vision.newest(report_dir)) + device_table.kept_section(report_dir)
     )
     return path
