@@ -238,6 +238,20 @@ def wait_for(condition, timeout: float = 60.0) -> bool:
     return True
 
 
+def wait_stored(engine, prefix: Sequence[int], timeout: float = 60.0) -> bool:
+    """Poll until the engine's cache holds an entry that starts with `prefix` (what a
+    prefetch or a request stores). Waiting for a count instead (prefetch.completed > n)
+    can be met by an earlier request's late prefetch while the one awaited is still on
+    its way: the request sent next then misses it."""
+    want = tuple(prefix)
+
+    def held() -> bool:
+        stored = engine.store.sequences(engine.model_key)
+        return any(tuple(s.tokens[: len(want)]) == want for s in stored)
+
+    return wait_for(held, timeout)
+
+
 def cache_states(cache: list) -> list[mx.array]:
     """Every array of a cache's state (a KV layer's up to its offset: past it the
     step-padded buffer holds junk)."""

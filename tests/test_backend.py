@@ -143,9 +143,9 @@ def test_make_installs_the_chosen_extra(tmp_path: Path):
         assert out.returncode == 0, out.stderr
         return out.stdout
 
-    assert '-e ".[test,cuda]"' in planned() and ".installed-cuda" in planned()
+    assert '-e ".[test,vision,cuda]"' in planned() and ".installed-cuda" in planned()
     cpu = planned(**{BACKEND_ENV: "cpu"})
-    assert '-e ".[test,cpu]"' in cpu and "libopenblas" in cpu  # the CPU's fast BLAS too
+    assert '-e ".[test,vision,cpu]"' in cpu and "libopenblas" in cpu  # the CPU's fast BLAS too
 
 
 def test_dtypes_follow_the_device_as_on_metal():

@@ -22,7 +22,7 @@ from pathlib import Path
 import anthropic
 import pytest
 from conftest import loaded_test_model
-from engine_helpers import scripted_engine, wait_for
+from engine_helpers import scripted_engine, wait_stored
 from live import live_server
 from test_engine_prefetch_tools import ID_TEMPLATE
 
@@ -108,14 +108,15 @@ def next_prompt(messages: list[dict]) -> PromptInput:
     return parse_messages_request(body, Limits(64, 4096)).generation.prompt
 
 
-def tool_turn_end(engine: Engine, prompt: PromptInput) -> int:
-    """Where the first tool result begins in `prompt` (a grid point): everything before
-    it is the history and the tool_use turn."""
+def tool_turn(engine: Engine, prompt: PromptInput) -> list[int]:
+    """`prompt`'s tokens up to where its first tool result begins (a grid point): the
+    history and the tool_use turn."""
     assert prompt.messages is not None
     first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
     cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
     plan = engine.planner.plan(cut)
-    return max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
+    end = max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
+    return list(plan.tokens[:end])
 
 
 def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> None:
@@ -125,7 +126,10 @@ def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> N
     if engine.model.tokenizer.chat_template == ID_TEMPLATE:
         text = engine.planner.renderer.render_text(prompt.messages, tools=prompt.tools)
         assert all(b.id in text for b in first.content if b.type == "tool_use")
-    assert wait_for(lambda: engine.prefetch.completed == prefetched)
+    # The prefetch of this reply stored the tool_use turn (a count would be met by the
+    # last test's follow-up's own late prefetch).
+    held = tool_turn(engine, prompt)
+    assert wait_stored(engine, held) and engine.prefetch.completed >= prefetched
     ask = dict(model="claude-local", max_tokens=6, system=SYSTEM, tools=TOOLS)
     warm = client.messages.create(**ask, messages=messages, extra_body={"temperature": 0})
     usage = first.usage
@@ -133,7 +137,7 @@ def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> N
     first_prompt += usage.cache_creation_input_tokens
     # Beyond the first request's prompt: the reply's tokens came from the prefetch.
     assert warm.usage.cache_read_input_tokens > first_prompt
-    assert warm.usage.cache_read_input_tokens >= tool_turn_end(engine, prompt)
+    assert warm.usage.cache_read_input_tokens >= len(held)
     cold = client.messages.create(**ask, messages=messages, extra_body=COLD)
     assert cold.usage.cache_read_input_tokens == 0
     assert sent_back(warm) == sent_back(cold)

@@ -18,7 +18,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from engine_helpers import scripted_engine, wait_for
+from engine_helpers import scripted_engine, wait_for, wait_stored
 from live import live_server
 
 from mlx_prefix.cache.store import CheckpointKind
@@ -27,12 +27,15 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.anthropic import parse_messages_request
+from mlx_prefix.server.protocol.request import Limits
 
 DATA = Path(__file__).parent / "data"
 TEMPLATE = DATA / "templates" / "Qwen3.5-4B.jinja"
 SYSTEM = "You are a coding agent working in a small repository. Read before editing. " * 4
 PATH_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}}
 ASK = "Fix the typo in main.py"
+LIMITS = Limits(64, 4096)  # what parse_messages_request checks a body against
 MARKUP = (
     "<tool_call>\n<function=Read>\n<parameter=path>\nwrong.py\n</parameter>\n</function>\n"
     "</tool_call>"
@@ -76,14 +79,21 @@ def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def tool_result_start(engine: Engine, messages: list[dict], tools: list[dict]) -> int:
-    """Where the first tool result's content begins (a grid point): before it lie the
-    history and the reply that called the tool, reasoning included."""
-    first = next(i for i, m in enumerate(messages) if m["role"] == "tool")
-    plan = engine.planner.plan(
-        PromptInput(messages=conversation_from_dicts(messages[: first + 1]), tools=tools)
+def before_tool_result(engine: Engine, messages: list[dict], tools: list[dict]) -> list[int]:
+    """The prompt's tokens up to where its first tool result's content begins (a grid
+    point): the history and the reply that called the tool, reasoning included."""
+    return history_before_tool(
+        engine, PromptInput(messages=conversation_from_dicts(messages), tools=tools)
     )
-    return max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
+
+
+def history_before_tool(engine: Engine, prompt: PromptInput) -> list[int]:
+    assert prompt.messages is not None
+    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
+    cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
+    plan = engine.planner.plan(cut)
+    end = max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
+    return list(plan.tokens[:end])
 
 
 # -- item 1: the prompt's open think block ------------------------------------------------
@@ -176,19 +186,11 @@ def test_messages_agent_turn(claude, live):
             ],
         },
     ]
-    assert wait_for(lambda: engine.prefetch.completed > before)
+    body = {**ask, "messages": turns}  # the next request as the route reads it
+    held = history_before_tool(engine, parse_messages_request(body, LIMITS).generation.prompt)
+    assert wait_stored(engine, held) and engine.prefetch.completed > before
     second = claude.messages.create(**ask, messages=turns, extra_body={"temperature": 0})
-    chat_tools = [{"type": "function", "function": {"name": "Read", "parameters": PATH_SCHEMA}}]
-    history = [
-        {"role": "system", "content": SYSTEM},
-        *user(question),
-        {"role": "assistant", "content": "Reading it.", "reasoning_content": REASONING},
-        {"role": "tool", "tool_call_id": first.content[2].id, "content": "x"},
-    ]
-    history[2]["tool_calls"] = [
-        {"id": first.content[2].id, "function": {"name": "Read", "arguments": {"path": "main.py"}}}
-    ]
-    assert second.usage.cache_read_input_tokens >= tool_result_start(engine, history, chat_tools)
+    assert second.usage.cache_read_input_tokens >= len(held)
 
 
 def test_chat_agent_turn(chat, live):
@@ -210,10 +212,10 @@ def test_chat_agent_turn(chat, live):
         reply.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "x"},
     ]
-    assert wait_for(lambda: engine.prefetch.completed > before)
+    held = before_tool_result(engine, turns, tools)
+    assert wait_stored(engine, held) and engine.prefetch.completed > before
     second = chat.chat.completions.create(model="m", messages=turns, tools=tools, max_tokens=4)
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= tool_result_start(engine, turns, tools)
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(held)
 
 
 def test_responses_agent_turn(chat, live):
@@ -241,10 +243,6 @@ def test_responses_agent_turn(chat, live):
         *items,
         {"type": "function_call_output", "call_id": call.call_id, "output": "x"},
     ]
-    assert wait_for(lambda: engine.prefetch.completed > before)
-    second = chat.responses.create(
-        model="m", instructions=SYSTEM, input=turns, tools=tools, max_output_tokens=4
-    )
     chat_tools = [{"type": "function", "function": {"name": "Read", "parameters": PATH_SCHEMA}}]
     history = [
         {"role": "system", "content": SYSTEM},
@@ -256,9 +254,12 @@ def test_responses_agent_turn(chat, live):
     history[2]["tool_calls"] = [
         {"id": call.call_id, "function": {"name": "Read", "arguments": arguments}}
     ]
-    assert second.usage.input_tokens_details.cached_tokens >= tool_result_start(
-        engine, history, chat_tools
+    held = before_tool_result(engine, history, chat_tools)
+    assert wait_stored(engine, held) and engine.prefetch.completed > before
+    second = chat.responses.create(
+        model="m", instructions=SYSTEM, input=turns, tools=tools, max_output_tokens=4
     )
+    assert second.usage.input_tokens_details.cached_tokens >= len(held)
 
 
 # -- item 6: budgets ---------------------------------------------------------------------
