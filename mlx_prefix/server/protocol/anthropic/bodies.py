@@ -5,7 +5,7 @@ Every field is honoured or refused with a 400 naming it:
 - `model`, `max_tokens` (required; it bounds the reply, which is cut at the context's
   end, so an agent asking for 32000 on a small model still gets an answer), `stream`,
   `stop_sequences`, `temperature` (Anthropic's default 1.0), `top_p`, `top_k`;
-- `system`, `messages` (protocol/anthropic_blocks.py), top-level and block
+- `system`, `messages` (blocks.py), top-level and block
   `cache_control` (breakpoints: checkpoints of their own kind);
 - `tools` (custom tools with `input_schema`; `defer_loading` tools stay out of the prompt
   until a `tool_reference` loads them; server tools and `strict` are refused),
@@ -36,10 +36,9 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint, PromptInput, SamplingParams
 from mlx_prefix.vision.intake import ImageLimits
 
-from .anthropic_blocks import convert
-from .fields import MISSING, field, integer, json_type, number
-from .formats import anthropic_output_format
-from .request import (
+from ..fields import MISSING, field, integer, json_type, number
+from ..formats import anthropic_output_format
+from ..request import (
     MAX_STOP_SEQUENCES,
     SEED_LIMIT,
     GenerationRequest,
@@ -49,6 +48,7 @@ from .request import (
     check_stop_lengths,
     refuse_stop_with_format,
 )
+from .blocks import convert
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
