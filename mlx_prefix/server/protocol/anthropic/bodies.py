@@ -7,10 +7,10 @@ Every field is honoured or refused with a 400 naming it:
   `stop_sequences`, `temperature` (Anthropic's default 1.0), `top_p`, `top_k`;
 - `system`, `messages` (blocks.py), top-level and block
   `cache_control` (breakpoints: checkpoints of their own kind);
-- `tools` (custom tools with `input_schema`; `defer_loading` tools stay out of the prompt
+- `tools` (tools.py: custom tools with `input_schema`; `defer_loading` tools stay out of the prompt
   until a `tool_reference` loads them; server tools and `strict` are refused),
   `tool_choice` auto / any / tool / none and `disable_parallel_tool_use`;
-- `thinking` enabled / disabled / adaptive -> the template's `enable_thinking` switch
+- `thinking` (thinking.py) enabled / disabled / adaptive -> the template's `enable_thinking` switch
   (adaptive: the template's default); `budget_tokens` (any non-negative count below
   max_tokens: Anthropic's 1024 floor is a billing rule) bounds the reasoning: once
   spent, the server closes the think block as the template does and the model answers
@@ -36,21 +36,20 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint, PromptInput, SamplingParams
 from mlx_prefix.vision.intake import ImageLimits
 
-from ..fields import MISSING, field, integer, json_type, number
+from ..fields import MISSING, field, integer, number
 from ..formats import anthropic_output_format
 from ..request import (
     MAX_STOP_SEQUENCES,
     SEED_LIMIT,
     GenerationRequest,
     Limits,
-    ToolChoice,
     cache_preference,
     check_stop_lengths,
     refuse_stop_with_format,
 )
 from .blocks import convert
-
-EFFORTS = ("low", "medium", "high", "xhigh", "max")
+from .thinking import keep_thinking_turns, read_thinking
+from .tools import Tools, read_tool_choice, read_tools
 
 
 @dataclass(frozen=True)
@@ -67,14 +66,6 @@ class MessagesRequest:
         return self.generation.adapter
 
 
-@dataclass(frozen=True)
-class _Tools:
-    rendered: tuple[dict[str, Any], ...] | None  # OpenAI-shaped, for the template
-    names: tuple[str, ...]  # of the rendered tools
-    deferred: dict[str, dict[str, Any]]  # defer_loading tools by name
-    breakpoints: tuple[Breakpoint, ...]
-
-
 def parse_messages_request(
     body: dict[str, Any], limits: Limits, *, keep_billing_header: bool = False
 ) -> MessagesRequest:
@@ -82,9 +73,9 @@ def parse_messages_request(
     max_tokens = integer(body, "max_tokens", MISSING, lo=1, hi=None)
     if max_tokens is MISSING:
         raise InvalidRequest("max_tokens: Field required", param="max_tokens")
-    thinking = _thinking(body, max_tokens)
+    thinking = read_thinking(body, max_tokens)
     prompt, tools = _prompt(body, keep_billing_header, thinking.enable, limits.images)
-    choice = _tool_choice(body, tools, thinking.enable)
+    choice = read_tool_choice(body, tools, thinking.enable)
     sampling = SamplingParams(
         max_tokens=min(max_tokens, limits.max_tokens),
         temperature=number(
@@ -130,9 +121,9 @@ def parse_count_tokens(
     """The model name and the prompt whose tokens /v1/messages/count_tokens counts (its
     images under the server's limits, as /v1/messages reads them)."""
     model = _model(body)
-    thinking = _thinking(body, None).enable
+    thinking = read_thinking(body, None).enable
     prompt, tools = _prompt(body, keep_billing_header, thinking, images)
-    _tool_choice(body, tools, thinking)
+    read_tool_choice(body, tools, thinking)
     return model, prompt
 
 
@@ -148,8 +139,8 @@ def _prompt(
     keep_billing_header: bool,
     thinking: bool | None,
     images: ImageLimits | None = None,
-) -> tuple[PromptInput, _Tools]:
-    tools = _tools(body)
+) -> tuple[PromptInput, Tools]:
+    tools = read_tools(body)
     choice = body.get("tool_choice")
     offer = tools.rendered is not None and not (
         isinstance(choice, dict) and choice.get("type") == "none"
@@ -159,7 +150,7 @@ def _prompt(
         body.get("messages"),
         deferred_tools=tools.deferred,
         keep_billing_header=keep_billing_header,
-        keep_thinking_turns=_keep_thinking_turns(body),
+        keep_thinking_turns=keep_thinking_turns(body),
         images=images,
     )
     breakpoints = [*tools.breakpoints] if offer else []
@@ -174,179 +165,6 @@ def _prompt(
         breakpoints=tuple(breakpoints),
     )
     return prompt, tools
-
-
-def _tools(body: dict[str, Any]) -> _Tools:
-    tools = field(body, "tools", list, None) or []
-    rendered, names, deferred, breakpoints = [], [], {}, []
-    for i, tool in enumerate(tools):
-        param = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise InvalidRequest(f"{param} must be an object", param=param)
-        kind = tool.get("type")
-        if kind not in (None, "custom"):
-            raise InvalidRequest(
-                f"{param}.type {kind!r}: only custom tools (name, input_schema) are supported; "
-                "Anthropic's server tools run on Anthropic's servers",
-                param=f"{param}.type",
-            )
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequest(f"{param}.name must be a non-empty string", param=f"{param}.name")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise InvalidRequest(
-                f"{param}.input_schema is required and must be an object",
-                param=f"{param}.input_schema",
-            )
-        if tool.get("strict") is True:
-            raise InvalidRequest(
-                f"{param}.strict: tool inputs are not constrained to their schema here",
-                param=f"{param}.strict",
-            )
-        function: dict[str, Any] = {"name": name, "parameters": schema}
-        description = tool.get("description")
-        if description is not None:
-            if not isinstance(description, str):
-                raise InvalidRequest(
-                    f"{param}.description must be a string", param=f"{param}.description"
-                )
-            function["description"] = description
-        definition = {"type": "function", "function": function}
-        if tool.get("defer_loading") is True:
-            deferred[name] = definition
-            continue
-        if tool.get("cache_control") is not None:
-            breakpoints.append(Breakpoint(tool=len(rendered)))
-        rendered.append(definition)
-        names.append(name)
-    return _Tools(tuple(rendered) or None, tuple(names), deferred, tuple(breakpoints))
-
-
-def _tool_choice(body: dict[str, Any], tools: _Tools, thinking: bool | None) -> ToolChoice:
-    choice = field(body, "tool_choice", dict, None)
-    if choice is None:
-        return ToolChoice()
-    kind = choice.get("type")
-    parallel = choice.get("disable_parallel_tool_use", False)
-    if not isinstance(parallel, bool):
-        raise InvalidRequest(
-            "tool_choice.disable_parallel_tool_use must be a boolean",
-            param="tool_choice.disable_parallel_tool_use",
-        )
-    if kind == "auto":
-        return ToolChoice(parallel=not parallel)
-    if kind == "none":
-        return ToolChoice("none")
-    if kind not in ("any", "tool"):
-        raise InvalidRequest(
-            "tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type"
-        )
-    if not tools.names:
-        raise InvalidRequest(
-            "tool_choice forces a tool call, but no tools were given", param="tool_choice"
-        )
-    if thinking:
-        raise InvalidRequest(
-            "tool_choice 'any' or 'tool' cannot be combined with extended thinking",
-            param="tool_choice",
-        )
-    if kind == "any":
-        return ToolChoice("required", parallel=not parallel)
-    name = choice.get("name")
-    if name not in tools.names:
-        raise InvalidRequest(
-            f"tool_choice.name {name!r} is not among the tools ({', '.join(tools.names)})",
-            param="tool_choice.name",
-        )
-    return ToolChoice("named", name, parallel=not parallel)
-
-
-@dataclass(frozen=True)
-class _Thinking:
-    enable: bool | None  # the template's enable_thinking; None: its default
-    show: bool  # the reasoning's text goes out (display "omitted": False)
-    budget: int | None  # reasoning tokens before the server closes the block; None: unbounded
-
-
-def _thinking(body: dict[str, Any], max_tokens: int | None) -> _Thinking:
-    """Off (disabled, or effort "low" without thinking enabled) is the template's switch
-    off and a budget of 0, so a template without the switch is held to it too."""
-    effort = (field(body, "output_config", dict, None) or {}).get("effort", "high")
-    if effort not in EFFORTS:
-        raise InvalidRequest(
-            f"output_config.effort must be one of {', '.join(EFFORTS)}",
-            param="output_config.effort",
-        )
-    thinking = field(body, "thinking", dict, None)
-    if thinking is None or (effort == "low" and thinking.get("type") != "enabled"):
-        return _Thinking(False, True, 0) if effort == "low" else _Thinking(None, True, None)
-    kind = thinking.get("type")
-    display = thinking.get("display", "summarized")
-    if display not in ("summarized", "omitted"):
-        raise InvalidRequest(
-            "thinking.display must be 'summarized' or 'omitted'", param="thinking.display"
-        )
-    if kind == "disabled":
-        return _Thinking(False, True, 0)
-    if kind == "adaptive":
-        return _Thinking(None, display != "omitted", None)
-    if kind != "enabled":
-        raise InvalidRequest(
-            "thinking.type must be 'enabled', 'disabled' or 'adaptive'", param="thinking.type"
-        )
-    budget = thinking.get("budget_tokens")
-    # Anthropic's floor of 1024 is a billing rule; a local model may think less.
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise InvalidRequest(
-            "thinking.budget_tokens must be a non-negative integer",
-            param="thinking.budget_tokens",
-        )
-    if max_tokens is not None and budget >= max_tokens:
-        raise InvalidRequest(
-            f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
-            param="thinking.budget_tokens",
-        )
-    return _Thinking(True, display != "omitted", budget)
-
-
-def _keep_thinking_turns(body: dict[str, Any]) -> int | None:
-    """context_management's clear_thinking edit: None keeps every turn's thinking."""
-    management = field(body, "context_management", dict, None)
-    if management is None:
-        return None
-    edits = management.get("edits", [])
-    if not isinstance(edits, list):
-        raise InvalidRequest(
-            "context_management.edits must be an array", param="context_management.edits"
-        )
-    keep: int | None = None
-    for i, edit in enumerate(edits):
-        param = f"context_management.edits[{i}]"
-        kind = edit.get("type") if isinstance(edit, dict) else json_type(edit)
-        if kind != "clear_thinking_20251015":
-            raise InvalidRequest(
-                f"{param}: context edits of type {kind!r} are not supported "
-                "(clear_thinking_20251015 is)",
-                param=param,
-            )
-        value = edit.get("keep", "all")
-        if value == "all":
-            continue
-        turns = value.get("value") if isinstance(value, dict) else None
-        if not (
-            isinstance(value, dict)
-            and value.get("type") == "thinking_turns"
-            and isinstance(turns, int)
-            and not isinstance(turns, bool)
-            and turns >= 0
-        ):
-            raise InvalidRequest(
-                f'{param}.keep must be \'all\' or {{"type": "thinking_turns", "value": N}}',
-                param=f"{param}.keep",
-            )
-        keep = turns if keep is None else min(keep, turns)
-    return keep
 
 
 def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
