@@ -14,7 +14,8 @@ import pytest
 from served_process import StderrReader
 
 from mlx_prefix.cli import build_parser
-from mlx_prefix.cli.serve import embedding_worker, server_settings
+from mlx_prefix.cli.serve import embedding_worker
+from mlx_prefix.cli.serve_args import server_settings
 from mlx_prefix.embeddings.testing import make_embedding_test_model
 from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.models.testing import cached_test_model

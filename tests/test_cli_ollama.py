@@ -21,7 +21,7 @@ import pytest
 from server_fakes import serving
 
 from mlx_prefix.cli import build_parser, main
-from mlx_prefix.cli.serve import server_settings
+from mlx_prefix.cli.serve_args import server_settings
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.server.ollama_port import PortTaken, bind_ollama_port, split_address
 

@@ -14,10 +14,10 @@ from mlx_prefix.conversation import Message, ToolCall, conversation_from_dicts, 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput, ToolCallIds
-from mlx_prefix.server.protocol.anthropic import parse_messages_request
+from mlx_prefix.server.protocol.anthropic.bodies import parse_messages_request
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import Limits
-from mlx_prefix.server.protocol.responses import parse_responses
+from mlx_prefix.server.protocol.responses.bodies import parse_responses
 
 LIMITS = Limits(default_max_tokens=64, max_tokens=4096)
 PARIS = '{"city": "Paris"}'

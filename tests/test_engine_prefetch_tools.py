@@ -31,8 +31,8 @@ from mlx_prefix.records import (
 )
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import GenerationRequest, Limits
-from mlx_prefix.server.protocol.responses import parse_responses
-from mlx_prefix.server.protocol.responses_items import reply_messages
+from mlx_prefix.server.protocol.responses.bodies import parse_responses
+from mlx_prefix.server.protocol.responses.items import reply_messages
 from mlx_prefix.server.replies.assembler import Assembler
 from mlx_prefix.server.replies.responses import OutputEvents, ResponseHead
 

@@ -14,7 +14,7 @@ from server_fakes import DEFAULT_REPLY, FakeEngine, FakeTokenizer, serving
 
 from mlx_prefix.conversation import Message
 from mlx_prefix.records import TokenEvent, ToolCallIds
-from mlx_prefix.server.protocol.anthropic import parse_messages_request
+from mlx_prefix.server.protocol.anthropic.bodies import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
 from mlx_prefix.server.replies.assembler import Assembler
 

@@ -31,7 +31,7 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import PromptInput, ToolCallIds
-from mlx_prefix.server.protocol.anthropic import parse_messages_request
+from mlx_prefix.server.protocol.anthropic.bodies import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
 
 SYSTEM = "You are a coding agent working in a small repository. Read before editing. " * 4

@@ -9,7 +9,7 @@ import pytest
 from server_fakes import serving
 
 from mlx_prefix.cli import build_parser
-from mlx_prefix.cli.serve import server_settings
+from mlx_prefix.cli.serve_args import server_settings
 from mlx_prefix.server.guards.hosts import HostPolicy, host_name
 from mlx_prefix.server.settings import ServerSettings
 

@@ -9,8 +9,8 @@ import pytest
 from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint
-from mlx_prefix.server.protocol.anthropic import parse_count_tokens, parse_messages_request
-from mlx_prefix.server.protocol.anthropic_blocks import is_billing_header
+from mlx_prefix.server.protocol.anthropic.blocks import is_billing_header
+from mlx_prefix.server.protocol.anthropic.bodies import parse_count_tokens, parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
 
 LIMITS = Limits(default_max_tokens=512, max_tokens=4096)

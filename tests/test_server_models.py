@@ -396,7 +396,8 @@ def test_settings_refuse_a_malformed_model_alias():
 def test_serve_flags_and_the_sharded_refusal(monkeypatch):
     import mlx_prefix.cli.sharded as sharded
     from mlx_prefix.cli import build_parser
-    from mlx_prefix.cli.serve import cmd_serve, server_settings
+    from mlx_prefix.cli.serve import cmd_serve
+    from mlx_prefix.cli.serve_args import server_settings
     from mlx_prefix.errors import InvalidRequest
 
     argv = ["serve", "--max-models", "3", "--model-alias", "x=/a", "--model-alias", "y=org/r"]

@@ -24,7 +24,7 @@ from server_fakes import (
 )
 
 from mlx_prefix.config import FOREVER
-from mlx_prefix.server.protocol.ollama_options import parse_keep_alive
+from mlx_prefix.server.protocol.ollama.options import parse_keep_alive
 
 MAX_BODY = 64 * 1024
 USER = [{"role": "user", "content": "Hello there"}]

@@ -9,8 +9,8 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import ToolCallIds
 from mlx_prefix.server.protocol.chat import parse_chat
 from mlx_prefix.server.protocol.request import Limits
-from mlx_prefix.server.protocol.responses import parse_responses
-from mlx_prefix.server.protocol.responses_items import chat_tools, input_messages
+from mlx_prefix.server.protocol.responses.bodies import parse_responses
+from mlx_prefix.server.protocol.responses.items import chat_tools, input_messages
 from mlx_prefix.server.responses_store import ResponseStore, StoredResponse
 
 LIMITS = Limits(default_max_tokens=64, max_tokens=1000)

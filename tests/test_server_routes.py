@@ -13,7 +13,7 @@ from live import live_server
 from server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, serving
 
 from mlx_prefix.cli import build_parser
-from mlx_prefix.cli.serve import server_settings
+from mlx_prefix.cli.serve_args import server_settings
 from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.server.routes import API_ROUTES, ROUTES
 from mlx_prefix.server.served.names import ModelRegistry, ServedModel

@@ -9,7 +9,7 @@ from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import serving
 
 from mlx_prefix.cli import build_parser
-from mlx_prefix.cli.serve import server_settings
+from mlx_prefix.cli.serve_args import server_settings
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.server.settings import ServerSettings
 

@@ -18,7 +18,7 @@ from typing import NoReturn
 from mlx_prefix import __version__
 from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 
-from . import cache, generate, launch, models, ps, serve
+from . import cache, generate, launch, models, ps, serve_args
 from .cache import cmd_cache
 from .generate import cmd_generate
 from .launch import cmd_launch
@@ -28,7 +28,7 @@ from .serve import cmd_serve
 
 # command -> (one line for --help, its arguments)
 COMMANDS = {
-    "serve": ("run the OpenAI-compatible HTTP server", serve.add_arguments),
+    "serve": ("run the OpenAI-compatible HTTP server", serve_args.add_arguments),
     "generate": ("generate one reply and exit", generate.add_arguments),
     "pull": ("download an MLX model from the Hugging Face Hub", models.add_pull_arguments),
     "ls": ("list the models on this machine", models.add_ls_arguments),

@@ -1,6 +1,6 @@
 """The Anthropic family's routes: POST /v1/messages (also with `?beta=true`, as Claude Code
 sends it) and /v1/messages/count_tokens, and their unprefixed twins. The body is
-protocol/anthropic.py's, the preamble and the reply every generation route's
+protocol/anthropic/bodies.py's, the preamble and the reply every generation route's
 (routes/flow.py), the reply's blocks and events replies/anthropic.py's. Errors leave in
 Anthropic's shape (server/errors.py picks it by path)."""
 
@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from mlx_prefix.records import ToolCallIds
 
 from ..guards.body import read_json
-from ..protocol.anthropic import MessagesRequest, parse_count_tokens, parse_messages_request
+from ..protocol.anthropic.bodies import MessagesRequest, parse_count_tokens, parse_messages_request
 from ..protocol.request import Limits
 from ..replies.anthropic import AnthropicWriter, BlockWriter, new_message_id
 from .common import api, model_for, state

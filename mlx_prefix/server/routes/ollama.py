@@ -1,5 +1,5 @@
 """The Ollama family's generation routes: POST /api/chat and /api/generate. The body is
-protocol/ollama.py's, the preamble every generation route's (routes/flow.py: the
+protocol/ollama/bodies.py's, the preamble every generation route's (routes/flow.py: the
 model named as Ollama's clients name it, served/ollama.py), the reply's lines and
 object replies/ollama.py's, streamed as NDJSON (replies/ndjson.py). Between the model
 and the engine, Ollama's own steps: its keep_alive handed to the pool (served/pool.py's
@@ -23,8 +23,8 @@ from mlx_prefix.config import FOREVER
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.records import ToolCallIds
 
-from ..protocol.ollama import OllamaRequest, parse_ollama_chat, parse_ollama_generate
-from ..protocol.ollama_options import log_ignored
+from ..protocol.ollama.bodies import OllamaRequest, parse_ollama_chat, parse_ollama_generate
+from ..protocol.ollama.options import log_ignored
 from ..protocol.request import GenerationRequest, Limits
 from ..replies.ndjson import NDJSONResponse
 from ..replies.ollama import OllamaWriter, ReplyMeta

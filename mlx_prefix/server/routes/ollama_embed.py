@@ -26,8 +26,8 @@ from ..guards.namespaces import caller
 from ..monitor.metrics import RequestLog
 from ..protocol.embeddings import parse_embeddings
 from ..protocol.fields import field, json_type
-from ..protocol.ollama import refuse_unknown
-from ..protocol.ollama_options import parse_keep_alive
+from ..protocol.ollama.bodies import refuse_unknown
+from ..protocol.ollama.options import parse_keep_alive
 from ..replies.ollama import ns
 from ..served.embeddings import ServedEmbeddings, require
 from ..served.ollama import listed_name

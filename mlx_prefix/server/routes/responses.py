@@ -1,5 +1,5 @@
 """The Responses family's routes: POST /v1/responses, GET and DELETE /v1/responses/{id}.
-The body is protocol/responses.py's, the preamble and the reply every generation route's
+The body is protocol/responses/bodies.py's, the preamble and the reply every generation route's
 (routes/flow.py), the response object and its events replies/responses.py's.
 
 A request's prompt is its instructions (a system message), the conversation of its
@@ -25,8 +25,8 @@ from mlx_prefix.records import ToolCallIds
 
 from ..guards.namespaces import Caller, caller
 from ..protocol.request import GenerationRequest
-from ..protocol.responses import ResponsesRequest, parse_responses
-from ..protocol.responses_items import reply_messages
+from ..protocol.responses.bodies import ResponsesRequest, parse_responses
+from ..protocol.responses.items import reply_messages
 from ..replies.responses import OutputEvents, ResponseHead, ResponsesWriter, new_id
 from ..responses_store import ResponseNotFound, ResponseStore, StoredResponse
 from .common import api, state

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..monitor.metrics import CONTENT_TYPE
-from ..served.pool import ModelCard
+from ..served.cards import ModelCard
 from ..served.status import cache_use, model_statuses, status_body
 from .common import ServerState, api, state
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 from mlx_prefix.config import FOREVER, format_duration
 
+from .lease import busy
+
 if TYPE_CHECKING:
     from .pool import ModelPool
 
@@ -53,8 +55,6 @@ class IdleUnloader:
 
     async def check(self) -> list[str]:
         """Unload every resident model idle past its keep-alive; returns their ids."""
-        from .pool import busy
-
         now = self.clock()
         gone = []
         for slot in self.pool.slots():

@@ -8,7 +8,8 @@ At most `max_models` engines are resident. A model not resident is loaded on its
 thread (never on the event loop), after a memory check (server/served/loading.py, which
 also says how a failed load never leaves the server without what it served). Making
 room unloads the least recently used engine once it is drained: no lease (a handler
-between its lookup and the end of its call) and no job pending in the engine.
+between its lookup and the end of its call) and no job pending in the engine
+(server/served/lease.py). What /v1/models lists of them: server/served/cards.py.
 
 Every engine draws on the default engine's PromptCache: one byte budget and
 one eviction order across models (cache keys carry the model, so entries never mix),
@@ -28,7 +29,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mlx_prefix.config import FOREVER
@@ -36,6 +37,8 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.settings_file import NO_SETTINGS, ModelSettings, ModelsFile
 from mlx_prefix.platform import available_memory
 
+from .cards import ModelCard, model_cards
+from .lease import Lease, busy
 from .loading import (
     EngineLoader,
     EngineSwapper,
@@ -50,32 +53,6 @@ if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
 
 DRAIN_POLL_S = 0.02
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """One /v1/models row."""
-
-    id: str
-    context_length: int | None
-    aliases: tuple[str, ...] = ()
-    alias_of: str | None = None  # --model-alias rows: the folder or hub id it names
-    resident: bool = True
-    adapters: tuple[str, ...] = ()  # adapter folders with an engine resident
-
-
-@dataclass(eq=False)
-class Lease:
-    """Keeps a slot resident from its lookup until the handler is done (then the
-    engine's own pending count covers what still streams)."""
-
-    slot: Slot | None
-    released: bool = False
-
-    def release(self) -> None:
-        if not self.released and self.slot is not None:
-            self.released = True
-            self.slot.leases -= 1
 
 
 class ModelPool:
@@ -250,25 +227,9 @@ class ModelPool:
     def cards(self) -> list[ModelCard]:
         """/v1/models: the default (with its aliases), each --model-alias, then the
         other resident models; adapters under their base model's row."""
-        default = self._slots.get(self.default_spec.key)
-        rows = {
-            self.default_spec.id: ModelCard(
-                self.default_spec.id,
-                _context(default),
-                self.names.default.aliases,
-                resident=default is not None,
-            )
-        }
-        for alias, target in self.model_aliases.items():
-            rows.setdefault(alias, ModelCard(alias, None, alias_of=target, resident=False))
-        for slot in self._slots.values():
-            row = rows.get(slot.spec.id) or ModelCard(slot.spec.id, None, resident=False)
-            if slot.spec.adapter is None or slot.spec == self.default_spec:
-                row = replace(row, resident=True, context_length=_context(slot))
-            else:
-                row = replace(row, adapters=(*row.adapters, str(slot.spec.adapter)))
-            rows[slot.spec.id] = row
-        return list(rows.values())
+        return model_cards(
+            self.default_spec, self.names.default.aliases, self.model_aliases, self.slots()
+        )
 
     # -- loading and unloading ------------------------------------------------------
     async def _load(self, spec: ModelSpec) -> Slot:
@@ -345,17 +306,3 @@ class ModelPool:
         """Shut every resident engine down (the server's shutdown)."""
         for slot in list(self._slots.values()):
             slot.served.engine.shutdown(timeout=timeout)
-
-
-def busy(slot: Slot) -> bool:
-    """Whether a request holds the slot (a lease) or runs in its engine."""
-    return slot.leases > 0 or _busy(slot.served.engine)
-
-
-def _busy(engine: EngineAPI) -> bool:
-    lifecycle = getattr(engine, "lifecycle", None)
-    return lifecycle is not None and lifecycle.pending > 0
-
-
-def _context(slot: Slot | None) -> int | None:
-    return slot.served.engine.model.context_length if slot is not None else None

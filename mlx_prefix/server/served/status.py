@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from mlx_prefix.config import FOREVER
 from mlx_prefix.platform import available_memory, process_rss
 
+from .lease import busy
+
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
 
@@ -66,8 +68,6 @@ def model_statuses(
 ) -> list[ModelStatus]:
     """Event loop: one row per resident model, the most recently used last; `caches`
     maps id(engine) to what `cache_use` read."""
-    from .pool import busy
-
     now = time.monotonic()
     rows = []
     for slot in pool.slots():

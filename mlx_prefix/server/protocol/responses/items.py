@@ -26,8 +26,8 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.vision.intake import ImageLimits
 from mlx_prefix.vision.parts import responses_image_part
 
-from .fields import json_type
-from .sealed import unseal
+from ..fields import json_type
+from ..sealed import unseal
 
 # An input message's role and the role it renders as.
 INPUT_ROLES: dict[str, Role] = {

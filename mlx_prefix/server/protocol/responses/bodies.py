@@ -21,12 +21,12 @@ from mlx_prefix.conversation import Conversation, Message
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, ToolCallIds
 
-from .effort import effort_bound
-from .fields import field as read
-from .fields import integer, number
-from .formats import responses_text_format
-from .request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
-from .responses_items import chat_tools, input_messages, is_empty
+from ..effort import effort_bound
+from ..fields import field as read
+from ..fields import integer, number
+from ..formats import responses_text_format
+from ..request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
+from .items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
 # Asks for a field of reasoning items; this server's always carry it (their text, sealed:

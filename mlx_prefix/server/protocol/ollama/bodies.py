@@ -5,7 +5,7 @@ Pure: no model, no MLX.
 Every field Ollama's API documents is honoured or refused with a 400 naming it
 (invariant 9): `messages` (roles, `thinking` sent back as reasoning, `tool_calls` with
 their arguments as objects, `tool_name`), `tools`, `format`, `options`
-(protocol/ollama_options.py), `think`, `keep_alive`, `stream` (true by default, as in
+(options.py), `think`, `keep_alive`, `stream` (true by default, as in
 Ollama), `logprobs` / `top_logprobs`; /api/generate's `system` and `raw` (the prompt as
 is, no template); `images` (base64, on a message or beside /api/generate's prompt) stand
 before the message's text, where Ollama puts them, decoded under the server's image
@@ -30,9 +30,10 @@ from mlx_prefix.records import PromptInput, SamplingParams
 from mlx_prefix.vision.intake import ImageLimits, decode_base64, decode_image
 from mlx_prefix.vision.parts import ImageInput
 
-from .chat import read_tools
-from .fields import field, integer, json_type
-from .ollama_options import (
+from ..chat import read_tools
+from ..fields import field, integer, json_type
+from ..request import GenerationRequest, Limits, cache_preference, refuse_stop_with_format
+from .options import (
     OptionValues,
     Thinking,
     parse_format,
@@ -40,7 +41,6 @@ from .ollama_options import (
     parse_options,
     parse_think,
 )
-from .request import GenerationRequest, Limits, cache_preference, refuse_stop_with_format
 
 COMMON_FIELDS = frozenset(
     {

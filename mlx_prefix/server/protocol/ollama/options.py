@@ -27,10 +27,10 @@ from mlx_prefix.config import parse_duration
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import ResponseFormat
 
-from .effort import EFFORT_BUDGETS
-from .fields import json_type
-from .request import MAX_STOP_SEQUENCES, SEED_LIMIT, Limits, check_stop_lengths
-from .sampling_fields import MAX_REPETITION_PENALTY
+from ..effort import EFFORT_BUDGETS
+from ..fields import json_type
+from ..request import MAX_STOP_SEQUENCES, SEED_LIMIT, Limits, check_stop_lengths
+from ..sampling_fields import MAX_REPETITION_PENALTY
 
 log = logging.getLogger("mlx_prefix.server")
 

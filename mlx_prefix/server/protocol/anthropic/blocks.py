@@ -35,8 +35,8 @@ from mlx_prefix.records import Breakpoint
 from mlx_prefix.vision.intake import ImageLimits
 from mlx_prefix.vision.parts import anthropic_image_block
 
-from .fields import json_type
-from .sealed import unseal
+from ..fields import json_type
+from ..sealed import unseal
 
 # The roles a Messages request may give (a system turn in `messages` is read as one).
 ROLES: tuple[Role, ...] = ("user", "assistant", "system")

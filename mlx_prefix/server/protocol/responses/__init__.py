@@ -1,0 +1,1 @@
+"""OpenAI Responses API bodies (bodies.py) and their items -> the conversation (items.py)."""
