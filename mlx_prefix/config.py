@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 GiB = 1024**3
 
-EVICTION_POLICIES = ("value", "kind")  # cache/eviction.py builds each (POLICIES)
+EVICTION_POLICIES = ("value", "kind")  # cache/eviction/policy.py builds each (POLICIES)
 KV_BITS = (2, 3, 4, 5, 6, 8)  # --kv-bits: what mx.quantize supports
 KV_GROUP_SIZES = (32, 64, 128)  # --kv-group-size
 
@@ -58,7 +58,7 @@ class CacheConfig:
     # recomputes at most N tokens before it. Trimmable (all-KV) caches keep none in memory.
     checkpoint_interval: int = 512
     # Which stored checkpoint goes first: "value" (recency mixed with the prefill work it
-    # saves per byte; cache/eviction.py) or "kind" (fixed kind order, then LRU).
+    # saves per byte; cache/eviction/policy.py) or "kind" (fixed kind order, then LRU).
     eviction: str = "value"
     # What one namespace (a page's origin, an API key) may pin, as a share of budget_bytes:
     # pins are never evicted, so without a bound one client could starve the others.

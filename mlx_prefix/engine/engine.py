@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.disk.tier import DiskCache
-from mlx_prefix.cache.eviction import policy_named
+from mlx_prefix.cache.eviction.policy import policy_named
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.config import FULL_SCOPE, CacheConfig, DiskConfig, DiskScope, EngineConfig
