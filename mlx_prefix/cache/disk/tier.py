@@ -144,7 +144,7 @@ class DiskCache:
         Checks the file's header against its digest, its model key, token ids and
         runtime against the match, and its tensor data against the stored digest. Any
         failure returns None (a miss, with a warning); only proven damage removes the
-        file (see `_load_failed`). Refreshes the entry's recency on success. Call on the
+        file (see `failures.load_failed`). Refreshes the entry's recency on success. Call on the
         engine thread: it builds MLX arrays.
         """
         path = self.directory / match.name
