@@ -6,12 +6,12 @@ public method takes the one internal lock (HTTP threads read stats while the
 engine thread matches and inserts).
 
 Which entry goes first when over the limits is the eviction policy's choice
-(`eviction/policy.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup and
-insertion are decided here, what counts against the limits in `eviction/budget.Budget`, pins
-and their per-namespace share in `pins.Pins`; the entries and their bookkeeping
-(buffers held, each counted once; work each saves) live in `entries.EntryTable`. The
-steps taken with the lock held (insertion's decision, eviction, removal, the integrity
-check) are `contents.Contents`: this class is the locked, public face.
+(`eviction/policy.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup is
+decided here, insertion, eviction and removal with the lock held in `contents.Contents`
+(this class is the locked, public face), what counts against the limits in
+`eviction/budget.Budget`, pins and their per-namespace share in `pins.Pins`; the entries
+and their bookkeeping (buffers held, each counted once; work each saves) live in
+`entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
 - each key has its own trie; a lookup never crosses keys (the model, invariant 7, and
