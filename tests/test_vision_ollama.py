@@ -7,9 +7,12 @@ the field; raw mode refuses images; --max-images holds for every API family."""
 from __future__ import annotations
 
 import base64
+import json
 import re
+import shutil
 
 import httpx
+import mlx.core as mx
 import ollama
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
@@ -19,6 +22,7 @@ from vision_models import encoded, picture, vision_model_folder
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
+from mlx_prefix.vision.tower import carries_tower
 
 PNG = encoded(picture(96, 64, seed=31))
 B64 = base64.b64encode(PNG).decode()
@@ -100,3 +104,33 @@ def test_max_images_holds_for_every_family_naming_the_first_image_past_it():
         one = {**chat, "messages": chat["messages"][:1]}
         assert http.post("/v1/chat/completions", json=one).status_code == 200
     assert len(engine.submissions) == 1
+
+
+def test_show_says_vision_where_the_model_takes_images(live):
+    with ollama.Client(host=live) as client:
+        assert "vision" in client.show("m").capabilities
+
+
+def test_a_conversion_without_its_tower_serves_text_and_refuses_images_as_text_only(tmp_path):
+    """mlx-lm's convert keeps a vision checkpoint's vision_config but drops its tower (many
+    published Qwen3.5 conversions): the folder loads as the text model it is."""
+    folder = tmp_path / "converted"
+    shutil.copytree(vision_model_folder("qwen3_5"), folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    text = {k: v for k, v in weights.items() if not k.startswith("vision_tower.")}
+    assert len(text) < len(weights)
+    mx.save_safetensors(str(folder / "model.safetensors"), text, metadata={"format": "mlx"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(text), "model.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert carries_tower(vision_model_folder("qwen3_5")) and not carries_tower(folder)
+
+    model = load_model(str(folder))
+    assert model.vision is None
+    with serving(Engine(model, TEST_CACHE)) as (url, _), ollama.Client(host=url) as client:
+        assert "vision" not in client.show("m").capabilities
+        said = client.chat(model="m", messages=[{"role": "user", "content": ASK}],
+                           options={"num_predict": 2})  # fmt: skip
+        assert said.done
+        with pytest.raises(ollama.ResponseError) as e:
+            client.chat(model="m", messages=[{"role": "user", "content": ASK, "images": [PNG]}])
+    assert e.value.status_code == 400 and "text-only" in e.value.error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,8 @@ from mlx_prefix.models.preflight import context_length
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
 from mlx_prefix.models.stops import add_reply_stops
 from mlx_prefix.models.template import ensure_template, template_args, template_text
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -120,9 +123,12 @@ def load_model(
 def _load_vision(loaded: LoadedModel, label: str) -> VisionFamily | None:
     """The folder's vision part, its hooks installed in the text model (vision/tower.py);
     None for a text-only folder. mlx-vlm is imported only here."""
-    from mlx_prefix.vision.tower import is_vision_config, load_vision, read_config
+    from mlx_prefix.vision.tower import carries_tower, is_vision_config, load_vision, read_config
 
     if not is_vision_config(read_config(loaded.path)):
+        return None
+    if not carries_tower(loaded.path):
+        log.info("model '%s': its files hold no vision tower; serving it as a text model", label)
         return None
     try:
         family = load_vision(loaded.path, _DTYPES[loaded.identity.dtype], loaded.tokenizer)

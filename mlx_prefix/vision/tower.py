@@ -13,7 +13,7 @@ state between calls (mlx-lm's ArraysCache has no `update_window`; `_position_ids
 sharding are built on mlx-lm's. The towers are stateless functions of one image.
 
 A family is chosen by the config's model_type (`load_vision`); a folder without a
-`vision_config` is a text-only model (None).
+`vision_config`, or whose files hold no tower (`carries_tower`), is a text-only model (None).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from safetensors import safe_open
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.vision.intake import DecodedImage
@@ -146,8 +147,22 @@ def read_config(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / "config.json").read_text())
 
 
+_TOWER_PREFIX = "vision_tower."  # where mlx-vlm's layout keeps every family's tower
+
+
 def is_vision_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("vision_config"), dict)
+
+
+def carries_tower(folder: Path) -> bool:
+    """Whether the folder's safetensors hold a vision tower. mlx-lm's convert keeps a
+    vision checkpoint's `vision_config` but drops its tower (many published Qwen3.5 and
+    Gemma 3 conversions): such a folder is a text model. Only the files' headers are read."""
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="numpy") as f:
+            if any(k.startswith(_TOWER_PREFIX) for k in f.keys()):  # noqa: SIM118
+                return True
+    return False
 
 
 def load_vision(folder: Path, dtype: mx.Dtype, tokenizer: Any) -> VisionFamily | None:
@@ -167,7 +182,7 @@ def load_vision(folder: Path, dtype: mx.Dtype, tokenizer: Any) -> VisionFamily |
         return GemmaVision.load(Path(folder), config, dtype, tokenizer)
     raise ValueError(
         f"this model's vision tower ({kind!r}) is not supported: served families are "
-        "qwen3_5, qwen3_5_moe and gemma3 (its text part loads with --text-only)"
+        "qwen3_5, qwen3_5_moe and gemma3"
     )
 
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models.load import context_length
 from mlx_prefix.models.preflight import load_estimate
+from mlx_prefix.vision.tower import carries_tower, is_vision_config
 
 from ..guards.body import read_json
 from ..served.ollama import ModelFacts, capabilities, facts, listed_name, requested_name
@@ -93,10 +94,15 @@ async def show(request: Request) -> Response:
     served = next((s.served for s in st.models.slots() if s.spec.key == spec.key), None)
     found = await run_in_threadpool(facts, spec.folder, _dtype(served))
     if served is not None:
-        tokenizer, ctx = served.engine.model.tokenizer, served.engine.model.context_length
+        model = served.engine.model
+        vision = getattr(model, "vision", None) is not None  # a sharded model: no tower
+        tokenizer, ctx = model.tokenizer, model.context_length
     else:
         tokenizer, ctx = None, context_length(found.config)
-    caps = capabilities(tokenizer, found.template)
+        vision = is_vision_config(found.config) and await run_in_threadpool(
+            carries_tower, spec.folder
+        )
+    caps = capabilities(tokenizer, found.template, vision)
     return JSONResponse(_show(found, ctx, caps, spec.folder))
 
 

@@ -164,16 +164,17 @@ def _header_counts(path: Path, bits: int | None) -> tuple[int, str | None]:
     return count, floating
 
 
-def capabilities(tokenizer: Any, template: str) -> list[str]:
+def capabilities(tokenizer: Any, template: str, vision: bool) -> list[str]:
     """Ollama's capability names for a chat model: from its loaded tokenizer, else from
-    its chat template's text. No served model takes images yet ("vision")."""
+    its chat template's text; "vision" where it takes images (apps offer an image upload
+    only then)."""
     caps = ["completion"]
     if tokenizer is not None:
         tools = bool(getattr(tokenizer, "has_tool_calling", False))
         thinking = bool(getattr(tokenizer, "has_thinking", False))
     else:
         tools, thinking = renders_tools(template), knows_reasoning(template)
-    return caps + ["tools"] * tools + ["thinking"] * thinking
+    return caps + ["tools"] * tools + ["thinking"] * thinking + ["vision"] * vision
 
 
 def _float_name(dtype: str | None) -> str:
