@@ -98,8 +98,8 @@ def explainer_cost(folder: Path, requests: int) -> dict[str, float]:
 
 def trace_cost() -> float:
     """Seconds per request of the engine's part: the trace made at submit and filled at
-    admission (CacheTrace.of in Engine.submit, prefill/phase.py), with a real conversation."""
-    from mlx_prefix.cache.evicted import EvictionLog
+    admission (CacheTrace.of in Engine.submit, prefill/start.py), with a real conversation."""
+    from mlx_prefix.cache.eviction.log import EvictionLog
     from mlx_prefix.cache.token_ids import TokenIds
     from mlx_prefix.conversation import conversation_from_dicts
     from mlx_prefix.explain.trace import CacheTrace, ExplainContext

@@ -1,27 +1,20 @@
-"""Configuration as frozen dataclasses. CLI flags and MLX_PREFIX_* env vars map onto fields.
-
-Precedence: CLI flag > environment variable > field default. The variable for field
-`budget_bytes` of CacheConfig is MLX_PREFIX_CACHE_BUDGET_BYTES (prefix per section).
+"""Configuration as frozen dataclasses. CLI flags and MLX_PREFIX_* env vars map onto
+fields (env.py: the variables, byte sizes). Durations as Ollama writes them (5m, 1h, -1:
+forever). A leaf: it imports nothing of the package.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import sys
-import types
-import typing
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
-
-T = TypeVar("T")
 
 GiB = 1024**3
 
-EVICTION_POLICIES = ("value", "kind")  # cache/eviction.py builds each (POLICIES)
+EVICTION_POLICIES = ("value", "kind")  # cache/eviction/policy.py builds each (POLICIES)
 KV_BITS = (2, 3, 4, 5, 6, 8)  # --kv-bits: what mx.quantize supports
 KV_GROUP_SIZES = (32, 64, 128)  # --kv-group-size
 
@@ -58,7 +51,7 @@ class CacheConfig:
     # recomputes at most N tokens before it. Trimmable (all-KV) caches keep none in memory.
     checkpoint_interval: int = 512
     # Which stored checkpoint goes first: "value" (recency mixed with the prefill work it
-    # saves per byte; cache/eviction.py) or "kind" (fixed kind order, then LRU).
+    # saves per byte; cache/eviction/policy.py) or "kind" (fixed kind order, then LRU).
     eviction: str = "value"
     # What one namespace (a page's origin, an API key) may pin, as a share of budget_bytes:
     # pins are never evicted, so without a bound one client could starve the others.
@@ -256,35 +249,6 @@ def check_kv_quant(bits: int | None, group_size: int, start: int) -> None:
         raise ValueError(f"--quantized-kv-start must be >= 0, not {start}")
 
 
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'4GiB', '512MB', '1e9', '1024' -> bytes; ValueError otherwise."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    try:
-        if m and m.group(2).lower() in _BYTE_UNITS:
-            return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
-    except ValueError:
-        pass
-    raise ValueError(f"not a byte size: {text!r} (e.g. 4GiB, 512MB)")
-
-
 FOREVER = float("inf")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
                    "h": 3600.0, "d": 86400.0}  # fmt: skip
@@ -324,49 +288,3 @@ def format_duration(seconds: float) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{seconds / size:g}{unit}"
     return f"{seconds:g}s"
-
-
-def _parse(value: str, annotation: Any) -> Any:
-    if isinstance(annotation, str):
-        annotation = eval(  # noqa: S307 - field annotations of our own dataclasses
-            annotation, {"int": int, "str": str, "bool": bool, "float": float, "tuple": tuple}
-        )
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value.lower() in ("", "none"):
-            return None
-        return _parse(value, args[0])
-    if origin is tuple:
-        item = typing.get_args(annotation)[0] if typing.get_args(annotation) else str
-        return tuple(_parse(v.strip(), item) for v in value.split(",") if v.strip())
-    if annotation is bool:
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"not a boolean: {value!r}")
-    return annotation(value)
-
-
-def from_env(cls: type[T], prefix: str, overrides: dict[str, Any] | None = None) -> T:
-    """Build `cls` from MLX_PREFIX_<PREFIX>_<FIELD> variables, then explicit overrides.
-
-    Overrides whose value is None are ignored, so argparse defaults of None fall through.
-    """
-    values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        name = f"MLX_PREFIX_{prefix}_{field.name}".upper()
-        if name in os.environ:
-            try:
-                raw = os.environ[name]
-                if field.name.endswith("bytes") and raw.strip().lower() not in ("", "none"):
-                    values[field.name] = parse_bytes(raw)  # sizes take units, like the flags
-                    continue
-                values[field.name] = _parse(raw, field.type)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            values[key] = value
-    return cls(**values)

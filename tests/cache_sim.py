@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from mlx_prefix.cache.eviction import EvictionPolicy
+from mlx_prefix.cache.eviction.policy import EvictionPolicy
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.types import Buffer, CheckpointKind, new_buffer_key
 from mlx_prefix.models.cost import PrefillCost

@@ -1,4 +1,4 @@
-"""The eviction policies (cache/eviction.py): ValueLRU's order, and a deterministic
+"""The eviction policies (cache/eviction/policy.py): ValueLRU's order, and a deterministic
 simulation showing it saves more prefill than the kind order on a mixed workload."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import trace_sim
 from cache_sim import DENSE, HYBRID, mixed_workload, simulate
 
-from mlx_prefix.cache.eviction import Candidate, KindLRU, ValueLRU
+from mlx_prefix.cache.eviction.policy import Candidate, KindLRU, ValueLRU
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.types import CheckpointKind
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlx_prefix.cache.eviction import policy_named
+from mlx_prefix.cache.eviction.policy import policy_named
 from mlx_prefix.cache.store import CacheMatch, CheckpointKind, PromptCache
 from mlx_prefix.cache.types import Buffer, new_buffer_key
 from mlx_prefix.config import EVICTION_POLICIES

@@ -1,6 +1,7 @@
 import pytest
 
-from mlx_prefix.config import CacheConfig, EngineConfig, from_env
+from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.env import from_env
 from mlx_prefix.server.settings import ServerSettings
 
 

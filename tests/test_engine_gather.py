@@ -14,7 +14,7 @@ from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward import rowwise
-from mlx_prefix.engine.prefill.phase import choose_chunks
+from mlx_prefix.engine.prefill.rounds import choose_chunks
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.pace import gathers
 from mlx_prefix.records import SamplingParams, TokenEvent

@@ -1,11 +1,11 @@
-"""The request explainer's pure parts (explain/, cache/evicted.py): the namespace history
+"""The request explainer's pure parts (explain/, cache/eviction/log.py): the namespace history
 and its bounds, the reason table, the texts and locations, the store's eviction record."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from mlx_prefix.cache.evicted import EvictedPrefix
+from mlx_prefix.cache.eviction.log import EvictedPrefix
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.token_ids import TokenIds, packed
 from mlx_prefix.conversation import Message

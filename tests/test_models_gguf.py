@@ -7,8 +7,8 @@ import mlx.core as mx
 import pytest
 from transformers import AutoTokenizer
 
-from mlx_prefix.models.gguf_convert import _unpermute
-from mlx_prefix.models.gguf_tokenizer import write_tokenizer
+from mlx_prefix.models.gguf.convert import _unpermute
+from mlx_prefix.models.gguf.tokenizer import write_tokenizer
 
 
 def _llama_cpp_permute(w: mx.array, n_head: int) -> mx.array:

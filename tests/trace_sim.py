@@ -11,7 +11,7 @@ and 840 KiB of recurrent state a checkpoint):
 - prefill runs chunk by chunk on the grid from the restored position, the running
   cache's KV growing in mlx-lm's 256-token steps (what `cache_nbytes` counts) and
   reported as active bytes after each chunk, naming the buffers it shares with the
-  snapshots stored at that chunk's end (counted once: cache/active.py), and also just
+  snapshots stored at that chunk's end (counted once: cache/eviction/active.py), and also just
   before each such insert (engine/prefill/checkpoints.py); the restored entry stays locked
   until the prefill ends; the reply's decode batch is counted before the prefill's
   bytes are dropped and that lock released (engine order);
@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_prefix.cache.eviction import PROTECTED_ABOVE, EvictionPolicy
+from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE, EvictionPolicy
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.types import Buffer, CheckpointKind, new_buffer_key
 from mlx_prefix.models.cost import PrefillCost

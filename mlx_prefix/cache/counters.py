@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_prefix.cache.budget import Budget
 from mlx_prefix.cache.entries import EntryTable
+from mlx_prefix.cache.eviction.budget import Budget
 from mlx_prefix.cache.types import CacheStats, CheckpointKind
 
 

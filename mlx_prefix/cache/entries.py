@@ -1,7 +1,7 @@
 """The prompt cache's stored entries: found by tokens, with what each holds and saves.
 
 `EntryTable` keeps the entries by id and, per model key, in a token trie; the buffers
-they hold, each counted once (`residency.py`); and for the value policy each entry's
+they hold, each counted once (`eviction/residency.py`); and for the value policy each entry's
 `parent`, its longest stored strict prefix, its number of `children` (entries whose
 parent it is), and what it saves: `covered`, the tokens of it another stored entry
 would serve if it went, and `saved_work`, the prefill cost (per model key) of the rest,
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_prefix.cache.eviction import Candidate
-from mlx_prefix.cache.residency import Residency
+from mlx_prefix.cache.eviction.policy import Candidate
+from mlx_prefix.cache.eviction.residency import Residency
 from mlx_prefix.cache.trie import TokenTrie
 from mlx_prefix.cache.types import Buffer, CheckpointKind, EntryInfo, covers, new_buffer_key
 

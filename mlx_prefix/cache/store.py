@@ -6,17 +6,19 @@ public method takes the one internal lock (HTTP threads read stats while the
 engine thread matches and inserts).
 
 Which entry goes first when over the limits is the eviction policy's choice
-(`eviction.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup and
-insertion are decided here, what counts against the limits in `budget.Budget`, pins
-and their per-namespace share in `pins.Pins`; the entries and their bookkeeping
-(buffers held, each counted once; work each saves) live in `entries.EntryTable`.
+(`eviction/policy.py`: KindLRU unless told otherwise, ValueLRU in the engine); lookup is
+decided here, insertion, eviction and removal with the lock held in `contents.Contents`
+(this class is the locked, public face), what counts against the limits in
+`eviction/budget.Budget`, pins and their per-namespace share in `pins.Pins`; the entries
+and their bookkeeping (buffers held, each counted once; work each saves) live in
+`entries.EntryTable`.
 
 Invariants (checked by `check_integrity`):
 - each key has its own trie; a lookup never crosses keys (the model, invariant 7, and
   the namespace, invariant 10, are in the key); listings and flushes select the keys a
   selector `covers`;
 - stored bytes + active request bytes <= budget, unless every remaining entry is
-  pinned or locked (invariant 6; what counts: `budget.py`);
+  pinned or locked (invariant 6; what counts: `eviction/budget.py`);
 - a locked entry (acquired, not yet released) or a pinned one is never evicted;
 - one namespace's pinned entries stay within `pin_share` of the budget (`pins.py`);
 - a reuse always leaves at least one prompt token to compute (invariant 3).
@@ -29,12 +31,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlx_prefix.cache.budget import Budget
-from mlx_prefix.cache.counters import Counters
-from mlx_prefix.cache.entries import Entry, EntryTable, PrefillCost, buffers_of
-from mlx_prefix.cache.evicted import EvictionLog
-from mlx_prefix.cache.eviction import EvictionPolicy, KindLRU
-from mlx_prefix.cache.pins import Pins
+from mlx_prefix.cache.contents import Contents
+from mlx_prefix.cache.entries import Entry, PrefillCost, buffers_of
+from mlx_prefix.cache.eviction.policy import EvictionPolicy
 from mlx_prefix.cache.reuse import best_reuse
 from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.cache.types import (
@@ -60,29 +59,24 @@ class PromptCache:
         pin_share: float = 1.0,
     ) -> None:
         assert budget_bytes >= 0 and 0.0 <= pin_share <= 1.0
-        self._clock = clock
         self._lock = threading.Lock()
-        self._table = EntryTable()
-        self._entries = self._table.by_id  # read-only alias: the table mutates it
-        self._policy: EvictionPolicy[Entry] = policy if policy is not None else KindLRU()
-        self._budget = Budget(budget_bytes, max_entries, self._table, self._policy)
-        self._pins = Pins(pin_share, self._entries)
-        self._counters = Counters()
+        self._contents = Contents(budget_bytes, max_entries, clock, policy, pin_share)
+        self._entries = self._contents.entries  # read-only alias: the table mutates it
         # What eviction took (and inserts refused for room): why a later request missed.
-        self.evicted = EvictionLog()
+        self.evicted = self._contents.evicted
 
     @property
     def budget_bytes(self) -> int:
-        return self._budget.nbytes
+        return self._contents.budget.nbytes
 
     @property
     def pin_share(self) -> float:
         """Of the budget, what one namespace may pin."""
-        return self._pins.share
+        return self._contents.pins.share
 
     @pin_share.setter
     def pin_share(self, share: float) -> None:
-        self._pins.share = share
+        self._contents.pins.share = share
 
     # -- lookup ------------------------------------------------------------
 
@@ -104,13 +98,13 @@ class PromptCache:
         the entry (`acquire` does).
         """
         with self._lock:
-            trie = self._table.trie(model_key)
+            trie = self._contents.table.trie(model_key)
             found = best_reuse(trie, tokens, align, lambda i: self._entries[i].trimmable)
             if found.value is None:
-                self._counters.misses += record
+                self._contents.counters.misses += record
                 return CacheMatch(None, 0, 0, found.matched_tokens)
-            self._counters.hits += record
-            self._counters.tokens_reused += found.reuse_tokens if record else 0
+            self._contents.counters.hits += record
+            self._contents.counters.tokens_reused += found.reuse_tokens if record else 0
             return CacheMatch(found.value, found.reuse_tokens, found.trim, found.matched_tokens)
 
     def get(self, model_key: str, tokens: Sequence[int]) -> Any | None:
@@ -118,7 +112,7 @@ class PromptCache:
         against eviction, no recency refresh, no hit counted (payloads are immutable, so
         a caller may keep it past an eviction)."""
         with self._lock:
-            entry_id = self._table.trie(model_key).get(tokens)
+            entry_id = self._contents.table.trie(model_key).get(tokens)
             return self._entries[entry_id].payload if entry_id is not None else None
 
     def acquire(self, entry_id: int) -> Any | None:
@@ -133,7 +127,7 @@ class PromptCache:
                 return None
             e.refs += 1
             e.hits += 1
-            self._touch(e)
+            self._contents.touch(e)
             return e.payload
 
     def release(self, entry_id: int) -> None:
@@ -142,7 +136,7 @@ class PromptCache:
             e = self._entries.get(entry_id)
             assert e is not None and e.refs > 0, f"release of unlocked entry {entry_id}"
             e.refs -= 1
-            self._evict()
+            self._contents.evict()
 
     # -- mutation ----------------------------------------------------------
 
@@ -164,42 +158,7 @@ class PromptCache:
         if payload.length != len(key):
             raise ValueError(f"payload length {payload.length} != {len(key)} tokens")
         with self._lock:
-            buffers = buffers_of(payload)
-            trie = self._table.trie(model_key)
-            dup = trie.get(key)
-            if dup is not None:
-                e = self._entries[dup]
-                if kind > e.kind:
-                    old, e.kind = e.kind, kind
-                    self._policy.change_kind(e, old)
-                self._touch(e)
-                return True
-            redundant: list[Entry] = []
-            if payload.trimmable:
-                pinned = (model_key, key) in self._pins
-                if not pinned and self._table.outgrown(model_key, key, kind):
-                    return False
-                redundant = self._table.served_prefixes(model_key, key, kind)
-            # Decide before changing anything: a refused insert must not have dropped the
-            # prefixes it would have made redundant, nor evicted entries to no avail.
-            parent = self._table.parent_of(model_key, key)
-            new = self._table.candidate(model_key, key, kind, buffers, parent)
-            if short := self._budget.shortfall(new, buffers, redundant):
-                trimmable, nbytes = payload.trimmable, payload.nbytes
-                self.evicted.add(model_key, key, trimmable, nbytes, short, refused=True)
-                return False
-            e = self._table.add(model_key, key, payload, kind, buffers, self._clock(), parent)
-            self._pins.adopt(e, self.budget_bytes)  # a pin that came before its entry
-            self._policy.add(e)
-            for other in redundant:  # after the insert: the trie never empties on the way
-                self._remove(other)
-            # It fits: what stays besides it (pinned, locked) leaves room. Held while
-            # evicting, since a value policy's ranks move as entries go.
-            e.refs += 1
-            self._evict()
-            e.refs -= 1
-            assert not self._budget.over() or self._budget.victim() is None, "over budget"
-            return True
+            return self._contents.insert(model_key, key, payload, kind, buffers_of(payload))
 
     def pin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Never evict (or drop as redundant) the entry for exactly `tokens` (mutates).
@@ -211,8 +170,8 @@ class PromptCache:
         """
         key = tuple(tokens)
         with self._lock:
-            e = self._stored(model_key, key)
-            self._pins.pin(model_key, key, e, self.budget_bytes)
+            e = self._contents.stored(model_key, key)
+            self._contents.pins.pin(model_key, key, e, self.budget_bytes)
             return e is not None
 
     def pin_stored(self, model_key: str, sequences: Sequence[Sequence[int]]) -> int:
@@ -221,19 +180,19 @@ class PromptCache:
         PinQuotaExceeded, changing nothing, when they would take the namespace past its
         share of the budget."""
         with self._lock:
-            trie = self._table.trie(model_key)
+            trie = self._contents.table.trie(model_key)
             ids = {i for s in sequences if (i := trie.get(tuple(s))) is not None}
             entries = [self._entries[i] for i in sorted(ids)]
-            self._pins.pin_entries(entries, self.budget_bytes)
+            self._contents.pins.pin_entries(entries, self.budget_bytes)
             return len(entries)
 
     def unpin(self, model_key: str, tokens: Sequence[int]) -> bool:
         """Remove a pin (mutates); may evict. Returns whether it was pinned."""
         key = tuple(tokens)
         with self._lock:
-            if not self._pins.unpin(model_key, key, self._stored(model_key, key)):
+            if not self._contents.pins.unpin(model_key, key, self._contents.stored(model_key, key)):
                 return False
-            self._evict()
+            self._contents.evict()
             return True
 
     def set_pinned(self, model_key: str, entry_id: int, pinned: bool) -> bool:
@@ -244,9 +203,9 @@ class PromptCache:
             e = self._entries.get(entry_id)
             if e is None or not covers(model_key, e.model_key):
                 return False
-            self._pins.set(e, pinned, self.budget_bytes)
+            self._contents.pins.set(e, pinned, self.budget_bytes)
             if not pinned:
-                self._evict()
+                self._contents.evict()
             return True
 
     def evict_entry(self, model_key: str, entry_id: int) -> EvictOutcome:
@@ -261,7 +220,7 @@ class PromptCache:
                 return EvictOutcome.LOCKED
             if e.pinned:
                 return EvictOutcome.PINNED
-            self._remove(e)
+            self._contents.remove(e)
             return EvictOutcome.EVICTED
 
     def set_active_bytes(self, request_id: str, nbytes: int, shared: Sequence[Buffer] = ()) -> None:
@@ -272,26 +231,26 @@ class PromptCache:
         while one holds it, else as the request's. ValueError if they exceed `nbytes`."""
         assert nbytes >= 0
         with self._lock:
-            self._budget.active.set(request_id, nbytes, shared)
-            self._evict()
+            self._contents.budget.active.set(request_id, nbytes, shared)
+            self._contents.evict()
 
     def drop_active(self, request_id: str) -> None:
         """Forget a finished request's bytes (mutates). Unknown ids are ignored."""
         with self._lock:
-            self._budget.active.drop(request_id)
+            self._contents.budget.active.drop(request_id)
 
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget (mutates); evicts down to it."""
         assert budget_bytes >= 0
         with self._lock:
-            self._budget.nbytes = budget_bytes
-            self._evict()
+            self._contents.budget.nbytes = budget_bytes
+            self._contents.evict()
 
     def set_prefill_cost(self, model_key: str, cost: PrefillCost) -> None:
         """How much prefill work tokens [start, end) of `model_key`'s sequences take
         (mutates; default: one unit per token). The value policy ranks entries by it."""
         with self._lock:
-            self._table.set_cost(model_key, cost)
+            self._contents.table.set_cost(model_key, cost)
 
     def clear(self, model_key: str | None = None) -> int:
         """Remove every entry (of the keys `model_key` covers, or all), pinned ones and
@@ -304,8 +263,8 @@ class PromptCache:
         with self._lock:
             victims = [e for e in self._entries.values() if chosen(e.model_key) and e.refs == 0]
             for e in victims:
-                self._remove(e)
-            self._pins.clear(chosen)  # the locked entries left lose their pins too
+                self._contents.remove(e)
+            self._contents.pins.clear(chosen)  # the locked entries left lose their pins too
             return len(victims)
 
     # -- introspection -----------------------------------------------------
@@ -313,61 +272,27 @@ class PromptCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot of the counters. Does not mutate."""
         with self._lock:
-            return self._counters.stats(self._table, self._budget)
+            return self._contents.counters.stats(self._contents.table, self._contents.budget)
 
     def entries(self) -> list[EntryInfo]:
         """All entries in eviction order (first listed goes first). Does not mutate."""
         with self._lock:
-            now = self._clock()
-            return [self._table.info(e, now) for e in self._policy.order()]
+            now = self._contents.clock()
+            return [self._contents.table.info(e, now) for e in self._contents.policy.order()]
 
     def sequences(self, model_key: str) -> list[StoredTokens[EntryInfo]]:
         """The entries of the keys `model_key` covers, with the token ids each holds, in
         eviction order. Does not mutate; holds the lock only to copy references (token
         tuples are immutable, and no payload is touched)."""
         with self._lock:
-            now = self._clock()
+            now = self._contents.clock()
             return [
-                StoredTokens(self._table.info(e, now), e.tokens)
-                for e in self._policy.order()
+                StoredTokens(self._contents.table.info(e, now), e.tokens)
+                for e in self._contents.policy.order()
                 if covers(model_key, e.model_key)
             ]
 
     def check_integrity(self) -> None:
         """Assert the store's invariants. Does not mutate."""
         with self._lock:
-            self._budget.active.check_integrity()
-            self._table.check_integrity()
-            self._policy.check_integrity(self._entries)
-            for e in self._entries.values():
-                assert e.refs >= 0 and e.nbytes >= 0
-                assert e.payload.length == len(e.tokens)
-                assert e.pinned == ((e.model_key, e.tokens) in self._pins), "pin flag"
-            if self._budget.over():
-                assert self._budget.victim() is None, "over budget with evictable entries left"
-
-    # -- internals (call with the lock held) --------------------------------
-
-    def _stored(self, model_key: str, key: tuple[int, ...]) -> Entry | None:
-        entry_id = self._table.trie(model_key).get(key)
-        return self._entries[entry_id] if entry_id is not None else None
-
-    def _touch(self, e: Entry) -> None:
-        e.last_access = self._clock()
-        self._policy.touch(e)
-
-    def _evict(self) -> None:
-        while self._budget.over():
-            victim = self._budget.victim()
-            if victim is None:
-                return  # everything left is pinned or in use
-            short = self._budget.used() - self._budget.nbytes
-            v = victim
-            self.evicted.add(v.model_key, v.tokens, v.trimmable, v.nbytes, short)
-            self._remove(victim)
-            self._counters.evictions += 1
-
-    def _remove(self, e: Entry) -> None:
-        assert e.refs == 0, "removing a locked entry"
-        self._policy.remove(e)
-        self._table.remove(e)
+            self._contents.check_integrity()

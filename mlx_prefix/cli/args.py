@@ -17,10 +17,10 @@ from mlx_prefix.config import (
     DiskConfig,
     EngineConfig,
     ModelConfig,
-    from_env,
 )
-from mlx_prefix.config import parse_bytes as config_parse_bytes
 from mlx_prefix.config import parse_duration as config_parse_duration
+from mlx_prefix.env import from_env
+from mlx_prefix.env import parse_bytes as config_parse_bytes
 
 if TYPE_CHECKING:
     from mlx_prefix.models.load import LoadedModel

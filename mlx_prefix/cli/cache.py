@@ -23,7 +23,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "explain":
         return explain.cmd_explain(args)
     from mlx_prefix.cache.disk.tier import DiskCache
-    from mlx_prefix.config import DiskConfig, from_env
+    from mlx_prefix.config import DiskConfig
+    from mlx_prefix.env import from_env
 
     config = from_env(DiskConfig, "DISK", {"directory": args.directory})
     if args.action == "clear":

@@ -11,7 +11,8 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from mlx_prefix.config import EngineConfig, ModelConfig, from_env
+from mlx_prefix.config import EngineConfig, ModelConfig
+from mlx_prefix.env import from_env
 from mlx_prefix.models.settings_file import NO_SETTINGS, ModelSettings, ModelsFile
 
 from .args import cache_config, disk_config, engine_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from mlx_prefix.config import from_env
+from mlx_prefix.env import from_env
 from mlx_prefix.errors import InvalidRequest
 
 from .args import cache_config, disk_config, draft_from_args, engine_config, model_from_args

@@ -16,9 +16,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from mlx_prefix.config import ModelConfig, from_env
+from mlx_prefix.config import ModelConfig
 from mlx_prefix.engine.sharded.group import Channel, Cluster, detect_backend
 from mlx_prefix.engine.sharded.watch import PeerWatch
+from mlx_prefix.env import from_env
 from mlx_prefix.errors import InvalidRequest, Unavailable
 
 from .args import cache_config, disk_config, engine_config

@@ -3,7 +3,8 @@ it through an `Engine` (engine.py: submit, warm, cache views and actions, shutdo
 typed for the server as `EngineAPI` (interface.py). Import each name from its module;
 this package re-exports nothing. Its parts, top down:
 
-    engine.py      Engine: the callers' side, and the construction of its parts
+    engine.py      Engine: the callers' side, holding its parts
+    parts.py       the parts built whole: a store of its own, the disk access, the loop
     turns.py       how the engine thread takes its turns: LocalTurns (one process)
     loop.py        EngineLoop: built from its phases, each turn schedule -> prefill -> decode
     cache_views.py what callers read of the cache, and the actions they take on it

@@ -1,9 +1,10 @@
 """The engine's request-facing side: one thread owns the model and every MLX array
 (invariant 1), and this class is how every other thread reaches it.
 
-An Engine holds its parts, each built whole here: the prompt planner, the store and the
+An Engine holds its parts, each built whole: the prompt planner, the store and the
 disk tier, the cache views callers read (engine/cache_views.py), the engine thread's
-loop built from its phases (engine/loop.py), and the turn driver that runs that loop
+loop built from its phases (engine/loop.py, assembled by engine/parts.py), and the turn
+driver that runs that loop
 (engine/turns.py; a sharded group's is engine/sharded/lockstep.py, passed in by
 engine/sharded/distributed.py). Callers call `submit`, which renders and validates the
 prompt in the caller's thread and queues a job; the engine thread runs jobs and reports
@@ -25,7 +26,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.disk.tier import DiskCache
-from mlx_prefix.cache.eviction import policy_named
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.config import FULL_SCOPE, CacheConfig, DiskConfig, DiskScope, EngineConfig
@@ -39,8 +39,7 @@ from mlx_prefix.engine.decode.speculative import SpeculationStats, Speculator, c
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
-from mlx_prefix.engine.loop import EngineLoop
-from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.parts import build_loop, disk_access, new_store
 from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.requests.admission import (
     check_images,
@@ -52,7 +51,6 @@ from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
 from mlx_prefix.engine.requests.prefetch import Prefetcher
-from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.engine.turns import LocalTurns, Turns
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.explain.trace import CacheTrace, ExplainContext
@@ -112,7 +110,11 @@ class Engine:
         )  # fmt: skip
         fresh_cache = make_prompt_cache(model.model)
         trimmable = always_trimmable(fresh_cache) and self.kv_quant is None
-        self.disk = self._disk_access(disk_config, trimmable, disk_cache)
+        owner = f"engine-{id(self):x}"  # this engine's bytes in the (maybe shared) store
+        self.disk = disk_access(
+            disk_config, self.cache_config, trimmable, self.store, owner, disk_cache,
+            self.turns.agree,
+        )  # fmt: skip
         speculator = Speculator(draft, self.config.num_draft_tokens) if draft else None
         self.prefetch = PrefetchStats()
         board = ActivityBoard(1)
@@ -126,57 +128,18 @@ class Engine:
         )
         # Until the engine thread's calibration (the probe, with --deterministic) says more.
         can_batch = batchable(fresh_cache) and self.kv_quant is None
-        self.loop = self._build_loop(speculator, board, can_batch)
+        self.loop = build_loop(
+            model=model, planner=self.planner, store=self.store, disk=self.disk,
+            cache_config=self.cache_config, config=self.config, turns=self.turns,
+            lifecycle=self.lifecycle, kv_quant=self.kv_quant, speculator=speculator,
+            board=board, prefetch=self.prefetch, prefetcher=self._prefetcher,
+            can_batch=can_batch, owner=owner,
+        )  # fmt: skip
         self._thread = threading.Thread(
             target=self.turns.run, args=(self.loop, self.views), name="mlx-prefix-engine"
         )
         self._thread.daemon = True
         self._thread.start()
-
-    def _disk_access(
-        self, config: DiskConfig | None, trimmable: bool, shared: DiskCache | None
-    ) -> DiskAccess | None:
-        # A server-wide scope of "off" disables the tier: no folder, no files, and no
-        # per-request scope can turn it back on.
-        if config is None or config.default_scope.off or not self.cache_config.enabled:
-            return None
-        bytes_key = f"engine-{id(self):x}-disk"
-        return DiskAccess(config, trimmable, self.store, bytes_key, shared, self.turns.agree)
-
-    def _build_loop(
-        self, speculator: Speculator | None, board: ActivityBoard, can_batch: bool
-    ) -> EngineLoop:
-        """The engine thread's parts, each complete. Their bytes count in the store's
-        budget under keys of this engine's own (the store may be shared)."""
-        waiting: WaitingList[Job] = WaitingList(self.turns.clock)
-        prefill = PrefillPhase(
-            self.model,
-            self.planner,
-            self.store,
-            self.disk,
-            self.cache_config,
-            self.config,
-            waiting,
-            bytes_key=f"engine-{id(self):x}-prefill",
-            kv_quant=self.kv_quant,
-            speculator=speculator,
-        )
-        prefetcher = self._prefetcher
-        decode = DecodePhase(
-            self.model,
-            self.store,
-            f"engine-{id(self):x}-batch",
-            self.lifecycle.end,
-            prefetcher.after_reply if prefetcher is not None else _no_follow_up,
-            kv=self.kv_quant,
-            speculator=speculator,
-            reasoning=self.planner.reasoning,  # reasoning budgets' markers
-            agree_tokens=self.turns.agree_tokens,
-        )
-        return EngineLoop(
-            self.model, self.config, self.lifecycle, waiting, prefill, decode, self.turns.pace,
-            self.disk, board, self.prefetch, can_batch,
-        )  # fmt: skip
 
     # -- what the engine is and does (any thread) -----------------------------------
     @property
@@ -380,17 +343,3 @@ class Engine:
     def _chat_traffic(self) -> ChatTraffic:
         assert self._prefetcher is not None
         return self._prefetcher.chat_traffic
-
-
-def new_store(config: CacheConfig) -> PromptCache:
-    """A store of its own for one engine (a server's models share one: server/served/pool.py)."""
-    return PromptCache(
-        config.budget_bytes,
-        config.max_entries,
-        policy=policy_named(config.eviction),
-        pin_share=config.pin_share,
-    )
-
-
-def _no_follow_up(job: Job, reply: str) -> None:
-    """No next-turn prefetch: a reply ends its request, nothing follows."""

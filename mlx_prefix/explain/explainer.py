@@ -6,7 +6,7 @@ explainer's own thread, off the engine thread and the event loop. Readers call
 `records` (which first lets the queue drain, briefly) and `totals`.
 
 Bounded: the last `size` records, the history's bounds (history.py), the store's
-eviction record (cache/evicted.py). Records carry the sender's namespace id, and every
+eviction record (cache/eviction/log.py). Records carry the sender's namespace id, and every
 listing goes through the server's `visible`: a client reads its own records only.
 """
 
@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mlx_prefix.cache.evicted import digest
+from mlx_prefix.cache.eviction.log import digest
 from mlx_prefix.cache.token_ids import WIDTH, packed
 from mlx_prefix.explain import texts
 from mlx_prefix.explain.history import Closest, PromptHistory, Seen

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_prefix.cache.evicted import EvictedPrefix
+from mlx_prefix.cache.eviction.log import EvictedPrefix
 from mlx_prefix.explain.history import Closest
 
 REASONS = (

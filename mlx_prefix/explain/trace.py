@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from mlx_prefix.cache.evicted import EvictionLog
+    from mlx_prefix.cache.eviction.log import EvictionLog
     from mlx_prefix.prompt.request.grid import ChunkGrid
     from mlx_prefix.prompt.request.render import ChatRenderer
     from mlx_prefix.records import CachePreference, PromptInput

@@ -1,6 +1,6 @@
 """How much prefill work a span of tokens takes, estimated from the model's layers.
 
-The value eviction policy (cache/eviction.py) ranks checkpoints by the prefill work
+The value eviction policy (cache/eviction/policy.py) ranks checkpoints by the prefill work
 they save per byte they hold; only ratios matter, so an estimate in FLOPs does:
 - per token, 2 FLOPs per weight a token passes through: the non-embedding weights
   (packed quantized ones unpacked; a mixture of experts' expert weights scaled by the

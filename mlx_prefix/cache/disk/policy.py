@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from mlx_prefix.cache.eviction import PROTECTED_ABOVE
+from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
 from mlx_prefix.cache.token_ids import packed as packed_ids
 from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.config import DEFAULT_SCOPE, MAX_AUTO_WINDOW, DiskScope, ScopeMode

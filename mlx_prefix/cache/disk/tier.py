@@ -3,8 +3,9 @@
 One safetensors file per checkpoint (format: `header.py`, `payload.py`), named by
 a strong hash of (model key, token ids). `DiskCache` is the tier's one entry point; its
 parts: the in-memory index (`index.py`: matching, LRU order, byte budget), rebuilt
-by `scan` from file headers alone, and the file I/O (`files.py`: atomic writes,
-directory survey). Tensors are read only by `load`.
+by `scan` from file headers alone, the file I/O (`files.py`: atomic writes,
+directory survey), what a failed load or save does (`failures.py`) and the counters
+(`stats.py`). Tensors are read only by `load`.
 
 Never serve a wrong file:
 - writes are atomic (temp file, flock, fsync, rename); a crash leaves at most a temp
@@ -37,18 +38,18 @@ engine thread (invariant 1). File I/O runs outside the lock.
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_prefix.cache.disk import files, payload, trust
+from mlx_prefix.cache.disk import failures, files, payload, trust
 from mlx_prefix.cache.disk import header as hdr
+from mlx_prefix.cache.disk.failures import SaveWarnings
 from mlx_prefix.cache.disk.files import DiskListing
 from mlx_prefix.cache.disk.index import DiskEntry, DiskEntryInfo, DiskIndex, DiskMatch
+from mlx_prefix.cache.disk.stats import DiskCounters, DiskStats
 from mlx_prefix.cache.snapshot import Snapshot
 from mlx_prefix.cache.types import CheckpointKind, StoredTokens, covers
 
@@ -58,32 +59,6 @@ GiB = 1 << 30
 DEFAULT_DISK_BUDGET = 16 * GiB
 # Between two access stamps: distinct also as float seconds (DiskEntry.last_access).
 _STAMP_STEP_NS = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class DiskStats:
-    directory: str
-    files: int  # indexed checkpoint files (every model key)
-    bytes: int  # their total size
-    budget_bytes: int | None  # None: unlimited
-    hits: int  # successful loads
-    misses: int  # match() calls without a usable entry, plus failed loads
-    saves: int  # files written
-    save_failures: int  # saves that wrote nothing (I/O errors, unstorable, too large)
-    load_failures: int  # loads that found a missing, corrupt or mismatched file
-    evictions: int  # files removed for the budget
-    removed: int  # corrupt, stale or leftover files removed by scan/load
-
-
-@dataclass(slots=True)
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    saves: int = 0
-    save_failures: int = 0
-    load_failures: int = 0
-    evictions: int = 0
-    removed: int = 0
 
 
 class DiskCache:
@@ -105,8 +80,8 @@ class DiskCache:
         self.runtime = runtime or hdr.runtime_tag()
         self._lock = threading.Lock()
         self._index = DiskIndex(self.runtime)
-        self._counters = _Counters()
-        self._warned_errnos: set[int] = set()
+        self._counters = DiskCounters()
+        self._save_warnings = SaveWarnings()
         self._last_stamp = 0  # ns: the latest access stamp given (`_stamp`)
         trust.make_private(self.directory)
         if scan:
@@ -169,7 +144,7 @@ class DiskCache:
         Checks the file's header against its digest, its model key, token ids and
         runtime against the match, and its tensor data against the stored digest. Any
         failure returns None (a miss, with a warning); only proven damage removes the
-        file (see `_load_failed`). Refreshes the entry's recency on success. Call on the
+        file (see `failures.load_failed`). Refreshes the entry's recency on success. Call on the
         engine thread: it builds MLX arrays.
         """
         path = self.directory / match.name
@@ -235,7 +210,7 @@ class DiskCache:
             why = f"cannot write {self.directory / name}: {type(e).__name__}: {e}"
             return self._save_failed(why, None)
         with self._lock:
-            self._warned_errnos.clear()
+            self._save_warnings.saved()
             self._counters.saves += 1
             self._index.drop(name)  # if saved concurrently under the same name
             stamp = self._stamp()
@@ -307,20 +282,8 @@ class DiskCache:
     def stats(self) -> DiskStats:
         """A consistent snapshot of the counters. Does not mutate."""
         with self._lock:
-            c = self._counters
-            return DiskStats(
-                directory=str(self.directory),
-                files=len(self._index),
-                bytes=self._index.bytes,
-                budget_bytes=self.budget_bytes,
-                hits=c.hits,
-                misses=c.misses,
-                saves=c.saves,
-                save_failures=c.save_failures,
-                load_failures=c.load_failures,
-                evictions=c.evictions,
-                removed=c.removed,
-            )
+            n, nbytes = len(self._index), self._index.bytes
+            return self._counters.stats(str(self.directory), n, nbytes, self.budget_bytes)
 
     def check_integrity(self) -> None:
         """Assert the index's invariants. Does not mutate."""
@@ -357,44 +320,15 @@ class DiskCache:
         files.unlink(self.directory, e.name)
 
     def _load_failed(self, name: str, error: Exception) -> None:
-        """Count a failed load; remove the file only when it is proven damaged (takes
-        the lock). A transient error (MemoryError, EMFILE, EIO, ...) or an unexpected
-        one keeps the file and its index entry: a later request may load it."""
-        why = f"{type(error).__name__}: {error}"
+        """Count a failed load (takes the lock); `failures.load_failed` says what becomes
+        of the file: removed only when proven damaged."""
         with self._lock:
-            self._counters.load_failures += 1
-            self._counters.misses += 1
-            if isinstance(error, FileNotFoundError):
-                self._index.drop(name)
-                log.warning("disk cache: %s vanished; dropped from the index", name)
-            elif isinstance(error, trust.Untrusted):
-                self._index.drop(name)  # another user's doing, perhaps: not ours to delete
-                log.warning("disk cache: %s is not served: %s", name, error)
-            elif isinstance(error, hdr.ForeignRuntime):
-                self._index.drop(name)  # another server's valid file: leave it on disk
-                log.warning("disk cache: %s is now %s; left on disk, not served", name, error)
-            elif isinstance(error, hdr.DiskFormatError):
-                self._index.drop(name)
-                self._counters.removed += files.remove_bad(
-                    self.directory, name, f"cannot load: {why}"
-                )
-            else:
-                log.warning("disk cache: cannot load %s now (%s); the file is kept", name, why)
+            failures.load_failed(self.directory, self._index, self._counters, name, error)
 
     def _save_failed(self, message: str, err: int | None) -> bool:
         """Count a failed save; warn once per errno until a save succeeds."""
         with self._lock:
             self._counters.save_failures += 1
-            first = err is None or err not in self._warned_errnos
-            if err is not None:
-                self._warned_errnos.add(err)
-        if first:
-            hint = {
-                errno.ENOSPC: " (disk full)",
-                errno.EROFS: " (read-only file system)",
-                errno.EACCES: " (permission denied)",
-            }.get(err or 0, "")
-            log.warning("disk cache: checkpoint not saved%s: %s", hint, message)
-        else:
-            log.debug("disk cache: checkpoint not saved: %s", message)
+            first = self._save_warnings.first(err)
+        failures.warn_save(message, err, first)
         return False

@@ -19,7 +19,7 @@ prompt, a client's cache breakpoint) are stored at once.
 
 The request's active bytes count the chain's pieces and the captured state of the
 checkpoints not stored yet (`held`), each once with the stored entries that hold them
-too (cache/active.py).
+too (cache/eviction/active.py).
 
 Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
 past the restored position (an edit, a new question, another tool result), the grid
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from mlx_prefix.cache.chain import Chain
-from mlx_prefix.cache.eviction import PROTECTED_ABOVE
+from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
 from mlx_prefix.cache.snapshot import (
     Snapshot,
     cache_nbytes,

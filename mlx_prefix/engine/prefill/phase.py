@@ -1,7 +1,8 @@
 """The prefill phase: the requests being prefilled, from their cache match to their logits.
 
-Start: restore the longest usable cached prefix (restore.py) and plan the checkpoints
-this prefill leaves behind (a Checkpointer per request, at its own offsets: invariant 5).
+Start (start.py): restore the longest usable cached prefix (restore.py) and plan the
+checkpoints this prefill leaves behind (a Checkpointer per request, at its own offsets:
+invariant 5).
 Step: the rests of ready requests that stack in one batch (tails.py), or else the next
 grid chunk of several requests, exactly the chunks a cold run of each computes
 (engine/forward/runner.py). Each prefilling request's cache counts against the store's
@@ -11,7 +12,6 @@ byte budget (invariant 6). Engine thread only.
 from __future__ import annotations
 
 import itertools
-import logging
 import sys
 import time
 from collections import Counter
@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.layers import layers_of
 from mlx_prefix.cache.layers.base import unstash
@@ -31,17 +30,15 @@ from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.forward.runner import (
     ChunkWork,
-    PrefillCursor,
-    always_trimmable,
     compute_chunks,
-    compute_tails,
 )
-from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
-from mlx_prefix.engine.prefill.restore import Restored, restore_longest
+from mlx_prefix.engine.prefill.rounds import choose_chunks, in_order
+from mlx_prefix.engine.prefill.start import begin
 from mlx_prefix.engine.prefill.tails import (
     TailGroup,
     awaited,
+    compute_group,
     padding_allowance,
     stackable,
     tail_group,
@@ -59,8 +56,6 @@ from mlx_prefix.vision.tower import PreparedImage
 # The vision-feature cache holds at most this share of the cache's byte budget.
 FEATURE_SHARE = 16
 
-log = logging.getLogger("mlx_prefix.engine")
-
 
 @dataclass(slots=True)
 class PrefillStep:
@@ -69,24 +64,6 @@ class PrefillStep:
     tokens: int = 0  # prompt tokens computed
     seconds: float = 0.0
     finished: list[PrefillTask] = field(default_factory=list)  # their `logits` set
-
-
-def choose_chunks(tasks: Iterable[PrefillTask], budget: int, spent: int) -> tuple[list, int]:
-    """One round of a step: the next chunk of each task in order, while the step's
-    tokens (`spent` in earlier rounds) stay within `budget`. The step's first chunk goes
-    whatever its size (a chunk cannot be split: invariant 4); no later one overruns the
-    budget, or a running request would wait for several chunks where one fits."""
-    chosen: list[PrefillTask] = []
-    tokens = 0
-    for task in tasks:
-        if task.cursor.done:
-            continue
-        begin, end = task.cursor.next_chunk()
-        if (chosen or spent) and spent + tokens + end - begin > budget:
-            break
-        chosen.append(task)
-        tokens += end - begin
-    return chosen, tokens
 
 
 class PrefillPhase:
@@ -202,42 +179,23 @@ class PrefillPhase:
 
     def start(self, job: Job) -> None:
         """Restore the longest usable cached prefix of `job`'s own entry key (its
-        namespace: invariant 10) and add `job` to the prefilling tasks."""
-        tokens = job.prompt.tokens
-        use_cache = self.uses_cache(job)
-        found = Restored()
-        if use_cache:
-            disk = self.disk if self.disk_on(job) else None
-            found = restore_longest(self.store, disk, job.cache_key, tokens, self.planner.grid)
-        cache, reuse, lease = found.cache, found.reuse, found.lease
-        if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
-            trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
-            trace.admitted = True
-        try:
-            if cache is None:
-                cache = make_prompt_cache(self.model.model)
-            draft = None
-            if self.speculator is not None and job.prompt.vision is None:
-                first = self.planner.grid.chunk_ends(tokens, reuse)[0] - reuse
-                draft = self.speculator.draft_for(found.snapshot, found.trim, reuse, first)
-            checkpointer = None
-            if use_cache:
-                checkpointer = self._checkpointer(job, cache, reuse, found)
-            if checkpointer is not None and draft is not None:
-                checkpointer.draft = draft.cache
-                part = found.snapshot.draft if found.snapshot is not None else None
-                if reuse and draft.held == reuse and part is not None:
-                    checkpointer.draft_chain = part.chain.upto(reuse)
-            cursor = PrefillCursor(tokens, reuse, self.planner.grid)
-        except BaseException:
-            if lease is not None:
-                self.store.release(lease)
-            raise
-        bytes_key = f"task{next(self._serial)}/{self._bytes_key}"
-        now = time.perf_counter()
-        task = PrefillTask(job, cache, reuse, lease, cursor, now, bytes_key, checkpointer, draft)
-        if checkpointer is not None:
-            checkpointer.report = lambda: self._report(task)
+        namespace: invariant 10) and add `job` to the prefilling tasks (start.py)."""
+        task = begin(
+            job,
+            model=self.model,
+            planner=self.planner,
+            store=self.store,
+            disk=self.disk,
+            use_cache=self.uses_cache(job),
+            disk_on=self.disk_on(job),
+            waiting=self._waiting,
+            share_min_tokens=self.config.share_min_tokens,
+            kv_quant=self.kv_quant,
+            speculator=self.speculator,
+            bytes_key=lambda: f"task{next(self._serial)}/{self._bytes_key}",
+        )
+        if task.checkpointer is not None:
+            task.checkpointer.report = lambda: self._report(task)
         self.tasks.append(task)
         self.peak_tasks = max(self.peak_tasks, len(self.tasks))
 
@@ -288,19 +246,7 @@ class PrefillPhase:
 
     def _stacked_step(self, group: TailGroup, result: PrefillStep) -> None:
         """The group's rests in one forward; nothing of them is stored (tails.py)."""
-        for task in group.tasks:
-            if task.checkpointer is not None:
-                task.checkpointer.settle()  # deferred checkpoints, from the grid's KV
-        works = [ChunkWork(t.cache, t.tokens, t.position, len(t.tokens)) for t in group.tasks]
-        started = time.perf_counter()
-        outputs = compute_tails(self.model.model, works, group.padded)
-        log.debug(
-            "stacked %d rests, %d tokens (%s) in %.3f s",
-            len(works),
-            group.tokens,
-            "padded" if group.padded else "one length",
-            time.perf_counter() - started,
-        )
+        outputs = compute_group(self.model.model, group)
         result.tokens += group.tokens
         self.tails_stacked += len(group.tasks)
         for task, logits in zip(group.tasks, outputs, strict=True):
@@ -312,13 +258,7 @@ class PrefillPhase:
             result.finished.append(task)
 
     def _in_order(self) -> list[PrefillTask]:
-        """The order a step takes chunks in. Stacked forwards want the oldest-first
-        rounds (equal shapes meet there). Alone, the request with the fewest tokens left
-        goes first (background prefetches last): the burst's total prefill is the same
-        in any order, and this one gets each request into the decode batch soonest."""
-        if self.group:
-            return self.tasks
-        return sorted(self.tasks, key=lambda t: (t.job.background, len(t.tokens) - t.position))
+        return in_order(self.tasks, self.group)  # rounds.py
 
     def _work(self, task: PrefillTask) -> ChunkWork:
         start, end = task.cursor.next_chunk()
@@ -389,46 +329,3 @@ class PrefillPhase:
             if job.warm is not None and not job.warm.done():
                 job.warm.set_exception(e)
             return False
-
-    def _checkpointer(self, job: Job, cache: list, reuse: int, found: Restored) -> Checkpointer:
-        tokens = job.prompt.tokens
-        shared = None
-        if not always_trimmable(cache):
-
-            def waiting() -> list[WaitingPrompt]:
-                # Only requests of the same key may restore what this prefill stores: a
-                # checkpoint made for another namespace would be a hit it can time.
-                return [
-                    WaitingPrompt(j.serial, j.prompt.tokens)
-                    for j in self._waiting
-                    if j.cache_pref.enabled and j.cache_key == job.cache_key
-                ]
-
-            shared = SharedPrefixes(
-                tokens, self.planner.grid, waiting, self.config.share_min_tokens
-            )
-        disk_positions: frozenset[int] = frozenset()
-        if self.disk is not None and self.disk_on(job):
-            disk_positions = frozenset(
-                self.disk.positions(
-                    job.cache_key, job.prompt, self.align(tokens), job.cache_pref.scope
-                )
-            )
-
-        def stored(position: int) -> None:
-            job.stored_to = max(job.stored_to, position)
-
-        return Checkpointer(
-            job.prompt,
-            cache,
-            reuse,
-            self.store,
-            job.cache_key,
-            shared,
-            self.disk,
-            disk_positions,
-            found.branch,
-            on_stored=stored,
-            exact_only=self.kv_quant is not None and len(tokens) >= self.kv_quant.start,
-            chain=found.chain,
-        )

@@ -22,14 +22,20 @@ rest again on the grid once the server is idle, so the next turn still restores 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_prefix.cache.layers import EQUAL_TAILS, NO_STACKING, PADDED_TAILS, kind_of
+from mlx_prefix.engine.forward.runner import ChunkWork, compute_tails
 from mlx_prefix.engine.prefill.task import PrefillTask
 from mlx_prefix.engine.requests.jobs import Job
+
+log = logging.getLogger("mlx_prefix.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,3 +142,22 @@ def closest_rests(tasks: list[PrefillTask], padding: float, budget: int) -> tupl
             if (size, -stacked) > best_cost:
                 best, best_cost = tuple(ordered[i : j + 1]), (size, -stacked)
     return best
+
+
+def compute_group(model: nn.Module, group: TailGroup) -> list[mx.array]:
+    """The group's rests in one forward, after each task's deferred checkpoints are
+    settled from the grid's KV: their last logits, in the group's order."""
+    for task in group.tasks:
+        if task.checkpointer is not None:
+            task.checkpointer.settle()  # deferred checkpoints, from the grid's KV
+    works = [ChunkWork(t.cache, t.tokens, t.position, len(t.tokens)) for t in group.tasks]
+    started = time.perf_counter()
+    outputs = compute_tails(model, works, group.padded)
+    log.debug(
+        "stacked %d rests, %d tokens (%s) in %.3f s",
+        len(works),
+        group.tokens,
+        "padded" if group.padded else "one length",
+        time.perf_counter() - started,
+    )
+    return outputs

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from tqdm import tqdm
 
-from mlx_prefix.models.gguf_tokenizer import write_tokenizer
+from mlx_prefix.models.gguf.tokenizer import write_tokenizer
 
 # GGUF quantization blocks hold 32 weights (ggml QK4_0 / QK4_1 / QK8_0).
 _GGUF_GROUP_SIZE = 32

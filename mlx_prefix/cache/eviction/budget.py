@@ -11,9 +11,9 @@ Pure Python (no MLX). Not thread-safe: the store calls it with its lock held.
 
 from __future__ import annotations
 
-from mlx_prefix.cache.active import ActiveBytes
 from mlx_prefix.cache.entries import Entry, EntryTable
-from mlx_prefix.cache.eviction import Candidate, EvictionPolicy
+from mlx_prefix.cache.eviction.active import ActiveBytes
+from mlx_prefix.cache.eviction.policy import Candidate, EvictionPolicy
 from mlx_prefix.cache.types import Buffer
 
 

@@ -1,0 +1,148 @@
+"""A request's prefill begun: the longest usable cached prefix of its own entry key
+restored (restore.py; its namespace: invariant 10), the draft's cache beside it
+(--draft-model), and the plan of what this prefill stores: a Checkpointer at the
+request's own offsets (invariant 5), SharedPrefixes where the cache cannot be trimmed
+(in-flight sharing), the positions that go to disk. The prefill phase (phase.py) calls
+`begin` with its parts and keeps the task. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.forward.kv_quant import KvQuant
+from mlx_prefix.engine.forward.runner import PrefillCursor, always_trimmable
+from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
+from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.restore import Restored, restore_longest
+from mlx_prefix.engine.prefill.task import PrefillTask
+from mlx_prefix.engine.requests.jobs import Job
+from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.prompt.request.plan import PromptPlanner
+
+
+def begin(
+    job: Job,
+    *,
+    model: LoadedModel,
+    planner: PromptPlanner,
+    store: PromptCache,
+    disk: DiskAccess | None,
+    use_cache: bool,
+    disk_on: bool,
+    waiting: Iterable[Job],
+    share_min_tokens: int,
+    kv_quant: KvQuant | None,
+    speculator: Speculator | None,
+    bytes_key: Callable[[], str],
+) -> PrefillTask:
+    """`job`'s prefill task: its cache restored (or new), its draft and its checkpoint
+    plan. The entry it restored from stays locked (the task's `lease`) unless this
+    raises. `bytes_key()` names the task's bytes in the store's budget."""
+    tokens = job.prompt.tokens
+    found = Restored()
+    if use_cache:
+        from_disk = disk if disk_on else None
+        found = restore_longest(store, from_disk, job.cache_key, tokens, planner.grid)
+    cache, reuse, lease = found.cache, found.reuse, found.lease
+    if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
+        trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
+        trace.admitted = True
+    try:
+        if cache is None:
+            cache = make_prompt_cache(model.model)
+        draft = None
+        if speculator is not None and job.prompt.vision is None:
+            first = planner.grid.chunk_ends(tokens, reuse)[0] - reuse
+            draft = speculator.draft_for(found.snapshot, found.trim, reuse, first)
+        checkpointer = None
+        if use_cache:
+            checkpointer = checkpointer_for(
+                job,
+                cache,
+                reuse,
+                found,
+                planner=planner,
+                store=store,
+                disk=disk,
+                disk_on=disk_on,
+                waiting=waiting,
+                share_min_tokens=share_min_tokens,
+                kv_quant=kv_quant,
+            )
+        if checkpointer is not None and draft is not None:
+            checkpointer.draft = draft.cache
+            part = found.snapshot.draft if found.snapshot is not None else None
+            if reuse and draft.held == reuse and part is not None:
+                checkpointer.draft_chain = part.chain.upto(reuse)
+        cursor = PrefillCursor(tokens, reuse, planner.grid)
+    except BaseException:
+        if lease is not None:
+            store.release(lease)
+        raise
+    key = bytes_key()
+    now = time.perf_counter()
+    return PrefillTask(job, cache, reuse, lease, cursor, now, key, checkpointer, draft)
+
+
+def checkpointer_for(
+    job: Job,
+    cache: list,
+    reuse: int,
+    found: Restored,
+    *,
+    planner: PromptPlanner,
+    store: PromptCache,
+    disk: DiskAccess | None,
+    disk_on: bool,
+    waiting: Iterable[Job],
+    share_min_tokens: int,
+    kv_quant: KvQuant | None,
+) -> Checkpointer:
+    """What `job`'s prefill stores, from `reuse` on; to disk too where `disk_on`."""
+    tokens = job.prompt.tokens
+    shared = None
+    if not always_trimmable(cache):
+
+        def waiting_prompts() -> list[WaitingPrompt]:
+            # Only requests of the same key may restore what this prefill stores: a
+            # checkpoint made for another namespace would be a hit it can time.
+            return [
+                WaitingPrompt(j.serial, j.prompt.tokens)
+                for j in waiting
+                if j.cache_pref.enabled and j.cache_key == job.cache_key
+            ]
+
+        shared = SharedPrefixes(tokens, planner.grid, waiting_prompts, share_min_tokens)
+    disk_positions: frozenset[int] = frozenset()
+    if disk is not None and disk_on:
+
+        def align(n: int) -> int:
+            return planner.grid.align(tokens, n)
+
+        disk_positions = frozenset(
+            disk.positions(job.cache_key, job.prompt, align, job.cache_pref.scope)
+        )
+
+    def stored(position: int) -> None:
+        job.stored_to = max(job.stored_to, position)
+
+    return Checkpointer(
+        job.prompt,
+        cache,
+        reuse,
+        store,
+        job.cache_key,
+        shared,
+        disk,
+        disk_positions,
+        found.branch,
+        on_stored=stored,
+        exact_only=kv_quant is not None and len(tokens) >= kv_quant.start,
+        chain=found.chain,
+    )
