@@ -27,7 +27,7 @@ from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import PromptInput
-from mlx_prefix.server.protocol.anthropic import parse_messages_request
+from mlx_prefix.server.protocol.anthropic.bodies import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
 
 DATA = Path(__file__).parent / "data"
