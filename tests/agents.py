@@ -123,7 +123,7 @@ def find_claude() -> Found:
     return native_binary("@anthropic-ai/claude-code-*/claude", CLAUDE_CODE, "Claude Code")
 
 
-def run_claude(binary: Path, url: str, tmp: Path, prompt: str) -> dict:
+def run_claude(binary: Path, url: str, tmp: Path, prompt: str, max_output_tokens: int = 8) -> dict:
     home, work = folders(tmp)
     env = environment(
         home,
@@ -132,7 +132,7 @@ def run_claude(binary: Path, url: str, tmp: Path, prompt: str) -> dict:
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         DISABLE_TELEMETRY="1",
         DISABLE_AUTOUPDATER="1",
-        CLAUDE_CODE_MAX_OUTPUT_TOKENS="8",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(max_output_tokens),
     )
     out = headless([str(binary), "-p", prompt, "--output-format", "json"], work, env)
     assert out.stdout.strip(), f"claude printed nothing (exit {out.returncode}): {out.stderr}"

@@ -17,16 +17,16 @@ finds it); without it the test skips.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import agents
 import httpx
 import pytest
 from agent_e2e import DONE, Counted
-from agents import environment, find_claude, folders, headless
+from agents import find_claude, folders
 from engine_helpers import ScriptedSampler, open_engine
 from server_fakes import serving
 from vision_models import encoded, picture, vision_model_folder
@@ -48,19 +48,8 @@ CACHE = CacheConfig(budget_bytes=2 << 30, prefill_chunk=256, checkpoint_interval
 
 def run_claude(url: str, tmp: Path) -> dict:
     """One headless run of the task (agents.py's, with room for the scripted replies)."""
-    home, work = folders(tmp)
-    env = environment(
-        home,
-        ANTHROPIC_BASE_URL=url,
-        ANTHROPIC_API_KEY="local",
-        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-        DISABLE_TELEMETRY="1",
-        DISABLE_AUTOUPDATER="1",
-        CLAUDE_CODE_MAX_OUTPUT_TOKENS="256",
-    )
-    out = headless([str(CLAUDE), "-p", TASK, "--output-format", "json"], work, env)
-    assert out.stdout.strip(), f"claude printed nothing (exit {out.returncode}): {out.stderr}"
-    return json.loads(out.stdout)
+    assert CLAUDE is not None
+    return agents.run_claude(CLAUDE, url, tmp, TASK, max_output_tokens=256)
 
 
 def image_counters(url: str) -> tuple[float, float]:
