@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from mlx_prefix.config import from_env
+from mlx_prefix.env import from_env
 
 from .args import (
     cache_args,
