@@ -111,7 +111,7 @@ lint: install typecheck
 	$(VENV)/bin/ruff check mlx_prefix tests benchmarks
 	$(VENV)/bin/ruff format --check mlx_prefix tests benchmarks
 
-# mypy over the core (cache/, engine/, prompt/, the records): pyproject's [tool.mypy].
+# mypy over the whole package: pyproject's [tool.mypy].
 typecheck: install
 	$(VENV)/bin/mypy
 

@@ -20,7 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -54,7 +54,7 @@ def nvidia_smi(run: Callable[..., subprocess.CompletedProcess] = subprocess.run)
 
 
 def choose(
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
     platform: str = sys.platform,
     smi: Callable[[], str | None] = nvidia_smi,
 ) -> BackendChoice:

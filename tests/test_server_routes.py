@@ -16,7 +16,7 @@ from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.serve_args import server_settings
 from mlx_prefix.errors import ModelNotFound
 from mlx_prefix.server.routes import API_ROUTES, ROUTES
-from mlx_prefix.server.served.names import ModelRegistry, ServedModel
+from mlx_prefix.server.served.names import ModelNames, ModelRegistry, ServedModel
 
 SYSTEM = "You answer questions about the opening hours of a small public library. " * 3
 
@@ -243,17 +243,18 @@ def test_cors_and_body_limit_are_the_same_on_short_paths():
 
 def test_registry_rules():
     engine = FakeEngine(FakeModel(path=Path("/m/org/Folder")))
-    registry = ModelRegistry([ServedModel.of(engine, ["a1", "a1", "a2"])])
-    assert registry.default.aliases == ("a1", "a2")
+    served = ServedModel.of(engine, ["a1", "a1", "a2"]).names
+    assert served == ModelNames("fake-model", ("a1", "a2"), "/m/org/Folder")
+    registry = ModelRegistry([served, ModelNames("other")])
     for name in ("fake-model", "a2", "/m/org/Folder", "/m/org/Folder/", "Folder", "default", None):
-        assert registry.resolve(name).engine is engine
-    assert registry.resolve("anything-else").engine is engine
-    strict = ModelRegistry([ServedModel.of(engine)], strict=True)
+        assert registry.resolve(name) is served
+    assert registry.resolve("other").id == "other"
+    assert registry.resolve("anything-else") is served
+    strict = ModelRegistry([ServedModel.of(engine).names], strict=True)
     with pytest.raises(ModelNotFound, match="anything-else"):
         strict.resolve("anything-else")
-    other = FakeEngine(FakeModel(name="other"))
     with pytest.raises(ValueError, match="a1"):
-        ModelRegistry([ServedModel.of(engine, ["a1"]), ServedModel.of(other, ["a1"])])
+        ModelRegistry([served, ModelNames("other", ("a1",))])
 
 
 def test_serve_flags_and_env_fallbacks(monkeypatch):

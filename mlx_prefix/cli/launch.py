@@ -118,11 +118,11 @@ def _card_for(model: str, cards: list[dict], url: str, key: str | None) -> dict:
         if model in (card["id"], card.get("alias_of")) or card["id"] == base:
             return card
     try:
-        card = get_json(url, "/v1/models/" + quote(model, safe="/@"), key)
+        fetched: dict | None = get_json(url, "/v1/models/" + quote(model, safe="/@"), key)
     except MlxPrefixError:  # a 404: not a name this server serves
-        card = None
-    if card is not None and card.get("id") in (model, base):
-        return card
+        fetched = None
+    if fetched is not None and fetched.get("id") in (model, base):
+        return fetched
     raise InvalidRequest(
         f"the server at {url} does not serve {model!r} (it lists "
         f"{', '.join(c['id'] for c in cards)}): stop it, or pass --url for another"

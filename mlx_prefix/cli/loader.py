@@ -37,8 +37,11 @@ def with_settings(
         model.context_length = own.context_length
     if own.chat_template_kwargs:
         model.template_args = {**model.template_args, **own.chat_template_kwargs}
-    kv = {"kv_bits": own.kv_bits, "kv_group_size": own.kv_group_size}
-    config = dataclasses.replace(config, **{k: v for k, v in kv.items() if v is not None})
+    config = dataclasses.replace(
+        config,
+        kv_bits=config.kv_bits if own.kv_bits is None else own.kv_bits,
+        kv_group_size=config.kv_group_size if own.kv_group_size is None else own.kv_group_size,
+    )
     draft = None
     if own.draft_model is not None:
         draft = load_model(own.draft_model, dtype=model.identity.dtype)

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_prefix.errors import ModelNotFound
+from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.load import cast_weights, context_length, load_failure
 from mlx_prefix.models.resolve import resolve_model
 
@@ -164,7 +165,7 @@ def load_embedding_model(
         vocab_size=int(text["vocab_size"]),
         context_length=context_length(config),
         dtype=target,
-        weights_bytes=sum(p.nbytes for _, p in _flat(model.parameters())),
+        weights_bytes=sum(p.nbytes for _, p in named_arrays(model.parameters())),
     )
 
 
@@ -225,12 +226,6 @@ def _backbone_classes(config: dict[str, Any]) -> tuple[type, type]:
 
     Backbone.__name__ = f"{model_class.__name__}Backbone"
     return Backbone, args_class
-
-
-def _flat(tree: Any) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree)
 
 
 def _json(path: Path) -> Any:

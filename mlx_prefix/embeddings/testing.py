@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
+from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.testing import _write_tokenizer
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -69,7 +69,7 @@ def make_embedding_test_model(
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     # The bare backbone, as Qwen3-Embedding's checkpoint holds it.
-    weights = {k.removeprefix("model."): v for k, v in tree_flatten(model.parameters())}
+    weights = {k.removeprefix("model."): v for k, v in named_arrays(model.parameters())}
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

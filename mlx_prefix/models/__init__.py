@@ -4,5 +4,6 @@
 - `gguf/`: GGUF -> mlx-lm / Hugging Face model folder (convert, tokenizer).
 - `resolve`: a model spec (None, folder, hub repo id) -> local folder.
 - `load`: `load_model` -> `LoadedModel` with its `ModelIdentity` (from `identity`).
+- `arrays`: typed forms of tree_flatten and mx.load (their stubs answer a union).
 - `testing`: tiny random-weight dense / hybrid / sliding-window model folders.
 """

@@ -17,10 +17,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.layers import kind_of, layers_of
+from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.load import LoadedModel
 
 
@@ -88,7 +88,7 @@ def _weights_per_token(model: LoadedModel, text: dict[str, Any]) -> float:
     expert_share = active / experts if experts and active else 1.0
     bits = int((text.get("quantization") or {}).get("bits") or 0)
     total = 0.0
-    for name, a in tree_flatten(model.model.parameters()):
+    for name, a in named_arrays(model.model.parameters()):
         if "embed" in name or "lm_head" in name or not hasattr(a, "size"):
             continue
         if name.endswith(("scales", "biases")) and bits:

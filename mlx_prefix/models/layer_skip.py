@@ -13,6 +13,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_prefix.models.arrays import load_safetensors
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
@@ -27,7 +29,7 @@ def make_layer_skip_draft(source: Path, dest: Path, layers: int) -> Path:
     config[key] = layers
     weights: dict[str, mx.array] = {}
     for file in sorted(source.glob("*.safetensors")):
-        for name, value in mx.load(str(file)).items():
+        for name, value in load_safetensors(file).items():
             found = _LAYER.search(name)
             if found is None or int(found.group(1)) < layers:
                 weights[name] = value

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
+from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
 from mlx_prefix.models.preflight import context_length
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
@@ -223,7 +223,7 @@ def _resolve_adapter(adapter: str | None) -> Path | None:
 def _dominant_dtype(model: nn.Module) -> str:
     """The floating dtype holding most parameter elements (packed quantized ints excluded)."""
     sizes: dict[str, int] = {}
-    for _, p in tree_flatten(model.parameters()):
+    for _, p in named_arrays(model.parameters()):
         if mx.issubdtype(p.dtype, mx.floating):
             name = str(p.dtype).removeprefix("mlx.core.")
             sizes[name] = sizes.get(name, 0) + p.size
@@ -235,7 +235,7 @@ def _cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
     keep = getattr(model, "cast_predicate", None) or (lambda _: True)
     updates = [
         (k, p.astype(dtype))
-        for k, p in tree_flatten(model.parameters())
+        for k, p in named_arrays(model.parameters())
         if mx.issubdtype(p.dtype, mx.floating) and p.dtype != dtype and keep(k)
     ]
     if updates:

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Tokenizer
 
+from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.default import ensure_default_model
 
 TEST_MODEL_KINDS: tuple[str, ...] = ("dense", "qwen3_5", "nemotron_h", "sliding")
@@ -142,6 +142,8 @@ def make_test_model(
         raise ValueError("think_template rewrites the default tokenizer; a real one has its own")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    bos: int | None
+    eos: int | list[int]
     if tokenizer is None:
         vocab_size = _write_tokenizer(dest, think_template=think_template)
         bos, eos = _BOS, _EOS
@@ -163,7 +165,7 @@ def make_test_model(
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
+    weights = dict(named_arrays(model.parameters()))
     if kind == "sliding":
         # gemma3_text ties lm_head to the embeddings when the checkpoint omits it.
         weights.pop("lm_head.weight")

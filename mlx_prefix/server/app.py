@@ -96,7 +96,8 @@ def serve(
         access_log=False,  # we write one richer line per request
         # A backstop only: _GracefulServer cancels at the grace period through the
         # engine, so clients get an error event / 503 rather than a cut connection.
-        timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
+        # uvicorn annotates int but hands it to asyncio.wait_for, which takes a float.
+        timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,  # type: ignore[arg-type]
         lifespan="on",
     )
     name = engine.model.name

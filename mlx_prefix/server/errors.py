@@ -6,6 +6,7 @@ Messages routes `{"type": "error", "error": {type, message}}`, on Ollama's /api/
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -125,7 +126,7 @@ def body_for(exc: MlxPrefixError, *, anthropic: bool = False, ollama: bool = Fal
 
 def error_response(
     exc: MlxPrefixError,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     *,
     anthropic: bool = False,
     ollama: bool = False,
@@ -135,7 +136,7 @@ def error_response(
 
 
 def error_response_for(
-    path: str, exc: MlxPrefixError, headers: dict[str, str] | None = None
+    path: str, exc: MlxPrefixError, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     """The error in the shape of the API family `path` belongs to."""
     return error_response(

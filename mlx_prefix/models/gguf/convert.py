@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 from tqdm import tqdm
 
+from mlx_prefix.models.arrays import load_gguf
 from mlx_prefix.models.gguf.tokenizer import write_tokenizer
 
 # GGUF quantization blocks hold 32 weights (ggml QK4_0 / QK4_1 / QK8_0).
@@ -47,7 +48,7 @@ class UnsupportedGGUF(ValueError):
 
 def convert_gguf(gguf_path: Path, dest: Path, *, desc: str | None = None) -> None:
     """Write a complete model folder for `gguf_path` into the existing empty dir `dest`."""
-    weights, metadata = mx.load(str(gguf_path), return_metadata=True)
+    weights, metadata = load_gguf(gguf_path)
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise UnsupportedGGUF(f"GGUF architecture {arch!r} is not supported (only llama)")

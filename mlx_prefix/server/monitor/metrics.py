@@ -120,8 +120,10 @@ class CacheCollector(Collector):
         if isinstance(disk, dict):
             for key, value in sorted(disk.items()):
                 if _NAME.fullmatch(key) and _is_number(value):
-                    family = CounterMetricFamily if key in _DISK_COUNTERS else GaugeMetricFamily
-                    yield family(
+                    family_type = (
+                        CounterMetricFamily if key in _DISK_COUNTERS else GaugeMetricFamily
+                    )
+                    yield family_type(
                         f"mlx_prefix_disk_{key}",
                         f"Disk prompt cache {key.replace('_', ' ')}",
                         value=value,

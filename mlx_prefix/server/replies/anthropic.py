@@ -250,7 +250,7 @@ class AnthropicWriter:
                 self.handle.breakpoint_end,
                 0,
             )
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",

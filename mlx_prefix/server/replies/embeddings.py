@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 
 def embeddings_body(
-    vectors: Sequence[np.ndarray], encoding: str, model: str, prompt_tokens: int
+    vectors: np.ndarray, encoding: str, model: str, prompt_tokens: int
 ) -> dict[str, Any]:
+    """`vectors`: float32 [n, dims], one row per input."""
     return {
         "object": "list",
         "data": [

@@ -150,6 +150,7 @@ class OutputEvents:
 
     def add(self, delta: Delta) -> list[dict[str, Any]]:
         events = []
+        lps: list[dict[str, Any]]
         lps = [{"token": lp.token, "logprob": lp.logprob, "top_logprobs": []}
                for lp in delta.logprobs]  # fmt: skip
         self._pending_logprobs += [{**lp, "bytes": list(lp["token"].encode())} for lp in lps]

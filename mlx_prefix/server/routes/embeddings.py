@@ -61,10 +61,10 @@ async def embed(
     req: EmbeddingRequest,
     record: RequestLog,
     cut: bool = False,
-) -> list[np.ndarray]:
+) -> np.ndarray:
     """`req`'s vectors from the embedding worker (each input cut to the model's context
     when `cut`), in the asked dimensions; the tokens counted on `record` and in the
-    metrics. Shared by /v1/embeddings and Ollama's /api/embed."""
+    metrics. Shared by /v1/embeddings and Ollama's /api/embed. float32 [len(inputs), dims]."""
     model = served.worker.model
     dims = dimensions_for(model, req.dimensions)
     limit = st.settings.embedding_max_tokens

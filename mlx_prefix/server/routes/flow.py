@@ -238,6 +238,9 @@ async def submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> 
     would decode for no one."""
     with anyio.CancelScope(shield=True):
         return await run_in_threadpool(_submit, engine, req, request_id)
+    # A CancelScope swallows only its own cancellation: this one has no deadline and
+    # nothing cancels it, so the body above returns or raises.
+    raise AssertionError("unreachable")
 
 
 def _submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> RequestHandle:

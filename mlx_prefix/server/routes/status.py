@@ -71,7 +71,7 @@ def _embedding_cards(st: ServerState) -> list[dict[str, Any]]:
     if st.embeddings is None:
         return []
     model = st.embeddings.worker.model
-    card = {
+    card: dict[str, Any] = {
         "id": model.name,
         "object": "model",
         "created": st.started,

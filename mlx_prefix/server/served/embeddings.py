@@ -17,7 +17,7 @@ from typing import Any
 from mlx_prefix.embeddings.worker import EmbeddingWorker
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 
-from .names import ModelRegistry, ServedModel
+from .names import ModelNames, ModelRegistry
 
 
 class NoEmbeddingModel(InvalidRequest):
@@ -34,8 +34,8 @@ class ServedEmbeddings:
     @classmethod
     def of(cls, worker: EmbeddingWorker, aliases: tuple[str, ...] = ()) -> ServedEmbeddings:
         model = worker.model
-        served = ServedModel(model.name, None, tuple(dict.fromkeys(aliases)), str(model.path))
-        return cls(worker, ModelRegistry([served], strict=True))
+        names = ModelNames(model.name, tuple(dict.fromkeys(aliases)), str(model.path))
+        return cls(worker, ModelRegistry([names], strict=True))
 
     @property
     def id(self) -> str:

@@ -40,6 +40,22 @@ DEFAULT_NAME = "default"
 
 
 @dataclass(frozen=True)
+class ModelNames:
+    """The names of a served model, without the model: what ModelRegistry keeps."""
+
+    id: str  # the served name, reported in every reply's `model` field
+    aliases: tuple[str, ...] = ()  # --alias names, listed by /v1/models
+    folder: str | None = None  # the model's folder, as loaded
+
+    def spellings(self) -> set[str]:
+        """Every name that selects this model (besides "default" for the default one)."""
+        names = {self.id, *self.aliases}
+        if self.folder:
+            names |= {self.folder.rstrip("/"), self.folder.rstrip("/").rsplit("/", 1)[-1]}
+        return names
+
+
+@dataclass(frozen=True)
 class ServedModel:
     id: str  # the served name, reported in every reply's `model` field
     engine: EngineAPI  # an Engine, a DistributedEngine, or a test's fake of the interface
@@ -52,23 +68,24 @@ class ServedModel:
         path = getattr(model, "path", None)
         return cls(model.name, engine, tuple(dict.fromkeys(aliases)), str(path) if path else None)
 
+    @property
+    def names(self) -> ModelNames:
+        return ModelNames(self.id, self.aliases, self.folder)
+
     def spellings(self) -> set[str]:
-        """Every name that selects this model (besides "default" for the default one)."""
-        names = {self.id, *self.aliases}
-        if self.folder:
-            names |= {self.folder.rstrip("/"), self.folder.rstrip("/").rsplit("/", 1)[-1]}
-        return names
+        return self.names.spellings()
 
 
 class ModelRegistry:
-    """The served models; the first is the default. Immutable after construction."""
+    """The served models' names; the first is the default. Immutable after construction.
+    Names only: it must not keep an engine alive once its model is unloaded."""
 
-    def __init__(self, models: Sequence[ServedModel], *, strict: bool = False):
+    def __init__(self, models: Sequence[ModelNames], *, strict: bool = False):
         if not models:
             raise ValueError("at least one served model is needed")
         self.models = tuple(models)
         self.strict = strict
-        self._by_name: dict[str, ServedModel] = {}
+        self._by_name: dict[str, ModelNames] = {}
         for served in self.models:
             for name in served.spellings():
                 other = self._by_name.setdefault(name, served)
@@ -76,19 +93,19 @@ class ModelRegistry:
                     raise ValueError(f"the model name {name!r} is used by two served models")
 
     @property
-    def default(self) -> ServedModel:
+    def default(self) -> ModelNames:
         return self.models[0]
 
-    def __iter__(self) -> Iterator[ServedModel]:
+    def __iter__(self) -> Iterator[ModelNames]:
         return iter(self.models)
 
-    def find(self, name: str) -> ServedModel | None:
+    def find(self, name: str) -> ModelNames | None:
         """The model this exact name selects; None if it selects none."""
         if name == DEFAULT_NAME:
             return self.default
         return self._by_name.get(name) or self._by_name.get(name.rstrip("/"))
 
-    def resolve(self, requested: str | None) -> ServedModel:
+    def resolve(self, requested: str | None) -> ModelNames:
         """The model that answers a request naming `requested` (None: not named).
         ModelNotFound only when strict and the name selects no served model."""
         if requested is None:
@@ -153,8 +170,7 @@ class ModelSelector:
         allowed_models: Sequence[str] = (),
         settings: ModelsFile | None = None,
     ):
-        # Names only: the registry must not keep the default engine alive once unloaded.
-        self.registry = ModelRegistry([replace(default, engine=None)], strict=strict)
+        self.registry = ModelRegistry([default.names], strict=strict)
         self.model_aliases = dict(model_aliases or {})
         self.settings = settings or ModelsFile()
         self.allowed = AllowList(allowed_models)

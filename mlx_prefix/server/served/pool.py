@@ -136,8 +136,8 @@ class ModelPool:
                     param="adapters",
                 )
             self.names.resolve(name)  # a 404 when strict and unknown
-            slot = next(iter(self._slots.values()))
-            return slot.served, Lease(None)
+            only = next(iter(self._slots.values()))
+            return only.served, Lease(None)
         spec = self.spec_for(name, adapter)
         while True:
             slot = self._slots.get(spec.key)
@@ -145,7 +145,7 @@ class ModelPool:
                 task = self._loading.get(spec.key)
                 if task is None:
                     task = self._loading[spec.key] = asyncio.ensure_future(self._load(spec))
-                    task.add_done_callback(lambda _, k=spec.key: self._loading.pop(k, None))
+                    task.add_done_callback(lambda _: self._loading.pop(spec.key, None))
                 slot = await asyncio.shield(task)
             if not slot.retiring:  # else it was chosen for unloading meanwhile: load again
                 break

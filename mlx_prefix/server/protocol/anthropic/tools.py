@@ -30,7 +30,10 @@ class Tools:
 
 def read_tools(body: dict[str, Any]) -> Tools:
     tools = field(body, "tools", list, None) or []
-    rendered, names, deferred, breakpoints = [], [], {}, []
+    rendered: list[dict[str, Any]] = []
+    names: list[str] = []
+    deferred: dict[str, dict[str, Any]] = {}
+    breakpoints: list[Breakpoint] = []
     for i, tool in enumerate(tools):
         param = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -64,7 +67,7 @@ def read_tools(body: dict[str, Any]) -> Tools:
                     f"{param}.description must be a string", param=f"{param}.description"
                 )
             function["description"] = description
-        definition = {"type": "function", "function": function}
+        definition: dict[str, Any] = {"type": "function", "function": function}
         if tool.get("defer_loading") is True:
             deferred[name] = definition
             continue

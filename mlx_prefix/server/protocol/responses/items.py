@@ -170,7 +170,7 @@ def _reasoning(item: dict[str, Any], where: str) -> str:
             "rendered here; send its content (reasoning_text parts) instead",
             param=f"{where}.encrypted_content",
         )
-    texts = {}
+    texts: dict[str, list[str]] = {}
     for key, kinds in (("content", ("reasoning_text", "text")), ("summary", ("summary_text",))):
         parts = item.get(key) or []
         if not isinstance(parts, list):
