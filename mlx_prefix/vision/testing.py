@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
+from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.testing import _copy_tokenizer
 from mlx_prefix.vision.tower import model_config
 
@@ -195,7 +195,7 @@ def _save(kind: str, config: dict[str, Any], dest: Path, seed: int) -> None:
     module = importlib.import_module(f"mlx_vlm.models.{kind}")
     mx.random.seed(seed)
     model = module.Model(model_config(module, config))
-    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    flat = named_arrays(model.parameters())
     weights = {
         k: v
         for k, v in flat

@@ -33,6 +33,7 @@ import numpy as np
 from safetensors import safe_open
 
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.models.arrays import load_safetensors
 from mlx_prefix.vision.intake import DecodedImage
 from mlx_prefix.vision.key import ImageSpan
 from mlx_prefix.vision.parts import ImageInput
@@ -200,9 +201,7 @@ def vision_weights(folder: Path, prefixes: Sequence[str]) -> dict[str, mx.array]
     """The weights under `prefixes` from the folder's safetensors, prefix kept."""
     out: dict[str, mx.array] = {}
     for path in sorted(glob.glob(str(Path(folder) / "*.safetensors"))):
-        loaded = mx.load(path)
-        assert isinstance(loaded, dict)  # a safetensors file: its arrays by name
-        for k, v in loaded.items():
+        for k, v in load_safetensors(path).items():
             if k.startswith(tuple(prefixes)):
                 out[k] = v
     return out
