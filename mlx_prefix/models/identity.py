@@ -29,12 +29,17 @@ class ModelIdentity:
     # This process's part of a model sharded over ranks (engine/sharded/load.py), e.g.
     # "tensor 0/2": its cache holds only that part. None: the whole model.
     shard: str | None = None
+    # Its linear-attention layers prefill by the chunked scan (models/linear_scan.py):
+    # their states differ in the last bits from the loop's, so neither reads the other's.
+    prefill_scan: bool = False
 
     def key(self) -> str:
         """Short stable hex digest of all fields: the prefix of every prefix-cache key."""
         fields = asdict(self)
         if self.shard is None:
             del fields["shard"]  # keys of unsharded models stay what they were
+        if not self.prefill_scan:
+            del fields["prefill_scan"]  # as are those of models without the scan
         payload = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(payload).hexdigest()[:16]
 

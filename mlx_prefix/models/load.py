@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
+from mlx_prefix.models import linear_scan
 from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
 from mlx_prefix.models.preflight import context_length
@@ -162,6 +163,7 @@ def finish_loading(
     the steps after mlx-lm's load, shared with sharded loading (engine/sharded/load.py)."""
     target = cast_weights(model, dtype)
     add_reply_stops(tokenizer)
+    linear_scan.install()  # off Metal: gated-delta prefill as a chunked scan
 
     weight_files = [resolved.path / "config.json", *resolved.path.glob("model*.safetensors")]
     if adapter_path is not None:
@@ -173,6 +175,7 @@ def finish_loading(
         weights_fingerprint=fingerprint_files(weight_files),
         chat_template_hash=chat_template_hash(getattr(tokenizer, "chat_template", None)),
         shard=shard,
+        prefill_scan=linear_scan.uses_scan(model),
     )
     return LoadedModel(
         model=model,
