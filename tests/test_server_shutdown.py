@@ -64,14 +64,17 @@ def run_shutdown(grace_s: float, reply_words: int, delay: float) -> tuple[str, s
 
 
 def _until_refused(url: str, deadline_s: float = 30) -> None:
-    """Poll until a connection to `url` is refused (`deadline_s`: a deadline for a server
-    that goes on accepting)."""
+    """Poll until a connection to `url` is refused, or closed unanswered (one the kernel
+    queued as the server closed its socket) (`deadline_s`: a deadline for a server that
+    goes on accepting)."""
     deadline = time.monotonic() + deadline_s
     while True:
         try:
             httpx.get(url, timeout=2)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
             return
+        except httpx.ReadTimeout:
+            pass  # queued but not yet closed: ask again
         assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
         time.sleep(0.02)
 
