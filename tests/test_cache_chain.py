@@ -136,7 +136,10 @@ def test_a_restore_and_first_append_copy_the_prefix_once_and_write_in_place():
     # prefix plus the step: no second copy of the prefix.
     whole = _peak_during(lambda: first_append(whole_snap, "whole", 0))
     chained = _peak_during(lambda: first_append(chain_snaps[-1], "chain", new))
-    assert chained <= whole + prefix // 20, (chained, whole)
+    # A second copy of the prefix would add all of it; what else is alive at the peak
+    # (a layer's pieces not yet freed, the step's new K and V) moves with the machine's
+    # scheduling (5% was passed by 40 KB once on a loaded box), so the margin is a quarter.
+    assert chained <= whole + prefix // 4, (chained, whole)
     assert chained < 1.5 * prefix, (chained, prefix)
     # In place: the append wrote into the buffer the restore assembled (no growth).
     assert held["chain"][0].keys.shape[2] == n + KVCache.step
