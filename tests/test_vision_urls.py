@@ -3,12 +3,11 @@ fetched from the address that was checked and keys as the same image sent inline
 naming loopback, a private or a link-local (cloud metadata) address is a 400 in the API's
 own shape with nothing fetched; a slow fetch holds up no other request. No network: names
 resolve through a stand-in resolver (socket.getaddrinfo), and the connection the fetch
-makes to a checked address is handed to a loopback server standing in for the host."""
+opens to a checked address is handed to a loopback server standing in for the host."""
 
 from __future__ import annotations
 
 import base64
-import http.client
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,7 +57,7 @@ def host(monkeypatch):
     server.asked, server.arrived, server.release = [], threading.Event(), threading.Event()
     server.release.set()
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    original = socket.getaddrinfo
+    original, original_connect = socket.getaddrinfo, socket.create_connection
     connected = []
 
     def resolve(name, port, *args, **kwargs):
@@ -68,13 +67,12 @@ def host(monkeypatch):
             return original(name, port, *args, **kwargs)
         raise AssertionError(f"network touched: {name}")
 
-    def connection(target, timeout):
-        connected.append(target.address)
-        port = server.server_address[1]
-        return http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    def open_socket(address, port, timeout):
+        connected.append(address)
+        return original_connect(("127.0.0.1", server.server_address[1]), timeout)
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
-    monkeypatch.setattr(fetch, "_connection", connection)
+    monkeypatch.setattr(fetch, "_open_socket", open_socket)
     yield server, connected
     server.release.set()
     server.shutdown()
