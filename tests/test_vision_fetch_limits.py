@@ -1,11 +1,11 @@
 """Image URLs (vision/fetch.py), the connection itself: the real pinned connection, over
 HTTP and over TLS, reaches the address that was checked with the URL's name as Host and
-TLS server name; one deadline bounds the whole fetch (a resolver that hangs, a host that
-trickles its header a byte at a time); fetches beyond the bound are refused at once and
-never take more than the bound of threads. Loopback servers stand in for public hosts:
-the tests admit loopback through fetch_image's `allowed`, everything else is the
-server's path. The certificate is made here with the openssl command line and trusted
-by the test's own context only."""
+TLS server name, trying the next checked address when one times out; one deadline bounds
+the whole fetch (a resolver that hangs, a host that trickles its header a byte at a
+time); fetches beyond the bound are refused at once and never take more than the bound
+of threads. Loopback servers stand in for public hosts: the tests admit loopback through
+fetch_image's `allowed`, everything else is the server's path. The certificate is made
+here with the openssl command line and trusted by the test's own context only."""
 
 from __future__ import annotations
 
@@ -137,6 +137,24 @@ def test_the_certificate_is_checked_against_the_urls_name(host):
         url = f"https://img.test:{port}/cat.png"  # the test's CA is trusted by the test only
         fetch.fetch_image(url, ALLOW, "p", to_host, allowed=_anything)
     assert server.asked == []
+
+
+def test_an_address_that_drops_packets_leaves_time_for_the_next(host, monkeypatch):
+    scheme, server, port = host
+    real_open, given = fetch._open_socket, []
+
+    def open_socket(address, port, timeout):
+        given.append(timeout)
+        if address == "2001:db8::1":  # a route that drops packets: the connect times out
+            raise TimeoutError
+        return real_open(address, port, timeout)
+
+    monkeypatch.setattr(fetch, "_open_socket", open_socket)
+    url = f"{scheme}://img.test:{port}/cat.png"
+    to_both = lambda name, port: ["2001:db8::1", "127.0.0.1"]  # noqa: E731
+    assert fetch.fetch_image(url, ALLOW, "p", to_both, allowed=_anything, tls=server.trust) == IMAGE
+    assert server.asked == [("127.0.0.1", f"img.test:{port}", "/cat.png")]
+    assert given[0] <= HANG / 2  # the first address could not take the whole deadline
 
 
 class _RawHost:

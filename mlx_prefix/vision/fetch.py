@@ -249,19 +249,21 @@ def _open_socket(address: str, port: int, timeout: float) -> socket.socket:
 
 def _connect(target: Target, deadline: Deadline, tls: ssl.SSLContext) -> socket.socket:
     """A connection to the first checked address that answers, TLS shaken hands for
-    https (the handshake as a whole is bounded by the socket's timeout)."""
-    refused: OSError | None = None
-    for address in target.addresses:
+    https (the handshake as a whole is bounded by the socket's timeout). An address
+    before the last gets half the time left, so one that drops packets (a broken IPv6
+    route) leaves time for the next."""
+    failed: OSError | None = None
+    for i, address in enumerate(target.addresses):
+        left = deadline.left()
         try:
-            sock = _open_socket(address, target.port, deadline.left())
+            timeout = left if i == len(target.addresses) - 1 else left / 2
+            sock = _open_socket(address, target.port, timeout)
             break
-        except TimeoutError:
-            raise
-        except OSError as e:  # refused, unreachable: the next address
-            refused = e
+        except OSError as e:  # refused, unreachable, timed out: the next address
+            failed = e
     else:
-        assert refused is not None  # addresses is never empty (_check)
-        raise refused
+        assert failed is not None  # addresses is never empty (_check)
+        raise failed
     if target.scheme == "https":
         try:
             sock = tls.wrap_socket(sock, server_hostname=target.host, do_handshake_on_connect=False)
