@@ -162,3 +162,30 @@ def test_a_fetch_in_progress_holds_up_no_other_request(live, host):
         server.release.set()
         asking.join(300)
     assert result["r"].status_code == 200, result["r"].text
+
+
+def test_a_fetch_beyond_the_servers_bound_is_a_429_at_once(live, host, monkeypatch):
+    server, connected = host
+    monkeypatch.setattr(fetch, "_POOL", fetch.FetchPool(1))  # one fetch at a time
+    server.release.clear()
+    result = {}
+
+    def ask():
+        with httpx.Client(base_url=live, timeout=300) as client:
+            result["r"] = client.post("/v1/chat/completions", json=chat("http://img.test/a.png"))
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        assert server.arrived.wait(60)  # the one fetch is under way
+        with httpx.Client(base_url=live, timeout=30) as client:  # a deadline for a hang
+            r = client.post("/v1/chat/completions", json=chat("http://img.test/b.png"))
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["code"] == "server_busy" and "image URLs already" in error["message"]
+        assert error["param"] == "messages[1].content[1].image_url.url"
+    finally:
+        server.release.set()
+        asking.join(300)
+    assert result["r"].status_code == 200, result["r"].text
+    assert connected == [PUBLIC] and server.asked == [("img.test", "/a.png")]
