@@ -236,7 +236,10 @@ class FakeEngine:
         request_id: str | None = None,
         *,
         fit_reply: bool = False,
+        progress: bool = False,
     ) -> FakeHandle:
+        if progress:
+            raise InvalidRequest("the fake engine sends no progress", param="return_progress")
         if self._closed:
             raise EngineBusy("the engine is shutting down")
         if (prompt.messages is None) == (prompt.text is None):

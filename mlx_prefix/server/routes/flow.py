@@ -253,6 +253,7 @@ def _submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> Reque
             req.cache,
             request_id,
             fit_reply=req.fit_reply and req.max_tokens_param is not None,
+            progress=req.return_progress,
         )
     except ContextLengthExceeded as e:
         if req.max_tokens_param is not None and req.max_tokens_param != "max_tokens":
