@@ -231,6 +231,11 @@ class ModelPool:
         slot.last_used = self.clock()
         return True
 
+    def is_resident(self, name: str | None, adapter: str | None = None) -> bool:
+        """Whether the model `name` selects is loaded (not loading, not unloading).
+        ModelNotFound as `acquire`. Loads nothing."""
+        return self.spec_for(name, adapter).key in self._slots
+
     def cards(self) -> list[ModelCard]:
         """/v1/models: the default (with its aliases), each --model-alias, then the
         other resident models; adapters under their base model's row."""
