@@ -90,6 +90,8 @@ def failover(bench: Any, replicas: list[Server], router_args: tuple[str, ...], l
         "errors": [(t.session, t.turn, t.error) for t in rest if t.error],
         "cold_turns": cold,
         "cold_turns_per_lost_session": {s: sum(1 for c in cold if c[0] == s) for s in lost},
+        "cold_turns_other_sessions": sum(1 for c in cold if c[0] not in lost),
+        "other_sessions": bench.SESSIONS - len(lost),
         "moved_sessions_replicas": {
             s: sorted({t.replica for t in rest if t.session == s and t.replica is not None})
             for s in lost
