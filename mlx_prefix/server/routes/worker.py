@@ -32,16 +32,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 @api
 async def server_info(request: Request) -> Response:
     """SGLang's /server_info fields that describe this server: its model (the router
-    takes `served_model_name` as the worker's model id), its capacity and version."""
+    takes `served_model_name` as the worker's model id) and version."""
     st = state(request)
     spec = st.models.default_spec
-    activity = st.engine.activity()
     return JSONResponse(
         {
             "served_model_name": spec.id,
             "model_path": str(spec.folder),
             "context_length": st.engine.model.context_length,
-            "max_running_requests": activity.capacity,
             "version": __version__,
             "backend": "mlx-prefix",
         }
