@@ -68,6 +68,9 @@ AIDER_VERSION := 0.86.2
 OLLAMA_JS_VERSION := 0.6.4
 LLM_VERSION := 0.36
 LLM_OLLAMA_VERSION := 0.19.1
+# SGLang's router (a Rust binary in a wheel) for the replicas test and benchmark, in a venv
+# of its own: its FastAPI and aiohttp are no dependency of ours (benchmarks/router_process.py).
+SGLANG_ROUTER_VERSION := 0.3.2
 TEST_CLIENTS := .test-clients
 
 # $(call npm_client,PACKAGE,VERSION,NAME[,NPM FLAGS]): install PACKAGE@VERSION unless present.
@@ -100,6 +103,11 @@ endif
 	  { [ -x $(TEST_CLIENTS)/llm/bin/pip ] || $(PYTHON) -m venv $(TEST_CLIENTS)/llm; } && \
 	  $(TEST_CLIENTS)/llm/bin/pip install -q "llm==$(LLM_VERSION)" "llm-ollama==$(LLM_OLLAMA_VERSION)" \
 	  || echo "warning: could not install llm and llm-ollama; their Ollama test skips"; fi
+	@if ! grep -qs '^Version: $(SGLANG_ROUTER_VERSION)$$' \
+	    $(TEST_CLIENTS)/sglang-router/lib/python*/site-packages/sglang_router-*.dist-info/METADATA; then \
+	  { [ -x $(TEST_CLIENTS)/sglang-router/bin/pip ] || $(PYTHON) -m venv $(TEST_CLIENTS)/sglang-router; } && \
+	  $(TEST_CLIENTS)/sglang-router/bin/pip install -q "sglang-router==$(SGLANG_ROUTER_VERSION)" \
+	  || echo "warning: could not install sglang-router; its replicas test skips"; fi
 
 test: install test-deps
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m pytest -q -rs $(PYTEST_ARGS)

@@ -2,7 +2,8 @@
 used in protocol/ (its bodies), routes/ (its handlers) and replies/ (its writer): chat,
 completions (whose reply is chat's shape), anthropic, responses, embeddings, ollama
 (routes/ollama.py, its model routes ollama_info.py and embeddings ollama_embed.py); the
-cache admin routes are cache (routes/cache.py, protocol/cache.py). Every generation handler
+cache admin routes are cache (routes/cache.py, protocol/cache.py); what SGLang's router
+asks a worker is worker.py. Every generation handler
 runs one preamble and one reply (flow.py); engine calls that may block go through the
 threadpool. To add a family: protocol/<family>.py, replies/<family>.py, and here
 routes/<family>.py and its rows in API_ROUTES.
@@ -30,6 +31,7 @@ from .embeddings import embeddings
 from .ollama_info import store_route
 from .responses import create_response, delete_response, get_response
 from .status import get_model, health, list_models, metrics, ps
+from .worker import get_load, model_info, server_info
 
 API_PREFIXES = ("/v1", "")
 
@@ -86,4 +88,11 @@ ROUTES = [
     Route("/dashboard/static/{name:path}", dashboard.static, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
+    # What SGLang's router asks a worker (worker.py), with its deprecated `/get_` names.
+    Route("/server_info", server_info, methods=["GET"]),
+    Route("/get_server_info", server_info, methods=["GET"]),
+    Route("/model_info", model_info, methods=["GET"]),
+    Route("/get_model_info", model_info, methods=["GET"]),
+    Route("/get_load", get_load, methods=["GET"]),
+    Route("/flush_cache", cache_flush, methods=["POST"]),
 ]
