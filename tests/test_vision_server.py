@@ -105,6 +105,30 @@ def test_responses_input_image(live):
     assert b.usage.input_tokens_details.cached_tokens > 0
 
 
+def test_a_stored_responses_turn_with_an_image_continues_by_its_id(live):
+    """The store keeps the image encoded with its digest (never its pixels): a chained
+    turn renders it again as the same image, so the first turn's whole prompt, image
+    span included, is read from the cache."""
+    url, _ = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    png = base64.b64encode(encoded(picture(80, 48, seed=12))).decode()
+    item = {"role": "user", "content": [
+        {"type": "input_text", "text": "Keep this one in mind:"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{png}"},
+    ]}  # fmt: skip
+    a = client.responses.create(model="m", input=[item], max_output_tokens=4, temperature=0)
+    b = client.responses.create(
+        model="m",
+        previous_response_id=a.id,
+        input=[{"role": "user", "content": "What was in it?"}],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert b.status in ("completed", "incomplete") and b.previous_response_id == a.id
+    assert b.usage.input_tokens > a.usage.input_tokens
+    assert b.usage.input_tokens_details.cached_tokens >= a.usage.input_tokens - 8
+
+
 def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
     url, _ = live
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
