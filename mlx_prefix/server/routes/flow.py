@@ -2,11 +2,12 @@
 
 `start` is the preamble, always in this order: who called (their cache namespace) and
 the request's one log line; the body read (guards/body.py) and parsed by the family's
-parser, under the server's limits with the defaults the settings file gives the model
-it names (ServerState.limits_named); the served model it names, loaded if need be; the
-request as the engine takes it (the family's GenerationRequest, its reply's tool calls
-named after the request, in the caller's namespace, its reply bounded by the model's
-context, a forced tool choice opened); submitted. A failure on the way writes the log
+parser (images: their headers only), under the server's limits with the defaults the
+settings file gives the model it names (ServerState.limits_named); the served model it
+names, loaded if need be; the request as the engine takes it (its images checked whole,
+the family's GenerationRequest, its reply's tool calls named after the request, in the
+caller's namespace, its reply bounded by the model's context, a forced tool choice
+opened); submitted. A failure on the way writes the log
 line and is raised, to leave in the family's error shape (common.api).
 
 `start` is `open_call` (caller to model) then `Opened.prepared` and `Opened.submit`; a
@@ -171,9 +172,10 @@ class Opened(Generic[P]):
         return logged(self.record)
 
     def prepared(self, req: GenerationRequest) -> GenerationRequest:
-        """`req` as the engine takes it: its reply's tool calls named after the request,
-        in the caller's namespace, its reply bounded by the model's context, a forced
-        tool choice opened."""
+        """`req` as the engine takes it: its images checked whole (`check_images`; none
+        is decoded before the engine plans the prompt), its reply's tool calls named
+        after the request, in the caller's namespace, its reply bounded by the model's
+        context, a forced tool choice opened."""
         with self.logged():
             check_images(req.prompt, self.limits.images, self.served.engine)
             req = replace(
