@@ -2,10 +2,10 @@
 is parsed only each image's header is read (vision/intake.py), then routes/flow.py counts
 them (--max-images), adds up their pixels (--max-request-pixels) and refuses them for a
 text-only model; only a request that passed every check has an image decoded (by the
-engine's plan). Through the server, for every API family that takes images (OpenAI chat,
-Anthropic messages and count_tokens, Responses, Ollama's /api/chat): the refusal is a 400
-in the family's shape naming the image past the limit, nothing is decoded, nothing
-reaches the engine, and the server goes on serving."""
+engine's plan). Through the server, for every route that takes images (OpenAI chat,
+Anthropic messages and count_tokens, Responses, Ollama's /api/chat, /v1/cache/warm): the
+refusal is a 400 in the family's shape naming the image past the limit, nothing is
+decoded, nothing reaches the engine, and the server goes on serving."""
 
 from __future__ import annotations
 
@@ -66,11 +66,17 @@ def count_tokens(images):
     return anthropic(images, "/v1/messages/count_tokens")
 
 
+def warm(images):
+    path, body = chat(images)
+    return "/v1/cache/warm", {"model": "m", "messages": body["messages"]}
+
+
 FAMILIES = {  # how each names its n-th image, and where its error's message is
     "chat": (chat, "messages[0].content[{n}]"),
     "anthropic": (anthropic, "messages[0].content[{n}]"),
     "count_tokens": (count_tokens, "messages[0].content[{n}]"),
     "responses": (responses, "input[0].content[{n}]"),
+    "warm": (warm, "messages[0].content[{n}]"),
     "ollama": (ollama, "messages[0].images[{n}]"),
 }
 
@@ -105,10 +111,31 @@ def decoded(monkeypatch):
     return seen
 
 
+class Seeing(FakeEngine):
+    """A fake engine whose model takes images, keeping every prompt it is handed (to
+    generate from, to warm or to count)."""
+
+    def __init__(self):
+        super().__init__(FakeModel(vision=object()))
+        self.prompts = []
+
+    def submit(self, prompt, *args, **kwargs):
+        self.prompts.append(prompt)
+        return super().submit(prompt, *args, **kwargs)
+
+    def start_warm(self, prompt, *args, **kwargs):
+        self.prompts.append(prompt)
+        return super().start_warm(prompt, *args, **kwargs)
+
+    def count_tokens(self, prompt):
+        self.prompts.append(prompt)
+        return super().count_tokens(prompt)
+
+
 @pytest.fixture(scope="module")
 def seeing():
     """A server whose (fake) model takes images, default limits but four images at most."""
-    with serving(FakeEngine(FakeModel(vision=object())), max_images=4) as (url, engine):
+    with serving(Seeing(), max_images=4) as (url, engine):
         yield url, engine
 
 
@@ -118,27 +145,26 @@ def test_images_past_the_request_s_pixels_are_refused_before_any_is_decoded(
 ):
     url, engine = seeing
     body, part = FAMILIES[family]
-    before = len(engine.submissions)
+    before = len(engine.prompts)
     with httpx.Client(base_url=url, timeout=60) as http:
         r = post(http, body([FLAT, FLAT, FLAT]))
         assert r.status_code == 400, r.text
         message = error_message(family, r)
         assert part.format(n=2) in message and "33,177,600" in message
-        assert decoded == [] and len(engine.submissions) == before
-        if family != "count_tokens":  # the server goes on serving; two fit
-            assert post(http, body([FLAT, FLAT])).status_code == 200
-            assert len(engine.submissions) == before + 1
+        assert decoded == [] and len(engine.prompts) == before
+        assert post(http, body([FLAT, FLAT])).status_code == 200  # two fit: served
+        assert len(engine.prompts) == before + 1
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_too_many_images_are_refused_before_any_is_decoded(seeing, decoded, family):
     url, engine = seeing
     body, part = FAMILIES[family]
-    before = len(engine.submissions)
+    before = len(engine.prompts)
     with httpx.Client(base_url=url, timeout=60) as http:
         r = post(http, body([SMALL] * 5))
     assert r.status_code == 400 and part.format(n=4) in error_message(family, r)
-    assert decoded == [] and len(engine.submissions) == before
+    assert decoded == [] and len(engine.prompts) == before
 
 
 @pytest.mark.parametrize("family", FAMILIES)
