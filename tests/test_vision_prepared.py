@@ -61,7 +61,7 @@ def test_a_vision_family_keeps_prepared_images_in_bytes_and_a_plan_prepares_each
     family.prepared.max_bytes = 0  # keeps nothing across requests
     prepared = []
     original = family.prepare
-    family.prepare = lambda image, detail="auto": prepared.append(image) or original(image, detail)
+    family.prepare = lambda image, *more: prepared.append(image) or original(image, *more)
     url = "data:image/png;base64,{}"
     parts = [{"type": "image_url", "image_url": {"url": url.format(base64.b64encode(
         encoded(picture(64, 64, seed=100 + i))).decode())}} for i in range(2)]  # fmt: skip
@@ -75,3 +75,20 @@ def test_a_vision_family_keeps_prepared_images_in_bytes_and_a_plan_prepares_each
     rendered = planner.plan(PromptInput(messages=messages))
     assert rendered.vision is not None and len(rendered.vision.spans) == 2
     assert len(prepared) == 2  # the probes rendered them again from the plan's own memo
+
+
+def test_an_image_seen_the_first_time_is_decoded_once_for_its_key_and_its_preparation(
+    monkeypatch,
+):
+    from mlx_prefix.vision import intake
+
+    folder = vision_model_folder("qwen3_5")
+    family = load_vision(folder, mx.float32, load_model(str(folder)).tokenizer)
+    assert family is not None
+    decodes = []
+    original = intake._decode
+    monkeypatch.setattr(intake, "_decode", lambda *a: decodes.append(a) or original(*a))
+    item = ImageInput(read_image(encoded(picture(64, 48, seed=200)), ImageLimits(), "p"))
+    prepared = family.prepare_input(item)
+    assert len(decodes) == 1 and prepared.key  # the digest and the pixel values, one decode
+    assert family.prepare_input(item) is prepared and len(decodes) == 1  # kept: no decode

@@ -80,14 +80,24 @@ class EncodedImage:
         return len(self.data)
 
     def rgb(self) -> Any:
-        """The still picture in RGB (a PIL image), decoded now; InvalidRequest naming
-        `param` when the data is corrupt or truncated."""
-        return _decode(self.data, self.format, self.param)
+        """The still picture in RGB (a PIL image), decoded now (the digest taken from it
+        too, the first time); InvalidRequest naming `param` when the data is corrupt or
+        truncated."""
+        picture = _decode(self.data, self.format, self.param)
+        if not self.digested:
+            self.__dict__["digest"] = pixel_digest(picture)  # the cached_property's slot
+        return picture
 
     @functools.cached_property
     def digest(self) -> str:
         """pixel_digest of the picture, computed once (a decode)."""
-        return pixel_digest(self.rgb())
+        self.rgb()
+        return str(self.__dict__["digest"])
+
+    @property
+    def digested(self) -> bool:
+        """Whether the digest is known (the image was decoded once)."""
+        return "digest" in self.__dict__
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, EncodedImage) and other.digest == self.digest

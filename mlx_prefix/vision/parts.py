@@ -126,12 +126,12 @@ def anthropic_image_block(block: dict[str, Any], limits: ImageLimits, param: str
     )
 
 
-def low_detail(image: EncodedImage) -> Any:
-    """The picture fitted in LOW_DETAIL_SIDE x LOW_DETAIL_SIDE (aspect kept; never
-    enlarged): a PIL image, decoded for this."""
+def low_detail(picture: Any) -> Any:
+    """A PIL picture fitted in LOW_DETAIL_SIDE x LOW_DETAIL_SIDE (aspect kept; never
+    enlarged), as a copy."""
     from PIL import Image
 
-    pixels = image.rgb()
+    pixels = picture.copy()
     pixels.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE), Image.Resampling.BICUBIC)
     return pixels
 

@@ -85,16 +85,25 @@ class VisionFamily:
         self.prepared: PreparedCache[PreparedImage] = PreparedCache(lambda p: p.pixel_values.nbytes)
 
     def prepare_input(self, item: ImageInput) -> PreparedImage:
-        """`item` as this tower takes it, kept for the next request that sends it."""
-        return self.prepared.get(item.identity, lambda: self.prepare(item.image, item.detail))
+        """`item` as this tower takes it, kept for the next request that sends it. An
+        image seen for the first time is decoded once, for its digest (the key) and,
+        on a miss, its preparation."""
+        image = item.image
+        picture = None if image.digested else image.rgb()
+        return self.prepared.get(item.identity, lambda: self.prepare(image, item.detail, picture))
 
-    def prepare(self, image: EncodedImage, detail: str = "auto") -> PreparedImage:
-        """The image as this tower takes it; `detail` "low" fits it in 512 x 512 first
+    def prepare(
+        self, image: EncodedImage, detail: str = "auto", picture: Any = None
+    ) -> PreparedImage:
+        """The image as this tower takes it (`picture`: its RGB, already decoded; else
+        decoded for this, never kept); `detail` "low" fits it in 512 x 512 first
         (vision/parts.py), and is then part of its key."""
         from mlx_prefix.vision.parts import low_detail
 
         low = detail == "low"
-        pixels = low_detail(image) if low else image.rgb()  # decoded for this, not kept
+        pixels = picture if picture is not None else image.rgb()
+        if low:
+            pixels = low_detail(pixels)
         return self._prepare(pixels, image.digest, self.processing + (";detail=low" if low else ""))
 
     def _prepare(self, pixels: Any, digest: str, processing: str) -> PreparedImage:
