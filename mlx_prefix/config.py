@@ -250,20 +250,26 @@ def check_kv_quant(bits: int | None, group_size: int, start: int) -> None:
 
 
 FOREVER = float("inf")
+# Go's time.Duration (int64 nanoseconds) ends here, about 292 years: Ollama's keep-alive
+# for good is that maximum (its /api/ps shows it as an expiry in 2318), and a longer one
+# cannot be a Go duration at all. At or past it a keep-alive is FOREVER here, which also
+# keeps "now + keep-alive" a date /api/ps can write.
+MAX_DURATION_S = (2**63 - 1) / 1e9
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
                    "h": 3600.0, "d": 86400.0}  # fmt: skip
 
 
 def parse_duration(value: str | int | float) -> float:
     """A keep-alive as Ollama writes it (a Go duration) -> seconds: '5m', '1h30m', '90s',
-    '250ms', or a number of seconds; a negative one (or 'forever') is `FOREVER`; 0 is
-    "at once". ValueError otherwise."""
+    '250ms', or a number of seconds; a negative one (or 'forever'), or one of Go's
+    maximum duration or more (MAX_DURATION_S), is `FOREVER`; 0 is "at once". ValueError
+    otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"not a duration: {value!r}")
     if isinstance(value, (int, float)):
         if value != value:  # nan
             raise ValueError("not a duration: nan")
-        return FOREVER if value < 0 else float(value)
+        return FOREVER if value < 0 or value >= MAX_DURATION_S else float(value)
     text = value.strip().lower()
     if text in ("forever", "inf", "never"):
         return FOREVER
@@ -277,7 +283,7 @@ def parse_duration(value: str | int | float) -> float:
     if not parts or "".join(n + u for n, u in parts) != unsigned:
         raise ValueError(f"not a duration: {value!r} (e.g. 5m, 30s, 1h, -1 for forever)")
     seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
-    return FOREVER if sign < 0 else seconds
+    return FOREVER if sign < 0 or seconds >= MAX_DURATION_S else seconds
 
 
 def format_duration(seconds: float) -> str:

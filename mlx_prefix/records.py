@@ -172,4 +172,16 @@ class ErrorEvent:
     type: str = "server_error"
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+@dataclass(frozen=True, slots=True)
+class ProgressEvent:
+    """How far a request's prefill has come; sent only to a request that asked for it
+    (`generate`'s progress bar, a stream's `return_progress`), once per engine turn
+    while its prompt is prefilled, never after its first token."""
+
+    total: int  # prompt tokens
+    cached: int  # restored from the cache
+    processed: int  # in the request's cache so far, the cached ones included
+    elapsed_s: float  # since the request was submitted
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent | ProgressEvent

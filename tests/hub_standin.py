@@ -23,6 +23,7 @@ from pathlib import Path
 class Repo:
     commit: str
     files: dict[str, bytes]
+    branches: tuple[str, ...] = ("main",)  # names that resolve to `commit`
 
     @classmethod
     def from_folder(cls, folder: Path, commit: str | None = None) -> Repo:
@@ -129,7 +130,7 @@ class StandInHub:
             missing = {"X-Error-Code": "RepoNotFound"}
             self._send(h, 404, b'{"error": "Repository not found"}', missing)
             return None
-        if rev not in ("main", found.commit):
+        if rev not in (*found.branches, found.commit):
             self._send(h, 404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"})
             return None
         return found

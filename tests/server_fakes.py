@@ -50,6 +50,10 @@ from mlx_prefix.records import (
 _NO_PREFERENCE = CachePreference()
 MODEL_KEY = "fake-model-key"  # the fake's cache key; entries are keyed as the engine's are
 DEFAULT_REPLY = "Hello from the fake engine, one word at a time."
+# How long a live server may take to start or stop before the test calls it hung: a
+# deadline, never a measurement (a loaded machine may take seconds where an idle one
+# takes ms; an app's startup may load a model).
+HANG_S = 120.0
 _DIRECTIVE = re.compile(r"\[\[(reply|delay|hang|fail_after|busy|crash|think)(?::(.*?))?\]\]", re.S)
 
 
@@ -239,7 +243,10 @@ class FakeEngine:
         request_id: str | None = None,
         *,
         fit_reply: bool = False,
+        progress: bool = False,
     ) -> FakeHandle:
+        if progress:
+            raise InvalidRequest("the fake engine sends no progress", param="return_progress")
         if self._closed:
             raise EngineBusy("the engine is shutting down")
         if (prompt.messages is None) == (prompt.text is None):
@@ -536,6 +543,7 @@ class LiveServer:
         self.port = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -548,6 +556,7 @@ class LiveServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
+        self._sock = sock
         config = uvicorn.Config(
             self.app,
             log_config=None,
@@ -560,18 +569,30 @@ class LiveServer:
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
         )
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        # Started: the app's startup ran and the socket accepts. The deadline is for a
+        # hang only (a loaded machine takes seconds where an idle one takes ms); a
+        # server that died in its startup says so at once.
+        if not wait_until(lambda: self._server.started or not self._thread.is_alive(), HANG_S):
+            self._stop()
+            raise RuntimeError(f"uvicorn did not start within {HANG_S:.0f} s")
+        if not self._server.started:
+            self._stop()
+            raise RuntimeError("uvicorn stopped during its startup (see its log)")
         return self
 
     def __exit__(self, *exc: object) -> None:
+        assert self._stop(), f"uvicorn did not stop within {HANG_S:.0f} s"
+
+    def _stop(self) -> bool:
+        """Ask the server to exit and wait for its thread: whether it ended."""
         assert self._server is not None and self._thread is not None
         self._server.should_exit = True
-        self._thread.join(10)
-        assert not self._thread.is_alive(), "uvicorn did not stop"
+        self._thread.join(HANG_S)
+        if self._thread.is_alive():
+            return False
+        if self._sock is not None:
+            self._sock.close()  # uvicorn leaves it open when its startup failed
+        return True
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:

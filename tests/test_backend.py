@@ -1,6 +1,8 @@
 """MLX's backend, chosen at install time (mlx_prefix/backend.py) and named at startup
-(platform.startup_line), tested without a GPU: a fake `nvidia-smi` on PATH, the
-environment variable, and the device kind."""
+(platform.startup_line), tested without a GPU: a fake `nvidia-smi` on a PATH of the
+test's own (only `sh` and `cat` besides, so a real `nvidia-smi`, as on a CUDA CI host,
+never answers instead and every test runs there too), the environment variable, and the
+device kind."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from mlx_prefix.backend import BACKEND_ENV, BackendChoice, choose, mlx_requireme
 from mlx_prefix.models.load import choose_dtype
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEM_PATH = "/usr/bin:/bin"  # sh, cat: what the fake nvidia-smi needs
 H100 = """\
 +-----------------------------------------------------------------------------------------+
 | NVIDIA-SMI 580.82.07              Driver Version: 580.82.07      CUDA Version: {cuda}     |
@@ -37,16 +38,26 @@ def fake_smi(folder: Path, cuda: str = "13.0", code: int = 0) -> Path:
 
 
 @pytest.fixture
-def path_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """Put a folder first on PATH, with nothing else that could answer as nvidia-smi."""
+def tools(tmp_path: Path) -> Path:
+    """A folder holding only what the fake nvidia-smi runs (`sh`, `cat`), linked from the
+    system: the rest of the PATH the tests give, where no real nvidia-smi can be."""
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    for name in ("sh", "cat"):
+        found = shutil.which(name)
+        assert found is not None, f"no {name} on this system"
+        (folder / name).symlink_to(found)
+    return folder
+
+
+@pytest.fixture
+def path_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tools: Path):
+    """PATH as a folder (None: one with no nvidia-smi) and `tools`, nothing else."""
     bare = tmp_path / "bin"
     bare.mkdir()
 
-    if shutil.which("nvidia-smi", path=SYSTEM_PATH):
-        pytest.skip("a real nvidia-smi answers here")
-
     def use(folder: Path | None) -> None:
-        monkeypatch.setenv("PATH", os.pathsep.join([str(folder or bare), SYSTEM_PATH]))
+        monkeypatch.setenv("PATH", os.pathsep.join([str(folder or bare), str(tools)]))
         monkeypatch.delenv(BACKEND_ENV, raising=False)
 
     return use
@@ -108,9 +119,9 @@ def test_another_backend_installed_is_removed_first(monkeypatch: pytest.MonkeyPa
     assert stale(BackendChoice("cuda", "")) == []
 
 
-def _module(args: list[str], path: Path) -> str:
+def _module(args: list[str], path: Path, tools: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k != BACKEND_ENV}
-    env["PATH"] = os.pathsep.join([str(path), SYSTEM_PATH])
+    env["PATH"] = os.pathsep.join([str(path), str(tools)])
     command = [sys.executable, "-m", "mlx_prefix.backend", *args]
     out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -118,20 +129,18 @@ def _module(args: list[str], path: Path) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux backends")
-def test_the_command_the_makefile_runs(tmp_path: Path):
-    if shutil.which("nvidia-smi", path=SYSTEM_PATH):
-        pytest.skip("a real nvidia-smi answers here")
-    assert _module([], fake_smi(tmp_path / "gpu")) == "cuda"
-    assert _module(["--why"], fake_smi(tmp_path / "gpu")).startswith("MLX backend: cuda (")
+def test_the_command_the_makefile_runs(tmp_path: Path, tools: Path):
+    assert _module([], fake_smi(tmp_path / "gpu"), tools) == "cuda"
+    why = _module(["--why"], fake_smi(tmp_path / "gpu"), tools)
+    assert why.startswith("MLX backend: cuda (")
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert _module([], empty) == "cpu"
+    assert _module([], empty, tools) == "cpu"
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_installs_the_chosen_extra(tmp_path: Path):
-    if shutil.which("nvidia-smi", path=SYSTEM_PATH):
-        pytest.skip("a real nvidia-smi answers here")
+    # The fake comes first on PATH: a real nvidia-smi after it never answers.
     env = {k: v for k, v in os.environ.items() if k not in (BACKEND_ENV, "MAKEFLAGS")}
     env["PATH"] = os.pathsep.join([str(fake_smi(tmp_path / "gpu")), os.environ["PATH"]])
 

@@ -1,7 +1,9 @@
 """A snapshot's KV as a chain of pieces (cache/chain.py): a turn holds only what it adds,
 a restore assembles the pieces with one copy and writes in place, pieces are never
 written (invariant 2), and the store counts a shared piece once and never frees what an
-entry or a running request still holds (invariant 6)."""
+entry or a running request still holds (invariant 6); with a real model, evicting the
+middle of three chained entries frees only its own state, and the ends left restore to
+what a cold prefill computes, bit for bit."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from mlx_prefix.cache.layers import kind_of
 from mlx_prefix.cache.layers.base import stashed
 from mlx_prefix.cache.snapshot import Snapshot, capture, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.cache.types import EvictOutcome
 
 H, D = 2, 32  # kv heads, head dim
 TOKEN = 2 * H * D * 4  # bytes of one token's K and V, one layer, float32
@@ -255,3 +258,115 @@ def test_a_chain_is_saved_whole_and_loads_as_one_piece_later_turns_chain_onto(tm
     nxt = capture(a, 42, loaded.chain)
     assert nxt.chain.pieces[0].buffer == loaded.chain.pieces[0].buffer
     assert [(p.start, p.end) for p in nxt.chain.pieces] == [(0, 40), (40, 42)]
+
+
+GRID = 16  # the chunk grid of the model tests below: every checkpoint lies on it
+
+
+def _prefill(model, cache: list, tokens: list[int], start: int) -> dict[int, mx.array]:
+    """Compute `tokens[start:]` into `cache` on the grid: each chunk's last logits."""
+    out = {}
+    ends = [*range(start - start % GRID + GRID, len(tokens), GRID), len(tokens)]
+    for end in ends:
+        out[end] = model(mx.array(tokens[start:end])[None], cache=cache)[:, -1, :]
+        mx.eval(out[end])
+        start = end
+    return out
+
+
+def _greedy(model, cache: list, logits: mx.array, n: int = 4) -> list[mx.array]:
+    """`n` greedy decode steps from `logits`: the logits of each."""
+    out = [logits]
+    for _ in range(n):
+        token = mx.argmax(out[-1], axis=-1)[:, None]
+        out.append(model(token, cache=cache)[:, -1, :])
+        mx.eval(out[-1])
+    return out
+
+
+def _computes_as_cold(model, snap: Snapshot, trim: int, tokens: list[int]) -> None:
+    """A cache restored from `snap` (less `trim` tokens) computes the rest of `tokens`
+    and four greedy steps exactly as a cold prefill of `tokens` on the same grid."""
+    start = snap.length - trim
+    warm = restore(snap, trim=trim, extend=GRID - start % GRID)
+    warm_logits = _prefill(model, warm, tokens, start)
+    cold = model.make_cache()
+    cold_logits = _prefill(model, cold, tokens, 0)
+    for end, logits in warm_logits.items():
+        assert mx.array_equal(logits, cold_logits[end]), f"chunk ending at {end}"
+    n = len(tokens)
+    warm_steps = _greedy(model, warm, warm_logits[n])
+    cold_steps = _greedy(model, cold, cold_logits[n])
+    assert all(mx.array_equal(a, b) for a, b in zip(warm_steps, cold_steps, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_evicting_the_middle_of_three_links_frees_its_own_state_and_both_ends_stay_exact(kind):
+    """Three entries of one conversation, each restored from the one before and
+    continuing its chain, on a real model: the middle one evicted, its piece stays (the
+    third holds it) and only its own state is freed (none for a dense model, its
+    recurrent state for a hybrid); the first and the third still restore and compute
+    what a cold prefill computes, bit for bit, and a prompt that followed the middle
+    one's path restores from what is left."""
+    from conftest import loaded_test_model
+
+    from mlx_prefix.config import CacheConfig
+    from mlx_prefix.engine.parts import new_store
+
+    loaded = loaded_test_model(kind)
+    model = loaded.model
+    text = "The river bends north at the old mill, then east past the lamp. " * 8
+    tokens = loaded.tokenizer.encode(text)[:100]
+    assert len(tokens) == 100
+    ends = (32, 64, 96)  # the three links, on the grid
+    cache = model.make_cache()
+    _prefill(model, cache, tokens[: ends[0]], 0)
+    snaps = [capture(cache, ends[0])]
+    for end in ends[1:]:
+        prev = snaps[-1]
+        cache = restore(prev, extend=GRID)
+        _prefill(model, cache, tokens[:end], prev.length)
+        snaps.append(capture(cache, end, prev.chain))
+    first, middle, third = snaps
+    assert [(p.start, p.end) for p in third.chain.pieces] == [(0, 32), (32, 64), (64, 96)]
+    assert third.chain.pieces[:2] == middle.chain.pieces
+    own = [s.nbytes - s.chain.nbytes for s in snaps]  # each one's state besides its KV
+    assert (own[0] > 0) == (kind == "qwen3_5")
+
+    store = new_store(CacheConfig(budget_bytes=1 << 30))
+    kinds = (CheckpointKind.SYSTEM, CheckpointKind.BREAKPOINT, CheckpointKind.LAST_MESSAGE)
+    for s, k in zip(snaps, kinds, strict=True):  # kinds that keep a dense model's prefixes
+        assert store.insert("m", tokens[: s.length], s, k)
+    assert store.stats().bytes == third.nbytes + own[0] + own[1]
+    ids = {e.tokens: e.entry_id for e in store.entries()}
+    assert store.evict_entry("m", ids[64]) == EvictOutcome.EVICTED
+
+    # The bytes: what the middle held alone (its state) is freed, its piece is not.
+    stats = store.stats()
+    assert (stats.entries, stats.bytes) == (2, third.nbytes + own[0])
+    assert stats.bytes_by_kind["SYSTEM"] == first.nbytes
+    assert stats.bytes_by_kind["LAST_MESSAGE"] == third.nbytes - first.chain.nbytes
+    assert stats.bytes_by_kind["BREAKPOINT"] == 0
+    info = {e.tokens: e for e in store.entries()}
+    assert info[32].shared_bytes == info[96].shared_bytes == first.chain.nbytes
+    resident = store._contents.table.resident
+    assert resident.holders(middle.chain.pieces[1].buffer.key) == {ids[96]}
+    assert resident.total == stats.bytes
+    store.check_integrity()
+
+    # Both ends restore exactly.
+    whole = tokens + loaded.tokenizer.encode(" And the lamp?")
+    match = store.match("m", whole, lambda n: n - n % GRID)
+    assert (match.entry_id, match.reuse_tokens) == (ids[96], 96)
+    _computes_as_cold(model, store.acquire(match.entry_id), match.trim, whole)
+    store.release(match.entry_id)
+    _computes_as_cold(model, store.get("m", tokens[:32]), 0, whole)
+    # A prompt that left at the middle's end: a hybrid now restores from the first (it
+    # reused the middle before), a dense model from the third cut back to there.
+    other = tokens[:64] + loaded.tokenizer.encode(" Where is the mill?") * 2
+    match = store.match("m", other, lambda n: n - n % GRID)
+    expected = (ids[32], 32) if kind == "qwen3_5" else (ids[96], 64)
+    assert (match.entry_id, match.reuse_tokens) == expected
+    _computes_as_cold(model, store.acquire(match.entry_id), match.trim, other)
+    store.release(match.entry_id)
+    store.check_integrity()

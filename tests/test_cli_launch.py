@@ -1,5 +1,6 @@
 """`mlx-prefix launch AGENT`: every agent's settings derived from the served model's
-context (cli/agents.py), `--print-env`, a server started and stopped by launch, and each
+context (cli/agents.py), `--print-env`, a server started (on a port it binds itself) and
+stopped by launch, the API key kept off every command line, and each
 agent `make test-deps` installs run twice through launch against a real engine, the
 second run reading >= 95% of its prompt from the cache, with no agent setting written by
 hand: only launch's.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -109,39 +109,78 @@ def test_print_env_for_a_model_the_server_loads_on_demand(tmp_path):
     assert unknown.returncode == 1 and "does not serve '/no/such'" in unknown.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+KEY = "sk-launch-7f3a9c"  # the server's --api-key: it must never be on a command line
+# A stand-in agent: asks the server with the key it was given, says what it got and which
+# command lines `ps` shows holding the key, exits 3.
+STAND_IN = """#!{python}
+import json, os, subprocess, sys, urllib.request
+env = dict(os.environ)
+models = None
+if env.get("OPENAI_BASE_URL"):
+    ask = urllib.request.Request(env["OPENAI_BASE_URL"] + "/models",
+                                 headers={{"Authorization": "Bearer " + env["OPENAI_API_KEY"]}})
+    models = json.load(urllib.request.urlopen(ask))
+shown = subprocess.run(["ps", "-A", "-ww", "-o", "args="], capture_output=True, text=True).stdout
+config = sys.argv[sys.argv.index("--config") + 1] if "--config" in sys.argv else None
+files = {{}}
+if config:
+    files = {{"text": open(config).read(), "mode": os.stat(config).st_mode & 0o777,
+             "folder_mode": os.stat(os.path.dirname(config)).st_mode & 0o777}}
+json.dump({{"argv": sys.argv[1:], "env": env, "models": models, "config": config,
+           "files": files, "ps": [line for line in shown.splitlines() if {key!r} in line]}},
+          open({seen!r}, "w"))
+sys.exit(3)
+"""
+
+
+def stand_in(bin_dir: Path, name: str, seen: Path) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    agent = bin_dir / name
+    agent.write_text(STAND_IN.format(python=sys.executable, key=KEY, seen=str(seen)))
+    agent.chmod(0o755)
 
 
 def test_launch_starts_a_server_runs_the_agent_returns_its_code_and_stops_it(tmp_path):
     model = scripted_model(tmp_path / "model", kind="dense")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    seen = tmp_path / "seen.json"
-    agent = bin_dir / "qwen"  # a stand-in agent: asks the server, says what it got, exits 3
-    agent.write_text(
-        f"#!{sys.executable}\nimport json, os, sys, urllib.request\n"
-        "models = json.load(urllib.request.urlopen(os.environ['OPENAI_BASE_URL'] + '/models'))\n"
-        f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ), 'models': models}}, "
-        f"open({str(seen)!r}, 'w'))\nsys.exit(3)\n"
-    )
-    agent.chmod(0o755)
-    url = f"http://127.0.0.1:{_free_port()}"
+    bin_dir, seen = tmp_path / "bin", tmp_path / "seen.json"
+    stand_in(bin_dir, "qwen", seen)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "MLX_PREFIX_HOME": str(tmp_path / "home"), "MLX_PREFIX_DISK_SCOPE": "off"}  # fmt: skip
+    env["MLX_PREFIX_SERVER_API_KEY"] = KEY  # launch's own --api-key, off its command line
+    # Port 0: the server binds a free port and launch reads it from its startup line (a
+    # port probed free first could be taken before the server binds it).
+    url = "http://127.0.0.1:0"
     done = launch("qwen", "--url", url, "--model", str(model), "--", "-p", "hi", env=env)
     assert done.returncode == 3, done.stderr
     got = json.loads(seen.read_text())
     assert got["argv"] == ["-p", "hi"]
-    assert got["models"]["data"][0]["id"] == "model"
-    assert got["env"]["OPENAI_MODEL"] == "model"
+    assert got["models"]["data"][0]["id"] == "model"  # asked with the key it was given
+    assert got["env"]["OPENAI_MODEL"] == "model" and got["env"]["OPENAI_API_KEY"] == KEY
     assert got["env"]["QWEN_CODE_MAX_OUTPUT_TOKENS"] == str(output_cap(4096))
+    # No command line held the key while the agent ran: not the agent's, not the server's.
+    assert got["ps"] == []
+    served = got["env"]["OPENAI_BASE_URL"].removesuffix("/v1")
+    assert served.startswith("http://127.0.0.1:") and not served.endswith(":0")
     with pytest.raises(httpx.ConnectError):  # launch stopped the server it started
-        httpx.get(url + "/health", timeout=5)
+        httpx.get(served + "/health", timeout=5)
     log = (tmp_path / "home" / "launch" / "server" / "serve.log").read_text()
-    assert "serving model on" in log
+    assert "serving model on" in log and KEY not in log
+
+
+def test_a_config_file_holding_the_key_is_the_users_alone_and_removed_after(tmp_path):
+    bin_dir, seen = tmp_path / "bin", tmp_path / "seen.json"
+    stand_in(bin_dir, "cn", seen)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "MLX_PREFIX_HOME": str(tmp_path / "home"), "MLX_PREFIX_SERVER_API_KEY": KEY}  # fmt: skip
+    with serving(FakeEngine(FakeModel(context_length=8192)), api_key=KEY) as (url, _):
+        done = launch("continue", "--url", url, "--", "-p", "hi", env=env)
+    assert done.returncode == 3, done.stderr
+    got = json.loads(seen.read_text())
+    assert f"apiKey: {json.dumps(KEY)}" in got["files"]["text"]  # the agent got the key
+    assert got["files"]["mode"] == 0o600 and got["files"]["folder_mode"] == 0o700
+    assert KEY not in " ".join(got["argv"]) and got["ps"] == []
+    assert not Path(got["config"]).exists()  # removed once the agent exited
+    assert not Path(got["config"]).parent.exists()
 
 
 # -- each installed agent, twice through launch -------------------------------------

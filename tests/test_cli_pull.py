@@ -1,19 +1,25 @@
 """`mlx-prefix pull` against a loopback stand-in for the Hugging Face Hub (HF_ENDPOINT):
 the size said before the download, a dropped connection resumed with a Range request,
 nothing fetched twice, HF_TOKEN sent, and one clear line for a repo that is missing or
-not a model mlx-lm can load. The pulled folder serves and `ls` lists it."""
+not a model mlx-lm can load. `ls` lists the pulled model, and it serves with the network
+refused: `pull` records the branch it pulled (refs/main) as huggingface-hub does, so the
+offline cache lookups find the model by its bare repo id."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from hub_standin import Repo, StandInHub
+from served_process import StderrReader
 
+from mlx_prefix.models.resolve import find_local_model
 from mlx_prefix.models.testing import cached_test_model
 
 WEIGHTS = "model.safetensors"
@@ -126,3 +132,52 @@ def test_a_repo_that_is_not_an_mlx_model_is_refused_before_its_weights(tiny, tmp
     assert line.startswith("mlx-prefix: error: 'org/other' is not a model mlx-lm can load: ")
     assert why in line
     assert all(p.endswith("/config.json") for p in fetched)  # never the weights
+
+
+def test_a_pulled_model_serves_with_the_network_refused(tiny, tmp_path, monkeypatch):
+    with StandInHub({"org/tiny": tiny}) as hub:
+        done = pull(hub, tmp_path, "pull", "-q", "org/tiny")
+    assert done.returncode == 0, done.stderr
+    cache = tmp_path / "hf" / "hub"
+    folder = snapshot(tmp_path, "org/tiny", tiny.commit)
+    assert (folder.parent.parent / "refs" / "main").read_text() == tiny.commit
+    # The operator's lookups (--allowed-models, models.toml, launch) read the cache only.
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    found = find_local_model("org/tiny")
+    assert found is not None and found.path == folder
+    # `serve --model org/tiny` offline, the stand-in gone: the pulled folder answers.
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "HF_ENDPOINT": hub.url, "MLX_PREFIX_HOME": str(tmp_path / "mlx-prefix")}  # fmt: skip
+    cmd = [sys.executable, "-m", "mlx_prefix", "serve", "--model", "org/tiny", "--port", "0",
+           "--disk-cache", "off", "--no-prefetch"]  # fmt: skip
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        try:
+            err = StderrReader(proc)
+            url = f"http://127.0.0.1:{err.port(timeout=300)}"
+            body = {"model": "org/tiny", "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4, "temperature": 0}  # fmt: skip
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            models = httpx.get(url + "/v1/models", timeout=30).json()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert r.status_code == 200, r.text + err.text()[-2000:]
+    assert r.json()["usage"]["completion_tokens"] > 0
+    assert models["data"][0]["id"] == "org/tiny"
+
+
+def test_a_pull_of_a_branch_downloads_the_commit_it_checked(tiny, tmp_path):
+    repo = Repo(tiny.commit, tiny.files, branches=("main", "dev"))
+    with StandInHub({"org/tiny": repo}) as hub:
+        done = pull(hub, tmp_path, "pull", "-q", "org/tiny@dev")
+    assert done.returncode == 0, done.stderr
+    # The branch was resolved once (the plan's look); every later request names the
+    # commit, so what was checked is what came, even had the branch moved meanwhile.
+    named = [s.path for s in hub.seen if "/dev" in s.path]
+    assert named == ["/api/models/org/tiny/revision/dev"]
+    assert all(f"/resolve/{tiny.commit}/" in s.path for s in hub.seen if "/resolve/" in s.path)
+    refs = snapshot(tmp_path, "org/tiny", tiny.commit).parent.parent / "refs"
+    assert (refs / "dev").read_text() == tiny.commit

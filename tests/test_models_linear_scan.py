@@ -7,6 +7,7 @@ a miss computes, bit for bit, with every chunk of the grid through the scan."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import mlx.core as mx
 import pytest
@@ -66,22 +67,38 @@ def test_the_scan_computes_the_loops_recurrence(tokens):
     assert mx.allclose(s_scan, s_loop, atol=1e-4).item()
 
 
-def test_a_hit_computes_what_a_miss_computes_with_the_scan(make_engine, monkeypatch):
+@pytest.fixture
+def scan_calls(monkeypatch):
+    """The token counts of every call of mlx-vlm's chunked scan, the function the
+    prefill's update runs (a spy wrapped around it, swapped in by a fresh `install`;
+    the modules and the update are put back afterwards)."""
+    import mlx_vlm.models.qwen3_5.gated_delta as vlm_gated
+
+    loaded_test_model("qwen3_5")  # its modules are imported and the scan installed
+    calls: list[int] = []
+    scan = vlm_gated.gated_delta_chunked
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return scan(q, *args, **kwargs)
+
+    monkeypatch.setattr(vlm_gated, "gated_delta_chunked", spy)
+    monkeypatch.setattr(linear_scan, "_chunked", None)  # built again, around the spy
+    for name, module in list(sys.modules.items()):
+        update = getattr(module, "gated_delta_update", None)
+        if name.startswith("mlx_lm.models.") and getattr(update, "chunked", False):
+            monkeypatch.setattr(module, "gated_delta_update", mlx_lm_gated.gated_delta_update)
+    assert linear_scan.install()
+    return calls
+
+
+def test_a_hit_computes_what_a_miss_computes_with_the_scan(make_engine, scan_calls):
     engine = make_engine("qwen3_5", cache_config=SCANNED)
-    scanned = []
-    update = qwen3_5_update()
-
-    def counted(q, *args, **kwargs):
-        scanned.append(q.shape[1] >= linear_scan.MIN_TOKENS)
-        return update(q, *args, **kwargs)
-
-    import mlx_lm.models.qwen3_5 as qwen3_5
-
-    monkeypatch.setattr(qwen3_5, "gated_delta_update", counted)
     system = ("system", "You answer from the river atlas. " * 60)
     first = chat(system, ("user", "Where does the river bend? " * 12))
     warm_equals_cold(engine, first)
-    assert any(scanned), "no chunk went through the scan"
+    assert scan_calls, "no chunk went through the scan"
+    assert all(n >= linear_scan.MIN_TOKENS for n in scan_calls)
     second = chat(system, ("user", "Where does the river bend? " * 12), ("assistant", "North."),
                   ("user", "And the lamp? " * 20))  # fmt: skip
     result = warm_equals_cold(engine, second)

@@ -1,7 +1,9 @@
 """Idle unload (server/served/idle.py): a model idle past its keep-alive is unloaded and
 the next request loads it again with the same answer; a pinned one, the --model one by
 default, and one a request is using are not. The policy is checked on fakes with a clock
-the test moves; the live part on real tiny models, polled with a deadline."""
+the test moves, handed to the pool (its `clock`; the unloader reads the pool's): never by
+patching `time.monotonic`, which is asyncio's clock too; the live part on real tiny
+models, polled with a deadline."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from mlx_prefix.models.testing import make_test_model
 from mlx_prefix.server.served.idle import IdleUnloader
 from mlx_prefix.server.served.names import ModelSpec
 from mlx_prefix.server.served.pool import ModelPool
+from mlx_prefix.server.served.status import model_statuses
 
 
 class Clock:
@@ -61,12 +64,12 @@ async def use(pool: ModelPool, name: str) -> None:
     lease.release()
 
 
-def test_keep_alive_policy_with_a_clock_the_test_moves(tmp_path, monkeypatch):
+def test_keep_alive_policy_with_a_clock_the_test_moves(tmp_path):
     clock = Clock()
-    monkeypatch.setattr("mlx_prefix.server.served.pool.time.monotonic", clock)
     c = str(tmp_path / "c")
-    pool, loaded = fake_pool(tmp_path, f'[models."{c}"]\npinned = true\n', keep_alive_s=60)
-    unloader = IdleUnloader(pool, clock)
+    pinned = f'[models."{c}"]\npinned = true\n'
+    pool, loaded = fake_pool(tmp_path, pinned, keep_alive_s=60, clock=clock)
+    unloader = IdleUnloader(pool)
 
     async def scenario() -> None:
         await use(pool, str(tmp_path / "b"))
@@ -95,11 +98,10 @@ def test_keep_alive_policy_with_a_clock_the_test_moves(tmp_path, monkeypatch):
     assert pool.unloads == 3  # b twice, the default once
 
 
-def test_a_model_in_use_is_never_unloaded(tmp_path, monkeypatch):
+def test_a_model_in_use_is_never_unloaded(tmp_path):
     clock = Clock()
-    monkeypatch.setattr("mlx_prefix.server.served.pool.time.monotonic", clock)
-    pool, _ = fake_pool(tmp_path, keep_alive_s=5)
-    unloader = IdleUnloader(pool, clock)
+    pool, _ = fake_pool(tmp_path, keep_alive_s=5, clock=clock)
+    unloader = IdleUnloader(pool)
     b = str(tmp_path / "b")
 
     async def scenario() -> None:
@@ -107,7 +109,12 @@ def test_a_model_in_use_is_never_unloaded(tmp_path, monkeypatch):
         clock.now += 100
         assert await unloader.check() == []
         lease.release()
+        # asyncio's own clock still runs (a patched time.monotonic froze it: this slept
+        # for ever), and /v1/ps reads the idle time off the pool's clock.
+        await asyncio.wait_for(asyncio.sleep(0.01), timeout=60)
         clock.now += 4  # idle time counts from the last check that saw it in use
+        [row] = [r for r in model_statuses(pool, unloader, {}) if r.id == b]
+        assert row.idle_s == 4 and row.unloads_in_s == 1
         assert await unloader.check() == []
         clock.now += 1
         assert await unloader.check() == [b]

@@ -364,7 +364,10 @@ def test_requests_show_in_metrics_and_the_dashboards_recent_list(url, client):
     ("value", "seconds"),
     [("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), (10, 10.0), ("0", 0.0), (0, 0.0),
      ("-1", FOREVER), (-1, FOREVER), ("-1m", FOREVER), ("300", 300.0), ("+90s", 90.0),
-     ("1.5h", 5400.0), ("500us", 0.0005)],
+     ("1.5h", 5400.0), ("500us", 0.0005),
+     # Go's longest duration (~292 years) and past it: for good, as Ollama keeps it.
+     (1e12, FOREVER), ("1e12", FOREVER), (2**63 // 10**9 + 1, FOREVER), ("3000000h", FOREVER),
+     (1e300, FOREVER), (9e9, 9e9), ("2000000h", 7.2e9)],
 )  # fmt: skip
 def test_keep_alive_reads_seconds_and_go_durations(value, seconds):
     assert parse_keep_alive(value) == seconds

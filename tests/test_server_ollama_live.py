@@ -1,7 +1,8 @@
 """Ollama's API over the real engine, driven by the official `ollama` Python package:
 chat and generate (whole and streamed), a second request served from the cache and
 answering as a cold run, tools, thinking, a format schema, embed, list, show and ps,
-and keep_alive on a pool that loads models on demand.
+and keep_alive on a pool that loads models on demand (an unload of a model not loaded
+loads nothing; a keep_alive past Go's longest duration is for good, and /api/ps lists it).
 
 A random model never writes a tool call or its reasoning, so those replies are scripted
 at the sampler (a request with a SCRIPTS seed samples the script's tokens, then EOS), as
@@ -21,6 +22,7 @@ from pool_server import pool_server
 from server_fakes import LiveServer, serving, wait_until
 from test_engine_structured import PERSON, check_person
 
+from mlx_prefix.config import FOREVER
 from mlx_prefix.embeddings.model import load_embedding_model
 from mlx_prefix.embeddings.testing import make_embedding_test_model
 from mlx_prefix.embeddings.worker import EmbeddingWorker
@@ -42,6 +44,9 @@ SCRIPTS = {
 
 def ask(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+CHAT_A = {"model": "tiny-a", "messages": ask("Hi"), "options": GREEDY, "stream": False}
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +200,46 @@ def test_keep_alive_is_refused_where_the_model_cannot_be_loaded_back():
     with serving() as (url, _):
         r = httpx.post(url + "/api/chat", json={"model": "m", "messages": [], "keep_alive": "5m"})
     assert r.status_code == 400 and "keep_alive" in r.json()["error"]
+
+
+def test_an_unload_of_a_model_not_loaded_loads_nothing_and_evicts_nothing(tmp_path):
+    a = make_test_model("dense", tmp_path / "tiny-a")
+    b = str(make_test_model("dense", tmp_path / "tiny-b", seed=1))
+    with pool_server(a, allowed_models=(b,), max_models=1) as (url, pool):
+        before = httpx.post(url + "/api/chat", json=CHAT_A, timeout=120)
+        assert before.status_code == 200, before.text
+        generate = httpx.post(url + "/api/generate", json={"model": b, "keep_alive": 0})
+        chat = httpx.post(url + "/api/chat", json={"model": b, "messages": [], "keep_alive": 0})
+        assert [s.spec.id for s in pool.slots()] == ["tiny-a"]  # the serving model stayed
+        assert pool.loads == 0 and pool.unloads == 0
+        after = httpx.post(url + "/api/chat", json=CHAT_A, timeout=120)
+    # Ollama's answers to an unload (docs/api.md): no load, no counts.
+    listed = f"{b}:latest"
+    assert generate.status_code == 200, generate.text
+    g = generate.json()
+    assert set(g) == {"model", "created_at", "response", "done", "done_reason"}
+    assert (g["model"], g["response"], g["done"], g["done_reason"]) == (listed, "", True, "unload")
+    assert chat.status_code == 200, chat.text
+    c = chat.json()
+    assert set(c) == {"model", "created_at", "message", "done", "done_reason"}
+    assert c["message"] == {"role": "assistant", "content": ""}
+    assert (c["model"], c["done"], c["done_reason"]) == (listed, True, "unload")
+    assert after.json()["message"] == before.json()["message"]
+
+
+def test_a_huge_keep_alive_is_for_good_and_ps_always_answers(tmp_path):
+    folder = make_test_model("dense", tmp_path / "tiny-a")
+    with pool_server(folder) as (url, pool), ollama.Client(host=url) as c:
+        c.chat(model="tiny-a", messages=ask("Hi"), options=GREEDY, keep_alive=1e12)
+        [slot] = pool.slots()
+        assert slot.keep_alive_s == FOREVER  # past Go's longest duration: for good
+        listed = httpx.get(url + "/api/ps")
+        # A keep-alive no request can send (a library caller's) still lists.
+        slot.keep_alive_s = 1e300
+        again = httpx.get(url + "/api/ps")
+        status = httpx.get(url + "/v1/ps")
+    for r in (listed, again):
+        assert r.status_code == 200, r.text
+        [row] = r.json()["models"]
+        assert row["expires_at"].startswith("2318-") and row["name"] == "tiny-a:latest"
+    assert status.status_code == 200

@@ -1,7 +1,9 @@
 """Image URLs (vision/fetch.py): refused by default with nothing fetched; with the flag,
-fetched only from public addresses, pinned to the address checked, bounded in size and
-time, redirects not followed. A loopback server stands in for the public host: the
-connection is handed to it only after the checks, with the checked address recorded."""
+fetched only from public addresses (an IPv6 address embedding a private IPv4 is not
+public), pinned to the address checked, bounded in size and time, redirects not followed.
+A loopback server stands in for the public host: the socket is handed to it only after
+the checks, with the checked address recorded. The pinned connection itself, the
+whole-fetch deadline and the bound on concurrent fetches are in test_vision_fetch_limits.py."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     monkeypatch.setattr(http.client.HTTPConnection, "connect", refuse)
+    monkeypatch.setattr(fetch, "_open_socket", refuse)
 
 
 def test_urls_are_refused_without_the_flag(no_network):
@@ -39,14 +42,32 @@ def test_urls_are_refused_without_the_flag(no_network):
     assert e.value.param == "messages[0].content[0]" and e.value.code == "image_url_not_allowed"
 
 
+# IPv6 addresses that reach an IPv4 one: IPv4-mapped, 6to4 (2002::/16), NAT64 (64:ff9b::/96).
+PRIVATE_EMBEDDED = [
+    "::ffff:10.0.0.1", "2002:a00:1::1", "2002:7f00:1::1", "2002:a9fe:a9fe::1",
+    "2002:c0a8:1::", "64:ff9b::a00:1", "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe",
+    "64:ff9b:1::5db8:d70e",  # local-use NAT64: where it puts the IPv4 is the network's choice
+    "2001:0:5db8:d70e:0:f227:f5ff:fefe",  # Teredo (here to client 10.0.1.1)
+    "2001:0:5db8:d70e:0:f227:a2ff:fffe",  # Teredo is never global, whatever it embeds
+]  # fmt: skip
+PUBLIC_EMBEDDED = ["::ffff:93.184.215.14", "2002:5db8:d70e::1", "64:ff9b::5db8:d70e"]
+
+
 @pytest.mark.parametrize(
     "address",
     ["127.0.0.1", "10.1.2.3", "192.168.0.9", "172.16.5.5", "169.254.169.254", "100.64.0.1",
-     "0.0.0.0", "224.0.0.1", "::1", "fc00::1", "fe80::1", "::ffff:127.0.0.1"],
+     "0.0.0.0", "224.0.0.1", "::1", "fc00::1", "fe80::1", "::ffff:127.0.0.1", "::a00:1",
+     *PRIVATE_EMBEDDED],
 )  # fmt: skip
 def test_non_public_addresses_are_refused_before_connecting(no_network, address):
+    assert not fetch.public_address(address)
     with pytest.raises(InvalidRequest, match="non-public"):
         fetch.fetch_image("http://host.test/x.png", ALLOW, "p", resolve=lambda h, p: [address])
+
+
+@pytest.mark.parametrize("address", [PUBLIC, "2606:4700::1111", *PUBLIC_EMBEDDED])
+def test_public_addresses_and_public_ipv4_embedded_in_ipv6_are_allowed(address):
+    assert fetch.public_address(address)
 
 
 def test_one_private_address_among_public_ones_refuses_the_host(no_network):
@@ -91,11 +112,11 @@ def stand_in(monkeypatch):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     connected = []
 
-    def connection(target, timeout):
-        connected.append(target.address)
-        return http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=timeout)
+    def open_socket(address, port, timeout):
+        connected.append(address)
+        return socket.create_connection(("127.0.0.1", server.server_address[1]), timeout)
 
-    monkeypatch.setattr(fetch, "_connection", connection)
+    monkeypatch.setattr(fetch, "_open_socket", open_socket)
     yield server, connected
     server.shutdown()
     server.server_close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 from vision_models import encoded, picture, vision_model_folder
 
 from mlx_prefix.cache.snapshot import capture, restore
@@ -181,7 +181,14 @@ def test_a_batched_decode_step_rotates_each_row_at_its_own_delta(qwen):
     with rope.positions(decode_positions([-3, 0])):
         both = layer.rope(x, offset=batch.offset)
     assert mx.allclose(both, mx.concatenate(alone), atol=1e-6)
-    assert isinstance(KVCache(), KVCache)
+    # Each row turned at its offset plus its own delta: row 0 as the layer's own RoPE
+    # turns position 7 - 3, not 7 (a shift ignored, or one row's used for both, fails).
+    assert isinstance(layer.rope, rope.PositionedRoPE)
+    inner = layer.rope.rope
+    assert mx.allclose(alone[0], inner(x[0:1], offset=4), atol=1e-6)
+    assert not mx.allclose(alone[0], inner(x[0:1], offset=7), atol=1e-3)
+    assert mx.allclose(both[1:], inner(x[1:2], offset=5), atol=1e-6)
+    assert not mx.allclose(both[1:], inner(x[1:2], offset=2), atol=1e-3)
 
 
 def test_gemma_images_attend_both_ways_and_text_before_them_is_unchanged():

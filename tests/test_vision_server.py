@@ -1,9 +1,11 @@
 """Images over HTTP with the official SDKs: OpenAI chat `image_url` parts, Responses
 `input_image`, Anthropic `image` blocks (also inside a tool_result, as Claude Code's Read
-tool sends a screenshot), streamed and not, on a tiny Qwen3.5 vision model; the second
-request reads the image from the cache and answers as the first. Refusals: a text-only
-model, URLs without the flag (nothing fetched), bad base64, a bomb; each a 400 in the
-API's own shape, and the server goes on serving."""
+tool sends a screenshot), streamed and not, on a tiny Qwen3.5 vision model; the first
+request of each test runs cold (the cache flushed: the module's server is shared), and
+the second reads the whole prompt, image included, from the cache and answers as the
+cold one did, greedy. Refusals: a text-only model, URLs without the flag (nothing
+fetched), bad base64, a bomb; each a 400 in the API's own shape, and the server goes on
+serving."""
 
 from __future__ import annotations
 
@@ -39,6 +41,20 @@ READ = {
     "description": "Read a file.",
     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
 }
+# A hit that read the image: at most the generation prompt's few tokens left to compute
+# (test_vision_urls.py's bound), where the system prompt alone leaves the image and more.
+LEFT = 8
+
+
+def flush(url: str) -> None:
+    """Empty the shared server's cache: the test's next request runs cold."""
+    assert httpx.delete(f"{url}/v1/cache", timeout=60).status_code == 200
+
+
+def image_span(engine: Engine, messages: list[dict]) -> tuple[int, int]:
+    """Where the one image of `messages` stands in its prompt's tokens."""
+    [span] = engine.plan(PromptInput(messages=conversation_from_dicts(messages))).vision.spans
+    return span.start, span.end
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +82,8 @@ def no_fetch(monkeypatch):
 
 
 def test_openai_chat_with_an_image_hits_the_second_time(live):
-    url, _ = live
+    url, engine = live
+    flush(url)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     messages = [
         {"role": "system", "content": SYSTEM},
@@ -87,13 +104,17 @@ def test_openai_chat_with_an_image_hits_the_second_time(live):
     )  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # the cold run
     assert text == first.choices[0].message.content
-    assert usage.prompt_tokens_details.cached_tokens > 0
     assert usage.prompt_tokens == first.usage.prompt_tokens
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached >= usage.prompt_tokens - LEFT
+    assert cached >= image_span(engine, messages)[1]  # the image's span was read
 
 
 def test_responses_input_image(live):
     url, _ = live
+    flush(url)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     item = {"role": "user", "content": [
         {"type": "input_text", "text": "Describe:"},
@@ -101,8 +122,10 @@ def test_responses_input_image(live):
     ]}  # fmt: skip
     a = client.responses.create(model="m", input=[item], max_output_tokens=6, temperature=0)
     b = client.responses.create(model="m", input=[item], max_output_tokens=6, temperature=0)
-    assert a.output_text == b.output_text
-    assert b.usage.input_tokens_details.cached_tokens > 0
+    assert a.usage.input_tokens_details.cached_tokens == 0  # the cold run
+    assert b.output_text == a.output_text
+    assert b.usage.input_tokens == a.usage.input_tokens
+    assert b.usage.input_tokens_details.cached_tokens >= b.usage.input_tokens - LEFT
 
 
 def test_a_stored_responses_turn_with_an_image_continues_by_its_id(live):
@@ -131,6 +154,7 @@ def test_a_stored_responses_turn_with_an_image_continues_by_its_id(live):
 
 def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
     url, _ = live
+    flush(url)
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
     tools = [READ]
@@ -153,11 +177,20 @@ def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
         extra_body={"temperature": 0},
     ) as stream:  # fmt: skip
         second = stream.get_final_message()
+    assert first.usage.cache_read_input_tokens == 0  # the cold run
     assert [b.model_dump() for b in second.content] == [b.model_dump() for b in first.content]
-    assert second.usage.cache_read_input_tokens > 0
-    # A user message's own image block reads the same way.
+    # Without cache_control breakpoints every token not read is plain input.
+    assert second.usage.cache_read_input_tokens > 0 and second.usage.input_tokens <= LEFT
+    # A user message's own image block reads the same way: cold, then from the cache.
     plain = [{"role": "user", "content": [image, {"type": "text", "text": "And this?"}]}]
-    assert client.messages.create(model="m", max_tokens=2, messages=plain).content
+    cold, warm = (
+        client.messages.create(
+            model="m", max_tokens=4, messages=plain, extra_body={"temperature": 0}
+        )
+        for _ in range(2)
+    )
+    assert cold.usage.cache_read_input_tokens == 0 and warm.usage.input_tokens <= LEFT
+    assert [b.model_dump() for b in warm.content] == [b.model_dump() for b in cold.content]
 
 
 def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(live):
@@ -274,19 +307,24 @@ def test_a_text_only_model_answers_400_saying_so():
 
 
 def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
+    from mlx_prefix.server.monitor.dashboard import HEAD_TOKENS
+
     url, engine = live
+    flush(url)  # the tree holds this request's entries only
     with httpx.Client(base_url=url, timeout=60) as http:
         spans = [{"role": "user", "content": [{"type": "text", "text": "Spans:"}, IMAGE_PART]}]
         body = {"model": "m", "max_tokens": 1, "messages": spans}
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200
         nodes = http.get("/v1/dashboard").json()["tree"]
-    with_images = [n for n in nodes if n["images"]]
-    assert with_images and all("[image]" in n["head"] or n["start"] > n["images"][0][0]
-                               for n in with_images)  # fmt: skip
-    for n in with_images:
-        for a, b in n["images"]:
-            assert n["start"] <= a < b <= n["tokens"]
+    # The one node that adds the image shows its span where the prompt holds it, and,
+    # the image being near its start, `[image]` in its head; no other node shows one.
+    start, end = image_span(engine, spans)
+    [node] = [n for n in nodes if n["images"]]
+    assert node["images"] == [[start, end]]
+    assert node["start"] <= start < node["start"] + HEAD_TOKENS and end <= node["tokens"]
+    assert node["head"].count("[image]") == 1
+    assert all("[image]" not in n["head"] for n in nodes if n is not node)
 
 
 def test_a_request_with_another_image_is_explained_at_the_image(live):

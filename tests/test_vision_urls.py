@@ -3,12 +3,11 @@ fetched from the address that was checked and keys as the same image sent inline
 naming loopback, a private or a link-local (cloud metadata) address is a 400 in the API's
 own shape with nothing fetched; a slow fetch holds up no other request. No network: names
 resolve through a stand-in resolver (socket.getaddrinfo), and the connection the fetch
-makes to a checked address is handed to a loopback server standing in for the host."""
+opens to a checked address is handed to a loopback server standing in for the host."""
 
 from __future__ import annotations
 
 import base64
-import http.client
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,7 +57,7 @@ def host(monkeypatch):
     server.asked, server.arrived, server.release = [], threading.Event(), threading.Event()
     server.release.set()
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    original = socket.getaddrinfo
+    original, original_connect = socket.getaddrinfo, socket.create_connection
     connected = []
 
     def resolve(name, port, *args, **kwargs):
@@ -68,13 +67,12 @@ def host(monkeypatch):
             return original(name, port, *args, **kwargs)
         raise AssertionError(f"network touched: {name}")
 
-    def connection(target, timeout):
-        connected.append(target.address)
-        port = server.server_address[1]
-        return http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    def open_socket(address, port, timeout):
+        connected.append(address)
+        return original_connect(("127.0.0.1", server.server_address[1]), timeout)
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
-    monkeypatch.setattr(fetch, "_connection", connection)
+    monkeypatch.setattr(fetch, "_open_socket", open_socket)
     yield server, connected
     server.release.set()
     server.shutdown()
@@ -164,3 +162,30 @@ def test_a_fetch_in_progress_holds_up_no_other_request(live, host):
         server.release.set()
         asking.join(300)
     assert result["r"].status_code == 200, result["r"].text
+
+
+def test_a_fetch_beyond_the_servers_bound_is_a_429_at_once(live, host, monkeypatch):
+    server, connected = host
+    monkeypatch.setattr(fetch, "_POOL", fetch.FetchPool(1))  # one fetch at a time
+    server.release.clear()
+    result = {}
+
+    def ask():
+        with httpx.Client(base_url=live, timeout=300) as client:
+            result["r"] = client.post("/v1/chat/completions", json=chat("http://img.test/a.png"))
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        assert server.arrived.wait(60)  # the one fetch is under way
+        with httpx.Client(base_url=live, timeout=30) as client:  # a deadline for a hang
+            r = client.post("/v1/chat/completions", json=chat("http://img.test/b.png"))
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["code"] == "server_busy" and "image URLs already" in error["message"]
+        assert error["param"] == "messages[1].content[1].image_url.url"
+    finally:
+        server.release.set()
+        asking.join(300)
+    assert result["r"].status_code == 200, result["r"].text
+    assert connected == [PUBLIC] and server.asked == [("img.test", "/a.png")]

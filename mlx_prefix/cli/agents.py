@@ -8,7 +8,9 @@ context (`output_cap`), never fixed: an agent's own default (OpenCode's and Qwen
 Code's 32000) plus its prompt would overflow a small model's context and be refused,
 and OpenCode then compacts in a loop (round 3). Settings go where each agent reads
 them without touching the user's own config: environment variables, command-line
-overrides, or files under $MLX_PREFIX_HOME/launch/<agent>/ passed by flag or variable.
+overrides, or files in `folder` passed by flag or variable (cli/launch.py's: private and
+removed after the run, or $MLX_PREFIX_HOME/launch/<agent>/ for --print-env). The key goes
+in a variable or a file, never in the command (`ps` shows every command line).
 Telemetry and update checks a local session has no use for are turned off.
 """
 

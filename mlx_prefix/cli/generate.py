@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="complete PROMPT as raw text, no template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no prefill progress bar (drawn on stderr only when it is a terminal)",
+    )
 
 
 def _read_messages(path: Path) -> list[dict[str, Any]]:
@@ -102,7 +109,15 @@ def _with_images(prompt: Any, files: list[Path], text: str | None) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
-    from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams, TokenEvent
+    from mlx_prefix.records import (
+        DoneEvent,
+        ProgressEvent,
+        PromptInput,
+        SamplingParams,
+        TokenEvent,
+    )
+
+    from .progress import PrefillBar, wants_bar
 
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if prompt_text is None and args.messages is None:
@@ -132,9 +147,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         disk_config=disk_config(args),
         draft=draft_from_args(args, model),
     )
-    with session:
+    show_progress = wants_bar(sys.stderr, args.quiet)
+    bar = PrefillBar(sys.stderr)
+    with session, closing(bar):
         parts = []
-        for event in session.stream(prompt, sampling):
+        for event in session.stream(prompt, sampling, progress=show_progress):
+            if isinstance(event, ProgressEvent):
+                bar.update(event)
+                continue
+            bar.close()
             if isinstance(event, TokenEvent):
                 parts.append(event.text)
                 if not args.json:

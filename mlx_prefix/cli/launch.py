@@ -3,20 +3,32 @@
 The server at the address (default http://127.0.0.1:8080, or --url) is reused when one
 answers there; otherwise `mlx-prefix serve` is started on it (with --model, the
 --max-tokens the agent's cap gives, and --serve-arg flags) and stopped when the agent
-exits. The served model's context length, from the server's /v1/models, gives the
-agent's window and reply cap (cli/agents.py); the agent's exit code is launch's.
-`--print-env` prints the settings (variables, files, command) and runs nothing.
+exits; on port 0 (`--url http://127.0.0.1:0`) the server binds a free port and launch
+reads it from the server's startup line. The served model's context length, from the
+server's /v1/models, gives the agent's window and reply cap (cli/agents.py); the agent's
+exit code is launch's. `--print-env` prints the settings (variables, files, command) and
+runs nothing.
+
+The API key never goes on a command line (`ps` shows every process's to every user):
+the server launch starts reads it from MLX_PREFIX_SERVER_API_KEY, the agent from its
+variables or from a file only the user can read (0600), in a private folder (0700)
+removed once the agent exits (under $MLX_PREFIX_HOME/launch/ for `--print-env`, whose
+command runs later).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
@@ -27,6 +39,8 @@ from .client import api_key, get_json, server_url, url_args
 
 READY_TIMEOUT_S = 1800.0  # a first run may download and convert the model
 FALLBACK_CONTEXT = 8192  # a model whose config states no context length
+# server/app.py's serving_line: the port a server started on port 0 bound
+SERVING = re.compile(r"serving .* on http://\S+:(\d+) ")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,23 +80,22 @@ def split_agent_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def cmd_launch(args: argparse.Namespace) -> int:
     agent_args = tuple(args.agent_args)
     url, key = server_url(args.url), api_key(args.api_key)
-    folder = launch_folder(args.agent)
-    models = get_json(url, "/v1/models", key)
+    # Nothing listens on port 0: it asks for a server on a free port.
+    models = None if urlsplit(url).port == 0 else get_json(url, "/v1/models", key)
     server: subprocess.Popen | None = None
     if models is None and not args.print_env:
         context = _folder_context(args.model)
-        server = start_server(url, key, args.model, output_cap(context), args.serve_arg)
+        server, url = start_server(url, key, args.model, output_cap(context), args.serve_arg)
         models = get_json(url, "/v1/models", key)
     try:
         target = target_for(url, key, args.model, models)
-        run = AGENTS[args.agent](target, agent_args, folder)
-        for path, text in run.files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        if args.print_env:
-            print_env(run, models is None, target, args.model)
-            return 0
-        return run_agent(run)
+        with agent_folder(args.agent, keep=args.print_env) as folder:
+            run = AGENTS[args.agent](target, agent_args, folder)
+            write_private(run.files)
+            if args.print_env:
+                print_env(run, models is None, target, args.model)
+                return 0
+            return run_agent(run)
     finally:
         if server is not None:
             stop_server(server)
@@ -92,6 +105,28 @@ def launch_folder(agent: str) -> Path:
     from mlx_prefix.models.default import default_models_dir
 
     return default_models_dir().parent / "launch" / ("continue" if agent == "cn" else agent)
+
+
+@contextlib.contextmanager
+def agent_folder(agent: str, keep: bool) -> Iterator[Path]:
+    """Where the agent's files go (some hold the API key: Continue's config): a private
+    temporary folder (0700, tempfile's) removed when the agent is done, or with `keep`
+    (--print-env: its command runs later) the agent's folder under launch_folder."""
+    if keep:
+        yield launch_folder(agent)
+        return
+    with tempfile.TemporaryDirectory(prefix=f"mlx-prefix-{agent}-") as folder:
+        yield Path(folder)
+
+
+def write_private(files: dict[Path, str]) -> None:
+    """Each file readable by the user alone (0600), an older one included."""
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a file launch wrote before keeps its mode through open
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
 
 
 def target_for(url: str, key: str | None, model: str | None, models: dict | None) -> Target:
@@ -159,25 +194,27 @@ def _folder_context(model: str | None, quiet: bool = False) -> int:
 
 def start_server(
     url: str, key: str | None, model: str | None, max_tokens: int, extra: list[str]
-) -> subprocess.Popen:
-    """`mlx-prefix serve` on the address of `url`, ready (its /health answers) or an
-    error naming its log."""
+) -> tuple[subprocess.Popen, str]:
+    """`mlx-prefix serve` on the address of `url`, ready (its /health answers), and its
+    URL (on port 0: with the port it bound); or an error naming its log."""
     parts = urlsplit(url)
     if parts.scheme != "http" or parts.hostname is None:
         raise InvalidRequest(f"launch starts a server on an http:// address, not {url}")
+    port = 80 if parts.port is None else parts.port
     log_path = launch_folder("server") / "serve.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "mlx_prefix", "serve", "--host", parts.hostname,
-               "--port", str(parts.port or 80), "--max-tokens", str(max_tokens)]  # fmt: skip
+               "--port", str(port), "--max-tokens", str(max_tokens)]  # fmt: skip
     if model is not None:
         command += ["--model", model]
-    if key is not None:
-        command += ["--api-key", key]
     command += extra
+    env = dict(os.environ)
+    if key is not None:  # serve's --api-key, out of `ps`'s sight
+        env["MLX_PREFIX_SERVER_API_KEY"] = key
     print(f"mlx-prefix: starting the server at {url} (log: {log_path})", file=sys.stderr)
     log = log_path.open("w")
     server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
     )
     log.close()
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -185,9 +222,12 @@ def start_server(
         if server.poll() is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
             raise MlxPrefixError(f"the server did not start: {' / '.join(tail)} (log: {log_path})")
+        if port == 0 and (bound := SERVING.search(log_path.read_text(errors="replace"))):
+            port = int(bound.group(1))
+            url = parts._replace(netloc=f"{parts.netloc.rsplit(':', 1)[0]}:{port}").geturl()
         try:
-            if get_json(url, "/health", key, timeout=2.0) is not None:
-                return server
+            if port != 0 and get_json(url, "/health", key, timeout=2.0) is not None:
+                return server, url
         except MlxPrefixError:
             pass  # something answered but not yet our server's JSON
         time.sleep(0.25)

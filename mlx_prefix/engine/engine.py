@@ -179,13 +179,15 @@ class Engine:
         request_id: str | None = None,
         *,
         fit_reply: bool = False,
+        progress: bool = False,
     ) -> RequestHandle:
         """Render, validate and queue a request. Raises InvalidRequest,
         ContextLengthExceeded, EngineBusy or Unavailable in the caller's thread.
 
         `fit_reply`: refuse a prompt that leaves less than `max_tokens` of the context
         for the reply; otherwise the reply is cut at the context's end. The request
-        reads and writes only the entries of `cache.namespace` (and `cache.salt`)."""
+        reads and writes only the entries of `cache.namespace` (and `cache.salt`).
+        `progress`: the handle gets ProgressEvents while the prompt is prefilled."""
         self._check_serving()
         check_sampling(sampling, self.vocab_size)
         check_request(sampling, self.loop.decode.speculator)
@@ -196,7 +198,7 @@ class Engine:
         fmt = sampling.response_format
         constraint = self.constraints.create(fmt) if fmt is not None else None
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        handle = self.handle_type(request_id, len(rendered.tokens))
+        handle = self.handle_type(request_id, len(rendered.tokens), progress=progress)
         handle.opens_reasoning = rendered.opens_reasoning
         handle.reasoning_edges = rendered.reasoning_edges
         handle.breakpoint_end = max(

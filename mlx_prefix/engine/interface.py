@@ -33,8 +33,10 @@ class EngineAPI(Protocol):
         request_id: str | None = None,
         *,
         fit_reply: bool = False,
+        progress: bool = False,
     ) -> RequestHandle:
-        """Render, validate and queue a request; its events come through the handle.
+        """Render, validate and queue a request; its events come through the handle
+        (`progress`: ProgressEvents too while the prompt is prefilled).
         Raises InvalidRequest, ContextLengthExceeded or EngineBusy in the caller's thread."""
         ...
 

@@ -31,7 +31,7 @@ from mlx_prefix.engine.requests.pace import gathers
 from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.errors import MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.records import ErrorEvent
+from mlx_prefix.records import ErrorEvent, ProgressEvent
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -219,10 +219,29 @@ class EngineLoop:
                 self.lifecycle.end(task.job, cancelled(task.job, task.reuse))
         if not self.prefill.tasks:
             return
+        self._report_progress()  # where each new prefill starts: its cached tokens
         step = self.prefill.step(budget, decoding=len(self.decode) > 0)
         self.pace.prefilled(step.tokens, step.seconds)
+        self._report_progress()
         for task in step.finished:
             self._finish_prefill(task)
+
+    def _report_progress(self) -> None:
+        """A ProgressEvent to each prefilling request that asked for one, when its prompt
+        moved on since the last (the last says it is whole; its first token follows)."""
+        now = time.perf_counter()
+        for task in self.prefill.tasks:
+            handle = task.job.handle
+            if handle.progress and task.position != task.progress_sent:
+                task.progress_sent = task.position
+                handle.emit(
+                    ProgressEvent(
+                        total=len(task.tokens),
+                        cached=task.reuse,
+                        processed=task.position,
+                        elapsed_s=now - task.job.submitted_at,
+                    )
+                )
 
     def _finish_prefill(self, task: PrefillTask) -> None:
         """The prompt is in the cache: complete a warm-up or a prefetch, or hold the

@@ -24,6 +24,7 @@ from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
     ErrorEvent,
+    ProgressEvent,
     PromptInput,
     SamplingParams,
     TokenEvent,
@@ -85,16 +86,30 @@ class PrefixCacheSession:
         self.engine.shutdown()
 
     def submit(
-        self, prompt: PromptInput, sampling: SamplingParams | None = None, cache: bool = True
+        self,
+        prompt: PromptInput,
+        sampling: SamplingParams | None = None,
+        cache: bool = True,
+        *,
+        progress: bool = False,
     ) -> RequestHandle:
-        return self.engine.submit(prompt, sampling or SamplingParams(), CachePreference(cache))
+        return self.engine.submit(
+            prompt, sampling or SamplingParams(), CachePreference(cache), progress=progress
+        )
 
     def stream(
-        self, prompt: PromptInput, sampling: SamplingParams | None = None, cache: bool = True
-    ) -> Iterator[TokenEvent | DoneEvent]:
-        """Token events, then one DoneEvent. Raises MlxPrefixError on an engine error.
-        Stopping early (break, an exception, Ctrl-C) cancels the request."""
-        with closing(self.submit(prompt, sampling, cache).events()) as events:
+        self,
+        prompt: PromptInput,
+        sampling: SamplingParams | None = None,
+        cache: bool = True,
+        *,
+        progress: bool = False,
+    ) -> Iterator[TokenEvent | DoneEvent | ProgressEvent]:
+        """Token events, then one DoneEvent (`progress`: ProgressEvents first, while the
+        prompt is prefilled). Raises MlxPrefixError on an engine error. Stopping early
+        (break, an exception, Ctrl-C) cancels the request."""
+        handle = self.submit(prompt, sampling, cache, progress=progress)
+        with closing(handle.events()) as events:
             for event in events:
                 if isinstance(event, ErrorEvent):
                     raise MlxPrefixError(event.message)
@@ -121,7 +136,7 @@ class PrefixCacheSession:
                 parts.append(event.text)
                 if event.token is not None:
                     tokens.append(event.token)
-            else:
+            elif isinstance(event, DoneEvent):
                 return GenerationResult(
                     "".join(parts), tuple(tokens), event.finish_reason, event.usage
                 )

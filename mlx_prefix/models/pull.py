@@ -7,7 +7,8 @@ list), their sizes and which are already here, so the size is said before anythi
 downloaded. Then the check that it is a model at all: config.json, `model*.safetensors`
 weights, a tokenizer, and a `model_type` mlx-lm has (config.json alone is fetched for
 that). A GGUF-only or PyTorch-only repo, or an architecture mlx-lm lacks, is refused
-before its weights are downloaded. Then `snapshot_download` with its progress bar.
+before its weights are downloaded. Then `snapshot_download` of the commit checked, with
+its progress bar, and the branch asked for (or `main`) recorded in the cache's refs.
 
 Resumable: files already complete in the cache are never fetched again, and a
 connection dropped inside a file resumes with an HTTP Range request (huggingface-hub
@@ -18,6 +19,7 @@ retries it). `HF_TOKEN` (or `hf auth login`) is sent as huggingface-hub always d
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -132,8 +134,11 @@ def check_loadable(plan: PullPlan) -> None:
 
 
 def pull(plan: PullPlan, progress: bool = True) -> Path:
-    """Download the plan's files (those not cached); the snapshot folder."""
-    from huggingface_hub import snapshot_download
+    """Download the plan's files (those not cached); the snapshot folder. Always the
+    commit the plan checked (a branch asked again could have moved since), then the
+    branch or tag asked for (the default branch: `main`) recorded as pointing at it
+    (`record_ref`), so the cache finds the model by name offline."""
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
     label = f"{plan.repo_id}@{plan.revision}" if plan.revision else plan.repo_id
@@ -144,13 +149,34 @@ def pull(plan: PullPlan, progress: bool = True) -> Path:
             label,
             plan.revision,
             lambda: snapshot_download(
-                plan.repo_id, revision=plan.revision or plan.commit, allow_patterns=ALLOW_PATTERNS
+                plan.repo_id, revision=plan.commit, allow_patterns=ALLOW_PATTERNS
             ),
         )
     finally:
         if not progress:
             enable_progress_bars()
-    return Path(folder)
+    snapshot = Path(folder)
+    record_ref(snapshot, plan.revision or constants.DEFAULT_REVISION, plan.commit)
+    return snapshot
+
+
+def record_ref(snapshot: Path, revision: str, commit: str) -> None:
+    """`refs/<revision>` in the repo's cache folder (the snapshot's grandparent), holding
+    `commit`, as huggingface-hub writes it when it downloads by branch or tag (its
+    `_cache_commit_hash_for_specific_revision`, which it does not export): nothing for
+    a revision that is the commit itself, an atomic replace otherwise. Without it a
+    download by commit is found only by commit: `snapshot_download(local_files_only=
+    True)` of the bare repo id (`serve --model` with HF_HUB_OFFLINE, --allowed-models,
+    models.toml, launch) reads refs/main."""
+    if revision == commit:
+        return
+    ref = snapshot.parent.parent / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    if ref.is_file() and ref.read_text() == commit:
+        return
+    temporary = ref.with_name(f"{ref.name}.{os.getpid()}.tmp")
+    temporary.write_text(commit)
+    os.replace(temporary, ref)
 
 
 def _has_gguf(plan: PullPlan) -> bool:

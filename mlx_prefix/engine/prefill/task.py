@@ -31,6 +31,7 @@ class PrefillTask:
     # The prompt is computed: its last logits [1, V], held until the request joins the
     # decode batch with the rest of its burst (engine/requests/pace.py `gathers`).
     logits: mx.array | None = None
+    progress_sent: int = -1  # the position its last ProgressEvent reported (loop.py)
 
     @property
     def tokens(self) -> tuple[int, ...]:

@@ -22,9 +22,12 @@ class RequestHandle:
     so no thread-pool thread is parked per streaming request.
     """
 
-    def __init__(self, request_id: str, prompt_tokens: int):
+    def __init__(self, request_id: str, prompt_tokens: int, *, progress: bool = False):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        # The caller reads ProgressEvents while the prompt is prefilled (generate's
+        # progress bar, a stream's `return_progress`); nobody else gets any.
+        self.progress = progress
         # Set by the engine thread once the prompt is prefilled, before the first event
         # (the event queue orders the write before a consumer's read of that event).
         self.cached_tokens: int | None = None  # restored from the cache

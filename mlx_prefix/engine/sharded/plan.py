@@ -113,8 +113,8 @@ class LatchedHandle(RequestHandle):
     """Rank 0's handle: a caller's `cancel` only asks; the engine latches the ask at the
     next turn's start and sends it in the plan, so every rank cancels at the same point."""
 
-    def __init__(self, request_id: str, prompt_tokens: int):
-        super().__init__(request_id, prompt_tokens)
+    def __init__(self, request_id: str, prompt_tokens: int, *, progress: bool = False):
+        super().__init__(request_id, prompt_tokens, progress=progress)
         self.asked = threading.Event()
 
     def cancel(self) -> None:

@@ -83,6 +83,8 @@ class GenerationRequest:
     adapter: str | None = None
     # The body used the deprecated `functions`: a call comes back as `function_call`.
     legacy_functions: bool = False
+    # llama.cpp's `return_progress`: the stream carries the prompt's prefill progress.
+    return_progress: bool = False
 
 
 def generation_request(
@@ -107,6 +109,12 @@ def generation_request(
             "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
         )
     _refuse_unsupported(body)
+    return_progress = bool(field(body, "return_progress", bool, False))
+    if return_progress and not stream:
+        raise InvalidRequest(
+            "return_progress needs stream: true (the progress comes as stream chunks)",
+            param="return_progress",
+        )
     max_tokens, max_tokens_param = _max_tokens(body, limits)
     sampling = SamplingParams(
         max_tokens=max_tokens,
@@ -143,6 +151,7 @@ def generation_request(
         parse_tools=parse_tools,
         tool_choice=tool_choice,
         adapter=field(body, "adapters", str, None) or None,
+        return_progress=return_progress,
     )
 
 

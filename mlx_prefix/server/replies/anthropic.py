@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.records import DoneEvent, Usage
+from mlx_prefix.records import DoneEvent, ProgressEvent, Usage
 
 from ..errors import anthropic_error_body
 from ..protocol.sealed import seal
@@ -207,6 +207,9 @@ class AnthropicWriter:
 
     def delta(self, delta: Delta) -> list[bytes]:
         return [*self._start(None), *(sse(e) for e in self.blocks.feed(delta))]
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        return []  # only chat and completions streams offer `return_progress`
 
     def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
         out = [*self._start(done.usage), *(sse(e) for e in self.blocks.close())]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.records import Usage
+from mlx_prefix.records import ProgressEvent, Usage
 
 from ..errors import body_for
 from ..protocol.request import GenerationRequest
@@ -205,6 +205,18 @@ class ChatWriter:
             logprobs=delta.logprobs,
             include_usage=self.include_usage,
         )
+        return [sse(body)]
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        """llama.cpp's progress chunk: an empty delta and `prompt_progress` (`processed`
+        counts the cached tokens too, as llama.cpp's does)."""
+        body = chunk(self.meta, include_usage=self.include_usage)
+        body["prompt_progress"] = {
+            "total": event.total,
+            "cache": event.cached,
+            "processed": event.processed,
+            "time_ms": round(event.elapsed_s * 1000),
+        }
         return [sse(body)]
 
     def closing(self, done: Any, finish: str) -> list[bytes]:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from mlx_prefix.conversation import decode_arguments
 from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.records import DoneEvent, Usage
+from mlx_prefix.records import DoneEvent, ProgressEvent, Usage
 
 from .assembler import Delta, TokenLogprob
 from .ndjson import line
@@ -144,6 +144,9 @@ class OllamaWriter:
     def delta(self, delta: Delta) -> list[bytes]:
         body = self.meta.body(delta.text, delta.reasoning, delta.tool_calls, delta.logprobs)
         return [line({**body, "done": False})]
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        return []  # only chat and completions streams offer `return_progress`
 
     def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
         return [line(self.meta.final(self.meta.body(""), done))]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.records import DoneEvent, Usage
+from mlx_prefix.records import DoneEvent, ProgressEvent, Usage
 
 from ..protocol.sealed import seal
 from .assembler import Assembler, Delta
@@ -304,6 +304,9 @@ class ResponsesWriter:
 
     def delta(self, delta: Delta) -> list[bytes]:
         return [sse(e) for e in self.output.add(delta)]
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        return []  # only chat and completions streams offer `return_progress`
 
     def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
         self.output.reasoning_tokens = self.assembler.reasoning_tokens

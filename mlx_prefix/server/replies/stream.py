@@ -18,7 +18,7 @@ import anyio
 from starlette.requests import Request
 
 from mlx_prefix.errors import MlxPrefixError
-from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent
+from mlx_prefix.records import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
 
 from ..errors import CancelledByServer, GenerationFailed
 from ..monitor.metrics import RequestLog
@@ -66,6 +66,10 @@ class ReplyWriter(Protocol):
         """Text, reasoning or tool calls produced (possibly the first)."""
         ...
 
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        """The prompt's prefill moved on (only a request that asked gets any)."""
+        ...
+
     def closing(self, done: DoneEvent, finish: str) -> list[bytes]:
         """The reply ended (`finish`: the assembler's finish reason); the stream's end."""
         ...
@@ -97,6 +101,9 @@ async def stream_events(
                         if delta:
                             for chunk in writer.delta(delta):
                                 yield chunk
+                    elif isinstance(event, ProgressEvent):
+                        for chunk in writer.progress(event):
+                            yield chunk
                     elif isinstance(event, DoneEvent):
                         if event.finish_reason == "cancelled":
                             status = "cancelled"

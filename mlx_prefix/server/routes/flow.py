@@ -11,7 +11,9 @@ opened); submitted. A failure on the way writes the log
 line and is raised, to leave in the family's error shape (common.api).
 
 `start` is `open_call` (caller to model) then `Opened.prepared` and `Opened.submit`; a
-family with steps of its own before the engine (Ollama's) calls the three itself.
+family with steps of its own before the engine (Ollama's) calls the three itself, and
+one that may answer before its model is looked up (Ollama's unload) splits `open_call`
+into `read_call` and `Read.open`.
 
 `Started.respond` is the reply: SSE through the family's writer when streaming (or the
 family's own framing: Ollama's NDJSON), else the collected reply as the writer's `whole`
@@ -195,15 +197,39 @@ class Opened(Generic[P]):
         return Started(self.request, st, who, record, self.parsed, self.served, req, handle)
 
 
-async def open_call(
+@dataclass(frozen=True)
+class Read(Generic[P]):
+    """The body read and parsed, its model not looked up yet: a family that may answer
+    without the model (Ollama's unload of a model not loaded) decides here, else
+    `open`s it."""
+
+    request: Request
+    state: ServerState
+    caller: Caller
+    record: RequestLog
+    ids: ToolCallIds
+    limits: Limits
+    parsed: P
+
+    def logged(self) -> contextlib.AbstractContextManager[None]:
+        return logged(self.record)
+
+    async def open(self) -> Opened[P]:
+        """The parsed body's served model, loaded if need be (a lease until the handler
+        returns)."""
+        with self.logged():
+            served = await model_for(self.request, self.parsed.model, self.parsed.adapter)
+        st, who, record, ids = self.state, self.caller, self.record, self.ids
+        return Opened(self.request, st, who, record, ids, self.limits, self.parsed, served)
+
+
+async def read_call(
     request: Request,
     ids: ToolCallIds,
     parse: Callable[[dict[str, Any], Limits], P],
     model_name: Callable[[str], str] | None = None,
-) -> Opened[P]:
-    """The preamble's first half (above): caller, log line, body, parse, model.
-    `model_name`: how the family's clients spell a served model's name, to the server's
-    (Ollama's `name:tag`), applied to the body's `model` before anything reads it."""
+) -> Read[P]:
+    """`open_call` without the model: caller, log line, body, parse."""
     st = state(request)
     who = caller(request)
     record = RequestLog(ids.seed, request.url.path, st.metrics, who.namespace_id)
@@ -216,8 +242,20 @@ async def open_call(
         # --allow-image-urls, images fetched) while it is parsed, which must not hold up
         # other requests' streams. Nothing is decoded before `prepared` checked them all.
         parsed = await run_in_threadpool(parse, body, limits)
-        served = await model_for(request, parsed.model, parsed.adapter)
-    return Opened(request, st, who, record, ids, limits, parsed, served)
+    return Read(request, st, who, record, ids, limits, parsed)
+
+
+async def open_call(
+    request: Request,
+    ids: ToolCallIds,
+    parse: Callable[[dict[str, Any], Limits], P],
+    model_name: Callable[[str], str] | None = None,
+) -> Opened[P]:
+    """The preamble's first half (above): caller, log line, body, parse, model.
+    `model_name`: how the family's clients spell a served model's name, to the server's
+    (Ollama's `name:tag`), applied to the body's `model` before anything reads it."""
+    read = await read_call(request, ids, parse, model_name)
+    return await read.open()
 
 
 async def start(
@@ -267,6 +305,7 @@ def _submit(engine: EngineAPI, req: GenerationRequest, request_id: str) -> Reque
             req.cache,
             request_id,
             fit_reply=req.fit_reply and req.max_tokens_param is not None,
+            progress=req.return_progress,
         )
     except ContextLengthExceeded as e:
         if req.max_tokens_param is not None and req.max_tokens_param != "max_tokens":

@@ -4,7 +4,9 @@ model named as Ollama's clients name it, served/ollama.py), the reply's lines an
 object replies/ollama.py's, streamed as NDJSON (replies/ndjson.py). Between the model
 and the engine, Ollama's own steps: its keep_alive handed to the pool (served/pool.py's
 one keep-alive, which served/idle.py's unloader applies), a request with nothing to
-generate answered once the model is loaded, options.num_ctx. Errors leave as
+generate answered once the model is loaded (an unload, `keep_alive: 0`, of a model not
+loaded answered at once, as Ollama does, never loading it: with --max-models 1 that
+would evict the model serving), options.num_ctx. Errors leave as
 `{"error": "..."}` (server/errors.py picks the shape by the /api/ path), and the
 middleware's Host, Origin and API-key checks ran before this."""
 
@@ -30,7 +32,7 @@ from ..replies.ndjson import NDJSONResponse
 from ..replies.ollama import OllamaWriter, ReplyMeta
 from ..served.ollama import listed_name, requested_name
 from .common import api, state
-from .flow import open_call
+from .flow import read_call
 
 KEEP_ALIVE_REFUSED = (
     "keep_alive: this server cannot unload its model (it could not load it back: a "
@@ -68,11 +70,20 @@ async def _generate(request: Request, kind: Literal["chat", "generate"]) -> Resp
     ids = ToolCallIds(f"ollama-{uuid.uuid4().hex}")
     loads = pool.loads
     try:
-        call = await open_call(request, ids, parsed_for, our_name)
+        read = await read_call(request, ids, parsed_for, our_name)
+        parsed = read.parsed
+        if parsed.load_only and parsed.keep_alive == 0:
+            with read.logged():
+                resident = pool.is_resident(parsed.model)
+            if not resident:  # nothing to unload: loading it would evict what serves
+                spec = pool.spec_for(parsed.model)
+                read.record.write("200")
+                unloaded = ReplyMeta(kind, listed_name(spec.id), began)
+                return JSONResponse(unloaded.loaded("unload"))
+        call = await read.open()
     except ModelNotFound as e:  # Ollama's wording, naming the model as the client did
         asked = sent.get("model", "")
         raise ModelNotFound(f"model '{asked}' not found: {e.message}", param="model") from None
-    parsed = call.parsed
     # load_duration: 0 when the model was resident, as Ollama reports it.
     load_s = time.perf_counter() - began if pool.loads != loads else 0.0
     meta = ReplyMeta(kind, listed_name(call.served.id), began, load_s)

@@ -10,6 +10,7 @@ folders are read off the event loop."""
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from typing import Any
 
@@ -27,6 +28,8 @@ from ..served.ollama import ModelFacts, capabilities, facts, listed_name, reques
 from ..served.status import model_statuses
 from . import dashboard
 from .common import ServerState, api, state
+
+log = logging.getLogger("mlx_prefix.server")
 
 # The Ollama release whose API this server follows (clients gate features on it).
 OLLAMA_VERSION = "0.32.0"
@@ -115,16 +118,16 @@ async def ps(request: Request) -> Response:
     slots = st.models.slots()
     for slot, status in zip(slots, model_statuses(st.models, st.unloader, {}), strict=True):
         spec, served = slot.spec, slot.served
-        found = await run_in_threadpool(facts, spec.folder, _dtype(served))
-        size = status.weights_bytes or await run_in_threadpool(
-            load_estimate, spec.folder, spec.adapter, cpu
-        )
-        expires = (
-            NEVER
-            if status.unloads_in_s is None
-            else datetime.datetime.fromtimestamp(now + status.unloads_in_s, datetime.timezone.utc)
-        )
-        rows.append(_ps_row(served.id, found, size, cpu, expires, status.context_length))
+        expires = _expires_at(now, status.unloads_in_s)
+        try:
+            found = await run_in_threadpool(facts, spec.folder, _dtype(served))
+            size = status.weights_bytes or await run_in_threadpool(
+                load_estimate, spec.folder, spec.adapter, cpu
+            )
+            rows.append(_ps_row(served.id, found, size, cpu, expires, status.context_length))
+        except Exception:  # noqa: BLE001 - one model's row must not fail the listing
+            log.exception("/api/ps: %s listed with what is known of it", served.id)
+            rows.append(_bare_ps_row(served.id, status.weights_bytes, cpu, expires))
     if st.embeddings is not None:
         model = st.embeddings.worker.model
         found = await run_in_threadpool(facts, model.path, None)
@@ -202,6 +205,42 @@ def _ps_row(name: str, found: ModelFacts, size: int, cpu: bool, expires: Any, ct
         "expires_at": expires.isoformat().replace("+00:00", "Z"),
         "size_vram": 0 if cpu else size,  # unified memory: a GPU's weights are all "VRAM"
         "context_length": ctx or 0,
+    }
+
+
+def _expires_at(now: float, unloads_in_s: float | None) -> datetime.datetime:
+    """When a model unloads if left idle, as a date: NEVER for one kept for good, or
+    one whose keep-alive ends past what a date can hold (config.MAX_DURATION_S keeps a
+    request's below it; the settings file's or a library caller's may not)."""
+    if unloads_in_s is None:
+        return NEVER
+    try:
+        return min(
+            datetime.datetime.fromtimestamp(now + unloads_in_s, datetime.timezone.utc), NEVER
+        )
+    except (OverflowError, OSError, ValueError):
+        return NEVER
+
+
+def _bare_ps_row(name: str, size: int, cpu: bool, expires: datetime.datetime) -> dict:
+    """A /api/ps row with only what the pool knows (its folder could not be read)."""
+    listed = listed_name(name)
+    return {
+        "name": listed,
+        "model": listed,
+        "size": size,
+        "digest": "",
+        "details": {
+            "parent_model": "",
+            "format": "safetensors",
+            "family": "",
+            "families": [],
+            "parameter_size": "",
+            "quantization_level": "",
+        },  # fmt: skip
+        "expires_at": expires.isoformat().replace("+00:00", "Z"),
+        "size_vram": 0 if cpu else size,
+        "context_length": 0,
     }
 
 

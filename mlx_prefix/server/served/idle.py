@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,9 +32,11 @@ MIN_POLL_S = 0.05
 
 
 class IdleUnloader:
-    def __init__(self, pool: ModelPool, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, pool: ModelPool, clock: Callable[[], float] | None = None):
+        """`clock`: the pool's (ModelPool.clock) unless given: a slot's last use and
+        now must come from the same one."""
         self.pool = pool
-        self.clock = clock
+        self.clock = clock or pool.clock
         self.unloaded: list[str] = []  # ids unloaded when idle, in order (tests, logs)
 
     def poll_s(self) -> float:

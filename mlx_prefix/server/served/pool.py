@@ -70,13 +70,18 @@ class ModelPool:
         settings: ModelsFile | None = None,
         keep_alive_s: float = 300.0,
         default_keep_alive_s: float = FOREVER,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`keep_alive_s`: how long a model loaded on demand stays once idle (FOREVER:
         until a swap needs its room); `default_keep_alive_s` the same for the default
         model. The settings file's keep_alive and pinned win over both; a request's
-        keep_alive (`keep_alive`) over the file's keep_alive, never over a pin."""
+        keep_alive (`keep_alive`) over the file's keep_alive, never over a pin. `clock`:
+        what a slot's last use is read from (seconds; the idle unloader reads the same
+        one), a test's own instead of the process's monotonic clock, which asyncio's
+        event loop reads too."""
         if max_models < 1:
             raise ValueError("max_models must be at least 1")
+        self.clock = clock
         self.settings = settings or ModelsFile()
         self.keep_alive_s = keep_alive_s
         self.default_keep_alive_s = default_keep_alive_s
@@ -110,7 +115,9 @@ class ModelPool:
             else None
         )
         self._slots: OrderedDict[tuple[str, str | None], Slot] = OrderedDict()
-        first = Slot(self.default_spec, default, weights_bytes=weights_bytes(engine.model))
+        first = Slot(
+            self.default_spec, default, last_used=clock(), weights_bytes=weights_bytes(engine.model)
+        )
         self._slots[self.default_spec.key] = first
         self._loading: dict[tuple[str, str | None], asyncio.Future[Slot]] = {}
         self._lock: asyncio.Lock | None = None  # made on the event loop
@@ -151,7 +158,7 @@ class ModelPool:
                 break
         self._slots.move_to_end(spec.key)
         slot.leases += 1
-        slot.last_used = time.monotonic()
+        slot.last_used = self.clock()
         return slot.served, Lease(slot)
 
     def spec_for(self, name: str | None, adapter: str | None = None) -> ModelSpec:
@@ -221,8 +228,13 @@ class ModelPool:
         if slot is None:
             return False
         slot.keep_alive_s = seconds
-        slot.last_used = time.monotonic()
+        slot.last_used = self.clock()
         return True
+
+    def is_resident(self, name: str | None, adapter: str | None = None) -> bool:
+        """Whether the model `name` selects is loaded (not loading, not unloading).
+        ModelNotFound as `acquire`. Loads nothing."""
+        return self.spec_for(name, adapter).key in self._slots
 
     def cards(self) -> list[ModelCard]:
         """/v1/models: the default (with its aliases), each --model-alias, then the
@@ -254,7 +266,7 @@ class ModelPool:
             self.loads += 1
             aliases = self.names.default.aliases if spec == self.default_spec else ()
             served = ServedModel(spec.id, loaded.engine, aliases, str(spec.folder))
-            slot = Slot(spec, served, weights_bytes=loaded.weights_bytes)
+            slot = Slot(spec, served, last_used=self.clock(), weights_bytes=loaded.weights_bytes)
             self._slots[spec.key] = slot
             return slot
 
@@ -282,6 +294,7 @@ class ModelPool:
             reload = self._swapper.reload  # type: ignore[union-attr]
             reloaded = await asyncio.wrap_future(on_own_thread(reload, gone))
             for slot in reversed(reloaded):
+                slot.last_used = self.clock()
                 self._slots[slot.spec.key] = slot
                 self._slots.move_to_end(slot.spec.key, last=False)
 

@@ -8,7 +8,6 @@ MLX array).
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +67,7 @@ def model_statuses(
 ) -> list[ModelStatus]:
     """Event loop: one row per resident model, the most recently used last; `caches`
     maps id(engine) to what `cache_use` read."""
-    now = time.monotonic()
+    now = pool.clock()
     rows = []
     for slot in pool.slots():
         engine = slot.served.engine
