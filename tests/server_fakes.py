@@ -113,6 +113,9 @@ class FakeModel:
     identity: str = "fake-model@test"
     context_length: int | None = 4096
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    # LoadedModel.vision: None is a text-only model (a request's images are refused
+    # before any is decoded); anything else takes them.
+    vision: Any = None
 
 
 @dataclass(frozen=True)

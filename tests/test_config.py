@@ -74,3 +74,21 @@ def test_cache_sharing_from_flag_or_variable(monkeypatch):
         build_parser().parse_args(["serve", "--cache-sharing", "per-user"])
     with pytest.raises(ValueError, match="cache_sharing"):
         ServerSettings(cache_sharing="per-user")
+
+
+def test_max_request_pixels_from_flag_or_variable_reaches_the_image_limits(monkeypatch):
+    from mlx_prefix.cli import build_parser
+    from mlx_prefix.cli.serve_args import server_settings
+
+    default = server_settings(build_parser().parse_args(["serve"]))
+    assert default.images.max_request_pixels == 4 * 3840 * 2160
+    monkeypatch.setenv("MLX_PREFIX_SERVER_MAX_REQUEST_PIXELS", "5000000")
+    assert server_settings(build_parser().parse_args(["serve"])).images.max_request_pixels == (
+        5_000_000
+    )
+    args = build_parser().parse_args(["serve", "--max-request-pixels", "1000"])
+    assert server_settings(args).images.max_request_pixels == 1000
+    with pytest.raises(ValueError, match="max_request_pixels"):
+        ServerSettings(max_request_pixels=-1)
+    monkeypatch.setenv("MLX_PREFIX_SERVER_RESPONSES_STORE_BYTES", "1MiB")
+    assert from_env(ServerSettings, "SERVER").responses_store_bytes == 1024 * 1024

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
+from vision_models import encoded, picture
 
 from mlx_prefix.conversation import Message
 from mlx_prefix.errors import InvalidRequest
@@ -139,3 +142,44 @@ def test_one_namespace_filling_the_store_evicts_only_its_own():
     # A newcomer takes from the largest share, never from its own one response.
     store.put("origin=c", "c0", StoredResponse({}, ()))
     assert store.held("origin=c") == 1 and len(store) == 6
+
+
+def _with_image(seed: int) -> Message:
+    """A user message holding a ~200 KB PNG (noise does not compress), as parsed."""
+    png = base64.b64encode(encoded(picture(256, 256, seed=seed))).decode()
+    item = {"role": "user", "content": [
+        {"type": "input_text", "text": f"image {seed}"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{png}"},
+    ]}  # fmt: skip
+    (message,) = input_messages([item])
+    return message
+
+
+def test_store_is_bounded_in_bytes_and_keeps_images_encoded():
+    cap = 1024 * 1024
+    store = ResponseStore(1000, max_bytes=cap)
+    sizes = []
+    for i in range(12):
+        message = _with_image(i)
+        image = message.images[0].image.image
+        assert image.digest  # decoded once, for the cache key
+        assert not any(hasattr(v, "tobytes") for v in vars(image).values())  # no pixels kept
+        sizes.append(image.encoded_bytes)
+        store.put("", f"r{i}", StoredResponse({"id": f"r{i}"}, (message,)))
+        assert store.nbytes <= cap
+    assert sum(sizes) > 2 * cap and min(sizes) > 150_000
+    kept = [i for i in range(12) if store.get("", f"r{i}") is not None]
+    assert kept == list(range(12 - len(kept), 12)) and 3 <= len(kept) < 12  # the newest
+    for i in kept:
+        store.delete("", f"r{i}")
+    assert store.nbytes == 0 and len(store) == 0
+
+
+def test_a_chain_s_shared_history_is_counted_once():
+    store = ResponseStore(1000, max_bytes=1024 * 1024)
+    history: tuple[Message, ...] = (_with_image(1),)
+    size = history[0].images[0].image.image.encoded_bytes
+    for turn in range(8):  # each response's history holds its predecessor's messages
+        history = (*history, Message("assistant", f"reply {turn}"), Message("user", "more"))
+        store.put("", f"r{turn}", StoredResponse({"id": f"r{turn}"}, history))
+    assert len(store) == 8 and size < store.nbytes < size + 20_000

@@ -16,9 +16,11 @@ from mlx_prefix.vision import intake
 from mlx_prefix.vision.intake import (
     ImageLimits,
     check_count,
+    check_request,
     decode_base64,
     decode_data_url,
     decode_image,
+    read_image,
 )
 
 LIMITS = ImageLimits()
@@ -31,7 +33,7 @@ LIMITS = ImageLimits()
 def test_each_format_is_read_from_its_bytes(fmt, kwargs):
     img = decode_image(encoded(picture(40, 30), fmt, **kwargs), LIMITS, "p")
     assert (img.format, img.width, img.height) == (fmt.lower(), 40, 30)
-    assert img.pixels.mode == "RGB"
+    assert img.rgb().mode == "RGB"
 
 
 def test_the_same_pixels_in_another_encoding_are_the_same_image():
@@ -68,6 +70,51 @@ def test_an_animated_gif_is_refused():
     data = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:])
     with pytest.raises(InvalidRequest, match="animated GIF"):
         decode_image(data, LIMITS, "p")
+
+
+def test_a_multi_picture_jpeg_is_its_first_picture():
+    """An MPO (a camera's stereo pair, an iPhone export's gain map) is no animation: it is
+    accepted, and decodes to its first picture, as browsers show it."""
+    first, second = picture(40, 30, seed=1), picture(40, 30, seed=2)
+    data = encoded(first, "MPO", save_all=True, append_images=[second], quality=95)
+    assert data.startswith(b"\xff\xd8\xff")
+    img = decode_image(data, LIMITS, "p")
+    assert (img.format, img.width, img.height) == ("jpeg", 40, 30)
+    alone = decode_image(encoded(first, "JPEG", quality=95), LIMITS, "p")
+    assert img.digest == alone.digest  # the first picture's pixels, as its JPEG decodes
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
+def test_a_real_animation_is_still_refused(fmt):
+    frames = [picture(8, 8, seed=i) for i in range(3)]
+    data = encoded(frames[0], fmt, save_all=True, append_images=frames[1:])
+    with pytest.raises(InvalidRequest, match=f"animated {fmt}"):
+        read_image(data, LIMITS, "p")
+
+
+def test_reading_an_image_decodes_nothing_until_its_pixels_are_asked_for(monkeypatch):
+    data = encoded(picture(40, 30, seed=5))
+    decoded = []
+    load = Image.Image.load
+    monkeypatch.setattr(Image.Image, "load", lambda self: decoded.append(1) or load(self))
+    img = read_image(data, LIMITS, "messages[0].content[1]")
+    assert (img.width, img.height, img.pixel_count, img.encoded_bytes) == (40, 30, 1200, len(data))
+    assert not decoded and "digest" not in vars(img)
+    assert img.digest == decode_image(data, LIMITS, "p").digest and decoded
+    assert not any(hasattr(v, "tobytes") for v in vars(img).values())  # no pixels kept
+
+
+def test_a_request_s_images_are_bounded_in_count_and_in_pixels_together():
+    limits = ImageLimits(max_images=4, max_request_pixels=1000)
+    params = [f"messages[{i}].content[0]" for i in range(5)]
+    check_request([250, 250, 250, 250], params[:4], limits)
+    with pytest.raises(InvalidRequest) as e:
+        check_request([1, 1, 1, 1, 1], params, limits)
+    assert e.value.code == "too_many_images" and e.value.param == params[4]
+    with pytest.raises(InvalidRequest, match="1,200 pixels together") as e:
+        check_request([400, 400, 400], params[:3], limits)
+    assert e.value.code == "image_too_large" and e.value.param == params[2]
+    assert ImageLimits().max_request_pixels == 4 * 3840 * 2160
 
 
 def _png_header_only(width: int, height: int) -> bytes:

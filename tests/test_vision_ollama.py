@@ -16,7 +16,7 @@ import mlx.core as mx
 import ollama
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from server_fakes import FakeEngine, serving
+from server_fakes import FakeEngine, FakeModel, serving
 from vision_models import encoded, picture, vision_model_folder
 
 from mlx_prefix.config import EngineConfig
@@ -93,7 +93,8 @@ def test_max_images_holds_for_every_family_naming_the_first_image_past_it():
                 "messages": [{"role": "user", "content": [block, block]}]}  # fmt: skip
     asked = {"model": "m", "stream": False,
              "messages": [{"role": "user", "content": ASK, "images": [B64, B64]}]}  # fmt: skip
-    with serving(FakeEngine(), max_images=1) as (url, engine), httpx.Client(base_url=url) as http:
+    seeing = FakeEngine(FakeModel(vision=object()))
+    with serving(seeing, max_images=1) as (url, engine), httpx.Client(base_url=url) as http:
         r = http.post("/v1/chat/completions", json=chat)
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_images"
         assert r.json()["error"]["param"] == "messages[1].content[0]"

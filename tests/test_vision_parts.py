@@ -58,7 +58,7 @@ def test_detail_is_honoured_and_low_is_another_image_for_the_cache():
                        + base64.b64encode(encoded(picture(1200, 600))).decode()}},
         LIMITS, "p",
     )  # fmt: skip
-    assert low_detail(big.image).size == (512, 256)
+    assert low_detail(big.image.rgb()).size == (512, 256)
     with pytest.raises(InvalidRequest) as e:
         openai_image_part({"image_url": {"url": DATA_URL, "detail": "max"}}, LIMITS, "m[0]")
     assert e.value.param == "m[0].image_url.detail"

@@ -10,13 +10,18 @@ serving."""
 from __future__ import annotations
 
 import base64
+import io
 import socket
+import struct
+import zlib
 
 import anthropic
 import httpx
 import openai
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
+from PIL import Image
+from rss import PeakRss
 from server_fakes import serving
 from vision_models import encoded, picture, vision_model_folder
 
@@ -123,6 +128,30 @@ def test_responses_input_image(live):
     assert b.usage.input_tokens_details.cached_tokens >= b.usage.input_tokens - LEFT
 
 
+def test_a_stored_responses_turn_with_an_image_continues_by_its_id(live):
+    """The store keeps the image encoded with its digest (never its pixels): a chained
+    turn renders it again as the same image, so the first turn's whole prompt, image
+    span included, is read from the cache."""
+    url, _ = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    png = base64.b64encode(encoded(picture(80, 48, seed=12))).decode()
+    item = {"role": "user", "content": [
+        {"type": "input_text", "text": "Keep this one in mind:"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{png}"},
+    ]}  # fmt: skip
+    a = client.responses.create(model="m", input=[item], max_output_tokens=4, temperature=0)
+    b = client.responses.create(
+        model="m",
+        previous_response_id=a.id,
+        input=[{"role": "user", "content": "What was in it?"}],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert b.status in ("completed", "incomplete") and b.previous_response_id == a.id
+    assert b.usage.input_tokens > a.usage.input_tokens
+    assert b.usage.input_tokens_details.cached_tokens >= a.usage.input_tokens - 8
+
+
 def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
     url, _ = live
     flush(url)
@@ -190,6 +219,81 @@ def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(live):
         hi = [{"role": "user", "content": "hi"}]
         ok = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": hi})
         assert ok.status_code == 200
+
+
+def _flat_png(side: int) -> str:
+    """A flat grey side x side PNG, base64: ~16 KB at 4000 that decodes to 48 MB of RGB."""
+    out = io.BytesIO()
+    Image.new("L", (side, side), 128).save(out, format="PNG", compress_level=9)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def _header_only_png(side: int) -> str:
+    """A PNG whose header says side x side over a few hundred bytes: a bomb's shape."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * (1 + 3 * 64))
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+    return base64.b64encode(png).decode()
+
+
+# Decoding any of them would take 48 MB of RGB (three: 144 MB), where reading their
+# headers takes nothing: the margin sits far from both.
+RSS_MARGIN = 64 * 1024 * 1024
+
+
+@pytest.mark.parametrize("family", ["chat", "anthropic"])
+def test_a_header_bomb_is_refused_unread_and_memory_stays_put(live, family):
+    """Six flat 4000x4000 PNGs (16 Mpx each, 100 KB of body together) pass the request's
+    pixels; a 30000x30000 header passes one image's: each a 400 in the family's shape
+    naming the image, read from the headers alone (the process's RSS does not move),
+    and the server goes on serving the same model with an image."""
+    url, _ = live
+    flat, bomb = _flat_png(4000), _header_only_png(30000)
+
+    def body(images: list[str]) -> tuple[str, dict]:
+        if family == "chat":
+            url = "data:image/png;base64,{}"
+            parts = [{"type": "image_url", "image_url": {"url": url.format(b)}} for b in images]
+            path = "/v1/chat/completions"
+        else:
+            source = {"type": "base64", "media_type": "image/png"}
+            parts = [{"type": "image", "source": {**source, "data": b}} for b in images]
+            path = "/v1/messages"
+        content = [*parts, {"type": "text", "text": "Read them."}]
+        return path, {
+            "model": "m",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": content}],
+        }
+
+    def message(r: httpx.Response) -> str:
+        assert r.status_code == 400, r.text
+        if family == "anthropic":
+            assert r.json()["type"] == "error"
+        return r.json()["error"]["message"]
+
+    with httpx.Client(base_url=url, timeout=120) as http:
+        path, sent = body([flat] * 6)
+        with PeakRss() as rss:
+            r = http.post(path, json=sent)
+        said = message(r)
+        assert "messages[0].content[2]" in said and "pixels together" in said
+        if rss.grew is not None:
+            assert rss.grew < RSS_MARGIN, f"RSS grew {rss.grew / 2**20:.0f} MiB"
+        path, sent = body([flat, bomb])
+        with PeakRss() as rss:
+            r = http.post(path, json=sent)
+        said = message(r)
+        assert "messages[0].content[1]" in said and "more pixels than" in said
+        if rss.grew is not None:
+            assert rss.grew < RSS_MARGIN, f"RSS grew {rss.grew / 2**20:.0f} MiB"
+        path, sent = body([B64])
+        assert http.post(path, json=sent).status_code == 200
 
 
 def test_a_text_only_model_answers_400_saying_so():

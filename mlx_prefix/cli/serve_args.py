@@ -153,6 +153,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest image, width x height, checked before decoding (default 32,000,000)",
     )
     images.add_argument("--max-images", type=int, help="images per request (default 32)")
+    images.add_argument(
+        "--max-request-pixels",
+        type=int,
+        help="all of a request's images together, width x height from their headers, "
+        "checked before any is decoded (default 33,177,600: four 3840x2160 screenshots)",
+    )
     p.add_argument(
         "--no-explain",
         dest="explain_requests",
@@ -257,6 +263,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         "image_max_bytes": args.image_max_bytes,
         "image_max_pixels": args.image_max_pixels,
         "max_images": args.max_images,
+        "max_request_pixels": args.max_request_pixels,
         "ollama": args.ollama,
         "explain_requests": args.explain_requests,
         "embedding_aliases": tuple(args.embedding_aliases)

@@ -269,7 +269,7 @@ def _build(
         limits=limits,
         inflight=InFlight(),
         started=int(time.time()),
-        responses=ResponseStore(settings.responses_store),
+        responses=ResponseStore(settings.responses_store, settings.responses_store_bytes),
         embeddings=ServedEmbeddings.of(embeddings, settings.embedding_aliases)
         if embeddings is not None
         else None,

@@ -54,16 +54,20 @@ class ServerSettings:
     # in the prompt (it changes between requests, so by default it is left out).
     keep_billing_header: bool = False
     # Images in requests (mlx_prefix/vision/intake.py, fetch.py): --allow-image-urls,
-    # --image-max-bytes, --image-max-pixels, --max-images.
+    # --image-max-bytes, --image-max-pixels, --max-images, --max-request-pixels (all a
+    # request's images together, from their headers: four 4K screenshots).
     allow_image_urls: bool = False
     image_max_bytes: int = 20 * 1024 * 1024
     image_max_pixels: int = 32_000_000
     max_images: int = 32
+    max_request_pixels: int = 4 * 3840 * 2160
     image_fetch_timeout_s: float = 10.0
     # Explain every request's reuse (explain/): GET /v1/cache/requests, the dashboard's
     # misses, per-reason metrics and log lines. Off: none of them (--no-explain).
     explain_requests: bool = True
     responses_store: int = 1000  # /v1/responses kept for previous_response_id (LRU); 0: none
+    # ... and the bytes they may hold (text and encoded images, server/responses_store.py).
+    responses_store_bytes: int = 256 * 1024 * 1024
     # Cache namespaces (server/guards/namespaces.py): "origin" keeps each Origin's (and API
     # key's) entries apart; "global" shares one cache among every client.
     cache_sharing: str = "origin"
@@ -81,6 +85,7 @@ class ServerSettings:
             max_bytes=self.image_max_bytes,
             max_pixels=self.image_max_pixels,
             max_images=self.max_images,
+            max_request_pixels=self.max_request_pixels,
             allow_urls=self.allow_image_urls,
             fetch_timeout_s=self.image_fetch_timeout_s,
         )
@@ -126,8 +131,10 @@ class ServerSettings:
                 )
         if self.cache_sharing not in ("origin", "global"):
             raise ValueError(f"cache_sharing must be origin or global, not {self.cache_sharing!r}")
-        if self.responses_store < 0:
-            raise ValueError("responses_store must not be negative")
+        if min(self.max_images, self.max_request_pixels) < 0:
+            raise ValueError("max_images and max_request_pixels must not be negative")
+        if min(self.responses_store, self.responses_store_bytes) < 0:
+            raise ValueError("responses_store and responses_store_bytes must not be negative")
         if min(self.max_body_bytes, self.default_max_tokens, self.max_tokens_limit) < 1:
             raise ValueError("max_body_bytes and the max_tokens settings must be positive")
         for name, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", 0, 1)):

@@ -1,12 +1,14 @@
 """Images in the prompt (issue 42): intake, cache key, positions, towers, forward.
 
 The modules, in the order an image travels:
-  intake.py     bytes -> a still RGB picture under limits (format read from the bytes,
-                pixel count checked before decoding), its pixel digest
+  intake.py     bytes -> an EncodedImage under limits (format read from the bytes, pixel
+                count from the header), a request's images checked whole before the first
+                decode, its pixel digest; decoded pixels never kept
   fetch.py      http(s) image URLs: refused, or (--allow-image-urls) fetched from public
                 addresses only, pinned to the checked address, size and time bounded
   tower.py      a vision checkpoint's vision part (VisionFamily): mlx-vlm's tower classes
                 on the folder's vision_tower.* weights; the text stays mlx-lm's
+  prepared.py   prepared images (the tower's input) between requests, in a byte cap
   qwen.py       Qwen3.5 (qwen3_5, qwen3_5_moe): processor, tower, M-RoPE
   gemma.py      Gemma 3: SigLIP tower + projector, bidirectional attention over an image
   key.py        an image's key (pixels + processing + grid); its span salted in the trie key

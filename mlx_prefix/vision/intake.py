@@ -2,15 +2,22 @@
 
 What comes in is base64 (a `data:` URL or Anthropic's base64 source) or, with the
 operator's --allow-image-urls, bytes fetched by vision/fetch.py; either way it arrives
-here as bytes, and this module alone turns bytes into pixels:
-- the encoded size is checked before decoding (base64 text before it is decoded);
-- the format is read from the bytes (magic numbers), never from a declared media type or
-  a file name: PNG, JPEG, WebP and GIF; an animated GIF or WebP is refused (one image
-  is one still picture);
-- the pixel count is read from the header and checked before any pixel is decoded, so a
-  decompression bomb (a few KB of PNG that decodes to gigabytes) is refused unread;
-- the decoded picture is converted to RGB (mlx-vlm's processors do the same), JPEG's
-  EXIF orientation applied (as a browser shows it).
+here as bytes, and this module alone turns bytes into pixels, in two steps:
+- `read_image`, while the body is parsed: the encoded size is checked before decoding
+  (base64 text before it is decoded); the format is read from the bytes (magic numbers),
+  never from a declared media type or a file name: PNG, JPEG, WebP and GIF; the header's
+  width and height are read and the pixel count checked; an animated GIF, PNG or WebP is
+  refused (one image is one still picture), a multi-picture JPEG (MPO: an iPhone's
+  gain map, a camera's second view) is its first picture, as a browser shows it. Nothing
+  is decoded: the result (EncodedImage) holds the bytes and what the header says;
+- `check_request`, once the whole request is read (the server's routes/flow.py): the
+  count (--max-images) and the pixels of all its images together (--max-request-pixels),
+  so a body of many small-looking files that decode to gigabytes is refused unread;
+- decoding (`EncodedImage.rgb`), only after every check passed: RGB (mlx-vlm's processors
+  convert the same), JPEG's EXIF orientation applied (as a browser shows it). Decoded
+  pixels are never kept: the digest is computed once, and the tower's preparation
+  decodes again when it needs them (vision/tower.py), so a stored image costs its encoded
+  bytes, not width x height x 3.
 Every refusal is an InvalidRequest naming the request's part (`param`), so each API
 family answers a 400 in its own shape.
 
@@ -23,10 +30,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,23 +52,55 @@ class ImageLimits:
     max_bytes: int = 20 * 1024 * 1024  # encoded, per image
     max_pixels: int = 32_000_000  # width x height, per image, read from the header
     max_images: int = 32  # per request, the history's included
+    # All a request's images together (the history's included), from their headers:
+    # four 4K screenshots (3840 x 2160 each). What a request may make the server decode
+    # (~100 MB of RGB), whatever the count and the encoded sizes say.
+    max_request_pixels: int = 4 * 3840 * 2160
     allow_urls: bool = False  # --allow-image-urls: fetch http(s) URLs (vision/fetch.py)
     fetch_timeout_s: float = 10.0  # the whole fetch of one URL
 
 
 @dataclass(frozen=True, eq=False)
-class DecodedImage:
-    """A still picture in RGB, and the hash of what it shows."""
+class EncodedImage:
+    """An image as sent: its bytes and what their header says, checked; decoded only by
+    `rgb` (and once for `digest`), never kept decoded. Equal when the pixels are."""
 
     format: str  # one of FORMATS, read from the bytes
-    width: int
+    width: int  # from the header (before a JPEG's EXIF orientation)
     height: int
-    digest: str  # pixel_digest: sha256 of (width, height, RGB bytes), hex
-    encoded_bytes: int
-    pixels: object = field(repr=False)  # PIL.Image.Image in mode RGB
+    data: bytes = field(repr=False)
+    param: str = ""  # the request part it came from, named by a decoding failure
+
+    @property
+    def pixel_count(self) -> int:
+        return self.width * self.height
+
+    @property
+    def encoded_bytes(self) -> int:
+        return len(self.data)
+
+    def rgb(self) -> Any:
+        """The still picture in RGB (a PIL image), decoded now (the digest taken from it
+        too, the first time); InvalidRequest naming `param` when the data is corrupt or
+        truncated."""
+        picture = _decode(self.data, self.format, self.param)
+        if not self.digested:
+            self.__dict__["digest"] = pixel_digest(picture)  # the cached_property's slot
+        return picture
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """pixel_digest of the picture, computed once (a decode)."""
+        self.rgb()
+        return str(self.__dict__["digest"])
+
+    @property
+    def digested(self) -> bool:
+        """Whether the digest is known (the image was decoded once)."""
+        return "digest" in self.__dict__
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DecodedImage) and other.digest == self.digest
+        return isinstance(other, EncodedImage) and other.digest == self.digest
 
     def __hash__(self) -> int:
         return hash(self.digest)
@@ -123,9 +164,10 @@ def decode_data_url(url: str, limits: ImageLimits, param: str) -> bytes:
     return decode_base64(url[m.end() :], limits, param)
 
 
-def decode_image(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
-    """Bytes to a DecodedImage under `limits`; InvalidRequest naming `param` otherwise."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+def read_image(data: bytes, limits: ImageLimits, param: str) -> EncodedImage:
+    """Bytes to an EncodedImage under `limits`, reading only the header (nothing is
+    decoded); InvalidRequest naming `param` otherwise."""
+    from PIL import Image, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
         raise _too_large(param, limits, at_least=len(data))
@@ -136,11 +178,6 @@ def decode_image(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
             f"({', '.join(f.upper() for f in FORMATS)})",
             param=param,
         )
-    too_many = InvalidRequest(
-        f"{param}: the image has more pixels than the server's limit of {limits.max_pixels:,}",
-        param=param,
-        code="image_too_large",
-    )
     try:
         with warnings.catch_warnings():
             # PIL warns on big images itself; the limit below decides instead.
@@ -156,32 +193,71 @@ def decode_image(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
                     param=param,
                     code="image_too_large",
                 )
-            if getattr(img, "is_animated", False) or getattr(img, "n_frames", 1) > 1:
+            # A JPEG holding more pictures (MPO: a gain map, a stereo pair) is no
+            # animation: its first picture is the image, as browsers show it.
+            if fmt != "jpeg" and getattr(img, "n_frames", 1) > 1:
                 raise InvalidRequest(
                     f"{param}: an animated {fmt.upper()} is not supported; send a still image",
                     param=param,
                 )
-            img.load()
-            still: Image.Image = img
-            if fmt == "jpeg":
-                still = ImageOps.exif_transpose(img)
-            rgb = still.convert("RGB")
     except InvalidRequest:
         raise
     except Image.DecompressionBombError:  # past PIL's own limit, at open
-        raise too_many from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise InvalidRequest(
-            f"{param}: the {fmt.upper()} data is corrupt or truncated", param=param
+            f"{param}: the image has more pixels than the server's limit of {limits.max_pixels:,}",
+            param=param,
+            code="image_too_large",
         ) from None
-    return DecodedImage(
-        format=fmt,
-        width=rgb.width,
-        height=rgb.height,
-        digest=pixel_digest(rgb),
-        encoded_bytes=len(data),
-        pixels=rgb,
-    )
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise _corrupt(param, fmt) from None
+    return EncodedImage(format=fmt, width=width, height=height, data=data, param=param)
+
+
+def decode_image(data: bytes, limits: ImageLimits, param: str) -> EncodedImage:
+    """read_image, then decoded at once (its digest computed): for one image on its own
+    (`generate --image`), where no request's other images are to be checked first."""
+    image = read_image(data, limits, param)
+    image.digest  # noqa: B018  (decodes: a corrupt file is refused here)
+    return image
+
+
+def check_request(pixels: Sequence[int], params: Sequence[str], limits: ImageLimits) -> None:
+    """A whole request's images, from their headers, before any is decoded: at most
+    `max_images` of them and `max_request_pixels` pixels together. The refusal names the
+    first image past the limit (`params[i]` is image i's part)."""
+    if len(pixels) > limits.max_images:
+        check_count(len(pixels), limits, params[limits.max_images])
+    total = 0
+    for count, param in zip(pixels, params, strict=True):
+        total += count
+        if total > limits.max_request_pixels:
+            raise InvalidRequest(
+                f"{param}: the request's images hold {sum(pixels):,} pixels together, more "
+                f"than the server's limit of {limits.max_request_pixels:,} per request "
+                "(--max-request-pixels); send fewer or smaller images",
+                param=param,
+                code="image_too_large",
+            )
+
+
+def _decode(data: bytes, fmt: str, param: str) -> Any:
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=[fmt.upper()])
+            img.load()  # an MPO's first picture: the frame open stands on
+            still: Image.Image = img
+            if fmt == "jpeg":
+                still = ImageOps.exif_transpose(img)
+            return still.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise _corrupt(param, fmt) from None
+
+
+def _corrupt(param: str, fmt: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: the {fmt.upper()} data is corrupt or truncated", param=param)
 
 
 def pixel_digest(rgb: object) -> str:

@@ -22,12 +22,12 @@ from typing import Any, Literal
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.vision.fetch import fetch_image
 from mlx_prefix.vision.intake import (
-    DecodedImage,
+    EncodedImage,
     ImageLimits,
     decode_base64,
     decode_data_url,
-    decode_image,
     media_format,
+    read_image,
 )
 
 Detail = Literal["auto", "low", "high"]
@@ -37,9 +37,10 @@ LOW_DETAIL_SIDE = 512
 
 @dataclass(frozen=True, eq=False)
 class ImageInput:
-    """One image of a message, as the model will be given it."""
+    """One image of a message, as the model will be given it (its header read and
+    checked; decoded once every image of the request passed: vision/intake.py)."""
 
-    image: DecodedImage
+    image: EncodedImage
     detail: Detail = "auto"
 
     @property
@@ -67,7 +68,7 @@ def image_from_url(
         raise InvalidRequest(
             f"{param} must be a data:image/...;base64 URL or an http(s) URL", param=param
         )
-    return ImageInput(decode_image(data, limits, param), detail)
+    return ImageInput(read_image(data, limits, param), detail)
 
 
 def openai_image_part(part: dict[str, Any], limits: ImageLimits, param: str) -> ImageInput:
@@ -111,7 +112,7 @@ def anthropic_image_block(block: dict[str, Any], limits: ImageLimits, param: str
             )
         media_format(media, f"{where}.media_type")
         data = decode_base64(source.get("data"), limits, f"{where}.data")  # checks the type
-        return ImageInput(decode_image(data, limits, f"{where}.data"))
+        return ImageInput(read_image(data, limits, f"{where}.data"))
     if kind == "url":
         return image_from_url(source.get("url"), limits, f"{where}.url")
     if kind == "file":
@@ -125,12 +126,12 @@ def anthropic_image_block(block: dict[str, Any], limits: ImageLimits, param: str
     )
 
 
-def low_detail(image: DecodedImage) -> Any:
-    """The picture fitted in LOW_DETAIL_SIDE x LOW_DETAIL_SIDE (aspect kept; never
-    enlarged): a PIL image."""
+def low_detail(picture: Any) -> Any:
+    """A PIL picture fitted in LOW_DETAIL_SIDE x LOW_DETAIL_SIDE (aspect kept; never
+    enlarged), as a copy."""
     from PIL import Image
 
-    pixels = image.pixels.copy()  # type: ignore[attr-defined]
+    pixels = picture.copy()
     pixels.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE), Image.Resampling.BICUBIC)
     return pixels
 

@@ -18,7 +18,6 @@ A family is chosen by the config's model_type (`load_vision`); a folder without 
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 from collections.abc import Sequence
@@ -34,10 +33,11 @@ from safetensors import safe_open
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.arrays import load_safetensors
-from mlx_prefix.vision.intake import DecodedImage
+from mlx_prefix.vision.intake import EncodedImage
 from mlx_prefix.vision.key import ImageSpan
 from mlx_prefix.vision.parts import ImageInput
 from mlx_prefix.vision.positions import PositionTable
+from mlx_prefix.vision.prepared import PreparedCache
 from mlx_prefix.vision.rope import RopePositions, positions
 
 
@@ -80,20 +80,30 @@ class VisionFamily:
         self.processing = processing  # the preprocessing parameters, as text (in the key)
         self.placeholder = placeholder  # the id each image's span is filled with
         self.opener = opener  # the special token right before every span: a grid point
-        # A plan renders its conversation several times (sentinel probes): each image is
-        # prepared once. Thread-safe; a few images (pixel values can be tens of MB).
-        self.prepare_input = functools.lru_cache(maxsize=8)(self._prepare_input)
+        # The same image in the next turns is prepared once (vision/prepared.py: by
+        # bytes; pixel values can be hundreds of MB).
+        self.prepared: PreparedCache[PreparedImage] = PreparedCache(lambda p: p.pixel_values.nbytes)
 
-    def _prepare_input(self, item: ImageInput) -> PreparedImage:
-        return self.prepare(item.image, item.detail)
+    def prepare_input(self, item: ImageInput) -> PreparedImage:
+        """`item` as this tower takes it, kept for the next request that sends it. An
+        image seen for the first time is decoded once, for its digest (the key) and,
+        on a miss, its preparation."""
+        image = item.image
+        picture = None if image.digested else image.rgb()
+        return self.prepared.get(item.identity, lambda: self.prepare(image, item.detail, picture))
 
-    def prepare(self, image: DecodedImage, detail: str = "auto") -> PreparedImage:
-        """The image as this tower takes it; `detail` "low" fits it in 512 x 512 first
+    def prepare(
+        self, image: EncodedImage, detail: str = "auto", picture: Any = None
+    ) -> PreparedImage:
+        """The image as this tower takes it (`picture`: its RGB, already decoded; else
+        decoded for this, never kept); `detail` "low" fits it in 512 x 512 first
         (vision/parts.py), and is then part of its key."""
         from mlx_prefix.vision.parts import low_detail
 
         low = detail == "low"
-        pixels = low_detail(image) if low else image.pixels
+        pixels = picture if picture is not None else image.rgb()
+        if low:
+            pixels = low_detail(pixels)
         return self._prepare(pixels, image.digest, self.processing + (";detail=low" if low else ""))
 
     def _prepare(self, pixels: Any, digest: str, processing: str) -> PreparedImage:

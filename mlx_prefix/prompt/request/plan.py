@@ -106,9 +106,15 @@ class PromptPlanner:
         image's placeholder run salted with its key (vision/key.py)."""
         return self.key(prompt, contents).tokens
 
-    def key(self, prompt: PromptInput, contents: Mapping[int, str] | None = None) -> RenderedKey:
-        """tokens() with the image spans it salted (a plan's probes render the same images
-        again: the family memoizes their preparation)."""
+    def key(
+        self,
+        prompt: PromptInput,
+        contents: Mapping[int, str] | None = None,
+        prepared: dict[str, PreparedImage] | None = None,
+    ) -> RenderedKey:
+        """tokens() with the image spans it salted. A plan's probes render the same images
+        again: `prepared` (the plan's own, by identity) prepares each once whatever the
+        family's byte-capped cache across requests still holds."""
         images = rendered_images(prompt.messages or (), contents)
         if not images:
             return RenderedKey(self._ids(prompt, contents), (), ())
@@ -120,8 +126,12 @@ class PromptPlanner:
                 code="model_not_multimodal",
             )
         ids = self._ids(prompt, contents)
-        items = [self.vision.prepare_input(at.image) for at in images]
-        expanded, spans = self.vision.expand(ids, items)
+        vision, memo = self.vision, {} if prepared is None else prepared
+        for at in images:
+            if at.image.identity not in memo:
+                memo[at.image.identity] = vision.prepare_input(at.image)
+        items = [memo[at.image.identity] for at in images]
+        expanded, spans = vision.expand(ids, items)
         return RenderedKey(salt(expanded, spans), tuple(spans), tuple(items))
 
     def _ids(self, prompt: PromptInput, contents: Mapping[int, str] | None) -> list[int]:
@@ -143,9 +153,10 @@ class PromptPlanner:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             found = {cp.position: cp.kind for cp in self._periodic(tokens)}
             return RenderedPrompt(tuple(tokens), self._with_tail(tokens, found), False)
-        key = self.key(prompt)
+        prepared: dict[str, PreparedImage] = {}
+        key = self.key(prompt, prepared=prepared)
         tokens = key.tokens
-        checkpoints = self._chat_checkpoints(prompt, tokens, key.spans)
+        checkpoints = self._chat_checkpoints(prompt, tokens, key.spans, prepared)
         opens = self.reasoning is not None and self.reasoning.opens(tokens)
         vision = None
         if key.spans:
@@ -185,13 +196,23 @@ class PromptPlanner:
             found = {**found, tail: CheckpointKind.PERIODIC}
         return tuple(Checkpoint(p, found[p]) for p in sorted(found))
 
-    def _sentinel_start(self, prompt: PromptInput, index: int, tokens: list[int]) -> int:
+    def _sentinel_start(
+        self,
+        prompt: PromptInput,
+        index: int,
+        tokens: list[int],
+        prepared: dict[str, PreparedImage] | None = None,
+    ) -> int:
         """Token position where messages[index]'s content begins."""
-        probe = self.tokens(prompt, {index: SENTINEL})
+        probe = self.key(prompt, {index: SENTINEL}, prepared).tokens
         return common_prefix_length(tokens, probe)
 
     def _chat_checkpoints(
-        self, prompt: PromptInput, tokens: list[int], spans: Sequence[ImageSpan] = ()
+        self,
+        prompt: PromptInput,
+        tokens: list[int],
+        spans: Sequence[ImageSpan] = (),
+        prepared: dict[str, PreparedImage] | None = None,
     ) -> tuple[Checkpoint, ...]:
         grid, n = self.grid, len(tokens)
         messages = prompt.messages or ()
@@ -218,7 +239,7 @@ class PromptPlanner:
 
         def start(index: int) -> int:
             if index not in starts:
-                starts[index] = self._sentinel_start(prompt, index, tokens)
+                starts[index] = self._sentinel_start(prompt, index, tokens, prepared)
             return starts[index]
 
         if len(messages) > 1:

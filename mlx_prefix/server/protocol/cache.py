@@ -9,6 +9,7 @@ from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput
+from mlx_prefix.vision.intake import ImageLimits
 
 from .chat import parse_messages, read_tools
 from .completions import prompt_text
@@ -23,12 +24,12 @@ class WarmRequest:
     cache: CachePreference  # its cache_salt (the namespace is the sender's)
 
 
-def parse_warm(body: dict[str, Any]) -> WarmRequest:
+def parse_warm(body: dict[str, Any], images: ImageLimits | None = None) -> WarmRequest:
     if ("messages" in body) == ("prompt" in body):
         raise InvalidRequest("give exactly one of 'messages' or 'prompt'")
     if "messages" in body:
         prompt = PromptInput(
-            messages=parse_messages(body["messages"]),
+            messages=parse_messages(body["messages"], images),
             tools=read_tools(body),
             chat_template_kwargs=field(body, "chat_template_kwargs", dict, None) or {},
         )

@@ -19,7 +19,7 @@ from ..protocol.anthropic.bodies import MessagesRequest, parse_count_tokens, par
 from ..protocol.request import Limits
 from ..replies.anthropic import AnthropicWriter, BlockWriter, new_message_id
 from .common import api, model_for, state
-from .flow import start
+from .flow import check_images, start
 
 
 @api
@@ -47,12 +47,13 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
-    model, prompt = await run_in_threadpool(  # its images decode off the event loop
+    model, prompt = await run_in_threadpool(  # its image headers are read off the event loop
         parse_count_tokens,
         body,
         keep_billing_header=st.settings.keep_billing_header,
         images=st.settings.images,
     )
     served = await model_for(request, model)
+    check_images(prompt, st.settings.images, served.engine)  # before any is decoded
     count = await run_in_threadpool(served.engine.count_tokens, prompt)
     return JSONResponse({"input_tokens": count})

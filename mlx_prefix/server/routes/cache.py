@@ -25,6 +25,7 @@ from ..protocol.cache import parse_requests_query, parse_warm
 from ..protocol.fields import field
 from ..replies.stream import ClientGone, until_disconnect
 from .common import api, model_for, state
+from .flow import check_images
 
 log = logging.getLogger("mlx_prefix.server")
 
@@ -59,7 +60,10 @@ async def cache_warm(request: Request) -> Response:
     st = state(request)
     body = await read_json(request)
     served = await model_for(request, field(body, "model", str, None))
-    warm = parse_warm(body)
+    # Off the event loop (its images' headers are read), then its images checked whole
+    # before the engine decodes any.
+    warm = await run_in_threadpool(parse_warm, body, st.settings.images)
+    check_images(warm.prompt, st.settings.images, served.engine)
     started = time.perf_counter()
     timeout = st.settings.warm_timeout_s
     cache = replace(warm.cache, namespace=caller(request).namespace)

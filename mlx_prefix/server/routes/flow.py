@@ -2,11 +2,12 @@
 
 `start` is the preamble, always in this order: who called (their cache namespace) and
 the request's one log line; the body read (guards/body.py) and parsed by the family's
-parser, under the server's limits with the defaults the settings file gives the model
-it names (ServerState.limits_named); the served model it names, loaded if need be; the
-request as the engine takes it (the family's GenerationRequest, its reply's tool calls
-named after the request, in the caller's namespace, its reply bounded by the model's
-context, a forced tool choice opened); submitted. A failure on the way writes the log
+parser (images: their headers only), under the server's limits with the defaults the
+settings file gives the model it names (ServerState.limits_named); the served model it
+names, loaded if need be; the request as the engine takes it (its images checked whole,
+the family's GenerationRequest, its reply's tool calls named after the request, in the
+caller's namespace, its reply bounded by the model's context, a forced tool choice
+opened); submitted. A failure on the way writes the log
 line and is raised, to leave in the family's error shape (common.api).
 
 `start` is `open_call` (caller to model) then `Opened.prepared` and `Opened.submit`; a
@@ -31,9 +32,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_prefix.errors import ContextLengthExceeded, MlxPrefixError
+from mlx_prefix.errors import ContextLengthExceeded, InvalidRequest, MlxPrefixError
 from mlx_prefix.records import PromptInput, ToolCallIds
-from mlx_prefix.vision.intake import check_count
+from mlx_prefix.vision.intake import ImageLimits, check_request
 
 from ..guards.body import read_json
 from ..guards.namespaces import Caller, caller
@@ -132,13 +133,24 @@ def _as_is(parsed: Any, who: Caller) -> GenerationRequest:
     return parsed
 
 
-def _check_image_count(prompt: PromptInput, limits: Limits) -> None:
-    """--max-images over the whole prompt, whatever family sent it (a Responses chain's
-    earlier images included), naming the first image past the limit."""
+def check_images(prompt: PromptInput, limits: ImageLimits, engine: Any) -> None:
+    """The whole prompt's images, whatever family sent it (a Responses chain's earlier
+    images included), from their headers alone, before the first is decoded (their
+    digests, computed when the engine plans the prompt): --max-images,
+    --max-request-pixels, and a model that takes none. Each refusal names the first
+    image past the limit."""
     images = [image for m in prompt.messages or () for image in m.images]
-    if len(images) > limits.images.max_images:
-        where = images[limits.images.max_images].param or "messages"
-        check_count(len(images), limits.images, where)
+    if not images:
+        return
+    params = [at.param or "messages" for at in images]
+    check_request([at.image.image.pixel_count for at in images], params, limits)
+    if getattr(engine.model, "vision", None) is None:
+        raise InvalidRequest(
+            f"{params[0]}: this model is text-only and cannot take images; serve a vision "
+            "model (its folder has a vision_config) to send them",
+            param=params[0],
+            code="model_not_multimodal",
+        )
 
 
 @dataclass(frozen=True)
@@ -162,11 +174,12 @@ class Opened(Generic[P]):
         return logged(self.record)
 
     def prepared(self, req: GenerationRequest) -> GenerationRequest:
-        """`req` as the engine takes it: its reply's tool calls named after the request,
-        in the caller's namespace, its reply bounded by the model's context, a forced
-        tool choice opened."""
+        """`req` as the engine takes it: its images checked whole (`check_images`; none
+        is decoded before the engine plans the prompt), its reply's tool calls named
+        after the request, in the caller's namespace, its reply bounded by the model's
+        context, a forced tool choice opened."""
         with self.logged():
-            _check_image_count(req.prompt, self.limits)
+            check_images(req.prompt, self.limits.images, self.served.engine)
             req = replace(
                 req,
                 prompt=replace(req.prompt, reply_tool_call_ids=self.ids),
@@ -225,8 +238,9 @@ async def read_call(
         if model_name is not None and isinstance(body.get("model"), str):
             body["model"] = model_name(body["model"])
         limits = st.limits_named(body)  # the named model's defaults from the settings file
-        # Off the event loop: a body's images are decoded (and, with --allow-image-urls,
-        # fetched) while it is parsed, which must not hold up other requests' streams.
+        # Off the event loop: a body's image headers are read (and, with
+        # --allow-image-urls, images fetched) while it is parsed, which must not hold up
+        # other requests' streams. Nothing is decoded before `prepared` checked them all.
         parsed = await run_in_threadpool(parse, body, limits)
     return Read(request, st, who, record, ids, limits, parsed)
 

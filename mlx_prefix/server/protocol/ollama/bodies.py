@@ -8,8 +8,9 @@ their arguments as objects, `tool_name`), `tools`, `format`, `options`
 (options.py), `think`, `keep_alive`, `stream` (true by default, as in
 Ollama), `logprobs` / `top_logprobs`; /api/generate's `system` and `raw` (the prompt as
 is, no template); `images` (base64, on a message or beside /api/generate's prompt) stand
-before the message's text, where Ollama puts them, decoded under the server's image
-limits (a text-only model refuses them naming the field). Refused: `suffix`
+before the message's text, where Ollama puts them, their headers read under the server's
+image limits (decoded only once the whole request passed them, and a text-only model
+refuses them naming the field: routes/flow.py). Refused: `suffix`
 (fill-in-the-middle needs a template this server does not have), `template` (a request
 never chooses the template, invariant 13), a non-empty `context` (Ollama's deprecated
 token memory: send the conversation to /api/chat instead, whose history the prefix cache
@@ -27,7 +28,7 @@ from typing import Any, Literal
 from mlx_prefix.conversation import Conversation, ImageAt, Message, conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import PromptInput, SamplingParams
-from mlx_prefix.vision.intake import ImageLimits, decode_base64, decode_image
+from mlx_prefix.vision.intake import ImageLimits, decode_base64, read_image
 from mlx_prefix.vision.parts import ImageInput
 
 from ..chat import read_tools
@@ -280,7 +281,7 @@ def _with_images(message: Message, images: Any, param: str, limits: ImageLimits)
     decoded = []
     for j, text in enumerate(images):
         at = f"{param}[{j}]"
-        image = ImageInput(decode_image(decode_base64(text, limits, at), limits, at))
+        image = ImageInput(read_image(decode_base64(text, limits, at), limits, at))
         decoded.append(ImageAt(0, image, at))
     return replace(message, images=tuple(decoded))
 
