@@ -401,6 +401,24 @@ def test_payload_length_must_match_tokens():
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_cancelled_prefills_entry_goes_first_and_never_pushes_one_out(policy):
+    """CANCELLED (issue 55): stored only into room nobody else wants, evicted before
+    any other kind whatever its value."""
+    c = PromptCache(40, policy=policy_named(policy))
+    for i, kind in enumerate((K.PERIODIC, K.HISTORY, K.SYSTEM)):
+        c.insert(M, [i] * 4, snap([i] * 4), kind)
+    assert c.insert(M, [7] * 4, snap([7] * 4), K.CANCELLED)  # room left: stored
+    assert not c.insert(M, [8] * 4, snap([8] * 4, nbytes=20), K.CANCELLED)  # none: refused
+    assert {e.kind for e in c.entries()} == {K.PERIODIC, K.HISTORY, K.SYSTEM, K.CANCELLED}
+    hit = c.match(M, [7] * 5, ident).entry_id
+    c.acquire(hit)  # now the most recently used
+    c.release(hit)
+    assert c.insert(M, [9] * 4, snap([9] * 4), K.PERIODIC)  # the cancelled one goes first
+    assert K.CANCELLED not in {e.kind for e in c.entries()} and c.stats().entries == 4
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_random_operations_keep_integrity_and_reuse_rules(policy):
     rng = random.Random(1)
     c = PromptCache(400, max_entries=12, policy=policy_named(policy))

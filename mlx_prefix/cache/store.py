@@ -105,7 +105,10 @@ class PromptCache:
                 return CacheMatch(None, 0, 0, found.matched_tokens)
             self._contents.counters.hits += record
             self._contents.counters.tokens_reused += found.reuse_tokens if record else 0
-            return CacheMatch(found.value, found.reuse_tokens, found.trim, found.matched_tokens)
+            kind = self._entries[found.value].kind
+            return CacheMatch(
+                found.value, found.reuse_tokens, found.trim, found.matched_tokens, kind
+            )
 
     def get(self, model_key: str, tokens: Sequence[int]) -> Any | None:
         """The payload stored under exactly `tokens`, or None. Does not mutate: no lock

@@ -17,6 +17,10 @@ class CheckpointKind(IntEnum):
     """Why a checkpoint was taken. Eviction order (`eviction.KindLRU`): lower is evicted
     first. Disk files record the name, never the number."""
 
+    # Where a cancelled prefill stopped (or what it stored running on once its client
+    # had gone: engine/loop.py): exact like every other, but nobody asked for it, so it
+    # goes before every other kind and never pushes one out (eviction/policy.py).
+    CANCELLED = 0
     PERIODIC = 1
     HISTORY = 2
     LAST_MESSAGE = 3
@@ -69,6 +73,7 @@ class CacheMatch:
     reuse_tokens: int  # tokens the request gets from the cache (after trim/alignment); 0 on miss
     trim: int  # tokens to drop from the entry's end when restoring
     matched_tokens: int  # longest common prefix with any stored sequence (diagnostic)
+    kind: CheckpointKind | None = None  # the entry's kind (None: miss)
 
 
 @dataclass(frozen=True, slots=True)

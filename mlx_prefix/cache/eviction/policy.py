@@ -5,7 +5,7 @@ The policy only orders entries. The store (`store.PromptCache`) decides when to 
 or locked one): it takes the first evictable entry of `order()`.
 
 Two policies:
-- `KindLRU`: lower `CheckpointKind` first (PERIODIC < HISTORY <
+- `KindLRU`: lower `CheckpointKind` first (CANCELLED < PERIODIC < HISTORY <
   LAST_MESSAGE < the protected kinds), least recently used first within a kind.
 - `ValueLRU` (the engine's default): the protected kinds (above LAST_MESSAGE: the
   system prompt, client cache breakpoints) keep KindLRU's order and go after every
@@ -29,6 +29,9 @@ Two policies:
   serves every request that continues past it) counts `passed_weight` of its work;
   for trimmable entries the coverage above already says so (an extension serves all
   of it), so this weighs the exact-only checkpoints of hybrid models.
+  CANCELLED entries (a cancelled prefill's: issue 55) go before all of these, least
+  recently used first, whatever their value: nobody asked for them, so they take only
+  room no other entry wants and never push one out.
 
   Why alpha = 2.5 (Marconi tunes it per workload; it was 1.5): it is how much work
   per byte outweighs recency. With the scale's span of log(100), an entry e^(span /
@@ -73,6 +76,8 @@ ALPHA = 2.5
 
 # Kinds above this one are protected: evicted after every other entry, by kind then LRU.
 PROTECTED_ABOVE = CheckpointKind.LAST_MESSAGE
+# The kind evicted before every other, by LRU alone (ValueLRU ranks no value for it).
+FIRST_TO_GO = CheckpointKind.CANCELLED
 
 
 class Evictable(Protocol):
@@ -182,7 +187,8 @@ class KindLRU(Generic[E]):
 
 
 class ValueLRU(Generic[E]):
-    """Protected kinds last (kind, then LRU); the others by recency + alpha * efficiency."""
+    """CANCELLED first (LRU), protected kinds last (kind, then LRU); the others by
+    recency + alpha * efficiency."""
 
     def __init__(self, alpha: float = ALPHA, passed_weight: float = 0.1) -> None:
         self.alpha = alpha
@@ -202,7 +208,8 @@ class ValueLRU(Generic[E]):
         pass  # the kind is read when ranking
 
     def order(self) -> Iterator[E]:
-        ordinary = [e for e in self._lru.values() if e.kind <= PROTECTED_ABOVE]
+        yield from (e for e in self._lru.values() if e.kind == FIRST_TO_GO)
+        ordinary = [e for e in self._lru.values() if FIRST_TO_GO < e.kind <= PROTECTED_ABOVE]
         scores = self._scores([(e.saved_work, e.share_bytes, e.children) for e in ordinary])
         ranked = sorted(range(len(ordinary)), key=lambda i: scores[i])  # stable: LRU ties
         yield from (ordinary[i] for i in ranked)
@@ -213,7 +220,9 @@ class ValueLRU(Generic[E]):
         protected = {e.entry_id for e in self._lru.values() if e.kind > PROTECTED_ABOVE}
         if new.kind > PROTECTED_ABOVE:
             return {i for i in protected if self._lru[i].kind > new.kind}
-        ordinary = [e for e in self._lru.values() if e.kind <= PROTECTED_ABOVE]
+        ordinary = [e for e in self._lru.values() if FIRST_TO_GO < e.kind <= PROTECTED_ABOVE]
+        if new.kind == FIRST_TO_GO:  # the newest of the first to go: everyone else stays
+            return protected | {e.entry_id for e in ordinary}
         values = [(e.saved_work, e.share_bytes, e.children) for e in ordinary]
         scores = self._scores([*values, (new.saved_work, new.share_bytes, new.children)])
         mine = scores[-1]
