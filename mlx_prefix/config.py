@@ -209,6 +209,10 @@ class EngineConfig:
     # that reply again on the chunk grid so the next turn restores the whole history.
     prefetch_next_turn: bool = True
     prefetch_delay_s: float = 0.5
+    # A cancelled prefill runs on to its prompt's end while nothing else waits, giving
+    # way at its next grid point to a request that cannot restore from it; stopped, or
+    # with this off, it stores the grid point it reached (engine/loop.py, issue 55).
+    finish_cancelled: bool = True
     # Quantized KV cache, mlx_lm's --kv-bits / --kv-group-size / --quantized-kv-start
     # (engine/forward/kv_quant.py). None: float KV. The start is mlx_lm's
     # DEFAULT_QUANTIZED_KV_START.

@@ -49,6 +49,20 @@ def test_engine_flags_and_variables_reach_the_engine_config(monkeypatch):
         EngineConfig(gather_tokens=-1)
 
 
+def test_finish_cancelled_from_flag_or_variable(monkeypatch):
+    from mlx_prefix.cli import build_parser
+    from mlx_prefix.cli.args import engine_config
+
+    def parsed(*flags: str) -> bool:
+        return engine_config(build_parser().parse_args(["serve", *flags])).finish_cancelled
+
+    assert parsed() is True
+    assert parsed("--no-finish-cancelled") is False
+    monkeypatch.setenv("MLX_PREFIX_ENGINE_FINISH_CANCELLED", "0")
+    assert parsed() is False
+    assert parsed("--finish-cancelled") is True  # the flag over the variable
+
+
 def test_responses_store_size_from_flag_or_variable(monkeypatch):
     from mlx_prefix.cli import build_parser
 

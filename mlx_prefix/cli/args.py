@@ -209,6 +209,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="don't prefill a chat's reply again while idle (next-turn prefetch)",
     )
     p.add_argument(
+        "--finish-cancelled",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a cancelled request's prefill runs on to its prompt's end while nothing "
+        "else waits, so the same prompt sent again restores it whole (default on; off: "
+        "it stores the last grid point it reached)",
+    )
+    p.add_argument(
         "--deterministic",
         action="store_true",
         default=None,
@@ -300,6 +308,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "decode_latency_s",
         "gather_tokens",
         "prefetch_next_turn",
+        "finish_cancelled",
         "kv_bits",
         "kv_group_size",
         "quantized_kv_start",

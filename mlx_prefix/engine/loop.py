@@ -204,19 +204,29 @@ class EngineLoop:
     def _preempt_background(self, task: PrefillTask) -> None:
         """A background prefill gives way to any waiting request that cannot restore from
         it (another namespace's, or one not extending its prompt); one that can will, so
-        it goes on."""
+        it goes on. A cancelled request's prefill stores the grid point it reached."""
         if task.job.background and (self.closing or self.waiting.preempts(task.job)):
+            if task.job.orphaned:
+                self.prefill.close(task, cancelled=True)
+                return
             self.prefetch.cancelled += 1
             self.prefetch.tokens += task.computed
             self.prefill.close(task)
             self.lifecycle.end(task.job, cancelled(task.job))
 
     def _prefill_step(self, budget: int, stopping: bool) -> None:
-        """Advance the prefilling requests by up to `budget` tokens of grid chunks."""
+        """Advance the prefilling requests by up to `budget` tokens of grid chunks. A
+        cancelled one keeps what it computed: it runs on (`_run_on`), or stops and stores
+        the grid point it reached (issue 55)."""
         for task in list(self.prefill.tasks):
-            if task.job.handle.cancelled.is_set() or stopping:
-                self.prefill.close(task)
-                self.lifecycle.end(task.job, cancelled(task.job, task.reuse))
+            job = task.job
+            if stopping or (job.handle.cancelled.is_set() and not job.orphaned):
+                if not stopping and self._runs_on(task):
+                    self._run_on(task)
+                    continue
+                # A next-turn prefetch stores only what it was for (prefetch.py).
+                self.prefill.close(task, cancelled=not job.background or job.orphaned)
+                self.lifecycle.end(job, cancelled(job, task.reuse))
         if not self.prefill.tasks:
             return
         self._report_progress()  # where each new prefill starts: its cached tokens
@@ -232,7 +242,8 @@ class EngineLoop:
         now = time.perf_counter()
         for task in self.prefill.tasks:
             handle = task.job.handle
-            if handle.progress and task.position != task.progress_sent:
+            # A cancelled prefill running on (`_run_on`) has sent its final event.
+            if handle.progress and not task.job.ended and task.position != task.progress_sent:
                 task.progress_sent = task.position
                 handle.emit(
                     ProgressEvent(
@@ -243,12 +254,38 @@ class EngineLoop:
                     )
                 )
 
+    def _runs_on(self, task: PrefillTask) -> bool:
+        """Whether a cancelled request's prefill goes on for what it stores: with
+        --finish-cancelled, not at shutdown, chunks left and a cache to store them in."""
+        return (
+            self.config.finish_cancelled
+            and not self.closing
+            and not task.job.background
+            and task.checkpointer is not None
+            and not task.cursor.done
+        )
+
+    def _run_on(self, task: PrefillTask) -> None:
+        """End the cancelled request (its client hears it at once) and let its prefill
+        run on as a background job: to the prompt's end while nothing waits, giving way
+        at its next grid point to a waiting request that cannot restore from it
+        (`_preempt_background`), as a next-turn prefetch does; a request that extends
+        its prompt (the same prompt sent again) restores from it. What it stores from
+        now on is CANCELLED: the first to go (cache/eviction/policy.py)."""
+        job = task.job
+        self.lifecycle.end(job, cancelled(job, task.reuse))
+        job.background = job.orphaned = True
+        assert task.checkpointer is not None
+        task.checkpointer.cancel()
+
     def _finish_prefill(self, task: PrefillTask) -> None:
         """The prompt is in the cache: complete a warm-up or a prefetch, or hold the
         request to join the decode batch (`_admit_held`). The task stays listed until
         the request is in the batch, so an error on the way still reaches it."""
         job = task.job
-        if job.background:
+        if job.orphaned:
+            self.prefill.close(task)  # its end is stored (checkpoints.py)
+        elif job.background:
             self.prefetch.completed += 1
             self.prefetch.tokens += task.computed
             self.prefill.close(task)

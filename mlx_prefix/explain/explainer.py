@@ -202,6 +202,7 @@ class Explainer:
             align=align,
             divergence=divergence,
             evicted=lambda cached: _evicted(t, raw, closest, align, cached),
+            resumed_cancelled=t.resumed_cancelled,
         )
         verdict = decide(evidence)
         record = self._record(job, verdict, where if verdict.diverged_at == d else None)

@@ -15,6 +15,8 @@ In order, the first that holds:
   or `settings` when a prompt sent with another model, other cache settings or another
   cache_salt does (and chat_template_kwargs that changed what the closest had rendered
   are `settings` too);
+- cancelled: what it restored is where a cancelled prefill stopped (or what it stored
+  running on once its client had gone): "resumed at token N";
 - evicted: the cache restored less than `expected` and its record of evicted (or
   refused) entries holds one that would have given more;
 - re_rendered: the prompt left the closest inside the reply the server generated (and its
@@ -45,6 +47,7 @@ REASONS = (
     "re_rendered",
     "volatile",
     "evicted",
+    "cancelled",
     "grid",
     "model",
     "settings",
@@ -88,6 +91,7 @@ class Evidence:
     align: Callable[[int], int]  # the largest grid point <= n of this prompt
     divergence: Divergence
     evicted: Callable[[int], EvictedHit | None]  # an evicted entry restoring more than n
+    resumed_cancelled: bool = False  # it restored a cancelled prefill's entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,9 @@ def decide(e: Evidence) -> Verdict:
     if own is not None and own.seen.kwargs != e.kwargs and d < own.seen.prompt_len:
         what = "chat_template_kwargs changed what the template wrote"
         return Verdict("settings", lost(own.seen.prompt_len), what, own, d)
+    if e.resumed_cancelled and e.cached > 0:
+        what = f"resumed at token {e.cached}, where a cancelled prefill of it stopped"
+        return Verdict("cancelled", lost(cacheable), what, c, at)
     if e.cached < expected and (hit := e.evicted(e.cached)) is not None:
         return Verdict("evicted", hit.reuse - e.cached, _evicted(hit), c, at)
     if own is not None:

@@ -93,6 +93,8 @@ class CacheTrace:
     # The longest common prefix with any entry stored under its key: the store's trie
     # walk computes it for the match anyway.
     stored_match: int = 0
+    # What it restored is where a cancelled prefill stopped (a CANCELLED entry: issue 55).
+    resumed_cancelled: bool = False
     # The reply's token ids (the decode phase's own list, complete at the final event).
     reply: list[int] = field(default_factory=list)
 

@@ -21,6 +21,12 @@ The request's active bytes count the chain's pieces and the captured state of th
 checkpoints not stored yet (`held`), each once with the stored entries that hold them
 too (cache/eviction/active.py).
 
+A cancelled prefill (issue 55) keeps what it computed: where it stops, on a grid point
+between two chunks (the cache holds exactly that prefix, computed alone on the grid),
+`keep_reached` stores the state there; and a prefill that runs on once its client has
+gone (`cancel`) stores what it reaches from then on. Those entries are CANCELLED (the
+protected kinds aside): the first to go, never pushing out an entry someone asked for.
+
 Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
 past the restored position (an edit, a new question, another tool result), the grid
 point at or before the divergence becomes a checkpoint, so the next request of
@@ -126,6 +132,8 @@ class Checkpointer:
     # `reuse`), and the draft's; each capture continues them (cache/chain.py).
     chain: Chain = Chain()
     draft_chain: Chain = Chain()
+    # The request was cancelled (`cancel`): what is stored from then on is CANCELLED.
+    cancelled: bool = False
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -269,6 +277,25 @@ class Checkpointer:
             self._keep(d.snapshot, d.kind, d.in_memory, d.to_disk)
             self._deferred.pop(0)
 
+    def cancel(self) -> None:
+        """The request was cancelled and its prefill runs on for what it stores
+        (engine/loop.py): the checkpoints reached so far are stored as planned, later
+        ones as CANCELLED, the protected kinds aside. Mutates the store."""
+        self.settle()
+        self.cancelled = True
+
+    def keep_reached(self, position: int) -> None:
+        """A cancelled prefill stops at grid point `position` (the cache holds exactly
+        that prefix, computed chunk by chunk on the grid): store its state there as
+        CANCELLED, unless stored already, after the checkpoints it had deferred. Call
+        before `finish`; the cache is not changed. Mutates the store."""
+        if self.finished or position <= self.reuse:
+            return
+        self.settle()
+        if self.store.get(self.key, self.prompt.tokens[:position]) is not None:
+            return
+        self._keep(self._capture(position), CheckpointKind.CANCELLED, True, False)
+
     def finish(self, *, keep: bool = True) -> None:
         """The prefill ended, or stopped between chunks: store / queue the deferred
         checkpoints (mutates the store and the disk queue; the cache is not changed).
@@ -290,7 +317,10 @@ class Checkpointer:
         tokens = self.prompt.tokens[: snapshot.length]
         if in_memory:
             self.report()
-            self.store.insert(self.key, tokens, snapshot, kind)
+            cancelled = self.cancelled and kind <= PROTECTED_ABOVE
+            self.store.insert(
+                self.key, tokens, snapshot, CheckpointKind.CANCELLED if cancelled else kind
+            )
             self.on_stored(snapshot.length)
         if to_disk:
             assert self.disk is not None, "disk positions come from the disk tier"

@@ -299,11 +299,19 @@ class PrefillPhase:
             task.checkpointer.settle()
         self.kv_quant.apply(task.cache)
 
-    def close(self, task: PrefillTask, *, failed: bool = False) -> PrefillTask:
-        """End a task (done, cancelled or `failed`); returns it. A cancelled prefill
-        stores the checkpoints it reached; a failed one (its cache may be broken) only
-        those already stored."""
+    def close(
+        self, task: PrefillTask, *, failed: bool = False, cancelled: bool = False
+    ) -> PrefillTask:
+        """End a task (done, `cancelled` or `failed`); returns it. A cancelled prefill
+        stores the checkpoints it reached and its state where it stopped (issue 55); a
+        failed one (its cache may be broken) only those already stored."""
         self.tasks.remove(task)
+        reached = task.position > task.reuse and not task.cursor.done
+        if task.checkpointer is not None and cancelled and not failed and reached:
+            # Between two chunks: the cache holds exactly the prefix up to a grid point,
+            # computed alone (a stacked rest only ever ends a prompt: its cursor is done).
+            assert self.planner.grid.is_point(task.tokens, task.position), "off the grid"
+            task.checkpointer.keep_reached(task.position)
         for layer in layers_of(task.cache):
             unstash(layer)  # its restored parts: the entry's pieces, no longer needed
         if task.checkpointer is not None:

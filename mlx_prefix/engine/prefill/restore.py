@@ -12,7 +12,7 @@ from typing import Literal
 
 from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.snapshot import Snapshot, restore
-from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.prompt.request.grid import ChunkGrid
 
@@ -29,6 +29,7 @@ class Restored:
     trim: int = 0
     source: Literal["memory", "disk", "none"] = "none"
     matched: int = 0  # longest common prefix with a stored entry (the trie walk's)
+    kind: CheckpointKind | None = None  # the restored entry's (None: nothing restored)
 
     @property
     def chain(self) -> Chain:
@@ -68,6 +69,7 @@ def restore_longest(
                 found.lease, found.source = match.entry_id, "memory"
                 found.cache = restore(snapshot, match.trim, first_chunk(match.reuse_tokens))
                 found.reuse, found.snapshot, found.trim = match.reuse_tokens, snapshot, match.trim
+                found.kind = match.kind
         if disk is not None:
             on_disk = disk.lookup(key, tokens, align, better_than=found.reuse)
             if on_disk is not None:  # a memory miss (or shorter hit) served from disk
@@ -79,6 +81,7 @@ def restore_longest(
                 found.cache = restore(disk_snapshot, disk_match.trim, first_chunk(reuse))
                 found.reuse, found.source = reuse, "disk"
                 found.snapshot, found.trim = disk_snapshot, disk_match.trim
+                found.kind = disk_match.kind
                 store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)
     except BaseException:
         if found.lease is not None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.forward.runner import PrefillCursor, always_trimmable
@@ -52,6 +52,7 @@ def begin(
     cache, reuse, lease = found.cache, found.reuse, found.lease
     if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
         trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
+        trace.resumed_cancelled = found.kind is CheckpointKind.CANCELLED
         trace.admitted = True
     try:
         if cache is None:

@@ -72,6 +72,9 @@ class Job:
     warm: Future | None = None  # set for warm-only jobs (prefill, no decode)
     pin: bool = False
     background: bool = False  # a next-turn prefetch: prefill only, when nothing waits
+    # Cancelled, its prefill running on as a background job for what it stores (issue
+    # 55: engine/loop.py); its final event is sent.
+    orphaned: bool = False
     not_before: float = 0.0  # monotonic time a background job may start
     passovers: int = 0
     ended: bool = False  # its last event was sent; nothing more may follow
