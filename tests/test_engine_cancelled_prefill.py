@@ -32,7 +32,7 @@ from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.explain.explainer import Explainer
-from mlx_prefix.records import PromptInput, SamplingParams
+from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 K = CheckpointKind
 # ~15-20 chunks of 32 tokens (TEST_CACHE's grid): a cancel lands well inside.
@@ -328,5 +328,52 @@ def test_a_cancel_in_a_stacking_burst_computes_its_rest_alone_on_the_grid():
         assert _kinds(engine, tokens).get(n) is K.CANCELLED
         _all_exact(engine)
         _resend_is_cold(engine, victim, n)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_the_same_prompt_sent_again_waits_for_the_prefill_running_on(kind):
+    """Esc, then the same prompt at once: the resend does not preempt the cancelled
+    prefill (it restores from it), and finds the whole prompt."""
+    engine = _engine(kind)
+    try:
+        n = len(engine.plan(PROMPT).tokens)
+        orphaned = lambda: any(t.job.orphaned for t in engine._prefill.tasks)  # noqa: E731
+        with cancelling(engine, n // 3) as landed, prefill_held(engine, orphaned):
+            done = collect(engine.submit(PROMPT, SamplingParams(max_tokens=4)))
+            resend = engine.submit(PROMPT, EXACT)  # arrives while the held step runs on
+        assert done.finish_reason == "cancelled" and len(landed) == 1
+        warm = collect(resend)
+        assert warm.usage.cached_tokens >= 0.95 * n, (warm.usage.cached_tokens, n)
+        cold = run(engine, PROMPT, cache=False, sampling=EXACT)
+        assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
+        _all_exact(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_cancelled_image_prompt_resumes_past_its_image():
+    """A Qwen3.5 vision prompt (M-RoPE, recurrent layers) cancelled after its image: the
+    grid point it reached is stored and the resend answers as a cold run does."""
+    from test_vision_engine import SYSTEM, image, loaded, prompt, user
+
+    model = loaded("qwen3_5")
+    config = EngineConfig(prefetch_next_turn=False, prefill_tokens_per_step=1,
+                          finish_cancelled=False)  # fmt: skip
+    engine = Engine(model, TEST_CACHE, config)
+    try:
+        target = prompt(SYSTEM, user("Here is my screen:", image(1), DOC + " What is wrong?"))
+        plan = engine.plan(target)
+        span = plan.vision.spans[0]
+        point = _unplanned_point(engine, target, max(span.end + 1, len(plan.tokens) // 2))
+        with cancelling(engine, point) as landed:
+            done = collect(engine.submit(target, SamplingParams(max_tokens=4)))
+        assert done.finish_reason == "cancelled" and landed == [point]
+        assert _kinds(engine, plan.tokens).get(point) is K.CANCELLED
+        warm = collect(engine.submit(target, EXACT))
+        assert warm.usage.cached_tokens == point
+        cold = collect(engine.submit(target, EXACT, CachePreference(enabled=False)))
+        assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
     finally:
         engine.shutdown()
