@@ -10,7 +10,7 @@
   const POLL_MS = 1000;
   const RETRY_MS = 5000;
   const KEY = "mlx-prefix-api-key"; // sessionStorage: this tab only, gone when it closes
-  const KINDS = ["SYSTEM", "BREAKPOINT", "LAST_MESSAGE", "HISTORY", "PERIODIC"];
+  const KINDS = ["SYSTEM", "BREAKPOINT", "LAST_MESSAGE", "HISTORY", "PERIODIC", "CANCELLED"];
   const $ = (id) => document.getElementById(id);
   let timer = null;
   let charts = null;
