@@ -22,6 +22,7 @@ from engine_helpers import (
     cache_states,
     chat,
     collect,
+    open_engine,
     prefill_held,
     run,
     wait_for,
@@ -29,7 +30,7 @@ from engine_helpers import (
 
 from mlx_prefix.cache.snapshot import restore
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.config import EngineConfig
+from mlx_prefix.config import DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.explain.explainer import Explainer
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
@@ -377,3 +378,23 @@ def test_a_cancelled_image_prompt_resumes_past_its_image():
         assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
     finally:
         engine.shutdown()
+
+
+def test_a_prefill_stopped_where_the_disk_wanted_more_is_saved_for_a_restart(tmp_path):
+    """`--disk-cache full` chose the prompt's checkpoints (past where it stopped): the
+    point it reached is queued for disk too, so a restart resumes there."""
+    disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
+    config = EngineConfig(prefetch_next_turn=False, prefill_tokens_per_step=1,
+                          finish_cancelled=False)  # fmt: skip
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, config, disk_config=disk) as first:
+        n = len(first.plan(PROMPT).tokens)
+        point = _unplanned_point(first, PROMPT, n // 2)
+        with cancelling(first, point) as landed:
+            done = collect(first.submit(PROMPT, SamplingParams(max_tokens=4)))
+        assert done.finish_reason == "cancelled" and landed == [point]
+    with open_engine(loaded_test_model("dense"), TEST_CACHE, config, disk_config=disk) as second:
+        warm = run(second, PROMPT, sampling=EXACT)
+        assert warm.usage.cached_tokens == point
+        assert second.cache_stats()["disk"]["hits"] == 1
+        cold = run(second, PROMPT, cache=False, sampling=EXACT)
+        assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs

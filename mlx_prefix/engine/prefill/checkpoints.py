@@ -287,14 +287,23 @@ class Checkpointer:
     def keep_reached(self, position: int) -> None:
         """A cancelled prefill stops at grid point `position` (the cache holds exactly
         that prefix, computed chunk by chunk on the grid): store its state there as
-        CANCELLED, unless stored already, after the checkpoints it had deferred. Call
-        before `finish`; the cache is not changed. Mutates the store."""
+        CANCELLED, unless stored already, after the checkpoints it had deferred; and
+        queue it for disk where the disk policy chose a save past it (the shutdown
+        writes the queue: a restart resumes there). Call before `finish`; the cache is
+        not changed. Mutates the store and the disk queue."""
         if self.finished or position <= self.reuse:
             return
         self.settle()
-        if self.store.get(self.key, self.prompt.tokens[:position]) is not None:
-            return
-        self._keep(self._capture(position), CheckpointKind.CANCELLED, True, False)
+        tokens = self.prompt.tokens[:position]
+        in_memory = self.store.get(self.key, tokens) is None
+        to_disk = (
+            self.disk is not None
+            and position not in self.disk_positions
+            and any(p > position for p in self.disk_positions)
+            and not self.disk.cache.holds(self.key, tokens)
+        )
+        if in_memory or to_disk:
+            self._keep(self._capture(position), CheckpointKind.CANCELLED, in_memory, to_disk)
 
     def finish(self, *, keep: bool = True) -> None:
         """The prefill ended, or stopped between chunks: store / queue the deferred
