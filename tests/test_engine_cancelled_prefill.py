@@ -33,7 +33,7 @@ from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import DiskConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.explain.explainer import Explainer
-from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+from mlx_prefix.records import CachePreference, DoneEvent, PromptInput, SamplingParams
 
 K = CheckpointKind
 # ~15-20 chunks of 32 tokens (TEST_CACHE's grid): a cancel lands well inside.
@@ -398,3 +398,20 @@ def test_a_prefill_stopped_where_the_disk_wanted_more_is_saved_for_a_restart(tmp
         assert second.cache_stats()["disk"]["hits"] == 1
         cold = run(second, PROMPT, cache=False, sampling=EXACT)
         assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
+
+
+def test_a_request_asking_for_progress_hears_nothing_after_its_cancel():
+    """Its prefill runs on, but its final event was the last it gets (issue 55 item 5's
+    progress events stop there)."""
+    engine = _engine("dense")
+    try:
+        n = len(engine.plan(PROMPT).tokens)
+        with cancelling(engine, n // 3):
+            handle = engine.submit(PROMPT, SamplingParams(max_tokens=4), progress=True)
+            events = list(handle.events(timeout=120))
+        assert wait_for(lambda: not engine._prefill.tasks)  # ran on to the end
+        assert _stored(engine).get(n) is K.CANCELLED
+        assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "cancelled"
+        assert handle._queue.empty(), "an event after the final one"
+    finally:
+        engine.shutdown()
