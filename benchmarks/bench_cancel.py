@@ -10,6 +10,7 @@ report), its time to first token and its whole time, beside the cold run's. Memo
 (mlx-prefix: `--disk-cache off`, as the harness starts it).
 
 `python -m mlx_prefix.blas_exec python -m benchmarks.bench_cancel [--tokens 1500] [--json FILE]`
+(`--only mlx-prefix --ours-args=--no-finish-cancelled`: what the stored point alone gives)
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tokens", type=int, default=1500, help="system prompt tokens (1500)")
     p.add_argument("--cancel-at", type=float, default=0.5, help="share of the cold prefill")
     p.add_argument("--pause", type=float, default=2.0, help="seconds before the resend")
+    p.add_argument("--ours-args", default="", help="more flags for mlx-prefix serve")
+    p.add_argument("--only", choices=(OURS, PEER), help="run this server alone")
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args(argv)
     model = resolve(args.model)
@@ -79,8 +82,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     first, second = passage(100, args.tokens, count), passage(9000, args.tokens, count)
     results: dict[str, Any] = {"model": model.description, "tokens": args.tokens}
     log_dir = Path(tempfile.mkdtemp(prefix="bench-cancel-"))
-    for name in (OURS, PEER):
-        (server,) = start_all([ServerSpec(name, model.path, label=name)], log_dir)
+    for name in (args.only,) if args.only else (OURS, PEER):
+        extra = tuple(args.ours_args.split()) if name == OURS else ()
+        spec = ServerSpec(name, model.path, extra_args=extra, label=name)
+        (server,) = start_all([spec], log_dir)
         try:
             cold, abandoned_s, resend = asyncio.run(
                 _one_server(server.url, first, second, args.cancel_at, args.pause)
