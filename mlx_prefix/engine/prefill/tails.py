@@ -55,16 +55,21 @@ def stacking(task: PrefillTask) -> int:
     return min((kind_of(c).tail_stacking(c) for c in task.cache), default=NO_STACKING)
 
 
-def stackable(task: PrefillTask, limit: int) -> bool:
-    """Whether `task`'s rest may compute stacked with others' and store nothing."""
+def stackable(task: PrefillTask, limit: int, *, at_point: bool = True) -> bool:
+    """Whether `task`'s rest may compute stacked with others' and store nothing; with
+    `at_point=False`, whether it will once it computed alone up to its stack point (it
+    may wait for that where it is ready: `PrefillPhase._waits_to_stack`)."""
     job = task.job
     rest = len(task.tokens) - task.position
     if task.cursor.done or not 0 < rest <= limit:
         return False
     if job.background or job.warm is not None or task.draft is not None:
         return False  # they exist for what they store, or follow a draft step by step
-    if task.checkpointer is not None and task.checkpointer.owes_after(task.position):
-        return False
+    if task.checkpointer is not None:
+        if task.checkpointer.owes_after(task.position):
+            return False
+        if at_point and task.position < task.checkpointer.stack_point():
+            return False  # it computes alone up to there, stored for the next turn
     return stacking(task) != NO_STACKING
 
 
@@ -150,6 +155,7 @@ def compute_group(model: nn.Module, group: TailGroup) -> list[mx.array]:
     for task in group.tasks:
         if task.checkpointer is not None:
             task.checkpointer.settle()  # deferred checkpoints, from the grid's KV
+            task.checkpointer.keep_stack_start(task.position)
     works = [ChunkWork(t.cache, t.tokens, t.position, len(t.tokens)) for t in group.tasks]
     started = time.perf_counter()
     outputs = compute_tails(model, works, group.padded)
