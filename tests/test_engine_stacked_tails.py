@@ -1,5 +1,6 @@
 """Stacked tails (engine/prefill/tails.py): requests ready together with a short rest of
-prompt left compute their rests in one forward, and nothing of them is stored.
+prompt left compute their rests in one forward, and nothing of them is stored; each
+computes alone up to its last checkpoint before its end and stores that (issue 55).
 
 What is guaranteed, on any backend: a stacked rest computes the same function as the
 rest alone (equal up to float rounding: the batched matmuls may round differently, as a
@@ -11,13 +12,22 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from conftest import loaded_test_model
-from engine_helpers import alone_prefill, cache_states, chat, collect, submit_together
+from engine_helpers import (
+    EXACT,
+    alone_prefill,
+    cache_states,
+    chat,
+    collect,
+    submit_together,
+    warm_equals_cold,
+)
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.cache.snapshot import capture, restore
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward.runner import ChunkWork, compute_tails
+from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.prefill.tails import (
     CPU_PADDING,
     GPU_PADDING,
@@ -25,7 +35,7 @@ from mlx_prefix.engine.prefill.tails import (
     padding_allowance,
     stacking,
 )
-from mlx_prefix.records import SamplingParams
+from mlx_prefix.records import CachePreference, SamplingParams
 
 INSTRUCTION = "Summarize each snippet in one line. " + " ".join(
     ("harbor", "meadow", "copper", "ledger", "quarry")[i % 5] for i in range(120)
@@ -148,16 +158,70 @@ def test_a_warm_burst_stacks_its_rests_and_stores_only_alone_prefills(kind):
             got = cache_states(restore(engine.store.get(entry.info.model_key, entry.tokens)))
             want = alone_prefill(engine, entry.tokens)
             assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
-        # A stacked rest stores nothing: only the requests that computed alone left an
-        # entry past the instruction they restored.
-        new = [e.tokens for e in stored if e.tokens not in stored_before]
-        restored = min(r.usage.cached_tokens for r in results)
-        stored_rests = [
-            tokens
-            for tokens in (engine.plan(p).tokens for p in prompts)
-            if any(len(n) > restored and tokens[: len(n)] == n for n in new)
+        # A stacked rest stores nothing: each request stored at most its last checkpoint
+        # before its end (computed alone, where its stack began), and only those that
+        # computed alone to the end stored it.
+        new = {e.tokens for e in stored if e.tokens not in stored_before}
+        ends = 0
+        for plan in (engine.plan(p) for p in prompts):
+            n = len(plan.tokens)
+            last = max(c.position for c in plan.checkpoints if c.position < n)
+            mine = [len(e) for e in new if tuple(plan.tokens[: len(e)]) == e]
+            assert set(mine) <= {last, n}
+            ends += n in mine
+        assert ends <= len(prompts) - engine._prefill.tails_stacked
+        engine.store.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_stacked_turns_store_their_last_checkpoint_and_the_next_turn_restores_there(kind):
+    """Several conversations' turns arriving together (issue 55 item 6): each computes
+    alone on the grid up to its last planned checkpoint before its end and stores it;
+    only the rest after it stacks. Each next turn (this prompt, the reply, a new message)
+    then restores at least that far, and answers as a cold run does, bit for bit."""
+    engine = _engine(kind)
+    try:
+        prime = chat(("system", INSTRUCTION), ("user", "Snippet: the first one."))
+        collect(engine.submit(prime, SamplingParams(max_tokens=2)))
+        words = ("harbor", "meadow", "copper", "ledger")
+        histories = [
+            (
+                ("system", INSTRUCTION),
+                ("user", f"Snippet: lamp {w} river."),
+                ("assistant", "Noted."),
+            )
+            for w in words
         ]
-        assert len(stored_rests) <= len(prompts) - engine._prefill.tails_stacked
+        questions = [("user", f"Next: stone {w} field.") for w in words]
+        prompts = [chat(*h, q) for h, q in zip(histories, questions, strict=True)]
+        assert len({len(engine.plan(p).tokens) for p in prompts}) == 1
+        handles = submit_together(engine, prompts, EXACT)
+        results = [collect(h) for h in handles]
+        assert engine._prefill.tails_stacked >= 2, "no rests were stacked"
+        grid = engine.planner.grid
+        for entry in engine.store.sequences(engine.model_key):  # exact, on the grid
+            assert grid.is_point(entry.tokens, len(entry.tokens))
+            got = cache_states(restore(engine.store.get(entry.info.model_key, entry.tokens)))
+            want = alone_prefill(engine, entry.tokens)
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+        for history, prompt, result, w in zip(histories, prompts, results, words, strict=True):
+            plan = engine.plan(prompt)
+            last = max(c.position for c in plan.checkpoints if c.position < len(plan.tokens))
+            # stored at its stack point, or at its end where it computed alone
+            key = entry_key(engine.model_key, CachePreference())
+            ends = (plan.tokens[:last], plan.tokens)
+            assert any(engine.store.get(key, e) is not None for e in ends)
+            turn = chat(
+                *history,
+                ("user", f"Next: stone {w} field."),
+                ("assistant", result.text),
+                ("user", "And then?"),
+            )
+            assert tuple(engine.plan(turn).tokens[:last]) == tuple(plan.tokens[:last])
+            warm = warm_equals_cold(engine, turn)
+            assert warm.usage.cached_tokens >= last
         engine.store.check_integrity()
     finally:
         engine.shutdown()

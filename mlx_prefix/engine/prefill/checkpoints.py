@@ -144,6 +144,7 @@ class Checkpointer:
         if self.keep_every_checkpoint and self.reuse < self.branch < len(self.prompt.tokens):
             self._plan(self.branch, CheckpointKind.LAST_MESSAGE)
         self._deferred: list[_Deferred] = []
+        self._kept: set[int] = set()  # positions stored in memory by this prefill
         self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
         self.finished = False
         if self.disk is not None:
@@ -186,6 +187,29 @@ class Checkpointer:
         if any(p > position and k > PROTECTED_ABOVE for p, k in self.planned.items()):
             return True
         return self.shared is not None and any(p > position for p in self.shared.positions())
+
+    def stack_point(self) -> int:
+        """The position from which this prompt's rest may compute stacked with others'
+        (engine/prefill/tails.py): its last planned checkpoint before its end (0: none
+        past the restored prefix). A chat's next turn is this prompt, the reply and a new
+        message, so it restores at the latest state stored inside this prompt: computed
+        alone up to here and stored (`keep_stack_start`), only the few tokens after it
+        stack (the generation prompt's `assistant` line in ChatML), and the next turn
+        finds nearly all of it."""
+        end = len(self.prompt.tokens)
+        return max((p for p in self.planned if p < end), default=0)
+
+    def keep_stack_start(self, position: int) -> None:
+        """Store the cache at `position`, where a stacked forward takes over (a grid
+        point this prefill reached alone: an exact state, invariant 12), unless it is
+        the restored prefix or already stored or deferred. An all-KV cache otherwise
+        stores only its end, which a stacked rest never reaches alone."""
+        if self.finished or position <= self.reuse or position in self._kept:
+            return
+        if self.keep_every_checkpoint and position in self.planned:
+            return  # stored at its boundary (`__call__`), or deferred and settled next
+        kind = self.planned.get(position, CheckpointKind.PERIODIC)
+        self._keep(self._capture(position), kind, True, False)
 
     @property
     def pending_bytes(self) -> int:
@@ -325,6 +349,7 @@ class Checkpointer:
         pieces among it), so that the store never counts them twice."""
         tokens = self.prompt.tokens[: snapshot.length]
         if in_memory:
+            self._kept.add(snapshot.length)
             self.report()
             cancelled = self.cancelled and kind <= PROTECTED_ABOVE
             self.store.insert(

@@ -160,6 +160,23 @@ class PrefillPhase:
             return False
         return stackable(task, self.stack_limit) and not self._awaited(task)
 
+    def _waits_to_stack(self, task: PrefillTask) -> bool:
+        """Whether `task`, ready to stack, computes nothing this round: another request,
+        still computing alone up to its own stack point, has at most a stackable rest
+        left and will stack with it (their stack points are stored, so they compute
+        apart up to there: tails.py). Ready tasks never wait on each other."""
+        if not self._may_stack(task):
+            return False
+        limit = self.stack_limit
+        return any(
+            other is not task
+            and not other.cursor.done
+            and other.job.prompt.vision is None
+            and stackable(other, limit, at_point=False)
+            and not self._may_stack(other)
+            for other in self.tasks
+        )
+
     def _awaited(self, task: PrefillTask) -> bool:
         return awaited(task, self._waiting, self.config.share_min_tokens)
 
@@ -207,16 +224,12 @@ class PrefillPhase:
         until `close`, so an error on the way still reaches them."""
         result = PrefillStep()
         started = time.perf_counter()
-        if self.stack_limit:
-            ready = [t for t in self._in_order() if self._may_stack(t)]
-            # Nothing decoding waits on a stacked group: then it takes every ready rest.
-            group = tail_group(
-                ready, self.stack_limit, budget if decoding else sys.maxsize, self.stack_padding
-            )
-            if group is not None:
-                self._stacked_step(group, result)
         while not result.finished and result.tokens < budget:
-            chosen, tokens = choose_chunks(self._in_order(), budget, result.tokens)
+            # Rests that reached their stack points, in this step or before, stack now.
+            if self.stack_limit and self._stack(result, budget, decoding):
+                break
+            alone = [t for t in self._in_order() if not self._waits_to_stack(t)]
+            chosen, tokens = choose_chunks(alone, budget, result.tokens)
             if not chosen:
                 break
             works = [self._work(t) for t in chosen]
@@ -243,6 +256,17 @@ class PrefillPhase:
                 break  # those join the decode batch now
         result.seconds = time.perf_counter() - started
         return result
+
+    def _stack(self, result: PrefillStep, budget: int, decoding: bool) -> bool:
+        """Compute the largest group of ready rests in one forward, if one forms (True)."""
+        ready = [t for t in self._in_order() if self._may_stack(t)]
+        # Nothing decoding waits on a stacked group: then it takes every ready rest.
+        room = budget - result.tokens if decoding else sys.maxsize
+        group = tail_group(ready, self.stack_limit, room, self.stack_padding)
+        if group is None:
+            return False
+        self._stacked_step(group, result)
+        return True
 
     def _stacked_step(self, group: TailGroup, result: PrefillStep) -> None:
         """The group's rests in one forward; nothing of them is stored (tails.py)."""

@@ -11,13 +11,20 @@ right-padded where every layer's batch cache can mask padding (cache/layers/
 
 A stacked forward is not a prefill alone on the canonical grid, so nothing it computes
 is stored (invariant 12): like a decode state, it serves only the request that computed
-it, and a hit still computes exactly what a miss computes. The request's answer may move
+it, and a hit still computes exactly what a miss computes. So a request computes alone
+on the grid up to its stack point (checkpoints.py `stack_point`: its last planned
+checkpoint before its end, ChatML's cut after the generation prompt's `<|im_start|>`),
+stores the state there (`keep_stack_start`), and only the few tokens after it stack:
+the next turn of a chat (this prompt, the reply, a new message) restores nearly all of
+this prompt, however many conversations arrived together (issue 55; measured by
+benchmarks/bench_concurrent_turns.py). A request at its stack point computes nothing
+while another, still computing alone, will reach its own within a stackable rest
+(phase.py `_waits_to_stack`): they stack then. The request's answer may move
 with what it was stacked with, as a decode step's may (batching, not the cache);
 `--deterministic` never stacks tails. A request stacks only when its rest owes nothing
 to others (checkpoints.py `owes_after`: a client's breakpoint, a system prompt, a
 chosen disk save, a prefix a waiting request will restore) and it is not a warm-up or a
-prefetch, whose whole purpose is what they store. The next-turn prefetch computes the
-rest again on the grid once the server is idle, so the next turn still restores it.
+prefetch, whose whole purpose is what they store.
 """
 
 from __future__ import annotations
@@ -55,16 +62,21 @@ def stacking(task: PrefillTask) -> int:
     return min((kind_of(c).tail_stacking(c) for c in task.cache), default=NO_STACKING)
 
 
-def stackable(task: PrefillTask, limit: int) -> bool:
-    """Whether `task`'s rest may compute stacked with others' and store nothing."""
+def stackable(task: PrefillTask, limit: int, *, at_point: bool = True) -> bool:
+    """Whether `task`'s rest may compute stacked with others' and store nothing; with
+    `at_point=False`, whether it will once it computed alone up to its stack point (it
+    may wait for that where it is ready: `PrefillPhase._waits_to_stack`)."""
     job = task.job
     rest = len(task.tokens) - task.position
     if task.cursor.done or not 0 < rest <= limit:
         return False
     if job.background or job.warm is not None or task.draft is not None:
         return False  # they exist for what they store, or follow a draft step by step
-    if task.checkpointer is not None and task.checkpointer.owes_after(task.position):
-        return False
+    if task.checkpointer is not None:
+        if task.checkpointer.owes_after(task.position):
+            return False
+        if at_point and task.position < task.checkpointer.stack_point():
+            return False  # it computes alone up to there, stored for the next turn
     return stacking(task) != NO_STACKING
 
 
@@ -150,6 +162,7 @@ def compute_group(model: nn.Module, group: TailGroup) -> list[mx.array]:
     for task in group.tasks:
         if task.checkpointer is not None:
             task.checkpointer.settle()  # deferred checkpoints, from the grid's KV
+            task.checkpointer.keep_stack_start(task.position)
     works = [ChunkWork(t.cache, t.tokens, t.position, len(t.tokens)) for t in group.tasks]
     started = time.perf_counter()
     outputs = compute_tails(model, works, group.padded)
