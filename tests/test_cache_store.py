@@ -621,7 +621,7 @@ def _conversation_turn(c: PromptCache, prior: list[int], longer: list[int], kv: 
     m = c.match(M, longer, ident)
     need = 2 * len(longer) * kv - len(prior) * kv  # the live copy, then its end piece
     assert m.entry_id is not None
-    payload = c.hand_over(m.entry_id, need) or c.acquire(m.entry_id)
+    payload = c.hand_over(m.entry_id, lambda p: need) or c.acquire(m.entry_id)
     assert payload is not None
     step()
     live = Buffer(new_buffer_key(), len(longer) * kv)
@@ -663,14 +663,15 @@ def test_an_entry_that_fits_beside_its_copy_stays_stored():
     c.insert(M, first, snap(first, nbytes=600), K.HISTORY)
     entry = c.match(M, [*first, 1], ident).entry_id
     assert entry is not None
-    assert c.hand_over(entry, need=2000) is None  # room for both: shared, not handed over
+    assert c.hand_over(entry, lambda p: 2000) is None  # room for both: shared, not handed over
     assert c.stats().entries == 1
     c.set_pinned(M, entry, True)
-    assert c.hand_over(entry, need=20_000) is None  # a pinned entry is never handed over
+    assert c.hand_over(entry, lambda p: 20_000) is None  # a pinned entry is never handed over
     c.set_pinned(M, entry, False)
     assert c.acquire(entry) is not None
-    assert c.hand_over(entry, need=20_000) is None  # nor one another request holds
+    assert c.hand_over(entry, lambda p: 20_000) is None  # nor one another request holds
     c.release(entry)
-    assert c.hand_over(entry, need=20_000) is not None
+    assert c.hand_over(entry, lambda p: None) is None  # a payload it never hands over
+    assert c.hand_over(entry, lambda p: 20_000) is not None
     assert c.stats().entries == 0 and c.stats().evictions == 0
     c.check_integrity()

@@ -126,6 +126,9 @@ class Checkpointer:
     # `reuse`), and the draft's; each capture continues them (cache/chain.py).
     chain: Chain = Chain()
     draft_chain: Chain = Chain()
+    # The entry it restored was handed to it (cache/handover.py): its prompt's end is
+    # stored from its decode row when it finishes (`end_kind`), not copied here.
+    hand_back: bool = False
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -136,6 +139,7 @@ class Checkpointer:
         if self.keep_every_checkpoint and self.reuse < self.branch < len(self.prompt.tokens):
             self._plan(self.branch, CheckpointKind.LAST_MESSAGE)
         self._deferred: list[_Deferred] = []
+        self.end_kind: CheckpointKind | None = None  # the end, left to decode (`hand_back`)
         self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
         self.finished = False
         if self.disk is not None:
@@ -222,6 +226,12 @@ class Checkpointer:
         in_memory = in_memory and (
             not at_end or position in self.planned or is_trimmable(self.cache)
         )
+        if in_memory and at_end and self.hand_back and kind <= PROTECTED_ABOVE:
+            self.end_kind = kind  # stored when the request finishes (decode/phase.py)
+            self.on_stored(position)
+            if not to_disk:
+                return
+            in_memory = False
         snapshot = self._capture(position)
         if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
             self._deferred.append(_Deferred(snapshot, kind, in_memory, to_disk))

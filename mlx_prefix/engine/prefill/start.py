@@ -48,7 +48,15 @@ def begin(
     found = Restored()
     if use_cache:
         from_disk = disk if disk_on else None
-        found = restore_longest(store, from_disk, job.cache_key, tokens, planner.grid)
+        # A tight budget may hand the entry to this request (cache/handover.py); its
+        # decode row gives the longer entry back: so only to a request that decodes (a
+        # prefetch or a warm-up ends with its prefill, and may be cancelled for the turn
+        # it prepares), and not with a draft or quantized KV.
+        decodes = not job.background and job.warm is None
+        hand_over = decodes and speculator is None and kv_quant is None
+        found = restore_longest(
+            store, from_disk, job.cache_key, tokens, planner.grid, hand_over=hand_over
+        )
     cache, reuse, lease = found.cache, found.reuse, found.lease
     if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
         trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
@@ -145,4 +153,5 @@ def checkpointer_for(
         on_stored=stored,
         exact_only=kv_quant is not None and len(tokens) >= kv_quant.start,
         chain=found.chain,
+        hand_back=found.handed_over,
     )
