@@ -6,17 +6,16 @@ turn whole and answers as a cold run does; the store never holds more than its b
 
 from __future__ import annotations
 
+import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import EXACT, chat, open_engine, run
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 
-SYSTEM = "You are a careful assistant. " * 40
 
-
-def _turns(n: int) -> list[list[tuple[str, str]]]:
-    messages, out = [("system", SYSTEM)], []
+def _turns(n: int, system_words: int) -> list[list[tuple[str, str]]]:
+    messages, out = [("system", "You are a careful assistant. " * system_words)], []
     for i in range(n):
         messages.append(("user", f"Question {i}: " + "tell me about the topic please " * 30))
         out.append(list(messages))
@@ -31,9 +30,14 @@ def _kv_per_token(model) -> int:
     return layers * heads * dims * 2 * 4
 
 
-def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkeypatch):
+# A conversation that grows turn by turn, and one whose long system prompt is most of it
+# (its first turn's end alone takes most of the budget: it is stored from its decode row).
+@pytest.mark.parametrize(("turns", "system_words"), [(5, 40), (3, 240)])
+def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(
+    monkeypatch, turns, system_words
+):
     model = loaded_test_model("dense")
-    turns = _turns(5)
+    turns = _turns(turns, system_words)
     config = EngineConfig(prefetch_next_turn=False)  # one request at a time, as measured
     with open_engine(model, TEST_CACHE, config) as cold_engine:
         cold = [run(cold_engine, chat(*m), cache=False, sampling=EXACT) for m in turns]
@@ -62,6 +66,7 @@ def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkeypatch):
         for messages, expected in zip(turns, cold, strict=True):
             warm = run(engine, chat(*messages), sampling=EXACT)
             assert warm.usage.cached_tokens >= previous  # its previous turn, whole
+            assert warm.usage.cached_tokens < warm.usage.prompt_tokens
             assert (warm.tokens, warm.logprobs) == (expected.tokens, expected.logprobs)
             previous = warm.usage.prompt_tokens
         assert engine.cache_stats()["handed_over"] > 0  # the tight budget was the case

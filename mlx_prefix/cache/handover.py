@@ -5,8 +5,10 @@ live copy its cache makes of it (issue 55: at 190 MiB an 88 MiB conversation mis
 every turn: the copy evicted the entry, then the longer entry was refused). So the
 store hands the entry over (`PromptCache.hand_over`): the request's cache becomes the
 only copy of those tokens, and the entry's pieces are freed as soon as the restore has
-copied them (`settle`). The end of its prompt is not cut into a piece of its own at the
-end of prefill (a second copy while the cache decodes on); when the request finishes,
+copied them (`settle`). The end of its prompt (of any request's, when the budget cannot
+hold the piece beside the live cache: a conversation's first turn) is not cut into a
+piece of its own at the end of prefill (a second copy while the cache decodes on), and
+no other checkpoint is cut that the budget cannot hold beside it; when it finishes,
 its decode row's first positions become the entry (`row_snapshot`): a lone row's
 buffer is kept as it is (views, no copy: the batch lets go of it), a row among others
 is copied out, as a checkpoint's piece is. Either way the KV is what the prefill wrote
@@ -41,6 +43,16 @@ def plain_kv(snapshot: Any) -> bool:
 def plain_kv_cache(cache: list[Any]) -> bool:
     """Whether a live cache is KVCache layers only (what `row_snapshot` reads back)."""
     return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+def kv_bytes(cache: list[Any], tokens: int) -> int:
+    """Bytes `tokens` positions of a plain-KV live cache take (keys and values, every
+    layer): what a piece of that many positions would copy."""
+    total = 0
+    for c in cache:
+        if c.keys is not None and c.keys.shape[2]:
+            total += (c.keys.nbytes + c.values.nbytes) * tokens // c.keys.shape[2]
+    return total
 
 
 def settle(cache: list[Any]) -> None:

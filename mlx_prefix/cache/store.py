@@ -148,6 +148,12 @@ class PromptCache:
             e.hits += 1
             return e.payload
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit beside what is stored and running, evicting nothing.
+        Does not mutate."""
+        with self._lock:
+            return self._contents.budget.used() + nbytes <= self._contents.budget.nbytes
+
     def release(self, entry_id: int) -> None:
         """Drop one lock taken by `acquire` (mutates); may evict if over budget."""
         with self._lock:

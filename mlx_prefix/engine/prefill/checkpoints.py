@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
+from mlx_prefix.cache.handover import kv_bytes
 from mlx_prefix.cache.snapshot import (
     Snapshot,
     cache_nbytes,
@@ -129,6 +130,9 @@ class Checkpointer:
     # The entry it restored was handed to it (cache/handover.py): its prompt's end is
     # stored from its decode row when it finishes (`end_kind`), not copied here.
     hand_back: bool = False
+    # A plain-KV cache of a request that decodes: its end goes the same way whenever the
+    # budget cannot hold its piece beside the live cache (a first turn at ~1x its KV).
+    may_hand_back: bool = False
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -226,18 +230,33 @@ class Checkpointer:
         in_memory = in_memory and (
             not at_end or position in self.planned or is_trimmable(self.cache)
         )
-        if in_memory and at_end and self.hand_back and kind <= PROTECTED_ABOVE:
+        if in_memory and at_end and self._hands_back(position):
             self.end_kind = kind  # stored when the request finishes (decode/phase.py)
             self.on_stored(position)
             if not to_disk:
                 return
             in_memory = False
+        elif in_memory and not to_disk and self._no_room(position):
+            # A second copy of what the live cache holds, which the budget cannot hold
+            # beside it (its end serves this prefix by trimming): not cut at all.
+            return
         snapshot = self._capture(position)
         if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
             self._deferred.append(_Deferred(snapshot, kind, in_memory, to_disk))
             self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
             return
         self._keep(snapshot, kind, in_memory, to_disk)
+
+    def _hands_back(self, position: int) -> bool:
+        """Whether the end at `position` is left to the request's decode row."""
+        return self.hand_back or self._no_room(position)
+
+    def _no_room(self, position: int) -> bool:
+        """A plain-KV cache whose piece up to `position` the budget cannot hold beside
+        what is stored and running (cache/handover.py)."""
+        if not self.may_hand_back:
+            return False
+        return not self.store.has_room(kv_bytes(self.cache, position - self.chain.end))
 
     def _capture(self, position: int) -> Snapshot:
         """The cache (and the draft's) at `position`, continuing their chains."""
