@@ -73,7 +73,9 @@ def restore_longest(
         found.matched = match.matched_tokens
         found.branch = align(min(match.matched_tokens, len(tokens) - 1))
         handed = None
-        if match.entry_id is not None and hand_over:
+        # Only an entry the request extends whole: one it leaves at a trim point is
+        # another conversation's (or this one's other branch), kept as it is.
+        if match.entry_id is not None and hand_over and not match.trim:
 
             def need(payload: object) -> int | None:
                 """What the request holds besides the entry, sharing it: a live copy of
