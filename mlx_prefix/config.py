@@ -43,6 +43,9 @@ class ModelConfig:
 class CacheConfig:
     enabled: bool = True
     budget_bytes: int = 4 * GiB  # stored snapshots + running requests' caches
+    # Size the budget from the memory free after the weights instead (cache/sizing.py):
+    # what `serve` and `generate` do unless --cache-budget (or its variable) sets it.
+    budget_from_machine: bool = False
     max_entries: int | None = None
     # Prefill chunk size C: chunk boundaries include every multiple of C.
     prefill_chunk: int = 256

@@ -277,3 +277,28 @@ def alone_prefill(engine: Engine, tokens: tuple[int, ...]) -> list[mx.array]:
     cache = make_prompt_cache(model)
     prefill(model, cache, tokens, 0, engine.planner.grid, lambda p: None)
     return cache_states(cache)
+
+
+@contextmanager
+def cancelling(
+    engine: Engine, at: int, which: Callable[[PromptInput | None], bool] = lambda s: True
+) -> Iterator[list[int]]:
+    """Cancel each request `which` selects once its prefill has passed `at` prompt
+    tokens, from inside the engine's prefill step: the cancel lands between two chunks.
+    Yields the positions the cancels landed at."""
+    step, landed = engine._prefill.step, []
+
+    def cancel_after(*args, **kwargs):
+        out = step(*args, **kwargs)
+        for task in engine._prefill.tasks:
+            handle = task.job.handle
+            if task.position >= at and not handle.cancelled.is_set() and which(task.job.source):
+                landed.append(task.position)
+                handle.cancel()
+        return out
+
+    engine._prefill.step = cancel_after
+    try:
+        yield landed
+    finally:
+        engine._prefill.step = step

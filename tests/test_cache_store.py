@@ -624,3 +624,72 @@ def test_shared_buffers_count_once_against_the_share():
         assert c.insert("m/a", [5] * n, s, K.SYSTEM)
     assert c.pin_stored("m/a", [[5] * 4, [5] * 8]) == 2  # 26 bytes held, not 46
     c.check_integrity()
+
+
+def _conversation_turn(c: PromptCache, prior: list[int], longer: list[int], kv: int) -> list[int]:
+    """One turn of a conversation as the engine runs it under a tight budget: restore
+    `prior` (kv bytes per token), hold a live copy that grows to `longer`, store `longer`
+    from that same buffer at the end. Returns stored + active bytes after each step."""
+    used: list[int] = []
+
+    def step() -> None:
+        s = c.stats()
+        used.append(s.bytes + s.active_bytes)
+
+    m = c.match(M, longer, ident)
+    need = 2 * len(longer) * kv - len(prior) * kv  # the live copy, then its end piece
+    assert m.entry_id is not None
+    payload = c.hand_over(m.entry_id, lambda p: need) or c.acquire(m.entry_id)
+    assert payload is not None
+    step()
+    live = Buffer(new_buffer_key(), len(longer) * kv)
+    c.set_active_bytes("r", live.nbytes, [live])  # its copy of `prior`, then the rest
+    step()
+    assert c.insert(M, longer, shares(longer, live), K.HISTORY)  # the same buffer: no copy
+    step()
+    if not c.stats().handed_over:
+        c.release(m.entry_id)
+    c.drop_active("r")
+    step()
+    c.check_integrity()
+    return used
+
+
+def test_a_tight_budget_hands_the_entry_to_the_request_that_extends_it():
+    # 190 MiB and an 88 MiB conversation (issue 55): the request restoring the entry
+    # holds a copy of it; two copies do not fit, so the store gives the entry to the
+    # request (removed, not evicted: nothing else goes) and its end stores the longer one.
+    kv, budget = 10, 125 * 10 * 5 // 4  # 1.25x the final conversation of 125 tokens
+    c = PromptCache(budget)
+    first = list(range(1000, 1060))
+    c.insert(M, first, shares(first, Buffer(new_buffer_key(), len(first) * kv)), K.HISTORY)
+    prior = first
+    for turn in range(2, 5):
+        longer = prior + list(range(turn * 100, turn * 100 + 20))
+        for used in _conversation_turn(c, prior, longer, kv):
+            assert used <= budget  # a true cap at every step
+        assert c.match(M, [*longer, 0], ident).reuse_tokens == len(longer)
+        prior = longer
+    s = c.stats()
+    assert (s.entries, s.evictions, s.handed_over) == (1, 0, 3)
+    assert len(c.evicted) == 0  # nothing evicted, nothing refused for room
+
+
+def test_an_entry_that_fits_beside_its_copy_stays_stored():
+    c = PromptCache(10_000)
+    first = list(range(1000, 1060))
+    c.insert(M, first, snap(first, nbytes=600), K.HISTORY)
+    entry = c.match(M, [*first, 1], ident).entry_id
+    assert entry is not None
+    assert c.hand_over(entry, lambda p: 2000) is None  # room for both: shared, not handed over
+    assert c.stats().entries == 1
+    c.set_pinned(M, entry, True)
+    assert c.hand_over(entry, lambda p: 20_000) is None  # a pinned entry is never handed over
+    c.set_pinned(M, entry, False)
+    assert c.acquire(entry) is not None
+    assert c.hand_over(entry, lambda p: 20_000) is None  # nor one another request holds
+    c.release(entry)
+    assert c.hand_over(entry, lambda p: None) is None  # a payload it never hands over
+    assert c.hand_over(entry, lambda p: 20_000) is not None
+    assert c.stats().entries == 0 and c.stats().evictions == 0
+    c.check_integrity()

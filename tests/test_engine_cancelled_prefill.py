@@ -10,8 +10,6 @@ step (between two chunks), so where they land never depends on the machine's spe
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
@@ -20,6 +18,7 @@ from engine_helpers import (
     EXACT,
     alone_prefill,
     cache_states,
+    cancelling,
     chat,
     collect,
     open_engine,
@@ -48,31 +47,6 @@ def _engine(kind: str, **config) -> Engine:
     config.setdefault("prefetch_next_turn", False)
     config.setdefault("prefill_tokens_per_step", 1)  # one chunk a step: cancels land on it
     return Engine(loaded_test_model(kind), TEST_CACHE, EngineConfig(**config))
-
-
-@contextmanager
-def cancelling(
-    engine: Engine, at: int, which: Callable[[PromptInput | None], bool] = lambda s: True
-) -> Iterator[list[int]]:
-    """Cancel each request `which` selects once its prefill has passed `at` prompt
-    tokens, from inside the engine's prefill step: the cancel lands between two chunks.
-    Yields the positions the cancels landed at."""
-    step, landed = engine._prefill.step, []
-
-    def cancel_after(*args, **kwargs):
-        out = step(*args, **kwargs)
-        for task in engine._prefill.tasks:
-            handle = task.job.handle
-            if task.position >= at and not handle.cancelled.is_set() and which(task.job.source):
-                landed.append(task.position)
-                handle.cancel()
-        return out
-
-    engine._prefill.step = cancel_after
-    try:
-        yield landed
-    finally:
-        engine._prefill.step = step
 
 
 def _unplanned_point(engine: Engine, prompt: PromptInput, near: int) -> int:

@@ -95,8 +95,9 @@ def test_byte_budget_holds_with_running_requests_counted():
 
 
 class SharingSpy(PromptCache):
-    """Records, when a reply's decode batch is first counted (its prefill's cache still
-    live, its end stored), the bytes counted and what the prefill last reported."""
+    """Records, when a reply's decode batch is first counted (its end stored, its
+    prefill's cache now the batch's), the bytes counted and what the prefill last
+    reported."""
 
     def __init__(self, budget: int):
         super().__init__(budget)
@@ -107,7 +108,7 @@ class SharingSpy(PromptCache):
         super().set_active_bytes(request_id, nbytes, shared)
         if request_id.endswith("-prefill"):
             self.prefill = (nbytes, tuple(shared))
-        elif request_id.endswith("-batch") and self.stats().active_requests == 2:
+        elif request_id.endswith("-batch") and not self.at_batch:
             end = max(self.entries(), key=lambda e: e.tokens)
             [tokens] = [
                 s.tokens for s in self.sequences(end.model_key) if s.info.entry_id == end.entry_id
@@ -123,12 +124,13 @@ def test_a_stored_end_and_its_live_prefill_cache_count_once(kind):
         run(engine, chat(("user", "Tell me about the sea. " * 12)))
     [(stats, prefill_bytes, batch_bytes, end_payload)] = store.at_batch
     # The end snapshot holds its own KV pieces, exactly as long as the prompt (cache/
-    # chain.py), never the live cache's step-padded buffer: the live cache and the
-    # batch's merged copy are the request's, the pieces the entries' (a hybrid's
-    # checkpoints share them), each counted once: stored bytes are the distinct buffers.
+    # chain.py), never the live cache's step-padded buffer: the live cache is the
+    # request's (a lone request's decode batch adopts it: its bytes move to the batch,
+    # issue 55), the pieces the entries' (a hybrid's checkpoints share them), each
+    # counted once: stored bytes are the distinct buffers.
     assert 0 < end_payload.chain.nbytes < prefill_bytes
     assert all(b.nbytes != prefill_bytes for b in end_payload.buffers)
-    assert stats.active_bytes == batch_bytes + prefill_bytes
+    assert stats.active_bytes == batch_bytes and stats.active_requests == 1
     store.check_integrity()
 
 

@@ -88,6 +88,19 @@ class Contents:
         assert not self.budget.over() or self.budget.victim() is None, "over budget"
         return True
 
+    def hand_over(self, e: Entry, need: int) -> bool:
+        """Give `e` to the request about to extend it (`PromptCache.hand_over`), removing it,
+        when the budget cannot hold it beside the `need` more bytes that request will
+        hold; False (nothing changes) when it can, or when `e` is pinned or another
+        request holds it. Not an eviction: its tokens live on in the request, whose end
+        stores them again (the new entry replaces it), so nothing else goes to make room
+        for a second copy of the same KV."""
+        if e.refs or e.pinned or self.budget.used() + need <= self.budget.nbytes:
+            return False
+        self.remove(e)
+        self.counters.handed_over += 1
+        return True
+
     def stored(self, model_key: str, key: tuple[int, ...]) -> Entry | None:
         entry_id = self.table.trie(model_key).get(key)
         return self.entries[entry_id] if entry_id is not None else None

@@ -19,6 +19,7 @@ class Counters:
     misses: int = 0
     tokens_reused: int = 0
     evictions: int = 0
+    handed_over: int = 0  # entries given to the request extending them (`Contents.hand_over`)
 
     def stats(self, table: EntryTable, budget: Budget) -> CacheStats:
         """The counters with what is stored and running now. Does not mutate."""
@@ -40,4 +41,5 @@ class Counters:
             budget_bytes=budget.nbytes,
             pinned=sum(1 for e in entries if e.pinned),
             locked=sum(1 for e in entries if e.refs > 0),
+            handed_over=self.handed_over,
         )

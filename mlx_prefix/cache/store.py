@@ -133,6 +133,30 @@ class PromptCache:
             self._contents.touch(e)
             return e.payload
 
+    def hand_over(self, entry_id: int, need: Callable[[Any], int | None]) -> Any | None:
+        """The payload of the entry a request is about to restore and extend, removed from
+        the store, when the budget cannot hold it beside the `need(payload)` bytes the
+        request will hold besides (its live cache copies the entry's tokens: two copies of
+        one KV; `need` None: this payload is never handed over). The request's cache then
+        carries those tokens, and its end stores the longer entry in its place; nothing
+        else is evicted to keep a second copy, and nothing is evicted and then refused.
+        None: it fits (or the entry is pinned, locked or gone), and the caller `acquire`s
+        it as usual. Counted as a hit by the caller's `match`."""
+        with self._lock:
+            e = self._entries.get(entry_id)
+            if e is None or (n := need(e.payload)) is None:
+                return None
+            if not self._contents.hand_over(e, n):
+                return None
+            e.hits += 1
+            return e.payload
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit beside what is stored and running, evicting nothing.
+        Does not mutate."""
+        with self._lock:
+            return self._contents.budget.used() + nbytes <= self._contents.budget.nbytes
+
     def release(self, entry_id: int) -> None:
         """Drop one lock taken by `acquire` (mutates); may evict if over budget."""
         with self._lock:

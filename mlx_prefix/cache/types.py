@@ -91,6 +91,9 @@ class CacheStats:
     budget_bytes: int  # the one budget covering bytes + active_bytes
     pinned: int  # stored entries that are pinned
     locked: int  # stored entries acquired and not yet released
+    # entries given to the request that extends them, when the budget could not hold both
+    # copies (its end stores the longer entry in their place: not an eviction)
+    handed_over: int = 0
 
 
 @dataclass(frozen=True, slots=True)

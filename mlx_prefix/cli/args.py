@@ -122,7 +122,9 @@ def cache_args(p: argparse.ArgumentParser) -> None:
         "--cache-budget",
         type=parse_bytes,
         dest="budget_bytes",
-        help="bytes for cached snapshots plus running requests (default 4GiB)",
+        help="bytes for cached snapshots plus running requests (default: half the memory "
+        "free after the weights; a conversation of N tokens needs N x its KV bytes per "
+        "token x 1.25)",
     )
     p.add_argument("--cache-max-entries", type=int, dest="max_entries")
     p.add_argument(
@@ -295,7 +297,12 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         "eviction",
         "pin_share",
     )
-    return from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
+    config = from_env(CacheConfig, "CACHE", {k: getattr(args, k, None) for k in keys})
+    if getattr(args, "budget_bytes", None) is None and "MLX_PREFIX_CACHE_BUDGET_BYTES" not in (
+        os.environ
+    ):  # sized from the memory the weights leave, once they are loaded (cache/sizing.py)
+        config = dataclasses.replace(config, budget_from_machine=True)
+    return config
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

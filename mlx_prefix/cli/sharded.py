@@ -8,6 +8,7 @@ rank 0 serves HTTP, the others follow it until it stops the group.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -76,8 +77,11 @@ def serve_sharded(
         trust_remote_code=cfg.trust_remote_code,
     )
     watch = PeerWatch.connect(channel, backend)
+    # Every rank keeps the same budget (their stores evict in lockstep): the flag's or
+    # the fixed default, never one sized from each machine's own free memory.
+    cache = dataclasses.replace(cache_config(args), budget_from_machine=False)
     engine = DistributedEngine(
-        model, cluster, channel, cache_config(args), engine_config(args), disk_config(args)
+        model, cluster, channel, cache, engine_config(args), disk_config(args)
     )
     assert isinstance(engine.turns, Lockstep)
     watch.start(engine.turns.lost)

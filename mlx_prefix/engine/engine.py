@@ -39,7 +39,7 @@ from mlx_prefix.engine.decode.speculative import SpeculationStats, Speculator, c
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
-from mlx_prefix.engine.parts import build_loop, disk_access, new_store
+from mlx_prefix.engine.parts import build_loop, disk_access, new_store, sized
 from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.requests.admission import (
     check_images,
@@ -86,7 +86,7 @@ class Engine:
         check_draft_config(model, draft, engine_config)
         self.model = model
         self.draft = draft
-        self.cache_config = cache_config or CacheConfig()
+        self.cache_config = sized(cache_config or CacheConfig(), model, store)
         self.config = engine_config or EngineConfig()
         self.turns = turns or LocalTurns(self.config)
         self.lifecycle = self.turns.lifecycle

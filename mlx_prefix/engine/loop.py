@@ -22,6 +22,7 @@ from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.calibration import PLAIN, Agreement, calibrate, check_speculator
 from mlx_prefix.engine.decode.phase import Arrival, DecodePhase
+from mlx_prefix.engine.decode.running import HandBack
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.prefill.task import PrefillTask
@@ -284,7 +285,9 @@ class EngineLoop:
         the request is in the batch, so an error on the way still reaches it."""
         job = task.job
         if job.orphaned:
-            self.prefill.close(task)  # its end is stored (checkpoints.py)
+            # Its end is stored (checkpoints.py), from its cache where it was left to
+            # the decode row it will never reach.
+            self.prefill.close(task, cancelled=True)
         elif job.background:
             self.prefetch.completed += 1
             self.prefetch.tokens += task.computed
@@ -314,4 +317,18 @@ class EngineLoop:
             limit = min(limit, self.model.context_length - len(job.tokens))
         assert task.logits is not None
         tps = task.computed / max(time.perf_counter() - task.started_at, 1e-9)
-        return Arrival(job, task.cache, task.logits, limit, task.reuse, tps, task.draft)
+        hand_back = None
+        if task.checkpointer is not None and task.checkpointer.end_kind is not None:
+            kind = task.checkpointer.end_kind  # stored from the decode row (cache/handover.py)
+            hand_back = HandBack(job.cache_key, job.prompt.tokens, kind)
+        return Arrival(
+            job,
+            task.cache,
+            task.logits,
+            limit,
+            task.reuse,
+            tps,
+            task.draft,
+            bytes_key=task.bytes_key,
+            hand_back=hand_back,
+        )

@@ -9,10 +9,13 @@ engine thread starts.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.eviction.policy import policy_named
+from mlx_prefix.cache.sizing import default_budget
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
@@ -27,8 +30,26 @@ from mlx_prefix.engine.requests.lifecycle import Lifecycle
 from mlx_prefix.engine.requests.prefetch import Prefetcher
 from mlx_prefix.engine.requests.scheduler import WaitingList
 from mlx_prefix.engine.turns import Turns
+from mlx_prefix.models.cost import kv_bytes_per_token
 from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.platform import available_memory
 from mlx_prefix.prompt.request.plan import PromptPlanner
+
+
+def sized(
+    config: CacheConfig,
+    model: LoadedModel,
+    store: PromptCache | None,
+    free: Callable[[], int | None] = available_memory,
+) -> CacheConfig:
+    """`config` with its budget sized from the memory `free()` says the loaded weights
+    left, when it asks (cache/sizing.py), said once with the longest conversation it
+    keeps. A shared store (another engine's) keeps its budget."""
+    if not config.budget_from_machine or store is not None:
+        return config
+    budget = default_budget(free())
+    print(budget.describe(kv_bytes_per_token(model)), file=sys.stderr)  # as cli/__init__.py
+    return replace(config, budget_bytes=budget.nbytes, budget_from_machine=False)
 
 
 def new_store(config: CacheConfig) -> PromptCache:

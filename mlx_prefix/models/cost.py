@@ -118,3 +118,24 @@ def _state_flops(text: dict[str, Any]) -> float:
     else:
         size = 0
     return 6.0 * size
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_token(model: LoadedModel) -> int:
+    """Bytes of attention KV one more token of context costs (keys and values of every
+    full-attention layer, in the weights' dtype); sliding windows and recurrent state
+    are bounded, so they add nothing per token. From config.json and the cache list."""
+    config = _config(model)
+    text = {**config, **(config.get("text_config") or {})}
+    heads = int(text.get("num_attention_heads") or 0)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    hidden = int(text.get("hidden_size") or 0)
+    head_dim = int(text.get("head_dim") or (hidden // heads if heads else 0))
+    full = sum(
+        1
+        for c in layers_of(make_prompt_cache(model.model))
+        if kind_of(c).cost_role not in ("window", "recurrent")
+    )
+    return full * kv_heads * head_dim * 2 * _DTYPE_BYTES.get(model.identity.dtype, 2)

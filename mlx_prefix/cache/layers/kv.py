@@ -17,6 +17,7 @@ from mlx_prefix.cache.layers.base import (
     check_offset,
     head,
     stashed,
+    view,
 )
 
 
@@ -83,6 +84,8 @@ class KvKind(LayerKind):
         return -(-extend // step) * step if extend and step else 0
 
     def merge(self, layers: Sequence[Any], steps: int) -> Any:
+        if len(layers) == 1 and _adoptable(layers[0]):
+            return _adopted(layers[0])
         if (
             all(type(c) is KVCache for c in layers)
             and any(c.keys is not None for c in layers)
@@ -114,6 +117,24 @@ class ConcatenateKvKind(KvKind):
 
     def quantizes(self, c: Any, start: int) -> bool:
         return False
+
+
+def _adoptable(c: Any) -> bool:
+    return type(c) is KVCache and c.keys is not None and stashed(c) is None
+
+
+def _adopted(c: Any) -> BatchKVCache:
+    """A lone request's prefill cache as a batch of one, over the same buffer (no copy):
+    a copy would hold the conversation's KV twice while the prefill's buffer is freed,
+    which a budget of little more than one conversation cannot hold (issue 55). Fresh
+    array objects (views): the prefill's layer must not see the batch's writes; once it
+    is gone the batch's appends write in place, as into its own buffer. The keys a step
+    reads (the buffer up to `_idx`) are the same as a merged copy's."""
+    cache: Any = BatchKVCache([0])
+    cache.keys, cache.values = view(c.keys), view(c.values)
+    cache.offset += c.offset
+    cache._idx = c.offset
+    return cache
 
 
 def _merged_with_room(layers: Sequence[Any], steps: int) -> BatchKVCache:

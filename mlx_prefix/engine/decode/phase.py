@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_prefix.cache.handover import row_snapshot
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.decode.batch import DecodeBatch, RowSample
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
-from mlx_prefix.engine.decode.running import Running
+from mlx_prefix.engine.decode.running import HandBack, Running
 from mlx_prefix.engine.decode.sampling import (
     TokenSampler,
     alternatives,
@@ -51,6 +52,8 @@ class Arrival:
     reuse: int  # prompt tokens restored from the cache
     prefill_tps: float  # prompt tokens computed per second of its prefill
     draft: DraftCache | None = None  # --draft-model: the draft's cache of the prompt
+    bytes_key: str = ""  # its prefill's bytes in the store's budget, the batch's once merged
+    hand_back: HandBack | None = None  # its prompt's entry, stored when it finishes
 
 
 class DecodePhase:
@@ -115,6 +118,10 @@ class DecodePhase:
         firsts = [self._arrive(arrival) for arrival in arrivals]
         self.batch.join()
         mx.eval([c.state for c in self.batch.cache])
+        # The prefills' caches are the batch's now (a lone one's very buffer: layers/kv.py),
+        # and are closed right after: counted once, as the batch's, never both.
+        for arrival in arrivals:
+            self.store.drop_active(arrival.bytes_key)
         for running, token, logprob, top in firsts:
             self._accept_token(running, token, logprob, top)
         if len(self.batch):
@@ -148,6 +155,7 @@ class DecodePhase:
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         now = time.perf_counter()
         running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)
+        running.hand_back = arrival.hand_back
         if (trace := job.handle.trace) is not None:  # read by the request explainer
             trace.reply = running.emitted  # complete by the final event
         vision = job.prompt.vision
@@ -277,6 +285,8 @@ class DecodePhase:
         tail = running.stream.finish()
         if tail:
             job.handle.emit(TokenEvent(tail, None, None))
+        if running.hand_back is not None:
+            self._hand_back(running, running.hand_back)
         self.batch.remove([running])
         if self.speculator is not None:
             self.speculator.forget(running)
@@ -295,6 +305,20 @@ class DecodePhase:
         self._end(job, DoneEvent(reason, done, stop))  # type: ignore[arg-type]
         if reason != "cancelled":
             self._on_reply(job, running.stream.text)
+
+    def _hand_back(self, running: Running, back: HandBack) -> None:
+        """Store the prompt of a request whose restored entry was handed to it, from its
+        row: a lone row's buffer goes to the entry as it is (the batch lets go of it right
+        after: its bytes move from the batch to the entry, never counted twice), a row
+        among others is copied out (cache/handover.py)."""
+        self.batch.join()
+        lone = len(self.batch) == 1
+        row = next(i for i, m in enumerate(self.batch.members) if m is running)
+        snapshot = row_snapshot(self.batch.cache, row, len(back.tokens), lone)
+        if lone:  # the entry's buffer is the batch's: report it as shared first
+            self.store.set_active_bytes(self._bytes_key, self._nbytes(), snapshot.buffers)
+        if self.store.insert(back.key, back.tokens, snapshot, back.kind):
+            running.job.stored_to = max(running.job.stored_to, len(back.tokens))
 
 
 def _bounding(running: Running) -> bool:

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.text import TextStream
 from mlx_prefix.engine.requests.jobs import Job
+
+
+@dataclass(frozen=True, slots=True)
+class HandBack:
+    """The end of a prompt whose restored entry was handed to it (cache/handover.py):
+    stored from its decode row when it finishes, in that entry's place."""
+
+    key: str  # the request's entry key
+    tokens: tuple[int, ...]  # its prompt
+    kind: CheckpointKind
 
 
 @dataclass(slots=True)
@@ -20,3 +31,4 @@ class Running:
     count: int = 0
     emitted: list[int] = field(default_factory=list)  # its reply's token ids so far
     reasoning: ReasoningBudget | None = None  # its reasoning budget, if it has one
+    hand_back: HandBack | None = None  # its prompt's entry, stored when it finishes

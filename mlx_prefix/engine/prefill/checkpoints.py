@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
+from mlx_prefix.cache.handover import kv_bytes, live_snapshot
 from mlx_prefix.cache.snapshot import (
     Snapshot,
     cache_nbytes,
@@ -134,6 +135,12 @@ class Checkpointer:
     draft_chain: Chain = Chain()
     # The request was cancelled (`cancel`): what is stored from then on is CANCELLED.
     cancelled: bool = False
+    # The entry it restored was handed to it (cache/handover.py): its prompt's end is
+    # stored from its decode row when it finishes (`end_kind`), not copied here.
+    hand_back: bool = False
+    # A plain-KV cache of a request that decodes: its end goes the same way whenever the
+    # budget cannot hold its piece beside the live cache (a first turn at ~1x its KV).
+    may_hand_back: bool = False
 
     def __post_init__(self) -> None:
         self.planned = {
@@ -145,6 +152,7 @@ class Checkpointer:
             self._plan(self.branch, CheckpointKind.LAST_MESSAGE)
         self._deferred: list[_Deferred] = []
         self._kept: set[int] = set()  # positions stored in memory by this prefill
+        self.end_kind: CheckpointKind | None = None  # the end, left to decode (`hand_back`)
         self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
         self.finished = False
         if self.disk is not None:
@@ -254,12 +262,33 @@ class Checkpointer:
         in_memory = in_memory and (
             not at_end or position in self.planned or is_trimmable(self.cache)
         )
+        if in_memory and at_end and self._hands_back(position):
+            self.end_kind = kind  # stored when the request finishes (decode/phase.py)
+            self.on_stored(position)
+            if not to_disk:
+                return
+            in_memory = False
+        elif in_memory and not to_disk and self._no_room(position):
+            # A second copy of what the live cache holds, which the budget cannot hold
+            # beside it (its end serves this prefix by trimming): not cut at all.
+            return
         snapshot = self._capture(position)
         if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
             self._deferred.append(_Deferred(snapshot, kind, in_memory, to_disk))
             self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
             return
         self._keep(snapshot, kind, in_memory, to_disk)
+
+    def _hands_back(self, position: int) -> bool:
+        """Whether the end at `position` is left to the request's decode row."""
+        return self.hand_back or self._no_room(position)
+
+    def _no_room(self, position: int) -> bool:
+        """A plain-KV cache whose piece up to `position` the budget cannot hold beside
+        what is stored and running (cache/handover.py)."""
+        if not self.may_hand_back:
+            return False
+        return not self.store.has_room(kv_bytes(self.cache, position - self.chain.end))
 
     def _capture(self, position: int) -> Snapshot:
         """The cache (and the draft's) at `position`, continuing their chains."""
@@ -307,6 +336,30 @@ class Checkpointer:
         ones as CANCELLED, the protected kinds aside. Mutates the store."""
         self.settle()
         self.cancelled = True
+
+    def keep_handed(self, position: int, let_go: Callable[[], None]) -> None:
+        """A request stopped at `position` before its decode row could store what was
+        left to it (its end, `end_kind`; the entry the store handed over, `hand_back`):
+        store that state from its cache instead, so a cancel loses no entry: its end
+        where computed alone, else the restored prefix (it computed nothing, or a
+        stacked forward did). The cache's buffers become the entry's (no copy: the
+        budget had no room for one), so the request lets go of its bytes first
+        (`let_go`); its cache must not be written again. Mutates the store."""
+        if self.end_kind is not None and position == len(self.prompt.tokens):
+            kind, self.end_kind = self.end_kind, None  # its end, computed alone
+        elif self.hand_back:
+            position, kind = self.reuse, CheckpointKind.HISTORY
+        else:
+            return
+        tokens = self.prompt.tokens[:position]
+        if position == 0 or self.store.get(self.key, tokens) is not None:
+            return
+        snapshot = live_snapshot(self.cache, position)
+        let_go()
+        if self.cancelled and kind <= PROTECTED_ABOVE:
+            kind = CheckpointKind.CANCELLED
+        if self.store.insert(self.key, tokens, snapshot, kind):
+            self.on_stored(position)
 
     def keep_reached(self, position: int) -> None:
         """A cancelled prefill stops at grid point `position` (the cache holds exactly

@@ -331,11 +331,17 @@ class PrefillPhase:
         failed one (its cache may be broken) only those already stored."""
         self.tasks.remove(task)
         reached = task.position > task.reuse and not task.cursor.done
-        if task.checkpointer is not None and cancelled and not failed and reached:
-            # Between two chunks: the cache holds exactly the prefix up to a grid point,
-            # computed alone (a stacked rest only ever ends a prompt: its cursor is done).
-            assert self.planner.grid.is_point(task.tokens, task.position), "off the grid"
-            task.checkpointer.keep_reached(task.position)
+        if task.checkpointer is not None and cancelled and not failed:
+            if reached:
+                # Between two chunks: the cache holds exactly the prefix up to a grid
+                # point, computed alone (a stacked rest only ever ends a prompt: its
+                # cursor is done).
+                assert self.planner.grid.is_point(task.tokens, task.position), "off the grid"
+                task.checkpointer.keep_reached(task.position)
+            else:  # at its end, or where it was restored: what was left to its decode
+                task.checkpointer.keep_handed(
+                    task.position, let_go=lambda: self.store.drop_active(task.bytes_key)
+                )
         for layer in layers_of(task.cache):
             unstash(layer)  # its restored parts: the entry's pieces, no longer needed
         if task.checkpointer is not None:

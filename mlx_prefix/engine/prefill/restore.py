@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from mlx_lm.models.cache import KVCache
+
 from mlx_prefix.cache.chain import Chain
+from mlx_prefix.cache.handover import plain_kv, settle
 from mlx_prefix.cache.snapshot import Snapshot, restore
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
@@ -30,6 +33,9 @@ class Restored:
     source: Literal["memory", "disk", "none"] = "none"
     matched: int = 0  # longest common prefix with a stored entry (the trie walk's)
     kind: CheckpointKind | None = None  # the restored entry's (None: nothing restored)
+    # The store handed the entry over (the budget could not hold it beside this
+    # request's copy): the request's end stores the longer entry in its place.
+    handed_over: bool = False
 
     @property
     def chain(self) -> Chain:
@@ -46,11 +52,15 @@ def restore_longest(
     key: str,
     tokens: Sequence[int],
     grid: ChunkGrid,
+    *,
+    hand_over: bool = False,
 ) -> Restored:
     """Match `tokens` in memory, then on `disk` (None: not for this request) when it
     gives more; a disk hit goes into memory too. The caller releases `lease` when the
     request no longer holds the arrays. The restored KV layers have room for the first
-    grid chunk after the restored position (its append then writes in place)."""
+    grid chunk after the restored position (its append then writes in place).
+    `hand_over`: the request may take a plain-KV entry whole when the budget cannot
+    hold it beside the request's own copy (`PromptCache.hand_over`)."""
     found = Restored()
 
     def align(n: int) -> int:
@@ -63,7 +73,27 @@ def restore_longest(
         match = store.match(key, tokens, align)
         found.matched = match.matched_tokens
         found.branch = align(min(match.matched_tokens, len(tokens) - 1))
-        if match.entry_id is not None:
+        handed = None
+        # Only an entry the request extends whole: one it leaves at a trim point is
+        # another conversation's (or this one's other branch), kept as it is.
+        if match.entry_id is not None and hand_over and not match.trim:
+
+            def need(payload: object) -> int | None:
+                """What the request holds besides the entry, sharing it: a live copy of
+                the whole prompt (grown a step at a time) and its end's piece."""
+                if not plain_kv(payload) or not payload.length:  # type: ignore[attr-defined]
+                    return None
+                per_token = payload.nbytes / payload.length  # type: ignore[attr-defined]
+                computed = len(tokens) - match.reuse_tokens
+                return int(per_token * (len(tokens) + KVCache.step + computed))
+
+            handed = store.hand_over(match.entry_id, need)
+        if handed is not None:
+            found.source, found.handed_over = "memory", True
+            found.cache = restore(handed, match.trim, first_chunk(match.reuse_tokens))
+            settle(found.cache)  # the copy made, the entry's pieces go
+            found.reuse, found.trim = match.reuse_tokens, match.trim
+        elif match.entry_id is not None:
             snapshot = store.acquire(match.entry_id)
             if snapshot is not None:
                 found.lease, found.source = match.entry_id, "memory"
@@ -79,7 +109,7 @@ def restore_longest(
                     found.lease = None
                 reuse = disk_match.reuse_tokens
                 found.cache = restore(disk_snapshot, disk_match.trim, first_chunk(reuse))
-                found.reuse, found.source = reuse, "disk"
+                found.reuse, found.source, found.handed_over = reuse, "disk", False
                 found.snapshot, found.trim = disk_snapshot, disk_match.trim
                 found.kind = disk_match.kind
                 store.insert(key, disk_match.tokens, disk_snapshot, disk_match.kind)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.handover import plain_kv_cache
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
@@ -46,9 +47,17 @@ def begin(
     raises. `bytes_key()` names the task's bytes in the store's budget."""
     tokens = job.prompt.tokens
     found = Restored()
+    # A tight budget may hand the entry to this request (cache/handover.py); its decode
+    # row gives the longer entry back: so only to a request that decodes (a prefetch or
+    # a warm-up ends with its prefill, and may be cancelled for the turn it prepares),
+    # and not with a draft or quantized KV.
+    decodes = not job.background and job.warm is None
+    hand_over = decodes and speculator is None and kv_quant is None
     if use_cache:
         from_disk = disk if disk_on else None
-        found = restore_longest(store, from_disk, job.cache_key, tokens, planner.grid)
+        found = restore_longest(
+            store, from_disk, job.cache_key, tokens, planner.grid, hand_over=hand_over
+        )
     cache, reuse, lease = found.cache, found.reuse, found.lease
     if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
         trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
@@ -76,6 +85,7 @@ def begin(
                 share_min_tokens=share_min_tokens,
                 kv_quant=kv_quant,
             )
+            checkpointer.may_hand_back = hand_over and plain_kv_cache(cache)
         if checkpointer is not None and draft is not None:
             checkpointer.draft = draft.cache
             part = found.snapshot.draft if found.snapshot is not None else None
@@ -146,4 +156,5 @@ def checkpointer_for(
         on_stored=stored,
         exact_only=kv_quant is not None and len(tokens) >= kv_quant.start,
         chain=found.chain,
+        hand_back=found.handed_over,
     )
