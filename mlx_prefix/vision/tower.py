@@ -87,6 +87,17 @@ class VisionFamily:
     def _prepare_input(self, item: ImageInput) -> PreparedImage:
         return self.prepare(item.image, item.detail)
 
+    def close(self) -> None:
+        """Let go of everything this family holds (its model's unload): the images it
+        prepared and the tower's weights. Whatever still holds the family (a request
+        finishing, a view) keeps a few Python objects, not the memory."""
+        from mlx_prefix.models.arrays import drop_parameters
+
+        clear = getattr(self.prepare_input, "cache_clear", None)  # whatever store it is
+        if clear is not None:
+            clear()
+        drop_parameters(self.tower)
+
     def prepare(self, image: DecodedImage, detail: str = "auto") -> PreparedImage:
         """The image as this tower takes it; `detail` "low" fits it in 512 x 512 first
         (vision/parts.py), and is then part of its key."""
