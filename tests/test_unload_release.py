@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -171,3 +172,27 @@ def test_unloading_a_text_model_gives_its_memory_back():
     rss = rss_cycle(ensure_default_model(), image=False)  # SmolLM2-135M, float32
     assert rss["loaded"] - rss["before"] > 300 << 20
     assert rss["after"] < rss["before"] * 1.10, rss
+
+
+def test_the_explainer_keeps_no_request_while_it_waits(monkeypatch):
+    """Its thread held the last request's job until the next came: the trace's model
+    tokenizer and renderer (a 151K vocabulary's: ~90 MB) and the request's decoded images
+    outlived the model's unload."""
+    from mlx_prefix.explain.explainer import Explainer
+
+    class Trace:  # what a finished request hands over (its explanation may fail here)
+        admitted = True
+
+    # The fake fails to explain: its logged traceback (kept by pytest) would hold it.
+    monkeypatch.setattr(logging.getLogger("mlx_prefix.explain"), "disabled", True)
+    explainer = Explainer()
+    trace = Trace()
+    held = weakref.ref(trace)
+    explainer.submit(trace, "req-1", "chat", "ns")  # type: ignore[arg-type]
+    del trace
+    explainer.records()  # once it was explained
+    try:
+        gc.collect()
+        assert held() is None
+    finally:
+        explainer.close()
