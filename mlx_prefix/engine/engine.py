@@ -319,6 +319,12 @@ class Engine:
             pending = self.disk.pending if self.disk is not None else 0
             log.warning("the engine thread is still busy; %d queued disk save(s) lost", pending)
 
+    def release(self) -> None:
+        """After `shutdown`, for an unload: what the engine thread kept of its model
+        (the vision-feature cache) goes; the weights are the unloader's
+        (server/served/loading.py)."""
+        self.loop.prefill.release()
+
     def join(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the engine thread to end; True if it has."""
         self._thread.join(timeout)

@@ -146,6 +146,9 @@ class Explainer:
             except Exception:  # a record lost, never the thread
                 log.exception("could not explain a request")
             finally:
+                # Not held while waiting for the next: a trace holds its model's tokenizer
+                # and renderer and the request's images, which an unload must free.
+                item = None
                 with self._drained:
                     self._pending -= 1
                     self._drained.notify_all()

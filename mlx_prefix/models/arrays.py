@@ -34,3 +34,13 @@ def load_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     loaded = mx.load(str(path), return_metadata=True)
     assert isinstance(loaded, tuple)
     return loaded
+
+
+def drop_parameters(module: Any) -> None:
+    """Replace every parameter of an mlx Module in place with one empty array (an
+    unload): every holder of the module lets go of the weights at once."""
+    from mlx.utils import tree_map
+
+    empty = mx.zeros((0,))
+    mx.eval(empty)
+    module.update(tree_map(lambda _: empty, module.parameters()))

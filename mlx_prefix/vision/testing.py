@@ -88,9 +88,11 @@ def make_vision_test_model(
     chat_template: str,
     seed: int = 0,
     context: int = 8192,
+    vision_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a loadable vision model folder of `kind` into `dest`; return it. The same
-    kind and seed always give the same weights."""
+    kind and seed always give the same weights. `vision_overrides`: fields of the tower's
+    config over the tiny one's (a wider, deeper tower: one whose memory shows)."""
     if kind not in VISION_TEST_KINDS:
         raise ValueError(f"unknown vision test kind {kind!r}; choose from {VISION_TEST_KINDS}")
     dest = Path(dest)
@@ -110,6 +112,7 @@ def make_vision_test_model(
             "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|>"
         )
         tok_config_path.write_text(json.dumps(tok_config, indent=1) + "\n")
+    config["vision_config"].update(vision_overrides or {})
     _save(kind, config, dest, seed)
     (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=1) + "\n")
     return dest

@@ -92,6 +92,15 @@ class VisionFamily:
         picture = None if image.digested else image.rgb()
         return self.prepared.get(item.identity, lambda: self.prepare(image, item.detail, picture))
 
+    def close(self) -> None:
+        """Let go of everything this family holds (its model's unload): the images it
+        prepared and the tower's weights. Whatever still holds the family (a request
+        finishing, a view) keeps a few Python objects, not the memory."""
+        from mlx_prefix.models.arrays import drop_parameters
+
+        self.prepared.clear()
+        drop_parameters(self.tower)
+
     def prepare(
         self, image: EncodedImage, detail: str = "auto", picture: Any = None
     ) -> PreparedImage:

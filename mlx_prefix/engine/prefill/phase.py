@@ -110,6 +110,13 @@ class PrefillPhase:
             share = max(cache_config.budget_bytes // FEATURE_SHARE, 1)
             self.features = FeatureCache(model.vision, share)
 
+    def release(self) -> None:
+        """The engine is unloaded: the tower outputs go, and so do their bytes in the
+        (shared) store's budget, which would otherwise count them for good."""
+        if self.features is not None:
+            self.features.clear()
+            self.store.drop_active(f"{self._bytes_key}/vision")
+
     def uses_cache(self, job: Job) -> bool:
         return self.cache_config.enabled and job.cache_pref.enabled
 

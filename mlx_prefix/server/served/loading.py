@@ -13,11 +13,12 @@ model) and its weights.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from mlx_prefix.errors import MlxPrefixError, ModelNotFound
 from mlx_prefix.models.preflight import check_loadable, load_estimate
 
 from .names import ModelSpec, ServedModel
+from .unloaded import unloaded
 
 if TYPE_CHECKING:
     from mlx_prefix.engine.interface import EngineAPI
@@ -155,35 +157,46 @@ class EngineSwapper:
 
         engine = slot.served.engine
         log.info("unloading model %s (%s)", slot.spec.id, reason)
+        started = time.monotonic()
         engine.shutdown(timeout=10.0)
         if self._store is not None:
             self._store.clear(engine.model_key)
+        release = getattr(engine, "release", None)  # a test's fake has none
+        if release is not None:
+            release()
         drop_weights(engine.model)
         draft = getattr(engine, "draft", None)
         if draft is not None:
             drop_weights(draft)
+        # The views keep a stand-in, not the engine: kept, it held a whole engine (a
+        # vision model's tower and feature cache) after every unload of the last model.
+        self.last = unloaded(engine)
+        slot.served = replace(slot.served, engine=self.last)
+        del engine, draft, release
         # What the weights held is free now, but on Linux glibc keeps it in the arena
         # of the thread that loaded it: without the trim, each swap and back kept ~500
-        # MiB resident (RSS 171 -> 702 -> 1222 -> 1700 MiB over three swaps).
+        # MiB resident (RSS 171 -> 702 -> 1222 -> 1700 MiB over three swaps). The
+        # engine's own objects must be gone first (cycles included) for theirs to be.
+        gc.collect()
         release_memory()
-        self.last = engine
         slot.unloaded = True
         self.unloads += 1
+        log.info("model %s unloaded in %.1f s", slot.spec.id, time.monotonic() - started)
 
 
 def drop_weights(model: Any) -> None:
-    """Replace a LoadedModel's weights in place with one empty array: every holder of
-    the module (an engine's phases, the views that keep the last engine) lets go of
-    them at once."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
+    """Drop a LoadedModel's weights in place (models/arrays.drop_parameters) and its
+    vision part's (the tower, the images it prepared): every holder of the module (an
+    engine's phases, a request still finishing) lets go of them at once."""
+    from mlx_prefix.models.arrays import drop_parameters
 
+    vision = getattr(model, "vision", None)
+    if vision is not None:
+        vision.close()
     module = getattr(model, "model", None)
     if module is None or not hasattr(module, "parameters"):
         return  # a test's fake
-    empty = mx.zeros((0,))
-    mx.eval(empty)
-    module.update(tree_map(lambda _: empty, module.parameters()))
+    drop_parameters(module)
 
 
 def weights_bytes(model: Any) -> int:
@@ -206,11 +219,28 @@ def on_own_thread(fn: Callable[..., Any], *args: Any) -> Future[Any]:
         import mlx.core as mx
 
         try:
-            future.set_result(fn(*args))
+            result = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
-            future.set_exception(e)
+            _settle(future, exception=e)
+        else:
+            _settle(future, result=result)
         finally:
             mx.clear_streams()
 
     threading.Thread(target=run, name="mlx-prefix-load", daemon=True).start()
     return future
+
+
+def _settle(
+    future: Future[Any], result: Any = None, exception: BaseException | None = None
+) -> None:
+    """Hand the outcome over, unless the awaiting side gave up meanwhile (the server
+    shutting down cancels the asyncio future, and with it this one): the work is done
+    either way, and a cancelled future refuses a result."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

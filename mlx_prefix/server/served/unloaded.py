@@ -1,0 +1,100 @@
+"""What the views show once every model is unloaded (ModelPool.primary with none left):
+the last model's name, tokenizer and the shared cache's views, without its engine.
+
+Keeping the unloaded Engine itself for this kept all it referenced alive (its phases'
+layer snapshots, the planner, a vision model's tower and feature cache), one more
+engine's worth each time the last model went. This holds only the model's description
+(an empty module in place of the weights, no vision part, no tokenizer: a 151K-token
+vocabulary's takes ~90 MB) and the cache views, built anew without the draft model or
+the last jobs' activity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, cast
+
+from mlx_prefix.errors import Unavailable
+
+if TYPE_CHECKING:
+    from mlx_prefix.cache.disk.index import DiskEntryInfo
+    from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
+    from mlx_prefix.engine.activity import Activity
+    from mlx_prefix.engine.cache_views import CacheViews
+    from mlx_prefix.engine.interface import EngineAPI
+    from mlx_prefix.models.load import LoadedModel
+
+
+class NoTokenizer:
+    """The unloaded model's tokenizer went with it: views that decode (the dashboard's
+    tree) show its entries' tokens without their text."""
+
+    def decode(self, tokens: Any) -> str:
+        return ""
+
+
+@dataclass(eq=False)
+class UnloadedEngine:
+    """EngineAPI's views of an unloaded model; what would run a request refuses."""
+
+    model: LoadedModel
+    model_key: str
+    views: CacheViews
+    failure: str | None = None
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise Unavailable(f"model '{self.model.name}' is unloaded: a request naming it loads it")
+
+    submit = start_warm = count_tokens = _refuse
+
+    def shutdown(self, timeout: float = 10.0, save_timeout: float = 0.0) -> None:
+        pass
+
+    def cache_stats(self) -> dict:
+        return self.views.stats()
+
+    def cache_entries(self) -> list[dict]:
+        return self.views.entries()
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+        return self.views.sequences()
+
+    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
+        return self.views.disk_sequences()
+
+    def activity(self) -> Activity:
+        return self.views.activity()
+
+    def flush_cache(self, namespace: str | None = None) -> int:
+        from mlx_prefix.engine.cache_views import CacheAction
+
+        return self.views.apply(CacheAction("flush", namespace=namespace))
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        from mlx_prefix.engine.cache_views import CacheAction
+
+        return self.views.apply(CacheAction("pin" if pinned else "unpin", entry_id))
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        from mlx_prefix.engine.cache_views import CacheAction
+
+        return self.views.apply(CacheAction("evict", entry_id))
+
+
+def unloaded(engine: EngineAPI) -> EngineAPI:
+    """A stand-in for `engine`, unloaded, that holds none of it; a test's fake engine
+    (no cache views) as it is."""
+    views = getattr(engine, "views", None)
+    if views is None:
+        return engine
+    import mlx.nn as nn
+
+    from mlx_prefix.engine.activity import ActivityBoard
+    from mlx_prefix.engine.cache_views import CacheViews
+
+    # A board of its own: the old one's last Activity names the engine's last jobs.
+    bare = CacheViews(views.store, views.disk, views.model_key, views.prefetch, ActivityBoard(1))
+    model = replace(
+        engine.model, model=nn.Module(), vision=None, tokenizer=cast(Any, NoTokenizer())
+    )
+    return UnloadedEngine(model, engine.model_key, bare)
