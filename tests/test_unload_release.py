@@ -102,14 +102,14 @@ def test_a_vision_model_still_held_lets_go_of_its_memory():
     engine = slot.served.engine
     ask(engine, image=True)
     family = engine.model.vision
-    assert family.prepare_input.cache_info().currsize > 0  # the image it prepared
+    assert len(family.prepared) > 0  # the image it prepared
     unload(swapper, slot)
     from mlx_prefix.models.arrays import named_arrays
 
     tower = named_arrays(family.tower.parameters())
     assert tower and all(p.size == 0 for _, p in tower)
     assert engine._prefill.features.nbytes == 0
-    assert family.prepare_input.cache_info().currsize == 0
+    assert len(family.prepared) == 0 and family.prepared.held_bytes == 0
 
 
 # A wide, deep tower (~28M float32 parameters, ~113 MB): its leak shows above the noise.
