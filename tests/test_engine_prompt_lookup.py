@@ -222,6 +222,13 @@ def test_the_index_proposes_the_latest_match_longest_first_and_runs_on_loops():
     latest = lookup.NgramIndex()
     latest.extend([5, 1, 2, 8, 6, 1, 2, 9, 7, 1, 2])
     assert latest.propose(2) == [9, 7]  # "1 2" as it went on last
+    # A copy of a repetitive text stays on the match it follows: the latest "1 2 3 4"
+    # went on with 31, the copied one with 30.
+    copy = lookup.NgramIndex()
+    copy.extend([10, 20, 1, 2, 3, 4, 30, 11, 21, 1, 2, 3, 4, 31, 10, 20])
+    assert copy.propose(3) == [1, 2, 3]
+    copy.extend([1, 2, 3, 4])
+    assert copy.propose(2) == [30, 11]
     loop = lookup.NgramIndex()
     loop.extend([6, 8, 6, 8, 6])
     assert loop.propose(5) == [8, 6, 8, 6, 8]

@@ -3,8 +3,10 @@ sequence (prompt and reply so far), no second model, and verifies them in one fo
 (engine/decode/verify.py: the reply is plain decoding's, tokens and logprobs).
 
 The draft: the longest of the last 4, 3 or 2 tokens seen earlier in the sequence, and
-the up to k tokens that followed its latest occurrence there. An agent's reply that
-repeats what it read (an edit's old lines, a rewritten file) keeps most of them.
+the k tokens that followed its latest occurrence there; once a match is followed, it is
+kept while the reply's last tokens agree with it (a copy of a repetitive file stays on
+its line). An agent's reply that repeats what it read (an edit's old lines, a rewritten
+file) keeps most of them.
 
 k adapts per request so that a reply which copies nothing decodes as plain decoding
 does: it doubles (up to the request's limit) while whole drafts are kept, shrinks to
@@ -48,6 +50,7 @@ class NgramIndex:
         # n-gram -> the position of the token after its latest occurrence. The sequence's
         # own last n-grams have no follower yet, so a look-up finds an earlier one.
         self._next: dict[tuple[int, ...], int] = {}
+        self._distance: int | None = None  # from the sequence's end to the match followed
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -62,18 +65,28 @@ class NgramIndex:
             seq.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """k tokens after the latest earlier occurrence of the longest matching suffix;
-        [] when none of its n-grams occurred before."""
-        seq = self.tokens
-        for n in self.sizes:
-            if len(seq) > n and (at := self._next.get(tuple(seq[-n:]))) is not None:
-                # Past the sequence's end the match repeats what it just proposed: a run
-                # or a loop goes on as it went (period len(seq) - at).
-                out = seq[at : at + k]
-                while len(out) < k:
-                    out.append(out[len(out) - (len(seq) - at)])
-                return out
-        return []
+        """k tokens after the match: the one followed last while its last tokens still
+        agree (a copy of a repetitive file stays on its line), else the latest earlier
+        occurrence of the longest matching suffix; [] when none occurred before."""
+        seq, end = self.tokens, len(self.tokens)
+        at = None
+        if self._distance is not None:
+            n, source = self.sizes[-1], end - self._distance
+            if n <= source < end and seq[source - n : source] == seq[end - n :]:
+                at = source
+        for n in self.sizes if at is None else ():
+            if end > n and (at := self._next.get(tuple(seq[-n:]))) is not None:
+                break
+        if at is None:
+            self._distance = None
+            return []
+        self._distance = end - at  # a copy's source and its end advance together
+        # Past the sequence's end the match repeats what it just proposed: a run or a
+        # loop goes on as it went (period end - at).
+        out = seq[at : at + k]
+        while len(out) < k:
+            out.append(out[len(out) - (end - at)])
+        return out
 
 
 @dataclass(slots=True)
