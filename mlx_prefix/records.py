@@ -53,6 +53,9 @@ class SamplingParams:
     # Speculative decoding with the server's --draft-model: draft tokens per verify step;
     # None: the server's --num-draft-tokens, 0: plain decoding (engine/decode/speculative.py).
     num_draft_tokens: int | None = None
+    # Prompt lookup (engine/decode/lookup.py): draft tokens at most per verify, drafted from
+    # the request's own sequence; None: the server's --prompt-lookup, 0: plain decoding.
+    prompt_lookup: int | None = None
     # Reasoning tokens the reply may write in its think block before the server closes
     # it as the template does (engine/decode/reasoning_budget.py); None: unbounded.
     reasoning_budget: int | None = None

@@ -105,6 +105,13 @@ def draft_args(p: argparse.ArgumentParser) -> None:
         type=number_type(int, lo=1, hi=32, what="between 1 and 32"),
         help="draft tokens per verify step (default 3; a request's num_draft_tokens wins)",
     )
+    p.add_argument(
+        "--prompt-lookup",
+        type=number_type(int, lo=0, hi=32, what="between 0 and 32"),
+        help="prompt lookup decoding: a request decoding alone drafts up to N tokens from "
+        "its own prompt and reply, verified in one forward (default 0: off; a request's "
+        "prompt_lookup wins; models with recurrent or sliding-window layers decode plainly)",
+    )
 
 
 def draft_from_args(args: argparse.Namespace, target: LoadedModel) -> LoadedModel | None:
@@ -320,6 +327,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "kv_group_size",
         "quantized_kv_start",
         "num_draft_tokens",
+        "prompt_lookup",
         "deterministic",
     )
     return from_env(EngineConfig, "ENGINE", {k: getattr(args, k, None) for k in keys})

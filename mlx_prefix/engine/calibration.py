@@ -41,6 +41,8 @@ def check_draft_config(
     """Refuse a draft model that cannot serve `model`, or one combined with --kv-bits."""
     if draft is None:
         return
+    if config is not None and config.prompt_lookup:
+        raise DraftMismatch("--prompt-lookup and --draft-model: one drafter at a time")
     check_draft(model, draft)
     if config is not None and config.kv_bits is not None:
         # Not shown exact yet: the verify forward over quantized keys.

@@ -34,8 +34,10 @@ from mlx_prefix.engine.cache_views import CacheAction, CacheViews
 from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
+from mlx_prefix.engine.decode.lookup import PromptLookup, check_lookup_request
 from mlx_prefix.engine.decode.phase import DecodePhase
-from mlx_prefix.engine.decode.speculative import SpeculationStats, Speculator, check_request
+from mlx_prefix.engine.decode.speculative import Speculator, check_request
+from mlx_prefix.engine.decode.verify import SpeculationStats
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
@@ -116,6 +118,10 @@ class Engine:
             self.turns.agree,
         )  # fmt: skip
         speculator = Speculator(draft, self.config.num_draft_tokens) if draft else None
+        lookup = None  # a draft model drafts instead; a sharded group's ranks would differ
+        if draft is None and self.turns.agree_tokens is None:
+            why = None if trimmable else "its cache cannot trim a rejected draft"
+            lookup = PromptLookup(self.config.prompt_lookup, unusable=why)
         self.prefetch = PrefetchStats()
         board = ActivityBoard(1)
         self.views = CacheViews(
@@ -131,7 +137,7 @@ class Engine:
         self.loop = build_loop(
             model=model, planner=self.planner, store=self.store, disk=self.disk,
             cache_config=self.cache_config, config=self.config, turns=self.turns,
-            lifecycle=self.lifecycle, kv_quant=self.kv_quant, speculator=speculator,
+            lifecycle=self.lifecycle, kv_quant=self.kv_quant, speculator=speculator, lookup=lookup,
             board=board, prefetch=self.prefetch, prefetcher=self._prefetcher,
             can_batch=can_batch, owner=owner,
         )  # fmt: skip
@@ -157,6 +163,12 @@ class Engine:
         """Draft tokens proposed and accepted (None: no draft model)."""
         spec = self.loop.decode.speculator
         return spec.stats if spec is not None else None
+
+    @property
+    def lookup(self) -> SpeculationStats | None:
+        """Prompt lookup's verify steps, drafted and accepted tokens (None: no lookup)."""
+        lookup = self.loop.decode.lookup
+        return lookup.stats if lookup is not None else None
 
     @property
     def failure(self) -> str | None:
@@ -191,6 +203,7 @@ class Engine:
         self._check_serving()
         check_sampling(sampling, self.vocab_size)
         check_request(sampling, self.loop.decode.speculator)
+        check_lookup_request(sampling, self.loop.decode.lookup)
         rendered = self.plan(prompt)
         check_images(rendered, sampling)
         if fit_reply:

@@ -98,6 +98,9 @@ class EngineLoop:
         self.capacity = self.config.max_running if self.batchable else 1
         self.lifecycle.capacity = self.capacity
         check_speculator(self.model, found.rows, self.decode.speculator)
+        lookup = self.decode.lookup
+        if lookup is not None and lookup.max_tokens and lookup.unusable is None:
+            lookup.check(self.model, found.rows)  # at startup, not in a request's reply
 
     def idle(self) -> bool:
         return not (self.waiting.has_requests() or self.prefill.tasks or len(self.decode))

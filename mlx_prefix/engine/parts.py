@@ -19,6 +19,7 @@ from mlx_prefix.cache.sizing import default_budget
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
+from mlx_prefix.engine.decode.lookup import PromptLookup
 from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
@@ -91,6 +92,7 @@ def build_loop(
     lifecycle: Lifecycle,
     kv_quant: KvQuant | None,
     speculator: Speculator | None,
+    lookup: PromptLookup | None,
     board: ActivityBoard,
     prefetch: PrefetchStats,
     prefetcher: Prefetcher | None,
@@ -119,6 +121,7 @@ def build_loop(
         prefetcher.after_reply if prefetcher is not None else _no_follow_up,
         kv=kv_quant,
         speculator=speculator,
+        lookup=lookup,
         reasoning=planner.reasoning,  # reasoning budgets' markers
         agree_tokens=turns.agree_tokens,
     )

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_prefix.cache.handover import row_snapshot
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.decode.batch import DecodeBatch, RowSample
+from mlx_prefix.engine.decode.lookup import PromptLookup
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.running import HandBack, Running
 from mlx_prefix.engine.decode.sampling import (
@@ -67,6 +68,7 @@ class DecodePhase:
         *,
         kv: KvQuant | None = None,
         speculator: Speculator | None = None,
+        lookup: PromptLookup | None = None,
         reasoning: ReasoningMarkers | None = None,
         agree_tokens: Callable[[mx.array], mx.array] | None = None,
     ):
@@ -84,6 +86,8 @@ class DecodePhase:
         self.batch = DecodeBatch(model.model, None, agree_tokens, kv)
         # With --draft-model: a request decoding alone speculates (engine/decode/speculative.py).
         self.speculator = speculator
+        # Prompt lookup: a request decoding alone drafts from its own sequence (lookup.py).
+        self.lookup = lookup
         self.reasoning = reasoning  # the model's think markers, for reasoning budgets
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
@@ -182,13 +186,9 @@ class DecodePhase:
             self.read_launched()  # then a step of its own, from every row's newest token
             if not len(self.batch):
                 return  # every row ended on the tokens in flight
-        if self.speculator is not None and len(self.batch) == 1:
-            running = self.batch.members[0]
-            if not _bounding(running) and (k := self.speculator.tokens_for(running)):
-                accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
-                self.speculator.step(self.batch, running, k, accept)
-                self.steps += 1
-                return
+        if len(self.batch) == 1 and self._speculate(self.batch.members[0]):
+            self.steps += 1
+            return
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
         self.overlapped += overlap
@@ -196,6 +196,20 @@ class DecodePhase:
         self.steps += 1
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self._nbytes())
+
+    def _speculate(self, running: Running) -> bool:
+        """A verify step for the batch's only request, with the draft model's tokens or
+        its own sequence's (prompt lookup); False: it takes a plain step."""
+        if _bounding(running):
+            return False
+        accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
+        if self.speculator is not None and (k := self.speculator.tokens_for(running)):
+            self.speculator.step(self.batch, running, k, accept)
+            return True
+        lookup = self.lookup
+        return lookup is not None and lookup.step(
+            self.model, self.rows, self.batch, running, accept
+        )
 
     def read_launched(self) -> None:
         """Hand out the tokens of a step launched ahead (if any) and launch none: before
@@ -218,7 +232,7 @@ class DecodePhase:
         draws on the device, and some row goes on past the tokens in flight."""
         if self.agree_tokens is not None or self.kv is not None:
             return False  # sharded ranks agree on each token; a quantized cache steps alone
-        if self.speculator is not None and len(self.batch) == 1:
+        if len(self.batch) == 1 and (self.speculator is not None or self._looks_up()):
             return False  # the next step speculates, from the newest token
         all_end = True
         for row, running in enumerate(self.batch.members):
@@ -226,6 +240,11 @@ class DecodePhase:
                 return False  # its mask, or a forced close, needs its newest token first
             all_end = all_end and running.count + self.batch.in_flight(row) >= running.limit
         return not all_end
+
+    def _looks_up(self) -> bool:
+        """Whether the only request may draft by prompt lookup."""
+        lookup = self.lookup
+        return lookup is not None and lookup.limit(self.batch.members[0]) > 0
 
     def _nbytes(self) -> int:
         """The batch's resident bytes, the draft caches beside it included."""
@@ -249,6 +268,8 @@ class DecodePhase:
         self.store.drop_active(self._bytes_key)
         if self.speculator is not None:
             self.speculator.clear()
+        if self.lookup is not None:
+            self.lookup.clear()
         return jobs
 
     def _accept_token(
@@ -290,6 +311,8 @@ class DecodePhase:
         self.batch.remove([running])
         if self.speculator is not None:
             self.speculator.forget(running)
+        if self.lookup is not None:
+            self.lookup.forget(running)
         if len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self._nbytes())
         else:

@@ -23,7 +23,7 @@ Engine thread only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -35,24 +35,19 @@ from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.sampling import (
     TokenSampler,
-    alternatives,
-    float_list,
     int_list,
     item_float,
     item_int,
     normalize,
-    top_logprobs,
 )
+from mlx_prefix.engine.decode.verify import Accept, SpeculationStats, verify_step
 from mlx_prefix.engine.forward.runner import ChunkWork, always_trimmable, compute_chunks
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.records import SamplingParams, TopLogprob
+from mlx_prefix.records import SamplingParams
 
 MAX_DRAFT_TOKENS = 32  # a request's num_draft_tokens above this is refused
 DRAFT_CHUNK = 512  # draft catch-up tokens per forward (its numbers never matter)
-
-# Hands one token to its request: (token, logprob, top) -> True if the request ended.
-Accept = Callable[[int, float | None, tuple[TopLogprob, ...]], bool]
 
 
 class DraftMismatch(MlxPrefixError):
@@ -113,21 +108,6 @@ def verify_matches(model: nn.Module, rows: int, vocab: int, k: int = 3) -> bool:
         item_int(mx.argmax(lp, axis=-1)) == s.token and item_float(lp[0, s.token]) == s.logprob
         for lp, s in zip(logprobs, steps, strict=True)
     )
-
-
-@dataclass(slots=True)
-class SpeculationStats:
-    """Verify steps run and the draft tokens they checked (observability, tests)."""
-
-    steps: int = 0
-    drafted: int = 0  # tokens the draft proposed
-    accepted: int = 0  # of those, tokens the target drew too
-    draft_restored: int = 0  # prompt tokens of the draft's cache restored with the target's
-    draft_computed: int = 0  # prompt tokens the draft computed (a miss, or an entry without it)
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass(slots=True)
@@ -212,46 +192,12 @@ class Speculator:
         self._states.clear()
 
     def step(self, batch: DecodeBatch, running: Running, k: int, accept: Accept) -> None:
-        """One verify step for the batch's only request: up to k+1 tokens handed to
-        `accept`, in order, until one ends the request or differs from the draft."""
+        """One verify step for the batch's only request (engine/decode/verify.py)."""
         assert len(batch) == 1 and k > 0
         sequence = (*running.job.tokens, *running.emitted)  # the last is the batch's input
         held = len(sequence) - 1  # tokens in the target's cache
         drafted = self._propose(running, sequence, k)
-        logits = batch.verify([sequence[-1], *drafted])  # [k+1, V]
-        # Counted before any token is handed on: the last one may end the request, and
-        # its client may read the counters as soon as it has its reply.
-        self.stats.steps += 1
-        self.stats.drafted += k
-        sampler = batch.sampler(0)
-        params = running.job.sampling
-        kept = 0  # positions of the verify forward the reply keeps
-        while True:
-            row = logits[kept : kept + 1]  # [1, V]
-            logprobs = normalize(row) if params.logprobs else None
-            token = sampler(row, logprobs)  # [1]
-            out = [token]
-            if logprobs is not None:  # params.logprobs
-                out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])
-                if params.top_logprobs:
-                    out.extend(top_logprobs(logprobs, params.top_logprobs))
-            mx.eval(*out)
-            value = item_int(token)
-            logprob: float | None = None
-            top: tuple[TopLogprob, ...] = ()
-            if params.logprobs:
-                logprob = item_float(out[1])
-                if params.top_logprobs:
-                    ids, values = int_list(out[2][0]), float_list(out[3][0])
-                    top = alternatives(ids, values, params.top_logprobs)
-            kept += 1
-            matched = kept <= k and value == drafted[kept - 1]
-            self.stats.accepted += int(matched)
-            if accept(value, logprob, top):
-                break  # the request ended (and left the batch)
-            if not matched:
-                batch.settle(held + kept, value, k + 1 - kept)
-                break
+        kept, _ = verify_step(batch, running, drafted, accept, self.stats)
         state = self._states.get(id(running))
         if state is not None:  # drop the draft's rejected tokens
             state.trim(held + kept)

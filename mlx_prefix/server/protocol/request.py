@@ -131,6 +131,8 @@ def generation_request(
         response_format=chat_response_format(body),
         **mlx_lm_sampling(body, limits.sampling.get("min_p", 0.0)),
         num_draft_tokens=_num_draft_tokens(body, limits),
+        # Prompt lookup's most draft tokens (engine/decode/lookup.py); 0: plain decoding.
+        prompt_lookup=integer(body, "prompt_lookup", None, lo=0, hi=32),
     )
     refuse_stop_with_format(sampling, "stop")
     if parse_tools and sampling.response_format is not None:

@@ -1,0 +1,194 @@
+"""Prompt lookup decoding: a request decoding alone drafts its next tokens from its own
+sequence (prompt and reply so far), no second model, and verifies them in one forward
+(engine/decode/verify.py: the reply is plain decoding's, tokens and logprobs).
+
+The draft: the longest of the last 4, 3 or 2 tokens seen earlier in the sequence, and
+the k tokens that followed its latest occurrence there; once a match is followed, it is
+kept while the reply's last tokens agree with it (a copy of a repetitive file stays on
+its line). An agent's reply that repeats what it read (an edit's old lines, a rewritten
+file) keeps most of them.
+
+k adapts per request so that a reply which copies nothing decodes as plain decoding
+does (a verify costs more than a step: 1 to 2.5 steps measured on a loaded 2-core CPU):
+it starts at 2, doubles (up to the request's limit) while whole drafts are kept, shrinks
+to what was kept, halves when nothing is, and at 0 the request takes plain steps for a
+pause that doubles each time (8 up to 256 steps) before it probes again with k = 1.
+Without a match there is no draft and the step is a plain one.
+
+Only where a rejected draft can be trimmed from the cache (dense KV, float): models with
+recurrent or sliding-window layers, quantized KV and several requests decoding together
+take plain steps. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.running import Running
+from mlx_prefix.engine.decode.speculative import MAX_DRAFT_TOKENS, verify_matches
+from mlx_prefix.engine.decode.verify import Accept, SpeculationStats, verify_step
+from mlx_prefix.engine.forward import rowwise
+from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.models.load import LoadedModel
+from mlx_prefix.records import SamplingParams
+
+log = logging.getLogger("mlx_prefix.engine")
+
+NGRAM_SIZES = (4, 3, 2)  # the sequence's last n tokens looked up, longest first
+START_K = 2  # a request's first draft: a wrong one costs a verify of few rows
+PAUSE_FIRST = 8  # plain steps after k fell to 0, before probing again
+PAUSE_MAX = 256  # the pause doubles up to this while probes keep failing
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence was last followed by a token."""
+
+    def __init__(self, sizes: Sequence[int] = NGRAM_SIZES):
+        self.sizes = tuple(sizes)
+        self.tokens: list[int] = []
+        # n-gram -> the position of the token after its latest occurrence. The sequence's
+        # own last n-grams have no follower yet, so a look-up finds an earlier one.
+        self._next: dict[tuple[int, ...], int] = {}
+        self._distance: int | None = None  # from the sequence's end to the match followed
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq, index = self.tokens, self._next
+        for token in tokens:
+            end = len(seq)  # `token`'s position: the n-grams ending before it are followed
+            for n in self.sizes:
+                if end >= n:
+                    index[tuple(seq[end - n : end])] = end
+            seq.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """k tokens after the match: the one followed last while its last tokens still
+        agree (a copy of a repetitive file stays on its line), else the latest earlier
+        occurrence of the longest matching suffix; [] when none occurred before."""
+        seq, end = self.tokens, len(self.tokens)
+        at = None
+        if self._distance is not None:
+            n, source = self.sizes[-1], end - self._distance
+            if n <= source < end and seq[source - n : source] == seq[end - n :]:
+                at = source
+        for n in self.sizes if at is None else ():
+            if end > n and (at := self._next.get(tuple(seq[-n:]))) is not None:
+                break
+        if at is None:
+            self._distance = None
+            return []
+        self._distance = end - at  # a copy's source and its end advance together
+        # Past the sequence's end the match repeats what it just proposed: a run or a
+        # loop goes on as it went (period end - at).
+        out = seq[at : at + k]
+        while len(out) < k:
+            out.append(out[len(out) - (end - at)])
+        return out
+
+
+@dataclass(slots=True)
+class LookupState:
+    """A request's index and its adaptive draft length."""
+
+    index: NgramIndex
+    k: int  # draft tokens of its next verify (0: paused)
+    pause: int = 0  # plain steps left before the next probe
+    backoff: int = PAUSE_FIRST  # the next pause
+
+    def adapt(self, drafted: int, accepted: int, limit: int) -> None:
+        if accepted == drafted:
+            self.k = min(limit, max(1, 2 * self.k))
+        elif accepted:
+            self.k = min(limit, accepted + 1)
+        else:
+            self.k //= 2
+        if accepted:
+            self.backoff = PAUSE_FIRST
+        elif self.k == 0:
+            self.pause, self.backoff = self.backoff, min(PAUSE_MAX, 2 * self.backoff)
+
+
+@dataclass(slots=True)
+class PromptLookup:
+    max_tokens: int  # the server's --prompt-lookup: draft tokens at most (0: off)
+    # Why it never drafts on this engine (a model whose cache cannot trim); None: it may.
+    unusable: str | None = None
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    exact: bool | None = None  # the verify forward keeps this model's numbers (None: unchecked)
+    _states: dict[int, LookupState] = field(default_factory=dict)  # by id(Running)
+
+    def check(self, model: LoadedModel, rows: int | None) -> bool:
+        """Whether a verify forward gives plain decoding's numbers on this model here
+        (checked once, on the engine thread: engine/decode/speculative.py's startup check;
+        it installs the batch-invariant layers, which compute as before outside a verify)."""
+        if self.exact is None:
+            if rows is None:
+                rowwise.install(model.model)
+            self.exact = verify_matches(model.model, rows or 1, model.tokenizer.vocab_size)
+            if not self.exact:
+                log.warning("a verify forward changes this model's numbers here: no prompt lookup")
+        return self.exact
+
+    def limit(self, running: Running) -> int:
+        """The request's most draft tokens per verify (0: plain decoding)."""
+        if self.unusable is not None or running.job.prompt.vision is not None:
+            return 0  # image placeholders are not the model's token ids
+        asked = running.job.sampling.prompt_lookup
+        return self.max_tokens if asked is None else asked
+
+    def step(
+        self, model: LoadedModel, rows: int | None, batch: DecodeBatch, running: Running,
+        accept: Accept,
+    ) -> bool:  # fmt: skip
+        """A verify step for the batch's only request if it drafts now; False: it did
+        not, take a plain step."""
+        limit = self.limit(running)
+        if limit <= 0 or not self.check(model, rows):
+            return False
+        state = self._states.get(id(running))
+        if state is None:
+            state = self._states[id(running)] = LookupState(NgramIndex(), min(limit, START_K))
+        index, prompt = state.index, running.job.tokens
+        if len(index) < len(prompt):
+            index.extend(prompt)
+        index.extend(running.emitted[len(index) - len(prompt) :])
+        if state.pause:
+            state.pause -= 1
+            state.k = 0 if state.pause else 1
+            return False
+        k = min(state.k, limit, running.limit - running.count - 1)
+        drafted = index.propose(k) if k > 0 else []
+        if not drafted:
+            return False
+        _, accepted = verify_step(batch, running, drafted, accept, self.stats)
+        state.adapt(len(drafted), accepted, limit)
+        return True
+
+    def forget(self, running: Running) -> None:
+        self._states.pop(id(running), None)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+
+def check_lookup_request(sampling: SamplingParams, lookup: PromptLookup | None) -> None:
+    """A request's prompt_lookup: refused out of bounds, or where this engine has no
+    lookup at all (a --draft-model drafts instead, or a sharded model)."""
+    k = sampling.prompt_lookup
+    if k is None:
+        return
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidRequest(
+            f"prompt_lookup must be between 0 and {MAX_DRAFT_TOKENS}", param="prompt_lookup"
+        )
+    if lookup is None and k:
+        raise InvalidRequest(
+            "prompt_lookup is not available on this server (its --draft-model drafts, or "
+            "the model is sharded over ranks)",
+            param="prompt_lookup",
+        )

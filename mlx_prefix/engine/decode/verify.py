@@ -1,0 +1,97 @@
+"""One verify step: a lone request's input token and its drafted tokens computed in one
+forward, then drawn in order by its own sampler (engine/decode/speculative.py explains why
+the reply is plain decoding's, tokens and logprobs). Shared by the draft model
+(speculative.py) and prompt lookup (lookup.py). Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_prefix.engine.decode.batch import DecodeBatch
+from mlx_prefix.engine.decode.running import Running
+from mlx_prefix.engine.decode.sampling import (
+    alternatives,
+    float_list,
+    int_list,
+    item_float,
+    item_int,
+    normalize,
+    top_logprobs,
+)
+from mlx_prefix.records import TopLogprob
+
+# Hands one token to its request: (token, logprob, top) -> True if the request ended.
+Accept = Callable[[int, float | None, tuple[TopLogprob, ...]], bool]
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Verify steps run and the draft tokens they checked (observability, tests)."""
+
+    steps: int = 0
+    drafted: int = 0  # tokens the draft proposed
+    accepted: int = 0  # of those, tokens the target drew too
+    draft_restored: int = 0  # prompt tokens of the draft's cache restored with the target's
+    draft_computed: int = 0  # prompt tokens the draft computed (a miss, or an entry without it)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def verify_step(
+    batch: DecodeBatch,
+    running: Running,
+    drafted: Sequence[int],
+    accept: Accept,
+    stats: SpeculationStats,
+) -> tuple[int, int]:
+    """Verify `drafted` (k >= 1 tokens after the request's sequence) for the batch's only
+    request: up to k+1 tokens handed to `accept`, in order, until one ends the request or
+    differs from the draft. Returns the tokens handed on and, of those, the drafted
+    tokens the reply kept."""
+    assert len(batch) == 1 and drafted
+    k = len(drafted)
+    sequence_last = running.emitted[-1] if running.emitted else running.job.tokens[-1]
+    held = len(running.job.tokens) + len(running.emitted) - 1  # tokens in the cache
+    logits = batch.verify([sequence_last, *drafted])  # [k+1, V]
+    # Counted before any token is handed on: the last one may end the request, and
+    # its client may read the counters as soon as it has its reply.
+    stats.steps += 1
+    stats.drafted += k
+    sampler = batch.sampler(0)
+    params = running.job.sampling
+    kept = 0  # positions of the verify forward the reply keeps
+    hits = 0  # of those, drafted tokens the sampler drew too
+    while True:
+        row = logits[kept : kept + 1]  # [1, V]
+        logprobs = normalize(row) if params.logprobs else None
+        token = sampler(row, logprobs)  # [1]
+        out = [token]
+        if logprobs is not None:  # params.logprobs
+            out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])
+            if params.top_logprobs:
+                out.extend(top_logprobs(logprobs, params.top_logprobs))
+        mx.eval(*out)
+        value = item_int(token)
+        logprob: float | None = None
+        top: tuple[TopLogprob, ...] = ()
+        if params.logprobs:
+            logprob = item_float(out[1])
+            if params.top_logprobs:
+                ids, values = int_list(out[2][0]), float_list(out[3][0])
+                top = alternatives(ids, values, params.top_logprobs)
+        kept += 1
+        matched = kept <= k and value == drafted[kept - 1]
+        stats.accepted += int(matched)
+        hits += int(matched)
+        if accept(value, logprob, top):
+            break  # the request ended (and left the batch)
+        if not matched:
+            batch.settle(held + kept, value, k + 1 - kept)
+            break
+    return kept, hits
