@@ -166,6 +166,9 @@ async def _drive(ctx: Context, server: Server, client: httpx.AsyncClient, key: s
     if server.name == OURS:
         stats = (await client.get(server.url + "/v1/cache")).json().get("stats", {})
         res.extra["evictions"] = stats.get("evictions")
+        # Entries the budget gave to the request extending them (cache/handover.py): the
+        # budget biting too, without an eviction.
+        res.extra["handed_over"] = stats.get("handed_over")
         res.extra["cache_mib"] = stats.get("bytes", 0) / MiB
     if last is not None:
         await ctx.check(client, server, res, *last)
