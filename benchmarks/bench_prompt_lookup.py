@@ -23,18 +23,15 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.bench_speculative import reply  # one request's tokens, logprobs, usage
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.load import load_model
 from mlx_prefix.records import (
-    CachePreference,
-    DoneEvent,
-    ErrorEvent,
     PromptInput,
     SamplingParams,
-    TokenEvent,
 )
 
 FILE = "\n".join(
@@ -56,20 +53,6 @@ class Row:
     drafted: int  # per run
     accepted: int
     same_as_plain: bool  # tokens and logprobs equal to the off run's, every repeat
-
-
-def reply(engine: Engine, prompt: PromptInput, sampling: SamplingParams):
-    handle = engine.submit(prompt, sampling, CachePreference())
-    tokens, logprobs = [], []
-    for event in handle.events(timeout=1800):
-        if isinstance(event, TokenEvent) and event.token is not None:
-            tokens.append(event.token)
-            logprobs.append(event.logprob)
-        elif isinstance(event, ErrorEvent):
-            raise RuntimeError(event.message)
-        elif isinstance(event, DoneEvent):
-            return tokens, logprobs, event.usage
-    raise RuntimeError("no final event")
 
 
 def main() -> None:
