@@ -104,7 +104,7 @@ def test_a_vision_model_still_held_lets_go_of_its_memory():
     family = engine.model.vision
     assert len(family.prepared) > 0  # the image it prepared
     unload(swapper, slot)
-    from mlx_prefix.models.arrays import named_arrays
+    from mlx_prefix.arrays import named_arrays
 
     tower = named_arrays(family.tower.parameters())
     assert tower and all(p.size == 0 for _, p in tower)
