@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.vision.intake import ImageLimits
 from mlx_prefix.vision.parts import ImageInput, openai_image_part
 
@@ -184,7 +184,7 @@ def conversation_from_dicts(
     anything that cannot be rendered faithfully. `image_url` parts are decoded under
     `images` (the server's limits; the defaults when None)."""
     if not isinstance(messages, (list, tuple)):
-        raise InvalidRequest(f"'{param}' must be an array, not {_json_type(messages)}", param=param)
+        raise InvalidRequest(f"'{param}' must be an array, not {json_type(messages)}", param=param)
     if not messages:
         raise InvalidRequest(f"'{param}' must not be empty", param=param)
     limits = images or ImageLimits()
@@ -298,7 +298,7 @@ def _content(content: Any, param: str, limits: ImageLimits) -> tuple[str, tuple[
         raise InvalidRequest(f"{param} must be a string or an array of text parts", param=param)
     text, images = "", []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        kind = part.get("type") if isinstance(part, dict) else json_type(part)
         if kind == "image_url":
             image = openai_image_part(part, limits, f"{param}[{j}]")
             images.append(ImageAt(len(text), image, f"{param}[{j}]"))
@@ -313,12 +313,3 @@ def _content(content: Any, param: str, limits: ImageLimits) -> tuple[str, tuple[
             raise InvalidRequest(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
         text += part["text"]
     return text, tuple(images)
-
-
-def _json_type(value: Any) -> str:
-    """How an error names a value's type: JSON's names, as the client wrote it."""
-    for kind, name in ((type(None), "null"), (bool, "boolean"), ((int, float), "number"),
-                       (str, "string"), (list, "array")):  # fmt: skip
-        if isinstance(value, kind):
-            return name
-    return "object"

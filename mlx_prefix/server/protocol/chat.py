@@ -10,12 +10,12 @@ import dataclasses
 from typing import Any
 
 from mlx_prefix.conversation import Conversation, conversation_from_dicts
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import PromptInput
 from mlx_prefix.vision.intake import ImageLimits
 
 from .effort import effort_bound, token_budget
-from .fields import MISSING, field, integer, json_type
+from .fields import MISSING, field, integer
 from .request import GenerationRequest, Limits, ToolChoice, generation_request
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 
-from .fields import field, integer, json_type
+from .fields import field, integer
 
 ENCODING_FORMATS = ("float", "base64")
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})

@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_prefix.conversation import ImageAt, Message, Role, ToolCall
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import Breakpoint
 from mlx_prefix.vision.intake import ImageLimits
 from mlx_prefix.vision.parts import anthropic_image_block
 
-from ..fields import json_type
 from ..sealed import unseal
 
 # The roles a Messages request may give (a system turn in `messages` is read as one).

@@ -23,10 +23,20 @@ from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Too
 
 from ..effort import effort_bound
 from ..fields import field as read
-from ..fields import integer, number
+from ..fields import integer
 from ..formats import responses_text_format
-from ..request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
-from .items import chat_tools, input_messages, is_empty
+from ..request import GenerationRequest, Limits, ToolChoice, cache_preference
+from ..spec import (
+    SEED_LIMIT,
+    Integer,
+    Number,
+    SamplingSpec,
+    is_empty,
+    read_sampling,
+    refuse_format_with_tools,
+    refuse_unknown,
+)
+from .items import chat_tools, input_messages
 
 LOGPROBS = "message.output_text.logprobs"
 # Asks for a field of reasoning items; this server's always carry it (their text, sealed:
@@ -54,6 +64,14 @@ _REFUSED = {
     "context_management": "server-side context compaction is not supported",
     "prompt_cache_options": "cache options are not supported: every prefix is cached",
 }
+
+
+# The Responses API's sampling fields: no top_k, min_p or stop (the server's values hold).
+RESPONSES_SAMPLING = SamplingSpec(
+    temperature=Number("temperature", 0.0, lo=0.0, hi=2.0),
+    top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
+    seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
+)
 
 
 @dataclass(frozen=True)
@@ -107,7 +125,7 @@ class ResponsesRequest:
 
 
 def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
-    _refuse_unknown(body)
+    refuse_unknown(body, _ACCEPTED, what="the Responses API here", empty_ok=True, reasons=_REFUSED)
     _check_options(body)
     tool_choice = read(body, "tool_choice", (str, dict), "auto")
     if tool_choice not in ("auto", "none"):
@@ -120,12 +138,7 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
     tools, flat_tools = found if found is not None else (None, [])
     text_format = read(body, "text", dict, {}).get("format")
     response_format = None if is_empty(text_format) else responses_text_format(text_format)
-    if response_format is not None and tools is not None and tool_choice != "none":
-        raise InvalidRequest(
-            "text.format cannot be combined with tools: a reply held to the format could "
-            "never call one (send tool_choice: 'none', or no tools)",
-            param="text.format",
-        )
+    refuse_format_with_tools(response_format, tools is not None and tool_choice != "none")
     stream = bool(read(body, "stream", bool, False))
     if not stream and not is_empty(body.get("stream_options")):
         raise InvalidRequest("stream_options needs stream: true", param="stream_options")
@@ -140,13 +153,7 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
     bound = effort_bound(effort, "reasoning.effort")
     sampling = SamplingParams(
         max_tokens=max_output_tokens or min(limits.default_max_tokens, limits.max_tokens),
-        temperature=number(
-            body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
-        ),
-        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
-        top_k=limits.sampling.get("top_k", 0),
-        min_p=limits.sampling.get("min_p", 0.0),
-        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
+        **read_sampling(body, RESPONSES_SAMPLING, limits.sampling),
         logprobs=LOGPROBS in _include(body),
         response_format=response_format,
         reasoning_budget=bound.budget,
@@ -180,14 +187,6 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         ),
         echo=echo,
     )
-
-
-def _refuse_unknown(body: dict[str, Any]) -> None:
-    for name, value in body.items():
-        if name in _ACCEPTED or is_empty(value):
-            continue
-        reason = _REFUSED.get(name, "this server does not know this field")
-        raise InvalidRequest(f"'{name}' is not supported: {reason}", param=name)
 
 
 def _check_options(body: dict[str, Any]) -> None:

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_prefix.conversation import ImageAt, Message, Role, ToolCall, decode_arguments
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.vision.intake import ImageLimits
 from mlx_prefix.vision.parts import responses_image_part
 
-from ..fields import json_type
 from ..sealed import unseal
+from ..spec import is_empty
 
 # An input message's role and the role it renders as.
 INPUT_ROLES: dict[str, Role] = {
@@ -218,10 +218,6 @@ def _no_other_fields(obj: dict[str, Any], where: str, known: set[str]) -> None:
     for key, value in obj.items():
         if key not in known and key not in _ITEM_BOOKKEEPING and not is_empty(value):
             raise InvalidRequest(f"{where}.{key} is not supported", param=f"{where}.{key}")
-
-
-def is_empty(value: Any) -> bool:
-    return value is None or value is False or value in ("", [], {})
 
 
 def chat_tools(value: Any) -> tuple[tuple[dict[str, Any], ...], list[dict[str, Any]]] | None:
