@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.models.load import load_model
@@ -35,6 +34,7 @@ from mlx_prefix.records import (
     TokenEvent,
     Usage,
 )
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 SAMPLING = SamplingParams(max_tokens=16, temperature=0.0, logprobs=True)
 TOPICS = ("the harbor", "the orchard", "the copper mine", "the river lock", "the old mill")

@@ -188,7 +188,7 @@ class Tokens:
         self._renderer = ChatRenderer(self._tok)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        from mlx_prefix.conversation import conversation_from_dicts
+        from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
         text = self._renderer.render_text(conversation_from_dicts(messages), tools=tools)
         return self._renderer.encode_chat(text)

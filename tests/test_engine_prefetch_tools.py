@@ -15,7 +15,6 @@ from engine_helpers import open_engine, wait_for, warm_equals_cold
 from mlx_lm.utils import load_tokenizer
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE, cached_test_model
@@ -30,6 +29,7 @@ from mlx_prefix.records import (
     Usage,
 )
 from mlx_prefix.server.protocol.chat import parse_chat
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.protocol.request import GenerationRequest, Limits
 from mlx_prefix.server.protocol.responses.bodies import parse_responses
 from mlx_prefix.server.protocol.responses.items import reply_messages

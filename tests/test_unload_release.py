@@ -23,12 +23,12 @@ from vision_models import QWEN3_TOKENIZER, QWEN35_TEMPLATE, encoded, picture, vi
 
 from mlx_prefix.blas_exec import fast_blas_env
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.served.loading import EngineSwapper, Slot, on_own_thread
 from mlx_prefix.server.served.names import ModelSpec, ServedModel
 

@@ -3,7 +3,8 @@
 The modules, in the order an image travels:
   intake.py     bytes -> an EncodedImage under limits (format read from the bytes, pixel
                 count from the header), a request's images checked whole before the first
-                decode, its pixel digest; decoded pixels never kept
+                decode, its pixel digest; decoded pixels never kept; ImageInput (an image
+                and its detail; each API family's parts read into it: server/protocol/images.py)
   fetch.py      http(s) image URLs: refused, or (--allow-image-urls) fetched from public
                 addresses only, pinned to the checked address, size and time bounded
   family.py     what every family shares (VisionFamily, PreparedImage, ChunkInputs) and

@@ -32,12 +32,13 @@ import numpy as np
 
 from mlx_prefix.arrays import drop_parameters, load_safetensors
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.vision.intake import EncodedImage
+from mlx_prefix.vision.intake import EncodedImage, ImageInput
 from mlx_prefix.vision.key import ImageSpan
-from mlx_prefix.vision.parts import ImageInput
 from mlx_prefix.vision.positions import PositionTable
 from mlx_prefix.vision.prepared import PreparedCache
 from mlx_prefix.vision.rope import RopePositions, positions
+
+LOW_DETAIL_SIDE = 512  # detail "low": the image fits in this square first
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,9 +111,7 @@ class VisionFamily:
     ) -> PreparedImage:
         """The image as this tower takes it (`picture`: its RGB, already decoded; else
         decoded for this, never kept); `detail` "low" fits it in 512 x 512 first
-        (vision/parts.py), and is then part of its key."""
-        from mlx_prefix.vision.parts import low_detail
-
+        (OpenAI's low-resolution mode: fewer tokens), and is then part of its key."""
         low = detail == "low"
         pixels = picture if picture is not None else image.rgb()
         if low:
@@ -215,3 +214,13 @@ def build_tower(
     module.freeze()
     mx.eval(module.parameters())
     return module
+
+
+def low_detail(picture: Any) -> Any:
+    """A PIL picture fitted in LOW_DETAIL_SIDE x LOW_DETAIL_SIDE (aspect kept; never
+    enlarged), as a copy."""
+    from PIL import Image
+
+    pixels = picture.copy()
+    pixels.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE), Image.Resampling.BICUBIC)
+    return pixels

@@ -25,15 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from mlx_prefix.conversation import Conversation, ImageAt, Message, conversation_from_dicts
+from mlx_prefix.conversation import Conversation, ImageAt, Message
 from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import PromptInput, SamplingParams
-from mlx_prefix.vision.intake import ImageLimits, decode_base64, read_image
-from mlx_prefix.vision.parts import ImageInput
+from mlx_prefix.vision.intake import ImageInput, ImageLimits, decode_base64, read_image
 
 from ..chat import read_tools
 from ..effort import Thinking
 from ..fields import field, integer
+from ..messages import conversation_from_dicts
 from ..request import GenerationRequest, Limits, cache_preference
 from ..spec import refuse_format_with_tools, refuse_stop_with_format, refuse_unknown
 from .options import (

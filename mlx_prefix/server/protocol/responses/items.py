@@ -24,8 +24,8 @@ from typing import Any
 from mlx_prefix.conversation import ImageAt, Message, Role, ToolCall, decode_arguments
 from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.vision.intake import ImageLimits
-from mlx_prefix.vision.parts import responses_image_part
 
+from ..images import responses_image_part
 from ..sealed import unseal
 from ..spec import is_empty
 
@@ -56,7 +56,7 @@ def input_messages(
     value: Any, param: str = "input", images: ImageLimits | None = None
 ) -> list[Message]:
     """`input` (a string or an array of items) as the conversation's messages; a user
-    message's `input_image` parts decoded under `images` (vision/parts.py)."""
+    message's `input_image` parts decoded under `images` (protocol/images.py)."""
     limits = images or ImageLimits()
     if isinstance(value, str):
         return [Message("user", value)]
