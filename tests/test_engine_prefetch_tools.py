@@ -34,7 +34,7 @@ from mlx_prefix.server.protocol.request import GenerationRequest, Limits
 from mlx_prefix.server.protocol.responses.bodies import parse_responses
 from mlx_prefix.server.protocol.responses.items import reply_messages
 from mlx_prefix.server.replies.assembler import Assembler
-from mlx_prefix.server.replies.responses import OutputEvents, ResponseHead
+from mlx_prefix.server.replies.responses import OutputEvents, ReplyMeta
 
 NOW = EngineConfig(prefetch_delay_s=0.0)
 LIMITS = Limits(default_max_tokens=16, max_tokens=1000)
@@ -202,7 +202,7 @@ def responses_next_turn(tokenizer, ids: ToolCallIds) -> tuple[PromptInput, Promp
     syntax = ToolSyntax.of(tokenizer)
     assert syntax is not None
     assembler = Assembler.for_request(first.generation((), ids), tokenizer, streaming=False)
-    head = ResponseHead(ids.seed, "m", SYSTEM, None, None, True, 0.0, 1.0, {})
+    head = ReplyMeta(ids.seed, "m", SYSTEM, None, None, True, 0.0, 1.0, {})
     output = OutputEvents(head, logprobs=False, single_call=False)
     for i in range(0, len(TOOL_REPLY), 3):
         output.add(assembler.feed(TokenEvent(TOOL_REPLY[i : i + 3], 1)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 from starlette.requests import Request
@@ -28,6 +27,7 @@ from ..protocol.embeddings import parse_embeddings
 from ..protocol.fields import field
 from ..protocol.ollama.options import parse_keep_alive
 from ..protocol.spec import refuse_unknown
+from ..replies.ids import new_id
 from ..replies.ollama import ns
 from ..served.embeddings import ServedEmbeddings, require
 from ..served.ollama import listed_name
@@ -86,7 +86,7 @@ async def _vectors(
     """The served name, the vectors, the tokens embedded, and when the request began."""
     st = state(request)
     began = time.perf_counter()
-    record = RequestLog(f"embd-{uuid.uuid4().hex}", request.url.path, st.metrics,
+    record = RequestLog(new_id("embd-"), request.url.path, st.metrics,
                         caller(request).namespace_id)  # fmt: skip
     try:
         served = require(st.embeddings)
