@@ -201,5 +201,6 @@ def refuse_unknown(
         param = where + name
         reason = (reasons or {}).get(name)
         if reason is None:
-            reason = f"not a field of {what} (its fields: {', '.join(sorted(known))})"
+            listed = f" (its fields: {', '.join(sorted(known))})" if known else ""
+            reason = f"not a field of {what}{listed}"
         raise InvalidRequest(f"'{param}' is not supported: {reason}", param=param)

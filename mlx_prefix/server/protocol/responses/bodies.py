@@ -202,10 +202,10 @@ def _check_options(body: dict[str, Any]) -> None:
             "itself, never a summary of it",
             param=f"reasoning.{key}",
         )
-    text = read(body, "text", dict, {})
-    for key, value in text.items():
-        if key != "format" and not is_empty(value):  # format: parse_responses reads it
-            raise InvalidRequest(f"text.{key}: this option is not supported", param=f"text.{key}")
+    # text.format: parse_responses reads it
+    refuse_unknown(
+        read(body, "text", dict, {}), {"format"}, what="text", where="text.", empty_ok=True
+    )
     for name, allowed in (
         ("truncation", ("disabled",)),
         ("service_tier", ("auto", "default")),
@@ -218,11 +218,7 @@ def _check_options(body: dict[str, Any]) -> None:
                 param=name,
             )
     options = read(body, "stream_options", dict, {})
-    for key, value in options.items():
-        if not is_empty(value):
-            raise InvalidRequest(
-                f"stream_options.{key} is not supported", param=f"stream_options.{key}"
-            )
+    refuse_unknown(options, (), what="stream_options", where="stream_options.", empty_ok=True)
     if integer(body, "top_logprobs", 0, lo=0, hi=20):
         raise InvalidRequest(
             "top_logprobs is not supported: only the sampled tokens' logprobs are returned "

@@ -27,7 +27,7 @@ from mlx_prefix.vision.intake import ImageLimits
 
 from ..images import responses_image_part
 from ..sealed import unseal
-from ..spec import is_empty
+from ..spec import is_empty, refuse_unknown
 
 # An input message's role and the role it renders as.
 INPUT_ROLES: dict[str, Role] = {
@@ -215,9 +215,7 @@ def _function_call_output(item: dict[str, Any], where: str) -> Message:
 
 
 def _no_other_fields(obj: dict[str, Any], where: str, known: set[str]) -> None:
-    for key, value in obj.items():
-        if key not in known and key not in _ITEM_BOOKKEEPING and not is_empty(value):
-            raise InvalidRequest(f"{where}.{key} is not supported", param=f"{where}.{key}")
+    refuse_unknown(obj, known | _ITEM_BOOKKEEPING, what=where, where=f"{where}.", empty_ok=True)
 
 
 def chat_tools(value: Any) -> tuple[tuple[dict[str, Any], ...], list[dict[str, Any]]] | None:
