@@ -16,12 +16,8 @@ from .fields import field, integer
 from .formats import chat_response_format
 from .sampling_fields import mlx_lm_sampling
 from .spec import (
-    SEED_LIMIT,
-    Integer,
-    Number,
+    CHAT_SAMPLING,
     SamplingDefaults,
-    SamplingSpec,
-    Stops,
     read_sampling,
     refuse_format_with_tools,
     refuse_stop_with_format,
@@ -29,17 +25,6 @@ from .spec import (
 )
 
 _PREFIX_CACHE_KEYS = frozenset({"enabled", "scope"})
-
-# Chat and completions' sampling fields (OpenAI's, with mlx_lm.server's top_k, min_p and
-# this server's seed; the rest of mlx_lm.server's: sampling_fields.py).
-CHAT_SAMPLING = SamplingSpec(
-    temperature=Number("temperature", 0.0, lo=0.0, hi=2.0),
-    top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
-    top_k=Integer("top_k", 0, lo=0),
-    min_p=Number("min_p", 0.0, lo=0.0, hi=1.0),
-    seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
-    stop=Stops("stop"),
-)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """One spec per API family, read by one set of readers, and the rules every family shares.
 
-Each family (chat and completions: request.py; Anthropic Messages: anthropic/bodies.py;
-Responses: responses/bodies.py; Ollama: ollama/options.py) declares a SamplingSpec: the
-name, default and bounds of each sampling field its body carries, where they stand (the
-body, or Ollama's `options`) and where its stop strings are. `read_sampling` reads any of
+Each family has a SamplingSpec here, side by side (CHAT_SAMPLING for chat and
+completions: request.py; MESSAGES_SAMPLING: anthropic/bodies.py; RESPONSES_SAMPLING:
+responses/bodies.py; OPTIONS_SAMPLING: ollama/options.py): the name, default and bounds
+of each sampling field its body carries, where they stand (the body, or Ollama's
+`options`) and where its stop strings are. `read_sampling` reads any of
 them the same way into SamplingParams' keyword arguments, the server's own defaults
 (`serve --temp`, `--top-p`, `--top-k`, `--min-p`) over each API's. A field a family does
 not carry takes the server's default, else SamplingParams' own.
@@ -87,6 +88,49 @@ class SamplingDefaults:
     def get(self, name: str, api_default: Any) -> Any:
         value = getattr(self, name)
         return api_default if value is None else value
+
+
+# The four families' specs, side by side.
+# Chat and completions' sampling fields (OpenAI's, with mlx_lm.server's top_k, min_p and
+# this server's seed; the rest of mlx_lm.server's: protocol/sampling_fields.py).
+CHAT_SAMPLING = SamplingSpec(
+    temperature=Number("temperature", 0.0, lo=0.0, hi=2.0),
+    top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
+    top_k=Integer("top_k", 0, lo=0),
+    min_p=Number("min_p", 0.0, lo=0.0, hi=1.0),
+    seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
+    stop=Stops("stop"),
+)
+
+# Anthropic's sampling fields: its temperature is at most 1.0 (default 1.0); min_p is not
+# one (the server's --min-p holds); seed is this server's extension.
+MESSAGES_SAMPLING = SamplingSpec(
+    temperature=Number("temperature", 1.0, lo=0.0, hi=1.0),
+    top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
+    top_k=Integer("top_k", 0, lo=0),
+    seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
+    stop=Stops("stop_sequences", single=False, empties=False),
+)
+
+# The Responses API's sampling fields: no top_k, min_p or stop (the server's values hold).
+RESPONSES_SAMPLING = SamplingSpec(
+    temperature=Number("temperature", 0.0, lo=0.0, hi=2.0),
+    top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
+    seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
+)
+
+# Ollama's `options` as sampling fields, with its api.DefaultOptions() for what a request
+# leaves out; a negative seed is a random one (ollama/options.py).
+OPTIONS_SAMPLING = SamplingSpec(
+    temperature=Number("temperature", 0.8, lo=0.0, hi=2.0),
+    top_p=Number("top_p", 0.9, lo=0.0, hi=1.0),
+    top_k=Integer("top_k", 40, lo=0),
+    min_p=Number("min_p", 0.0, lo=0.0, hi=1.0),
+    seed=Integer("seed", None, hi=SEED_LIMIT - 1),
+    stop=Stops("stop"),
+    where="options.",
+    integral_floats=True,
+)
 
 
 def read_sampling(

@@ -40,11 +40,7 @@ from ..fields import MISSING, field, integer
 from ..formats import anthropic_output_format
 from ..request import GenerationRequest, Limits, cache_preference
 from ..spec import (
-    SEED_LIMIT,
-    Integer,
-    Number,
-    SamplingSpec,
-    Stops,
+    MESSAGES_SAMPLING,
     read_sampling,
     refuse_format_with_tools,
     refuse_stop_with_format,
@@ -53,16 +49,6 @@ from ..spec import (
 from .blocks import convert
 from .thinking import keep_thinking_turns, read_thinking
 from .tools import Tools, read_tool_choice, read_tools
-
-# Anthropic's sampling fields: its temperature is at most 1.0 (default 1.0); min_p is not
-# one (the server's --min-p holds); seed is this server's extension.
-MESSAGES_SAMPLING = SamplingSpec(
-    temperature=Number("temperature", 1.0, lo=0.0, hi=1.0),
-    top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
-    top_k=Integer("top_k", 0, lo=0),
-    seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
-    stop=Stops("stop_sequences", single=False, empties=False),
-)
 
 
 @dataclass(frozen=True)

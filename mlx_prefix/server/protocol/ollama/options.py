@@ -30,22 +30,10 @@ from ..effort import EFFORT_BUDGETS, Thinking
 from ..fields import integer, number
 from ..request import Limits
 from ..sampling_fields import MAX_REPETITION_PENALTY
-from ..spec import SEED_LIMIT, Integer, Number, SamplingSpec, Stops, read_sampling
+from ..spec import OPTIONS_SAMPLING, read_sampling
 
 log = logging.getLogger("mlx_prefix.server")
 
-# Ollama's `options` as sampling fields, with its api.DefaultOptions() for what a request
-# leaves out; a negative seed is a random one (below).
-OPTIONS_SAMPLING = SamplingSpec(
-    temperature=Number("temperature", 0.8, lo=0.0, hi=2.0),
-    top_p=Number("top_p", 0.9, lo=0.0, hi=1.0),
-    top_k=Integer("top_k", 40, lo=0),
-    min_p=Number("min_p", 0.0, lo=0.0, hi=1.0),
-    seed=Integer("seed", None, hi=SEED_LIMIT - 1),
-    stop=Stops("stop"),
-    where="options.",
-    integral_floats=True,
-)
 DEFAULT_REPEAT_LAST_N = 64
 
 # What tunes Ollama's runner (memory, threads, offload, batching, context shifting):
@@ -100,14 +88,10 @@ def parse_options(value: Any, limits: Limits) -> OptionValues:
     sampling = read_sampling(opts, OPTIONS_SAMPLING, limits.sampling)
     if sampling["seed"] is not None and sampling["seed"] < 0:  # Ollama: a random seed
         sampling["seed"] = None
-    sampling.update(
-        repetition_penalty=repeat,
-        repetition_context_size=window,
-        presence_penalty=presence,
-        presence_context_size=window,
-        frequency_penalty=frequency,
-        frequency_context_size=window,
-    )
+    # One window for the three penalties, as Ollama's sampler reads repeat_last_n.
+    for name, penalty in (("repetition", repeat), ("presence", presence), ("frequency", frequency)):
+        sampling[f"{name}_penalty"] = penalty
+        sampling[f"{name}_context_size"] = window
     return OptionValues(sampling, predict, num_ctx, ignored)
 
 

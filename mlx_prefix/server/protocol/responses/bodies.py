@@ -27,10 +27,7 @@ from ..fields import integer
 from ..formats import responses_text_format
 from ..request import GenerationRequest, Limits, ToolChoice, cache_preference
 from ..spec import (
-    SEED_LIMIT,
-    Integer,
-    Number,
-    SamplingSpec,
+    RESPONSES_SAMPLING,
     is_empty,
     read_sampling,
     refuse_format_with_tools,
@@ -64,14 +61,6 @@ _REFUSED = {
     "context_management": "server-side context compaction is not supported",
     "prompt_cache_options": "cache options are not supported: every prefix is cached",
 }
-
-
-# The Responses API's sampling fields: no top_k, min_p or stop (the server's values hold).
-RESPONSES_SAMPLING = SamplingSpec(
-    temperature=Number("temperature", 0.0, lo=0.0, hi=2.0),
-    top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
-    seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
-)
 
 
 @dataclass(frozen=True)
