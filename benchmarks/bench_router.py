@@ -53,14 +53,12 @@ RECIPE = (
 # left to the tree (the default thresholds, 64 requests apart, never trip on a Mac).
 CACHE_AWARE = ("--policy", "cache_aware", "--cache-threshold", "0.5")
 ROUND_ROBIN = ("--policy", "round_robin")
-# The routing key hashed onto a ring of the replicas (150 points each): sticky, and even
-# only on average over many keys (tried for sessions that never overlap: no better).
-CONSISTENT = ("--policy", "consistent_hashing")
-CONFIGS = {  # name: (router arguments, whether the client sends the routing key)
+# name: (router arguments, whether the client sends the routing key). Not here:
+# consistent_hashing, which the 0.3.2 launcher refuses (docs/several-macs.md).
+CONFIGS = {
     "recipe": (RECIPE, True),
     "cache_aware": (CACHE_AWARE, False),
     "round_robin": (ROUND_ROBIN, False),
-    "consistent_hashing": (CONSISTENT, True),
 }
 WORDS = (
     "river stone cloud maple copper lantern harbor meadow pixel quartz saddle timber "
