@@ -298,7 +298,8 @@ def main() -> None:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"# {report['replicas']} replicas behind sglang-router {report['sglang_router']}",
+        f"## {report['replicas']} replicas behind sglang-router {report['sglang_router']} "
+        "(issue 56)",
         "",
         f"{report['sessions']} sessions x {report['turns']} turns; system prompts share "
         f"{report['shared_head_words']} words. Reuse: cached tokens of turns 2+ / a single "
