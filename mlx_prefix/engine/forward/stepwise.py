@@ -29,11 +29,13 @@ def _stepwise_ssm(base, in_verify: Callable[[], bool]):
     signature = inspect.signature(base)
 
     def ssm_update(*args: Any, **kwargs: Any):
+        if not in_verify():
+            return base(*args, **kwargs)
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
         a = given.arguments  # hidden_states [B, L, H, D], B, C [B, L, G, N], dt [B, L, H]
         steps = a["hidden_states"].shape[1]
-        if steps == 1 or a["state"] is None or a["lengths"] is not None or not in_verify():
+        if steps == 1 or a["state"] is None or a["lengths"] is not None:
             return base(*args, **kwargs)  # `lengths`: a padded batch, not a lone verify
         ys, state, mask = [], a["state"], a["mask"]
         for t in range(steps):
