@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import bench_device
+from benchmarks.device import bench as bench_device
 from benchmarks.device import shapes, table
 
 

@@ -202,7 +202,7 @@ def kept_section(report_dir: Path) -> str:
         "",
         "## Device benchmark (issue 47)",
         "",
-        "`python -m benchmarks.bench_device` (on a lent GPU: benchmarks/device/run.sh): "
+        "`python -m benchmarks.device` (on a lent GPU: benchmarks/device/run.sh): "
         "random-weight 4-bit models of real shapes, mlx-prefix beside mlx_lm.server and "
         "mlx_lm.generate from the same wheels in the same run, each server alone on the "
         "device. One table per machine, the newest run's (`--keep`).",

@@ -33,7 +33,7 @@ this benchmark; the servers inherit PYTHONPATH):
   the first prefill step after it (where today's restore pays its copy, on first append)
   and the TTFT.
 
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_shared_prefix_memory \\
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.shared_prefix_memory \\
         --part memory --label after
 """
 
@@ -54,12 +54,12 @@ from typing import Any
 
 import httpx
 
-from .bench_memory import machine
-from .client import Reply, Request, send
-from .corpus import passage
-from .models import Tokens, _built, dense_model
-from .names import OURS, PEER, VLLM
-from .servers import Server, ServerSpec, unavailable
+from ...bench_memory import machine
+from ...client import Reply, Request, send
+from ...corpus import passage
+from ...models import Tokens, _built, dense_model
+from ...names import OURS, PEER, VLLM
+from ...servers import Server, ServerSpec, unavailable
 
 OUT = Path(__file__).resolve().parent / "out"
 MiB = 1 << 20
@@ -462,7 +462,7 @@ def table(labels: tuple[str, str] = ("before", "after")) -> str:
     lines = ["## Each cached token stored once (issue 48)", ""]
     first = _load("memory", labels[0]) or {}
     lines += [
-        f"`benchmarks/bench_shared_prefix_memory.py`, {first.get('date', '?')}, on "
+        f"`benchmarks/studies/shared_prefix_memory`, {first.get('date', '?')}, on "
         f"{first.get('machine', '?')} (shared with other work: load average ~20 on 2 "
         "cores, so times are noisy; bytes and tokens are exact). *before* = main's code, "
         "*after* = the chained entries, same machine, same day.",

@@ -4,22 +4,11 @@ copies the prefix, what the first write after a restore costs."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from .names import OURS, PEER
+from ..names import OURS, PEER
 
 COPY_SHARE = 0.01  # more memory than this share of the prefix is a copy
-
-
-def loaded_blas(pid: int) -> str | None:
-    """The BLAS a running process has mapped (Linux /proc), None if unreadable."""
-    from mlx_prefix.platform import blas_in_maps
-
-    try:
-        return blas_in_maps(Path(f"/proc/{pid}/maps").read_text())
-    except OSError:
-        return None
 
 
 def _blas_name(blas: str) -> str:

@@ -1,4 +1,4 @@
-"""Issue 33's benchmark goals, from the throughput workload of one run's JSON document.
+"""The throughput workload's goals, from one run's JSON document.
 
 Against the faster peer, mlx_lm.server or vllm-mlx, whichever did better on that very
 measure in the same run (a peer that did not run is not a candidate):
@@ -18,10 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .goals_common import Goal, missing, ratio, runs
-from .names import GENERATE, OURS, OURS_DETERMINISTIC, PEERS
+from ..names import GENERATE, OURS, OURS_DETERMINISTIC, PEERS
+from .common import Goal, missing, ratio, runs
 
-ISSUE = 33
 WORKLOAD = "throughput"
 RPS_TARGETS = {"shared": 1.3, "unique": 1.0}  # variant -> at least this x the faster peer
 BURST_WALL = 0.8
@@ -41,7 +40,7 @@ class Measure:
 
 
 def measures(doc: dict[str, Any]) -> list[Measure]:
-    """Issue 33's measures compared with a peer, at the client counts this run used."""
+    """The measures compared with a peer, at the client counts this run used."""
     out = []
     for variant, limit in RPS_TARGETS.items():
         for n in _clients(doc):
@@ -116,7 +115,7 @@ def _against_peer(w: dict[str, Any], m: Measure, key: str, judged: bool) -> Goal
     best = faster_peer(w, m)
     a = None if ours is None else m.value(ours)
     if best is None or a is None:
-        return Goal(ISSUE, what, w["model"], None, "not measured", target, None)
+        return Goal(w["workload"], what, w["model"], None, "not measured", target, None)
     peer, b = best
     r = ratio(a, b)
     assert r is not None
@@ -130,9 +129,9 @@ def _against_peer(w: dict[str, Any], m: Measure, key: str, judged: bool) -> Goal
     n_ours, n_peer = m.tokens(ours), m.tokens(_extra(w, peer) or {})
     if n_ours != n_peer or n_ours is None:
         shown += f"; not comparable: completion tokens {n_ours} vs {n_peer}"
-        return Goal(ISSUE, what, w["model"], r, shown, target, None)
+        return Goal(w["workload"], what, w["model"], r, shown, target, None)
     met = (r >= m.limit if m.higher_is_better else r <= m.limit) if judged else None
-    return Goal(ISSUE, what, w["model"], r, shown, target, met)
+    return Goal(w["workload"], what, w["model"], r, shown, target, met)
 
 
 def _decode(w: dict[str, Any], key: str, judged: bool) -> Goal:
@@ -143,7 +142,7 @@ def _decode(w: dict[str, Any], key: str, judged: bool) -> Goal:
     b = None if ref is None else ref.get("decode_tps")
     r = ratio(a, b)
     if r is None:
-        return Goal(ISSUE, what, w["model"], None, "not measured", target, None)
+        return Goal(w["workload"], what, w["model"], None, "not measured", target, None)
     tokens = f"{ours['decode_tokens']} / {ref['decode_tokens']} tokens"
     shown = f"{r:.2f}x ({a:.1f} / {b:.1f} tok/s over {tokens})"
     peers = [
@@ -152,7 +151,7 @@ def _decode(w: dict[str, Any], key: str, judged: bool) -> Goal:
         if (e := _extra(w, p)) is not None and e.get("decode_tps") is not None
     ]
     shown += "".join(f"; {p}" for p in peers)
-    return Goal(ISSUE, what, w["model"], r, shown, target, r >= DECODE if judged else None)
+    return Goal(w["workload"], what, w["model"], r, shown, target, r >= DECODE if judged else None)
 
 
 def _cost(w: dict[str, Any], m: Measure) -> Goal:
@@ -165,9 +164,15 @@ def _cost(w: dict[str, Any], m: Measure) -> Goal:
     if r is None:
         res = w["servers"].get(OURS_DETERMINISTIC) or {}
         why = next(iter(res.get("notes") or []), "not measured")
-        return Goal(ISSUE, what, w["model"], None, why, "", None)
+        return Goal(w["workload"], what, w["model"], None, why, "", None)
     return Goal(
-        ISSUE, what, w["model"], r, f"{r:.2f}x ({_fmt(a, m.unit)} / {_fmt(b, m.unit)})", "", None
+        w["workload"],
+        what,
+        w["model"],
+        r,
+        f"{r:.2f}x ({_fmt(a, m.unit)} / {_fmt(b, m.unit)})",
+        "",
+        None,
     )
 
 
@@ -176,12 +181,12 @@ def evaluate(doc: dict[str, Any]) -> list[Goal]:
     for w in runs(doc, WORKLOAD):
         if w["skipped"]:
             why = f"skipped: {w['skipped']}"
-            out.append(Goal(ISSUE, "throughput against the faster peer", w["model"], None, why,
-                            "", None))  # fmt: skip
+            what = "throughput against the faster peer"
+            out.append(Goal(WORKLOAD, what, w["model"], None, why, target="", met=None))
             continue
         ms = measures(doc)
         out += [_against_peer(w, m, OURS, judged=True) for m in ms]
         out.append(_decode(w, OURS, judged=True))
         out += [_cost(w, m) for m in ms]  # its figures beside the peers': the section's table
         out.append(_decode(w, OURS_DETERMINISTIC, judged=False))
-    return out or [missing(ISSUE, "throughput against the faster peer", ">= 1.30x")]
+    return out or [missing(WORKLOAD, "throughput against the faster peer", ">= 1.30x")]

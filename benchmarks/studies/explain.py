@@ -13,7 +13,7 @@ The servers take turns in blocks, so a drift of the machine's load falls on both
 engine's own part (a trace record filled at admission) runs in both servers; its cost
 is measured apart, in-process.
 
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_explain [--requests 300]
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.explain [--requests 300]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from .servers import OURS, ServerSpec, new_server
+from ..servers import OURS, ServerSpec, new_server
 
 WORDS = "the atlases maps globes charts folios reading room floor cabinet shelf".split()
 BLOCK = 25  # requests to one server before the other's turn

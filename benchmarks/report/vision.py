@@ -1,5 +1,6 @@
-"""RESULTS.md's section for issue 42 (bench_vision.py): the image conversation, side by
-side, from the newest run kept in benchmarks/results/vision/, and its goals."""
+"""RESULTS.md's section for the image study (studies/vision.py, `make bench-vision`): the
+image conversation, side by side, from the newest run kept in benchmarks/results/vision/,
+and its goals."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .names import MLX_VLM, OURS, VLLM
+from ..names import MLX_VLM, OURS, VLLM
 
 RUNS = "results/vision"  # under the report dir
 ORDER = (OURS, MLX_VLM, VLLM)
@@ -70,9 +71,9 @@ def lines(doc: dict[str, Any] | None) -> list[str]:
     m = doc["machine"]
     out = [
         "",
-        "## Images in an agent conversation (issue 42)",
+        "## Images in an agent conversation",
         "",
-        f"`benchmarks/bench_vision.py`, run {doc['timestamp']} on {m['cpu']} "
+        f"`benchmarks/studies/vision.py`, run {doc['timestamp']} on {m['cpu']} "
         f"({m['cores']} cores; load average {doc['load'][0]} / {doc['load'][1]} at start / "
         f"end), {doc['model']}. A system prompt of ~{doc['system_tokens']} tokens, "
         "then turn 1 with a 256x256 screenshot, turn 2 a follow-up question, turn 3 a new "

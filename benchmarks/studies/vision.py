@@ -16,7 +16,7 @@ Goals (issue 42): turn 2 reads >= 0.95 of what it shares with turn 1 from the ca
 answers as on a fresh server; TTFT of turn 2 <= 0.3x the cold turn 2. Shared prefixes are
 counted on mlx-prefix's own cache key (images salted: vision/key.py).
 
-    python -m mlx_prefix.blas_exec .venv/bin/python -m benchmarks.bench_vision [--servers ...]
+    python -m mlx_prefix.blas_exec .venv/bin/python -m benchmarks.studies.vision [--servers ...]
 
 Writes benchmarks/results/vision/<timestamp>.json and renders RESULTS.md again.
 """
@@ -40,10 +40,10 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from . import corpus, peers
-from .client import Reply, Request, send
-from .names import MLX_VLM, OURS, VLLM
-from .server_process import Server, ServerSpec
+from .. import corpus, peers
+from ..client import Reply, Request, send
+from ..names import MLX_VLM, OURS, VLLM
+from ..server_process import Server, ServerSpec
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parent / "tests" / "data"
@@ -190,9 +190,11 @@ def model_folder(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import report, report_vision, run
+    from .. import run
+    from ..report import kept, machine
+    from ..report import vision as report_vision
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_vision", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.vision", description=__doc__)
     p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
     p.add_argument("--report-dir", type=Path, default=HERE)
     args = p.parse_args(argv)
@@ -206,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     conv = conversation(lambda text: len(tok.encode(text)))
     doc: dict[str, Any] = {
         "timestamp": datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
-        "machine": report.machine_info(),
-        "versions": {**report.versions(), **peers.mlx_vlm_version()},
+        "machine": machine.machine_info(),
+        "versions": {**machine.versions(), **peers.mlx_vlm_version()},
         "model": "tiny random-weight Qwen3.5 vision model (vision/testing.py: 4 text layers "
         "of 128, linear and full attention, M-RoPE; 2 vision blocks of 32), float32",
         "system_tokens": SYSTEM_TOKENS,
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["elapsed_s"] = round(time.perf_counter() - started, 1)
     path = report_vision.keep(doc, args.report_dir)
     log(f"wrote {path}")
-    docs = run.results_doc.kept(args.report_dir)
+    docs = kept.kept(args.report_dir)
     if docs:
         log(f"wrote {run.render(docs, args.report_dir)}")
     print(json.dumps(report_vision.goals(doc), indent=1))

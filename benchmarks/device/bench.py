@@ -6,7 +6,7 @@ dense model. Per model: cold prefill of a 16K-token prompt (`mlx-prefix generate
 one, and issue 33's throughput workload (benchmarks/device/measures.py says how each is
 measured). The servers run one at a time, each alone on the device.
 
-    python -m benchmarks.bench_device [--small] [--models hybrid,dense] [--out DIR]
+    python -m benchmarks.device [--small] [--models hybrid,dense] [--out DIR]
 
 Writes <out>/device-<stamp>.json and .md (the table). `--small`: the same architectures,
 narrow and shallow, at CPU sizes: a smoke run of the whole script on a machine without a
@@ -29,13 +29,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .device import measures, shapes, table
-from .harness import run_async
-from .models import BenchModel, Tokens
-from .names import OURS, PEER
-from .profiles import PROFILES, Sizes
-from .report import machine_info
-from .server_process import Server, ServerSpec
+from ..harness import run_async
+from ..models import BenchModel, Tokens
+from ..names import OURS, PEER
+from ..profiles import PROFILES, Sizes
+from ..report.machine import machine_info
+from ..server_process import Server, ServerSpec
+from . import measures, shapes, table
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _probe() -> dict[str, Any]:
 
 def _build(key: str, small: bool, dest: Path) -> None:
     """In a child: building a model holds all its memory, which the servers need next."""
-    cmd = [sys.executable, "-m", "benchmarks.bench_device", "--build", key, "--work", str(dest)]
+    cmd = [sys.executable, "-m", "benchmarks.device", "--build", key, "--work", str(dest)]
     subprocess.run([*cmd, *(["--small"] if small else [])], check=True, timeout=1800)
 
 
@@ -201,10 +201,10 @@ def run_model(key: str, small: bool, plan: Plan, work: Path, out: Path, clock: C
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_device", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.device", description=__doc__)
     p.add_argument("--small", action="store_true", help="narrow models, CPU sizes (a smoke run)")
     p.add_argument("--models", default="hybrid,dense", help="comma-separated: hybrid, dense")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "device")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "out" / "device")
     p.add_argument("--work", type=Path, help="where the models are built (reused if there)")
     p.add_argument("--budget-s", type=float, default=420.0, help="stages start until then")
     p.add_argument(
@@ -244,13 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     md = table.markdown(doc)
     (args.out / f"device-{stamp}.md").write_text(md)
     if args.keep:
-        kept = Path(__file__).parent / table.KEPT / f"{_slug(doc['label'])}.md"
+        kept = Path(__file__).parent.parent / table.KEPT / f"{_slug(doc['label'])}.md"
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(md)
     print(md)
     log(f"wrote {json_path} ({doc['elapsed_s']:.0f}s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

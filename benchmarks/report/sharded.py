@@ -1,15 +1,16 @@
-"""RESULTS.md's section for issue 16: the multi-turn chat and the parallel burst with both
-servers on 2 ranks under the same launcher, side by side, next to the same workloads on
-one rank where the run served the same model folder that way (the hybrid model)."""
+"""RESULTS.md's section for the models served on 2 ranks: the multi-turn chat and the
+parallel burst with both servers on 2 ranks under the same launcher, side by side, next
+to the same workloads on one rank where the run served the same model folder that way
+(the hybrid model)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .goals_common import ranks
-from .names import SERVERS
-from .report_format import _cached, _checks, _reuse, _s, _ttfts
-from .servers_sharded import BACKEND
+from ..goals.common import ranks
+from ..names import SERVERS
+from ..servers_sharded import BACKEND
+from .format import _cached, _checks, _reuse, _s, _ttfts
 
 NAMES = ("chat", "burst")
 
@@ -48,7 +49,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
         "",
         "## Sharded serving (2 ranks)",
         "",
-        "Issue 16: both servers started the same way, `mlx.launch -n 2 --backend "
+        "Both servers started the same way, `mlx.launch -n 2 --backend "
         f"{BACKEND} -p PORT --python PYTHON -m mlx_prefix.blas_exec PYTHON -m <server> "
         "--model M`, over loopback on this machine, each splitting every layer's heads "
         "over its 2 ranks (mlx-lm's `shard`, tensor parallel); rank 0 serves HTTP. Both "

@@ -3,7 +3,7 @@
 Prefills the same chat prompt (many messages, so many grid points) cold, cut three ways:
 our grid (multiples of 512 + message starts + generation-prompt ends), plain 512-token
 chunks, and plain 2048-token chunks (mlx_lm's default prefill step). Run it with the fast
-BLAS: `python -m mlx_prefix.blas_exec python benchmarks/bench_grid.py`.
+BLAS: `python -m mlx_prefix.blas_exec python -m benchmarks.studies.grid`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Issue 16's benchmark rows, computed from one run's JSON document: the multi-turn chat
-and the parallel burst with both servers on 2 ranks (mlx.launch, ring backend, same
-model), side by side. The issue sets no number, so every row is information: reuse
+"""The rows of the chat and burst workloads on the models served on 2 ranks (both servers
+under mlx.launch, ring backend, same model), side by side. No number is set for them,
+so every row is information: reuse
 efficiency, TTFT and wall time of mlx-prefix against mlx_lm.server, and whether the
 warm answers equal their cold runs."""
 
@@ -9,10 +9,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .goals_common import Goal, missing, ranks, ratio, runs
-from .names import OURS, PEER
+from ..names import OURS, PEER
+from .common import Goal, missing, ranks, ratio, runs
 
-ISSUE = 16
 WHAT = {"chat": "multi-turn chat", "burst": "parallel burst"}
 
 
@@ -21,7 +20,7 @@ def evaluate(doc: dict[str, Any]) -> list[Goal]:
     for name in WHAT:
         for w in runs(doc, name, sharded=True):
             out += _rows(w, ranks(doc, w["model"]))
-    return out or [missing(ISSUE, "chat and burst, both servers on 2 ranks", "")]
+    return out or [missing("chat, burst", "both servers on 2 ranks", "")]
 
 
 def median_ttft(res: dict[str, Any], skip_first: bool) -> float | None:
@@ -46,12 +45,12 @@ def _eff(res: dict[str, Any]) -> str:
 def _rows(w: dict[str, Any], n: int) -> list[Goal]:
     what = f"{WHAT[w['workload']]}, {n} ranks"
     if w["skipped"]:
-        return [Goal(ISSUE, what, w["model"], None, f"skipped: {w['skipped']}", "", None)]
+        return [Goal(w["workload"], what, w["model"], None, f"skipped: {w['skipped']}", "", None)]
     ours, peer = w["servers"].get(OURS, {}), w["servers"].get(PEER, {})
     x = (ours.get("reuse") or {}).get("efficiency")
     out = [
         Goal(
-            ISSUE,
+            w["workload"],
             f"reuse efficiency, {what}, mlx-prefix; mlx_lm.server",
             w["model"],
             x,
@@ -66,25 +65,21 @@ def _rows(w: dict[str, Any], n: int) -> list[Goal]:
     r = ratio(a, b)
     which = "later turns" if skip else "all requests"
     shown = "not measured" if r is None else f"{r:.2f}x ({a:.2f} s / {b:.2f} s)"
-    out.append(
-        Goal(ISSUE, f"median TTFT ({which}), {what}, mlx-prefix / mlx_lm.server", w["model"],
-             r, shown, "", None)
-    )  # fmt: skip
+    out.append(_info(w, f"median TTFT ({which}), {what}, mlx-prefix / mlx_lm.server", r, shown))
     r = ratio(ours.get("wall_s"), peer.get("wall_s"))
     if r is not None:
         shown = f"{r:.2f}x ({ours['wall_s']:.1f} s / {peer['wall_s']:.1f} s)"
         if w["workload"] == "burst":
             shown += "; " + _phases(ours, peer)
-        out.append(
-            Goal(ISSUE, f"wall time, {what}, mlx-prefix / mlx_lm.server", w["model"], r, shown,
-                 "", None)
-        )  # fmt: skip
+        out.append(_info(w, f"wall time, {what}, mlx-prefix / mlx_lm.server", r, shown))
     checks = [f"{_matched(res)} {name}" for name, res in ((OURS, ours), (PEER, peer)) if res]
-    out.append(
-        Goal(ISSUE, f"warm answers equal to their cold runs, {what}", w["model"], None,
-             "; ".join(checks), "", None)
-    )  # fmt: skip
+    out.append(_info(w, f"warm answers equal to their cold runs, {what}", None, "; ".join(checks)))
     return out
+
+
+def _info(w: dict[str, Any], what: str, value: float | None, shown: str) -> Goal:
+    """A row given for information: no target, never judged."""
+    return Goal(w["workload"], what, w["model"], value, shown, target="", met=None)
 
 
 def _phases(ours: dict[str, Any], peer: dict[str, Any]) -> str:

@@ -1,9 +1,11 @@
-"""Cell formatting RESULTS.md's tables share (a leaf below report.py and report_*.py)."""
+"""Cell formatting RESULTS.md's tables share (a leaf below the other report modules)."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
+
+ONCE = ("restore", "blas")  # in-process, once per run: not in the per-server tables
 
 
 def _s(x: float | None, digits: int = 2) -> str:

@@ -1,7 +1,8 @@
 """mlx-lm's model classes (what /v1/embeddings runs) against PyPI mlx-embeddings' on the
 same weights and padded batches: time per forward and the vectors' agreement.
 
-    <venv with mlx-lm and mlx-embeddings>/bin/python benchmarks/bench_embedding_libraries.py FOLDER
+    <venv with mlx-lm and mlx-embeddings>/bin/python \
+        benchmarks/studies/embedding_libraries.py FOLDER
 
 mlx-embeddings is not a dependency of mlx-prefix (GPL-3.0, and it pulls mlx-vlm), so run
 this with a Python that has both, such as the vllm-mlx peer's venv (`.peers/vllm-mlx`).

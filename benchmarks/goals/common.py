@@ -1,6 +1,6 @@
 """What every goal module shares: the Goal record and how a goal reads one run's JSON
 document (which runs of a workload, ratios, TTFTs, a burst phase's wall time against a
-peer's). A leaf below goals.py and the goals_* modules."""
+peer's). A leaf below the other goal modules."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .names import OURS, PEER
+from ..names import OURS, PEER
 
 
 @dataclass(frozen=True)
 class Goal:
-    issue: int
+    workload: str  # the workload measured (profiles.ALL_WORKLOADS)
     what: str  # the measure
     model: str  # "dense", "hybrid", "synthetic KV", or "-" when nothing ran
     value: float | None  # the measured ratio / efficiency / ms / MiB (None: not measured)
@@ -42,15 +42,20 @@ def runs(doc: dict[str, Any], name: str, sharded: bool = False) -> Iterator[dict
             yield w
 
 
-def missing(issue: int, what: str, target: str, why: str = "not measured") -> Goal:
-    return Goal(issue, what, "-", None, why, target, None)
+def missing(workload: str, what: str, target: str, why: str = "not measured") -> Goal:
+    return Goal(workload, what, "-", None, why, target, None)
+
+
+def skipped(what: str, w: dict[str, Any], target: str) -> Goal:
+    """A goal row for a run of `w`'s workload that was skipped, with why."""
+    return skipped(what, w, target)
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def burst_wall(doc: dict[str, Any], issue: int, phase: str, what: str, limit: float) -> list[Goal]:
+def burst_wall(doc: dict[str, Any], phase: str, what: str, limit: float) -> list[Goal]:
     """A burst phase's wall time against mlx_lm.server's, judged only where both servers
     generated as many tokens."""
     target = f"<= {limit:.2f}x"
@@ -58,7 +63,9 @@ def burst_wall(doc: dict[str, Any], issue: int, phase: str, what: str, limit: fl
     for w in runs(doc, "burst"):
         if w["skipped"]:
             out.append(
-                Goal(issue, what, w["model"], None, f"skipped: {w['skipped']}", target, None)
+                Goal(
+                    w["workload"], what, w["model"], None, f"skipped: {w['skipped']}", target, None
+                )
             )
             continue
         ours_x = w["servers"].get(OURS, {}).get("extra", {})
@@ -66,17 +73,17 @@ def burst_wall(doc: dict[str, Any], issue: int, phase: str, what: str, limit: fl
         ours, peer = ours_x.get(f"{phase}_wall_s"), peer_x.get(f"{phase}_wall_s")
         r = ratio(ours, peer)
         if r is None:
-            out.append(Goal(issue, what, w["model"], None, "not measured", target, None))
+            out.append(Goal(w["workload"], what, w["model"], None, "not measured", target, None))
             continue
         shown = f"{r:.2f}x ({ours:.1f} s / {peer:.1f} s)"
         key = f"{phase}_completion_tokens"
         n_ours, n_peer = ours_x.get(key), peer_x.get(key)
         if n_ours != n_peer or n_ours is None:
             shown += f"; not comparable: completion tokens {n_ours} vs {n_peer}"
-            out.append(Goal(issue, what, w["model"], r, shown, target, None))
+            out.append(Goal(w["workload"], what, w["model"], r, shown, target, None))
             continue
-        out.append(Goal(issue, what, w["model"], r, shown, target, r <= limit))
-    return out or [missing(issue, what, target)]
+        out.append(Goal(w["workload"], what, w["model"], r, shown, target, r <= limit))
+    return out or [missing("burst", what, target)]
 
 
 def ttft(res: dict[str, Any] | None, label: str) -> float | None:

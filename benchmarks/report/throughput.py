@@ -1,4 +1,4 @@
-"""RESULTS.md's section for issue 33's throughput workload: requests/s at each client
+"""RESULTS.md's section for the throughput workload: requests/s at each client
 count with and without a shared system prompt, the warm burst and its p99 inter-token
 latency, single-stream decode; every server of the run, mlx-prefix `--deterministic`
 and `mlx_lm.generate` on one table."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .names import GENERATE, OURS_DETERMINISTIC, SERVERS
-from .report_format import _s
+from ..names import GENERATE, OURS_DETERMINISTIC, SERVERS
+from .format import _s
 
 ROWS = (*SERVERS, OURS_DETERMINISTIC, GENERATE)
 
@@ -48,7 +48,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
             notes += [f"- {w['model']}, {name}: {n}" for n in res.get("notes", [])]
     return [
         "",
-        "## Throughput (issue 33)",
+        "## Throughput",
         "",
         "Requests/s with N concurrent clients, each sending its requests one after another: "
         "*shared* = every request starts with the same system prompt, *unique* = each "

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .profiles import ALL_WORKLOADS
+from ..profiles import ALL_WORKLOADS
 
 RUNS = "results/runs"  # under the report dir
 

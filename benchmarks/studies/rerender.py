@@ -9,7 +9,7 @@ default cache configuration on a tiny random-weight model (dense, or `--kind`) c
 tokenizer and the family's real template (tests/data), and each line reports the tokens it
 shares with the previous prompt and the tokens the cache restored. No network.
 
-`python -m mlx_prefix.blas_exec python benchmarks/bench_rerender.py [--json FILE]`
+`python -m mlx_prefix.blas_exec python -m benchmarks.studies.rerender [--json FILE]`
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""RESULTS.md sections and plots for issues 14 and 15's workloads: inter-token latency
-in the bursts and at each client count, the document-edit sweep, and the mixed traffic
-under a small cache budget."""
+"""RESULTS.md sections and plots for the edits, mixed, burst and concurrency workloads:
+inter-token latency in the bursts and at each client count, the document-edit sweep, and
+the mixed traffic under a small cache budget."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .goals_hybrid_batch import edit_reuse
-from .names import OURS, PEER, SERVERS
+from ..goals.reuse import edit_reuse
+from ..names import OURS, PEER, SERVERS
 
 
 def _s(x: float | None, digits: int = 0) -> str:

@@ -1,6 +1,6 @@
 """Embeddings per second of `POST /v1/embeddings`, this server beside another.
 
-    python -m benchmarks.bench_embeddings [--size qwen3-0.6b] [--peer-url URL --peer-model NAME]
+    python -m benchmarks.studies.embeddings [--size qwen3-0.6b] [--peer-url URL --peer-model NAME]
 
 Without `--url` it starts `mlx-prefix serve` itself (a tiny chat model, `--embedding-model`
 a folder of random weights in Qwen3-Embedding-0.6B's shapes, or the folder given), and

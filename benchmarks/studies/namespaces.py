@@ -15,7 +15,7 @@ reuse: the burst workload (parallel requests sharing one instruction, cold then 
 Both run against `mlx-prefix serve` as a subprocess (fast BLAS, no disk tier, no
 next-turn prefetch) with the bundled SmolLM2-135M-Instruct (float32).
 
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_namespaces [--trials 16]
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.namespaces [--trials 16]
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 
 import httpx
 
-from .client import Reply, Request, send
-from .corpus import passage
-from .models import Tokens, dense_model
-from .servers import OURS, Server, ServerSpec
+from ..client import Reply, Request, send
+from ..corpus import passage
+from ..models import Tokens, dense_model
+from ..servers import OURS, Server, ServerSpec
 
 PROMPT_TOKENS = 250  # the timing trials' system prompts
 QUESTION = "Summarize the passage above in one sentence."
