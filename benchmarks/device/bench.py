@@ -250,4 +250,3 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     log(f"wrote {json_path} ({doc['elapsed_s']:.0f}s)")
     return 0
-

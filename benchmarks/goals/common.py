@@ -48,7 +48,7 @@ def missing(workload: str, what: str, target: str, why: str = "not measured") ->
 
 def skipped(what: str, w: dict[str, Any], target: str) -> Goal:
     """A goal row for a run of `w`'s workload that was skipped, with why."""
-    return skipped(what, w, target)
+    return Goal(w["workload"], what, w["model"], None, f"skipped: {w['skipped']}", target, None)
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
