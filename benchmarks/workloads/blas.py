@@ -68,7 +68,7 @@ print(json.dumps(row))
 """
 
 
-def run(env: dict[str, str], tokens: int, model: str | None = None) -> dict:
+def prefill_in_child(env: dict[str, str], tokens: int, model: str | None = None) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(tokens), model or ""],
         env=env,
@@ -85,10 +85,10 @@ def compare(model: str | Path | None, tokens: int) -> list[dict]:
     to preload. Whatever this process has preloaded, the first child runs without it."""
     plain = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", PRELOADED_ENV)}
     spec = None if model is None else str(model)
-    rows = [run(plain, tokens, spec)]
+    rows = [prefill_in_child(plain, tokens, spec)]
     fast = fast_blas_env(plain)
     if PRELOADED_ENV in fast:
-        rows.append(run(fast, tokens, spec))
+        rows.append(prefill_in_child(fast, tokens, spec))
     return rows
 
 
