@@ -139,9 +139,9 @@ bench: install peers
 bench-full: install peers
 	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks --profile full
 
-# Issue 42's image conversation beside mlx-vlm's server and vllm-mlx (benchmarks/bench_vision.py).
+# Issue 42's image conversation beside mlx-vlm's server and vllm-mlx (benchmarks/studies/vision.py).
 bench-vision: install peers
-	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks.bench_vision
+	$(PY) -m mlx_prefix.blas_exec $(PY) -m benchmarks.studies.vision
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache $(TEST_CLIENTS) .peers

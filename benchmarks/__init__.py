@@ -2,6 +2,6 @@
 
     python -m mlx_prefix.blas_exec .venv/bin/python -m benchmarks --profile quick|full
 
-See benchmarks/run.py for the options, RESULTS.md for today's figures and HISTORY.md
-for earlier ones.
+README.md is the map (the harness, workloads, peers, the report, studies/); RESULTS.md
+holds today's figures and HISTORY.md earlier ones.
 """

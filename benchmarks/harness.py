@@ -227,6 +227,20 @@ class Context:
         }.get(server.name, "a fresh mlx_lm.server with no prompt cache")  # vllm-mlx: no switch
         result.checks.append(Check(label, warm.text == cold.text, warm.text, cold.text, how))
 
+    async def check_warm(
+        self,
+        client: httpx.AsyncClient,
+        server: Server,
+        result: ServerResult,
+        sent: list[tuple[str, Request, Reply]],
+    ) -> None:
+        """Cold twins for the requests after the first (the warm ones), as should_check
+        picks them."""
+        warm = sent[1:]
+        for i, (label, request, reply) in enumerate(warm):
+            if self.should_check(i, len(warm)):
+                await self.check(client, server, result, label, request, reply)
+
     def should_check(self, index: int, count: int) -> bool:
         """Which warm requests get a cold twin: all (full) or the last `check_last`."""
         return self.sizes.check_last is None or index >= count - self.sizes.check_last

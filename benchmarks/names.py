@@ -12,6 +12,6 @@ PEERS = (PEER, VLLM)  # what issue 33's goals call "the faster peer" is the fast
 # own single-stream decode (no server).
 OURS_DETERMINISTIC = "mlx-prefix --deterministic"
 GENERATE = "mlx_lm.generate"
-# Issue 42's image benchmark only (bench_vision.py): mlx-vlm's own server, the peer that
+# Issue 42's image benchmark only (studies/vision.py): mlx-vlm's own server, the peer that
 # serves images where mlx_lm.server cannot.
 MLX_VLM = "mlx-vlm"

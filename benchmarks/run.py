@@ -18,10 +18,11 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import goals, profiles, report, results_doc, screenshot
+from . import goals, profiles, report, screenshot
 from .harness import Context, ServerResult, WorkloadResult, run_async
 from .models import BenchModel, Tokens, resolve
 from .profiles import MODEL_WORKLOADS, ONCE_WORKLOADS, SHARDED_WORKLOADS, Sizes
+from .report import kept, machine
 from .servers import (
     OURS,
     PEER,
@@ -157,9 +158,9 @@ def describe(plan_sizes: Sizes, names: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report is not None:
-        docs = results_doc.load(args.report) if args.report else results_doc.kept(args.report_dir)
+        docs = kept.load(args.report) if args.report else kept.kept(args.report_dir)
         if not docs:
-            raise SystemExit(f"no runs in {results_doc.runs_dir(args.report_dir)}")
+            raise SystemExit(f"no runs in {kept.runs_dir(args.report_dir)}")
         log(f"wrote {render(docs, args.report_dir)}")
         return 0
     prof = profiles.get(args.profile, max_tokens=args.max_tokens)
@@ -257,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": stamp,
         "elapsed_s": time.perf_counter() - started,
         # What else ran: the 1-minute load average before and after (None: not known).
-        "machine": report.machine_info() | {"load": [load_before, _load()]},
-        "versions": report.versions(),
+        "machine": machine.machine_info() | {"load": [load_before, _load()]},
+        "versions": machine.versions(),
         "models": models,
         "servers": [s for s in SERVERS if any(s in m.get("servers", ()) for m in models.values())],
         "left_out": left_out,
@@ -282,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["goals"] = [asdict(g) for g in goals.evaluate(doc)]
     json_path = args.out / f"{stamp}.json"
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    results_doc.keep(doc, args.report_dir)
-    md_path = render(results_doc.kept(args.report_dir), args.report_dir)
+    kept.keep(doc, args.report_dir)
+    md_path = render(kept.kept(args.report_dir), args.report_dir)
     log(f"wrote {json_path}, {md_path} ({doc['elapsed_s']:.0f}s)")
     return 0
 
@@ -297,6 +298,6 @@ def _load() -> float | None:
 
 def render(docs: list[dict], report_dir: Path) -> Path:
     """RESULTS.md and the plots from these runs: per workload and model, the newest."""
-    doc = results_doc.merge(docs)
+    doc = kept.merge(docs)
     doc["goals"] = [asdict(g) for g in goals.evaluate(doc)]
     return report.write(doc, report_dir)

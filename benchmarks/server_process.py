@@ -18,9 +18,18 @@ from pathlib import Path
 
 import httpx
 
-from .claims import loaded_blas
 from .names import MLX_VLM, OURS, VLLM
 from .peers import VENV, vllm_mlx_command
+
+
+def loaded_blas(pid: int) -> str | None:
+    """The BLAS a running process has mapped (Linux /proc), None if unreadable."""
+    from mlx_prefix.platform import blas_in_maps
+
+    try:
+        return blas_in_maps(Path(f"/proc/{pid}/maps").read_text())
+    except OSError:
+        return None
 
 
 class ServerFailed(RuntimeError):

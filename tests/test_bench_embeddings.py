@@ -1,4 +1,4 @@
-"""benchmarks/bench_embeddings.py end to end on a tiny model: it starts mlx-prefix with the
+"""benchmarks/studies/embeddings.py end to end on a tiny model: it starts mlx-prefix with the
 embedding model, measures it beside a peer (here a second, in-process server on the same
 folder), checks the two agree, and writes its JSON. No timing assertions."""
 
@@ -8,7 +8,7 @@ import json
 
 from server_fakes import FakeEngine, LiveServer
 
-from benchmarks.bench_embeddings import main
+from benchmarks.studies.embeddings import main
 from mlx_prefix.embeddings.model import load_embedding_model
 from mlx_prefix.embeddings.testing import make_embedding_test_model
 from mlx_prefix.embeddings.worker import EmbeddingWorker

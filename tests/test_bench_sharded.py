@@ -11,9 +11,10 @@ import httpx
 import pytest
 from sharded_launch import require_launcher
 
-from benchmarks import goals, report_sharded
+from benchmarks import goals
 from benchmarks.client import Request, send
 from benchmarks.harness import run_async
+from benchmarks.report import sharded as report_sharded
 from benchmarks.servers import OURS, PEER, ServerSpec, new_server
 from benchmarks.servers_sharded import ShardedServer, group_members
 from mlx_prefix.models.testing import cached_test_model
@@ -110,10 +111,10 @@ def _made_up_run() -> dict:
     return {"models": models, "workloads": [chat_1, chat_2, burst_2, skipped]}
 
 
-def test_issue_16_rows_show_both_servers_on_2_ranks_side_by_side() -> None:
+def test_sharded_rows_show_both_servers_on_2_ranks_side_by_side() -> None:
     doc = _made_up_run()
     rows = goals.evaluate(doc)
-    mine = {(g.what, g.model): g for g in rows if g.issue == 16}
+    mine = {(g.what, g.model): g for g in rows if g.model.startswith("sharded")}
     assert all(g.status == "(information)" for g in mine.values())
     reuse = mine["reuse efficiency, multi-turn chat, 2 ranks, mlx-prefix; mlx_lm.server",
                  "sharded-hybrid"]  # fmt: skip
@@ -128,8 +129,8 @@ def test_issue_16_rows_show_both_servers_on_2_ranks_side_by_side() -> None:
                 "sharded-hybrid"]  # fmt: skip
     assert same.shown == "1/1 mlx-prefix; 0/1 mlx_lm.server"
     assert "skipped: no mlx.launch" in mine["multi-turn chat, 2 ranks", "sharded-dense"].shown
-    # The other issues' goals stay on the 1-rank runs.
-    chat4 = [g.model for g in rows if g.issue == 4 and g.what.endswith("multi-turn chat")]
+    # The other goals stay on the 1-rank runs.
+    chat4 = [g.model for g in rows if g.workload == "chat" and g.what.endswith("multi-turn chat")]
     assert chat4 == ["hybrid"]
 
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import goals, report, report_throughput, results_doc
-from benchmarks.goals_throughput import ISSUE
+from benchmarks import goals
+from benchmarks.goals.throughput import WORKLOAD
 from benchmarks.names import GENERATE, OURS, OURS_DETERMINISTIC, PEER, VLLM
+from benchmarks.report import kept as kept_runs
+from benchmarks.report import markdown
+from benchmarks.report import throughput as report_throughput
 
 
 def _rates(shared: float, unique: float, burst: float, p99: float, tps: float, **tokens) -> dict:
@@ -43,7 +46,7 @@ def _servers() -> dict:
 
 
 def test_each_measure_is_judged_against_the_faster_peer() -> None:
-    rows = [g for g in goals.evaluate(_run(_servers())) if g.issue == ISSUE]
+    rows = [g for g in goals.evaluate(_run(_servers())) if g.workload == WORKLOAD]
     by = {g.what: g for g in rows}
     shared = by[f"requests/s at 4 clients with a shared system prompt, {OURS} / the faster peer"]
     assert shared.value == 3.0 / 2.5 and shared.met is False  # 1.2x < 1.3x vllm-mlx
@@ -70,7 +73,7 @@ def test_without_vllm_mlx_the_goals_compare_with_mlx_lm_and_say_why_a_row_is_mis
     servers = _servers()
     del servers[VLLM]
     servers[OURS_DETERMINISTIC] = {"extra": {}, "notes": ["not run: no --deterministic"]}
-    by = {g.what: g for g in goals.evaluate(_run(servers)) if g.issue == ISSUE}
+    by = {g.what: g for g in goals.evaluate(_run(servers)) if g.workload == WORKLOAD}
     shared = by[f"requests/s at 4 clients with a shared system prompt, {OURS} / the faster peer"]
     assert shared.value == 1.5 and shared.met is True and PEER in shared.shown
     cost = by[f"warm burst wall time, {OURS_DETERMINISTIC} / {OURS}"]
@@ -111,8 +114,8 @@ def test_results_show_the_newest_run_of_each_workload(tmp_path: Path) -> None:
     old = _doc("20261120T100000Z", [("burst", "dense", 9.0), ("chat", "dense", 1.0)])
     new = _doc("20261126T100000Z", [("burst", "dense", 5.0), ("burst", "hybrid", 2.0)])
     for d in (new, old):
-        results_doc.keep(d, tmp_path)
-    doc = results_doc.merge(results_doc.kept(tmp_path))
+        kept_runs.keep(d, tmp_path)
+    doc = kept_runs.merge(kept_runs.kept(tmp_path))
     got = {(w["workload"], w["model"]): w for w in doc["workloads"]}
     assert set(got) == {("burst", "dense"), ("chat", "dense"), ("burst", "hybrid")}
     assert got["burst", "dense"]["servers"][OURS]["extra"]["cold_wall_s"] == 5.0
@@ -124,18 +127,18 @@ def test_results_show_the_newest_run_of_each_workload(tmp_path: Path) -> None:
         ("chat", "dense"),
         ("burst", "dense"),
     ]
-    lines = "\n".join(report._runs_lines(doc))
+    lines = "\n".join(markdown._runs_lines(doc))
     assert "| 20261120T100000Z | `quick` |" in lines and "| chat (dense) |" in lines
     assert "burst (dense), burst (hybrid)" in lines
     # A run on a busy machine says so before its figures.
-    assert not report._caveat_lines(doc)
+    assert not markdown._caveat_lines(doc)
     doc["runs"][-1]["machine"]["load"] = [9.5, 1.0]
-    (caveat,) = [line for line in report._caveat_lines(doc) if line]
+    (caveat,) = [line for line in markdown._caveat_lines(doc) if line]
     assert "20261126T100000Z shared its machine** (load average 9.5 / 1 " in caveat
     # A run whose every row a newer one replaced is no longer listed, nor kept.
     newest = _doc("20261127T100000Z", [("chat", "dense", 1.0)])
-    results_doc.keep(newest, tmp_path)
-    doc = results_doc.merge(results_doc.kept(tmp_path))
+    kept_runs.keep(newest, tmp_path)
+    doc = kept_runs.merge(kept_runs.kept(tmp_path))
     assert [r["timestamp"] for r in doc["runs"]] == [new["timestamp"], newest["timestamp"]]
-    kept = sorted(p.stem for p in results_doc.runs_dir(tmp_path).glob("*.json"))
+    kept = sorted(p.stem for p in kept_runs.runs_dir(tmp_path).glob("*.json"))
     assert kept == [new["timestamp"], newest["timestamp"]]

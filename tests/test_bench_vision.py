@@ -1,4 +1,4 @@
-"""The image benchmark's goals and its RESULTS.md section (benchmarks/report_vision.py)
+"""The image benchmark's goals and its RESULTS.md section (benchmarks/report/vision.py)
 read from a run's document, and how mlx-vlm's server is started: no server runs here."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from benchmarks import peers, report_vision
+from benchmarks import peers
 from benchmarks.names import MLX_VLM, OURS, VLLM
+from benchmarks.report import vision as report_vision
 from benchmarks.server_process import ServerSpec
 
 

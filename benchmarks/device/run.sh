@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 47's device benchmark (benchmarks/bench_device.py) on the lent GPU machine, from the
+# Issue 47's device benchmark (benchmarks/device/bench.py) on the lent GPU machine, from the
 # wheels benchmarks/device/prepare.sh readied here. One call carries 64 MiB, so the wheels
 # travel in three back-to-back calls on a warm machine (it keeps ignored files between calls):
 #   1. carry .whl/p1, command `true`;  2. carry .whl/p2, command `true`;
 #   3. carry .whl/p3, command `bash benchmarks/device/run.sh` (timeout_s 600).
 # It installs the wheels into /tmp/site (once), says what it runs on, then runs the benchmark
 # under a 9-minute deadline; the JSON, the table, the log and the servers' logs land in $OUT.
-# Arguments go to bench_device (e.g. `--models dense` for one model per call).
+# Arguments go to `python -m benchmarks.device` (e.g. `--models dense` for one model per call).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -20,5 +20,5 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())'
 set -o pipefail
-timeout 540 python3 -m benchmarks.bench_device --out "$out" --work /tmp/device-models "$@" \
+timeout 540 python3 -m benchmarks.device --out "$out" --work /tmp/device-models "$@" \
   2>&1 | tee "$out/log.txt"

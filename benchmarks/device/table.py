@@ -74,7 +74,7 @@ def rows(model: dict[str, Any]) -> Iterator[Row]:
     ref = model.get("mlx_lm.generate decode", {}).get("extra", {})
     t_ours = mine.get("throughput", {}).get("extra", {})
     if ref.get("decode_tps") or t_ours.get("decode_tps"):
-        what = f"decode, 1 stream, {ref.get('decode_tokens') or '?'} tokens (issue 33's)"
+        what = f"decode, 1 stream, {ref.get('decode_tokens') or '?'} tokens (throughput workload's)"
         yield Row(
             what,
             t_ours.get("decode_tps"),
@@ -102,11 +102,11 @@ def rows(model: dict[str, Any]) -> Iterator[Row]:
         keys = [k for k in t_ours if k.startswith(f"{variant}_rps_")]
         for key in sorted(keys, key=lambda k: int(k.rsplit("_", 1)[1])):
             clients = key.rsplit("_", 1)[1]
-            what = f"issue 33: requests/s, {clients} clients, {variant} prompt"
+            what = f"throughput: requests/s, {clients} clients, {variant} prompt"
             yield Row(what, t_ours.get(key), t_peer.get(key), "mlx_lm.server", "req/s", limit)
     if "warm_burst_wall_s" in t_ours:
         yield Row(
-            "issue 33: warm burst wall time",
+            "throughput: warm burst wall time",
             t_ours.get("warm_burst_wall_s"),
             t_peer.get("warm_burst_wall_s"),
             "mlx_lm.server",
@@ -116,7 +116,7 @@ def rows(model: dict[str, Any]) -> Iterator[Row]:
         )
         p99 = [(t.get("itl", {}).get("burst") or {}).get("p99_ms") for t in (t_ours, t_peer)]
         yield Row(
-            "issue 33: p99 inter-token latency in the burst",
+            "throughput: p99 inter-token latency in the burst",
             *p99,
             "mlx_lm.server",
             "ms",
@@ -200,9 +200,9 @@ def kept_section(report_dir: Path) -> str:
         return ""
     head = [
         "",
-        "## Device benchmark (issue 47)",
+        "## Device benchmark",
         "",
-        "`python -m benchmarks.bench_device` (on a lent GPU: benchmarks/device/run.sh): "
+        "`python -m benchmarks.device` (on a lent GPU: benchmarks/device/run.sh): "
         "random-weight 4-bit models of real shapes, mlx-prefix beside mlx_lm.server and "
         "mlx_lm.generate from the same wheels in the same run, each server alone on the "
         "device. One table per machine, the newest run's (`--keep`).",

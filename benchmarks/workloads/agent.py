@@ -155,8 +155,5 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
     messages.append({"role": "user", "content": "Thanks. Which later book echoes it most?"})
     await request("follow-up")
     res.wall_s = time.perf_counter() - start
-    warm = sent[1:]
-    for i, (label, req, reply) in enumerate(warm):
-        if ctx.should_check(i, len(warm)):
-            await ctx.check(client, server, res, label, req, reply)
+    await ctx.check_warm(client, server, res, sent)
     return res

@@ -63,8 +63,5 @@ async def run(ctx: Context, server: Server, client: httpx.AsyncClient) -> Server
         turns.append((f"turn {turn}", req, reply))
     res.wall_s = time.perf_counter() - start - p.chat_pause_s * (p.chat_turns - 1)
     res.background_tokens = await background_prefill(client, server) - background
-    warm = turns[1:]
-    for i, (label, req, reply) in enumerate(warm):
-        if ctx.should_check(i, len(warm)):
-            await ctx.check(client, server, res, label, req, reply)
+    await ctx.check_warm(client, server, res, turns)
     return res

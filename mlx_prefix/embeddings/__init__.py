@@ -13,7 +13,7 @@ the chat side loads: qwen3, llama, gemma3, mistral...), so Qwen3-Embedding, gte-
 e5-mistral load with the same quantization, dtype and loading code as chat models, and
 run mlx-lm's fused kernels (`mx.fast` RoPE, RMSNorm, SDPA). mlx-embeddings re-implements
 those models on the same MLX ops and is no faster for them (benchmarks/
-bench_embedding_libraries.py, same weights, alternated: within 10% either way on a
+studies/embedding_libraries.py, same weights, alternated: within 10% either way on a
 loaded 2-core CPU, vectors equal to cosine 0.999999); it pins `mlx-vlm` (which
 pulls opencv, datasets, mlx-audio and fastapi) and `transformers[sentencepiece]`, and is
 GPL-3.0, which an MIT server cannot take on as a dependency. What it has that mlx-lm

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.cache.layers import kind_of
+from mlx_prefix.cache.layers.rewind import Held, hold, trims_back
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.engine.decode.sampling import (
     TokenSampler,
@@ -120,6 +121,9 @@ class DecodeBatch:
         self._lengths: list[int] = []  # tokens in each row's cache
         self._deltas: list[int] = []  # each row's rotary shift (images in its prompt)
         self._launched: _Step | None = None  # a step computing, not read yet (`step`)
+        # A cache that cannot trim a rejected draft (recurrent layers), held before
+        # the verify, and the verify's tokens (`settle` computes the kept ones again).
+        self._verified: tuple[Held, Sequence[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -170,6 +174,7 @@ class DecodeBatch:
         if not keep:
             self.cache, self.members, self._samplers, self._inputs = [], [], [], []
             self._lengths, self._deltas, self._launched = [], [], None
+            self._verified = None  # a request that ended inside its verify
             return
         if self._launched is not None:  # its rows are the first ones (`in_flight`)
             launched = [i for i in keep if i < len(self._launched.members)]
@@ -292,6 +297,10 @@ class DecodeBatch:
         assert len(self.members) == 1 and self._launched is None
         assert tokens[0] == self._inputs[0]
         self.join()
+        self._verified = None if trims_back(self.cache) else (hold(self.cache), tuple(tokens))
+        return self._verify_forward(tokens)
+
+    def _verify_forward(self, tokens: Sequence[int]) -> mx.array:
         length = self._lengths[0] + len(tokens)
         with (
             batched(self.rows or 1, [length], verify=True),
@@ -302,8 +311,15 @@ class DecodeBatch:
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:
         """After `verify`: drop its last `rejected` positions; the row then holds
-        `length` tokens and goes on with `next_input`."""
-        if rejected:
+        `length` tokens and goes on with `next_input`. A cache that cannot trim them is
+        put back as it was before the verify and the kept positions computed again, as
+        the verify computed them (cache/layers/rewind.py)."""
+        verified, self._verified = self._verified, None
+        if rejected and verified is not None:
+            held, tokens = verified
+            held.restore()
+            self._verify_forward(tokens[: len(tokens) - rejected])  # lazy: the next step's
+        elif rejected:
             for c in self.cache:
                 c.trim(rejected)
         self._lengths = [length]

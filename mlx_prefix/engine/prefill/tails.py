@@ -16,10 +16,10 @@ on the grid up to its stack point (checkpoints.py `stack_point`: its last planne
 checkpoint before its end, ChatML's cut after the generation prompt's `<|im_start|>`),
 stores the state there (`keep_stack_start`), and only the few tokens after it stack:
 the next turn of a chat (this prompt, the reply, a new message) restores nearly all of
-this prompt, however many conversations arrived together (issue 55; measured by
-benchmarks/bench_concurrent_turns.py). A request at its stack point computes nothing
-while another, still computing alone, will reach its own within a stackable rest
-(phase.py `_waits_to_stack`): they stack then. The request's answer may move
+this prompt, however many conversations arrived together (issue 55; measured by a
+study now retired, its figures in benchmarks/HISTORY.md, 2026-11-28). A request at its
+stack point computes nothing while another, still computing alone, will reach its own
+within a stackable rest (phase.py `_waits_to_stack`): they stack then. The request's answer may move
 with what it was stacked with, as a decode step's may (batching, not the cache);
 `--deterministic` never stacks tails. A request stacks only when its rest owes nothing
 to others (checkpoints.py `owes_after`: a client's breakpoint, a system prompt, a

@@ -112,10 +112,14 @@ MESSAGES_SAMPLING = SamplingSpec(
     stop=Stops("stop_sequences", single=False, empties=False),
 )
 
-# The Responses API's sampling fields: no top_k, min_p or stop (the server's values hold).
+# The Responses API's sampling fields: no stop strings; top_k and min_p are SGLang's, which
+# its router adds to every body it forwards (top_k -1, SGLang's "off", is mlx_lm's 0:
+# responses/bodies.py).
 RESPONSES_SAMPLING = SamplingSpec(
     temperature=Number("temperature", 0.0, lo=0.0, hi=2.0),
     top_p=Number("top_p", 1.0, lo=0.0, hi=1.0),
+    top_k=Integer("top_k", 0, lo=-1),
+    min_p=Number("min_p", 0.0, lo=0.0, hi=1.0),
     seed=Integer("seed", None, lo=0, hi=SEED_LIMIT - 1),
 )
 

@@ -8,7 +8,8 @@ refused with a 400 naming it, unless its value is empty (null, false, "", [], {}
 clients often send defaults. Bookkeeping that changes no output (`metadata`, `user`,
 `prompt_cache_key`, ...) is accepted and echoed. `text.format` may ask for JSON
 (server/protocol/formats.py). `reasoning.effort` bounds the reasoning or turns it off
-(protocol/effort.py).
+(protocol/effort.py). SGLang's fields, which its router adds to every body it forwards:
+`top_k`, `min_p`, `repetition_penalty` honoured as in chat completions, `priority` only 0.
 `previous_response_id` is only read here; the route resolves it against its store.
 """
 
@@ -23,9 +24,10 @@ from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Too
 
 from ..effort import effort_bound
 from ..fields import field as read
-from ..fields import integer
+from ..fields import integer, number
 from ..formats import responses_text_format
 from ..request import GenerationRequest, Limits, ToolChoice, cache_preference
+from ..sampling_fields import MAX_REPETITION_PENALTY
 from ..spec import (
     RESPONSES_SAMPLING,
     is_empty,
@@ -52,6 +54,9 @@ _ACCEPTED = {
     "top_logprobs", "max_tool_calls", "client_metadata", "prompt_cache_retention",
     # this server's extensions, as in chat completions
     "prefix_cache", "seed", "chat_template_kwargs", "cache_salt",
+    # SGLang's, which its router (sglang-router 0.3.2) writes into every Responses body
+    # it forwards: sampling extensions (read below) and `priority` (_check_options)
+    "top_k", "min_p", "repetition_penalty", "priority",
 }  # fmt: skip
 # Refused when not empty, with why (fields not listed here or above get a generic reason).
 _REFUSED = {
@@ -140,9 +145,16 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         )
     effort = read(body, "reasoning", dict, {}).get("effort")
     bound = effort_bound(effort, "reasoning.effort")
+    sampled = read_sampling(body, RESPONSES_SAMPLING, limits.sampling)
+    # SGLang's router sends top_k -1 (SGLang's "off", mlx_lm's 0), min_p 0 and
+    # repetition_penalty 1 (both off).
+    sampled["top_k"] = max(sampled["top_k"], 0)
     sampling = SamplingParams(
         max_tokens=max_output_tokens or min(limits.default_max_tokens, limits.max_tokens),
-        **read_sampling(body, RESPONSES_SAMPLING, limits.sampling),
+        **sampled,
+        repetition_penalty=number(
+            body, "repetition_penalty", 0.0, lo=0.0, hi=MAX_REPETITION_PENALTY
+        ),
         logprobs=LOGPROBS in _include(body),
         response_format=response_format,
         reasoning_budget=bound.budget,
@@ -215,6 +227,14 @@ def _check_options(body: dict[str, Any]) -> None:
             param="top_logprobs",
         )
     integer(body, "max_tool_calls", None, lo=0, hi=None)
+    # SGLang's router sends `priority: 0` on every Responses body (its default: none).
+    # Nothing here schedules by priority, so only that passes.
+    if integer(body, "priority", 0, lo=None, hi=None) != 0:
+        raise InvalidRequest(
+            "priority is not supported: requests are not scheduled by priority here "
+            "(only 0, no priority, is accepted)",
+            param="priority",
+        )
     read(body, "client_metadata", dict, None)
     for name in _ECHOED:
         read(body, name, dict if name == "metadata" else str, None)
