@@ -25,7 +25,6 @@ from pathlib import Path
 
 from benchmarks.bench_speculative import reply  # one request's tokens, logprobs, usage
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.load import load_model
@@ -33,6 +32,7 @@ from mlx_prefix.records import (
     PromptInput,
     SamplingParams,
 )
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 FILE = "\n".join(
     f"def field_{i}(record):\n    return record.get('field_{i}', {i * 7})\n" for i in range(14)

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.default import ensure_default_model
 from mlx_prefix.models.layer_skip import make_layer_skip_draft
@@ -35,6 +34,7 @@ from mlx_prefix.records import (
     SamplingParams,
     TokenEvent,
 )
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 SYSTEM = (
     "You are a helpful assistant for a small harbour town. You know its history, its "

@@ -25,12 +25,12 @@ from .workloads.mixed import OURS_KIND, _actors, schedule
 
 def record(run: dict[str, Any], model: str) -> dict[str, Any]:
     from mlx_prefix.config import CacheConfig
-    from mlx_prefix.conversation import conversation_from_dicts
     from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
     from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
     from mlx_prefix.models.load import load_model
     from mlx_prefix.prompt.request.plan import PromptPlanner
     from mlx_prefix.records import PromptInput
+    from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
     path = (dense_model() if model == "dense" else hybrid_model()).path
     loaded = load_model(path)

@@ -131,11 +131,11 @@ def _build(dest: Path, config: dict[str, Any], template: str | None) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_prefix.models.testing import _write_tokenizer
+    from mlx_prefix.models.testing import write_tokenizer
 
     tmp = dest.with_name(dest.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    vocab = _write_tokenizer(tmp, think_template=template is not None)
+    vocab = write_tokenizer(tmp, think_template=template is not None)
     if template is not None:
         tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
         tok_config["chat_template"] = template
@@ -188,7 +188,7 @@ class Tokens:
         self._renderer = ChatRenderer(self._tok)
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        from mlx_prefix.conversation import conversation_from_dicts
+        from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
         text = self._renderer.render_text(conversation_from_dicts(messages), tools=tools)
         return self._renderer.encode_chat(text)

@@ -2,6 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def json_type(value: Any) -> str:
+    """A JSON value's type as an error message names it ("object", "array", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
 
 class MlxPrefixError(Exception):
     """Base class. `status` is the HTTP status, `type`/`code`/`param` the OpenAI error fields."""

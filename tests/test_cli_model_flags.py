@@ -14,7 +14,6 @@ from engine_helpers import chat, run, warm_equals_cold
 from mlx_prefix.cli import build_parser, main
 from mlx_prefix.cli.args import model_from_args
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import load_model
@@ -22,6 +21,7 @@ from mlx_prefix.models.template import CHATML
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 # A template that shows what it was given: the flavour argument and each message.
 SHOWING = (

@@ -10,12 +10,13 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from server_fakes import serving
 
-from mlx_prefix.conversation import Message, ToolCall, conversation_from_dicts, template_messages
+from mlx_prefix.conversation import Message, ToolCall, template_messages
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput, ToolCallIds
 from mlx_prefix.server.protocol.anthropic.bodies import parse_messages_request
 from mlx_prefix.server.protocol.chat import parse_chat
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.protocol.request import Limits
 from mlx_prefix.server.protocol.responses.bodies import parse_responses
 

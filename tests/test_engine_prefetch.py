@@ -19,11 +19,11 @@ from engine_helpers import (
 )
 
 from mlx_prefix.config import DiskScope, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt, wants_prefetch
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 SYSTEM = "You are a patient tutor. Explain one idea at a time, in plain words. " * 3
 NOW = EngineConfig(prefetch_delay_s=0.0)

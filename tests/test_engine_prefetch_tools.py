@@ -15,7 +15,6 @@ from engine_helpers import open_engine, wait_for, warm_equals_cold
 from mlx_lm.utils import load_tokenizer
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import THINK_CHAT_TEMPLATE, cached_test_model
@@ -30,11 +29,12 @@ from mlx_prefix.records import (
     Usage,
 )
 from mlx_prefix.server.protocol.chat import parse_chat
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.protocol.request import GenerationRequest, Limits
 from mlx_prefix.server.protocol.responses.bodies import parse_responses
 from mlx_prefix.server.protocol.responses.items import reply_messages
 from mlx_prefix.server.replies.assembler import Assembler
-from mlx_prefix.server.replies.responses import OutputEvents, ResponseHead
+from mlx_prefix.server.replies.responses import OutputEvents, ReplyMeta
 
 NOW = EngineConfig(prefetch_delay_s=0.0)
 LIMITS = Limits(default_max_tokens=16, max_tokens=1000)
@@ -202,7 +202,7 @@ def responses_next_turn(tokenizer, ids: ToolCallIds) -> tuple[PromptInput, Promp
     syntax = ToolSyntax.of(tokenizer)
     assert syntax is not None
     assembler = Assembler.for_request(first.generation((), ids), tokenizer, streaming=False)
-    head = ResponseHead(ids.seed, "m", SYSTEM, None, None, True, 0.0, 1.0, {})
+    head = ReplyMeta(ids.seed, "m", SYSTEM, None, None, True, 0.0, 1.0, {})
     output = OutputEvents(head, logprobs=False, single_call=False)
     for i in range(0, len(TOOL_REPLY), 3):
         output.add(assembler.feed(TokenEvent(TOOL_REPLY[i : i + 3], 1)))

@@ -10,10 +10,10 @@ from engine_helpers import EXACT, run
 from template_models import RERENDERING, TOOLS, calibrated_once, chat_messages, template_model
 
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 # No periodic checkpoint past 32 x 2^k: only the turn starts can serve a divergence.
 CACHE = CacheConfig(budget_bytes=1 << 30, prefill_chunk=32, checkpoint_interval=4096)

@@ -20,11 +20,11 @@ from conftest import TEST_CACHE, loaded_test_model
 
 from mlx_prefix import platform
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.served.loading import EngineSwapper, Slot
 from mlx_prefix.server.served.names import ModelSpec, ServedModel
 

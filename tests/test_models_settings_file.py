@@ -16,7 +16,6 @@ from server_fakes import FakeEngine, LiveServer
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.loader import engine_loader
 from mlx_prefix.config import FOREVER
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.models.settings_file import (
     SettingsFileError,
     load_models_file,
@@ -25,6 +24,7 @@ from mlx_prefix.models.settings_file import (
 from mlx_prefix.models.testing import cached_test_model, make_test_model
 from mlx_prefix.records import PromptInput
 from mlx_prefix.server import ServerSettings, create_app
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.served.names import ModelSpec
 
 GOOD = """\

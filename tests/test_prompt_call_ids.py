@@ -8,12 +8,13 @@ import re
 import pytest
 from template_models import FIRST_ID, SECOND_ID, TOOLS, chat_messages, template_model
 
-from mlx_prefix.conversation import Message, ToolCall, conversation_from_dicts
+from mlx_prefix.conversation import Message, ToolCall
 from mlx_prefix.prompt.reply.reader import client_reply
 from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
 from mlx_prefix.prompt.request.call_ids import CallIdForm, map_call_ids, nine_alnum
 from mlx_prefix.prompt.request.render import ChatRenderer
 from mlx_prefix.records import ToolCallIds
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 
 def renderer(family: str) -> ChatRenderer:

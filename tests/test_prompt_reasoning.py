@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 from template_models import template_model
 
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.prompt.reply.harmony import CLOSE as HARMONY_CLOSE
 from mlx_prefix.prompt.reply.reader import reply_reader
 from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.reply.thinking import ReasoningEdges
 from mlx_prefix.prompt.request.render import ChatRenderer
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 QUESTION = conversation_from_dicts([{"role": "user", "content": "What does a.py print?"}])
 

@@ -13,12 +13,12 @@ from transformers import AutoTokenizer
 from vision_models import encoded, picture
 
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.prompt.request.render import ChatRenderer
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 
 @cache

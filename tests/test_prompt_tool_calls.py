@@ -8,10 +8,11 @@ import json
 import pytest
 from mlx_lm.tool_parsers import kimi_k2
 
-from mlx_prefix.conversation import Message, conversation_from_dicts
+from mlx_prefix.conversation import Message
 from mlx_prefix.prompt.reply.reader import client_reply
 from mlx_prefix.prompt.reply.tool_calls import CallParser, ReplySplitter, ToolSyntax
 from mlx_prefix.records import ToolCallIds
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 JSON_TOOLS = ToolSyntax.of(
     type(

@@ -14,13 +14,13 @@ from server_fakes import FakeEngine, serving, wait_until
 from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.types import StoredTokens
 from mlx_prefix.config import DiskConfig, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams, Usage
 from mlx_prefix.server.app import serving_line
 from mlx_prefix.server.guards.namespaces import Caller
 from mlx_prefix.server.monitor.dashboard import HEAD_TOKENS, TreeShapes, nest, snapshot
 from mlx_prefix.server.monitor.recent import RecentRequests
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 SYSTEM = {"role": "system", "content": "You are the help desk of a public library. " * 4}
 KEY = "sesame"

@@ -24,10 +24,10 @@ from live import live_server
 from server_fakes import serving
 
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 APIS = [(api, stream) for api in ("chat", "messages", "responses") for stream in (False, True)]
 IDS = [f"{api}-{'stream' if stream else 'whole'}" for api, stream in APIS]

@@ -16,9 +16,9 @@ from server_fakes import serving
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.cache.types import EntryInfo
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 

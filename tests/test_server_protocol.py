@@ -20,6 +20,7 @@ from mlx_prefix.server.protocol.fields import parse_json_object
 from mlx_prefix.server.protocol.request import Limits
 from mlx_prefix.server.replies import chat as R
 from mlx_prefix.server.replies.assembler import Alternative, TokenLogprob
+from mlx_prefix.server.replies.ids import new_id
 from mlx_prefix.server.replies.tools import ToolCallFormatter, ToolCallSplitter, ToolSyntax
 
 LIMITS = Limits(default_max_tokens=64, max_tokens=1000)
@@ -230,7 +231,7 @@ def test_completion_logprobs_int():
 
 
 def test_chunks_and_usage_shapes():
-    meta = R.ResponseMeta("chat", "m", R.new_request_id("chat"))
+    meta = R.ReplyMeta("chat", "m", new_id("chatcmpl-"))
     usage = Usage(3, 2, 1, 0.1, 10.0, 5.0)
     body = R.completion_body(
         meta, text="", tool_calls=[], finish_reason="stop", usage=usage, logprobs=None

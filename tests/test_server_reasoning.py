@@ -11,7 +11,8 @@ import pytest
 from live import live_server, tool_calling_engine
 from server_fakes import FakeEngine
 
-from mlx_prefix.conversation import conversation_from_dicts, template_messages
+from mlx_prefix.conversation import template_messages
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 # Reasoning (with call markup inside) the prompt opened, then the answer.

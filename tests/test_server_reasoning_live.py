@@ -22,12 +22,12 @@ from engine_helpers import scripted_engine, wait_for, wait_stored
 from live import live_server
 
 from mlx_prefix.cache.store import CheckpointKind
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import PromptInput
 from mlx_prefix.server.protocol.anthropic.bodies import parse_messages_request
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.protocol.request import Limits
 
 DATA = Path(__file__).parent / "data"

@@ -12,8 +12,8 @@ import pytest
 from live import live_server, tool_calling_engine
 from server_fakes import DEFAULT_REPLY, FakeEngine, serving
 
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.records import ToolCallIds
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 TOOL_REPLY = (
     'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

@@ -10,9 +10,9 @@ from engine_helpers import wait_for
 from live import live_server
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 LOGPROBS = ["message.output_text.logprobs"]

@@ -24,7 +24,6 @@ from server_fakes import serving
 from template_models import REASONING_FAMILIES, TOOLS, calibrated_once, call, template_model
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.decode import phase as decode
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
@@ -33,6 +32,7 @@ from mlx_prefix.prompt.reply.harmony import CONTROL, Harmony
 from mlx_prefix.prompt.reply.reader import tool_syntax
 from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 SEED, BUDGET_SEED = 9001, 9002
 QUESTION = [{"role": "user", "content": "What does a.py print?"}]

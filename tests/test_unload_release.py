@@ -23,12 +23,12 @@ from vision_models import QWEN3_TOKENIZER, QWEN35_TEMPLATE, encoded, picture, vi
 
 from mlx_prefix.blas_exec import fast_blas_env
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.server.served.loading import EngineSwapper, Slot, on_own_thread
 from mlx_prefix.server.served.names import ModelSpec, ServedModel
 
@@ -104,7 +104,7 @@ def test_a_vision_model_still_held_lets_go_of_its_memory():
     family = engine.model.vision
     assert len(family.prepared) > 0  # the image it prepared
     unload(swapper, slot)
-    from mlx_prefix.models.arrays import named_arrays
+    from mlx_prefix.arrays import named_arrays
 
     tower = named_arrays(family.tower.parameters())
     assert tower and all(p.size == 0 for _, p in tower)

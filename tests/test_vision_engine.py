@@ -15,12 +15,12 @@ from engine_helpers import collect
 from vision_models import encoded, picture, vision_model_folder
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import load_model
 from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 GREEDY = SamplingParams(max_tokens=8, logprobs=True)
 _loaded: dict = {}

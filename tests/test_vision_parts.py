@@ -1,4 +1,4 @@
-"""Each API family's image parts read into ImageInput (vision/parts.py): the shapes the
+"""Each API family's image parts read into ImageInput (server/protocol/images.py): the shapes the
 SDKs send, detail honoured, file ids and (without the flag) URLs refused naming the field,
 with the network monkeypatched to prove nothing is fetched."""
 
@@ -11,13 +11,13 @@ import pytest
 from vision_models import encoded, picture
 
 from mlx_prefix.errors import InvalidRequest
-from mlx_prefix.vision.intake import ImageLimits
-from mlx_prefix.vision.parts import (
+from mlx_prefix.server.protocol.images import (
     anthropic_image_block,
-    low_detail,
     openai_image_part,
     responses_image_part,
 )
+from mlx_prefix.vision.family import low_detail
+from mlx_prefix.vision.intake import ImageLimits
 
 LIMITS = ImageLimits()
 PNG = encoded(picture(20, 10))

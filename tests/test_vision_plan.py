@@ -13,11 +13,11 @@ from conftest import TEST_CACHE
 from PIL import Image
 from vision_models import encoded, picture, vision_model_folder
 
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.models.load import load_model
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.vision.key import inside_span
 from mlx_prefix.vision.tower import load_vision
 

@@ -11,12 +11,11 @@ import numpy as np
 from conftest import TEST_CACHE
 from vision_models import encoded, picture, vision_model_folder
 
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.models.load import load_model
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput
-from mlx_prefix.vision.intake import ImageLimits, read_image
-from mlx_prefix.vision.parts import ImageInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
+from mlx_prefix.vision.intake import ImageInput, ImageLimits, read_image
 from mlx_prefix.vision.prepared import PreparedCache
 from mlx_prefix.vision.tower import load_vision
 

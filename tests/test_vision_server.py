@@ -26,10 +26,10 @@ from server_fakes import serving
 from vision_models import encoded, picture, vision_model_folder
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 PNG = encoded(picture(96, 64, seed=11))
 B64 = base64.b64encode(PNG).decode()

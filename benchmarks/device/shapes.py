@@ -127,11 +127,11 @@ def build(shape: Shape, dest: Path, seed: int = 0) -> Path:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlx_prefix.models.testing import _copy_tokenizer
+    from mlx_prefix.models.testing import copy_tokenizer
 
     tmp = dest.with_name(dest.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    vocab, bos, eos = _copy_tokenizer(TOKENIZER, tmp)
+    vocab, bos, eos = copy_tokenizer(TOKENIZER, tmp)
     config = json.loads(json.dumps(shape.config))
     config.get("text_config", config)["vocab_size"] = vocab
     config.update({"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": shape.dtype})

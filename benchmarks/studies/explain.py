@@ -67,11 +67,11 @@ def explainer_cost(folder: Path, requests: int) -> dict[str, float]:
     decoding the texts), off the request's path but on the same interpreter: the traces
     of real requests (an in-process engine) replayed into a fresh Explainer, per workload."""
     from mlx_prefix.config import CacheConfig, EngineConfig
-    from mlx_prefix.conversation import conversation_from_dicts
     from mlx_prefix.engine.engine import Engine
     from mlx_prefix.explain.explainer import Explainer, _Job
     from mlx_prefix.models.load import load_model
     from mlx_prefix.records import PromptInput, SamplingParams
+    from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
     engine = Engine(load_model(str(folder)), CacheConfig(), EngineConfig(prefetch_next_turn=False))
     out = {}
@@ -101,10 +101,10 @@ def trace_cost() -> float:
     admission (CacheTrace.of in Engine.submit, prefill/start.py), with a real conversation."""
     from mlx_prefix.cache.eviction.log import EvictionLog
     from mlx_prefix.cache.token_ids import TokenIds
-    from mlx_prefix.conversation import conversation_from_dicts
     from mlx_prefix.explain.trace import CacheTrace, ExplainContext
     from mlx_prefix.prompt.request.grid import ChunkGrid
     from mlx_prefix.records import CachePreference, PromptInput
+    from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
     ctx = ExplainContext("m", "id", "key", None, ChunkGrid(256), EvictionLog())
     prompt = PromptInput(messages=conversation_from_dicts([{"role": "user", "content": "hi"}]))

@@ -18,12 +18,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import CacheConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.forward.runner import prefill
 from mlx_prefix.models.load import load_model
 from mlx_prefix.prompt.request.grid import ChunkGrid
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import PromptInput
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 
 def agent_conversation(turns: int) -> PromptInput:

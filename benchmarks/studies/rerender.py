@@ -19,12 +19,12 @@ import json
 from pathlib import Path
 
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import CachePreference, DoneEvent, ErrorEvent, PromptInput, SamplingParams
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 FAMILIES = {

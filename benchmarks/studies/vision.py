@@ -113,11 +113,11 @@ class Keys:
 
 def keys(folder: Path, conv: Conversation) -> Keys:
     from mlx_prefix.config import CacheConfig
-    from mlx_prefix.conversation import conversation_from_dicts
     from mlx_prefix.models.load import load_model
     from mlx_prefix.prompt.request.plan import PromptPlanner
     from mlx_prefix.prompt.request.render import common_prefix_length
     from mlx_prefix.records import PromptInput
+    from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
     model = load_model(str(folder))
     planner = PromptPlanner(model.tokenizer, CacheConfig(), vision=model.vision)

@@ -87,8 +87,7 @@ def _with_images(prompt: Any, files: list[Path], text: str | None) -> Any:
     from dataclasses import replace
 
     from mlx_prefix.conversation import ImageAt, Message
-    from mlx_prefix.vision.intake import ImageLimits, decode_image
-    from mlx_prefix.vision.parts import ImageInput
+    from mlx_prefix.vision.intake import ImageInput, ImageLimits, decode_image
 
     images = []
     for path in files:

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_prefix.arrays import named_arrays
 from mlx_prefix.errors import ModelNotFound
-from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.load import cast_weights, context_length, load_failure
 from mlx_prefix.models.resolve import resolve_model
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_prefix.models.arrays import named_arrays
-from mlx_prefix.models.testing import _write_tokenizer
+from mlx_prefix.arrays import named_arrays
+from mlx_prefix.models.testing import write_tokenizer
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -52,7 +52,7 @@ def make_embedding_test_model(
     """Write a loadable embedding model folder into `dest` (created if missing); return it."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    vocab_size = _write_tokenizer(dest, think_template=False)
+    vocab_size = write_tokenizer(dest, think_template=False)
     config = {
         "model_type": "qwen3",
         "architectures": ["Qwen3ForCausalLM"],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.config import CacheConfig, DiskConfig, EngineConfig
-from mlx_prefix.conversation import Message, conversation_from_dicts
+from mlx_prefix.conversation import Message
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.errors import MlxPrefixError
@@ -30,6 +30,7 @@ from mlx_prefix.records import (
     TokenEvent,
     Usage,
 )
+from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.arrays import named_arrays
 from mlx_prefix.cache.layers import kind_of, layers_of
-from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.load import LoadedModel
 
 

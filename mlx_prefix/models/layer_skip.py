@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_prefix.models.arrays import load_safetensors
+from mlx_prefix.arrays import load_safetensors
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")

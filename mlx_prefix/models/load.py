@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_prefix.arrays import named_arrays
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.models import linear_scan
-from mlx_prefix.models.arrays import named_arrays
 from mlx_prefix.models.identity import ModelIdentity, chat_template_hash, fingerprint_files
 from mlx_prefix.models.preflight import context_length
 from mlx_prefix.models.resolve import ResolvedModel, resolve_model, resolve_model_path
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from mlx_prefix.vision.tower import VisionFamily
+    from mlx_prefix.vision.family import VisionFamily
 
 __all__ = [
     "LoadedModel",

@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer
 
-from mlx_prefix.models.arrays import named_arrays
+from mlx_prefix.arrays import named_arrays
 from mlx_prefix.models.default import ensure_default_model
 
 TEST_MODEL_KINDS: tuple[str, ...] = ("dense", "qwen3_5", "nemotron_h", "sliding")
@@ -145,10 +145,10 @@ def make_test_model(
     bos: int | None
     eos: int | list[int]
     if tokenizer is None:
-        vocab_size = _write_tokenizer(dest, think_template=think_template)
+        vocab_size = write_tokenizer(dest, think_template=think_template)
         bos, eos = _BOS, _EOS
     else:
-        vocab_size, bos, eos = _copy_tokenizer(Path(tokenizer), dest)
+        vocab_size, bos, eos = copy_tokenizer(Path(tokenizer), dest)
 
     config = json.loads(json.dumps(_CONFIGS[kind]))  # deep copy
     config.update({"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32"})
@@ -178,7 +178,7 @@ def make_test_model(
     return dest
 
 
-def _write_tokenizer(dest: Path, *, think_template: bool) -> int:
+def write_tokenizer(dest: Path, *, think_template: bool) -> int:
     """Copy the SmolLM2 tokenizer into `dest`; return its vocab size (added tokens included).
 
     With `think_template`, `<think>` and `</think>` become single tokens (non-special, as in
@@ -201,7 +201,7 @@ def _write_tokenizer(dest: Path, *, think_template: bool) -> int:
     return tok.get_vocab_size()
 
 
-def _copy_tokenizer(source: Path, dest: Path) -> tuple[int, int | None, list[int]]:
+def copy_tokenizer(source: Path, dest: Path) -> tuple[int, int | None, list[int]]:
     """Copy a real tokenizer's files into `dest`, unpacking a gzipped tokenizer.json;
     return its vocab size (added tokens included), BOS id and EOS ids."""
     packed = source / "tokenizer.json.gz"

@@ -21,7 +21,8 @@ from .guards.middleware import ApiKeyAuth, HostGuard, cors
 from .guards.namespaces import Namespaces
 from .monitor.metrics import RequestCounter, ServerMetrics
 from .ollama_port import bind_ollama_port, bound_address, covered
-from .protocol.request import Limits, SamplingDefaults
+from .protocol.request import Limits
+from .protocol.spec import SamplingDefaults
 from .replies.stream import InFlight
 from .responses_store import ResponseStore
 from .routes import ROUTES

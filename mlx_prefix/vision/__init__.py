@@ -3,11 +3,14 @@
 The modules, in the order an image travels:
   intake.py     bytes -> an EncodedImage under limits (format read from the bytes, pixel
                 count from the header), a request's images checked whole before the first
-                decode, its pixel digest; decoded pixels never kept
+                decode, its pixel digest; decoded pixels never kept; ImageInput (an image
+                and its detail; each API family's parts read into it: server/protocol/images.py)
   fetch.py      http(s) image URLs: refused, or (--allow-image-urls) fetched from public
                 addresses only, pinned to the checked address, size and time bounded
-  tower.py      a vision checkpoint's vision part (VisionFamily): mlx-vlm's tower classes
-                on the folder's vision_tower.* weights; the text stays mlx-lm's
+  family.py     what every family shares (VisionFamily, PreparedImage, ChunkInputs) and
+                the tower builders: mlx-vlm's classes on the folder's vision_tower.* weights
+  tower.py      which family serves a checkpoint (FAMILIES, by model type, imported on
+                use), whether its files hold a tower; the text stays mlx-lm's
   prepared.py   prepared images (the tower's input) between requests, in a byte cap
   qwen.py       Qwen3.5 (qwen3_5, qwen3_5_moe): processor, tower, M-RoPE
   gemma.py      Gemma 3: SigLIP tower + projector, bidirectional attention over an image

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_prefix.vision.tower import PreparedImage, VisionFamily
+from mlx_prefix.vision.family import PreparedImage, VisionFamily
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,9 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.vision import rope
+from mlx_prefix.vision.family import ChunkInputs, PreparedImage, VisionFamily
 from mlx_prefix.vision.key import unsalt
 from mlx_prefix.vision.prompt import VisionPrompt
-from mlx_prefix.vision.tower import ChunkInputs, PreparedImage, VisionFamily
 
 Features = Callable[[PreparedImage], mx.array]  # [tokens, hidden], evaluated
 

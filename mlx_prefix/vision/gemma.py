@@ -30,9 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_prefix.vision.key import ImageSpan, image_key
-from mlx_prefix.vision.positions import PositionTable, plain_table
-from mlx_prefix.vision.tower import (
+from mlx_prefix.vision.family import (
     ChunkInputs,
     PreparedImage,
     VisionFamily,
@@ -40,6 +38,8 @@ from mlx_prefix.vision.tower import (
     model_config,
     vision_weights,
 )
+from mlx_prefix.vision.key import ImageSpan, image_key
+from mlx_prefix.vision.positions import PositionTable, plain_table
 
 # (start, end) of each image inside the chunk being computed, relative to its start.
 _BLOCKS: ContextVar[tuple[tuple[int, int], ...] | None] = ContextVar(

@@ -37,7 +37,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from mlx_prefix.errors import InvalidRequest
 
@@ -285,3 +285,27 @@ def _too_large(param: str, limits: ImageLimits, at_least: int) -> InvalidRequest
         param=param,
         code="image_too_large",
     )
+
+
+Detail = Literal["auto", "low", "high"]
+DETAILS: tuple[Detail, ...] = ("auto", "low", "high")
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a message, as the model will be given it (its header read and
+    checked; decoded once every image of the request passed: vision/intake.py)."""
+
+    image: EncodedImage
+    detail: Detail = "auto"
+
+    @property
+    def identity(self) -> str:
+        """What makes two inputs the same image for the model (the cache key's source)."""
+        return f"{self.image.digest};detail={'low' if self.detail == 'low' else 'auto'}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ImageInput) and other.identity == self.identity
+
+    def __hash__(self) -> int:
+        return hash(self.identity)

@@ -11,7 +11,7 @@ from mlx_prefix.vision.key import ImageSpan
 from mlx_prefix.vision.positions import PositionTable
 
 if TYPE_CHECKING:
-    from mlx_prefix.vision.tower import PreparedImage, VisionFamily
+    from mlx_prefix.vision.family import PreparedImage, VisionFamily
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,10 +21,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_prefix.vision.family import PreparedImage, VisionFamily, build_tower, vision_weights
 from mlx_prefix.vision.key import ImageSpan, image_key
 from mlx_prefix.vision.positions import PositionTable, mrope_table
 from mlx_prefix.vision.rope import install as install_rope
-from mlx_prefix.vision.tower import PreparedImage, VisionFamily, build_tower, vision_weights
 
 # preprocessor_config.json keys the processor takes, and the defaults mlx-vlm uses.
 _PROCESSOR_KEYS = (

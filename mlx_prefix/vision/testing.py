@@ -21,9 +21,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_prefix.models.arrays import named_arrays
-from mlx_prefix.models.testing import _copy_tokenizer
-from mlx_prefix.vision.tower import model_config
+from mlx_prefix.arrays import named_arrays
+from mlx_prefix.models.testing import copy_tokenizer
+from mlx_prefix.vision.family import model_config
 
 VISION_TEST_KINDS = ("qwen3_5", "gemma3")
 
@@ -97,7 +97,7 @@ def make_vision_test_model(
         raise ValueError(f"unknown vision test kind {kind!r}; choose from {VISION_TEST_KINDS}")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    vocab, bos, eos = _copy_tokenizer(Path(tokenizer), dest)
+    vocab, bos, eos = copy_tokenizer(Path(tokenizer), dest)
     tok_config_path = dest / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["chat_template"] = chat_template

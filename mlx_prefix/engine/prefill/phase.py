@@ -49,9 +49,9 @@ from mlx_prefix.errors import PinQuotaExceeded
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.prompt.request.render import common_prefix_length
+from mlx_prefix.vision.family import PreparedImage
 from mlx_prefix.vision.features import FeatureCache
 from mlx_prefix.vision.forward import VisionChunks
-from mlx_prefix.vision.tower import PreparedImage
 
 # The vision-feature cache holds at most this share of the cache's byte budget.
 FEATURE_SHARE = 16

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from tqdm import tqdm
 
-from mlx_prefix.models.arrays import load_gguf
+from mlx_prefix.arrays import load_gguf
 from mlx_prefix.models.gguf.tokenizer import write_tokenizer
 
 # GGUF quantization blocks hold 32 weights (ggml QK4_0 / QK4_1 / QK8_0).

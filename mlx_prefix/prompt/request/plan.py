@@ -42,7 +42,7 @@ from mlx_prefix.vision.key import ImageSpan, salt
 from mlx_prefix.vision.prompt import VisionPrompt
 
 if TYPE_CHECKING:
-    from mlx_prefix.vision.tower import PreparedImage, VisionFamily
+    from mlx_prefix.vision.family import PreparedImage, VisionFamily
 
 # Checkpoints at the starts of this many of a prompt's last assistant turns (see
 # _chat_checkpoints): each costs a hybrid model its recurrent state.

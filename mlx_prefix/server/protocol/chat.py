@@ -1,5 +1,5 @@
 """POST /v1/chat/completions bodies: messages (read into the typed conversation by
-mlx_prefix/conversation.py, content parts, tool calls and the deprecated `function` role
+protocol/messages.py, content parts, tool calls and the deprecated `function` role
 and `function_call` included), tools, tool_choice, logprobs, reasoning_effort and
 thinking_token_budget (protocol/effort.py), and the deprecated `functions` /
 `function_call`, read as tools."""
@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mlx_prefix.conversation import Conversation, conversation_from_dicts
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.conversation import Conversation
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import PromptInput
 from mlx_prefix.vision.intake import ImageLimits
 
 from .effort import effort_bound, token_budget
-from .fields import MISSING, field, integer, json_type
+from .fields import MISSING, field, integer
+from .messages import conversation_from_dicts
 from .request import GenerationRequest, Limits, ToolChoice, generation_request
 
 
@@ -130,7 +131,7 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None)
 
 
 def parse_messages(messages: Any, images: ImageLimits | None = None) -> Conversation:
-    """`messages`, OpenAI's chat shape (conversation.py reads it for every caller)."""
+    """`messages`, OpenAI's chat shape (messages.py reads it for every caller)."""
     if messages is MISSING:
         raise InvalidRequest("'messages' is required", param="messages")
     if not isinstance(messages, list):

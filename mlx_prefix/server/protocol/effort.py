@@ -14,7 +14,7 @@ The client's own `chat_template_kwargs` win over the effort's switch. Pure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
@@ -30,23 +30,30 @@ EFFORT_BUDGETS: dict[str, int | None] = {
 
 
 @dataclass(frozen=True)
-class ReasoningBound:
-    budget: int | None = None  # None: unbounded
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the switch, if any
+class Thinking:
+    """How a request bounds its reasoning, whichever family's fields said so (this
+    module's efforts, Anthropic's `thinking`, Ollama's `think`)."""
+
+    enable: bool | None = None  # the template's enable_thinking; None: the template's default
+    budget: int | None = None  # reasoning tokens before the block is closed; None: unbounded
+    show: bool = True  # the reasoning's text goes out (Anthropic's display "omitted": False)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return {} if self.enable is None else {"enable_thinking": self.enable}
 
     def kwargs_under(self, client: dict[str, Any]) -> dict[str, Any]:
-        """The request's template arguments: the client's own over the effort's switch."""
+        """The request's template arguments: the client's own over this switch."""
         return {**self.template_kwargs, **client}
 
 
-def effort_bound(value: Any, param: str) -> ReasoningBound:
+def effort_bound(value: Any, param: str) -> Thinking:
     """An effort level (None: not sent) as a bound; InvalidRequest naming `param`."""
     if value is None:
-        return ReasoningBound()
+        return Thinking()
     if value not in EFFORT_BUDGETS:
         raise InvalidRequest(f"{param} must be one of {', '.join(EFFORT_BUDGETS)}", param=param)
-    switch = {"enable_thinking": False} if value == "none" else {}
-    return ReasoningBound(EFFORT_BUDGETS[value], switch)
+    return Thinking(enable=False if value == "none" else None, budget=EFFORT_BUDGETS[value])
 
 
 def token_budget(value: Any, param: str) -> int | None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 
-from .fields import field, integer, json_type
+from .fields import field, integer
+from .spec import refuse_unknown
 
 ENCODING_FORMATS = ("float", "base64")
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
@@ -36,13 +37,7 @@ class EmbeddingRequest:
 
 
 def parse_embeddings(body: dict[str, Any], max_inputs: int) -> EmbeddingRequest:
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise InvalidRequest(
-            f"'{unknown[0]}' is not supported by /v1/embeddings (fields: "
-            f"{', '.join(sorted(FIELDS))})",
-            param=unknown[0],
-        )
+    refuse_unknown(body, FIELDS, what="/v1/embeddings")
     texts, token_ids = _input(body.get("input"), max_inputs)
     encoding = field(body, "encoding_format", str, "float")
     if encoding not in ENCODING_FORMATS:

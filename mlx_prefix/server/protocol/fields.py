@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 
 # A lone surrogate can only enter through a \uD800-\uDFFF escape: raw UTF-8 cannot
 # encode one. (An escaped backslash before "uD8.." matches too; the walk then finds none.)
@@ -71,41 +71,51 @@ def field(body: dict[str, Any], name: str, types: type | tuple[type, ...], defau
 
 
 def integer(
-    body: dict[str, Any], name: str, default: Any, *, lo: int | None, hi: int | None
+    body: dict[str, Any],
+    name: str,
+    default: Any,
+    *,
+    lo: int | None,
+    hi: int | None,
+    where: str = "",
+    integral_floats: bool = False,
 ) -> Any:
+    """`body[name]`, an integer in [lo, hi] (None: unbounded); `where` prefixes the name
+    in the error's param (an object inside the body: "options."); `integral_floats`: 3.0
+    counts as 3 (Ollama reads JSON numbers as floats)."""
+    param = where + name
     value = body.get(name)
     if value is None:
         return default
+    if integral_floats and isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"'{name}' must be an integer, not {json_type(value)}", param=name)
+        raise InvalidRequest(f"'{param}' must be an integer, not {json_type(value)}", param=param)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise InvalidRequest(f"'{name}' must be {bounds}, got {value}", param=name)
+        if hi is None:
+            bounds = f"at least {lo}"
+        elif lo is None:
+            bounds = f"at most {hi}"
+        else:
+            bounds = f"between {lo} and {hi}"
+        raise InvalidRequest(f"'{param}' must be {bounds}, got {value}", param=param)
     return value
 
 
-def number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: float) -> float:
+def number(
+    body: dict[str, Any], name: str, default: float, *, lo: float, hi: float, where: str = ""
+) -> float:
+    """`body[name]`, a finite number in [lo, hi], as a float (`where`: as `integer`'s)."""
+    param = where + name
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequest(f"'{name}' must be a number, not {json_type(value)}", param=name)
+        raise InvalidRequest(f"'{param}' must be a number, not {json_type(value)}", param=param)
     if not math.isfinite(value):  # NaN and Infinity: Python's JSON parser accepts them
-        raise InvalidRequest(f"'{name}' must be a finite number, got {value}", param=name)
+        raise InvalidRequest(f"'{param}' must be a finite number, got {value}", param=param)
     if not lo <= value <= hi:
-        raise InvalidRequest(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", param=name)
+        raise InvalidRequest(
+            f"'{param}' must be between {lo:g} and {hi:g}, got {value}", param=param
+        )
     return float(value)
-
-
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"

@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import ResponseFormat
-
-from .fields import json_type
 
 KINDS = ("text", "json_object", "json_schema")
 

@@ -12,31 +12,19 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 from mlx_prefix.vision.intake import ImageLimits
 
-from .fields import field, integer, number
+from .fields import field, integer
 from .formats import chat_response_format
 from .sampling_fields import mlx_lm_sampling
+from .spec import (
+    CHAT_SAMPLING,
+    SamplingDefaults,
+    read_sampling,
+    refuse_format_with_tools,
+    refuse_stop_with_format,
+    refuse_unknown,
+)
 
-MAX_STOP_SEQUENCES = 16
-# Characters in one stop string: the engine's matcher holds a node per character.
-MAX_STOP_CHARS = 1024
 _PREFIX_CACHE_KEYS = frozenset({"enabled", "scope"})
-SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
-
-
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """The server's values for sampling fields a request leaves out (`serve --temp`,
-    `--top-p`, `--top-k`, `--min-p`, as in mlx_lm.server); None keeps the API's own
-    default (temperature 0 for OpenAI's routes here, 1 for Anthropic's)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-
-    def get(self, name: str, api_default: Any) -> Any:
-        value = getattr(self, name)
-        return api_default if value is None else value
 
 
 @dataclass(frozen=True)
@@ -118,29 +106,17 @@ def generation_request(
     max_tokens, max_tokens_param = _max_tokens(body, limits)
     sampling = SamplingParams(
         max_tokens=max_tokens,
-        temperature=number(
-            body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
-        ),
-        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
-        # mlx_lm.server's extension
-        top_k=integer(body, "top_k", limits.sampling.get("top_k", 0), lo=0, hi=None),
-        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
-        stop=_stop(body),
+        **read_sampling(body, CHAT_SAMPLING, limits.sampling),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         response_format=chat_response_format(body),
-        **mlx_lm_sampling(body, limits.sampling.get("min_p", 0.0)),
+        **mlx_lm_sampling(body),
         num_draft_tokens=_num_draft_tokens(body, limits),
         # Prompt lookup's most draft tokens (engine/decode/lookup.py); 0: plain decoding.
         prompt_lookup=integer(body, "prompt_lookup", None, lo=0, hi=32),
     )
     refuse_stop_with_format(sampling, "stop")
-    if parse_tools and sampling.response_format is not None:
-        raise InvalidRequest(
-            "response_format cannot be combined with tools: a reply held to the format "
-            "could never call one (send tool_choice: 'none', or no tools)",
-            param="response_format",
-        )
+    refuse_format_with_tools(sampling.response_format, parse_tools)
     return GenerationRequest(
         kind=kind,
         model=field(body, "model", str, None),
@@ -223,40 +199,6 @@ def _max_tokens(body: dict[str, Any], limits: Limits) -> tuple[int, str | None]:
     return min(limits.default_max_tokens, limits.max_tokens), None
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = field(body, "stop", (str, list), None)
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequest(
-            f"'stop' must be a string or an array of at most {MAX_STOP_SEQUENCES} strings",
-            param="stop",
-        )
-    check_stop_lengths(stops, "stop")
-    return tuple(s for s in stops if s)
-
-
-def refuse_stop_with_format(sampling: SamplingParams, param: str) -> None:
-    """A stop string would cut a structured reply short of the closing brace: invalid
-    JSON, while the format promises a reply that parses."""
-    if sampling.stop and sampling.response_format is not None:
-        raise InvalidRequest(
-            f"{param} cannot be combined with {sampling.response_format.param.split('.')[0]}: "
-            "a stop string could cut the structured reply into invalid JSON",
-            param=param,
-        )
-
-
-def check_stop_lengths(stops: list[str], param: str) -> None:
-    longest = max((len(s) for s in stops), default=0)
-    if longest > MAX_STOP_CHARS:
-        raise InvalidRequest(
-            f"{param}: a stop string of {longest} characters; at most {MAX_STOP_CHARS}",
-            param=param,
-        )
-
-
 def cache_preference(body: dict[str, Any]) -> CachePreference:
     """The `prefix_cache` object and `cache_salt` (vLLM's name: a request matches only
     cache entries made with the same salt, inside its namespace)."""
@@ -266,12 +208,7 @@ def cache_preference(body: dict[str, Any]) -> CachePreference:
     pref = field(body, "prefix_cache", dict, None)
     if pref is None:
         return CachePreference(salt=salt)
-    unknown = sorted(set(pref) - _PREFIX_CACHE_KEYS)
-    if unknown:
-        raise InvalidRequest(
-            f"prefix_cache has no key {unknown[0]!r} (its keys: enabled, scope)",
-            param=f"prefix_cache.{unknown[0]}",
-        )
+    refuse_unknown(pref, _PREFIX_CACHE_KEYS, what="prefix_cache", where="prefix_cache.")
     enabled = pref.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InvalidRequest("prefix_cache.enabled must be a boolean", param="prefix_cache.enabled")

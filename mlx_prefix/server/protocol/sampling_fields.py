@@ -1,6 +1,7 @@
-"""mlx_lm.server's sampling fields, read from chat and completions bodies: `top_k`,
-`min_p`, `xtc_probability` / `xtc_threshold`, `logit_bias`, and `repetition_penalty`,
-`presence_penalty`, `frequency_penalty` with their `*_context_size`.
+"""mlx_lm.server's sampling fields, read from chat and completions bodies:
+`xtc_probability` / `xtc_threshold`, `logit_bias`, and `repetition_penalty`,
+`presence_penalty`, `frequency_penalty` with their `*_context_size` (`top_k` and `min_p`:
+request.py's CHAT_SAMPLING).
 
 Same names, defaults and meanings as mlx_lm.server (engine/decode/sampling.py and
 engine/decode/logits.py apply them); the ranges are those mlx_lm.sample_utils accepts without
@@ -23,11 +24,9 @@ MAX_REPETITION_PENALTY = 100.0  # well past any useful value (1.0-1.5 in practic
 DEFAULT_CONTEXT_SIZE = 20  # mlx_lm.server's default for each penalty
 
 
-def mlx_lm_sampling(body: dict[str, Any], min_p: float = 0.0) -> dict[str, Any]:
-    """SamplingParams keyword arguments for the fields `body` sets (defaults otherwise;
-    `min_p`: the server's)."""
+def mlx_lm_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams keyword arguments for the fields `body` sets (defaults otherwise)."""
     return {
-        "min_p": number(body, "min_p", min_p, lo=0.0, hi=1.0),
         "xtc_probability": number(body, "xtc_probability", 0.0, lo=0.0, hi=1.0),
         "xtc_threshold": number(body, "xtc_threshold", 0.1, lo=0.0, hi=0.5),
         "logit_bias": logit_bias(body),

@@ -20,7 +20,6 @@ and message_stop. A failure is one `error` event. Plain values only, no I/O.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +31,6 @@ from ..protocol.sealed import seal
 from .assembler import Delta
 from .sse import event as sse
 from .stream import Collected
-
-
-def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
 
 
 def usage_body(

@@ -5,7 +5,6 @@ completion's text). No I/O here."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,7 +22,7 @@ Kind = Literal["chat", "completion"]
 
 
 @dataclass(frozen=True)
-class ResponseMeta:
+class ReplyMeta:
     """What every body and chunk of one response repeats."""
 
     kind: Kind
@@ -51,10 +50,6 @@ class ResponseMeta:
         else:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-
-def new_request_id(kind: Kind) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -105,7 +100,7 @@ def _token(token: str, logprob: float) -> dict[str, Any]:
 
 
 def completion_body(
-    meta: ResponseMeta,
+    meta: ReplyMeta,
     *,
     text: str,
     tool_calls: list[dict[str, Any]],
@@ -134,7 +129,7 @@ def reasoning_fields(reasoning: str) -> dict[str, str]:
 
 
 def chunk(
-    meta: ResponseMeta,
+    meta: ReplyMeta,
     *,
     text: str | None = None,
     reasoning: str = "",
@@ -166,7 +161,7 @@ def chunk(
     return body
 
 
-def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
+def usage_chunk(meta: ReplyMeta, usage: Usage) -> dict[str, Any]:
     return {**meta.head(True), "choices": [], "usage": usage_body(usage)}
 
 
@@ -176,7 +171,7 @@ class ChatWriter:
     (chat), content and tool-call deltas, the finish chunk, optionally a usage chunk,
     then [DONE]; a failure is one error chunk. Whole: one completion body."""
 
-    meta: ResponseMeta
+    meta: ReplyMeta
     include_usage: bool
     logprobs: bool = False  # the request asked for them: the body carries them
 
@@ -188,7 +183,7 @@ class ChatWriter:
         request_id: str,
         req: GenerationRequest,
     ) -> ChatWriter:
-        meta = ResponseMeta(kind, model, request_id, legacy_functions=req.legacy_functions)
+        meta = ReplyMeta(kind, model, request_id, legacy_functions=req.legacy_functions)
         return cls(meta, req.include_usage, req.sampling.logprobs)
 
     def opening(self) -> list[bytes]:

@@ -15,7 +15,6 @@ output. No I/O here.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,16 +24,13 @@ from mlx_prefix.records import DoneEvent, ProgressEvent, Usage
 
 from ..protocol.sealed import seal
 from .assembler import Assembler, Delta
+from .ids import new_id
 from .sse import event as sse
 from .stream import Collected
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 @dataclass(frozen=True)
-class ResponseHead:
+class ReplyMeta:
     """What the response object repeats in every state."""
 
     id: str
@@ -50,7 +46,7 @@ class ResponseHead:
 
 
 def response_body(
-    head: ResponseHead,
+    head: ReplyMeta,
     status: str,
     output: list[dict[str, Any]],
     usage: Usage | None = None,
@@ -130,7 +126,7 @@ class _Reasoning:
 
 @dataclass
 class OutputEvents:
-    head: ResponseHead
+    head: ReplyMeta
     logprobs: bool  # include: ["message.output_text.logprobs"]
     single_call: bool  # parallel_tool_calls: false: calls after the first are dropped
     items: dict[int, dict[str, Any]] = field(default_factory=dict)  # finished, by index
@@ -216,7 +212,7 @@ class OutputEvents:
         events = []
         item = self._reasoning
         if item is None:
-            item = self._reasoning = _Reasoning(self._index(), new_id("rs"))
+            item = self._reasoning = _Reasoning(self._index(), new_id("rs_"))
             events += [
                 self._event("response.output_item.added", output_index=item.index,
                             item=item.item("in_progress")),
@@ -245,7 +241,7 @@ class OutputEvents:
         ]
 
     def _open_message(self) -> list[dict[str, Any]]:
-        message = self._message = _Message(self._index(), new_id("msg"))
+        message = self._message = _Message(self._index(), new_id("msg_"))
         return [
             self._event("response.output_item.added", output_index=message.index,
                         item=message.item("in_progress", self.logprobs)),
@@ -271,7 +267,7 @@ class OutputEvents:
         ]  # fmt: skip
 
     def _function_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        index, item_id = self._index(), new_id("fc")
+        index, item_id = self._index(), new_id("fc_")
         self.calls += 1
         function = call["function"]
         item = {"id": item_id, "type": "function_call", "status": "in_progress",

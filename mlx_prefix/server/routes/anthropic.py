@@ -17,7 +17,8 @@ from mlx_prefix.records import ToolCallIds
 from ..guards.body import read_json
 from ..protocol.anthropic.bodies import MessagesRequest, parse_count_tokens, parse_messages_request
 from ..protocol.request import Limits
-from ..replies.anthropic import AnthropicWriter, BlockWriter, new_message_id
+from ..replies.anthropic import AnthropicWriter, BlockWriter
+from ..replies.ids import new_id
 from .common import api, model_for, state
 from .flow import check_images, start
 
@@ -25,7 +26,7 @@ from .flow import check_images, start
 @api
 async def messages(request: Request) -> Response:
     # tool_use ids as Anthropic's start ("toolu_"), named after the message.
-    ids = ToolCallIds(new_message_id(), prefix="toolu_")
+    ids = ToolCallIds(new_id("msg_"), prefix="toolu_")
     keep = state(request).settings.keep_billing_header
 
     def parse(body: dict[str, Any], limits: Limits) -> MessagesRequest:

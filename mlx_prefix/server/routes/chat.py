@@ -14,7 +14,8 @@ from mlx_prefix.records import ToolCallIds
 
 from ..protocol.chat import parse_chat
 from ..protocol.request import GenerationRequest, Limits
-from ..replies.chat import ChatWriter, Kind, new_request_id
+from ..replies.chat import ChatWriter, Kind
+from ..replies.ids import new_id
 from .common import api
 from .flow import start
 
@@ -28,7 +29,7 @@ async def chat_shaped(
     request: Request, kind: Kind, parse: Callable[[dict[str, Any], Limits], GenerationRequest]
 ) -> Response:
     """A request answered in chat's shape (chat, or completions' text choices)."""
-    ids = ToolCallIds(new_request_id(kind))
+    ids = ToolCallIds(new_id("chatcmpl-" if kind == "chat" else "cmpl-"))
     call = await start(request, ids, parse)
     writer = ChatWriter.for_request(kind, call.served.id, call.request_id, call.req)
     return await call.respond(call.assembler(streaming=call.req.stream), writer)

@@ -17,7 +17,8 @@ from mlx_prefix.errors import MlxPrefixError
 from ..errors import error_response_for
 from ..monitor.dashboard import TreeShapes
 from ..monitor.metrics import ServerMetrics
-from ..protocol.request import Limits, SamplingDefaults
+from ..protocol.request import Limits
+from ..protocol.spec import SamplingDefaults
 from ..replies.stream import InFlight
 from ..responses_store import ResponseStore
 from ..served.embeddings import ServedEmbeddings

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +25,7 @@ from ..guards.namespaces import caller
 from ..monitor.metrics import RequestLog
 from ..protocol.embeddings import EmbeddingRequest, parse_embeddings
 from ..replies.embeddings import embeddings_body
+from ..replies.ids import new_id
 from ..served.embeddings import ServedEmbeddings, require
 from .common import ServerState, api, state
 
@@ -37,7 +37,7 @@ DEFAULT_MAX_INPUT_TOKENS = 8192  # OpenAI's, for a model whose config names no c
 @api
 async def embeddings(request: Request) -> Response:
     st = state(request)
-    record = RequestLog(f"embd-{uuid.uuid4().hex}", request.url.path, st.metrics,
+    record = RequestLog(new_id("embd-"), request.url.path, st.metrics,
                         caller(request).namespace_id)  # fmt: skip
     try:
         body = await read_json(request)

@@ -90,7 +90,7 @@ async def _generate(request: Request, kind: Literal["chat", "generate"]) -> Resp
     with call.logged():
         tokenizer = call.served.engine.model.tokenizer
         think = parsed.think
-        if think is not None and think.asked and not getattr(tokenizer, "has_thinking", False):
+        if think is not None and think.enable and not getattr(tokenizer, "has_thinking", False):
             raise InvalidRequest(f"{sent['model']!r} does not support thinking", param="think")
         # Every Ollama request sets its model's keep-alive; one without resets it.
         pool.keep_alive(parsed.model, parsed.keep_alive)

@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_prefix.config import FOREVER
-from mlx_prefix.errors import InvalidRequest, MlxPrefixError
+from mlx_prefix.errors import InvalidRequest, MlxPrefixError, json_type
 
 from ..guards.body import read_json
 from ..guards.namespaces import caller
 from ..monitor.metrics import RequestLog
 from ..protocol.embeddings import parse_embeddings
-from ..protocol.fields import field, json_type
-from ..protocol.ollama.bodies import refuse_unknown
+from ..protocol.fields import field
 from ..protocol.ollama.options import parse_keep_alive
+from ..protocol.spec import refuse_unknown
+from ..replies.ids import new_id
 from ..replies.ollama import ns
 from ..served.embeddings import ServedEmbeddings, require
 from ..served.ollama import listed_name
@@ -47,7 +47,7 @@ EMBEDDING_STAYS = (
 @api
 async def embed(request: Request) -> Response:
     body = await read_json(request)
-    refuse_unknown(body, EMBED_FIELDS, "/api/embed")
+    refuse_unknown(body, EMBED_FIELDS, what="/api/embed")
     texts = body.get("input")
     if texts is None or texts == []:
         texts = []
@@ -74,7 +74,7 @@ async def embed(request: Request) -> Response:
 @api
 async def embeddings(request: Request) -> Response:
     body = await read_json(request)
-    refuse_unknown(body, EMBEDDINGS_FIELDS, "/api/embeddings")
+    refuse_unknown(body, EMBEDDINGS_FIELDS, what="/api/embeddings")
     prompt = field(body, "prompt", str, "")
     _, vectors, _, _ = await _vectors(request, body, [prompt] if prompt else [], None, True)
     return JSONResponse({"embedding": vectors[0] if vectors else []})
@@ -86,7 +86,7 @@ async def _vectors(
     """The served name, the vectors, the tokens embedded, and when the request began."""
     st = state(request)
     began = time.perf_counter()
-    record = RequestLog(f"embd-{uuid.uuid4().hex}", request.url.path, st.metrics,
+    record = RequestLog(new_id("embd-"), request.url.path, st.metrics,
                         caller(request).namespace_id)  # fmt: skip
     try:
         served = require(st.embeddings)

@@ -27,7 +27,8 @@ from ..guards.namespaces import Caller, caller
 from ..protocol.request import GenerationRequest
 from ..protocol.responses.bodies import ResponsesRequest, parse_responses
 from ..protocol.responses.items import reply_messages
-from ..replies.responses import OutputEvents, ResponseHead, ResponsesWriter, new_id
+from ..replies.ids import new_id
+from ..replies.responses import OutputEvents, ReplyMeta, ResponsesWriter
 from ..responses_store import ResponseNotFound, ResponseStore, StoredResponse
 from .common import api, state
 from .flow import start
@@ -36,11 +37,11 @@ from .flow import start
 @api
 async def create_response(request: Request) -> Response:
     st = state(request)
-    ids = ToolCallIds(new_id("resp"))
+    ids = ToolCallIds(new_id("resp_"))
     chain = _Chain(st.responses, ids)
     call = await start(request, ids, parse_responses, chain.into)
     parsed = call.parsed
-    head = ResponseHead(
+    head = ReplyMeta(
         id=call.request_id,
         model=call.served.id,
         instructions=parsed.instructions,

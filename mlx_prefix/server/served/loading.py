@@ -185,10 +185,10 @@ class EngineSwapper:
 
 
 def drop_weights(model: Any) -> None:
-    """Drop a LoadedModel's weights in place (models/arrays.drop_parameters) and its
+    """Drop a LoadedModel's weights in place (arrays.drop_parameters) and its
     vision part's (the tower, the images it prepared): every holder of the module (an
     engine's phases, a request still finishing) lets go of them at once."""
-    from mlx_prefix.models.arrays import drop_parameters
+    from mlx_prefix.arrays import drop_parameters
 
     vision = getattr(model, "vision", None)
     if vision is not None:
@@ -202,7 +202,7 @@ def drop_weights(model: Any) -> None:
 def weights_bytes(model: Any) -> int:
     """Bytes a LoadedModel's parameters hold (array sizes: no data is read); 0 for a
     test's fake."""
-    from mlx_prefix.models.arrays import named_arrays
+    from mlx_prefix.arrays import named_arrays
 
     module = getattr(model, "model", None)
     if module is None or not hasattr(module, "parameters"):

@@ -8,7 +8,7 @@ renders (mlx_prefix/conversation.py), plus the client's cache breakpoints
   `x-anthropic-billing-header: cc_version=...; cch=...;` is left out unless kept: some
   versions change it on every request, and rendered first it would wipe the prefix.
 - user text and `image` blocks join into one user message (each image where it stands:
-  vision/parts.py reads its base64 source); each `tool_result` becomes a `tool`
+  protocol/images.py reads its base64 source); each `tool_result` becomes a `tool`
   message answering the `tool_use` of the previous assistant message (one that answers
   nothing is a 400), its `is_error` marked as an `Error: ` prefix, its images kept (Claude
   Code's Read tool returns a screenshot as one). A `tool_reference`
@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_prefix.conversation import ImageAt, Message, Role, ToolCall
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import Breakpoint
 from mlx_prefix.vision.intake import ImageLimits
-from mlx_prefix.vision.parts import anthropic_image_block
 
-from ..fields import json_type
+from ..images import anthropic_image_block
 from ..sealed import unseal
 
 # The roles a Messages request may give (a system turn in `messages` is read as one).

@@ -36,16 +36,15 @@ from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import Breakpoint, PromptInput, SamplingParams
 from mlx_prefix.vision.intake import ImageLimits
 
-from ..fields import MISSING, field, integer, number
+from ..fields import MISSING, field, integer
 from ..formats import anthropic_output_format
-from ..request import (
-    MAX_STOP_SEQUENCES,
-    SEED_LIMIT,
-    GenerationRequest,
-    Limits,
-    cache_preference,
-    check_stop_lengths,
+from ..request import GenerationRequest, Limits, cache_preference
+from ..spec import (
+    MESSAGES_SAMPLING,
+    read_sampling,
+    refuse_format_with_tools,
     refuse_stop_with_format,
+    refuse_unknown,
 )
 from .blocks import convert
 from .thinking import keep_thinking_turns, read_thinking
@@ -78,26 +77,13 @@ def parse_messages_request(
     choice = read_tool_choice(body, tools, thinking.enable)
     sampling = SamplingParams(
         max_tokens=min(max_tokens, limits.max_tokens),
-        temperature=number(
-            body, "temperature", limits.sampling.get("temperature", 1.0), lo=0.0, hi=1.0
-        ),
-        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
-        top_k=integer(body, "top_k", limits.sampling.get("top_k", 0), lo=0, hi=None),
-        min_p=limits.sampling.get("min_p", 0.0),
-        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),  # mlx-prefix's extension
-        stop=_stop_sequences(body),
+        **read_sampling(body, MESSAGES_SAMPLING, limits.sampling),
         reasoning_budget=thinking.budget,
         response_format=anthropic_output_format(body),
     )
     offer = prompt.tools is not None
     refuse_stop_with_format(sampling, "stop_sequences")
-    if offer and sampling.response_format is not None:
-        raise InvalidRequest(
-            f"{sampling.response_format.param.rsplit('.', 1)[0]} cannot be combined with tools "
-            "here: a reply held to the format could never call one (send tool_choice "
-            "'none', or no tools)",
-            param=sampling.response_format.param.rsplit(".", 1)[0],
-        )
+    refuse_format_with_tools(sampling.response_format, offer)
     generation = GenerationRequest(
         kind="chat",
         model=model,
@@ -167,17 +153,6 @@ def _prompt(
     return prompt, tools
 
 
-def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
-    stops = field(body, "stop_sequences", list, None) or []
-    if len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stops):
-        raise InvalidRequest(
-            f"stop_sequences must be an array of at most {MAX_STOP_SEQUENCES} non-empty strings",
-            param="stop_sequences",
-        )
-    check_stop_lengths(stops, "stop_sequences")
-    return tuple(stops)
-
-
 # Every top-level field this module reads (or refuses by name); anything else is a 400.
 KNOWN_FIELDS = frozenset(
     {
@@ -193,17 +168,10 @@ _OUTPUT_CONFIG_KEYS = frozenset({"effort", "format"})
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise InvalidRequest(f"{unknown[0]}: not a Messages API field here", param=unknown[0])
+    refuse_unknown(body, KNOWN_FIELDS, what="the Messages API here")
     field(body, "metadata", dict, None)  # ignored, but it must be an object
     output = field(body, "output_config", dict, None) or {}
-    unknown = sorted(set(output) - _OUTPUT_CONFIG_KEYS)
-    if unknown:
-        raise InvalidRequest(
-            f"output_config.{unknown[0]} is not supported (effort and format are)",
-            param=f"output_config.{unknown[0]}",
-        )
+    refuse_unknown(output, _OUTPUT_CONFIG_KEYS, what="output_config", where="output_config.")
     for name in ("mcp_servers", "container"):
         if body.get(name):
             raise InvalidRequest(f"{name} is not supported", param=name)

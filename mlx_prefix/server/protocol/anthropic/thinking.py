@@ -11,21 +11,14 @@ closed at once. Effort "low" turns thinking off unless `thinking` enables it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 
-from ..fields import field, json_type
+from ..effort import Thinking
+from ..fields import field
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
-
-
-@dataclass(frozen=True)
-class Thinking:
-    enable: bool | None  # the template's enable_thinking; None: its default
-    show: bool  # the reasoning's text goes out (display "omitted": False)
-    budget: int | None  # reasoning tokens before the server closes the block; None: unbounded
 
 
 def read_thinking(body: dict[str, Any], max_tokens: int | None) -> Thinking:
@@ -39,7 +32,7 @@ def read_thinking(body: dict[str, Any], max_tokens: int | None) -> Thinking:
         )
     thinking = field(body, "thinking", dict, None)
     if thinking is None or (effort == "low" and thinking.get("type") != "enabled"):
-        return Thinking(False, True, 0) if effort == "low" else Thinking(None, True, None)
+        return Thinking(enable=False, budget=0) if effort == "low" else Thinking()
     kind = thinking.get("type")
     display = thinking.get("display", "summarized")
     if display not in ("summarized", "omitted"):
@@ -47,9 +40,9 @@ def read_thinking(body: dict[str, Any], max_tokens: int | None) -> Thinking:
             "thinking.display must be 'summarized' or 'omitted'", param="thinking.display"
         )
     if kind == "disabled":
-        return Thinking(False, True, 0)
+        return Thinking(enable=False, budget=0)
     if kind == "adaptive":
-        return Thinking(None, display != "omitted", None)
+        return Thinking(show=display != "omitted")
     if kind != "enabled":
         raise InvalidRequest(
             "thinking.type must be 'enabled', 'disabled' or 'adaptive'", param="thinking.type"
@@ -66,7 +59,7 @@ def read_thinking(body: dict[str, Any], max_tokens: int | None) -> Thinking:
             f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
             param="thinking.budget_tokens",
         )
-    return Thinking(True, display != "omitted", budget)
+    return Thinking(enable=True, budget=budget, show=display != "omitted")
 
 
 def keep_thinking_turns(body: dict[str, Any]) -> int | None:

@@ -25,18 +25,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from mlx_prefix.conversation import Conversation, ImageAt, Message, conversation_from_dicts
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.conversation import Conversation, ImageAt, Message
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import PromptInput, SamplingParams
-from mlx_prefix.vision.intake import ImageLimits, decode_base64, read_image
-from mlx_prefix.vision.parts import ImageInput
+from mlx_prefix.vision.intake import ImageInput, ImageLimits, decode_base64, read_image
 
 from ..chat import read_tools
-from ..fields import field, integer, json_type
-from ..request import GenerationRequest, Limits, cache_preference, refuse_stop_with_format
+from ..effort import Thinking
+from ..fields import field, integer
+from ..messages import conversation_from_dicts
+from ..request import GenerationRequest, Limits, cache_preference
+from ..spec import refuse_format_with_tools, refuse_stop_with_format, refuse_unknown
 from .options import (
     OptionValues,
-    Thinking,
     parse_format,
     parse_keep_alive,
     parse_options,
@@ -78,7 +79,7 @@ class OllamaRequest:
 
 
 def parse_ollama_chat(body: dict[str, Any], limits: Limits) -> OllamaRequest:
-    refuse_unknown(body, CHAT_FIELDS, "/api/chat")
+    refuse_unknown(body, CHAT_FIELDS, what="/api/chat")
     raw_messages = field(body, "messages", list, None) or []
     think = parse_think(body.get("think"))
     tools = read_tools(body)
@@ -95,7 +96,7 @@ def parse_ollama_chat(body: dict[str, Any], limits: Limits) -> OllamaRequest:
 
 
 def parse_ollama_generate(body: dict[str, Any], limits: Limits) -> OllamaRequest:
-    refuse_unknown(body, GENERATE_FIELDS, "/api/generate")
+    refuse_unknown(body, GENERATE_FIELDS, what="/api/generate")
     prompt = field(body, "prompt", str, "")
     system = field(body, "system", str, "")
     raw = bool(field(body, "raw", bool, False))
@@ -172,11 +173,7 @@ def _request(
     if top and not logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
     fmt = parse_format(body.get("format"))
-    if fmt is not None and tools:
-        raise InvalidRequest(
-            "format cannot be combined with tools: a reply held to the format could never call one",
-            param="format",
-        )
+    refuse_format_with_tools(fmt, bool(tools), tool_choice=False)
     max_tokens = options.max_tokens
     sampling = SamplingParams(
         max_tokens=min(limits.default_max_tokens, limits.max_tokens)
@@ -217,13 +214,7 @@ def _message(message: Any, param: str) -> dict[str, Any]:
     an assistant turn's reasoning."""
     if not isinstance(message, dict):
         raise InvalidRequest(f"{param} must be an object, not {json_type(message)}", param=param)
-    unknown = sorted(set(message) - MESSAGE_FIELDS)
-    if unknown:
-        raise InvalidRequest(
-            f"{param}.{unknown[0]} is not a field of Ollama's messages "
-            f"({', '.join(sorted(MESSAGE_FIELDS))})",
-            param=f"{param}.{unknown[0]}",
-        )
+    refuse_unknown(message, MESSAGE_FIELDS, what="Ollama's messages", where=f"{param}.")
     role = message.get("role")
     if isinstance(role, str):
         role = role.lower()  # Ollama lowercases roles
@@ -284,12 +275,3 @@ def _with_images(message: Message, images: Any, param: str, limits: ImageLimits)
         image = ImageInput(read_image(decode_base64(text, limits, at), limits, at))
         decoded.append(ImageAt(0, image, at))
     return replace(message, images=tuple(decoded))
-
-
-def refuse_unknown(body: dict[str, Any], known: frozenset[str], route: str) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise InvalidRequest(
-            f"'{unknown[0]}' is not a field of {route} (fields: {', '.join(sorted(known))})",
-            param=unknown[0],
-        )

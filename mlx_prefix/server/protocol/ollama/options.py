@@ -19,25 +19,21 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_prefix.config import parse_duration
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.records import ResponseFormat
 
-from ..effort import EFFORT_BUDGETS
-from ..fields import json_type
-from ..request import MAX_STOP_SEQUENCES, SEED_LIMIT, Limits, check_stop_lengths
+from ..effort import EFFORT_BUDGETS, Thinking
+from ..fields import integer, number
+from ..request import Limits
 from ..sampling_fields import MAX_REPETITION_PENALTY
+from ..spec import OPTIONS_SAMPLING, read_sampling
 
 log = logging.getLogger("mlx_prefix.server")
 
-# Ollama's api.DefaultOptions() for what a request leaves out.
-DEFAULT_TEMPERATURE = 0.8
-DEFAULT_TOP_K = 40
-DEFAULT_TOP_P = 0.9
 DEFAULT_REPEAT_LAST_N = 64
 
 # What tunes Ollama's runner (memory, threads, offload, batching, context shifting):
@@ -62,15 +58,6 @@ class OptionValues:
     ignored: tuple[str, ...] = ()  # logged at debug level
 
 
-@dataclass(frozen=True)
-class Thinking:
-    """`think` as the template's switch and a reasoning budget."""
-
-    asked: bool  # thinking was asked for (true or a level): the model must reason
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    budget: int | None = None  # reasoning tokens allowed; None: unbounded
-
-
 def parse_options(value: Any, limits: Limits) -> OptionValues:
     if value is None:
         value = {}
@@ -86,7 +73,6 @@ def parse_options(value: Any, limits: Limits) -> OptionValues:
             "options.typical_p is not supported (locally typical sampling); leave it at 1.0",
             param="options.typical_p",
         )
-    d = limits.sampling
     window = _int(opts, "repeat_last_n", DEFAULT_REPEAT_LAST_N, lo=-1)
     num_ctx = _int(opts, "num_ctx", None, lo=1)
     if window == -1:  # Ollama: the whole context
@@ -96,28 +82,16 @@ def parse_options(value: Any, limits: Limits) -> OptionValues:
     frequency = _number(opts, "frequency_penalty", 0.0, -2.0, 2.0)
     if window == 0:  # Ollama: the penalties look at nothing
         repeat, presence, frequency, window = 1.0, 0.0, 0.0, 1
-    seed = _int(opts, "seed", None, lo=None)
-    if seed is not None and seed >= SEED_LIMIT:
-        raise InvalidRequest(f"options.seed must be below {SEED_LIMIT}", param="options.seed")
     predict = _int(opts, "num_predict", None, lo=None)
     if predict is not None and predict <= 0:  # -1 (no limit), -2 (fill the context), 0
         predict = limits.max_tokens
-    sampling = {
-        "temperature": _number(
-            opts, "temperature", d.get("temperature", DEFAULT_TEMPERATURE), 0.0, 2.0
-        ),
-        "top_p": _number(opts, "top_p", d.get("top_p", DEFAULT_TOP_P), 0.0, 1.0),
-        "top_k": _int(opts, "top_k", d.get("top_k", DEFAULT_TOP_K), lo=0),
-        "min_p": _number(opts, "min_p", d.get("min_p", 0.0), 0.0, 1.0),
-        "seed": seed if seed is not None and seed >= 0 else None,
-        "stop": _stop(opts.get("stop")),
-        "repetition_penalty": repeat,
-        "repetition_context_size": window,
-        "presence_penalty": presence,
-        "presence_context_size": window,
-        "frequency_penalty": frequency,
-        "frequency_context_size": window,
-    }
+    sampling = read_sampling(opts, OPTIONS_SAMPLING, limits.sampling)
+    if sampling["seed"] is not None and sampling["seed"] < 0:  # Ollama: a random seed
+        sampling["seed"] = None
+    # One window for the three penalties, as Ollama's sampler reads repeat_last_n.
+    for name, penalty in (("repetition", repeat), ("presence", presence), ("frequency", frequency)):
+        sampling[f"{name}_penalty"] = penalty
+        sampling[f"{name}_context_size"] = window
     return OptionValues(sampling, predict, num_ctx, ignored)
 
 
@@ -151,12 +125,12 @@ def parse_think(value: Any) -> Thinking | None:
     if value is None:
         return None
     if value is False:
-        return Thinking(False, {"enable_thinking": False}, 0)
+        return Thinking(enable=False, budget=0)
     if value is True:
-        return Thinking(True, {"enable_thinking": True})
+        return Thinking(enable=True)
     if value in THINK_LEVELS:
         level = "high" if value == "max" else value
-        return Thinking(True, {"enable_thinking": True}, EFFORT_BUDGETS[level])
+        return Thinking(enable=True, budget=EFFORT_BUDGETS[level])
     raise InvalidRequest(
         'think must be true, false, "low", "medium", "high" or "max"', param="think"
     )
@@ -190,47 +164,8 @@ _HONOURED = frozenset(
 
 
 def _number(opts: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = opts.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequest(f"option {name!r} must be a number", param=f"options.{name}")
-    if not lo <= value <= hi:
-        raise InvalidRequest(
-            f"options.{name} must be between {lo:g} and {hi:g}, got {value}",
-            param=f"options.{name}",
-        )
-    return float(value)
+    return number(opts, name, default, lo=lo, hi=hi, where="options.")
 
 
 def _int(opts: dict[str, Any], name: str, default: Any, *, lo: int | None) -> Any:
-    """An integer option; an integral float counts (Ollama reads JSON numbers as floats)."""
-    value = opts.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"option {name!r} must be an integer", param=f"options.{name}")
-    if lo is not None and value < lo:
-        raise InvalidRequest(
-            f"options.{name} must be at least {lo}, got {value}", param=f"options.{name}"
-        )
-    return value
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOP_SEQUENCES
-        or not all(isinstance(s, str) for s in stops)
-    ):
-        raise InvalidRequest(
-            f"options.stop must be an array of at most {MAX_STOP_SEQUENCES} strings",
-            param="options.stop",
-        )
-    check_stop_lengths(stops, "options.stop")
-    return tuple(s for s in stops if s)
+    return integer(opts, name, default, lo=lo, hi=None, where="options.", integral_floats=True)

@@ -26,9 +26,16 @@ from ..effort import effort_bound
 from ..fields import field as read
 from ..fields import integer, number
 from ..formats import responses_text_format
-from ..request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
+from ..request import GenerationRequest, Limits, ToolChoice, cache_preference
 from ..sampling_fields import MAX_REPETITION_PENALTY
-from .items import chat_tools, input_messages, is_empty
+from ..spec import (
+    RESPONSES_SAMPLING,
+    is_empty,
+    read_sampling,
+    refuse_format_with_tools,
+    refuse_unknown,
+)
+from .items import chat_tools, input_messages
 
 LOGPROBS = "message.output_text.logprobs"
 # Asks for a field of reasoning items; this server's always carry it (their text, sealed:
@@ -112,7 +119,7 @@ class ResponsesRequest:
 
 
 def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
-    _refuse_unknown(body)
+    refuse_unknown(body, _ACCEPTED, what="the Responses API here", empty_ok=True, reasons=_REFUSED)
     _check_options(body)
     tool_choice = read(body, "tool_choice", (str, dict), "auto")
     if tool_choice not in ("auto", "none"):
@@ -125,12 +132,7 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
     tools, flat_tools = found if found is not None else (None, [])
     text_format = read(body, "text", dict, {}).get("format")
     response_format = None if is_empty(text_format) else responses_text_format(text_format)
-    if response_format is not None and tools is not None and tool_choice != "none":
-        raise InvalidRequest(
-            "text.format cannot be combined with tools: a reply held to the format could "
-            "never call one (send tool_choice: 'none', or no tools)",
-            param="text.format",
-        )
+    refuse_format_with_tools(response_format, tools is not None and tool_choice != "none")
     stream = bool(read(body, "stream", bool, False))
     if not stream and not is_empty(body.get("stream_options")):
         raise InvalidRequest("stream_options needs stream: true", param="stream_options")
@@ -143,20 +145,16 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
         )
     effort = read(body, "reasoning", dict, {}).get("effort")
     bound = effort_bound(effort, "reasoning.effort")
+    sampled = read_sampling(body, RESPONSES_SAMPLING, limits.sampling)
+    # SGLang's router sends top_k -1 (SGLang's "off", mlx_lm's 0), min_p 0 and
+    # repetition_penalty 1 (both off).
+    sampled["top_k"] = max(sampled["top_k"], 0)
     sampling = SamplingParams(
         max_tokens=max_output_tokens or min(limits.default_max_tokens, limits.max_tokens),
-        temperature=number(
-            body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
-        ),
-        top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
-        # SGLang's extensions, as chat completions reads them; the router sends top_k -1
-        # (SGLang's "off", mlx_lm's 0), min_p 0 and repetition_penalty 1 (both off).
-        top_k=max(integer(body, "top_k", limits.sampling.get("top_k", 0), lo=-1, hi=None), 0),
-        min_p=number(body, "min_p", limits.sampling.get("min_p", 0.0), lo=0.0, hi=1.0),
+        **sampled,
         repetition_penalty=number(
             body, "repetition_penalty", 0.0, lo=0.0, hi=MAX_REPETITION_PENALTY
         ),
-        seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         logprobs=LOGPROBS in _include(body),
         response_format=response_format,
         reasoning_budget=bound.budget,
@@ -192,14 +190,6 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
     )
 
 
-def _refuse_unknown(body: dict[str, Any]) -> None:
-    for name, value in body.items():
-        if name in _ACCEPTED or is_empty(value):
-            continue
-        reason = _REFUSED.get(name, "this server does not know this field")
-        raise InvalidRequest(f"'{name}' is not supported: {reason}", param=name)
-
-
 def _check_options(body: dict[str, Any]) -> None:
     """Option objects whose defaults are what this server does; anything else is refused."""
     reasoning = read(body, "reasoning", dict, {})
@@ -213,10 +203,10 @@ def _check_options(body: dict[str, Any]) -> None:
             "itself, never a summary of it",
             param=f"reasoning.{key}",
         )
-    text = read(body, "text", dict, {})
-    for key, value in text.items():
-        if key != "format" and not is_empty(value):  # format: parse_responses reads it
-            raise InvalidRequest(f"text.{key}: this option is not supported", param=f"text.{key}")
+    # text.format: parse_responses reads it
+    refuse_unknown(
+        read(body, "text", dict, {}), {"format"}, what="text", where="text.", empty_ok=True
+    )
     for name, allowed in (
         ("truncation", ("disabled",)),
         ("service_tier", ("auto", "default")),
@@ -229,11 +219,7 @@ def _check_options(body: dict[str, Any]) -> None:
                 param=name,
             )
     options = read(body, "stream_options", dict, {})
-    for key, value in options.items():
-        if not is_empty(value):
-            raise InvalidRequest(
-                f"stream_options.{key} is not supported", param=f"stream_options.{key}"
-            )
+    refuse_unknown(options, (), what="stream_options", where="stream_options.", empty_ok=True)
     if integer(body, "top_logprobs", 0, lo=0, hi=20):
         raise InvalidRequest(
             "top_logprobs is not supported: only the sampled tokens' logprobs are returned "

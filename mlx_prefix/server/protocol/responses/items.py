@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_prefix.conversation import ImageAt, Message, Role, ToolCall, decode_arguments
-from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.errors import InvalidRequest, json_type
 from mlx_prefix.vision.intake import ImageLimits
-from mlx_prefix.vision.parts import responses_image_part
 
-from ..fields import json_type
+from ..images import responses_image_part
 from ..sealed import unseal
+from ..spec import is_empty, refuse_unknown
 
 # An input message's role and the role it renders as.
 INPUT_ROLES: dict[str, Role] = {
@@ -56,7 +56,7 @@ def input_messages(
     value: Any, param: str = "input", images: ImageLimits | None = None
 ) -> list[Message]:
     """`input` (a string or an array of items) as the conversation's messages; a user
-    message's `input_image` parts decoded under `images` (vision/parts.py)."""
+    message's `input_image` parts decoded under `images` (protocol/images.py)."""
     limits = images or ImageLimits()
     if isinstance(value, str):
         return [Message("user", value)]
@@ -215,13 +215,7 @@ def _function_call_output(item: dict[str, Any], where: str) -> Message:
 
 
 def _no_other_fields(obj: dict[str, Any], where: str, known: set[str]) -> None:
-    for key, value in obj.items():
-        if key not in known and key not in _ITEM_BOOKKEEPING and not is_empty(value):
-            raise InvalidRequest(f"{where}.{key} is not supported", param=f"{where}.{key}")
-
-
-def is_empty(value: Any) -> bool:
-    return value is None or value is False or value in ("", [], {})
+    refuse_unknown(obj, known | _ITEM_BOOKKEEPING, what=where, where=f"{where}.", empty_ok=True)
 
 
 def chat_tools(value: Any) -> tuple[tuple[dict[str, Any], ...], list[dict[str, Any]]] | None:

@@ -1,4 +1,5 @@
-"""The image parts of each API family's messages, read into one record.
+"""The image parts of each API family's messages, read into one ImageInput
+(vision/intake.py).
 
 - OpenAI chat: `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (the url
   also as a bare string, as some clients send it);
@@ -11,48 +12,25 @@
 Every URL is a base64 `data:` URL, or http(s) (vision/fetch.py: refused by default).
 `detail` is honoured: "low" fits the image in 512 x 512 before the model's own
 preprocessing (OpenAI's low-resolution mode: fewer tokens), "high" and "auto" leave it
-to the model's processor; it is part of the image's cache key.
+to the model's processor (vision/family.py); it is part of the image's cache key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.vision.fetch import fetch_image
 from mlx_prefix.vision.intake import (
-    EncodedImage,
+    DETAILS,
+    Detail,
+    ImageInput,
     ImageLimits,
     decode_base64,
     decode_data_url,
     media_format,
     read_image,
 )
-
-Detail = Literal["auto", "low", "high"]
-DETAILS: tuple[Detail, ...] = ("auto", "low", "high")
-LOW_DETAIL_SIDE = 512
-
-
-@dataclass(frozen=True, eq=False)
-class ImageInput:
-    """One image of a message, as the model will be given it (its header read and
-    checked; decoded once every image of the request passed: vision/intake.py)."""
-
-    image: EncodedImage
-    detail: Detail = "auto"
-
-    @property
-    def identity(self) -> str:
-        """What makes two inputs the same image for the model (the cache key's source)."""
-        return f"{self.image.digest};detail={'low' if self.detail == 'low' else 'auto'}"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ImageInput) and other.identity == self.identity
-
-    def __hash__(self) -> int:
-        return hash(self.identity)
 
 
 def image_from_url(
@@ -124,16 +102,6 @@ def anthropic_image_block(block: dict[str, Any], limits: ImageLimits, param: str
     raise InvalidRequest(
         f"{where}.type must be 'base64' or 'url', not {kind!r}", param=f"{where}.type"
     )
-
-
-def low_detail(picture: Any) -> Any:
-    """A PIL picture fitted in LOW_DETAIL_SIDE x LOW_DETAIL_SIDE (aspect kept; never
-    enlarged), as a copy."""
-    from PIL import Image
-
-    pixels = picture.copy()
-    pixels.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE), Image.Resampling.BICUBIC)
-    return pixels
 
 
 def _detail(value: Any, param: str) -> Detail:
