@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import ScriptedSampler, chat, run
+from engine_helpers import ScriptedSampler, chat, collect, run, submit_together
 from server_fakes import serving
 
 from mlx_prefix.cli import build_parser
@@ -274,3 +274,64 @@ def test_the_flag_its_variable_and_the_body_field(monkeypatch):
         ok = httpx.post(url + "/v1/chat/completions", json=body | {"prompt_lookup": 3})
         assert ok.status_code == 200, ok.text
         assert fake.submissions[-1].sampling.prompt_lookup == 3
+
+
+@pytest.fixture
+def verified_rows(monkeypatch) -> list[list[int]]:
+    """Each several-row verify step's draft lengths, one per row."""
+    seen: list[list[int]] = []
+    verify_rows = lookup.verify_rows
+
+    def spy(batch, drafts, accept, stats):
+        seen.append([len(d) for d in drafts])
+        return verify_rows(batch, drafts, accept, stats)
+
+    monkeypatch.setattr(lookup, "verify_rows", spy)
+    return seen
+
+
+def _together(engine: Engine, samplings: Sequence[SamplingParams]) -> list[Any]:
+    handles = submit_together(engine, [PROMPT] * len(samplings), samplings)
+    return [collect(h) for h in handles]
+
+
+def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows):
+    # A whole copy, a copy cut after three lines, and a reply whose drafts are all wrong:
+    # rows of different lengths in one verify, each cut where its own reply goes.
+    lines = FILE.split("\n")
+    a, b = 1000, 1001
+    scripts = {
+        7: _tokens(FILE),
+        8: _tokens("\n".join(lines[:3]) + "\nNothing else happened there, ever."),
+        9: [t for i in range(16) for t in (a, b, 2000 + i)],
+    }
+    with scripted(scripts) as engine:
+        plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
+        together = _together(engine, [_sampling(LOOKUP, seed=s) for s in scripts])
+        assert engine.peak_batch == 3
+    for looked, alone in zip(together, plain, strict=True):
+        _same(looked, alone)
+    assert together[0].text == FILE
+    # Several rows drafted in one forward, beside rows without a draft.
+    assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)
+    assert any(0 in row and any(row) for row in verified_rows)
+    stats = engine.lookup
+    assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_requests_decoding_together_reply_as_plain_decoding_alone(temperature, verified_rows):
+    model = loaded_test_model("dense")
+    samplings = [
+        SamplingParams(max_tokens=40, temperature=temperature, seed=s, logprobs=True)
+        for s in (3, 4, 5)
+    ]
+    with _engine(model, PLAIN, deterministic=True) as engine:
+        plain = [run(engine, PROMPT, sampling=s) for s in samplings]
+    with _engine(model, LOOKUP, deterministic=True) as engine:
+        together = _together(engine, samplings)
+        assert engine.peak_batch == 3
+    for looked, alone in zip(together, plain, strict=True):
+        _same(looked, alone)
+    if temperature == 0:  # the random model's greedy replies repeat themselves
+        assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)

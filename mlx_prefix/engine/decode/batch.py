@@ -120,6 +120,7 @@ class DecodeBatch:
         self._lengths: list[int] = []  # tokens in each row's cache
         self._deltas: list[int] = []  # each row's rotary shift (images in its prompt)
         self._launched: _Step | None = None  # a step computing, not read yet (`step`)
+        self._verifying = 0  # positions of a verify not settled yet (`verify_rows`)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -289,16 +290,29 @@ class DecodeBatch:
         """The only row's input and the L-1 tokens after it, computed in one forward
         like L decode steps (engine/decode/speculative.py): logits [L, V]. The cache then holds
         all L; `settle` says which stay."""
-        assert len(self.members) == 1 and self._launched is None
-        assert tokens[0] == self._inputs[0]
+        assert len(self.members) == 1
+        return self.verify_rows([tokens])[0]
+
+    def verify_rows(self, rows: Sequence[Sequence[int]]) -> mx.array:
+        """Each row's input and the tokens drafted after it (one per member, in order;
+        an input alone is a row too), computed in one forward [B, L] like decode steps:
+        logits [B, L, V], L the longest row. A shorter row is padded at its end with
+        its last token: causal attention keeps its own positions from the padding's,
+        which `settle_rows` drops. The cache then holds L more positions of every row.
+        With `rows` (--deterministic) each position computes as the decode step at it
+        would, alone (engine/forward/rowwise.py `verify`)."""
+        assert len(rows) == len(self.members) and self._launched is None
+        assert all(row[0] == token for row, token in zip(rows, self._inputs, strict=True))
         self.join()
-        length = self._lengths[0] + len(tokens)
+        width = max(len(row) for row in rows)
+        self._verifying = width
+        inputs = mx.array([[*row, *[row[-1]] * (width - len(row))] for row in rows])
+        lengths = [n + width for n in self._lengths]
         with (
-            batched(self.rows or 1, [length], verify=True),
+            batched(self.rows or 1, lengths, verify=True),
             positions(decode_positions(self._deltas)),
         ):
-            logits = self.model(mx.array(tuple(tokens))[None], cache=self.cache)[0]  # [L, V]
-        return logits
+            return self.model(inputs, cache=self.cache)  # [B, L, V]
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:
         """After `verify`: drop its last `rejected` positions; the row then holds
@@ -308,6 +322,26 @@ class DecodeBatch:
                 c.trim(rejected)
         self._lengths = [length]
         self._inputs = [next_input]
+        self._verifying = 0
+
+    def settle_rows(self, kept: Sequence[int], next_inputs: Sequence[int]) -> None:
+        """After `verify_rows`, for the members still in the batch (in order): each keeps
+        the first `kept[i]` of the verify's positions and goes on with `next_inputs[i]`.
+        Positions past the most any row keeps are trimmed; a row that kept fewer moves
+        its keys right by the difference, its left padding grown to match (mlx-lm's
+        BatchKVCache right padding, `finalize`), so the rows stay left-padded."""
+        width, self._verifying = self._verifying, 0
+        assert len(kept) == len(self.members) == len(next_inputs) and width
+        most = max(kept)
+        shifts = [most - n for n in kept]
+        for c in self.cache:
+            if width > most:
+                c.trim(width - most)
+            if any(shifts):
+                c.prepare(right_padding=shifts)
+                c.finalize()
+        self._lengths = [n + k for n, k in zip(self._lengths, kept, strict=True)]
+        self._inputs = list(next_inputs)
 
     def nbytes(self) -> int:
         joining = sum(cache_nbytes(c) for c in self._joining)
