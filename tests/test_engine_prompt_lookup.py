@@ -26,6 +26,7 @@ from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.decode.speculative import DraftMismatch
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.forward import rowwise
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams
 
@@ -65,7 +66,7 @@ def scripted(scripts: Mapping[int, Sequence[int]], **config: Any) -> Iterator[En
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode, "TokenSampler", sampler)
-        engine = Engine(model, TEST_CACHE, EngineConfig(deterministic=True, **config))
+        engine = Engine(model, TEST_CACHE, EngineConfig(**({"deterministic": True} | config)))
         try:
             yield engine
         finally:
@@ -295,7 +296,8 @@ def _together(engine: Engine, samplings: Sequence[SamplingParams]) -> list[Any]:
     return [collect(h) for h in handles]
 
 
-def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows, deterministic):
     # A whole copy, a copy cut after three lines, and a reply whose drafts are all wrong:
     # rows of different lengths in one verify, each cut where its own reply goes.
     lines = FILE.split("\n")
@@ -305,12 +307,16 @@ def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows):
         8: _tokens("\n".join(lines[:3]) + "\nNothing else happened there, ever."),
         9: [t for i in range(16) for t in (a, b, 2000 + i)],
     }
-    with scripted(scripts) as engine:
+    with scripted(scripts, deterministic=deterministic) as engine:
         plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
         together = _together(engine, [_sampling(LOOKUP, seed=s) for s in scripts])
         assert engine.peak_batch == 3
     for looked, alone in zip(together, plain, strict=True):
-        _same(looked, alone)
+        if deterministic:
+            _same(looked, alone)
+        else:  # the script draws the tokens; the numbers are batching's
+            assert (looked.tokens, looked.text) == (alone.tokens, alone.text)
+            assert looked.logprobs == pytest.approx(alone.logprobs, abs=1e-3)
     assert together[0].text == FILE
     # Several rows drafted in one forward, beside rows without a draft.
     assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)
@@ -335,3 +341,28 @@ def test_requests_decoding_together_reply_as_plain_decoding_alone(temperature, v
         _same(looked, alone)
     if temperature == 0:  # the random model's greedy replies repeat themselves
         assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)
+
+
+def test_by_default_a_verify_is_the_models_own_forward(monkeypatch):
+    # Not --deterministic: the k+1 positions in one plain forward, as a batched step
+    # computes (last bits may move); --deterministic keeps the exact per-position verify.
+    calls = []
+    per_position = rowwise._verify_sdpa
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return per_position(*args, **kwargs)
+
+    monkeypatch.setattr(rowwise, "_verify_sdpa", counting)
+    for deterministic in (False, True):
+        calls.clear()
+        with scripted({7: _tokens(FILE)}, deterministic=deterministic) as engine:
+            plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+            looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
+            accepted = engine.lookup.accepted
+        # The script draws the tokens: the same whatever the last bits.
+        assert (looked.tokens, looked.text) == (plain.tokens, plain.text) and accepted > 0
+        assert looked.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
+        assert bool(calls) == deterministic
+        if deterministic:
+            assert looked.logprobs == plain.logprobs

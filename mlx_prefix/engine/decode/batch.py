@@ -104,8 +104,12 @@ class DecodeBatch:
         rows: int | None = None,
         agree: Callable[[mx.array], mx.array] | None = None,
         kv: KvQuant | None = None,
+        exact_verify: bool = True,
     ):
         self.model = model
+        # A verify forward computes each position alone (`verify_rows`) even without
+        # `rows`: --draft-model's replies are the target's own, bit for bit.
+        self.exact_verify = exact_verify
         self.rows = rows  # rows one matmul may hold and still compute each like alone
         self.agree = agree  # sharded: every rank goes on with rank 0's tokens (sharded/group.py)
         self.kv = kv
@@ -299,20 +303,25 @@ class DecodeBatch:
         logits [B, L, V], L the longest row. A shorter row is padded at its end with
         its last token: causal attention keeps its own positions from the padding's,
         which `settle_rows` drops. The cache then holds L more positions of every row.
-        With `rows` (--deterministic) each position computes as the decode step at it
-        would, alone (engine/forward/rowwise.py `verify`)."""
+
+        With `rows` (--deterministic), or `exact_verify` (--draft-model), each position
+        computes as the decode step at it would, alone, bit for bit
+        (engine/forward/rowwise.py `verify`). Otherwise (prompt lookup by default) the
+        forward is the model's own, as a batched decode step is: a position's numbers
+        may differ from its decode step's in the last bits (the matmul holds more
+        rows), the same kind of difference batching already allows."""
         assert len(rows) == len(self.members) and self._launched is None
         assert all(row[0] == token for row, token in zip(rows, self._inputs, strict=True))
         self.join()
         width = max(len(row) for row in rows)
         self._verifying = width
         inputs = mx.array([[*row, *[row[-1]] * (width - len(row))] for row in rows])
-        lengths = [n + width for n in self._lengths]
-        with (
-            batched(self.rows or 1, lengths, verify=True),
-            positions(decode_positions(self._deltas)),
-        ):
-            return self.model(inputs, cache=self.cache)  # [B, L, V]
+        with positions(decode_positions(self._deltas)):
+            if self.rows is None and not self.exact_verify:
+                return self.model(inputs, cache=self.cache)  # [B, L, V]
+            lengths = [n + width for n in self._lengths]
+            with batched(self.rows or 1, lengths, verify=True):
+                return self.model(inputs, cache=self.cache)
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:
         """After `verify`: drop its last `rejected` positions; the row then holds

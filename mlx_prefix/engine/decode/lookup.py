@@ -32,7 +32,6 @@ from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.speculative import MAX_DRAFT_TOKENS, verify_matches
 from mlx_prefix.engine.decode.verify import Accept, SpeculationStats, verify_step
 from mlx_prefix.engine.decode.verify_rows import rows_verifiable, verify_rows
-from mlx_prefix.engine.forward import rowwise
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import SamplingParams
@@ -126,12 +125,13 @@ class PromptLookup:
 
     def check(self, model: LoadedModel, rows: int | None) -> bool:
         """Whether a verify forward gives plain decoding's numbers on this model here
-        (checked once, on the engine thread: engine/decode/speculative.py's startup check;
-        it installs the batch-invariant layers, which compute as before outside a verify)."""
+        (--deterministic, `rows` set: checked once, on the engine thread, by
+        engine/decode/speculative.py's startup check). By default the verify is the
+        model's own forward, whose last bits may differ as a batched step's do."""
+        if rows is None:
+            return True
         if self.exact is None:
-            if rows is None:
-                rowwise.install(model.model)
-            self.exact = verify_matches(model.model, rows or 1, model.tokenizer.vocab_size)
+            self.exact = verify_matches(model.model, rows, model.tokenizer.vocab_size)
             if not self.exact:
                 log.warning("a verify forward changes this model's numbers here: no prompt lookup")
         return self.exact

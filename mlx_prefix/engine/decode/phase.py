@@ -84,11 +84,11 @@ class DecodePhase:
         # Decode rows one matmul may hold (engine/forward/rowwise.py); None: all, until
         # the engine's calibration says more (`set_rows`).
         self.rows: int | None = None
-        self.batch = DecodeBatch(model.model, None, agree_tokens, kv)
         # With --draft-model: a request decoding alone speculates (engine/decode/speculative.py).
         self.speculator = speculator
         # Prompt lookup: each request drafts from its own sequence (lookup.py).
         self.lookup = lookup
+        self.batch = self._new_batch()
         self.reasoning = reasoning  # the model's think markers, for reasoning budgets
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
@@ -104,6 +104,14 @@ class DecodePhase:
     def __len__(self) -> int:
         return len(self.batch)
 
+    def _new_batch(self) -> DecodeBatch:
+        # Prompt lookup's verify is the model's own forward unless --deterministic
+        # (DecodeBatch.verify_rows); a draft model's is exact.
+        return DecodeBatch(
+            self.model.model, self.rows, self.agree_tokens, self.kv,
+            exact_verify=self.lookup is None,
+        )  # fmt: skip
+
     def running(self) -> list[Running]:
         return list(self.batch.members)
 
@@ -112,7 +120,7 @@ class DecodePhase:
         every row); before any request runs."""
         assert not len(self.batch)
         self.rows = rows
-        self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens, self.kv)
+        self.batch = self._new_batch()
 
     def admit(self, arrivals: Sequence[Arrival]) -> None:
         """Requests whose prompt is computed join the batch: each samples its first
@@ -274,7 +282,7 @@ class DecodePhase:
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
         jobs = [r.job for r in self.batch.members]
-        self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens, self.kv)
+        self.batch = self._new_batch()
         self.store.drop_active(self._bytes_key)
         if self.speculator is not None:
             self.speculator.clear()
