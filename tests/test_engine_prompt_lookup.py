@@ -7,7 +7,9 @@ the logprobs each row reports are the model's own."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 from conftest import TEST_CACHE, loaded_test_model
 from engine_helpers import ScriptedSampler, chat, collect, run, submit_together
 from server_fakes import serving
+from test_engine_structured import AS_PERSON, check_person
 
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.args import engine_config
@@ -42,7 +45,8 @@ FILE = "\n".join(
         "Gulls nested on every chimney of the customs house.",
     ]
 )
-PROMPT = chat(("user", f"Repeat this file exactly:\n{FILE}"))
+PROMPT_TEXT = f"Repeat this file exactly:\n{FILE}"
+PROMPT = chat(("user", PROMPT_TEXT))
 LOOKUP, PLAIN = 8, 0  # a request's prompt_lookup
 
 
@@ -366,3 +370,52 @@ def test_by_default_a_verify_is_the_models_own_forward(monkeypatch):
         assert bool(calls) == deterministic
         if deterministic:
             assert looked.logprobs == plain.logprobs
+
+
+EXAMPLE = '{"name": "Ann", "age": 40, "tags": ["red", "blue"], "member": true}'
+TOOL_CALL = json.dumps(
+    {"name": "edit", "arguments": {"path": "harbour.txt", "old_string": FILE, "new_string": ""}}
+)
+
+
+def test_a_tool_call_and_a_schema_reply_verify_together_as_plain_decoding(verified_rows):
+    # One request's reply is an edit tool call repeating the file (scripted); the other
+    # is held to a JSON schema by its constraint while it drafts from a JSON example in
+    # its prompt: a constrained row's drafts are drawn through its mask, in order.
+    edit = chat(("system", "Tools: edit(path, old_string, new_string)."), ("user", PROMPT_TEXT))
+    person = chat(("system", f"People are JSON objects like {EXAMPLE} " * 3), ("user", "Ann?"))
+    schema = SamplingParams(
+        max_tokens=80, temperature=1.0, seed=5, logprobs=True, response_format=AS_PERSON
+    )
+    tool = _sampling(PLAIN)
+    with scripted({7: _tokens(f"<tool_call>\n{TOOL_CALL}\n</tool_call>")}) as engine:
+        plain = [run(engine, p, sampling=s) for p, s in ((edit, tool), (person, schema))]
+        looked_up = [replace(s, prompt_lookup=LOOKUP) for s in (tool, schema)]
+        together = [collect(h) for h in submit_together(engine, [edit, person], looked_up)]
+    for looked, alone in zip(together, plain, strict=True):
+        _same(looked, alone)
+    assert json.loads(together[0].text.split("\n")[1]) == json.loads(TOOL_CALL)
+    check_person(together[1].text)
+    assert any(len(row) == 2 and row[1] > 0 for row in verified_rows)  # the schema drafted
+    assert engine.lookup.accepted > 0
+
+
+def test_a_request_cancelled_during_a_verify_of_several_leaves_the_others_exact(monkeypatch):
+    verify_rows = DecodeBatch.verify_rows
+
+    def cancelling(self, rows):
+        logits = verify_rows(self, rows)
+        for member in self.members:
+            if isinstance(member, Running) and member.job.sampling.seed == 8:
+                member.job.handle.cancel()  # as a client's disconnect, mid-verify
+        return logits
+
+    scripts = {7: _tokens(FILE), 8: _tokens(FILE.replace("grey", "red"))}
+    with scripted(scripts) as engine:
+        plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
+        monkeypatch.setattr(DecodeBatch, "verify_rows", cancelling)
+        kept, cancelled = _together(engine, [_sampling(LOOKUP, seed=s) for s in scripts])
+        assert engine.peak_batch == 2
+    assert cancelled.finish_reason == "cancelled"
+    assert cancelled.tokens == plain[1].tokens[: len(cancelled.tokens)]
+    _same(kept, plain[0])
