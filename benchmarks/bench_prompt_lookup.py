@@ -87,6 +87,7 @@ def ours(engine: Engine, name: str, streams: int, k: int, max_tokens: int) -> tu
     """One run of `streams` requests decoding together: (summed tok/s, replies, drafted,
     accepted)."""
     before = engine.lookup
+    assert before is not None, "the engine has prompt lookup"
     drafted0, accepted0 = before.drafted, before.accepted
     out: list = [None] * streams
 
@@ -103,6 +104,7 @@ def ours(engine: Engine, name: str, streams: int, k: int, max_tokens: int) -> tu
     for t in threads:
         t.join()
     stats = engine.lookup
+    assert stats is not None
     tps = sum(usage.decode_tokens_per_s for _, _, usage in out)
     replies = [(tokens, logprobs) for tokens, logprobs, _ in out]
     return tps, replies, stats.drafted - drafted0, stats.accepted - accepted0
@@ -142,9 +144,20 @@ def main() -> None:
     p.add_argument("--workloads", nargs="+", default=["edit", "rewrite", "chat"])
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--no-peers", action="store_true", help="mlx-prefix alone")
+    p.add_argument("--peers-only", action="store_true", help="the peers alone")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "prompt_lookup.json")
     args = p.parse_args()
     model_path = ensure_default_model()
+    rows: list[Row] = []
+    if not args.peers_only:
+        rows += measure_ours(model_path, args)
+    left_out: dict[str, str] = {}
+    if not args.no_peers:
+        rows += peers(model_path, args, left_out)
+    report(rows, args, left_out)
+
+
+def measure_ours(model_path: Path, args) -> list[Row]:
     model = load_model(str(model_path))
     config = EngineConfig(deterministic=args.deterministic, prefetch_next_turn=False)
     engine = Engine(model, CacheConfig(), config)
@@ -187,9 +200,10 @@ def main() -> None:
                     )
     finally:
         engine.shutdown()
-    left_out: dict[str, str] = {}
-    if not args.no_peers:
-        rows += peers(model_path, args, left_out)
+    return rows
+
+
+def report(rows: list[Row], args, left_out: dict[str, str]) -> None:
     base = {
         (r.workload, r.streams): r.decode_tps
         for r in rows
