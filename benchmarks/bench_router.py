@@ -27,7 +27,7 @@ import platform
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,13 @@ RECIPE = (
 # left to the tree (the default thresholds, 64 requests apart, never trip on a Mac).
 CACHE_AWARE = ("--policy", "cache_aware", "--cache-threshold", "0.5")
 ROUND_ROBIN = ("--policy", "round_robin")
+# name: (router arguments, whether the client sends the routing key). Not here:
+# consistent_hashing, which the 0.3.2 launcher refuses (docs/several-macs.md).
+CONFIGS = {
+    "recipe": (RECIPE, True),
+    "cache_aware": (CACHE_AWARE, False),
+    "round_robin": (ROUND_ROBIN, False),
+}
 WORDS = (
     "river stone cloud maple copper lantern harbor meadow pixel quartz saddle timber "
     "violet walnut yonder zephyr anchor bramble cinder dune ember fjord glacier hollow"
@@ -164,6 +171,7 @@ class Result:
     sessions_per_replica: list[int]
     max_session_share: float  # the busiest replica's sessions / all sessions
     errors: int
+    run: int = 1  # which of --runs (the router started afresh each time)
     turns: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -231,6 +239,8 @@ def main() -> None:
     p.add_argument("--shared-head", type=int, default=600, help="words every system prompt shares")
     p.add_argument("--distinct-heads", action="store_true", help="no shared system prompt")
     p.add_argument("--failover", action="store_true", help="kill a replica mid-trace")
+    p.add_argument("--configs", default="recipe,cache_aware,round_robin", help=", ".join(CONFIGS))
+    p.add_argument("--runs", type=int, default=1, help="traces per config and mode")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "router.json")
     args = p.parse_args()
     heads = 0 if args.distinct_heads else args.shared_head
@@ -251,18 +261,17 @@ def main() -> None:
             single = replicas[:1]  # after --failover: the replica that came back
             flush(single)
             ref = asyncio.run(run_trace(single[0].url, sessions, mode, False, range(TURNS)))
-            configs = [("recipe", RECIPE, True), ("cache_aware", CACHE_AWARE, False)]
-            configs.append(("round_robin", ROUND_ROBIN, False))
-            for name, router_args, keyed in configs:
-                log = work / "logs" / f"router-{name}-{mode}.log"
-
+            runs = [(name, run) for name in args.configs.split(",") for run in range(args.runs)]
+            for name, run in runs:
+                router_args, keyed = CONFIGS[name]
+                log = work / "logs" / f"router-{name}-{mode}-{run + 1}.log"
                 got = through_router(
                     replicas, router_args, log, partial(traced, replicas, sessions, mode, keyed)
                 )
-                results.append(score(name, mode, got, ref, REPLICAS))
+                results.append(replace(score(name, mode, got, ref, REPLICAS), run=run + 1))
                 r = results[-1]
                 print(
-                    f"{mode:10s} {name:12s} reuse/single {r.reuse_vs_single:.3f} worst "
+                    f"{mode:10s} {name:18s} run {r.run} reuse/single {r.reuse_vs_single:.3f} worst "
                     f"{r.worst_turn_vs_single:.2f} below-0.95 {r.turns_below_95}/{r.later_turns}"
                     f" sessions/replica {r.sessions_per_replica} errors {r.errors}",
                     flush=True,
@@ -289,19 +298,20 @@ def main() -> None:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"# {report['replicas']} replicas behind sglang-router {report['sglang_router']}",
+        f"## {report['replicas']} replicas behind sglang-router {report['sglang_router']} "
+        "(issue 56)",
         "",
         f"{report['sessions']} sessions x {report['turns']} turns; system prompts share "
         f"{report['shared_head_words']} words. Reuse: cached tokens of turns 2+ / a single "
         "server's on the same trace.",
         "",
-        "| mode | router | reuse / single | worst turn | turns < 0.95 of single | "
+        "| mode | router | run | reuse / single | worst turn | turns < 0.95 of single | "
         "turns >= 0.9 of previous prompt (single) | sessions per replica | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         lines.append(
-            f"| {r['mode']} | {r['config']} | {r['reuse_vs_single']:.3f} | "
+            f"| {r['mode']} | {r['config']} | {r.get('run', 1)} | {r['reuse_vs_single']:.3f} | "
             f"{r['worst_turn_vs_single']:.2f} | {r['turns_below_95']}/{r['later_turns']} | "
             f"{r['warm_turns']} ({r['single_warm_turns']}) | "
             f"{'/'.join(map(str, r['sessions_per_replica']))} | {r['errors']} |"

@@ -210,14 +210,6 @@ def test_a_request_cancelled_during_a_verify_ends_and_the_next_reply_is_exact(mo
         _same(run(engine, PROMPT, sampling=_sampling(LOOKUP)), plain)
 
 
-def test_a_hybrid_model_and_a_batch_decode_plainly():
-    hybrid = loaded_test_model("qwen3_5")
-    sampling = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True)
-    with _engine(hybrid, LOOKUP) as on, _engine(hybrid, PLAIN) as off:
-        _same(run(on, PROMPT, sampling=sampling), run(off, PROMPT, sampling=sampling))
-        assert on.lookup.steps == 0  # its recurrent state cannot take a draft back (yet)
-
-
 def test_the_index_proposes_the_latest_match_longest_first_and_runs_on_loops():
     index = lookup.NgramIndex()
     index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])

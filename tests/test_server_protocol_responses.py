@@ -183,3 +183,34 @@ def test_a_chain_s_shared_history_is_counted_once():
         history = (*history, Message("assistant", f"reply {turn}"), Message("user", "more"))
         store.put("", f"r{turn}", StoredResponse({"id": f"r{turn}"}, history))
     assert len(store) == 8 and size < store.nbytes < size + 20_000
+
+
+# What sglang-router 0.3.2 writes into every Responses body it forwards (its
+# ResponsesRequest's defaults, src/protocols/responses.rs): SGLang's priority and sampling
+# extensions at "none"/"off", temperature and top_p at OpenAI's defaults, store on.
+ROUTER_FILLED = {"priority": 0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                 "temperature": 1.0, "top_p": 1.0, "store": True, "stream": None}  # fmt: skip
+
+
+def test_the_fields_sglangs_router_adds_are_honoured():
+    req = parse_responses({"model": "m", "input": "Hi", **ROUTER_FILLED}, LIMITS)
+    s = req.sampling
+    assert (s.top_k, s.min_p, s.repetition_penalty, s.temperature) == (0, 0.0, 1.0, 1.0)
+    set_ = parse_responses(
+        {"input": "Hi", "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2}, LIMITS
+    ).sampling
+    assert (set_.top_k, set_.min_p, set_.repetition_penalty) == (5, 0.1, 1.2)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"priority": 1}, "priority"), ({"priority": -3}, "priority"),
+     ({"priority": "high"}, "priority"), ({"top_k": -2}, "top_k"),
+     ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": -1}, "repetition_penalty")],
+)  # fmt: skip
+def test_a_priority_or_an_sglang_field_out_of_range_is_refused(body, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse_responses({"input": "Hi", **body}, LIMITS)
+    assert e.value.param == param
+    if param == "priority":
+        assert "not scheduled by priority" in str(e.value) or "integer" in str(e.value)

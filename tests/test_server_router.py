@@ -1,7 +1,8 @@
 """SGLang's router (the real binary, sglang-router 0.3.2 from PyPI, as `make test-deps`
 installs it) in front of two mlx-prefix replicas of a tiny model: it registers them
 through the worker routes (server/routes/worker.py) with the key it was given, and a
-session's second turn lands on the replica that served its first and hits its cache.
+session's second turn lands on the replica that served its first and hits its cache, over
+chat completions and over Responses (whose body the router rewrites).
 Skips saying why where the router is not installed."""
 
 from __future__ import annotations
@@ -110,3 +111,42 @@ def test_a_sessions_second_turn_lands_where_its_first_did_and_hits_its_cache(
     cold = chat(other, messages, AUTH)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] < first["usage"]["prompt_tokens"]
     assert cold["choices"][0]["message"] == second["choices"][0]["message"]
+
+
+def test_responses_pass_the_router_and_a_chained_turn_hits_its_replicas_cache(replicas, tmp_path):
+    # The router rewrites a Responses body, adding SGLang's `priority: 0`, `top_k: -1`,
+    # `min_p: 0.0`, `repetition_penalty: 1.0` (and temperature/top_p 1.0 when unset): the
+    # server honours them; a priority it cannot honour is refused, through the router too.
+    router = Router(replicas, (*RECIPE, "--api-key", KEY), log_path=tmp_path / "router.log")
+    router.start(timeout_s=300)
+    headers = {**AUTH, ROUTING_KEY: "session-responses"}
+    body = {"model": "tiny-dense", "max_output_tokens": 6, "temperature": 0.0}
+    instructions = "You are the Responses test's assistant. " + "Keep answers short. " * 40
+    try:
+        url = f"{router.url}/v1/responses"
+        first = httpx.post(
+            url,
+            json={**body, "instructions": instructions, "input": "Name three rivers."},
+            headers=headers,
+            timeout=300,
+        )
+        assert first.status_code == 200, first.text
+        second = httpx.post(
+            url,
+            json={**body, "instructions": instructions, "input": "And three mountains?",
+                  "previous_response_id": first.json()["id"]},
+            headers=headers,
+            timeout=300,
+        )  # fmt: skip
+        assert second.status_code == 200, second.text
+        refused = httpx.post(
+            url, json={**body, "input": "Hi", "priority": 5}, headers=headers, timeout=300
+        )
+    finally:
+        router.stop()
+    # The chained turn found the first on its replica (the store is per replica) and
+    # restored the whole first turn from its cache.
+    usage = second.json()["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] >= first.json()["usage"]["input_tokens"]
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "priority"

@@ -120,7 +120,9 @@ class Engine:
         speculator = Speculator(draft, self.config.num_draft_tokens) if draft else None
         lookup = None  # a draft model drafts instead; a sharded group's ranks would differ
         if draft is None and self.turns.agree_tokens is None:
-            why = None if trimmable else "its cache cannot trim a rejected draft"
+            # Recurrent and sliding-window layers take a rejected draft back too
+            # (cache/layers/rewind.py); quantized KV is not shown exact under a verify.
+            why = None if self.kv_quant is None else "quantized KV (--kv-bits)"
             lookup = PromptLookup(self.config.prompt_lookup, unusable=why)
         self.prefetch = PrefetchStats()
         board = ActivityBoard(1)

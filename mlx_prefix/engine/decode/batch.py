@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.cache.layers import kind_of
+from mlx_prefix.cache.layers.rewind import Held, hold, trims_back
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.engine.decode.sampling import (
     TokenSampler,
@@ -125,6 +126,9 @@ class DecodeBatch:
         self._deltas: list[int] = []  # each row's rotary shift (images in its prompt)
         self._launched: _Step | None = None  # a step computing, not read yet (`step`)
         self._verifying = 0  # positions of a verify not settled yet (`verify_rows`)
+        # A cache that cannot trim a rejected draft (recurrent layers), held before
+        # the verify, and the verify's tokens (`settle` computes the kept ones again).
+        self._verified: tuple[Held, Sequence[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -175,6 +179,7 @@ class DecodeBatch:
         if not keep:
             self.cache, self.members, self._samplers, self._inputs = [], [], [], []
             self._lengths, self._deltas, self._launched = [], [], None
+            self._verified = None  # a request that ended inside its verify
             return
         if self._launched is not None:  # its rows are the first ones (`in_flight`)
             launched = [i for i in keep if i < len(self._launched.members)]
@@ -294,8 +299,11 @@ class DecodeBatch:
         """The only row's input and the L-1 tokens after it, computed in one forward
         like L decode steps (engine/decode/speculative.py): logits [L, V]. The cache then holds
         all L; `settle` says which stay."""
-        assert len(self.members) == 1
-        return self.verify_rows([tokens])[0]
+        assert len(self.members) == 1 and self._launched is None
+        assert tokens[0] == self._inputs[0]
+        self.join()
+        self._verified = None if trims_back(self.cache) else (hold(self.cache), tuple(tokens))
+        return self._verify_forward([tokens])[0]
 
     def verify_rows(self, rows: Sequence[Sequence[int]]) -> mx.array:
         """Each row's input and the tokens drafted after it (one per member, in order;
@@ -313,6 +321,10 @@ class DecodeBatch:
         assert len(rows) == len(self.members) and self._launched is None
         assert all(row[0] == token for row, token in zip(rows, self._inputs, strict=True))
         self.join()
+        self._verified = None  # several rows: only over caches that trim (verify_rows.py)
+        return self._verify_forward(rows)
+
+    def _verify_forward(self, rows: Sequence[Sequence[int]]) -> mx.array:
         width = max(len(row) for row in rows)
         self._verifying = width
         inputs = mx.array([[*row, *[row[-1]] * (width - len(row))] for row in rows])
@@ -325,8 +337,15 @@ class DecodeBatch:
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:
         """After `verify`: drop its last `rejected` positions; the row then holds
-        `length` tokens and goes on with `next_input`."""
-        if rejected:
+        `length` tokens and goes on with `next_input`. A cache that cannot trim them is
+        put back as it was before the verify and the kept positions computed again, as
+        the verify computed them (cache/layers/rewind.py)."""
+        verified, self._verified = self._verified, None
+        if rejected and verified is not None:
+            held, tokens = verified
+            held.restore()
+            self._verify_forward([tokens[: len(tokens) - rejected]])  # lazy: the next step's
+        elif rejected:
             for c in self.cache:
                 c.trim(rejected)
         self._lengths = [length]

@@ -17,8 +17,10 @@ to what was kept, halves when nothing is, and at 0 the request takes plain steps
 pause that doubles each time (8 up to 256 steps) before it probes again with k = 1.
 Without a match there is no draft and the step is a plain one.
 
-Only where a rejected draft can be trimmed from the cache (dense KV, float): models with
-recurrent or sliding-window layers and quantized KV take plain steps. Engine thread only.
+Models with recurrent or sliding-window layers draft too while decoding alone (a
+rejected draft is taken back from their state: cache/layers/rewind.py); several requests
+verify together only over attention KV (verify_rows.py), else they take plain steps, as
+quantized KV always does. Engine thread only.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class LookupState:
 @dataclass(slots=True)
 class PromptLookup:
     max_tokens: int  # the server's --prompt-lookup: draft tokens at most (0: off)
-    # Why it never drafts on this engine (a model whose cache cannot trim); None: it may.
+    # Why it never drafts on this engine (quantized KV); None: it may.
     unusable: str | None = None
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     exact: bool | None = None  # the verify forward keeps this model's numbers (None: unchecked)

@@ -11,7 +11,8 @@ PRNG key chain, logits processors and constraint as plain decoding); a drafted t
 accepted only when it equals that draw, and the first draw that differs (or the one
 after k accepted tokens) is emitted as the target's own. Greedy or seeded, the tokens
 and logprobs are those of plain decoding. Rejected positions are trimmed from both
-caches (only always-trimmable caches may speculate: `check_draft`).
+caches, or taken back from recurrent and sliding-window layers by putting the cache back
+as it was before and computing the kept positions again (cache/layers/rewind.py).
 
 The draft proposes greedily from its own KV cache of the sequence, which lives beside
 the request (not in the batch) and catches up on whatever the request emitted while it
@@ -30,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.layers.rewind import Held, hold
 from mlx_prefix.cache.snapshot import Snapshot, cache_nbytes, restore
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
@@ -55,21 +57,16 @@ class DraftMismatch(MlxPrefixError):
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse, in one line, a draft that does not share the target's vocabulary or a
-    pair whose caches cannot trim rejected tokens (recurrent or sliding-window layers:
-    mlx_lm refuses those too)."""
+    """Refuse, in one line, a draft that does not share the target's vocabulary. Either
+    may have recurrent or sliding-window layers (mlx_lm refuses those): a rejected
+    draft is taken back from them by putting the cache back as it was
+    (cache/layers/rewind.py)."""
     t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if t_vocab != d_vocab:
         raise DraftMismatch(
             f"--draft-model {draft.name}: its tokenizer differs from {target.name}'s "
             f"({len(d_vocab)} vs {len(t_vocab)} tokens); a draft must share the vocabulary"
         )
-    for role, loaded in (("model", target), ("draft model", draft)):
-        if not always_trimmable(make_prompt_cache(loaded.model)):
-            raise DraftMismatch(
-                f"--draft-model needs caches that can trim rejected tokens; the {role} "
-                f"{loaded.name} has recurrent or sliding-window layers"
-            )
 
 
 def check_request(sampling: SamplingParams, speculator: Speculator | None) -> None:
@@ -117,6 +114,9 @@ class DraftCache:
     model: nn.Module
     cache: list
     held: int = 0
+    # A draft with recurrent or sliding-window layers: its cache as it was before the
+    # draft tokens of the last proposal, and the tokens it held then (`trim` puts it back).
+    before: tuple[Held, int] | None = None
 
     def extend(self, tokens: Sequence[int], end: int) -> mx.array | None:
         """Compute tokens[held:end] into the cache; the last position's logits [1, V]
@@ -132,8 +132,13 @@ class DraftCache:
         return logits
 
     def trim(self, keep: int) -> None:
-        """Keep the first `keep` tokens."""
-        if keep < self.held:
+        """Keep the first `keep` tokens (a cache that cannot trim goes back to before
+        the proposal, and `extend` computes the kept draft tokens again)."""
+        before, self.before = self.before, None
+        if keep < self.held and before is not None:
+            before[0].restore()
+            self.held = before[1]
+        elif keep < self.held:
             for layer in self.cache:
                 layer.trim(self.held - keep)
             self.held = keep
@@ -157,7 +162,8 @@ class Speculator:
         part (with room for a first chunk of `first` tokens), or empty (prefill computes
         the draft over the prefix: `prefill_to`)."""
         part = snapshot.draft if snapshot is not None else None
-        if part is not None and part.length - trim == reuse:
+        untrimmable = not always_trimmable(make_prompt_cache(self.draft.model))
+        if part is not None and part.length - trim == reuse and not (trim and untrimmable):
             self.stats.draft_restored += reuse
             cache = restore(part, trim=trim, extend=min(first, DRAFT_CHUNK))
             return DraftCache(self.draft.model, cache, reuse)
@@ -211,6 +217,8 @@ class Speculator:
             self._states[id(running)] = state
         logits = state.extend(sequence, len(sequence))
         assert logits is not None, "the draft holds the whole sequence"
+        if not always_trimmable(state.cache):  # taken back by `trim`, not trimmed
+            state.before = (hold(state.cache), len(sequence))
         tokens = [mx.argmax(logits, axis=-1)]  # [1]
         for _ in range(k - 1):
             logits = state.model(tokens[-1][:, None], cache=state.cache)[:, -1, :]

@@ -41,6 +41,8 @@ from mlx.nn.layers.distributed import (
     ShardedToAllLinear,
 )
 
+from mlx_prefix.engine.forward import stepwise
+
 
 class Grouping(NamedTuple):
     """How many decode rows one call of a linear layer may project and still compute
@@ -257,6 +259,12 @@ def install(model: nn.Module) -> None:
         sdpa = getattr(source, "scaled_dot_product_attention", None)
         if sdpa is not None and not getattr(sdpa, "_batch_invariant", False):
             source.scaled_dot_product_attention = _per_row_sdpa(sdpa)
+    stepwise.install(model, _in_verify)  # recurrent scans: position by position
+
+
+def _in_verify() -> bool:
+    mode = _current()
+    return mode is not None and mode.verify
 
 
 MOST_ROWS = 32  # the largest decode row group measured

@@ -8,7 +8,8 @@ refused with a 400 naming it, unless its value is empty (null, false, "", [], {}
 clients often send defaults. Bookkeeping that changes no output (`metadata`, `user`,
 `prompt_cache_key`, ...) is accepted and echoed. `text.format` may ask for JSON
 (server/protocol/formats.py). `reasoning.effort` bounds the reasoning or turns it off
-(protocol/effort.py).
+(protocol/effort.py). SGLang's fields, which its router adds to every body it forwards:
+`top_k`, `min_p`, `repetition_penalty` honoured as in chat completions, `priority` only 0.
 `previous_response_id` is only read here; the route resolves it against its store.
 """
 
@@ -26,6 +27,7 @@ from ..fields import field as read
 from ..fields import integer, number
 from ..formats import responses_text_format
 from ..request import SEED_LIMIT, GenerationRequest, Limits, ToolChoice, cache_preference
+from ..sampling_fields import MAX_REPETITION_PENALTY
 from .items import chat_tools, input_messages, is_empty
 
 LOGPROBS = "message.output_text.logprobs"
@@ -45,6 +47,9 @@ _ACCEPTED = {
     "top_logprobs", "max_tool_calls", "client_metadata", "prompt_cache_retention",
     # this server's extensions, as in chat completions
     "prefix_cache", "seed", "chat_template_kwargs", "cache_salt",
+    # SGLang's, which its router (sglang-router 0.3.2) writes into every Responses body
+    # it forwards: sampling extensions (read below) and `priority` (_check_options)
+    "top_k", "min_p", "repetition_penalty", "priority",
 }  # fmt: skip
 # Refused when not empty, with why (fields not listed here or above get a generic reason).
 _REFUSED = {
@@ -144,8 +149,13 @@ def parse_responses(body: dict[str, Any], limits: Limits) -> ResponsesRequest:
             body, "temperature", limits.sampling.get("temperature", 0.0), lo=0.0, hi=2.0
         ),
         top_p=number(body, "top_p", limits.sampling.get("top_p", 1.0), lo=0.0, hi=1.0),
-        top_k=limits.sampling.get("top_k", 0),
-        min_p=limits.sampling.get("min_p", 0.0),
+        # SGLang's extensions, as chat completions reads them; the router sends top_k -1
+        # (SGLang's "off", mlx_lm's 0), min_p 0 and repetition_penalty 1 (both off).
+        top_k=max(integer(body, "top_k", limits.sampling.get("top_k", 0), lo=-1, hi=None), 0),
+        min_p=number(body, "min_p", limits.sampling.get("min_p", 0.0), lo=0.0, hi=1.0),
+        repetition_penalty=number(
+            body, "repetition_penalty", 0.0, lo=0.0, hi=MAX_REPETITION_PENALTY
+        ),
         seed=integer(body, "seed", None, lo=0, hi=SEED_LIMIT - 1),
         logprobs=LOGPROBS in _include(body),
         response_format=response_format,
@@ -231,6 +241,14 @@ def _check_options(body: dict[str, Any]) -> None:
             param="top_logprobs",
         )
     integer(body, "max_tool_calls", None, lo=0, hi=None)
+    # SGLang's router sends `priority: 0` on every Responses body (its default: none).
+    # Nothing here schedules by priority, so only that passes.
+    if integer(body, "priority", 0, lo=None, hi=None) != 0:
+        raise InvalidRequest(
+            "priority is not supported: requests are not scheduled by priority here "
+            "(only 0, no priority, is accepted)",
+            param="priority",
+        )
     read(body, "client_metadata", dict, None)
     for name in _ECHOED:
         read(body, name, dict if name == "metadata" else str, None)

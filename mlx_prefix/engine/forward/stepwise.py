@@ -1,0 +1,60 @@
+"""Recurrent scans of a verify forward computed one position at a time, as the decode
+steps at those positions compute them (engine/decode/speculative.py).
+
+mlx-lm's Mamba-2 layers (nemotron_h, mamba2, falcon_h1, granitemoehybrid, plamo2) call
+`ssm_update`, which takes another path for several positions than for one: the SSD
+form, a masked "attention" over the chunk, whose sums round differently from the
+recurrence a decode step runs (measured on the nemotron_h test model: a verify of 4
+positions differed from 4 decode steps; of 2, not). Inside a verify forward
+(rowwise.py's `batched(..., verify=True)`) the scan runs position by position, each
+call the one a decode step makes, so the state after each position, and each row's
+output, are plain decoding's. The projections around it stay one call of all rows.
+Outside a verify, and for a prefill, nothing changes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_PATCHED = "_stepwise_in_verify"
+
+
+def _stepwise_ssm(base, in_verify: Callable[[], bool]):
+    signature = inspect.signature(base)
+
+    def ssm_update(*args: Any, **kwargs: Any):
+        if not in_verify():
+            return base(*args, **kwargs)
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        a = given.arguments  # hidden_states [B, L, H, D], B, C [B, L, G, N], dt [B, L, H]
+        steps = a["hidden_states"].shape[1]
+        if steps == 1 or a["state"] is None or a["lengths"] is not None:
+            return base(*args, **kwargs)  # `lengths`: a padded batch, not a lone verify
+        ys, state, mask = [], a["state"], a["mask"]
+        for t in range(steps):
+            one = {k: a[k][:, t : t + 1] for k in ("hidden_states", "B", "C", "dt")}
+            one["mask"] = None if mask is None else mask[..., t : t + 1]
+            y, state = base(**(a | one | {"state": state}))
+            ys.append(y)
+        return mx.concatenate(ys, axis=1), state
+
+    setattr(ssm_update, _PATCHED, True)
+    return ssm_update
+
+
+def install(model: nn.Module, in_verify: Callable[[], bool]) -> None:
+    """Make the model's Mamba-2 scans step through a verify position by position
+    (idempotent; every mlx-lm module its layers come from that calls `ssm_update`);
+    `in_verify`: whether the forward being built is a verify (rowwise.py says)."""
+    for _, module in model.named_modules():
+        source: Any = sys.modules.get(type(module).__module__)
+        ssm = getattr(source, "ssm_update", None)
+        if ssm is not None and not getattr(ssm, _PATCHED, False):
+            source.ssm_update = _stepwise_ssm(ssm, in_verify)
