@@ -7,14 +7,17 @@ the logprobs each row reports are the model's own."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import pytest
 from conftest import TEST_CACHE, loaded_test_model
-from engine_helpers import ScriptedSampler, chat, run
+from engine_helpers import ScriptedSampler, chat, collect, run, submit_together
 from server_fakes import serving
+from test_engine_structured import AS_PERSON, check_person
 
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.args import engine_config
@@ -26,6 +29,7 @@ from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.decode.speculative import DraftMismatch
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.forward import rowwise
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams
 
@@ -41,7 +45,8 @@ FILE = "\n".join(
         "Gulls nested on every chimney of the customs house.",
     ]
 )
-PROMPT = chat(("user", f"Repeat this file exactly:\n{FILE}"))
+PROMPT_TEXT = f"Repeat this file exactly:\n{FILE}"
+PROMPT = chat(("user", PROMPT_TEXT))
 LOOKUP, PLAIN = 8, 0  # a request's prompt_lookup
 
 
@@ -65,7 +70,7 @@ def scripted(scripts: Mapping[int, Sequence[int]], **config: Any) -> Iterator[En
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode, "TokenSampler", sampler)
-        engine = Engine(model, TEST_CACHE, EngineConfig(deterministic=True, **config))
+        engine = Engine(model, TEST_CACHE, EngineConfig(**({"deterministic": True} | config)))
         try:
             yield engine
         finally:
@@ -266,3 +271,143 @@ def test_the_flag_its_variable_and_the_body_field(monkeypatch):
         ok = httpx.post(url + "/v1/chat/completions", json=body | {"prompt_lookup": 3})
         assert ok.status_code == 200, ok.text
         assert fake.submissions[-1].sampling.prompt_lookup == 3
+
+
+@pytest.fixture
+def verified_rows(monkeypatch) -> list[list[int]]:
+    """Each several-row verify step's draft lengths, one per row."""
+    seen: list[list[int]] = []
+    verify_rows = lookup.verify_rows
+
+    def spy(batch, drafts, accept, stats):
+        seen.append([len(d) for d in drafts])
+        return verify_rows(batch, drafts, accept, stats)
+
+    monkeypatch.setattr(lookup, "verify_rows", spy)
+    return seen
+
+
+def _together(engine: Engine, samplings: Sequence[SamplingParams]) -> list[Any]:
+    handles = submit_together(engine, [PROMPT] * len(samplings), samplings)
+    return [collect(h) for h in handles]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows, deterministic):
+    # A whole copy, a copy cut after three lines, and a reply whose drafts are all wrong:
+    # rows of different lengths in one verify, each cut where its own reply goes.
+    lines = FILE.split("\n")
+    a, b = 1000, 1001
+    scripts = {
+        7: _tokens(FILE),
+        8: _tokens("\n".join(lines[:3]) + "\nNothing else happened there, ever."),
+        9: [t for i in range(16) for t in (a, b, 2000 + i)],
+    }
+    with scripted(scripts, deterministic=deterministic) as engine:
+        plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
+        together = _together(engine, [_sampling(LOOKUP, seed=s) for s in scripts])
+        assert engine.peak_batch == 3
+    for looked, alone in zip(together, plain, strict=True):
+        if deterministic:
+            _same(looked, alone)
+        else:  # the script draws the tokens; the numbers are batching's
+            assert (looked.tokens, looked.text) == (alone.tokens, alone.text)
+            assert looked.logprobs == pytest.approx(alone.logprobs, abs=1e-3)
+    assert together[0].text == FILE
+    # Several rows drafted in one forward, beside rows without a draft.
+    assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)
+    assert any(0 in row and any(row) for row in verified_rows)
+    stats = engine.lookup
+    assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_requests_decoding_together_reply_as_plain_decoding_alone(temperature, verified_rows):
+    model = loaded_test_model("dense")
+    samplings = [
+        SamplingParams(max_tokens=40, temperature=temperature, seed=s, logprobs=True)
+        for s in (3, 4, 5)
+    ]
+    with _engine(model, PLAIN, deterministic=True) as engine:
+        plain = [run(engine, PROMPT, sampling=s) for s in samplings]
+    with _engine(model, LOOKUP, deterministic=True) as engine:
+        together = _together(engine, samplings)
+        assert engine.peak_batch == 3
+    for looked, alone in zip(together, plain, strict=True):
+        _same(looked, alone)
+    if temperature == 0:  # the random model's greedy replies repeat themselves
+        assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)
+
+
+def test_by_default_a_verify_is_the_models_own_forward(monkeypatch):
+    # Not --deterministic: the k+1 positions in one plain forward, as a batched step
+    # computes (last bits may move); --deterministic keeps the exact per-position verify.
+    calls = []
+    per_position = rowwise._verify_sdpa
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return per_position(*args, **kwargs)
+
+    monkeypatch.setattr(rowwise, "_verify_sdpa", counting)
+    for deterministic in (False, True):
+        calls.clear()
+        with scripted({7: _tokens(FILE)}, deterministic=deterministic) as engine:
+            plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+            looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
+            accepted = engine.lookup.accepted
+        # The script draws the tokens: the same whatever the last bits.
+        assert (looked.tokens, looked.text) == (plain.tokens, plain.text) and accepted > 0
+        assert looked.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
+        assert bool(calls) == deterministic
+        if deterministic:
+            assert looked.logprobs == plain.logprobs
+
+
+EXAMPLE = '{"name": "Ann", "age": 40, "tags": ["red", "blue"], "member": true}'
+TOOL_CALL = json.dumps(
+    {"name": "edit", "arguments": {"path": "harbour.txt", "old_string": FILE, "new_string": ""}}
+)
+
+
+def test_a_tool_call_and_a_schema_reply_verify_together_as_plain_decoding(verified_rows):
+    # One request's reply is an edit tool call repeating the file (scripted); the other
+    # is held to a JSON schema by its constraint while it drafts from a JSON example in
+    # its prompt: a constrained row's drafts are drawn through its mask, in order.
+    edit = chat(("system", "Tools: edit(path, old_string, new_string)."), ("user", PROMPT_TEXT))
+    person = chat(("system", f"People are JSON objects like {EXAMPLE} " * 3), ("user", "Ann?"))
+    schema = SamplingParams(
+        max_tokens=80, temperature=1.0, seed=5, logprobs=True, response_format=AS_PERSON
+    )
+    tool = _sampling(PLAIN)
+    with scripted({7: _tokens(f"<tool_call>\n{TOOL_CALL}\n</tool_call>")}) as engine:
+        plain = [run(engine, p, sampling=s) for p, s in ((edit, tool), (person, schema))]
+        looked_up = [replace(s, prompt_lookup=LOOKUP) for s in (tool, schema)]
+        together = [collect(h) for h in submit_together(engine, [edit, person], looked_up)]
+    for looked, alone in zip(together, plain, strict=True):
+        _same(looked, alone)
+    assert json.loads(together[0].text.split("\n")[1]) == json.loads(TOOL_CALL)
+    check_person(together[1].text)
+    assert any(len(row) == 2 and row[1] > 0 for row in verified_rows)  # the schema drafted
+    assert engine.lookup.accepted > 0
+
+
+def test_a_request_cancelled_during_a_verify_of_several_leaves_the_others_exact(monkeypatch):
+    verify_rows = DecodeBatch.verify_rows
+
+    def cancelling(self, rows):
+        logits = verify_rows(self, rows)
+        for member in self.members:
+            if isinstance(member, Running) and member.job.sampling.seed == 8:
+                member.job.handle.cancel()  # as a client's disconnect, mid-verify
+        return logits
+
+    scripts = {7: _tokens(FILE), 8: _tokens(FILE.replace("grey", "red"))}
+    with scripted(scripts) as engine:
+        plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
+        monkeypatch.setattr(DecodeBatch, "verify_rows", cancelling)
+        kept, cancelled = _together(engine, [_sampling(LOOKUP, seed=s) for s in scripts])
+        assert engine.peak_batch == 2
+    assert cancelled.finish_reason == "cancelled"
+    assert cancelled.tokens == plain[1].tokens[: len(cancelled.tokens)]
+    _same(kept, plain[0])

@@ -108,7 +108,7 @@ def draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-lookup",
         type=number_type(int, lo=0, hi=32, what="between 0 and 32"),
-        help="prompt lookup decoding: a request decoding alone drafts up to N tokens from "
+        help="prompt lookup decoding: each decoding request drafts up to N tokens from "
         "its own prompt and reply, verified in one forward (default 0: off; a request's "
         "prompt_lookup wins; hybrid and sliding-window models too)",
     )

@@ -105,8 +105,12 @@ class DecodeBatch:
         rows: int | None = None,
         agree: Callable[[mx.array], mx.array] | None = None,
         kv: KvQuant | None = None,
+        exact_verify: bool = True,
     ):
         self.model = model
+        # A verify forward computes each position alone (`verify_rows`) even without
+        # `rows`: --draft-model's replies are the target's own, bit for bit.
+        self.exact_verify = exact_verify
         self.rows = rows  # rows one matmul may hold and still compute each like alone
         self.agree = agree  # sharded: every rank goes on with rank 0's tokens (sharded/group.py)
         self.kv = kv
@@ -121,6 +125,7 @@ class DecodeBatch:
         self._lengths: list[int] = []  # tokens in each row's cache
         self._deltas: list[int] = []  # each row's rotary shift (images in its prompt)
         self._launched: _Step | None = None  # a step computing, not read yet (`step`)
+        self._verifying = 0  # positions of a verify not settled yet (`verify_rows`)
         # A cache that cannot trim a rejected draft (recurrent layers), held before
         # the verify, and the verify's tokens (`settle` computes the kept ones again).
         self._verified: tuple[Held, Sequence[int]] | None = None
@@ -298,16 +303,37 @@ class DecodeBatch:
         assert tokens[0] == self._inputs[0]
         self.join()
         self._verified = None if trims_back(self.cache) else (hold(self.cache), tuple(tokens))
-        return self._verify_forward(tokens)
+        return self._verify_forward([tokens])[0]
 
-    def _verify_forward(self, tokens: Sequence[int]) -> mx.array:
-        length = self._lengths[0] + len(tokens)
-        with (
-            batched(self.rows or 1, [length], verify=True),
-            positions(decode_positions(self._deltas)),
-        ):
-            logits = self.model(mx.array(tuple(tokens))[None], cache=self.cache)[0]  # [L, V]
-        return logits
+    def verify_rows(self, rows: Sequence[Sequence[int]]) -> mx.array:
+        """Each row's input and the tokens drafted after it (one per member, in order;
+        an input alone is a row too), computed in one forward [B, L] like decode steps:
+        logits [B, L, V], L the longest row. A shorter row is padded at its end with
+        its last token: causal attention keeps its own positions from the padding's,
+        which `settle_rows` drops. The cache then holds L more positions of every row.
+
+        With `rows` (--deterministic), or `exact_verify` (--draft-model), each position
+        computes as the decode step at it would, alone, bit for bit
+        (engine/forward/rowwise.py `verify`). Otherwise (prompt lookup by default) the
+        forward is the model's own, as a batched decode step is: a position's numbers
+        may differ from its decode step's in the last bits (the matmul holds more
+        rows), the same kind of difference batching already allows."""
+        assert len(rows) == len(self.members) and self._launched is None
+        assert all(row[0] == token for row, token in zip(rows, self._inputs, strict=True))
+        self.join()
+        self._verified = None  # several rows: only over caches that trim (verify_rows.py)
+        return self._verify_forward(rows)
+
+    def _verify_forward(self, rows: Sequence[Sequence[int]]) -> mx.array:
+        width = max(len(row) for row in rows)
+        self._verifying = width
+        inputs = mx.array([[*row, *[row[-1]] * (width - len(row))] for row in rows])
+        with positions(decode_positions(self._deltas)):
+            if self.rows is None and not self.exact_verify:
+                return self.model(inputs, cache=self.cache)  # [B, L, V]
+            lengths = [n + width for n in self._lengths]
+            with batched(self.rows or 1, lengths, verify=True):
+                return self.model(inputs, cache=self.cache)
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:
         """After `verify`: drop its last `rejected` positions; the row then holds
@@ -318,12 +344,32 @@ class DecodeBatch:
         if rejected and verified is not None:
             held, tokens = verified
             held.restore()
-            self._verify_forward(tokens[: len(tokens) - rejected])  # lazy: the next step's
+            self._verify_forward([tokens[: len(tokens) - rejected]])  # lazy: the next step's
         elif rejected:
             for c in self.cache:
                 c.trim(rejected)
         self._lengths = [length]
         self._inputs = [next_input]
+        self._verifying = 0
+
+    def settle_rows(self, kept: Sequence[int], next_inputs: Sequence[int]) -> None:
+        """After `verify_rows`, for the members still in the batch (in order): each keeps
+        the first `kept[i]` of the verify's positions and goes on with `next_inputs[i]`.
+        Positions past the most any row keeps are trimmed; a row that kept fewer moves
+        its keys right by the difference, its left padding grown to match (mlx-lm's
+        BatchKVCache right padding, `finalize`), so the rows stay left-padded."""
+        width, self._verifying = self._verifying, 0
+        assert len(kept) == len(self.members) == len(next_inputs) and width
+        most = max(kept)
+        shifts = [most - n for n in kept]
+        for c in self.cache:
+            if width > most:
+                c.trim(width - most)
+            if any(shifts):
+                c.prepare(right_padding=shifts)
+                c.finalize()
+        self._lengths = [n + k for n, k in zip(self._lengths, kept, strict=True)]
+        self._inputs = list(next_inputs)
 
     def nbytes(self) -> int:
         joining = sum(cache_nbytes(c) for c in self._joining)

@@ -1,6 +1,8 @@
-"""Prompt lookup decoding: a request decoding alone drafts its next tokens from its own
+"""Prompt lookup decoding: each decoding request drafts its next tokens from its own
 sequence (prompt and reply so far), no second model, and verifies them in one forward
-(engine/decode/verify.py: the reply is plain decoding's, tokens and logprobs).
+(engine/decode/verify.py: the reply is plain decoding's, tokens and logprobs). Requests
+decoding together verify their drafts in the same forward, rows of different lengths
+(engine/decode/verify_rows.py); a row without a draft decodes its one position there.
 
 The draft: the longest of the last 4, 3 or 2 tokens seen earlier in the sequence, and
 the k tokens that followed its latest occurrence there; once a match is followed, it is
@@ -15,22 +17,23 @@ to what was kept, halves when nothing is, and at 0 the request takes plain steps
 pause that doubles each time (8 up to 256 steps) before it probes again with k = 1.
 Without a match there is no draft and the step is a plain one.
 
-Models with recurrent or sliding-window layers draft too (a rejected draft is taken back
-from their state: cache/layers/rewind.py); quantized KV and several requests decoding
-together take plain steps. Engine thread only.
+Models with recurrent or sliding-window layers draft too while decoding alone (a
+rejected draft is taken back from their state: cache/layers/rewind.py); several requests
+verify together only over attention KV (verify_rows.py), else they take plain steps, as
+quantized KV always does. Engine thread only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.speculative import MAX_DRAFT_TOKENS, verify_matches
 from mlx_prefix.engine.decode.verify import Accept, SpeculationStats, verify_step
-from mlx_prefix.engine.forward import rowwise
+from mlx_prefix.engine.decode.verify_rows import rows_verifiable, verify_rows
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import SamplingParams
@@ -124,12 +127,13 @@ class PromptLookup:
 
     def check(self, model: LoadedModel, rows: int | None) -> bool:
         """Whether a verify forward gives plain decoding's numbers on this model here
-        (checked once, on the engine thread: engine/decode/speculative.py's startup check;
-        it installs the batch-invariant layers, which compute as before outside a verify)."""
+        (--deterministic, `rows` set: checked once, on the engine thread, by
+        engine/decode/speculative.py's startup check). By default the verify is the
+        model's own forward, whose last bits may differ as a batched step's do."""
+        if rows is None:
+            return True
         if self.exact is None:
-            if rows is None:
-                rowwise.install(model.model)
-            self.exact = verify_matches(model.model, rows or 1, model.tokenizer.vocab_size)
+            self.exact = verify_matches(model.model, rows, model.tokenizer.vocab_size)
             if not self.exact:
                 log.warning("a verify forward changes this model's numbers here: no prompt lookup")
         return self.exact
@@ -142,14 +146,42 @@ class PromptLookup:
         return self.max_tokens if asked is None else asked
 
     def step(
-        self, model: LoadedModel, rows: int | None, batch: DecodeBatch, running: Running,
-        accept: Accept,
+        self, model: LoadedModel, rows: int | None, batch: DecodeBatch,
+        accept: Callable[[Running], Accept],
     ) -> bool:  # fmt: skip
-        """A verify step for the batch's only request if it drafts now; False: it did
-        not, take a plain step."""
-        limit = self.limit(running)
-        if limit <= 0 or not self.check(model, rows):
+        """A verify step of the batch if some request drafts now: a lone request's
+        drafts verified alone (verify.py), several requests' in one forward, each row
+        its own (verify_rows.py; a row without a draft decodes one position). False:
+        none drafts, take a plain step."""
+        members = batch.members
+        if not any(self.limit(r) > 0 for r in members) or not self.check(model, rows):
             return False
+        drafts = [self._draft(r) for r in members]
+        if not any(drafts):
+            return False
+        if len(members) == 1:
+            running, drafted = members[0], drafts[0]
+            _, accepted = verify_step(batch, running, drafted, accept(running), self.stats)
+            self._adapt(running, len(drafted), accepted)
+            return True
+        if not rows_verifiable(batch):
+            return False
+        drawn = verify_rows(batch, drafts, accept, self.stats)
+        for (running, row), drafted in zip(drawn, drafts, strict=True):
+            if drafted:
+                self._adapt(running, len(drafted), row.hits)
+        return True
+
+    def _adapt(self, running: Running, drafted: int, accepted: int) -> None:
+        state = self._states.get(id(running))
+        if state is not None:  # None: the request ended in the verify
+            state.adapt(drafted, accepted, self.limit(running))
+
+    def _draft(self, running: Running) -> list[int]:
+        """The request's draft for this step ([]: none, it decodes one position)."""
+        limit = self.limit(running)
+        if limit <= 0:
+            return []
         state = self._states.get(id(running))
         if state is None:
             state = self._states[id(running)] = LookupState(NgramIndex(), min(limit, START_K))
@@ -160,14 +192,9 @@ class PromptLookup:
         if state.pause:
             state.pause -= 1
             state.k = 0 if state.pause else 1
-            return False
+            return []
         k = min(state.k, limit, running.limit - running.count - 1)
-        drafted = index.propose(k) if k > 0 else []
-        if not drafted:
-            return False
-        _, accepted = verify_step(batch, running, drafted, accept, self.stats)
-        state.adapt(len(drafted), accepted, limit)
-        return True
+        return index.propose(k) if k > 0 else []
 
     def forget(self, running: Running) -> None:
         self._states.pop(id(running), None)

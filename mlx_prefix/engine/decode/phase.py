@@ -32,6 +32,7 @@ from mlx_prefix.engine.decode.sampling import (
 )
 from mlx_prefix.engine.decode.speculative import DraftCache, Speculator
 from mlx_prefix.engine.decode.text import TextStream
+from mlx_prefix.engine.decode.verify import Accept
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.requests.jobs import Job, usage
 from mlx_prefix.models.load import LoadedModel
@@ -83,11 +84,11 @@ class DecodePhase:
         # Decode rows one matmul may hold (engine/forward/rowwise.py); None: all, until
         # the engine's calibration says more (`set_rows`).
         self.rows: int | None = None
-        self.batch = DecodeBatch(model.model, None, agree_tokens, kv)
         # With --draft-model: a request decoding alone speculates (engine/decode/speculative.py).
         self.speculator = speculator
-        # Prompt lookup: a request decoding alone drafts from its own sequence (lookup.py).
+        # Prompt lookup: each request drafts from its own sequence (lookup.py).
         self.lookup = lookup
+        self.batch = self._new_batch()
         self.reasoning = reasoning  # the model's think markers, for reasoning budgets
         self.steps = 0
         self.peak_batch = 0  # most requests ever decoded together (observability, tests)
@@ -103,6 +104,14 @@ class DecodePhase:
     def __len__(self) -> int:
         return len(self.batch)
 
+    def _new_batch(self) -> DecodeBatch:
+        # Prompt lookup's verify is the model's own forward unless --deterministic
+        # (DecodeBatch.verify_rows); a draft model's is exact.
+        return DecodeBatch(
+            self.model.model, self.rows, self.agree_tokens, self.kv,
+            exact_verify=self.lookup is None,
+        )  # fmt: skip
+
     def running(self) -> list[Running]:
         return list(self.batch.members)
 
@@ -111,7 +120,7 @@ class DecodePhase:
         every row); before any request runs."""
         assert not len(self.batch)
         self.rows = rows
-        self.batch = DecodeBatch(self.model.model, rows, self.agree_tokens, self.kv)
+        self.batch = self._new_batch()
 
     def admit(self, arrivals: Sequence[Arrival]) -> None:
         """Requests whose prompt is computed join the batch: each samples its first
@@ -186,7 +195,7 @@ class DecodePhase:
             self.read_launched()  # then a step of its own, from every row's newest token
             if not len(self.batch):
                 return  # every row ended on the tokens in flight
-        if len(self.batch) == 1 and self._speculate(self.batch.members[0]):
+        if self._speculate():
             self.steps += 1
             return
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
@@ -197,19 +206,28 @@ class DecodePhase:
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self._nbytes())
 
-    def _speculate(self, running: Running) -> bool:
-        """A verify step for the batch's only request, with the draft model's tokens or
-        its own sequence's (prompt lookup); False: it takes a plain step."""
-        if _bounding(running):
+    def _speculate(self) -> bool:
+        """A verify step: the only request's with the draft model's tokens, or with
+        drafts from each request's own sequence (prompt lookup, several requests in one
+        forward); False: a plain step."""
+        members = self.batch.members
+        if any(_bounding(r) for r in members):
             return False
-        accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
-        if self.speculator is not None and (k := self.speculator.tokens_for(running)):
+        if self.speculator is not None:
+            running = members[0]
+            if len(members) != 1 or not (k := self.speculator.tokens_for(running)):
+                return False
+            accept = lambda t, lp, top: self._accept_token(running, t, lp, top)  # noqa: E731
             self.speculator.step(self.batch, running, k, accept)
             return True
         lookup = self.lookup
         return lookup is not None and lookup.step(
-            self.model, self.rows, self.batch, running, accept
+            self.model, self.rows, self.batch, self._accepting
         )
+
+    def _accepting(self, running: Running) -> Accept:
+        """Hands a verify's tokens to `running` (`_accept_token`)."""
+        return lambda token, logprob, top: self._accept_token(running, token, logprob, top)
 
     def read_launched(self) -> None:
         """Hand out the tokens of a step launched ahead (if any) and launch none: before
@@ -232,7 +250,7 @@ class DecodePhase:
         draws on the device, and some row goes on past the tokens in flight."""
         if self.agree_tokens is not None or self.kv is not None:
             return False  # sharded ranks agree on each token; a quantized cache steps alone
-        if len(self.batch) == 1 and (self.speculator is not None or self._looks_up()):
+        if (len(self.batch) == 1 and self.speculator is not None) or self._looks_up():
             return False  # the next step speculates, from the newest token
         all_end = True
         for row, running in enumerate(self.batch.members):
@@ -242,9 +260,9 @@ class DecodePhase:
         return not all_end
 
     def _looks_up(self) -> bool:
-        """Whether the only request may draft by prompt lookup."""
+        """Whether some request may draft by prompt lookup."""
         lookup = self.lookup
-        return lookup is not None and lookup.limit(self.batch.members[0]) > 0
+        return lookup is not None and any(lookup.limit(r) > 0 for r in self.batch.members)
 
     def _nbytes(self) -> int:
         """The batch's resident bytes, the draft caches beside it included."""
@@ -264,7 +282,7 @@ class DecodePhase:
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
         jobs = [r.job for r in self.batch.members]
-        self.batch = DecodeBatch(self.model.model, self.rows, self.agree_tokens, self.kv)
+        self.batch = self._new_batch()
         self.store.drop_active(self._bytes_key)
         if self.speculator is not None:
             self.speculator.clear()

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.sampling import (
+    TokenSampler,
     alternatives,
     float_list,
     int_list,
@@ -63,10 +64,37 @@ def verify_step(
     # its client may read the counters as soon as it has its reply.
     stats.steps += 1
     stats.drafted += k
-    sampler = batch.sampler(0)
+    drawn = draw_row(logits, batch.sampler(0), running, drafted, accept, stats)
+    if not drawn.ended:
+        batch.settle(held + drawn.kept, drawn.last, k + 1 - drawn.kept)
+    return drawn.kept, drawn.hits
+
+
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """What a row's draws in a verify kept."""
+
+    kept: int  # positions of the verify forward the reply keeps
+    hits: int  # of those, drafted tokens the sampler drew too
+    last: int  # the last token drawn: the row's next input
+    ended: bool  # a token ended the request (it left the batch)
+
+
+def draw_row(
+    logits: mx.array,
+    sampler: TokenSampler,
+    running: Running,
+    drafted: Sequence[int],
+    accept: Accept,
+    stats: SpeculationStats,
+) -> Drawn:
+    """A row's draws from its verify logits [L, V] (its input, then `drafted`), in order
+    as plain decoding would draw them: each token handed to `accept` until one ends the
+    request or differs from the draft (or the draft runs out)."""
+    k = len(drafted)
     params = running.job.sampling
-    kept = 0  # positions of the verify forward the reply keeps
-    hits = 0  # of those, drafted tokens the sampler drew too
+    kept = 0
+    hits = 0
     while True:
         row = logits[kept : kept + 1]  # [1, V]
         logprobs = normalize(row) if params.logprobs else None
@@ -90,8 +118,6 @@ def verify_step(
         stats.accepted += int(matched)
         hits += int(matched)
         if accept(value, logprob, top):
-            break  # the request ended (and left the batch)
+            return Drawn(kept, hits, value, ended=True)  # it ended (and left the batch)
         if not matched:
-            batch.settle(held + kept, value, k + 1 - kept)
-            break
-    return kept, hits
+            return Drawn(kept, hits, value, ended=False)

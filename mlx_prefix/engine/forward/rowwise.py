@@ -63,8 +63,8 @@ ALONE = Grouping(1)
 class Batched:
     rows: int  # decode rows one matmul may hold (1: each row alone)
     lengths: tuple[int, ...] | None = None  # decode: keys of each row after this step
-    # A speculative verify (engine/decode/speculative.py): one sequence's L positions computed
-    # as L consecutive decode steps of a batch of one.
+    # A speculative verify (engine/decode/verify.py): each row's L positions computed as
+    # L consecutive decode steps of that row alone.
     verify: bool = False
 
 
@@ -81,8 +81,8 @@ def batched(
 ) -> Iterator[None]:
     """Batch-invariant forwards built in this thread inside the block: stacked prefill
     chunks (no `lengths`), a decode step (`lengths`: each row's keys after it), or with
-    `verify` the positions of one sequence [1, L] computed like L decode steps
-    (`lengths`: its keys after the last)."""
+    `verify` the positions of each row [B, L] computed like L decode steps of that row
+    (`lengths`: each row's keys after its last)."""
     before = _current()
     _mode.batched = Batched(rows, tuple(lengths) if lengths is not None else None, verify)
     try:
@@ -104,12 +104,12 @@ def _split(base, x: mx.array, layer: nn.Module) -> mx.array:
         return _as_columns(layer, group)
 
     if mode is not None and mode.verify and x.ndim == 3 and x.shape[1] > 1:
-        # [1, L, D] -> L decode rows [L, 1, D], in groups that compute like one row each.
-        assert x.shape[0] == 1, "a verify forward holds one sequence"
-        rows = x.reshape(x.shape[1], 1, x.shape[2])
+        # [B, L, D] -> B*L decode rows [B*L, 1, D], in groups that compute like one row each.
+        batch, length, width = x.shape
+        rows = x.reshape(batch * length, 1, width)
         per = min(mode.rows, grouping.most)
         out = mx.concatenate([project(rows[i : i + per]) for i in range(0, len(rows), per)])
-        return out.reshape(1, x.shape[1], out.shape[-1])
+        return out.reshape(batch, length, out.shape[-1])
     if mode is None or x.ndim < 3 or x.shape[0] == 1:
         return base(x)
     per = _even(x.shape[0], min(mode.rows, grouping.most)) if x.shape[1] == 1 else 1
@@ -160,9 +160,11 @@ def _per_row_sdpa(base):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         mode = _current()
         if mode is not None and mode.verify and mode.lengths is not None:
-            return _verify_sdpa(
-                base, mode.lengths[0], queries, keys, values, cache, scale, mask, sinks
-            )
+            rows = [
+                _verify_sdpa(base, length, row, queries, keys, values, cache, scale, mask, sinks)
+                for row, length in enumerate(mode.lengths)
+            ]
+            return mx.concatenate(rows) if len(rows) > 1 else rows[0]
         if mode is None or mode.lengths is None or queries.shape[2] != 1:
             return base(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         # A decode step over left-padded batch caches: each row's valid keys are its last
@@ -189,12 +191,14 @@ def _per_row_sdpa(base):
     return scaled_dot_product_attention
 
 
-def _verify_sdpa(base, length, queries, keys, values, cache, scale, mask, sinks) -> mx.array:
-    """Query i of L attends as the decode step at its position would: over the keys held
-    then (the last L-1-i are later positions') with that step's mask (`length`: the
-    sequence's keys after the last position)."""
+def _verify_sdpa(base, length, row, queries, keys, values, cache, scale, mask, sinks) -> mx.array:
+    """Batch row `row`'s query i of L attends as the decode step at its position would:
+    over the keys held then (the last L-1-i are later positions') with that step's mask
+    (`length`: the row's keys after the last position; left padding before them)."""
     n = queries.shape[2]
     held = keys.shape[2]
+    if isinstance(mask, mx.array) and mask.shape[0] > 1:
+        mask = mask[row : row + 1]
     outs = []
     for i in range(n):
         end = held - (n - 1 - i)
@@ -202,9 +206,9 @@ def _verify_sdpa(base, length, queries, keys, values, cache, scale, mask, sinks)
         row_mask = mask[..., i : i + 1, start:end] if isinstance(mask, mx.array) else None
         outs.append(
             base(
-                queries[:, :, i : i + 1],
-                keys[:, :, start:end],
-                values[:, :, start:end],
+                queries[row : row + 1, :, i : i + 1],
+                keys[row : row + 1, :, start:end],
+                values[row : row + 1, :, start:end],
                 cache=cache,
                 scale=scale,
                 mask=row_mask,
