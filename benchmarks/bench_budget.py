@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from .budgets import MiB, Turns, budget_flag, kv_size, machine_line, ours_memory, start
+from .budgets import MiB, Turns, budget_flag, kv_size, machine_line, ours_memory, runs_when, start
 from .client import Request
 from .corpus import passage
 from .models import Tokens, resolve
@@ -222,13 +222,7 @@ def _frac(cached: int | None, reachable: int) -> str:
 
 
 def _when(doc: dict[str, Any]) -> str:
-    """Each invocation's date, machine and load, with the servers it ran."""
-    by: dict[str, list[str]] = {}
-    for run in doc["runs"]:
-        servers = by.setdefault(run.get("machine", doc["machine"]), [])
-        if run["server"] not in servers:
-            servers.append(run["server"])
-    return "; ".join(f"{', '.join(s)}: {m}" for m, s in by.items())
+    return runs_when((r["server"], r.get("machine", doc["machine"])) for r in doc["runs"])
 
 
 def _sweep_lines(doc: dict[str, Any]) -> list[str]:

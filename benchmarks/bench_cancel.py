@@ -12,10 +12,11 @@ same request again after `--retry-pause` seconds, up to `--max-tries`: its tries
 total time and the tokens each try reused. Cached tokens are the servers' usage
 (prompt_tokens_details.cached_tokens); vllm-mlx reports none, so its log's
 `[cache_fetch]` lines give them, one per request that reached its cache (a try closed
-before it did has none). A try that timed out has no usage: mlx-prefix's and
-mlx_lm.server's cells show only the finishing try's. Memory only (mlx-prefix:
-`--disk-cache off`, as the harness starts it). Writes benchmarks/out/cancel-<model>.json
-and renders benchmarks/results/standalone/cancel55.md from those found.
+before it did has none). A try that timed out has no usage: mlx-prefix's log line for
+it says its cached tokens, mlx_lm.server logs none (only its finishing try's shows).
+Memory only (mlx-prefix: `--disk-cache off`, as the harness starts it). Writes
+benchmarks/out/cancel-<model>.json and renders benchmarks/results/standalone/cancel55.md
+from those found.
 
 `python -m mlx_prefix.blas_exec python -m benchmarks.bench_cancel [--model hybrid] [--quick]`
 (`--only mlx-prefix --ours-args=--no-finish-cancelled`: what the stored point alone gives)
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +36,7 @@ from typing import Any
 import httpx
 
 from .bench_shared_prefix_memory import vllm_cached_from
-from .budgets import machine_line
+from .budgets import machine_line, runs_when
 from .client import Reply, Request, send
 from .corpus import passage
 from .models import Tokens, resolve
@@ -66,27 +68,39 @@ async def _abandon(client: httpx.AsyncClient, server: Server, request: Request, 
         return None
 
 
+OURS_LINE = re.compile(r"/v1/chat/completions prompt=\d+ cached=(\d+|-)")
+
+
+def ours_cached_from(log: Path) -> list[int | None]:
+    """mlx-prefix's cached tokens per chat request, in the order they ended, from its
+    log's request lines (a request closed by its client is logged too; `-`: None)."""
+    found = OURS_LINE.findall(log.read_text(errors="replace"))
+    return [None if c == "-" else int(c) for c in found]
+
+
 class Fetches:
-    """vllm-mlx's cached tokens per request, from its log (other servers: none)."""
+    """Cached tokens per request, from the server's log: vllm-mlx's `[cache_fetch]`
+    lines, mlx-prefix's request lines; mlx_lm.server logs none."""
 
     def __init__(self, server: Server):
         self.server = server
         self.seen = len(self.all())
 
-    def all(self) -> list[int]:
-        if self.server.name != VLLM:
-            return []
-        return vllm_cached_from(Path(self.server._log.name))  # type: ignore[union-attr]
+    def all(self) -> list[int | None]:
+        log = Path(self.server._log.name)  # type: ignore[union-attr]
+        if self.server.name == VLLM:
+            return list(vllm_cached_from(log))
+        return ours_cached_from(log) if self.server.name == OURS else []
 
-    def new(self) -> list[int]:
+    def new(self) -> list[int | None]:
         """Cached tokens of the requests that reached the cache since the last call."""
         now = self.all()
         out, self.seen = now[self.seen :], len(now)
         return out
 
 
-def _cached(reply: Reply | None, fetched: list[int]) -> int | None:
-    if fetched:
+def _cached(reply: Reply | None, fetched: list[int | None]) -> int | None:
+    if fetched and fetched[-1] is not None:
         return fetched[-1]
     return reply.cached_tokens if reply is not None else None
 
@@ -121,7 +135,7 @@ async def _one_server(server: Server, prompts: list[str], args: argparse.Namespa
         fetched = fetches.new()
         for i, t in enumerate(tries):
             t["cached_tokens"] = fetched[i] if i < len(fetched) else None
-        if reply is not None and server.name != VLLM:
+        if reply is not None and server.name != VLLM:  # its usage, whatever its log said
             tries[-1]["cached_tokens"] = reply.cached_tokens
     return {
         "prompt_tokens": resend.prompt_tokens,
@@ -175,9 +189,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name:>14}: left out: {why}", flush=True)
             continue
         extra = tuple(args.ours_args.split()) if name == OURS else ()
+        started = machine_line()
         (server,) = start_all([ServerSpec(name, model.path, extra_args=extra, label=name)], log_dir)
         try:
             r = results["servers"][name] = asyncio.run(_one_server(server, prompts, args))
+            r["machine"] = started
         finally:
             server.stop()
         tries = r["retry"]["tries"]
@@ -193,10 +209,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["machine_end"] = machine_line()
     path = args.json or OUT / f"cancel-{args.model}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    path.write_text(json.dumps(_merged(path, results), indent=2) + "\n")
     if args.json is None:
         STANDALONE.write_text(render())
     return results
+
+
+def _merged(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc`, keeping from the same measure's earlier file the servers it did not run
+    (a peer run on its own later, e.g. once `make peers` installed it)."""
+    if not path.is_file():
+        return doc
+    old = json.loads(path.read_text())
+    if (old.get("tokens"), old.get("model")) != (doc["tokens"], doc["model"]):
+        return doc
+    ran = set(doc["servers"]) | set(doc["left_out"])
+    servers = {n: r for n, r in old["servers"].items() if n not in ran} | doc["servers"]
+    left_out = {n: w for n, w in old["left_out"].items() if n not in servers}
+    left_out.update({n: w for n, w in doc["left_out"].items() if n not in servers})
+    return {**doc, "servers": servers, "left_out": left_out}
 
 
 def _n(v: int | None) -> str:
@@ -214,16 +245,16 @@ def render() -> str:
         "cancel). *Retry*: a client whose timeout is 0.4 of the cold prefill (60 s against "
         "150 s), sending the same request again 0.5 s after each timeout (goal: finishes "
         "within four tries). *reused per try*: cached tokens each try reported "
-        "(mlx-prefix, mlx_lm.server: only a finished try reports; vllm-mlx: its log, "
-        "`-` where a try closed before reaching its cache).",
+        "(a try that timed out: from mlx-prefix's and vllm-mlx's logs; mlx_lm.server logs "
+        "none; `-`: not known).",
     ]
     for path in sorted(OUT.glob("cancel-*.json")):
         doc = json.loads(path.read_text())
+        when = runs_when((n, r.get("machine", doc["machine"])) for n, r in doc["servers"].items())
         lines += [
             "",
             f"**{doc['model']}** ({doc['description']}), a {doc['tokens']:,}-token system "
-            f"prompt; {doc['machine']} (at the end: load "
-            f"{doc['machine_end'].rsplit('load ', 1)[-1]}).",
+            f"prompt; {when}.",
             "",
             "| server | cold TTFT s | cancelled after s | resend: reused of prompt | resend "
             "TTFT s | retry timeout s | tries | finished | total s | reused per try |",

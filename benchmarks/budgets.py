@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,17 @@ def ours_memory(server: Server) -> dict[str, Any]:
     data = httpx.get(server.url + "/v1/dashboard", timeout=60).json()
     mem = data["memory"]
     return {"held_bytes": mem.get("bytes"), "evictions": mem.get("evictions")}
+
+
+def runs_when(runs: Iterable[tuple[str, str]]) -> str:
+    """Each invocation's date, machine and load (machine_line), with the servers it ran,
+    from (server, machine line) pairs."""
+    by: dict[str, list[str]] = {}
+    for server, machine in runs:
+        servers = by.setdefault(machine, [])
+        if server not in servers:
+            servers.append(server)
+    return "; ".join(f"{', '.join(s)}: {m}" for m, s in by.items())
 
 
 def machine_line() -> str:
