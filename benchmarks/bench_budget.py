@@ -143,6 +143,7 @@ def sweep(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dict[st
                 {"server": name, "factor": factor, "budget": budget, "rows": rows, **memory,
                  "machine": out["machine"]}
             )  # fmt: skip
+            _save(args, {**out, "machine_end": machine_line()})  # a run cut short keeps these
             later = " ".join(f"{r['cached_tokens']}/{r['reachable']}" for r in rows[1:])
             print(f"  {factor}x {name}: cached/reachable per later turn {later}", flush=True)
     out["machine_end"] = machine_line()
@@ -202,6 +203,7 @@ def subagents(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dic
         finally:
             server.stop()
         out["runs"].append({"server": name, "rows": rows, **memory, "machine": out["machine"]})
+        _save(args, {**out, "machine_end": machine_line()})
         last = rows[-1]
         print(
             f"  {name}: main's next turn cached {last['cached_tokens']} of "
@@ -324,12 +326,18 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _merged(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
+def _save(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """Write `doc` (merged once with the file an earlier invocation left: args.saved)."""
+    path = OUT / f"budget-{doc['part']}-{args.model}.json"
+    if args.saved is None:
+        args.saved = json.loads(path.read_text()) if path.is_file() else {}
+    doc = _merged(args.saved, doc) if args.saved else doc
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def _merged(old: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     """`doc`, keeping the runs of servers it did not run from the same measure's earlier
     file (a peer run on its own later, e.g. once `make peers` installed it)."""
-    if not path.is_file():
-        return doc
-    old = json.loads(path.read_text())
     ran = {r["server"] for r in doc["runs"]}
     kept = [r for r in old.get("runs", []) if r["server"] not in ran]
     if any(old.get(k) != doc.get(k) for k in ("final_tokens", "main_tokens", "budget")):
@@ -357,9 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens = Tokens(model.path)
         OUT.mkdir(parents=True, exist_ok=True)
         for part in ("sweep", "subagents") if args.part == "both" else (args.part,):
-            doc = (sweep if part == "sweep" else subagents)(args, tokens, model.path)
-            path = OUT / f"budget-{part}-{args.model}.json"
-            path.write_text(json.dumps(_merged(path, doc), indent=1))
+            args.saved = None
+            _save(args, (sweep if part == "sweep" else subagents)(args, tokens, model.path))
     STANDALONE.write_text(render())
     print(f"wrote {STANDALONE}")
 

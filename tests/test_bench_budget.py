@@ -41,8 +41,7 @@ def test_a_peer_run_later_joins_the_table(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(bench_budget, "OUT", tmp_path)
     path = tmp_path / "budget-sweep-dense.json"
     first = dict(_sweep((OURS, PEER), "day 1"), left_out={VLLM: "not installed"})
-    path.write_text(json.dumps(first))
-    doc = bench_budget._merged(path, _sweep((VLLM,), "day 2"))
+    doc = bench_budget._merged(first, _sweep((VLLM,), "day 2"))
     assert [r["server"] for r in doc["runs"]] == [OURS, PEER, VLLM]
     assert doc["left_out"] == {}
     path.write_text(json.dumps(doc))
