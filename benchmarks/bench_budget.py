@@ -327,11 +327,9 @@ def render() -> str:
 
 
 def _save(args: argparse.Namespace, doc: dict[str, Any]) -> None:
-    """Write `doc` (merged once with the file an earlier invocation left: args.saved)."""
+    """Write `doc`, keeping the other servers' runs the file holds (another invocation's)."""
     path = OUT / f"budget-{doc['part']}-{args.model}.json"
-    if args.saved is None:
-        args.saved = json.loads(path.read_text()) if path.is_file() else {}
-    doc = _merged(args.saved, doc) if args.saved else doc
+    doc = _merged(json.loads(path.read_text()), doc) if path.is_file() else doc
     path.write_text(json.dumps(doc, indent=1))
 
 
@@ -365,7 +363,6 @@ def main(argv: list[str] | None = None) -> None:
         tokens = Tokens(model.path)
         OUT.mkdir(parents=True, exist_ok=True)
         for part in ("sweep", "subagents") if args.part == "both" else (args.part,):
-            args.saved = None
             _save(args, (sweep if part == "sweep" else subagents)(args, tokens, model.path))
     STANDALONE.write_text(render())
     print(f"wrote {STANDALONE}")
