@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             r = results["servers"][name] = asyncio.run(_one_server(server, prompts, args))
             r["machine"] = started
+            _save(args, results)  # a run cut short keeps the servers it measured
         finally:
             server.stop()
         tries = r["retry"]["tries"]
@@ -206,13 +207,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['retry']['total_s']:.1f} s",
             flush=True,
         )
+    _save(args, results)
+    if args.json is None:
+        STANDALONE.write_text(render())
+    return results
+
+
+def _save(args: argparse.Namespace, results: dict[str, Any]) -> None:
     results["machine_end"] = machine_line()
     path = args.json or OUT / f"cancel-{args.model}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_merged(path, results), indent=2) + "\n")
-    if args.json is None:
-        STANDALONE.write_text(render())
-    return results
 
 
 def _merged(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
