@@ -36,13 +36,13 @@ from typing import Any
 import httpx
 
 from .bench_shared_prefix_memory import vllm_cached_from
-from .budgets import machine_line, runs_when
+from .budgets import machine_line, runs_when, start
 from .client import Reply, Request, send
 from .corpus import passage
 from .models import Tokens, resolve
 from .names import OURS, PEER, VLLM
-from .server_process import Server, ServerSpec
-from .servers import start_all, unavailable
+from .server_process import Server
+from .servers import unavailable
 
 QUESTION = "In one sentence: who speaks first in this passage?"
 OUT = Path(__file__).resolve().parent / "out"
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         extra = tuple(args.ours_args.split()) if name == OURS else ()
         started = machine_line()
-        (server,) = start_all([ServerSpec(name, model.path, extra_args=extra, label=name)], log_dir)
+        server = start(name, model.path, None, log_dir, name, extra=extra)
         try:
             r = results["servers"][name] = asyncio.run(_one_server(server, prompts, args))
             r["machine"] = started

@@ -91,9 +91,26 @@ def budget_flag(name: str) -> str:
     }[name]
 
 
-def start(name: str, model: Path, budget: int | None, log_dir: Path, label: str) -> Server:
-    extra = budget_args(name, budget) if budget is not None else ()
-    return Server(ServerSpec(name, model, extra, label), log_dir).start()
+READY_S = 900.0  # vllm-mlx imports torch: minutes on a loaded 2-core box
+
+
+def start(
+    name: str,
+    model: Path,
+    budget: int | None,
+    log_dir: Path,
+    label: str,
+    extra: tuple[str, ...] = (),
+) -> Server:
+    """`name` started on `model` with `budget` bytes (None: its default) and `extra` flags;
+    stopped again if it does not come up."""
+    extra = (*(budget_args(name, budget) if budget is not None else ()), *extra)
+    server = Server(ServerSpec(name, model, extra, label), log_dir).launch()
+    try:
+        return server.wait_ready(timeout_s=READY_S)
+    except BaseException:
+        server.stop()
+        raise
 
 
 class Turns:
