@@ -132,9 +132,12 @@ async def _one_server(server: Server, prompts: list[str], args: argparse.Namespa
             tries.append({"s": time.perf_counter() - t0, "done": reply is not None})
         total_s = time.perf_counter() - started
         await asyncio.sleep(1.0)  # let vllm-mlx's log catch up with the last try
-        fetched = fetches.new()
-        for i, t in enumerate(tries):
-            t["cached_tokens"] = fetched[i] if i < len(fetched) else None
+        # The tries' lines are the last ones: mlx-prefix logs a request when it ends, so
+        # the resend's line may come after the read above.
+        fetched = fetches.new()[-len(tries) :]
+        fetched = [None] * (len(tries) - len(fetched)) + fetched
+        for t, cached in zip(tries, fetched, strict=True):
+            t["cached_tokens"] = cached
         if reply is not None and server.name != VLLM:  # its usage, whatever its log said
             tries[-1]["cached_tokens"] = reply.cached_tokens
     return {
