@@ -87,7 +87,7 @@ class Fetches:
         self.seen = len(self.all())
 
     def all(self) -> list[int | None]:
-        log = Path(self.server._log.name)  # type: ignore[union-attr]
+        log = Path(getattr(self.server._log, "name", ""))
         if self.server.name == VLLM:
             return list(vllm_cached_from(log))
         return ours_cached_from(log) if self.server.name == OURS else []
@@ -135,7 +135,8 @@ async def _one_server(server: Server, prompts: list[str], args: argparse.Namespa
         # The tries' lines are the last ones: mlx-prefix logs a request when it ends, so
         # the resend's line may come after the read above.
         fetched = fetches.new()[-len(tries) :]
-        fetched = [None] * (len(tries) - len(fetched)) + fetched
+        unknown: list[int | None] = [None] * (len(tries) - len(fetched))
+        fetched = unknown + fetched
         for t, cached in zip(tries, fetched, strict=True):
             t["cached_tokens"] = cached
         if reply is not None and server.name != VLLM:  # its usage, whatever its log said

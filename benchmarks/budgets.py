@@ -132,7 +132,7 @@ class Turns:
     def finish(self) -> list[dict[str, Any]]:
         """The rows, vllm-mlx's cached tokens read from its log (call before stop)."""
         if self.server.name == VLLM:
-            log = Path(self.server._log.name)  # type: ignore[union-attr]
+            log = Path(getattr(self.server._log, "name", ""))
             fetched = vllm_cached_from(log)
             for row, cached in zip(self.rows, fetched, strict=False):
                 row["cached_tokens"] = cached
