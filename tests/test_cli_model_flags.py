@@ -122,16 +122,16 @@ def test_use_default_chat_template_gives_a_model_without_one_chatml(tmp_path):
 
 
 def test_trust_remote_code_reaches_the_tokenizer_loader(monkeypatch):
-    import mlx_lm.utils
+    from mlx_prefix.models import tokenizer
 
     seen: list[dict] = []
-    real = mlx_lm.utils.load_tokenizer
+    real = tokenizer.load_tokenizer
 
     def spy(path, tokenizer_config_extra=None, **kwargs):
         seen.append(dict(tokenizer_config_extra or {}))
         return real(path, tokenizer_config_extra, **kwargs)
 
-    monkeypatch.setattr(mlx_lm.utils, "load_tokenizer", spy)
+    monkeypatch.setattr(tokenizer, "load_tokenizer", spy)
     model_from_args(args_for())
     model_from_args(args_for("--trust-remote-code"))
     assert [s["trust_remote_code"] for s in seen] == [False, True]

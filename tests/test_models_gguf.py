@@ -59,3 +59,38 @@ def test_tokenizer_from_gguf_matches_smollm2(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_tokenizer_from_gguf_loads_without_a_python_parse_of_tokenizer_json(
+    gguf_metadata: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tokenizer_config.json lists the added tokens, as hub checkpoints do: without
+    the list, transformers json-parses the whole tokenizer.json to find them
+    (issue 52, item 4: that parse's garbage pinned memory on every load)."""
+    import json
+
+    write_tokenizer(gguf_metadata, tmp_path, model_max_length=8192)
+    size = (tmp_path / "tokenizer.json").stat().st_size
+    parsed: list[int] = []
+    decode = json.JSONDecoder.decode
+
+    def recording(self: json.JSONDecoder, s: str, *args: object, **kwargs: object) -> object:
+        parsed.append(len(s))
+        return decode(self, s, *args, **kwargs)
+
+    monkeypatch.setattr(json.JSONDecoder, "decode", recording)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    monkeypatch.undo()
+    assert parsed and max(parsed) < size // 10, (max(parsed), size)
+    ours = json.loads((tmp_path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    # The layout hub checkpoints carry (tests/data/tokenizers/*/tokenizer_config.json).
+    assert ours["1"] == {
+        "content": "<|im_start|>",
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
+    assert {int(i) for i in ours} == set(tok.added_tokens_decoder)
+    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "<|im_start|>hi<|im_end|>"

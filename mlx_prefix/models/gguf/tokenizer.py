@@ -87,6 +87,20 @@ def write_tokenizer(metadata: Mapping[str, Any], dest: Path, *, model_max_length
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         **specials,
+        # As transformers' save_pretrained writes it: without this list, every load of
+        # the folder json-parses the whole tokenizer.json in Python to find the added
+        # tokens, whose garbage left pymalloc arenas pinned (issue 52, item 4).
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "normalized": t.normalized,
+                "rstrip": t.rstrip,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(tok.get_added_tokens_decoder().items())
+        },
     }
     if template := metadata.get("tokenizer.chat_template"):
         config["chat_template"] = template
