@@ -69,7 +69,7 @@ OLLAMA_JS_VERSION := 0.6.4
 LLM_VERSION := 0.36
 LLM_OLLAMA_VERSION := 0.19.1
 # SGLang's router (a Rust binary in a wheel) for the replicas test and benchmark, in a venv
-# of its own: its FastAPI and aiohttp are no dependency of ours (benchmarks/router_process.py).
+# of its own: its FastAPI and aiohttp are no dependency of ours (benchmarks/studies/router_process.py).
 SGLANG_ROUTER_VERSION := 0.3.2
 TEST_CLIENTS := .test-clients
 

@@ -1,4 +1,4 @@
-"""benchmarks/bench_budget.py and bench_cancel.py's tables, without a server: each peer's
+"""benchmarks/studies/budget.py and bench_cancel.py's tables, without a server: each peer's
 budget flag says the budget it was given, a peer run later joins the earlier run's table,
 and the tables show each server's per-turn reuse, the main agent's next turn and every
 retry try. The runs themselves are measurements (benchmarks/RESULTS.md), not tests."""
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_budget, bench_cancel
-from benchmarks.budgets import MiB, budget_args
 from benchmarks.names import OURS, PEER, VLLM
+from benchmarks.studies import budget as bench_budget
+from benchmarks.studies import cancel as bench_cancel
+from benchmarks.studies.budgets import MiB, budget_args
 
 
 def test_each_server_gets_the_budget_in_its_own_flag() -> None:

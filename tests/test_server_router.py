@@ -17,7 +17,7 @@ import httpx
 import pytest
 from served_process import StderrReader
 
-from benchmarks.router_process import Router, find_router
+from benchmarks.studies.router_process import Router, find_router
 from mlx_prefix.models.testing import cached_test_model
 
 ROOT = Path(__file__).resolve().parent.parent

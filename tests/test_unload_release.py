@@ -3,7 +3,7 @@ engine, weights, vision tower or feature cache is reachable, the tower outputs' 
 out of the shared store's budget, the views show a stand-in, and the process's RSS is back
 within 10% of what it was before the load (measured in a subprocess of its own, the load
 and unload on loader threads as the pool runs them), for a vision model as for a text one.
-What 20 load/unload cycles do to a server's RSS: benchmarks/bench_unload.py."""
+What 20 load/unload cycles do to a server's RSS: benchmarks/studies/unload.py."""
 
 from __future__ import annotations
 

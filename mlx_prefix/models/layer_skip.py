@@ -1,7 +1,7 @@
 """A "layer-skip" draft model: a model folder's first N transformer layers with its own
 embeddings, final norm and LM head, saved as a loadable folder. It shares the tokenizer
 by construction, so it can draft for the full model (engine/decode/speculative.py); tests and
-benchmarks/bench_speculative.py use it where no smaller sibling checkpoint is at hand.
+benchmarks/studies/speculative.py use it where no smaller sibling checkpoint is at hand.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...bench_memory import machine
+from ..memory import machine
 from . import __doc__ as DOC
 from .serve import OUT, MiB, measure_memory
 from .sessions import measure_restore, measure_sessions

@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
-from .bench_shared_prefix_memory import vllm_cached_from
-from .client import Reply, Request, send
-from .names import OURS, PEER, VLLM
-from .server_process import Server, ServerSpec
+from ..client import Reply, Request, send
+from ..names import OURS, PEER, VLLM
+from ..server_process import Server, ServerSpec
+from .shared_prefix_memory.sessions import vllm_cached_from
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""A replica lost behind the router (issue 56 item 3), for benchmarks/bench_router.py.
+"""A replica lost behind the router (issue 56 item 3), for benchmarks/studies/router.py.
 
 Twelve sessions at once through the recipe: two turns; then the next three turns, with
 one replica killed (SIGKILL: a Mac gone, not a clean stop) while they run; then the
@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..server_process import Server
 from .router_process import Router
-from .server_process import Server
 
 COLD = 0.9  # a turn restoring less than this share of its previous prompt is cold
 KILL_AFTER_S = 1.0  # into the third turn's requests

@@ -18,7 +18,7 @@ Memory only (mlx-prefix: `--disk-cache off`, as the harness starts it). Writes
 benchmarks/out/cancel-<model>.json and renders benchmarks/results/standalone/cancel55.md
 from those found.
 
-`python -m mlx_prefix.blas_exec python -m benchmarks.bench_cancel [--model hybrid] [--quick]`
+`python -m mlx_prefix.blas_exec python -m benchmarks.studies.cancel [--model hybrid] [--quick]`
 (`--only mlx-prefix --ours-args=--no-finish-cancelled`: what the stored point alone gives)
 """
 
@@ -35,14 +35,14 @@ from typing import Any
 
 import httpx
 
-from .bench_shared_prefix_memory import vllm_cached_from
+from ..client import Reply, Request, send
+from ..corpus import passage
+from ..models import Tokens, resolve
+from ..names import OURS, PEER, VLLM
+from ..server_process import Server
+from ..servers import unavailable
 from .budgets import machine_line, runs_when, start
-from .client import Reply, Request, send
-from .corpus import passage
-from .models import Tokens, resolve
-from .names import OURS, PEER, VLLM
-from .server_process import Server
-from .servers import unavailable
+from .shared_prefix_memory.sessions import vllm_cached_from
 
 QUESTION = "In one sentence: who speaks first in this passage?"
 OUT = Path(__file__).resolve().parent / "out"
@@ -248,7 +248,7 @@ def render() -> str:
     lines = [
         "## A cancelled prefill keeps its work (issue 55 item 1)",
         "",
-        "`benchmarks/bench_cancel.py`: each server alone, memory only, greedy, 4 tokens a "
+        "`benchmarks/studies/cancel.py`: each server alone, memory only, greedy, 4 tokens a "
         "reply. *Resend*: a prompt cancelled by the client at half its cold prefill time, "
         "sent again 2 s later (goal: reuses >= 95% of the tokens computed before the "
         "cancel). *Retry*: a client whose timeout is 0.4 of the cold prefill (60 s against "

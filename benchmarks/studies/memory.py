@@ -25,9 +25,9 @@ Measured 2026-11-27 on a 2-core AMD EPYC (Linux, OpenBLAS), SmolLM2-135M float32
   668, then micro 163 / SmolLM2 702, 209 / 728, 214 / 732 over three swaps (before the
   trim on unload: 171 -> 702 -> 1222 -> 1700, ~500 MiB kept per swap).
 
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_memory [--budget 64MiB]
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_memory --mode burst
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_memory --mode swaps
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.memory [--budget 64MiB]
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.memory --mode burst
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.memory --mode swaps
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from typing import Any
 
 import httpx
 
-from .corpus import verses
-from .models import dense_model
-from .servers import OURS, Server, ServerSpec
+from ..corpus import verses
+from ..models import dense_model
+from ..servers import OURS, Server, ServerSpec
 
 WARMUPS = 10
 PROMPTS = 150
@@ -183,7 +183,7 @@ def swaps(log_dir: Path) -> dict[str, Any]:
     out three times with --max-models 1."""
     from mlx_prefix.models.testing import make_test_model
 
-    from .models import dense_model as default
+    from ..models import dense_model as default
 
     micro = Path(log_dir).parent / "micro-model"
     if not (micro / "config.json").is_file():

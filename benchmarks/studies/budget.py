@@ -16,7 +16,7 @@ Memory only (mlx-prefix `--disk-cache off`, as the harness starts it). Writes
 benchmarks/out/budget-<part>-<model>.json and renders
 benchmarks/results/standalone/budget55.md from those found.
 
-`python -m mlx_prefix.blas_exec python -m benchmarks.bench_budget --model dense [--part sweep]`
+`python -m mlx_prefix.blas_exec python -m benchmarks.studies.budget --model dense [--part sweep]`
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 
 import httpx
 
+from ..client import Request
+from ..corpus import passage
+from ..models import Tokens, resolve
+from ..names import OURS, PEER, VLLM
+from ..servers import unavailable
 from .budgets import MiB, Turns, budget_flag, kv_size, machine_line, ours_memory, runs_when, start
-from .client import Request
-from .corpus import passage
-from .models import Tokens, resolve
-from .names import OURS, PEER, VLLM
-from .servers import unavailable
 
 OUT = Path(__file__).resolve().parent / "out"
 STANDALONE = Path(__file__).resolve().parent / "results" / "standalone" / "budget55.md"
@@ -295,7 +295,7 @@ def render() -> str:
     lines = [
         "## A tight budget and the conversations it serves (issue 55 items 3, 4)",
         "",
-        "`benchmarks/bench_budget.py`: each server a fresh process per budget, memory only, "
+        "`benchmarks/studies/budget.py`: each server a fresh process per budget, memory only, "
         "greedy, requests one after another, 4-token replies sent back as the next turn's "
         "assistant message. Budget flags: "
         + "; ".join(f"{n} `{budget_flag(n)}`" for n in (OURS, PEER, VLLM))

@@ -8,7 +8,7 @@ On the default model (SmolLM2-135M-Instruct), with two drafts:
               the mechanism (each step still pays k draft forwards of the full model)
 Every speculative reply is checked equal to the plain one (tokens and logprobs).
 
-    python benchmarks/bench_speculative.py [--layers 16] [--max-tokens 48] [--k 3]
+    python benchmarks/studies/speculative.py [--layers 16] [--max-tokens 48] [--k 3]
 """
 
 from __future__ import annotations

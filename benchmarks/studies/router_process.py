@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from .server_process import free_port
+from ..server_process import free_port
 
 SGLANG_ROUTER = "0.3.2"
 ROOT = Path(__file__).resolve().parent.parent

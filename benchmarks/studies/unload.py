@@ -11,7 +11,7 @@ last cycle against the first.
 
 Writes <out>/unload_<kind>.json and benchmarks/results/standalone/unload_<kind>.md.
 
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_unload [--kind text|vision]
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.unload [--kind text|vision]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from .bench_memory import machine
-from .servers import OURS, Server, ServerSpec
+from ..servers import OURS, Server, ServerSpec
+from .memory import machine
 
 CYCLES = 20
 IDLE_S = 1.0  # after the unload: the unload's own trim has run; the engine's idle trim too
@@ -43,7 +43,7 @@ def second_model(kind: str, root: Path) -> Path:
     """The model loaded on demand: SmolLM2 (text) or a random vision model whose tower
     holds ~50 MB of float32 weights (vision)."""
     if kind == "text":
-        from .models import dense_model
+        from ..models import dense_model
 
         return dense_model().path
     from mlx_prefix.vision.testing import make_vision_test_model
@@ -137,7 +137,7 @@ def markdown(result: dict[str, Any], label: str) -> str:
     per = ", ".join(f"{r:.0f}" for r in result["rss_after_each_unload_mib"])
     return (
         f"## Load and unload {result['cycles']} times ({result['kind']}, issue 52)\n\n"
-        f"`benchmarks/bench_unload.py --kind {result['kind']}`, {when} UTC, {result['machine']}"
+        f"`benchmarks/studies/unload.py --kind {result['kind']}`, {when} UTC, {result['machine']}"
         f" ({label}): {what} loaded on demand beside a micro model and unloaded when idle "
         f"(`--keep-alive {result['keep_alive']}`). Server RSS before the first load "
         f"{result['rss_before_first_load_mib']:.0f} MiB; after each unload (MiB): {per}. "

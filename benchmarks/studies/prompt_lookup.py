@@ -14,7 +14,7 @@ streams is the sum of the streams' own rates (they decode together). By default 
 engine runs as served by default; --deterministic makes every reply comparable bit for
 bit (tokens and logprobs) with plain decoding.
 
-    python benchmarks/bench_prompt_lookup.py [--k 8] [--max-tokens 192] [--repeats 2]
+    python benchmarks/studies/prompt_lookup.py [--k 8] [--max-tokens 192] [--repeats 2]
         [--streams 1 4] [--no-peers]
 """
 
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench_speculative import reply  # one request's tokens, logprobs, usage
 from benchmarks.client import Request, send
 from benchmarks.names import PEER, VLLM
 from benchmarks.server_process import ServerSpec
 from benchmarks.servers import start_all, unavailable
+from benchmarks.studies.speculative import reply  # one request's tokens, logprobs, usage
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.default import ensure_default_model

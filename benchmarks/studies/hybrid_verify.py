@@ -12,7 +12,7 @@ Each trial starts from the same prefilled prompt and times, batch-invariant as
 each until its logits and the cache are evaluated, the modes in turn. The median of the
 trials is reported with the machine's load average, which moves these figures on a shared CPU.
 
-    python benchmarks/bench_hybrid_verify.py [--k 2 4 8] [--trials 7]
+    python benchmarks/studies/hybrid_verify.py [--k 2 4 8] [--trials 7]
 """
 
 from __future__ import annotations

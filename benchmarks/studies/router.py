@@ -15,7 +15,7 @@ The sessions share a long system prompt (as every user of one agent does) unless
 `--distinct-heads`; the router's cache-aware tree matches request text, so it cannot
 tell such sessions apart at their first turn (docs/several-macs.md says why).
 
-    python -m mlx_prefix.blas_exec python -m benchmarks.bench_router [--failover]
+    python -m mlx_prefix.blas_exec python -m benchmarks.studies.router [--failover]
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import httpx
 
 from mlx_prefix.models.testing import make_test_model
 
+from ..server_process import Server, ServerSpec
+from ..servers import OURS
 from .router_process import SGLANG_ROUTER, Router
-from .server_process import Server, ServerSpec
-from .servers import OURS
 
 SESSIONS, TURNS, REPLICAS = 12, 5, 3
 MAX_TOKENS = 12
@@ -251,7 +251,8 @@ def main() -> None:
     failed_over = None
     try:
         if args.failover:
-            from . import bench_router, router_failover
+            from . import router as bench_router
+            from . import router_failover
 
             log = work / "logs" / "router-failover.log"
             failed_over = router_failover.failover(bench_router, replicas, RECIPE, log)
