@@ -2,7 +2,7 @@
 agent `make test-deps` installed (or why it is absent: its tests skip saying so), how to
 run it headless against a server, and what is its own in each test: how much prompt
 it brings, what it reports of a second run, and which of its tools a round trip calls.
-Every agent talks to the server as the README configures it.
+Every agent talks to the server as docs/clients.md configures it.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def find_opencode() -> Found:
 
 
 def opencode_config(url: str) -> dict:
-    """The README's opencode.json for a server at `url`."""
+    """docs/clients.md's opencode.json for a server at `url`."""
     return {
         "$schema": "https://opencode.ai/config.json",
         "provider": {

@@ -1,5 +1,5 @@
 """The coding agents themselves (Claude Code, Codex CLI, OpenCode, Qwen Code, Continue's
-CLI, Crush, Aider) against a live server, each configured as the README says: one table
+CLI, Crush, Aider) against a live server, each configured as docs/clients.md says: one table
 of agents (agents.py) drives each test, and an agent `make test-deps` did not install
 skips saying why.
 
