@@ -11,7 +11,7 @@ Over HTTP the turns arrive with the jitter of their clients: a rest that arrives
 computes alone before the next is admitted, and on the CPU only rests of about one
 length stack, so few long rests meet. `--in-process` drives an Engine directly and
 submits each round's twelve turns together (the next prefill step held until all are
-queued: what tests/engine_helpers.py `submit_together` does), the case where every
+queued: what tests/support/engine_helpers.py `submit_together` does), the case where every
 session's rest is ready in the same step.
 
 `--baseline-src DIR` runs a server from another source tree first (its PYTHONPATH: e.g.
