@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import openai
 import pytest
 from support.models import TEST_CACHE, loaded_test_model
 
@@ -26,3 +27,18 @@ def make_engine():
     yield make
     for engine in engines:
         engine.shutdown()
+
+
+# A module whose `live` fixture is a live server (support.live.live_server: a base URL and
+# the engine it serves) gets these two; a module defines its own to differ.
+@pytest.fixture
+def client(live):
+    """An OpenAI client of the module's live server."""
+    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def engine(live):
+    """The engine the module's live server serves."""
+    return live[1]

@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 from support.live import live_server, tool_calling_engine
-from support.server_fakes import DEFAULT_REPLY, FakeEngine, FakeTokenizer, serving
+from support.server_fakes import DEFAULT_REPLY, FakeTokenizer, serving
 
 from mlx_prefix.conversation import Message
 from mlx_prefix.records import TokenEvent, ToolCallIds
@@ -34,11 +34,6 @@ live = live_server(tool_calling_engine)
 def client(live):
     with anthropic.Anthropic(base_url=live[0], api_key="unused", max_retries=0) as c:
         yield c
-
-
-@pytest.fixture
-def engine(live) -> FakeEngine:
-    return live[1]
 
 
 def user(text: str) -> list[dict]:

@@ -27,11 +27,6 @@ def http(live) -> Iterator[httpx.Client]:
         assert c.get("/health").json()["status"] == "ok"  # still serving after the error
 
 
-@pytest.fixture
-def engine(live) -> FakeEngine:
-    return live[1]
-
-
 def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None):
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")

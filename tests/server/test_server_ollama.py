@@ -43,11 +43,6 @@ def url(live) -> str:
 
 
 @pytest.fixture
-def engine(live) -> FakeEngine:
-    return live[1]
-
-
-@pytest.fixture
 def client(url) -> Iterator[ollama.Client]:
     with ollama.Client(host=url) as c:
         yield c

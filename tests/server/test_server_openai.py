@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 from support.live import live_server, tool_calling_engine
-from support.server_fakes import DEFAULT_REPLY, FakeEngine, serving
+from support.server_fakes import DEFAULT_REPLY, serving
 
 from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Message, ToolCall
@@ -29,17 +29,6 @@ WEATHER_TOOL = {
 
 
 live = live_server(lambda: tool_calling_engine(path=Path("/models/org/SmolLM-fake")))
-
-
-@pytest.fixture
-def client(live):
-    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
-def engine(live) -> FakeEngine:
-    return live[1]
 
 
 def user(text: str) -> list[dict]:

@@ -9,7 +9,6 @@ import anthropic
 import openai
 import pytest
 from support.live import live_server, tool_calling_engine
-from support.server_fakes import FakeEngine
 
 from mlx_prefix.conversation import conversation_from_dicts, template_messages
 
@@ -32,11 +31,6 @@ live = live_server(tool_calling_engine)
 def chat(live):
     with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="x", max_retries=0) as client:
         yield client
-
-
-@pytest.fixture
-def engine(live) -> FakeEngine:
-    return live[1]
 
 
 def ask(text: str) -> list[dict]:

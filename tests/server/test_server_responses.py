@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from support.live import live_server, tool_calling_engine
-from support.server_fakes import DEFAULT_REPLY, FakeEngine, serving
+from support.server_fakes import DEFAULT_REPLY, serving
 
 from mlx_prefix.conversation import conversation_from_dicts
 from mlx_prefix.records import ToolCallIds
@@ -32,17 +32,6 @@ WEATHER = {
 
 
 live = live_server(tool_calling_engine, responses_store=4)
-
-
-@pytest.fixture
-def client(live):
-    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
-def engine(live) -> FakeEngine:
-    return live[1]
 
 
 def test_plain_response(client, engine):
