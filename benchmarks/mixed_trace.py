@@ -1,4 +1,5 @@
-"""Record the mixed workload's request sequence for the cache simulation (tests/trace_sim.py).
+"""Record the mixed workload's request sequence for the cache simulation
+(tests/support/trace_sim.py).
 
 `python -m benchmarks.mixed_trace RUN.json --model dense|hybrid OUT.json` rebuilds the
 prompts one run of `--workloads mixed` sent (its replies come from RUN.json: a chat's

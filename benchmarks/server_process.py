@@ -78,7 +78,7 @@ class ServerSpec:
 
 def free_port(span: int = 1) -> int:
     """A loopback port p with p .. p+span-1 free now (the ring backend listens on one per
-    rank). The tests' launches (tests/sharded_launch.py) take theirs here too."""
+    rank). The tests' launches (tests/support/sharded_launch.py) take theirs here too."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

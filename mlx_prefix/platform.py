@@ -1,7 +1,7 @@
 """Where MLX runs and how fast: device, fast BLAS on Linux, dtype choice.
 
 The `mlx[cpu]` wheel bundles a reference BLAS that makes float32 matmul ~65x slower
-than OpenBLAS or MKL (measured: README, "Two commands"). A BLAS can only replace those
+than OpenBLAS or MKL (measured: docs/install.md). A BLAS can only replace those
 symbols if it is preloaded before the process starts, so `find_fast_blas()` is used
 by the launcher, which re-executes the command with LD_PRELOAD set. macOS uses
 Accelerate/Metal and is never touched.

@@ -1,23 +1,11 @@
 from __future__ import annotations
 
+import openai
 import pytest
+from support.models import TEST_CACHE, loaded_test_model
 
-from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.models.load import load_model
-from mlx_prefix.models.testing import cached_test_model
-
-# Small chunks and checkpoint intervals so that short test prompts cross many grid points.
-TEST_CACHE = CacheConfig(budget_bytes=1 << 30, prefill_chunk=32, checkpoint_interval=64)
-
-_loaded: dict = {}
-
-
-def loaded_test_model(kind: str, think_template: bool = False):
-    key = (kind, think_template)
-    if key not in _loaded:
-        _loaded[key] = load_model(str(cached_test_model(kind, think_template)))
-    return _loaded[key]
 
 
 @pytest.fixture
@@ -39,3 +27,18 @@ def make_engine():
     yield make
     for engine in engines:
         engine.shutdown()
+
+
+# A module whose `live` fixture is a live server (support.live.live_server: a base URL and
+# the engine it serves) gets these two; a module defines its own to differ.
+@pytest.fixture
+def client(live):
+    """An OpenAI client of the module's live server."""
+    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def engine(live):
+    """The engine the module's live server serves."""
+    return live[1]

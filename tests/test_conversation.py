@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import TEST_CACHE, loaded_test_model
-from server_fakes import serving
+from support.models import TEST_CACHE, loaded_test_model
+from support.server_fakes import serving
 
 from mlx_prefix.conversation import Message, ToolCall, template_messages
 from mlx_prefix.errors import InvalidRequest

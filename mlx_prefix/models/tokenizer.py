@@ -8,7 +8,7 @@ them, so a server that loads and unloads models all day grows with every load (i
 item 4: +0.6 MiB a load of SmolLM2's tokenizer). Here the decoder is read from the
 tokenizer transformers has just built (its Rust decoder serialized: a few hundred bytes),
 and the rest is mlx-lm's load step for step: the same detokenizer choice, EOS ids, chat
-template module and tool parser (tests/test_models_tokenizer.py compares the two on every
+template module and tool parser (tests/models/test_models_tokenizer.py compares the two on every
 real tokenizer the tests carry).
 """
 

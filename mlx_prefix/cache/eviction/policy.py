@@ -39,15 +39,15 @@ Two policies:
   at 1.5). In the benchmark's mixed traffic (issue 14) a document's end saves ~20
   tokens of work per MiB, a chat's or a one-shot's ~5; at 1.5 the newest entry
   always outranked a document asked about again later. Replayed through this store
-  (tests/trace_sim.py: the run's recorded requests, reproducing its figures request
+  (tests/support/trace_sim.py: the run's recorded requests, reproducing its figures request
   by request), 2.5 and the coverage restore, against the kind order, on the dense
   model 1.48x at 256 MiB, 1.22x at 320, 1.86x at 384, 1.51x at 448 and 1.21x at 512
   (1.5: 1.00, 0.99, 1.78, 1.45, 1.21); on the hybrid 1.12x at 40 MiB (1.5: 0.84),
   1.48x at 48, 1.28x at 56-64, as before. At the dense benchmark's 288 MiB it keeps
   no document's end past the next request, as the kind order does (1.00x; the test
-  of tests/trace_sim.py says why); alpha 4 would (1.65x) but loses 5% on the hybrid
+  of tests/support/trace_sim.py says why); alpha 4 would (1.65x) but loses 5% on the hybrid
   at 40 MiB and 6% on the synthetic hybrid at 2 GiB. On the synthetic mixed workload
-  (tests/cache_sim.py) 2.5 is ahead of the kind order at 4 GiB (1.11x dense and
+  (tests/support/cache_sim.py) 2.5 is ahead of the kind order at 4 GiB (1.11x dense and
   hybrid) and level (1.00-1.04x) at 2 and 8 GiB.
 
 A policy is not thread-safe: the store calls it with its lock held. It holds the

@@ -1,0 +1,99 @@
+"""A tight budget serves the conversation it holds (issue 55, item 3).
+
+At 1.25x a conversation's final KV, every turn after the first restores its previous
+turn whole and answers as a cold run does; the store never holds more than its budget
+(stored + running requests' bytes, read from its stats after every change)."""
+
+from __future__ import annotations
+
+import pytest
+from support.engine_helpers import EXACT, cancelling, chat, collect, open_engine, run, wait_for
+from support.models import TEST_CACHE, loaded_test_model
+
+from mlx_prefix.cache.store import PromptCache
+from mlx_prefix.config import CacheConfig, EngineConfig
+from mlx_prefix.records import CachePreference
+
+
+def _turns(n: int, system_words: int) -> list[list[tuple[str, str]]]:
+    messages, out = [("system", "You are a careful assistant. " * system_words)], []
+    for i in range(n):
+        messages.append(("user", f"Question {i}: " + "tell me about the topic please " * 30))
+        out.append(list(messages))
+        messages.append(("assistant", f"Answer {i}: " + "it is like this and that " * 20))
+    return out
+
+
+def _kv_per_token(model) -> int:
+    # The dense test model: 2 layers x 2 KV heads x 16 dims x (keys, values) x float32.
+    text = model.model.args
+    layers, heads, dims = text.num_hidden_layers, text.num_key_value_heads, text.head_dim
+    return layers * heads * dims * 2 * 4
+
+
+# A conversation that grows turn by turn, and one whose long system prompt is most of it
+# (its first turn's end alone takes most of the budget: it is stored from its decode row).
+@pytest.mark.parametrize(("turns", "system_words"), [(5, 40), (3, 240)])
+def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(
+    monkeypatch, turns, system_words
+):
+    model = loaded_test_model("dense")
+    turns = _turns(turns, system_words)
+    config = EngineConfig(prefetch_next_turn=False)  # one request at a time, as measured
+    with open_engine(model, TEST_CACHE, config) as cold_engine:
+        cold = [run(cold_engine, chat(*m), cache=False, sampling=EXACT) for m in turns]
+    final = cold[-1].usage.prompt_tokens
+    budget = final * _kv_per_token(model) * 5 // 4
+    # The store's own stats after every change: stored + active never above the budget.
+    peaks: list[int] = []
+
+    def checked(name: str) -> None:
+        method = getattr(PromptCache, name)
+
+        def call(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            s = self.stats()
+            peaks.append(s.bytes + s.active_bytes)
+            assert s.bytes + s.active_bytes <= s.budget_bytes, f"over budget after {name}"
+            return out
+
+        monkeypatch.setattr(PromptCache, name, call)
+
+    for name in ("insert", "set_active_bytes", "acquire", "release", "hand_over"):
+        checked(name)
+    cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, cache, config) as engine:
+        previous = 0
+        for messages, expected in zip(turns, cold, strict=True):
+            warm = run(engine, chat(*messages), sampling=EXACT)
+            assert warm.usage.cached_tokens >= previous  # its previous turn, whole
+            assert warm.usage.cached_tokens < warm.usage.prompt_tokens
+            assert (warm.tokens, warm.logprobs) == (expected.tokens, expected.logprobs)
+            previous = warm.usage.prompt_tokens
+        assert engine.cache_stats()["handed_over"] > 0  # the tight budget was the case
+    assert peaks and max(peaks) <= budget
+
+
+def test_a_cancelled_turn_loses_no_entry_the_store_handed_it():
+    """The entry a tight budget hands to the turn that extends it comes back if that
+    turn is cancelled mid-prefill: its prefill runs on and stores its end (left to its
+    decode row otherwise, which a cancelled request never reaches), and the turn sent
+    again restores it and answers as a cold run does."""
+    model = loaded_test_model("dense")
+    first, second = _turns(2, 40)
+    config = EngineConfig(prefetch_next_turn=False, prefill_tokens_per_step=1)
+    with open_engine(model, TEST_CACHE, config) as cold_engine:
+        cold = run(cold_engine, chat(*second), cache=False, sampling=EXACT)
+    budget = cold.usage.prompt_tokens * _kv_per_token(model) * 5 // 4
+    cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, cache, config) as engine:
+        before = run(engine, chat(*first), sampling=EXACT).usage.prompt_tokens
+        handle = engine.submit(chat(*second), EXACT, CachePreference())
+        with cancelling(engine, before + 32) as landed:
+            assert collect(handle).finish_reason == "cancelled"
+        assert landed and engine.cache_stats()["handed_over"] > 0
+        assert wait_for(lambda: not engine._prefill.tasks)  # it ran on to its end
+        again = run(engine, chat(*second), sampling=EXACT)
+    # Its end came back (the handed-over turn before it too), as a resend finds it.
+    assert again.usage.cached_tokens >= 0.95 * cold.usage.prompt_tokens > before
+    assert (again.tokens, again.logprobs) == (cold.tokens, cold.logprobs)
