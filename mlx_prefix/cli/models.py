@@ -1,4 +1,4 @@
-"""mlx-prefix pull | ls | rm: the models on this machine (models/pull.py, models/catalog.py)."""
+"""mlx-prefix pull | ls | rm: the models on this machine (models/library/pull.py, models/library/catalog.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def add_pull_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_pull(args: argparse.Namespace) -> int:
     import logging
 
-    from mlx_prefix.models.pull import check_loadable, plan_pull, pull, split_name
+    from mlx_prefix.models.library.pull import check_loadable, plan_pull, pull, split_name
 
     for name in ("httpx", "httpx2"):  # one line per HTTP request: the bar says enough
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -62,7 +62,7 @@ def add_ls_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from mlx_prefix.models.catalog import local_models
+    from mlx_prefix.models.library.catalog import local_models
 
     models = local_models()
     if args.json:
@@ -94,7 +94,7 @@ def add_rm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from mlx_prefix.models.catalog import find_model, local_models, remove_model
+    from mlx_prefix.models.library.catalog import find_model, local_models, remove_model
 
     model = find_model(args.model, local_models())
     url = server_url(args.url)

@@ -1,4 +1,4 @@
-"""Ollama's API (server/routes/ollama*.py) against a fake engine: the shapes its clients
+"""Ollama's API (server/routes/ollama/) against a fake engine: the shapes its clients
 read (the official `ollama` Python package and raw HTTP), what each body field becomes,
 the model names, and every bad input answered in Ollama's error shape while the server
 goes on serving. The real engine behind it: test_server_ollama_live.py."""

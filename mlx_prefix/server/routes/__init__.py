@@ -1,7 +1,7 @@
 """HTTP handlers, one module per API family, and the route table. A family has one name
 used in protocol/ (its bodies), routes/ (its handlers) and replies/ (its writer): chat,
 completions (whose reply is chat's shape), anthropic, responses, embeddings, ollama
-(routes/ollama.py, its model routes ollama_info.py and embeddings ollama_embed.py); the
+(routes/ollama/: chat.py, its model routes info.py and embeddings embed.py); the
 cache admin routes are cache (routes/cache.py, protocol/cache.py); what SGLang's router
 asks a worker is worker.py. Every generation handler
 runs one preamble and one reply (flow.py); engine calls that may block go through the
@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from . import dashboard, ollama, ollama_embed, ollama_info
+from . import dashboard
 from .anthropic import count_tokens, messages
 from .cache import cache_flush, cache_info, cache_requests, cache_warm
 from .chat import chat_completions
 from .completions import completions
 from .embeddings import embeddings
-from .ollama_info import store_route
+from .ollama import chat as ollama_chat
+from .ollama import embed as ollama_embed
+from .ollama import info as ollama_info
+from .ollama.info import store_route
 from .responses import create_response, delete_response, get_response
 from .status import get_model, health, list_models, metrics, ps
 from .worker import get_load, model_info, server_info
@@ -51,8 +54,8 @@ API_ROUTES = [
 
 # Ollama's API (GET routes answer HEAD too, as Ollama's do).
 OLLAMA_ROUTES = [
-    Route("/api/chat", ollama.chat, methods=["POST"]),
-    Route("/api/generate", ollama.generate, methods=["POST"]),
+    Route("/api/chat", ollama_chat.chat, methods=["POST"]),
+    Route("/api/generate", ollama_chat.generate, methods=["POST"]),
     Route("/api/embed", ollama_embed.embed, methods=["POST"]),
     Route("/api/embeddings", ollama_embed.embeddings, methods=["POST"]),
     Route("/api/tags", ollama_info.tags, methods=["GET"]),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_prefix.models.catalog import knows_reasoning, renders_tools, template_text
+from mlx_prefix.models.library.catalog import knows_reasoning, renders_tools, template_text
 
 from .names import ModelSelector
 

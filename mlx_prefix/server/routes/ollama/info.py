@@ -23,11 +23,11 @@ from mlx_prefix.models.load import context_length
 from mlx_prefix.models.preflight import load_estimate
 from mlx_prefix.vision.tower import carries_tower, is_vision_config
 
-from ..guards.body import read_json
-from ..served.ollama import ModelFacts, capabilities, facts, listed_name, requested_name
-from ..served.status import model_statuses
-from . import dashboard
-from .common import ServerState, api, state
+from ...guards.body import read_json
+from ...served.ollama import ModelFacts, capabilities, facts, listed_name, requested_name
+from ...served.status import model_statuses
+from .. import dashboard
+from ..common import ServerState, api, state
 
 log = logging.getLogger("mlx_prefix.server")
 

@@ -25,14 +25,14 @@ from mlx_prefix.config import FOREVER
 from mlx_prefix.errors import InvalidRequest, ModelNotFound
 from mlx_prefix.records import ToolCallIds
 
-from ..protocol.ollama.bodies import OllamaRequest, parse_ollama_chat, parse_ollama_generate
-from ..protocol.ollama.options import log_ignored
-from ..protocol.request import GenerationRequest, Limits
-from ..replies.ndjson import NDJSONResponse
-from ..replies.ollama import OllamaWriter, ReplyMeta
-from ..served.ollama import listed_name, requested_name
-from .common import api, state
-from .flow import read_call
+from ...protocol.ollama.bodies import OllamaRequest, parse_ollama_chat, parse_ollama_generate
+from ...protocol.ollama.options import log_ignored
+from ...protocol.request import GenerationRequest, Limits
+from ...replies.ndjson import NDJSONResponse
+from ...replies.ollama import OllamaWriter, ReplyMeta
+from ...served.ollama import listed_name, requested_name
+from ..common import api, state
+from ..flow import read_call
 
 KEEP_ALIVE_REFUSED = (
     "keep_alive: this server cannot unload its model (it could not load it back: a "

@@ -20,19 +20,19 @@ from starlette.responses import JSONResponse, Response
 from mlx_prefix.config import FOREVER
 from mlx_prefix.errors import InvalidRequest, MlxPrefixError, json_type
 
-from ..guards.body import read_json
-from ..guards.namespaces import caller
-from ..monitor.metrics import RequestLog
-from ..protocol.embeddings import parse_embeddings
-from ..protocol.fields import field
-from ..protocol.ollama.options import parse_keep_alive
-from ..protocol.spec import refuse_unknown
-from ..replies.ids import new_id
-from ..replies.ollama import ns
-from ..served.embeddings import ServedEmbeddings, require
-from ..served.ollama import listed_name
-from .common import api, state
-from .embeddings import embed as embed_inputs
+from ...guards.body import read_json
+from ...guards.namespaces import caller
+from ...monitor.metrics import RequestLog
+from ...protocol.embeddings import parse_embeddings
+from ...protocol.fields import field
+from ...protocol.ollama.options import parse_keep_alive
+from ...protocol.spec import refuse_unknown
+from ...replies.ids import new_id
+from ...replies.ollama import ns
+from ...served.embeddings import ServedEmbeddings, require
+from ...served.ollama import listed_name
+from ..common import api, state
+from ..embeddings import embed as embed_inputs
 
 log = logging.getLogger("mlx_prefix.server")
 
