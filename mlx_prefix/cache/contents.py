@@ -19,6 +19,7 @@ from mlx_prefix.cache.entries import Entry, EntryTable
 from mlx_prefix.cache.eviction.budget import Budget
 from mlx_prefix.cache.eviction.log import EvictionLog
 from mlx_prefix.cache.eviction.policy import EvictionPolicy, KindLRU
+from mlx_prefix.cache.eviction.uses import Lineage
 from mlx_prefix.cache.pins import Pins
 from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.cache.types import Buffer, CheckpointKind
@@ -42,6 +43,7 @@ class Contents:
         self.counters = Counters()
         # What eviction took (and inserts refused for room): why a later request missed.
         self.evicted = EvictionLog()
+        self.lineage = Lineage()  # how often each restored prefix was reused
 
     def insert(
         self,
@@ -70,12 +72,14 @@ class Contents:
         # Decide before changing anything: a refused insert must not have dropped the
         # prefixes it would have made redundant, nor evicted entries to no avail.
         parent = self.table.parent_of(model_key, key)
-        new = self.table.candidate(model_key, key, kind, buffers, parent)
+        uses = self.lineage.inherited(model_key, key)
+        new = self.table.candidate(model_key, key, kind, buffers, parent, uses)
         if short := self.budget.shortfall(new, buffers, redundant):
             trimmable, nbytes = payload.trimmable, payload.nbytes
             self.evicted.add(model_key, key, trimmable, nbytes, short, refused=True)
             return False
         e = self.table.add(model_key, key, payload, kind, buffers, self.clock(), parent)
+        e.uses = uses
         self.pins.adopt(e, self.budget.nbytes)  # a pin that came before its entry
         self.policy.add(e)
         for other in redundant:  # after the insert: the trie never empties on the way
@@ -100,6 +104,18 @@ class Contents:
         self.remove(e)
         self.counters.handed_over += 1
         return True
+
+    def restored(self, model_key: str, tokens: TokenIds, reuse: int, e: Entry) -> None:
+        """A request restores `reuse` tokens of `tokens` from `e` (mutates): one more use of
+        that prefix, counted on `e`, on the stored entries within it, and for the entries
+        the request will store under it (`eviction/uses.py`)."""
+        prefix = TokenIds(tokens[:reuse])
+        e.uses = 1 + max(e.uses, self.lineage.inherited(model_key, prefix))
+        for found in self.table.trie(model_key).match(prefix).ancestors:
+            other = self.entries[found.value]
+            if other is not e:
+                other.uses += 1
+        self.lineage.restored(model_key, prefix, e.uses)
 
     def stored(self, model_key: str, key: tuple[int, ...]) -> Entry | None:
         entry_id = self.table.trie(model_key).get(key)

@@ -55,6 +55,7 @@ class Entry:
     share_bytes: float = 0.0  # what removing it frees: its buffers no other entry holds
     children: int = 0  # entries whose parent it is
     hits: int = 0
+    uses: int = 0  # requests that restored a prefix of it, its lineage's (eviction/uses.py)
     refs: int = 0  # >0: in use by a running request; never evicted
     pinned: bool = False  # never evicted (the store keeps it in step with its pins)
 
@@ -96,12 +97,14 @@ class EntryTable:
         kind: CheckpointKind,
         buffers: tuple[Buffer, ...],
         parent: Entry | None,
+        uses: int = 0,
     ) -> Candidate:
         """How the policy would rank a new entry for `key` (not stored) under `parent`
-        (`parent_of(key)`). Does not mutate."""
+        (`parent_of(key)`), its prefix reused `uses` times. Does not mutate."""
         covered = self._covered(model_key, key, len(parent.tokens) if parent else 0)
         work = self.work(model_key, covered, len(key))
-        return Candidate(kind, len(key), work, self.resident.share(buffers, joining=True))
+        share = self.resident.share(buffers, joining=True)
+        return Candidate(kind, len(key), work, share, uses=uses, buffers=buffers)
 
     def add(
         self,

@@ -105,6 +105,11 @@ class PromptCache:
                 return CacheMatch(None, 0, 0, found.matched_tokens)
             self._contents.counters.hits += record
             self._contents.counters.tokens_reused += found.reuse_tokens if record else 0
+            if record:  # one more use of the prefix: the value policy's frequency
+                ids = tokens if isinstance(tokens, TokenIds) else TokenIds(tokens)
+                self._contents.restored(
+                    model_key, ids, found.reuse_tokens, self._entries[found.value]
+                )
             kind = self._entries[found.value].kind
             return CacheMatch(
                 found.value, found.reuse_tokens, found.trim, found.matched_tokens, kind

@@ -28,6 +28,8 @@ class FakeEntry:
     nbytes: int = 0
     tokens: tuple[int, ...] = ()
     last_access: float = 0.0
+    uses: int = 0
+    buffers: tuple = ()
 
 
 def order(policy, *entries) -> list[int]:

@@ -10,7 +10,6 @@ next turn. And five subagents that start together on one system prompt prefill i
 
 from __future__ import annotations
 
-import pytest
 from support.engine_helpers import EXACT, GREEDY, chat, open_engine, run, submit_together
 from support.models import TEST_CACHE, loaded_test_model
 
@@ -51,12 +50,6 @@ def _kv_per_token(model) -> int:
     return text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 2 * 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 55 item 4 open: the value policy evicts the main agent's conversation "
-    "(one entry, least recently used) for the subagents' newer turns and their protected "
-    "system prompts",
-)
 def test_five_subagents_leave_the_main_agents_next_turn_cached():
     model = loaded_test_model("dense")
     main = _main_turns(5)

@@ -8,5 +8,7 @@ log excepted: it has its own). Import each name from its module.
                   entry frees (its eviction share)
     active.py     running requests' bytes, buffers shared with stored entries counted once
     policy.py     which entry goes first: the policy interface, ValueLRU and KindLRU
+    uses.py       Lineage: how often a conversation's prefix was restored, carried from
+                  turn to turn (the value policy's frequent segment)
     log.py        EvictionLog: a bounded record of what was evicted (or refused for room)
 """

@@ -30,6 +30,7 @@ class Budget:
         self.active = ActiveBytes()  # running requests' bytes
         self._table = table
         self._policy = policy
+        policy.bind(lambda: self.nbytes)  # read when ranking: set_budget may change it
 
     def active_bytes(self) -> int:
         return self.active.total(self._table.resident.holds)

@@ -33,6 +33,23 @@ Two policies:
   recently used first, whatever their value: nobody asked for them, so they take only
   room no other entry wants and never push one out.
 
+  Segmented (SLRU, as Caffeine's and ARC's): an entry of HISTORY or above whose prefix
+  has been restored FREQUENT_USES (3) times, its conversation's count carried from turn
+  to turn (uses.py), is frequent; the rest are probationary. Every probationary entry,
+  the protected kinds included, goes before every frequent one; when the frequent
+  entries hold more than FREQUENT_SHARE (0.8) of the budget, the least valuable of them
+  are demoted: they rank with the probationary ones, so a new entry may outlast them.
+  Why (issue 55 item 4): a main agent's conversation, restored every turn but the least
+  recently used while its subagents run, went before their newer turns and their
+  protected system prompts; with the segments it stays (tests/engine/test_engine_subagents.py).
+  Why 3 uses, 0.8 and HISTORY (measured on the replays below): with 2 uses the dense
+  trace lost up to a third (384 MiB: 1.02x, against 1.52x); with PERIODIC checkpoints
+  frequent too, a hybrid's checkpoints filled the segment (synthetic hybrid, 4 GiB:
+  1.056x); at 0.6 the test's main agent (~0.65 of its budget) is demoted. Against the
+  kind order, the replays (tests/support/trace_sim.py) are unchanged at every budget; the
+  synthetic mixed workload (tests/support/cache_sim.py) moves dense 1.005/1.107/1.001x ->
+  1.050/1.114/1.007x at 2/4/8 GiB, hybrid 0.998/1.085/1.040x -> 1.041/1.081/1.046x.
+
   Why alpha = 2.5 (Marconi tunes it per workload; it was 1.5): it is how much work
   per byte outweighs recency. With the scale's span of log(100), an entry e^(span /
   alpha) times as efficient, ~6x, outlasts one the whole recency range newer (~21x
@@ -53,7 +70,8 @@ Two policies:
 A policy is not thread-safe: the store calls it with its lock held. It holds the
 store's entries by reference and may read their fields at any time; the store tells
 it of every change that can move an entry in its order (`add`, `remove`, `touch`,
-`change_kind`; `saved_work` and `share_bytes` are read when ranking).
+`change_kind`; `saved_work`, `share_bytes` and `uses` are read when ranking), and
+binds it to the budget (`bind`), which ValueLRU reads for its frequent segment's cap.
 
 Pure Python (no MLX).
 """
@@ -64,15 +82,23 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from mlx_prefix.cache.types import CheckpointKind
+from mlx_prefix.cache.types import Buffer, CheckpointKind
 
 # Efficiency is scaled to 0..1 over at least this range of its log: entries within a
 # factor of 100 of each other in work per byte never span the whole recency range.
 _MIN_SPAN = math.log(100.0)
 # Efficiency's weight against recency (the module docstring says why this value).
 ALPHA = 2.5
+
+# Segmented LRU (issue 55: subagents must not evict the main agent): an entry of at
+# least FREQUENT_KIND whose prefix was restored FREQUENT_USES times (its conversation's
+# count: uses.py) is frequent; the frequent segment goes after every probationary entry
+# and holds at most FREQUENT_SHARE of the budget (the module docstring says why these).
+FREQUENT_USES = 3
+FREQUENT_SHARE = 0.8
+FREQUENT_KIND = CheckpointKind.HISTORY
 
 # Kinds above this one are protected: evicted after every other entry, by kind then LRU.
 PROTECTED_ABOVE = CheckpointKind.LAST_MESSAGE
@@ -91,6 +117,8 @@ class Evictable(Protocol):
     saved_work: float  # prefill work lost if it goes (from its longest stored prefix)
     share_bytes: float  # what removing it frees: its buffers no other entry holds
     children: int  # stored entries whose longest stored strict prefix it is
+    uses: int  # requests that restored a prefix of it, its conversation's (uses.py)
+    buffers: tuple[Buffer, ...]
 
 
 E = TypeVar("E", bound=Evictable)
@@ -105,9 +133,15 @@ class Candidate:
     saved_work: float
     share_bytes: float
     children: int = 0
+    uses: int = 0  # requests that restored its longest restored prefix (uses.py)
+    buffers: tuple[Buffer, ...] = ()
 
 
 class EvictionPolicy(Protocol[E]):
+    def bind(self, budget: Callable[[], int]) -> None:
+        """The store's byte budget, read when ranking (mutates)."""
+        ...
+
     def add(self, e: E) -> None:
         """Track a newly stored entry, the most recently used one (mutates)."""
         ...
@@ -157,6 +191,9 @@ class KindLRU(Generic[E]):
             k: OrderedDict() for k in CheckpointKind
         }
 
+    def bind(self, budget: Callable[[], int]) -> None:
+        pass  # the kind order needs no budget
+
     def add(self, e: E) -> None:
         self._queues[e.kind][e.entry_id] = e
 
@@ -187,13 +224,18 @@ class KindLRU(Generic[E]):
 
 
 class ValueLRU(Generic[E]):
-    """CANCELLED first (LRU), protected kinds last (kind, then LRU); the others by
-    recency + alpha * efficiency."""
+    """CANCELLED first (LRU); then the probationary segment, then the frequent one
+    (segmented LRU); within a segment, ordinary kinds by recency + alpha * efficiency,
+    then the protected kinds (kind, then LRU)."""
 
     def __init__(self, alpha: float = ALPHA, passed_weight: float = 0.1) -> None:
         self.alpha = alpha
         self.passed_weight = passed_weight
         self._lru: OrderedDict[int, E] = OrderedDict()  # least recently used first
+        self._budget: Callable[[], int] | None = None  # None: the frequent segment is uncapped
+
+    def bind(self, budget: Callable[[], int]) -> None:
+        self._budget = budget
 
     def add(self, e: E) -> None:
         self._lru[e.entry_id] = e
@@ -208,28 +250,51 @@ class ValueLRU(Generic[E]):
         pass  # the kind is read when ranking
 
     def order(self) -> Iterator[E]:
-        yield from (e for e in self._lru.values() if e.kind == FIRST_TO_GO)
-        ordinary = [e for e in self._lru.values() if FIRST_TO_GO < e.kind <= PROTECTED_ABOVE]
-        scores = self._scores([(e.saved_work, e.share_bytes, e.children) for e in ordinary])
-        ranked = sorted(range(len(ordinary)), key=lambda i: scores[i])  # stable: LRU ties
-        yield from (ordinary[i] for i in ranked)
-        protected = [e for e in self._lru.values() if e.kind > PROTECTED_ABOVE]
-        yield from sorted(protected, key=lambda e: e.kind)  # stable: LRU within a kind
+        yield from self._ranked(list(self._lru.values()))
 
     def outlasting(self, new: Candidate) -> set[int]:
-        protected = {e.entry_id for e in self._lru.values() if e.kind > PROTECTED_ABOVE}
-        if new.kind > PROTECTED_ABOVE:
-            return {i for i in protected if self._lru[i].kind > new.kind}
-        ordinary = [e for e in self._lru.values() if FIRST_TO_GO < e.kind <= PROTECTED_ABOVE]
-        if new.kind == FIRST_TO_GO:  # the newest of the first to go: everyone else stays
-            return protected | {e.entry_id for e in ordinary}
-        values = [(e.saved_work, e.share_bytes, e.children) for e in ordinary]
-        scores = self._scores([*values, (new.saved_work, new.share_bytes, new.children)])
-        mine = scores[-1]
-        return protected | {e.entry_id for e, s in zip(ordinary, scores, strict=False) if s > mine}
+        # The new entry ranked as the most recent: every entry after it stays.
+        ranked = self._ranked([*self._lru.values(), new])
+        mine = next(i for i, x in enumerate(ranked) if x is new)
+        return {x.entry_id for x in ranked[mine + 1 :] if not isinstance(x, Candidate)}
 
     def check_integrity(self, entries: Mapping[int, E]) -> None:
         assert self._lru.keys() == entries.keys(), "recency list != entries"
+
+    def _ranked(self, items: list[Any]) -> list[Any]:
+        """`items` (entries or a candidate, least recently used first) in eviction order.
+        A frequent segment over its cap is demoted from its least valuable end: those
+        entries rank with the probationary ones (by value, recency included), so a new
+        entry can outlast them."""
+        first = [x for x in items if x.kind == FIRST_TO_GO]
+        rest = [x for x in items if x.kind != FIRST_TO_GO]
+        frequent = self._by_value([x for x in rest if _frequent(x)])
+        demoted = {id(x) for x in frequent[: self._over_cap(frequent)]}
+        probation = [x for x in rest if not _frequent(x) or id(x) in demoted]
+        kept = frequent[len(demoted) :]
+        return [*first, *self._by_value(probation), *kept]
+
+    def _by_value(self, group: list[Any]) -> list[Any]:
+        ordinary = [x for x in group if x.kind <= PROTECTED_ABOVE]
+        scores = self._scores([(x.saved_work, x.share_bytes, x.children) for x in ordinary])
+        ranked = sorted(range(len(ordinary)), key=lambda i: scores[i])  # stable: LRU ties
+        protected = [x for x in group if x.kind > PROTECTED_ABOVE]
+        return [*(ordinary[i] for i in ranked), *sorted(protected, key=lambda x: x.kind)]
+
+    def _over_cap(self, frequent: list[Any]) -> int:
+        """How many of `frequent` (eviction order) to demote: the least valuable, until
+        the distinct bytes of the rest are within FREQUENT_SHARE of the budget."""
+        if self._budget is None:
+            return 0
+        cap, held, seen = FREQUENT_SHARE * self._budget(), 0, set()
+        for i in range(len(frequent) - 1, -1, -1):  # the most valuable first
+            for b in frequent[i].buffers:
+                if b.key not in seen:
+                    seen.add(b.key)
+                    held += b.nbytes
+            if held > cap:
+                return i + 1
+        return 0
 
     def _scores(self, values: list[tuple[float, float, int]]) -> list[float]:
         """Scores of entries given least recently used first, as (saved_work,
@@ -252,6 +317,10 @@ class ValueLRU(Generic[E]):
             r + self.alpha * (v - lo) / span if v is not None else -1.0
             for r, v in zip(recency, eff, strict=True)
         ]
+
+
+def _frequent(x: Evictable | Candidate) -> bool:
+    return x.uses >= FREQUENT_USES and x.kind >= FREQUENT_KIND
 
 
 # Every policy by its --cache-eviction name (the one registry: config and the CLI read it).
