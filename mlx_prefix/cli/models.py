@@ -1,4 +1,5 @@
-"""mlx-prefix pull | ls | rm: the models on this machine (models/library/pull.py, models/library/catalog.py)."""
+"""mlx-prefix pull | ls | rm: the models on this machine (models/library/: pull.py,
+catalog.py)."""
 
 from __future__ import annotations
 
