@@ -21,11 +21,10 @@ The request's active bytes count the chain's pieces and the captured state of th
 checkpoints not stored yet (`held`), each once with the stored entries that hold them
 too (cache/eviction/active.py).
 
-A cancelled prefill (issue 55) keeps what it computed: where it stops, on a grid point
-between two chunks (the cache holds exactly that prefix, computed alone on the grid),
-`keep_reached` stores the state there; and a prefill that runs on once its client has
-gone (`cancel`) stores what it reaches from then on. Those entries are CANCELLED (the
-protected kinds aside): the first to go, never pushing out an entry someone asked for.
+A cancelled prefill (issue 55) keeps what it computed: where it stops (cancelled.py),
+and, when it runs on once its client has gone (`cancel`), what it reaches from then on.
+Those entries are CANCELLED (the protected kinds aside): the first to go, never pushing
+out an entry someone asked for.
 
 Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
 past the restored position (an edit, a new question, another tool result), the grid
@@ -35,12 +34,12 @@ either shape restores there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
-from mlx_prefix.cache.handover import kv_bytes, live_snapshot
+from mlx_prefix.cache.handover import kv_bytes
 from mlx_prefix.cache.snapshot import (
     Snapshot,
     cache_nbytes,
@@ -54,48 +53,11 @@ from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.cache.types import Buffer
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
-from mlx_prefix.prompt.request.grid import ChunkGrid
+from mlx_prefix.engine.prefill.sharing import SharedPrefixes
 from mlx_prefix.prompt.request.plan import RenderedPrompt
-from mlx_prefix.prompt.request.render import common_prefix_length
 
 # Kinds an all-KV cache stores besides its prompt's end (which trimming serves from).
 KEPT_FOR_KV = frozenset({CheckpointKind.SYSTEM, CheckpointKind.BREAKPOINT})
-
-
-@dataclass(frozen=True, slots=True)
-class WaitingPrompt:
-    key: int  # identifies the waiting request
-    tokens: tuple[int, ...]
-
-
-class SharedPrefixes:
-    """In-flight sharing for caches that can only resume from exact checkpoints.
-
-    While a request prefills, requests waiting to start that share a long prefix with
-    it get a checkpoint at that prefix's end (aligned down to the grid), so they
-    restore from it instead of computing it again. Trimmable caches need none of this:
-    their end-of-prompt snapshot already serves every shared prefix.
-    """
-
-    def __init__(
-        self,
-        tokens: Sequence[int],
-        grid: ChunkGrid,
-        waiting: Callable[[], Iterable[WaitingPrompt]],
-        min_tokens: int,
-    ):
-        self.tokens, self.grid, self.waiting, self.min_tokens = tokens, grid, waiting, min_tokens
-        self.seen: dict[int, int] = {}  # waiting key -> aligned shared position (0: none)
-
-    def positions(self) -> set[int]:
-        for other in self.waiting():
-            if other.key in self.seen:
-                continue
-            shared = common_prefix_length(self.tokens, other.tokens)
-            limit = min(shared, len(self.tokens) - 1, len(other.tokens) - 1)
-            aligned = self.grid.align(self.tokens, limit)
-            self.seen[other.key] = aligned if aligned >= self.min_tokens else 0
-        return {p for p in self.seen.values() if p}
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +179,7 @@ class Checkpointer:
         if self.keep_every_checkpoint and position in self.planned:
             return  # stored at its boundary (`__call__`), or deferred and settled next
         kind = self.planned.get(position, CheckpointKind.PERIODIC)
-        self._keep(self._capture(position), kind, True, False)
+        self.keep(self.capture_at(position), kind, True, False)
 
     @property
     def pending_bytes(self) -> int:
@@ -272,12 +234,12 @@ class Checkpointer:
             # A second copy of what the live cache holds, which the budget cannot hold
             # beside it (its end serves this prefix by trimming): not cut at all.
             return
-        snapshot = self._capture(position)
+        snapshot = self.capture_at(position)
         if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
             self._deferred.append(_Deferred(snapshot, kind, in_memory, to_disk))
             self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
             return
-        self._keep(snapshot, kind, in_memory, to_disk)
+        self.keep(snapshot, kind, in_memory, to_disk)
 
     def _hands_back(self, position: int) -> bool:
         """Whether the end at `position` is left to the request's decode row."""
@@ -290,7 +252,7 @@ class Checkpointer:
             return False
         return not self.store.has_room(kv_bytes(self.cache, position - self.chain.end))
 
-    def _capture(self, position: int) -> Snapshot:
+    def capture_at(self, position: int) -> Snapshot:
         """The cache (and the draft's) at `position`, continuing their chains."""
         snapshot = capture(self.cache, position, self.chain)
         self.chain = snapshot.chain
@@ -327,7 +289,7 @@ class Checkpointer:
             return
         while self._deferred:  # each counted in `held` until it is stored
             d = self._deferred[0]
-            self._keep(d.snapshot, d.kind, d.in_memory, d.to_disk)
+            self.keep(d.snapshot, d.kind, d.in_memory, d.to_disk)
             self._deferred.pop(0)
 
     def cancel(self) -> None:
@@ -336,51 +298,6 @@ class Checkpointer:
         ones as CANCELLED, the protected kinds aside. Mutates the store."""
         self.settle()
         self.cancelled = True
-
-    def keep_handed(self, position: int, let_go: Callable[[], None]) -> None:
-        """A request stopped at `position` before its decode row could store what was
-        left to it (its end, `end_kind`; the entry the store handed over, `hand_back`):
-        store that state from its cache instead, so a cancel loses no entry: its end
-        where computed alone, else the restored prefix (it computed nothing, or a
-        stacked forward did). The cache's buffers become the entry's (no copy: the
-        budget had no room for one), so the request lets go of its bytes first
-        (`let_go`); its cache must not be written again. Mutates the store."""
-        if self.end_kind is not None and position == len(self.prompt.tokens):
-            kind, self.end_kind = self.end_kind, None  # its end, computed alone
-        elif self.hand_back:
-            position, kind = self.reuse, CheckpointKind.HISTORY
-        else:
-            return
-        tokens = self.prompt.tokens[:position]
-        if position == 0 or self.store.get(self.key, tokens) is not None:
-            return
-        snapshot = live_snapshot(self.cache, position)
-        let_go()
-        if self.cancelled and kind <= PROTECTED_ABOVE:
-            kind = CheckpointKind.CANCELLED
-        if self.store.insert(self.key, tokens, snapshot, kind):
-            self.on_stored(position)
-
-    def keep_reached(self, position: int) -> None:
-        """A cancelled prefill stops at grid point `position` (the cache holds exactly
-        that prefix, computed chunk by chunk on the grid): store its state there as
-        CANCELLED, unless stored already, after the checkpoints it had deferred; and
-        queue it for disk where the disk policy chose a save past it (the shutdown
-        writes the queue: a restart resumes there). Call before `finish`; the cache is
-        not changed. Mutates the store and the disk queue."""
-        if self.finished or position <= self.reuse:
-            return
-        self.settle()
-        tokens = self.prompt.tokens[:position]
-        in_memory = self.store.get(self.key, tokens) is None
-        to_disk = (
-            self.disk is not None
-            and position not in self.disk_positions
-            and any(p > position for p in self.disk_positions)
-            and not self.disk.cache.holds(self.key, tokens)
-        )
-        if in_memory or to_disk:
-            self._keep(self._capture(position), CheckpointKind.CANCELLED, in_memory, to_disk)
 
     def finish(self, *, keep: bool = True) -> None:
         """The prefill ended, or stopped between chunks: store / queue the deferred
@@ -395,7 +312,7 @@ class Checkpointer:
         self.chain = self.draft_chain = Chain()
         self.finished = True
 
-    def _keep(
+    def keep(
         self, snapshot: Snapshot, kind: CheckpointKind, in_memory: bool, to_disk: bool
     ) -> None:
         """Store and/or queue `snapshot`. The request reports what it holds first (its

@@ -32,16 +32,17 @@ from mlx_prefix.engine.forward.runner import (
     ChunkWork,
     compute_chunks,
 )
+from mlx_prefix.engine.prefill.cancelled import keep_cancelled
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.rounds import choose_chunks, in_order
 from mlx_prefix.engine.prefill.start import begin
 from mlx_prefix.engine.prefill.tails import (
     TailGroup,
-    awaited,
     compute_group,
+    may_stack,
     padding_allowance,
-    stackable,
     tail_group,
+    waits_to_stack,
 )
 from mlx_prefix.engine.prefill.task import PrefillTask
 from mlx_prefix.engine.requests.jobs import Job
@@ -162,30 +163,7 @@ class PrefillPhase:
         return 0 if self.group or self.config.deterministic else self.config.stack_tail_tokens
 
     def _may_stack(self, task: PrefillTask) -> bool:
-        # A prompt with images computes its chunks alone (vision/forward.py).
-        if task.job.prompt.vision is not None:
-            return False
-        return stackable(task, self.stack_limit) and not self._awaited(task)
-
-    def _waits_to_stack(self, task: PrefillTask) -> bool:
-        """Whether `task`, ready to stack, computes nothing this round: another request,
-        still computing alone up to its own stack point, has at most a stackable rest
-        left and will stack with it (their stack points are stored, so they compute
-        apart up to there: tails.py). Ready tasks never wait on each other."""
-        if not self._may_stack(task):
-            return False
-        limit = self.stack_limit
-        return any(
-            other is not task
-            and not other.cursor.done
-            and other.job.prompt.vision is None
-            and stackable(other, limit, at_point=False)
-            and not self._may_stack(other)
-            for other in self.tasks
-        )
-
-    def _awaited(self, task: PrefillTask) -> bool:
-        return awaited(task, self._waiting, self.config.share_min_tokens)
+        return may_stack(task, self.stack_limit, self._waiting, self.config.share_min_tokens)
 
     def left_to_compute(self) -> int:
         """Prompt tokens the tasks still computing have left, background prefetches
@@ -235,7 +213,10 @@ class PrefillPhase:
             # Rests that reached their stack points, in this step or before, stack now.
             if self.stack_limit and self._stack(result, budget, decoding):
                 break
-            alone = [t for t in self._in_order() if not self._waits_to_stack(t)]
+            limit, ready = self.stack_limit, self._may_stack
+            alone = [
+                t for t in self._in_order() if not waits_to_stack(t, self.tasks, limit, ready=ready)
+            ]
             chosen, tokens = choose_chunks(alone, budget, result.tokens)
             if not chosen:
                 break
@@ -337,18 +318,8 @@ class PrefillPhase:
         stores the checkpoints it reached and its state where it stopped (issue 55); a
         failed one (its cache may be broken) only those already stored."""
         self.tasks.remove(task)
-        reached = task.position > task.reuse and not task.cursor.done
-        if task.checkpointer is not None and cancelled and not failed:
-            if reached:
-                # Between two chunks: the cache holds exactly the prefix up to a grid
-                # point, computed alone (a stacked rest only ever ends a prompt: its
-                # cursor is done).
-                assert self.planner.grid.is_point(task.tokens, task.position), "off the grid"
-                task.checkpointer.keep_reached(task.position)
-            else:  # at its end, or where it was restored: what was left to its decode
-                task.checkpointer.keep_handed(
-                    task.position, let_go=lambda: self.store.drop_active(task.bytes_key)
-                )
+        if cancelled and not failed:
+            keep_cancelled(task, grid=self.planner.grid, store=self.store)  # cancelled.py
         for layer in layers_of(task.cache):
             unstash(layer)  # its restored parts: the entry's pieces, no longer needed
         if task.checkpointer is not None:

@@ -18,9 +18,10 @@ from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.forward.runner import PrefillCursor, always_trimmable
-from mlx_prefix.engine.prefill.checkpoints import Checkpointer, SharedPrefixes, WaitingPrompt
+from mlx_prefix.engine.prefill.checkpoints import Checkpointer
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.restore import Restored, restore_longest
+from mlx_prefix.engine.prefill.sharing import SharedPrefixes, WaitingPrompt
 from mlx_prefix.engine.prefill.task import PrefillTask
 from mlx_prefix.engine.requests.jobs import Job
 from mlx_prefix.models.load import LoadedModel

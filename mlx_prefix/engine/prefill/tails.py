@@ -19,7 +19,7 @@ the next turn of a chat (this prompt, the reply, a new message) restores nearly 
 this prompt, however many conversations arrived together (issue 55; measured by a
 study now retired, its figures in benchmarks/HISTORY.md, 2026-11-28). A request at its
 stack point computes nothing while another, still computing alone, will reach its own
-within a stackable rest (phase.py `_waits_to_stack`): they stack then. The request's answer may move
+within a stackable rest (`waits_to_stack`): they stack then. The request's answer may move
 with what it was stacked with, as a decode step's may (batching, not the cache);
 `--deterministic` never stacks tails. A request stacks only when its rest owes nothing
 to others (checkpoints.py `owes_after`: a client's breakpoint, a system prompt, a
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -65,7 +65,7 @@ def stacking(task: PrefillTask) -> int:
 def stackable(task: PrefillTask, limit: int, *, at_point: bool = True) -> bool:
     """Whether `task`'s rest may compute stacked with others' and store nothing; with
     `at_point=False`, whether it will once it computed alone up to its stack point (it
-    may wait for that where it is ready: `PrefillPhase._waits_to_stack`)."""
+    may wait for that where it is ready: `waits_to_stack`)."""
     job = task.job
     rest = len(task.tokens) - task.position
     if task.cursor.done or not 0 < rest <= limit:
@@ -89,6 +89,38 @@ def awaited(task: PrefillTask, waiting: Iterable[Job], min_tokens: int) -> bool:
     return len(head) == need and any(
         j.cache_pref.enabled and j.cache_key == key and tuple(j.prompt.tokens[:need]) == head
         for j in waiting
+    )
+
+
+def may_stack(task: PrefillTask, limit: int, waiting: Iterable[Job], min_tokens: int) -> bool:
+    """Whether `task`'s rest may stack now: `stackable`, and not `awaited`."""
+    # A prompt with images computes its chunks alone (vision/forward.py).
+    if task.job.prompt.vision is not None:
+        return False
+    return stackable(task, limit) and not awaited(task, waiting, min_tokens)
+
+
+def waits_to_stack(
+    task: PrefillTask,
+    tasks: Iterable[PrefillTask],
+    limit: int,
+    *,
+    ready: Callable[[PrefillTask], bool],
+) -> bool:
+    """Whether `task`, ready to stack (`ready`: `may_stack` with the phase's parts),
+    computes nothing this round: another request, still computing alone up to its own
+    stack point, has at most a stackable rest left and will stack with it (their stack
+    points are stored, so they compute apart up to there). Ready tasks never wait on
+    each other."""
+    if not ready(task):
+        return False
+    return any(
+        other is not task
+        and not other.cursor.done
+        and other.job.prompt.vision is None
+        and stackable(other, limit, at_point=False)
+        and not ready(other)
+        for other in tasks
     )
 
 

@@ -1,0 +1,88 @@
+"""What a cancelled prefill keeps (issue 55): the state where it stopped.
+
+Where it stops on a grid point between two chunks (the cache holds exactly that prefix,
+computed alone on the grid), `keep_reached` stores the state there; where it stops at
+its end or where it was restored, with that state left to a decode row that will never
+store it (cache/handover.py), `keep_handed` stores it from the cache. Those entries are
+CANCELLED (the protected kinds aside): the first to go, never pushing out an entry
+someone asked for. A prefill that runs on once its client has gone stores what it
+reaches from then on (`Checkpointer.cancel`, checkpoints.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
+from mlx_prefix.cache.handover import live_snapshot
+from mlx_prefix.cache.store import CheckpointKind, PromptCache
+from mlx_prefix.engine.prefill.checkpoints import Checkpointer
+from mlx_prefix.engine.prefill.task import PrefillTask
+from mlx_prefix.prompt.request.grid import ChunkGrid
+
+
+def keep_cancelled(task: PrefillTask, *, grid: ChunkGrid, store: PromptCache) -> None:
+    """The cancelled `task` is closed: store its state where it stopped, if anything."""
+    if task.checkpointer is None:
+        return
+    if task.position > task.reuse and not task.cursor.done:
+        # Between two chunks: the cache holds exactly the prefix up to a grid
+        # point, computed alone (a stacked rest only ever ends a prompt: its
+        # cursor is done).
+        assert grid.is_point(task.tokens, task.position), "off the grid"
+        keep_reached(task.checkpointer, task.position)
+    else:  # at its end, or where it was restored: what was left to its decode
+        keep_handed(
+            task.checkpointer,
+            task.position,
+            let_go=lambda: store.drop_active(task.bytes_key),
+        )
+
+
+def keep_handed(checkpointer: Checkpointer, position: int, let_go: Callable[[], None]) -> None:
+    """A request stopped at `position` before its decode row could store what was
+    left to it (its end, `end_kind`; the entry the store handed over, `hand_back`):
+    store that state from its cache instead, so a cancel loses no entry: its end
+    where computed alone, else the restored prefix (it computed nothing, or a
+    stacked forward did). The cache's buffers become the entry's (no copy: the
+    budget had no room for one), so the request lets go of its bytes first
+    (`let_go`); its cache must not be written again. Mutates the store."""
+    if checkpointer.end_kind is not None and position == len(checkpointer.prompt.tokens):
+        kind, checkpointer.end_kind = checkpointer.end_kind, None  # its end, computed alone
+    elif checkpointer.hand_back:
+        position, kind = checkpointer.reuse, CheckpointKind.HISTORY
+    else:
+        return
+    tokens = checkpointer.prompt.tokens[:position]
+    if position == 0 or checkpointer.store.get(checkpointer.key, tokens) is not None:
+        return
+    snapshot = live_snapshot(checkpointer.cache, position)
+    let_go()
+    if checkpointer.cancelled and kind <= PROTECTED_ABOVE:
+        kind = CheckpointKind.CANCELLED
+    if checkpointer.store.insert(checkpointer.key, tokens, snapshot, kind):
+        checkpointer.on_stored(position)
+
+
+def keep_reached(checkpointer: Checkpointer, position: int) -> None:
+    """A cancelled prefill stops at grid point `position` (the cache holds exactly
+    that prefix, computed chunk by chunk on the grid): store its state there as
+    CANCELLED, unless stored already, after the checkpoints it had deferred; and
+    queue it for disk where the disk policy chose a save past it (the shutdown
+    writes the queue: a restart resumes there). Call before `finish`; the cache is
+    not changed. Mutates the store and the disk queue."""
+    if checkpointer.finished or position <= checkpointer.reuse:
+        return
+    checkpointer.settle()
+    tokens = checkpointer.prompt.tokens[:position]
+    in_memory = checkpointer.store.get(checkpointer.key, tokens) is None
+    disk, chosen = checkpointer.disk, checkpointer.disk_positions
+    to_disk = (
+        disk is not None
+        and position not in chosen
+        and any(p > position for p in chosen)
+        and not disk.cache.holds(checkpointer.key, tokens)
+    )
+    if in_memory or to_disk:
+        snapshot = checkpointer.capture_at(position)
+        checkpointer.keep(snapshot, CheckpointKind.CANCELLED, in_memory, to_disk)
