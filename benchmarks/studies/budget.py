@@ -37,8 +37,8 @@ from ..names import OURS, PEER, VLLM
 from ..servers import unavailable
 from .budgets import MiB, Turns, budget_flag, kv_size, machine_line, ours_memory, runs_when, start
 
-OUT = Path(__file__).resolve().parent / "out"
-STANDALONE = Path(__file__).resolve().parent / "results" / "standalone" / "budget55.md"
+OUT = Path(__file__).resolve().parents[1] / "out"
+STANDALONE = Path(__file__).resolve().parents[1] / "results" / "standalone" / "budget55.md"
 FACTORS = (1.1, 1.25, 1.5, 2.0)
 ORDER = (OURS, PEER, VLLM)
 REPLY_TOKENS = 4  # generated per request, sent back as the next turn's assistant message

@@ -45,8 +45,8 @@ from .budgets import machine_line, runs_when, start
 from .shared_prefix_memory.sessions import vllm_cached_from
 
 QUESTION = "In one sentence: who speaks first in this passage?"
-OUT = Path(__file__).resolve().parent / "out"
-STANDALONE = Path(__file__).resolve().parent / "results" / "standalone" / "cancel55.md"
+OUT = Path(__file__).resolve().parents[1] / "out"
+STANDALONE = Path(__file__).resolve().parents[1] / "results" / "standalone" / "cancel55.md"
 TOKENS = {"dense": 1500, "hybrid": 3000}  # a prefill of some seconds on a 2-core CPU
 
 

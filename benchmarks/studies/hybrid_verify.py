@@ -71,7 +71,8 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["qwen3_5", "nemotron_h", "sliding", "dense"])
     p.add_argument("--k", nargs="+", type=int, default=[2, 4, 8])
     p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "hybrid_verify.json")
+    out = Path(__file__).parents[1] / "out"  # benchmarks/out
+    p.add_argument("--out", type=Path, default=out / "hybrid_verify.json")
     args = p.parse_args()
     rows = []
     print(f"load average before: {os.getloadavg()[0]:.1f}")

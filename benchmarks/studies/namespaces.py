@@ -216,7 +216,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trials", type=int, default=16)
     p.add_argument("--parts", default="timing,reuse", help="timing, reuse or both")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "namespaces.json")
+    out = Path(__file__).parents[1] / "out"  # benchmarks/out
+    p.add_argument("--out", type=Path, default=out / "namespaces.json")
     args = p.parse_args()
     args.parts = set(args.parts.split(","))
     report = asyncio.run(run(args))

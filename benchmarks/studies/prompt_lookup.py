@@ -145,7 +145,8 @@ def main() -> None:
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--no-peers", action="store_true", help="mlx-prefix alone")
     p.add_argument("--peers-only", action="store_true", help="the peers alone")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "prompt_lookup.json")
+    out = Path(__file__).parents[1] / "out"  # benchmarks/out
+    p.add_argument("--out", type=Path, default=out / "prompt_lookup.json")
     args = p.parse_args()
     model_path = ensure_default_model()
     rows: list[Row] = []

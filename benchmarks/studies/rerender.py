@@ -26,7 +26,7 @@ from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import CachePreference, DoneEvent, ErrorEvent, PromptInput, SamplingParams
 from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 FAMILIES = {
     "GLM-4.7": "GLM-4.7-Flash.jinja",
     "DeepSeek V3.1": "deepseek-ai-DeepSeek-V3.1.jinja",

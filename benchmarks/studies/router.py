@@ -241,7 +241,8 @@ def main() -> None:
     p.add_argument("--failover", action="store_true", help="kill a replica mid-trace")
     p.add_argument("--configs", default="recipe,cache_aware,round_robin", help=", ".join(CONFIGS))
     p.add_argument("--runs", type=int, default=1, help="traces per config and mode")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "router.json")
+    out = Path(__file__).parents[1] / "out"  # benchmarks/out
+    p.add_argument("--out", type=Path, default=out / "router.json")
     args = p.parse_args()
     heads = 0 if args.distinct_heads else args.shared_head
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))

@@ -21,7 +21,7 @@ import httpx
 from ..server_process import free_port
 
 SGLANG_ROUTER = "0.3.2"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OWN_VENV = ROOT / ".test-clients" / "sglang-router"
 
 # Health checks every 2 s and a worker out after 2 failures (defaults: 60 s, 3), so a

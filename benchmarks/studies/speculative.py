@@ -112,7 +112,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16, help="layers of the layer-skip draft")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=3, help="--num-draft-tokens")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "speculative.json")
+    out = Path(__file__).parents[1] / "out"  # benchmarks/out
+    p.add_argument("--out", type=Path, default=out / "speculative.json")
     args = p.parse_args()
     source = ensure_default_model()
     model = load_model(str(source))

@@ -35,7 +35,7 @@ IDLE_S = 1.0  # after the unload: the unload's own trim has run; the engine's id
 MiB = 1 << 20
 # Qwen3.5's tiny test tower made wide and deep: ~12.6M float32 parameters, ~50 MB.
 WIDE_TOWER = {"hidden_size": 512, "intermediate_size": 2048, "num_heads": 8, "depth": 4}
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 STANDALONE = HERE / "results" / "standalone"
 
 

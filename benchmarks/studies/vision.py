@@ -45,7 +45,7 @@ from ..client import Reply, Request, send
 from ..names import MLX_VLM, OURS, VLLM
 from ..server_process import Server, ServerSpec
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 DATA = HERE.parent / "tests" / "data"
 SERVERS = (OURS, MLX_VLM, VLLM)
 SPECS_EXTRA: dict[str, tuple[str, ...]] = {OURS: (), MLX_VLM: (), VLLM: ("--mllm",)}
