@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import Message
-from mlx_prefix.engine.decode import phase as decode
+from mlx_prefix.engine.decode import arrival
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward.runner import prefill
@@ -74,7 +74,7 @@ def scripted_engine(model: Any, scripts: Mapping[int, str]) -> Iterator[Engine]:
         return TokenSampler(params, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode, "TokenSampler", sampler)
+        patch.setattr(arrival, "TokenSampler", sampler)
         yield Engine(model, TEST_CACHE, EngineConfig(prefetch_delay_s=0))
 
 
