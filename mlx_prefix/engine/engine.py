@@ -9,7 +9,8 @@ driver that runs that loop
 engine/sharded/distributed.py). Callers call `submit`, which renders and validates the
 prompt in the caller's thread and queues a job; the engine thread runs jobs and reports
 typed events through each request's handle. Every job ends with exactly one final
-event (engine/requests/lifecycle.py).
+event (engine/requests/lifecycle.py). The parts are plain attributes (`loop`, `lifecycle`,
+`prefetcher`, ...): tests read the engine thread's state through them, while it is idle.
 """
 
 from __future__ import annotations
@@ -35,21 +36,18 @@ from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.decode.lookup import PromptLookup, check_lookup_request
-from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.speculative import Speculator, check_request
 from mlx_prefix.engine.decode.verify import SpeculationStats
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
 from mlx_prefix.engine.parts import build_loop, disk_access, new_store, sized
-from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.requests.admission import (
     check_images,
     check_reply_fits,
     check_sampling,
     plan_prompt,
 )
-from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
 from mlx_prefix.engine.requests.prefetch import Prefetcher
@@ -129,7 +127,7 @@ class Engine:
         self.views = CacheViews(
             self.store, self.disk, self.model_key, self.prefetch, board, speculator
         )
-        self._prefetcher = (
+        self.prefetcher = (
             Prefetcher(self.planner, tool_syntax(model.tokenizer), self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled and self.turns.leader
             else None
@@ -140,7 +138,7 @@ class Engine:
             model=model, planner=self.planner, store=self.store, disk=self.disk,
             cache_config=self.cache_config, config=self.config, turns=self.turns,
             lifecycle=self.lifecycle, kv_quant=self.kv_quant, speculator=speculator, lookup=lookup,
-            board=board, prefetch=self.prefetch, prefetcher=self._prefetcher,
+            board=board, prefetch=self.prefetch, prefetcher=self.prefetcher,
             can_batch=can_batch, owner=owner,
         )  # fmt: skip
         self._thread = threading.Thread(
@@ -317,8 +315,8 @@ class Engine:
         """Stop accepting; cancel what waits; let running requests finish until `timeout`,
         then cancel them too; write the queued disk saves for up to `save_timeout` more,
         then drop the rest with a log line each (invariant 11); join the engine thread."""
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.lifecycle.close()
         if self.turns.failure is not None:
             self._thread.join(1.0)  # a sharded group's thread may sit in a dead collective
@@ -344,25 +342,3 @@ class Engine:
         """Wait up to `timeout` seconds for the engine thread to end; True if it has."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-    # -- the engine thread's parts, for tests (read them while the engine is idle) -----
-    @property
-    def _prefill(self) -> PrefillPhase:
-        return self.loop.prefill
-
-    @property
-    def _decode(self) -> DecodePhase:
-        return self.loop.decode
-
-    @property
-    def _pending(self) -> int:
-        return self.lifecycle.pending
-
-    @property
-    def _steps(self) -> int:
-        return self.loop.decode.steps
-
-    @property
-    def _chat_traffic(self) -> ChatTraffic:
-        assert self._prefetcher is not None
-        return self._prefetcher.chat_traffic

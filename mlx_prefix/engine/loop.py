@@ -21,7 +21,8 @@ import mlx.core as mx
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.calibration import PLAIN, Agreement, calibrate, check_speculator
-from mlx_prefix.engine.decode.phase import Arrival, DecodePhase
+from mlx_prefix.engine.decode.arrival import Arrival
+from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.running import HandBack
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.phase import PrefillPhase

@@ -32,7 +32,7 @@ from support.server_fakes import serving
 from support.vision_models import encoded, picture, vision_model_folder
 
 from mlx_prefix.config import CacheConfig, EngineConfig
-from mlx_prefix.engine.decode import phase as decode
+from mlx_prefix.engine.decode import arrival
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.models.load import load_model
 from mlx_prefix.vision.testing import QWEN_IMAGE_PAD
@@ -95,7 +95,7 @@ def scripted(monkeypatch, tmp_path) -> Iterator[tuple[str, list[str]]]:
         assert tokenizer.decode(ids) == reply
         return ScriptedSampler(ids, eos)
 
-    monkeypatch.setattr(decode, "TokenSampler", sampler)
+    monkeypatch.setattr(arrival, "TokenSampler", sampler)
     with (
         open_engine(model, CACHE, EngineConfig(prefetch_next_turn=False)) as engine,
         serving(engine) as (url, _),

@@ -95,7 +95,7 @@ def test_a_prefetch_is_listed_with_its_role():
         )
         # The prefetch's first chunk waits until the test has seen it listed: a short one
         # could otherwise come and go between two looks, whatever the machine's speed.
-        background = lambda: any(t.job.background for t in engine._prefill.tasks)  # noqa: E731
+        background = lambda: any(t.job.background for t in engine.loop.prefill.tasks)  # noqa: E731
         with prefill_held(engine, when=background):
             run(engine, history)
             seen = wait_until(lambda: any(j.role == "prefetch" for j in engine.activity().jobs))

@@ -123,8 +123,8 @@ def test_batched_prefill_and_decode_give_alone_logprobs_bit_for_bit(make_engine,
             assert tokens == expected.tokens, "batching changed an answer"
             assert logprobs == expected.logprobs, "batching changed the numbers"
             assert burst == 0 or done.usage.cached_tokens > 300  # the second burst hits
-    assert engine._prefill.peak_tasks >= 2 and engine.peak_batch >= 2
-    assert engine._prefill.stacked > 0  # chunks were stacked
+    assert engine.loop.prefill.peak_tasks >= 2 and engine.peak_batch >= 2
+    assert engine.loop.prefill.stacked > 0  # chunks were stacked
     engine.store.check_integrity()
 
 
@@ -201,7 +201,7 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind, budget):
     assert stats.bytes <= budget and stats.active_bytes == 0 and stats.active_requests == 0
     assert stats.hits > 10 and stats.evictions > 0
     assert engine.peak_batch > 1
-    assert engine._pending == 0
+    assert engine.lifecycle.pending == 0
     engine.store.check_integrity()
 
 

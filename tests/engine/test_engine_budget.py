@@ -92,7 +92,7 @@ def test_a_cancelled_turn_loses_no_entry_the_store_handed_it():
         with cancelling(engine, before + 32) as landed:
             assert collect(handle).finish_reason == "cancelled"
         assert landed and engine.cache_stats()["handed_over"] > 0
-        assert wait_for(lambda: not engine._prefill.tasks)  # it ran on to its end
+        assert wait_for(lambda: not engine.loop.prefill.tasks)  # it ran on to its end
         again = run(engine, chat(*second), sampling=EXACT)
     # Its end came back (the handed-over turn before it too), as a resend finds it.
     assert again.usage.cached_tokens >= 0.95 * cold.usage.prompt_tokens > before

@@ -136,7 +136,7 @@ def test_a_cancelled_prefill_runs_on_to_its_prompts_end_while_nothing_waits(kind
         with cancelling(engine, n // 3):
             done = collect(engine.submit(PROMPT, SamplingParams(max_tokens=4)))
         assert done.finish_reason == "cancelled"  # the client hears it at once
-        assert wait_for(lambda: not engine._prefill.tasks)
+        assert wait_for(lambda: not engine.loop.prefill.tasks)
         stored = _stored(engine)
         assert stored.get(n) is K.CANCELLED, stored  # the whole prompt, the first to go
         _all_exact(engine)
@@ -153,7 +153,7 @@ def test_a_running_on_prefill_gives_way_to_a_request_that_cannot_use_it():
     engine = _engine("qwen3_5")
     try:
         n = len(engine.plan(PROMPT).tokens)
-        orphaned = lambda: any(t.job.orphaned for t in engine._prefill.tasks)  # noqa: E731
+        orphaned = lambda: any(t.job.orphaned for t in engine.loop.prefill.tasks)  # noqa: E731
         with cancelling(engine, n // 3) as landed, prefill_held(engine, orphaned):
             done = collect(engine.submit(PROMPT, SamplingParams(max_tokens=4)))
             other = engine.submit(OTHER, EXACT)  # arrives while the held step runs on
@@ -179,11 +179,11 @@ def test_the_shutdown_stores_where_a_prefill_stopped(finish):
     n = len(engine.plan(PROMPT).tokens)
     point = _unplanned_point(engine, PROMPT, n // 2)
     reached, go = threading.Event(), threading.Event()
-    step, landed = engine._prefill.step, []
+    step, landed = engine.loop.prefill.step, []
 
     def hold_midway(*args, **kwargs):
         out = step(*args, **kwargs)
-        task = engine._prefill.tasks[0] if engine._prefill.tasks else None
+        task = engine.loop.prefill.tasks[0] if engine.loop.prefill.tasks else None
         if finish and task is not None and task.position >= n // 3:
             task.job.handle.cancel()  # it runs on, until the shutdown
         if task is not None and task.position >= point and not reached.is_set():
@@ -193,7 +193,7 @@ def test_the_shutdown_stores_where_a_prefill_stopped(finish):
                 go.wait(60)
         return out
 
-    engine._prefill.step = hold_midway
+    engine.loop.prefill.step = hold_midway
     handle = engine.submit(PROMPT, SamplingParams(max_tokens=4))
     assert reached.wait(120)
     closer = threading.Thread(target=engine.shutdown, kwargs={"timeout": 0.0})
@@ -213,27 +213,27 @@ def test_a_warm_up_past_its_deadline_stores_where_it_stopped():
     engine = _engine("dense", finish_cancelled=False)
     try:
         n = len(engine.plan(PROMPT).tokens)
-        go, step, landed = threading.Event(), engine._prefill.step, [0]
+        go, step, landed = threading.Event(), engine.loop.prefill.step, [0]
 
         def hold_midway(*args, **kwargs):
             out = step(*args, **kwargs)
-            tasks = engine._prefill.tasks
+            tasks = engine.loop.prefill.tasks
             if tasks:
                 landed[0] = tasks[0].position
                 if landed[0] >= n // 2:
                     go.wait(60)  # past the warm-up's deadline
             return out
 
-        engine._prefill.step = hold_midway
+        engine.loop.prefill.step = hold_midway
         with pytest.raises(TimeoutError):
             engine.warm(PROMPT, timeout=1.0)
         go.set()
-        assert wait_for(lambda: engine._pending == 0)
+        assert wait_for(lambda: engine.lifecycle.pending == 0)
         (at,) = landed
         stored = _stored(engine)
         assert max(stored) == at < n and stored[at] is K.CANCELLED, stored
         _all_exact(engine)
-        engine._prefill.step = step
+        engine.loop.prefill.step = step
         _resend_is_cold(engine, PROMPT, at)
     finally:
         engine.shutdown()
@@ -255,7 +255,7 @@ def test_a_cancel_inside_a_batched_prefill_stores_only_that_requests_point():
             with prefill_held(engine):
                 handles = [engine.submit(p, SamplingParams(max_tokens=3)) for p in prompts]
             results = [collect(h) for h in handles]
-        assert engine._prefill.peak_tasks == 3
+        assert engine.loop.prefill.peak_tasks == 3
         assert [r.finish_reason for r in results][1] == "cancelled"
         assert all(r.usage.completion_tokens == 3 for r in (results[0], results[2]))
         assert landed == [point]  # the schedule depends on tokens alone: it lands there
@@ -283,21 +283,21 @@ def test_a_cancel_in_a_stacking_burst_computes_its_rest_alone_on_the_grid():
         prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet: lamp {w} river."))
                    for w in ("harbor", "meadow", "copper", "ledger")]  # fmt: skip
         victim = prompts[2]
-        start = engine._prefill.start
+        start = engine.loop.prefill.start
 
         def start_then_cancel(job):
             start(job)
             if job.source == victim:
                 job.handle.cancel()  # after its restore, before its rest is computed
 
-        engine._prefill.start = start_then_cancel
+        engine.loop.prefill.start = start_then_cancel
         with prefill_held(engine):
             handles = [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]
         results = [collect(h) for h in handles]
-        engine._prefill.start = start
+        engine.loop.prefill.start = start
         assert results[2].finish_reason == "cancelled"
-        assert engine._prefill.tails_stacked >= 2, "no rests were stacked"
-        assert wait_for(lambda: not engine._prefill.tasks)
+        assert engine.loop.prefill.tails_stacked >= 2, "no rests were stacked"
+        assert wait_for(lambda: not engine.loop.prefill.tasks)
         tokens = engine.plan(victim).tokens
         n = len(tokens)
         assert _kinds(engine, tokens).get(n) is K.CANCELLED
@@ -314,7 +314,7 @@ def test_the_same_prompt_sent_again_waits_for_the_prefill_running_on(kind):
     engine = _engine(kind)
     try:
         n = len(engine.plan(PROMPT).tokens)
-        orphaned = lambda: any(t.job.orphaned for t in engine._prefill.tasks)  # noqa: E731
+        orphaned = lambda: any(t.job.orphaned for t in engine.loop.prefill.tasks)  # noqa: E731
         with cancelling(engine, n // 3) as landed, prefill_held(engine, orphaned):
             done = collect(engine.submit(PROMPT, SamplingParams(max_tokens=4)))
             resend = engine.submit(PROMPT, EXACT)  # arrives while the held step runs on
@@ -383,7 +383,7 @@ def test_a_request_asking_for_progress_hears_nothing_after_its_cancel():
         with cancelling(engine, n // 3):
             handle = engine.submit(PROMPT, SamplingParams(max_tokens=4), progress=True)
             events = list(handle.events(timeout=120))
-        assert wait_for(lambda: not engine._prefill.tasks)  # ran on to the end
+        assert wait_for(lambda: not engine.loop.prefill.tasks)  # ran on to the end
         assert _stored(engine).get(n) is K.CANCELLED
         assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "cancelled"
         assert handle._queue.empty(), "an event after the final one"

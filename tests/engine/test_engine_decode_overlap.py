@@ -115,7 +115,7 @@ def test_the_engine_overlaps_steps_and_replies_keep_their_lengths_and_answers(ma
     leaving one by one while steps are in flight, and one more request joins midway.
     Every reply has exactly its max_tokens and is its alone run's; steps overlapped."""
     engine = make_engine("dense", deterministic=True)
-    engine._decode.pipelined = True  # a GPU's default; the CPU's async_eval blocks (phase.py)
+    engine.loop.decode.pipelined = True  # a GPU's default; the CPU's async_eval blocks (phase.py)
     eos = sorted(engine.model.tokenizer.eos_token_ids)
     never_ends = tuple((t, -1e9) for t in eos)
     prompts = [chat(("user", f"Say something about {w}.")) for w in ("tea", "rain", "ink", "oak")]
@@ -126,7 +126,7 @@ def test_the_engine_overlaps_steps_and_replies_keep_their_lengths_and_answers(ma
         run(engine, p, sampling=s, cache=False).tokens
         for p, s in zip(prompts, samplings, strict=True)
     ]
-    engine._decode.overlapped = 0
+    engine.loop.decode.overlapped = 0
     off = [CachePreference(enabled=False)] * 3
     handles = submit_together(engine, prompts[:3], samplings[:3], off)
     first = collect(handles[0])
@@ -136,24 +136,24 @@ def test_the_engine_overlaps_steps_and_replies_keep_their_lengths_and_answers(ma
         assert result.finish_reason == "length"
         assert len(result.tokens) == sampling.max_tokens
         assert result.tokens == expected
-    assert engine._decode.overlapped > 0
+    assert engine.loop.decode.overlapped > 0
     assert engine.peak_batch >= 2
 
 
 def test_only_a_device_that_computes_asynchronously_pipelines_by_default(make_engine):
     engine = make_engine("dense")
-    assert engine._decode.pipelined == (mx.default_device() != mx.cpu)
+    assert engine.loop.decode.pipelined == (mx.default_device() != mx.cpu)
     run(engine, chat(("user", "Hello.")), sampling=SamplingParams(max_tokens=4))
-    assert (engine._decode.overlapped > 0) == engine._decode.pipelined
+    assert (engine.loop.decode.overlapped > 0) == engine.loop.decode.pipelined
 
 
 def test_a_constrained_row_waits_for_each_token(make_engine):
     """A constraint masks each step by the token before it, so its row never overlaps;
     the schema still holds. An unconstrained request does overlap."""
     engine = make_engine("dense")
-    engine._decode.pipelined = True
+    engine.loop.decode.pipelined = True
     person = run(engine, PROMPT, sampling=SEEDED)
     check_person(person.text)
-    assert engine._decode.overlapped == 0
+    assert engine.loop.decode.overlapped == 0
     run(engine, PROMPT, sampling=replace(SEEDED, response_format=None, max_tokens=6))
-    assert engine._decode.overlapped > 0
+    assert engine.loop.decode.overlapped > 0

@@ -67,7 +67,9 @@ def settled(engines: list[DistributedEngine]) -> None:
     every rank holds the same cache entries and took the same decode steps."""
     deadline = time.monotonic() + 20
     while True:
-        views = [(entries(e), e._decode.steps, e.disk.pending if e.disk else 0) for e in engines]
+        views = [
+            (entries(e), e.loop.decode.steps, e.disk.pending if e.disk else 0) for e in engines
+        ]
         if all(v == views[0] for v in views) or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -243,7 +243,7 @@ def test_seed_range_and_reply_fit_are_checked_before_queueing(make_engine):
     )
     with pytest.raises(ContextLengthExceeded):
         engine.submit(PROMPT, SamplingParams(max_tokens=5), fit_reply=True)
-    assert engine._pending == 0
+    assert engine.lifecycle.pending == 0
     # Without fit_reply the reply is cut at the context's end instead.
     result = run(engine, PROMPT, sampling=SamplingParams(max_tokens=50))
     assert result.usage.completion_tokens <= 4
@@ -254,7 +254,7 @@ def test_a_warm_up_that_times_out_is_cancelled(make_engine):
     with pytest.raises(TimeoutError):
         engine.warm(chat(("system", "Warm me. " * 200)), timeout=0)
     deadline = time.monotonic() + 30
-    while engine._pending and time.monotonic() < deadline:
+    while engine.lifecycle.pending and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine._pending == 0
+    assert engine.lifecycle.pending == 0
     assert run(engine, PROMPT).finish_reason in ("stop", "length")  # still serving

@@ -113,8 +113,8 @@ def test_the_default_mode_measures_nothing_and_decodes_in_one_plain_forward(
     for h in handles:
         collect(h)
     assert engine.peak_batch >= 2 and engine.capacity == engine.config.max_running
-    assert engine._decode.batch.rows is None  # no row groups: one forward for every row
-    assert not engine._prefill.group  # prefill chunks computed alone
+    assert engine.loop.decode.batch.rows is None  # no row groups: one forward for every row
+    assert not engine.loop.prefill.group  # prefill chunks computed alone
 
 
 def test_deterministic_mode_calibrates_before_its_first_request(make_engine, monkeypatch):
@@ -129,7 +129,7 @@ def test_deterministic_mode_calibrates_before_its_first_request(make_engine, mon
     engine = make_engine("dense", deterministic=True)
     run(engine, chat(("user", "Hello")), cache=False)
     assert len(seen) == 1
-    assert engine._decode.batch.rows is not None and engine._decode.batch.rows >= 1
+    assert engine.loop.decode.batch.rows is not None and engine.loop.decode.batch.rows >= 1
 
 
 def test_requests_prefill_fewest_tokens_left_first():
@@ -155,5 +155,5 @@ def test_requests_prefill_fewest_tokens_left_first():
         )
         for handle in (short, long):
             collect(handle)
-        assert engine._prefill.peak_tasks == 2  # they prefilled side by side
+        assert engine.loop.prefill.peak_tasks == 2  # they prefilled side by side
         assert firsts == [short.request_id, long.request_id]

@@ -54,7 +54,7 @@ def test_a_burst_decodes_together_and_answers_as_alone(kind, gather, determinist
             if isinstance(event, TokenEvent) and event.token is not None:
                 self.count += 1
                 emitted.append((self.request_id, self.count))
-                merged_before.append(not engine._decode.batch._joining)
+                merged_before.append(not engine.loop.decode.batch._joining)
             super().emit(event)
 
     config = EngineConfig(gather_tokens=gather, deterministic=deterministic)

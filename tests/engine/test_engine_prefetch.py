@@ -35,7 +35,7 @@ def _spy_prefetch(engine: Engine) -> tuple[list, list]:
     and the sources it handed the prefetcher. Once a request is in `finished`, whether
     it is prefetched is settled: no sleep needed, and a late wrong prefetch shows."""
     finished, handed = [], []
-    on_reply, submit = engine._decode._on_reply, engine._prefetcher.submit
+    on_reply, submit = engine.loop.decode._on_reply, engine.prefetcher.submit
 
     def deciding(job, reply):
         on_reply(job, reply)
@@ -45,7 +45,7 @@ def _spy_prefetch(engine: Engine) -> tuple[list, list]:
         handed.append(source)
         return submit(source, *args, **kwargs)
 
-    engine._decode._on_reply, engine._prefetcher.submit = deciding, handing
+    engine.loop.decode._on_reply, engine.prefetcher.submit = deciding, handing
     return finished, handed
 
 

@@ -111,7 +111,7 @@ def test_a_tool_loop_restores_its_whole_history_and_answers_like_a_cold_run(kind
         computed = len(engine.plan(first.prompt).tokens)
         # What the engine's reply hook (decode -> _maybe_prefetch) does with this reply.
         key = entry_key(engine.model_key, CachePreference())
-        engine._prefetcher.submit(first.prompt, TOOL_REPLY, computed, "chatcmpl-first-turn", key)
+        engine.prefetcher.submit(first.prompt, TOOL_REPLY, computed, "chatcmpl-first-turn", key)
         assert wait_for(lambda: engine.prefetch.completed == 1)
 
         result = warm_equals_cold(engine, nxt)

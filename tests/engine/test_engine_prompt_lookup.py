@@ -22,8 +22,7 @@ from support.structured import AS_PERSON, check_person
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.args import engine_config
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine.decode import lookup
-from mlx_prefix.engine.decode import phase as decode
+from mlx_prefix.engine.decode import arrival, lookup
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.sampling import TokenSampler
@@ -69,7 +68,7 @@ def scripted(scripts: Mapping[int, Sequence[int]], **config: Any) -> Iterator[En
         return TokenSampler(params, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode, "TokenSampler", sampler)
+        patch.setattr(arrival, "TokenSampler", sampler)
         engine = Engine(model, TEST_CACHE, EngineConfig(**({"deterministic": True} | config)))
         try:
             yield engine

@@ -28,7 +28,7 @@ def test_a_consumer_that_stops_early_cancels_its_request():
             for event in session.stream(chat_prompt("Count to a thousand."), long_reply):
                 if isinstance(event, TokenEvent):
                     break  # the caller loses interest after one token
-        assert wait_for(lambda: engine._pending == 0)
+        assert wait_for(lambda: engine.lifecycle.pending == 0)
         # Cancelled within a few steps, not run to its 400 tokens.
-        assert engine._steps < 50
+        assert engine.loop.decode.steps < 50
         assert engine.store.stats().active_bytes == 0

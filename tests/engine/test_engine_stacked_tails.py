@@ -150,7 +150,7 @@ def test_a_warm_burst_stacks_its_rests_and_stores_only_alone_prefills(kind):
         assert len({len(engine.plan(p).tokens) for p in prompts}) == 1
         stored_before = {e.tokens for e in engine.store.sequences(engine.model_key)}
         results = _burst(engine, prompts, max_tokens=4)
-        assert engine._prefill.tails_stacked >= 2, "no rests were stacked"
+        assert engine.loop.prefill.tails_stacked >= 2, "no rests were stacked"
         assert all(r.usage.cached_tokens > 0 for r in results)  # the instruction was a hit
         assert all(r.usage.completion_tokens == 4 for r in results)
         stored = engine.store.sequences(engine.model_key)
@@ -169,7 +169,7 @@ def test_a_warm_burst_stacks_its_rests_and_stores_only_alone_prefills(kind):
             mine = [len(e) for e in new if tuple(plan.tokens[: len(e)]) == e]
             assert set(mine) <= {last, n}
             ends += n in mine
-        assert ends <= len(prompts) - engine._prefill.tails_stacked
+        assert ends <= len(prompts) - engine.loop.prefill.tails_stacked
         engine.store.check_integrity()
     finally:
         engine.shutdown()
@@ -199,7 +199,7 @@ def test_stacked_turns_store_their_last_checkpoint_and_the_next_turn_restores_th
         assert len({len(engine.plan(p).tokens) for p in prompts}) == 1
         handles = submit_together(engine, prompts, EXACT)
         results = [collect(h) for h in handles]
-        assert engine._prefill.tails_stacked >= 2, "no rests were stacked"
+        assert engine.loop.prefill.tails_stacked >= 2, "no rests were stacked"
         grid = engine.planner.grid
         for entry in engine.store.sequences(engine.model_key):  # exact, on the grid
             assert grid.is_point(entry.tokens, len(entry.tokens))
@@ -252,6 +252,6 @@ def test_deterministic_mode_or_stack_tails_0_never_stacks_rests(config):
         collect(engine.submit(prime, SamplingParams(max_tokens=2)))
         prompts = [chat(("system", INSTRUCTION), ("user", f"Snippet {i}.")) for i in range(4)]
         _burst(engine, prompts, max_tokens=2)
-        assert engine._prefill.tails_stacked == 0
+        assert engine.loop.prefill.tails_stacked == 0
     finally:
         engine.shutdown()

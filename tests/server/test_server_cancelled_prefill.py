@@ -27,27 +27,27 @@ def test_a_client_gone_mid_prefill_leaves_its_prefix_for_the_resend():
                           finish_cancelled=False)  # fmt: skip
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
     reached, go, landed = threading.Event(), threading.Event(), []
-    step = engine._prefill.step
+    step = engine.loop.prefill.step
 
     def hold_midway(*args, **kwargs):
         out = step(*args, **kwargs)
-        tasks = engine._prefill.tasks
+        tasks = engine.loop.prefill.tasks
         if tasks and tasks[0].position >= 192 and not reached.is_set():
             landed.append(tasks[0].position)
             reached.set()
             go.wait(60)  # until the server has seen the client go
         return out
 
-    engine._prefill.step = hold_midway
+    engine.loop.prefill.step = hold_midway
     body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True}
     with serving(engine) as (url, _):
         with raw_post(url, CHAT, json.dumps(body).encode()):
             assert reached.wait(120)
-            handle = engine._prefill.tasks[0].job.handle
+            handle = engine.loop.prefill.tasks[0].job.handle
         assert wait_for(handle.cancelled.is_set), "the hang-up did not cancel the request"
         go.set()
-        assert wait_for(lambda: engine._pending == 0)
-        engine._prefill.step = step
+        assert wait_for(lambda: engine.lifecycle.pending == 0)
+        engine.loop.prefill.step = step
         (at,) = landed
         exact = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
         with httpx.Client(base_url=url, timeout=120) as c:

@@ -215,9 +215,9 @@ def test_soak_of_streaming_non_streaming_and_abandoned_requests(live):
         if text is not None:
             assert text == alone[q], q
     deadline = time.monotonic() + 30
-    while engine._pending and time.monotonic() < deadline:
+    while engine.lifecycle.pending and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine._pending == 0
+    assert engine.lifecycle.pending == 0
     stats = engine.store.stats()
     assert stats.active_bytes == 0 and stats.hits >= len(questions)
     engine.store.check_integrity()

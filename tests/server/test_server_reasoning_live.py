@@ -346,13 +346,13 @@ def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat
     _, engine = live
     system = {"role": "system", "content": "A chat app's own system prompt. " * 4}
     ask = dict(model="m", max_tokens=16, temperature=0)
-    known = engine._chat_traffic.chat_clients
+    known = engine.prefetcher.chat_traffic.chat_clients
     first = chat.chat.completions.create(**ask, messages=[system, *user("Hi")], seed=ANSWER_SEED)
     reply = first.choices[0].message
     assert reply.content == "Hello there." and reply.model_extra["reasoning_content"]
     back = {"role": "assistant", "content": reply.content}
     chat.chat.completions.create(**ask, messages=[system, *user("Hi"), back, *user("q2")])
-    assert wait_for(lambda: engine._chat_traffic.chat_clients == known + 1)
+    assert wait_for(lambda: engine.prefetcher.chat_traffic.chat_clients == known + 1)
 
 
 def test_gpt_oss_renders_reasoning_sent_back_as_its_analysis_channel():

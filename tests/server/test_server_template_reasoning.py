@@ -24,7 +24,7 @@ from support.server_fakes import serving
 from support.template_models import REASONING_FAMILIES, TOOLS, calibrated_once, call, template_model
 
 from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine.decode import phase as decode
+from mlx_prefix.engine.decode import arrival
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
@@ -139,7 +139,7 @@ def family(request):
     model = template_model(request.param)
     tokenizer = model.tokenizer
     with calibrated_once(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode, "TokenSampler", sampler)
+        patch.setattr(arrival, "TokenSampler", sampler)
         engine = Engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False))
         found = Family(request.param, engine)
         for seed, text in ((SEED, found.script), (BUDGET_SEED, found.long_reasoning)):

@@ -84,8 +84,8 @@ def test_nothing_of_an_unloaded_model_stays_reachable(vision):
     if vision:
         family = engine.model.vision
         held |= {"family": weakref.ref(family), "tower": weakref.ref(family.tower)}
-        held["features"] = weakref.ref(engine._prefill.features)
-        assert engine._prefill.features.nbytes > 0
+        held["features"] = weakref.ref(engine.loop.prefill.features)
+        assert engine.loop.prefill.features.nbytes > 0
         assert store.stats().active_bytes > 0  # the tower outputs, in the budget
         del family
     del engine
@@ -115,7 +115,7 @@ def test_a_vision_model_still_held_lets_go_of_its_memory():
 
     tower = named_arrays(family.tower.parameters())
     assert tower and all(p.size == 0 for _, p in tower)
-    assert engine._prefill.features.nbytes == 0
+    assert engine.loop.prefill.features.nbytes == 0
     assert len(family.prepared) == 0 and family.prepared.held_bytes == 0
 
 

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import Message
-from mlx_prefix.engine.decode import phase as decode
+from mlx_prefix.engine.decode import arrival
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward.runner import prefill
@@ -74,7 +74,7 @@ def scripted_engine(model: Any, scripts: Mapping[int, str]) -> Iterator[Engine]:
         return TokenSampler(params, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode, "TokenSampler", sampler)
+        patch.setattr(arrival, "TokenSampler", sampler)
         yield Engine(model, TEST_CACHE, EngineConfig(prefetch_delay_s=0))
 
 
@@ -138,19 +138,19 @@ def prefill_held(engine: Engine, when: Callable[[], bool] = lambda: True) -> Ite
     block ends (60 s at most): what the block submits is in the engine's inbox when that
     step ends, and is scheduled right after it, whatever the machine's speed. A request
     the engine took before the block has been scheduled, but computes nothing until then."""
-    gate, step = threading.Event(), engine._prefill.step
+    gate, step = threading.Event(), engine.loop.prefill.step
 
     def held(*args, **kwargs):
         if when():
             gate.wait(60)
         return step(*args, **kwargs)
 
-    engine._prefill.step = held
+    engine.loop.prefill.step = held
     try:
         yield
     finally:
         gate.set()
-        engine._prefill.step = step
+        engine.loop.prefill.step = step
 
 
 def submit_together(
@@ -286,19 +286,19 @@ def cancelling(
     """Cancel each request `which` selects once its prefill has passed `at` prompt
     tokens, from inside the engine's prefill step: the cancel lands between two chunks.
     Yields the positions the cancels landed at."""
-    step, landed = engine._prefill.step, []
+    step, landed = engine.loop.prefill.step, []
 
     def cancel_after(*args, **kwargs):
         out = step(*args, **kwargs)
-        for task in engine._prefill.tasks:
+        for task in engine.loop.prefill.tasks:
             handle = task.job.handle
             if task.position >= at and not handle.cancelled.is_set() and which(task.job.source):
                 landed.append(task.position)
                 handle.cancel()
         return out
 
-    engine._prefill.step = cancel_after
+    engine.loop.prefill.step = cancel_after
     try:
         yield landed
     finally:
-        engine._prefill.step = step
+        engine.loop.prefill.step = step

@@ -135,19 +135,19 @@ def test_deterministic_rows_with_and_without_images_give_alone_logprobs_bit_for_
 def _together(engine, prompts):
     """Serve `prompts` arriving together: the first prefill step waits until every one is
     submitted, whatever the machine's speed."""
-    gate, step = threading.Event(), engine._prefill.step
+    gate, step = threading.Event(), engine.loop.prefill.step
 
     def gated(*args, **kwargs):
         gate.wait(60)
         return step(*args, **kwargs)
 
-    engine._prefill.step = gated
+    engine.loop.prefill.step = gated
     try:
         handles = [engine.submit(p, GREEDY) for p in prompts]
         gate.set()
         return [collect(h) for h in handles]
     finally:
-        engine._prefill.step = step
+        engine.loop.prefill.step = step
 
 
 def test_an_image_prompt_refuses_draft_tokens_it_cannot_use(engines):

@@ -181,7 +181,7 @@ def measure_restore(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.lengths:
             config = EngineConfig(prefetch_next_turn=False)
             engine = Engine(loaded, CacheConfig(budget_bytes=8 << 30), config)
-            real_step = engine._prefill.step
+            real_step = engine.loop.prefill.step
 
             def step(*a, _real=real_step, **k):
                 t = time.perf_counter()
@@ -189,7 +189,7 @@ def measure_restore(args: argparse.Namespace) -> dict[str, Any]:
                 steps.append(time.perf_counter() - t)
                 return out
 
-            engine._prefill.step = step
+            engine.loop.prefill.step = step
             try:
                 messages = [Message("user", _text(90000, n, tokens) + "\n\nSummarize.")]
                 # Three turns (the first cold), then the third again `repeat` times: a

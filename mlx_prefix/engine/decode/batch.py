@@ -10,8 +10,7 @@ adds engine/forward/rowwise.py's row groups and per-row attention.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,11 +20,10 @@ from mlx_prefix.cache.layers.rewind import Held, hold, trims_back
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.engine.decode.sampling import (
     TokenSampler,
-    float_list,
-    int_list,
     normalize,
     top_logprobs,
 )
+from mlx_prefix.engine.decode.step import RowSample, Step, read
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.forward.rowwise import batched
 from mlx_prefix.vision.forward import decode_positions
@@ -35,42 +33,6 @@ from mlx_prefix.vision.rope import positions
 def batchable(cache: list) -> bool:
     """Whether this cache may decode batched (every layer's kind can merge)."""
     return all(kind_of(c).batchable(c) for c in cache)
-
-
-@dataclass(frozen=True, slots=True)
-class RowSample:
-    """One row's result of a decode step."""
-
-    token: int
-    logprob: float | None  # of `token`, when the step was asked for logprobs
-    top_ids: list[int]  # the step's `top_n` most likely tokens, most likely first
-    top_values: list[float]  # their logprobs
-
-
-@dataclass(slots=True)
-class _Step:
-    """A decode step's lazy results for the rows it computed, `members` in row order."""
-
-    members: list[Any]
-    tokens: mx.array  # [B]
-    chosen: mx.array | None = None  # [B] logprob of each token, when asked
-    top_ids: mx.array | None = None  # [B, n]
-    top_values: mx.array | None = None  # [B, n]
-
-    @property
-    def arrays(self) -> list[mx.array]:
-        found = (self.tokens, self.chosen, self.top_ids, self.top_values)
-        return [a for a in found if a is not None]
-
-    def keep(self, rows: list[int]) -> None:
-        """Only these rows (indices into `members`) stay."""
-        index = mx.array(rows)
-        self.members = [self.members[i] for i in rows]
-        self.tokens = self.tokens[index]
-        if self.chosen is not None:
-            self.chosen = self.chosen[index]
-        if self.top_ids is not None and self.top_values is not None:
-            self.top_ids, self.top_values = self.top_ids[index], self.top_values[index]
 
 
 def _tokens_in(cache: list) -> int:
@@ -124,7 +86,7 @@ class DecodeBatch:
         self._inputs: list[int] = []  # next input token per row
         self._lengths: list[int] = []  # tokens in each row's cache
         self._deltas: list[int] = []  # each row's rotary shift (images in its prompt)
-        self._launched: _Step | None = None  # a step computing, not read yet (`step`)
+        self._launched: Step | None = None  # a step computing, not read yet (`step`)
         self._verifying = 0  # positions of a verify not settled yet (`verify_rows`)
         # A cache that cannot trim a rejected draft (recurrent layers), held before
         # the verify, and the verify's tokens (`settle` computes the kept ones again).
@@ -234,7 +196,7 @@ class DecodeBatch:
         step, self._launched = self._launched, None
         return self._read(step) if step is not None else []
 
-    def _launch(self, want_logprobs: bool, top_n: int) -> _Step:
+    def _launch(self, want_logprobs: bool, top_n: int) -> Step:
         """Build one step of every row (lazy): each row's input is its token in the
         launched step, or its own next input when it has none there."""
         if self._launched is None:
@@ -263,33 +225,17 @@ class DecodeBatch:
         )  # [B]
         if self.agree is not None:
             tokens = self.agree(tokens)
-        step = _Step(list(self.members), tokens)
+        step = Step(list(self.members), tokens)
         if logprobs is not None:
             step.chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # [B]
             if top_n:
                 step.top_ids, step.top_values = top_logprobs(logprobs, top_n)  # [B, n] each
         return step
 
-    def _read(self, step: _Step) -> list[tuple[Any, RowSample]]:
+    def _read(self, step: Step) -> list[tuple[Any, RowSample]]:
         """Wait for `step` and hand out its rows; they become those rows' next inputs."""
-        mx.eval(*step.arrays)
-        token_list = int_list(step.tokens)
-        self._inputs[: len(token_list)] = token_list
-        rows = len(token_list)
-        chosen: list[float | None] = [None] * rows
-        if step.chosen is not None:
-            chosen = list(float_list(step.chosen))
-        ids = (
-            cast("list[list[int]]", step.top_ids.tolist())
-            if step.top_ids is not None
-            else [[]] * rows
-        )
-        values = (
-            cast("list[list[float]]", step.top_values.tolist())
-            if step.top_values is not None
-            else [[]] * rows
-        )
-        samples = [RowSample(*row) for row in zip(token_list, chosen, ids, values, strict=True)]
+        tokens, samples = read(step)
+        self._inputs[: len(tokens)] = tokens
         return list(zip(step.members, samples, strict=True))
 
     def sampler(self, row: int) -> TokenSampler:

@@ -10,27 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlx_prefix.cache.handover import row_snapshot
 from mlx_prefix.cache.store import PromptCache
-from mlx_prefix.engine.decode.batch import DecodeBatch, RowSample
+from mlx_prefix.engine.decode.arrival import Arrival, first_token, sampler_for
+from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.lookup import PromptLookup
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.running import HandBack, Running
-from mlx_prefix.engine.decode.sampling import (
-    TokenSampler,
-    alternatives,
-    float_list,
-    int_list,
-    item_float,
-    item_int,
-    normalize,
-    top_logprobs,
-)
-from mlx_prefix.engine.decode.speculative import DraftCache, Speculator
+from mlx_prefix.engine.decode.sampling import alternatives
+from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.decode.step import RowSample
 from mlx_prefix.engine.decode.text import TextStream
 from mlx_prefix.engine.decode.verify import Accept
 from mlx_prefix.engine.forward.kv_quant import KvQuant
@@ -38,24 +30,8 @@ from mlx_prefix.engine.requests.jobs import Job, usage
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.records import DoneEvent, ErrorEvent, TokenEvent, TopLogprob
-from mlx_prefix.vision.key import unsalt
 
 ACTIVE_BYTES_EVERY = 64  # decode steps between updates of the batch's resident bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """A request whose prompt is computed, as it joins the decode batch."""
-
-    job: Job
-    cache: list  # its prompt's cache, merged into the batch
-    logits: mx.array  # the prompt's last logits [1, V]: its first token is sampled from them
-    limit: int  # completion tokens it may produce (cut at the context's end)
-    reuse: int  # prompt tokens restored from the cache
-    prefill_tps: float  # prompt tokens computed per second of its prefill
-    draft: DraftCache | None = None  # --draft-model: the draft's cache of the prompt
-    bytes_key: str = ""  # its prefill's bytes in the store's budget, the batch's once merged
-    hand_back: HandBack | None = None  # its prompt's entry, stored when it finishes
 
 
 class DecodePhase:
@@ -148,23 +124,11 @@ class DecodePhase:
         job, logits, limit, reuse = arrival.job, arrival.logits, arrival.limit, arrival.reuse
         job.handle.cached_tokens = reuse
         job.handle.cache_written_tokens = max(0, job.stored_to - reuse)
-        sampler = self._sampler(job)
+        sampler = sampler_for(job, self.model.tokenizer)
         budget = ReasoningBudget.of(
             job.sampling.reasoning_budget, self.reasoning, job.prompt.opens_reasoning, sampler
         )
-        logprobs = normalize(logits) if job.sampling.logprobs else None  # [1, V]
-        first = sampler(logits, logprobs)  # [1]
-        if self.agree_tokens is not None:
-            first = self.agree_tokens(first)
-        token = item_int(first)
-        logprob: float | None = None
-        top: tuple[TopLogprob, ...] = ()
-        if logprobs is not None:  # job.sampling.logprobs
-            logprob = item_float(logprobs[0, token])
-            if n := job.sampling.top_logprobs:
-                ids, values = top_logprobs(logprobs, n)
-                mx.eval(ids, values)
-                top = alternatives(int_list(ids[0]), float_list(values[0]), n)
+        token, logprob, top = first_token(logits, job.sampling, sampler, self.agree_tokens)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         now = time.perf_counter()
         running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)
@@ -268,16 +232,6 @@ class DecodePhase:
         """The batch's resident bytes, the draft caches beside it included."""
         spec = self.speculator.nbytes() if self.speculator is not None else 0
         return self.batch.nbytes() + spec
-
-    def _sampler(self, job: Job) -> TokenSampler:
-        special: list[int] = []
-        if job.sampling.xtc_probability > 0:  # as mlx_lm.server: XTC never cuts these
-            tokenizer = self.model.tokenizer
-            special = tokenizer.encode("\n") + sorted(tokenizer.eos_token_ids)
-        history: Sequence[int] = job.tokens
-        if (vision := job.prompt.vision) is not None:  # the model's ids, not the key's
-            history = unsalt(history, vision.family.placeholder)
-        return TokenSampler(job.sampling, job.constraint, history, special)
 
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
