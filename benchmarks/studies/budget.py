@@ -6,7 +6,8 @@
   of its last prompt leaves), each budget a fresh process of each server. Per turn: the
   tokens it reported cached, over what it could reuse (the tokens its prompt shares with
   the turn before's).
-- subagents: a main agent's conversation (two turns), then five subagents, each with its
+- subagents: a main agent's conversation (`--main-turns`, 4: an agent that has worked a
+  while before it starts subagents), then five subagents, each with its
   own system prompt and two turns, one after another, then the main agent's next turn, at
   a budget of 1.25x (mlx-prefix's documented need per conversation) the KV of the main
   conversation and two subagents'. Reported: the main turn's cached tokens over what it
@@ -157,14 +158,14 @@ def subagents(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dic
         main_n, sub_n, user_n = main_n // 3, sub_n // 3, user_n // 2
     count = tokens.count
     main_system = "You are the main coding agent. " + passage(31000, main_n, count)
-    main_users = [passage(33000 + 200 * t, user_n, count) for t in range(3)]
+    main_users = [passage(33000 + 200 * t, user_n, count) for t in range(args.main_turns + 1)]
     sub_systems = [
         f"You are subagent {i + 1}: {passage(35000 + 1500 * i, sub_n, count)}" for i in range(5)
     ]
     sub_users = [[passage(43000 + 1500 * i + 200 * t, user_n, count) for t in range(2)]
                  for i in range(5)]  # fmt: skip
     main_probe = Conversation(main_system, tokens)
-    for user in main_users[:2]:
+    for user in main_users[: args.main_turns]:
         main_probe.ask(user)
         main_probe.answer()
     sub_finals = []
@@ -181,18 +182,19 @@ def subagents(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dic
     out: dict[str, Any] = {
         "part": "subagents", "model": args.model, "main_tokens": main_probe.final_tokens(),
         "sub_tokens": sub_finals, "held_bytes": held, "budget": budget,
-        "factor": args.subagent_factor, "runs": [], "left_out": left_out,
+        "factor": args.subagent_factor, "main_turns": args.main_turns, "runs": [],
+        "left_out": left_out,
         "machine": machine_line(),
     }  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="bench-subagents-"))
 
     async def trace(turns: Turns) -> None:
         main = Conversation(main_system, tokens)
-        await _converse(turns, main, main_users[:2], agent="main")
+        await _converse(turns, main, main_users[: args.main_turns], agent="main")
         for i in range(5):
             sub = Conversation(sub_systems[i], tokens)
             await _converse(turns, sub, sub_users[i], agent=f"sub{i + 1}")
-        await _converse(turns, main, main_users[2:], agent="main")
+        await _converse(turns, main, main_users[args.main_turns :], agent="main")
 
     for name in names:
         server = start(name, model_path, budget, log_dir, f"{name}-subagents")
@@ -262,7 +264,8 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
 def _subagent_lines(doc: dict[str, Any]) -> list[str]:
     lines = [
         "",
-        f"**{doc['model']}**: main conversation {doc['main_tokens']:,} tokens, subagents "
+        f"**{doc['model']}**: main conversation {doc['main_tokens']:,} tokens in "
+        f"{doc.get('main_turns', 2)} turns, subagents "
         f"{min(doc['sub_tokens']):,}-{max(doc['sub_tokens']):,}; budget "
         f"{doc['budget'] / MiB:.1f} MiB = {doc['factor']}x the KV of main + 2 subagents "
         f"({doc['held_bytes'] / MiB:.1f} MiB); {_when(doc)}.",
@@ -315,8 +318,9 @@ def render() -> str:
         "",
         "### Subagents beside a main agent",
         "",
-        "Main agent two turns, five subagents (own system prompts) of two turns each one "
-        "after another, then the main agent's next turn. Goal (item 4): >= 0.95 cached.",
+        "A main agent's turns (each table says how many), five subagents (own system "
+        "prompts) of two turns each one after another, then the main agent's next turn. "
+        "Goal (item 4): >= 0.95 cached.",
     ]
     for key in ("budget-subagents-dense", "budget-subagents-hybrid"):
         if key in docs:
@@ -354,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=5, help="sweep: turns of the conversation")
     p.add_argument("--factors", type=float, nargs="+", default=list(FACTORS))
     p.add_argument("--subagent-factor", type=float, default=1.25)
+    p.add_argument(
+        "--main-turns", type=int, default=4, help="subagents: the main agent's turns before them"
+    )
     p.add_argument("--servers", nargs="+", choices=(OURS, PEER, VLLM), help="default: all")
     p.add_argument("--quick", action="store_true", help="shorter prompts")
     p.add_argument("--render", action="store_true", help="only rewrite the table")
