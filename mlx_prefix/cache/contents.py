@@ -19,7 +19,7 @@ from mlx_prefix.cache.entries import Entry, EntryTable
 from mlx_prefix.cache.eviction.budget import Budget
 from mlx_prefix.cache.eviction.log import EvictionLog
 from mlx_prefix.cache.eviction.policy import EvictionPolicy, KindLRU
-from mlx_prefix.cache.eviction.uses import Lineage
+from mlx_prefix.cache.eviction.uses import INHERIT_SHARE, Lineage
 from mlx_prefix.cache.pins import Pins
 from mlx_prefix.cache.token_ids import TokenIds
 from mlx_prefix.cache.types import Buffer, CheckpointKind
@@ -110,12 +110,17 @@ class Contents:
         that prefix, counted on `e`, on the stored entries within it, and for the entries
         the request will store under it (`eviction/uses.py`)."""
         prefix = TokenIds(tokens[:reuse])
-        e.uses = 1 + max(e.uses, self.lineage.inherited(model_key, prefix))
+        uses = 1 + self.lineage.inherited(model_key, prefix)
+        # Only a restore of most of `e` is a use of `e`: many one-shot prompts sharing a
+        # template's head with one entry must not make it frequent (it would outlast the
+        # system prompts they share).
+        if reuse >= INHERIT_SHARE * len(e.tokens):
+            e.uses = uses = 1 + max(e.uses, uses - 1)
         for found in self.table.trie(model_key).match(prefix).ancestors:
             other = self.entries[found.value]
             if other is not e:
                 other.uses += 1
-        self.lineage.restored(model_key, prefix, e.uses)
+        self.lineage.restored(model_key, prefix, uses)
 
     def stored(self, model_key: str, key: tuple[int, ...]) -> Entry | None:
         entry_id = self.table.trie(model_key).get(key)
