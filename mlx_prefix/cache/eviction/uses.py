@@ -4,8 +4,10 @@ A conversation's entries come and go turn by turn (its next turn stores a longer
 and the shorter one is dropped as redundant or handed over to that turn: handover.py),
 so a count kept on one entry would restart at 0 every turn: a main agent's prefix,
 restored on every one of its turns, would look as new as a subagent's one-shot turn.
-Here a restore counts on the entry restored and on every stored entry it extends (their
-tokens were reused too), and is remembered for the restored prefix itself (`Lineage`):
+Here a restore counts on the entry restored, when it reused at least INHERIT_SHARE of it
+(a head many one-shot prompts share is no use of the entry: contents.py), and on every
+stored entry it extends (their tokens were reused too), and is remembered for the
+restored prefix itself (`Lineage`):
 an entry stored later under that prefix (the turn's own end) starts with its count when
 the prefix is at least INHERIT_SHARE of it. A
 request that restores a prefix reused k times before makes it k + 1.
