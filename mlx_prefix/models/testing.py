@@ -197,6 +197,20 @@ def write_tokenizer(dest: Path, *, think_template: bool) -> int:
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["chat_template"] = THINK_CHAT_TEMPLATE
     tok_config["tool_parser_type"] = "json_tools"  # what mlx-lm infers for Qwen3
+    if "added_tokens_decoder" in tok_config:
+        # transformers takes the added tokens from this list where there is one (the
+        # converted default model writes it): the think tokens must be in it too.
+        tok_config["added_tokens_decoder"] = {
+            str(i): {
+                "content": added.content,
+                "lstrip": added.lstrip,
+                "normalized": added.normalized,
+                "rstrip": added.rstrip,
+                "single_word": added.single_word,
+                "special": added.special,
+            }
+            for i, added in sorted(tok.get_added_tokens_decoder().items())
+        }
     tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
     return tok.get_vocab_size()
 

@@ -169,7 +169,7 @@ def _damaged(tmp_path: Path, damage: str) -> Path:
     [
         ("truncated-weights", "incomplete download or corrupt file"),
         ("no-tokenizer", "no tokenizer files"),
-        ("bad-tokenizer", "tokenizer: missing key"),
+        ("bad-tokenizer", "could not be loaded: tokenizer: "),  # the parser's own words follow
         ("unknown-architecture", "not supported"),
     ],
 )
