@@ -96,6 +96,9 @@ class Engine:
             model.tokenizer, self.cache_config, model.template_args, vision=model.vision
         )
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
+        # How the model writes tool calls, read once: the server's tool choice and reply
+        # assembler and the next-turn prefetch all read replies with it.
+        self.tool_syntax = tool_syntax(model.tokenizer)
         self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or new_store(self.cache_config)
         cap_buffer_cache(self.store.budget_bytes)  # freed MLX buffers count too
@@ -128,7 +131,7 @@ class Engine:
             self.store, self.disk, self.model_key, self.prefetch, board, speculator
         )
         self.prefetcher = (
-            Prefetcher(self.planner, tool_syntax(model.tokenizer), self._enqueue_prefetch)
+            Prefetcher(self.planner, self.tool_syntax, self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled and self.turns.leader
             else None
         )

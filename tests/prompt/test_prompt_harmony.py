@@ -155,9 +155,9 @@ def test_a_forced_call_opens_the_commentary_channel_to_the_function(gpt_oss):
     from mlx_prefix.server.protocol.request import ToolChoice
     from mlx_prefix.server.routes.tool_choice import forced_opening
 
-    named = forced_opening(gpt_oss, ToolChoice(mode="named", name="read"))
+    named = forced_opening(tool_syntax(gpt_oss), ToolChoice(mode="named", name="read"))
     assert named == "<|channel|>commentary to=functions.read <|constrain|>json<|message|>"
-    required = forced_opening(gpt_oss, ToolChoice(mode="required"))
+    required = forced_opening(tool_syntax(gpt_oss), ToolChoice(mode="required"))
     reader = reply_reader(gpt_oss, harmony.SYNTAX, prefix=required)
     reader.feed('read <|constrain|>json<|message|>{"path": "a.py"}')
     assert reader.finish().calls == ['read<|message|>{"path": "a.py"}']
