@@ -213,16 +213,17 @@ class Engine:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
         fmt = sampling.response_format
         constraint = self.constraints.create(fmt) if fmt is not None else None
-        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        handle = self.handle_type(request_id, len(rendered.tokens), progress=progress)
-        handle.opens_reasoning = rendered.opens_reasoning
-        handle.reasoning_edges = rendered.reasoning_edges
-        handle.breakpoint_end = max(
-            (c.position for c in rendered.checkpoints if c.marked), default=0
-        )
         key = entry_key(self.model_key, cache)
-        handle.trace = CacheTrace.of(  # for the request explainer, filled at admission
-            self.explain_context, rendered.tokens, prompt, cache, key, self.cache_config.enabled
+        handle = self.handle_type(
+            request_id or f"req-{uuid.uuid4().hex[:12]}",
+            len(rendered.tokens),
+            progress=progress,
+            opens_reasoning=rendered.opens_reasoning,
+            reasoning_edges=rendered.reasoning_edges,
+            breakpoint_end=max((c.position for c in rendered.checkpoints if c.marked), default=0),
+            trace=CacheTrace.of(  # for the request explainer, filled at admission
+                self.explain_context, rendered.tokens, prompt, cache, key, self.cache_config.enabled
+            ),
         )
         now = time.perf_counter()
         self.lifecycle.put(
