@@ -51,7 +51,7 @@ from mlx_prefix.engine.requests.admission import (
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
 from mlx_prefix.engine.requests.prefetch import Prefetcher
-from mlx_prefix.engine.turns import LocalTurns, Turns
+from mlx_prefix.engine.turns import Consensus, LocalTurns, Turns
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.explain.trace import CacheTrace, ExplainContext
 from mlx_prefix.models.cost import estimate_prefill_cost
@@ -78,11 +78,12 @@ class Engine:
         disk_cache: DiskCache | None = None,
         *,
         turns: Turns | None = None,
+        consensus: Consensus | None = None,
     ):
-        """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
-        draft model for speculative decoding (engine/decode/speculative.py). `store` and
-        `disk_cache` may be shared with other engines (server/served/pool.py). `turns`:
-        how the engine thread takes its turns (None: LocalTurns, this process alone)."""
+        """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a draft
+        model for speculative decoding (engine/decode/speculative.py). `store`, `disk_cache`
+        may be shared with other engines (server/served/pool.py). `turns`: the turn driver
+        (None: LocalTurns, one process); `consensus`: a sharded group's (turns.Consensus)."""
         check_draft_config(model, draft, engine_config)
         self.model = model
         self.draft = draft
@@ -116,11 +117,11 @@ class Engine:
         owner = f"engine-{id(self):x}"  # this engine's bytes in the (maybe shared) store
         self.disk = disk_access(
             disk_config, self.cache_config, trimmable, self.store, owner, disk_cache,
-            self.turns.agree,
+            consensus.same if consensus is not None else None,
         )  # fmt: skip
         speculator = Speculator(draft, self.config.num_draft_tokens) if draft else None
         lookup = None  # a draft model drafts instead; a sharded group's ranks would differ
-        if draft is None and self.turns.agree_tokens is None:
+        if draft is None and consensus is None:
             # Recurrent and sliding-window layers take a rejected draft back too
             # (cache/layers/rewind.py); quantized KV is not shown exact under a verify.
             why = None if self.kv_quant is None else "quantized KV (--kv-bits)"
@@ -143,6 +144,7 @@ class Engine:
             lifecycle=self.lifecycle, kv_quant=self.kv_quant, speculator=speculator, lookup=lookup,
             board=board, prefetch=self.prefetch, prefetcher=self.prefetcher,
             can_batch=can_batch, owner=owner,
+            agree_tokens=consensus.tokens if consensus is not None else None,
         )  # fmt: skip
         self._thread = threading.Thread(
             target=self.turns.run, args=(self.loop, self.views), name="mlx-prefix-engine"

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
+import mlx.core as mx
+
 from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.eviction.policy import policy_named
 from mlx_prefix.cache.sizing import default_budget
@@ -98,8 +100,10 @@ def build_loop(
     prefetcher: Prefetcher | None,
     can_batch: bool,
     owner: str,
+    agree_tokens: Callable[[mx.array], mx.array] | None,
 ) -> EngineLoop:
-    """The engine thread's loop from its phases, each complete."""
+    """The engine thread's loop from its phases, each complete (`agree_tokens`: a
+    sharded group's, engine/turns.py's Consensus)."""
     waiting: WaitingList[Job] = WaitingList(turns.clock)
     prefill = PrefillPhase(
         model,
@@ -123,7 +127,7 @@ def build_loop(
         speculator=speculator,
         lookup=lookup,
         reasoning=planner.reasoning,  # reasoning budgets' markers
-        agree_tokens=turns.agree_tokens,
+        agree_tokens=agree_tokens,
     )
     return EngineLoop(
         model, config, lifecycle, waiting, prefill, decode, turns.pace,

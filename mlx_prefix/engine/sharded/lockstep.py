@@ -26,8 +26,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any
 
-import mlx.core as mx
-
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.cache_views import CacheAction, CacheViews
 from mlx_prefix.engine.calibration import Agreement
@@ -41,6 +39,7 @@ from mlx_prefix.engine.requests.pace import Pace
 from mlx_prefix.engine.sharded.failure import Asked, Diverged, GroupFailure, drain
 from mlx_prefix.engine.sharded.group import Channel, Cluster
 from mlx_prefix.engine.sharded.plan import JobSpec, LatchedHandle, TurnPlan
+from mlx_prefix.engine.turns import Consensus
 from mlx_prefix.errors import Unavailable
 
 HEARTBEAT_S = 2.0  # an idle rank 0 exchanges a plan at least this often
@@ -98,7 +97,8 @@ class Lockstep:
         self.lifecycle = Lifecycle(config.max_queued)
         self._own_pace = Pace(config)  # rank 0 plans each turn's budget from its own
         self.pace: Pacing = PlannedPace(self._own_pace, lambda: self._turn.budget)
-        self.agree_tokens: Callable[[mx.array], mx.array] = channel.agree_tokens
+        # What the ranks settle inside a turn: the engine's, beside these turns.
+        self.consensus = Consensus(tokens=channel.agree_tokens, same=self.agree)
         self._asked: queue.SimpleQueue[Asked] = queue.SimpleQueue()
         self._turn_asked: list[Asked] = []  # rank 0: the actions of the current plan
         self._live: dict[int, Job] = {}  # rank 0's serial -> job, until the job ends
