@@ -9,8 +9,10 @@ driver that runs that loop
 engine/sharded/distributed.py). Callers call `submit`, which renders and validates the
 prompt in the caller's thread and queues a job; the engine thread runs jobs and reports
 typed events through each request's handle. Every job ends with exactly one final
-event (engine/requests/lifecycle.py). The parts are plain attributes (`loop`, `lifecycle`,
-`prefetcher`, ...): tests read the engine thread's state through them, while it is idle.
+event (engine/requests/lifecycle.py). The parts are plain attributes (`loop`, `views`,
+`turns`, `lifecycle`, `prefetcher`, ...): tests read the engine thread's state through
+them (`engine.loop.decode.peak_batch`, its speculator's and prompt lookup's stats), while
+it is idle.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.decode.lookup import PromptLookup, check_lookup_request
 from mlx_prefix.engine.decode.speculative import Speculator, check_request
-from mlx_prefix.engine.decode.verify import SpeculationStats
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
@@ -152,32 +153,10 @@ class Engine:
         self._thread.daemon = True
         self._thread.start()
 
-    # -- what the engine is and does (any thread) -----------------------------------
-    @property
-    def capacity(self) -> int:
-        """Requests decoding at once (1 until the engine thread has calibrated)."""
-        return self.loop.capacity
-
-    @property
-    def peak_batch(self) -> int:
-        """Most requests ever decoded together (observability, tests)."""
-        return self.loop.decode.peak_batch
-
-    @property
-    def speculation(self) -> SpeculationStats | None:
-        """Draft tokens proposed and accepted (None: no draft model)."""
-        spec = self.loop.decode.speculator
-        return spec.stats if spec is not None else None
-
-    @property
-    def lookup(self) -> SpeculationStats | None:
-        """Prompt lookup's verify steps, drafted and accepted tokens (None: no lookup)."""
-        lookup = self.loop.decode.lookup
-        return lookup.stats if lookup is not None else None
-
+    # -- what the engine is (any thread) ----------------------------------------------
     @property
     def failure(self) -> str | None:
-        """Why the engine stopped serving for good (a sharded group); None: serving."""
+        """Why a sharded group stopped serving for good (None: serving); the server's."""
         return self.turns.failure
 
     # -- submitting (any thread) ----------------------------------------------------
