@@ -5,7 +5,7 @@ An Engine holds its parts, each built whole: the prompt planner, the store and t
 disk tier, the cache views callers read (engine/cache_views.py), the engine thread's
 loop built from its phases (engine/loop.py, assembled by engine/parts.py), and the turn
 driver that runs that loop
-(engine/turns.py; a sharded group's is engine/sharded/lockstep.py, passed in by
+(engine/driver.py; a sharded group's is engine/sharded/lockstep.py, passed in by
 engine/sharded/distributed.py). Callers call `submit`, which renders and validates the
 prompt in the caller's thread and queues a job; the engine thread runs jobs and reports
 typed events through each request's handle. Every job ends with exactly one final
@@ -39,6 +39,7 @@ from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.decode.lookup import PromptLookup, check_lookup_request
 from mlx_prefix.engine.decode.speculative import Speculator, check_request
+from mlx_prefix.engine.driver import Consensus, LocalTurns, Turns
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
@@ -52,7 +53,6 @@ from mlx_prefix.engine.requests.admission import (
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
 from mlx_prefix.engine.requests.prefetch import Prefetcher
-from mlx_prefix.engine.turns import Consensus, LocalTurns, Turns
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.explain.trace import CacheTrace, ExplainContext
 from mlx_prefix.models.cost import estimate_prefill_cost
@@ -84,7 +84,7 @@ class Engine:
         """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a draft
         model for speculative decoding (engine/decode/speculative.py). `store`, `disk_cache`
         may be shared with other engines (server/served/pool.py). `turns`: the turn driver
-        (None: LocalTurns, one process); `consensus`: a sharded group's (turns.Consensus)."""
+        (None: LocalTurns, one process); `consensus`: a sharded group's (driver.Consensus)."""
         check_draft_config(model, draft, engine_config)
         self.model = model
         self.draft = draft

@@ -24,6 +24,7 @@ from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.decode.lookup import PromptLookup
 from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.driver import Turns
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.loop import EngineLoop
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
@@ -32,7 +33,6 @@ from mlx_prefix.engine.requests.jobs import Job, PrefetchStats
 from mlx_prefix.engine.requests.lifecycle import Lifecycle
 from mlx_prefix.engine.requests.prefetch import Prefetcher
 from mlx_prefix.engine.requests.scheduler import WaitingList
-from mlx_prefix.engine.turns import Turns
 from mlx_prefix.models.cost import kv_bytes_per_token
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import available_memory
@@ -103,7 +103,7 @@ def build_loop(
     agree_tokens: Callable[[mx.array], mx.array] | None,
 ) -> EngineLoop:
     """The engine thread's loop from its phases, each complete (`agree_tokens`: a
-    sharded group's, engine/turns.py's Consensus)."""
+    sharded group's, engine/driver.py's Consensus)."""
     waiting: WaitingList[Job] = WaitingList(turns.clock)
     prefill = PrefillPhase(
         model,

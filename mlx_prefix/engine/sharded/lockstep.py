@@ -1,4 +1,4 @@
-"""The turns of a sharded engine (a turn driver, engine/turns.py): every rank takes the
+"""The turns of a sharded engine (a turn driver, engine/driver.py): every rank takes the
 same turns in lockstep, rank 0 decides.
 
 Once per turn, before any forward, rank 0 gathers the turn's inputs into a plan
@@ -30,6 +30,7 @@ from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.cache_views import CacheAction, CacheViews
 from mlx_prefix.engine.calibration import Agreement
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
+from mlx_prefix.engine.driver import Consensus
 from mlx_prefix.engine.forward.rowwise import Grouping
 from mlx_prefix.engine.loop import EngineLoop, Pacing
 from mlx_prefix.engine.probe import ProbeResult
@@ -39,7 +40,6 @@ from mlx_prefix.engine.requests.pace import Pace
 from mlx_prefix.engine.sharded.failure import Asked, Diverged, GroupFailure, drain
 from mlx_prefix.engine.sharded.group import Channel, Cluster
 from mlx_prefix.engine.sharded.plan import JobSpec, LatchedHandle, TurnPlan
-from mlx_prefix.engine.turns import Consensus
 from mlx_prefix.errors import Unavailable
 
 HEARTBEAT_S = 2.0  # an idle rank 0 exchanges a plan at least this often

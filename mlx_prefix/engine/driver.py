@@ -1,6 +1,6 @@
-"""How the engine thread takes its turns: the part of an engine that a sharded group
-replaces (engine/sharded/lockstep.py). `LocalTurns` is one process's: jobs come from the
-inbox, one turn after the other, until the shutdown.
+"""The turn driver, how the engine thread takes its turns: the part of an engine that
+a sharded group replaces (engine/sharded/lockstep.py). `LocalTurns` is one process's:
+jobs come from the inbox, one turn after the other, until the shutdown.
 
 A driver owns the engine's inbox (the Lifecycle) and decides what reaches a turn, and
 when: the jobs, the cancels, the cache actions (`act`), the shutdown's flags, whether a
