@@ -110,16 +110,26 @@ class Engine:
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         # What the request explainer (explain/) reads of this model: each job's trace holds it.
         self.explain_context = ExplainContext(
-            model.name, model.identity.key(), self.model_key, model.tokenizer,
-            self.planner.grid, self.store.evicted, self.planner.renderer,
-        )  # fmt: skip
+            model=model.name,
+            identity=model.identity.key(),
+            cache_key=self.model_key,
+            tokenizer=model.tokenizer,
+            grid=self.planner.grid,
+            evicted=self.store.evicted,
+            renderer=self.planner.renderer,
+        )
         fresh_cache = make_prompt_cache(model.model)
         trimmable = always_trimmable(fresh_cache) and self.kv_quant is None
         owner = f"engine-{id(self):x}"  # this engine's bytes in the (maybe shared) store
         self.disk = disk_access(
-            disk_config, self.cache_config, trimmable, self.store, owner, disk_cache,
-            consensus.same if consensus is not None else None,
-        )  # fmt: skip
+            disk_config,
+            self.cache_config,
+            trimmable=trimmable,
+            store=self.store,
+            owner=owner,
+            shared=disk_cache,
+            agree=consensus.same if consensus is not None else None,
+        )
         speculator = Speculator(draft, self.config.num_draft_tokens) if draft else None
         lookup = None  # a draft model drafts instead; a sharded group's ranks would differ
         if draft is None and consensus is None:
@@ -140,13 +150,24 @@ class Engine:
         # Until the engine thread's calibration (the probe, with --deterministic) says more.
         can_batch = batchable(fresh_cache) and self.kv_quant is None
         self.loop = build_loop(
-            model=model, planner=self.planner, store=self.store, disk=self.disk,
-            cache_config=self.cache_config, config=self.config, turns=self.turns,
-            lifecycle=self.lifecycle, kv_quant=self.kv_quant, speculator=speculator, lookup=lookup,
-            board=board, prefetch=self.prefetch, prefetcher=self.prefetcher,
-            can_batch=can_batch, owner=owner,
+            model=model,
+            planner=self.planner,
+            store=self.store,
+            disk=self.disk,
+            cache_config=self.cache_config,
+            config=self.config,
+            turns=self.turns,
+            lifecycle=self.lifecycle,
+            kv_quant=self.kv_quant,
+            speculator=speculator,
+            lookup=lookup,
+            board=board,
+            prefetch=self.prefetch,
+            prefetcher=self.prefetcher,
+            can_batch=can_batch,
+            owner=owner,
             agree_tokens=consensus.tokens if consensus is not None else None,
-        )  # fmt: skip
+        )
         self._thread = threading.Thread(
             target=self.turns.run, args=(self.loop, self.views), name="mlx-prefix-engine"
         )

@@ -68,6 +68,7 @@ def new_store(config: CacheConfig) -> PromptCache:
 def disk_access(
     config: DiskConfig | None,
     cache_config: CacheConfig,
+    *,
     trimmable: bool,
     store: PromptCache,
     owner: str,
@@ -79,7 +80,9 @@ def disk_access(
     # per-request scope can turn it back on.
     if config is None or config.default_scope.off or not cache_config.enabled:
         return None
-    return DiskAccess(config, trimmable, store, f"{owner}-disk", shared, agree)
+    return DiskAccess(
+        config, trimmable, store, bytes_key=f"{owner}-disk", cache=shared, agree=agree
+    )
 
 
 def build_loop(
@@ -130,9 +133,18 @@ def build_loop(
         agree_tokens=agree_tokens,
     )
     return EngineLoop(
-        model, config, lifecycle, waiting, prefill, decode, turns.pace,
-        disk, board, prefetch, can_batch,
-    )  # fmt: skip
+        model=model,
+        config=config,
+        lifecycle=lifecycle,
+        waiting=waiting,
+        prefill=prefill,
+        decode=decode,
+        pace=turns.pace,
+        disk=disk,
+        board=board,
+        prefetch=prefetch,
+        batchable=can_batch,
+    )
 
 
 def _no_follow_up(job: Job, reply: str) -> None:
