@@ -58,7 +58,7 @@ from mlx_prefix.explain.trace import CacheTrace, ExplainContext
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import cap_buffer_cache
-from mlx_prefix.prompt.reply.reader import tool_syntax
+from mlx_prefix.prompt.reply.reader import ReplyFormat
 from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
@@ -98,9 +98,9 @@ class Engine:
             model.tokenizer, self.cache_config, model.template_args, vision=model.vision
         )
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
-        # How the model writes tool calls, read once: the server's tool choice and reply
+        # How the model writes replies, read once: the server's tool choice and reply
         # assembler and the next-turn prefetch all read replies with it.
-        self.tool_syntax = tool_syntax(model.tokenizer)
+        self.reply_format = ReplyFormat.of(model.tokenizer)
         self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or new_store(self.cache_config)
         cap_buffer_cache(self.store.budget_bytes)  # freed MLX buffers count too
@@ -143,7 +143,7 @@ class Engine:
             self.store, self.disk, self.model_key, self.prefetch, board, speculator
         )
         self.prefetcher = (
-            Prefetcher(self.planner, self.tool_syntax, self._enqueue_prefetch)
+            Prefetcher(self.planner, self.reply_format, self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled and self.turns.leader
             else None
         )

@@ -35,9 +35,8 @@ from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
-from mlx_prefix.prompt.reply.reader import tool_syntax
+from mlx_prefix.prompt.reply.reader import ReplyFormat
 from mlx_prefix.prompt.reply.thinking import NO_EDGES
-from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
 from mlx_prefix.records import (
     CachePreference,
     DoneEvent,
@@ -238,8 +237,8 @@ class FakeEngine:
     # The engine interface
 
     @property
-    def tool_syntax(self) -> ToolSyntax | None:
-        return tool_syntax(self.model.tokenizer)  # a test may change the tokenizer
+    def reply_format(self) -> ReplyFormat:
+        return ReplyFormat.of(self.model.tokenizer)  # a test may change the tokenizer
 
     def submit(
         self,

@@ -93,7 +93,7 @@ class Started(Generic[P]):
         `index` of OpenAI's chunks."""
         engine = self.served.engine
         return Assembler.for_request(
-            self.req, engine.tool_syntax, self.tokenizer, streaming, self.handle
+            self.req, engine.reply_format, self.tokenizer, streaming, self.handle
         )
 
     async def respond(
@@ -190,7 +190,7 @@ class Opened(Generic[P]):
             )
             engine = self.served.engine
             req = fit_to_model(req, self.state.limits_for(engine, self.limits))
-            return with_tool_choice(req, engine.tool_syntax)
+            return with_tool_choice(req, engine.reply_format.tools)
 
     async def submit(self, req: GenerationRequest) -> Started[P]:
         """`req` (prepared) submitted to the served model's engine."""
