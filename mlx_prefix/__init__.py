@@ -8,10 +8,10 @@ __version__ = "0.1.0"
 __all__ = ["GenerationResult", "PrefixCacheSession", "__version__", "chat_prompt"]
 
 if TYPE_CHECKING:
-    from mlx_prefix.engine.session import GenerationResult, PrefixCacheSession, chat_prompt
+    from mlx_prefix.session import GenerationResult, PrefixCacheSession, chat_prompt
 
 # Imported on first access: `import mlx_prefix` (the launcher, `--version`) must not load MLX.
-_LAZY = {name: "mlx_prefix.engine.session" for name in __all__ if name != "__version__"}
+_LAZY = {name: "mlx_prefix.session" for name in __all__ if name != "__version__"}
 
 
 def __getattr__(name: str) -> Any:

@@ -215,7 +215,7 @@ def test_package_import_is_light_and_exports_the_session() -> None:
         "import sys, mlx_prefix, mlx_prefix.launcher\n"
         "assert 'mlx' not in sys.modules, 'mlx imported'\n"
         "from mlx_prefix import PrefixCacheSession\n"
-        "from mlx_prefix.engine.session import PrefixCacheSession as direct\n"
+        "from mlx_prefix.session import PrefixCacheSession as direct\n"
         "assert PrefixCacheSession is direct and 'PrefixCacheSession' in dir(mlx_prefix)\n"
         "try:\n"
         "    mlx_prefix.nope\n"

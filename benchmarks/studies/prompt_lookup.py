@@ -86,7 +86,7 @@ class Row:
 def ours(engine: Engine, name: str, streams: int, k: int, max_tokens: int) -> tuple:
     """One run of `streams` requests decoding together: (summed tok/s, replies, drafted,
     accepted)."""
-    before = engine.lookup
+    before = engine.loop.decode.lookup.stats
     assert before is not None, "the engine has prompt lookup"
     drafted0, accepted0 = before.drafted, before.accepted
     out: list = [None] * streams
@@ -103,7 +103,7 @@ def ours(engine: Engine, name: str, streams: int, k: int, max_tokens: int) -> tu
         t.start()
     for t in threads:
         t.join()
-    stats = engine.lookup
+    stats = engine.loop.decode.lookup.stats
     assert stats is not None
     tps = sum(usage.decode_tokens_per_s for _, _, usage in out)
     replies = [(tokens, logprobs) for tokens, logprobs, _ in out]

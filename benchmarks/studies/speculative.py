@@ -83,12 +83,12 @@ def bench(
     rows = []
     try:
         for run in ("cold", "warm"):
-            before = engine.speculation
+            before = engine.loop.decode.speculator.stats
             drafted0, accepted0 = (before.drafted, before.accepted) if before else (0, 0)
             tokens, logprobs, usage = reply(engine, prompt, sampling)
             if plain is not None and run not in plain:
                 plain[run] = (tokens, logprobs)
-            stats = engine.speculation
+            stats = engine.loop.decode.speculator.stats
             rows.append(
                 Row(
                     draft=name,

@@ -107,7 +107,6 @@ def _with_images(prompt: Any, files: list[Path], text: str | None) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
     from mlx_prefix.records import (
         DoneEvent,
         ProgressEvent,
@@ -115,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         SamplingParams,
         TokenEvent,
     )
+    from mlx_prefix.session import PrefixCacheSession, chat_prompt
 
     from .progress import PrefillBar, wants_bar
 

@@ -46,10 +46,12 @@ SERVING = re.compile(r"serving .* on http://\S+:(\d+) ")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("agent", choices=sorted(AGENTS), help="the agent to run")
     p.add_argument(
-        "-m", "--model", default=None,
+        "-m",
+        "--model",
+        default=None,
         help="the model to serve or select (default: the running server's, else the "
         "bundled default)",
-    )  # fmt: skip
+    )
     url_args(p)
     p.add_argument(
         "--serve-arg",

@@ -5,12 +5,12 @@ this package re-exports nothing. Its parts, top down:
 
     engine.py      Engine: the callers' side, holding its parts
     parts.py       the parts built whole: a store of its own, the disk access, the loop
-    turns.py       how the engine thread takes its turns: LocalTurns (one process)
+    driver.py      the turn driver, how the engine thread takes its turns: LocalTurns
+                   (one process)
     loop.py        EngineLoop: built from its phases, each turn schedule -> prefill -> decode
     cache_views.py what callers read of the cache, and the actions they take on it
     activity.py    what the engine is doing, published once per turn
     keys.py        cache entry keys (model identity, grid, kernels; namespace, salt)
-    session.py     PrefixCacheSession: the library API without a server
     calibration.py what the engine checks at startup; with --deterministic it measures
                    the batch-invariant layers and probe.py checks them bit for bit
     sharded/       a model split over mlx.distributed ranks: every rank's engine in

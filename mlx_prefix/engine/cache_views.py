@@ -3,7 +3,7 @@ cache and the single-entry actions they take: statistics, listings with token id
 flush, pin/unpin and evict one entry, and the engine's published activity. Every call
 goes to the thread-safe store and disk tier, never to the engine thread's records
 (invariant 1). An action is a CacheAction, applied where the engine's turn driver says
-(engine/turns.py: at once; a sharded group: on every rank at the same turn)."""
+(engine/driver.py: at once; a sharded group: on every rank at the same turn)."""
 
 from __future__ import annotations
 

@@ -5,12 +5,14 @@ An Engine holds its parts, each built whole: the prompt planner, the store and t
 disk tier, the cache views callers read (engine/cache_views.py), the engine thread's
 loop built from its phases (engine/loop.py, assembled by engine/parts.py), and the turn
 driver that runs that loop
-(engine/turns.py; a sharded group's is engine/sharded/lockstep.py, passed in by
+(engine/driver.py; a sharded group's is engine/sharded/lockstep.py, passed in by
 engine/sharded/distributed.py). Callers call `submit`, which renders and validates the
 prompt in the caller's thread and queues a job; the engine thread runs jobs and reports
 typed events through each request's handle. Every job ends with exactly one final
-event (engine/requests/lifecycle.py). The parts are plain attributes (`loop`, `lifecycle`,
-`prefetcher`, ...): tests read the engine thread's state through them, while it is idle.
+event (engine/requests/lifecycle.py). The parts are plain attributes (`loop`, `views`,
+`turns`, `lifecycle`, `prefetcher`, ...): tests read the engine thread's state through
+them (`engine.loop.decode.peak_batch`, its speculator's and prompt lookup's stats), while
+it is idle.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
 from mlx_prefix.engine.decode.lookup import PromptLookup, check_lookup_request
 from mlx_prefix.engine.decode.speculative import Speculator, check_request
-from mlx_prefix.engine.decode.verify import SpeculationStats
+from mlx_prefix.engine.driver import Consensus, LocalTurns, Turns
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.keys import cache_key, entry_key
@@ -51,13 +53,12 @@ from mlx_prefix.engine.requests.admission import (
 from mlx_prefix.engine.requests.handle import RequestHandle
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult
 from mlx_prefix.engine.requests.prefetch import Prefetcher
-from mlx_prefix.engine.turns import LocalTurns, Turns
 from mlx_prefix.errors import Unavailable
 from mlx_prefix.explain.trace import CacheTrace, ExplainContext
 from mlx_prefix.models.cost import estimate_prefill_cost
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import cap_buffer_cache
-from mlx_prefix.prompt.reply.reader import tool_syntax
+from mlx_prefix.prompt.reply.reader import ReplyFormat
 from mlx_prefix.prompt.request.plan import PromptPlanner, RenderedPrompt
 from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
@@ -78,11 +79,12 @@ class Engine:
         disk_cache: DiskCache | None = None,
         *,
         turns: Turns | None = None,
+        consensus: Consensus | None = None,
     ):
-        """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a
-        draft model for speculative decoding (engine/decode/speculative.py). `store` and
-        `disk_cache` may be shared with other engines (server/served/pool.py). `turns`:
-        how the engine thread takes its turns (None: LocalTurns, this process alone)."""
+        """`disk_config` None or scope "off": no disk tier (memory only). `draft`: a draft
+        model for speculative decoding (engine/decode/speculative.py). `store`, `disk_cache`
+        may be shared with other engines (server/served/pool.py). `turns`: the turn driver
+        (None: LocalTurns, one process); `consensus`: a sharded group's (driver.Consensus)."""
         check_draft_config(model, draft, engine_config)
         self.model = model
         self.draft = draft
@@ -96,6 +98,9 @@ class Engine:
             model.tokenizer, self.cache_config, model.template_args, vision=model.vision
         )
         self.constraints = ConstraintFactory(model.tokenizer)  # response formats (lazy)
+        # How the model writes replies, read once: the server's tool choice and reply
+        # assembler and the next-turn prefetch all read replies with it.
+        self.reply_format = ReplyFormat.of(model.tokenizer)
         self.vocab_size = len(model.tokenizer.get_vocab())  # token ids a request may name
         self.store = store or new_store(self.cache_config)
         cap_buffer_cache(self.store.budget_bytes)  # freed MLX buffers count too
@@ -105,19 +110,29 @@ class Engine:
         self.store.set_prefill_cost(self.model_key, estimate_prefill_cost(model))
         # What the request explainer (explain/) reads of this model: each job's trace holds it.
         self.explain_context = ExplainContext(
-            model.name, model.identity.key(), self.model_key, model.tokenizer,
-            self.planner.grid, self.store.evicted, self.planner.renderer,
-        )  # fmt: skip
+            model=model.name,
+            identity=model.identity.key(),
+            cache_key=self.model_key,
+            tokenizer=model.tokenizer,
+            grid=self.planner.grid,
+            evicted=self.store.evicted,
+            renderer=self.planner.renderer,
+        )
         fresh_cache = make_prompt_cache(model.model)
         trimmable = always_trimmable(fresh_cache) and self.kv_quant is None
         owner = f"engine-{id(self):x}"  # this engine's bytes in the (maybe shared) store
         self.disk = disk_access(
-            disk_config, self.cache_config, trimmable, self.store, owner, disk_cache,
-            self.turns.agree,
-        )  # fmt: skip
+            disk_config,
+            self.cache_config,
+            trimmable=trimmable,
+            store=self.store,
+            owner=owner,
+            shared=disk_cache,
+            agree=consensus.same if consensus is not None else None,
+        )
         speculator = Speculator(draft, self.config.num_draft_tokens) if draft else None
         lookup = None  # a draft model drafts instead; a sharded group's ranks would differ
-        if draft is None and self.turns.agree_tokens is None:
+        if draft is None and consensus is None:
             # Recurrent and sliding-window layers take a rejected draft back too
             # (cache/layers/rewind.py); quantized KV is not shown exact under a verify.
             why = None if self.kv_quant is None else "quantized KV (--kv-bits)"
@@ -128,51 +143,41 @@ class Engine:
             self.store, self.disk, self.model_key, self.prefetch, board, speculator
         )
         self.prefetcher = (
-            Prefetcher(self.planner, tool_syntax(model.tokenizer), self._enqueue_prefetch)
+            Prefetcher(self.planner, self.reply_format, self._enqueue_prefetch)
             if self.config.prefetch_next_turn and self.cache_config.enabled and self.turns.leader
             else None
         )
         # Until the engine thread's calibration (the probe, with --deterministic) says more.
         can_batch = batchable(fresh_cache) and self.kv_quant is None
         self.loop = build_loop(
-            model=model, planner=self.planner, store=self.store, disk=self.disk,
-            cache_config=self.cache_config, config=self.config, turns=self.turns,
-            lifecycle=self.lifecycle, kv_quant=self.kv_quant, speculator=speculator, lookup=lookup,
-            board=board, prefetch=self.prefetch, prefetcher=self.prefetcher,
-            can_batch=can_batch, owner=owner,
-        )  # fmt: skip
+            model=model,
+            planner=self.planner,
+            store=self.store,
+            disk=self.disk,
+            cache_config=self.cache_config,
+            config=self.config,
+            turns=self.turns,
+            lifecycle=self.lifecycle,
+            kv_quant=self.kv_quant,
+            speculator=speculator,
+            lookup=lookup,
+            board=board,
+            prefetch=self.prefetch,
+            prefetcher=self.prefetcher,
+            can_batch=can_batch,
+            owner=owner,
+            agree_tokens=consensus.tokens if consensus is not None else None,
+        )
         self._thread = threading.Thread(
             target=self.turns.run, args=(self.loop, self.views), name="mlx-prefix-engine"
         )
         self._thread.daemon = True
         self._thread.start()
 
-    # -- what the engine is and does (any thread) -----------------------------------
-    @property
-    def capacity(self) -> int:
-        """Requests decoding at once (1 until the engine thread has calibrated)."""
-        return self.loop.capacity
-
-    @property
-    def peak_batch(self) -> int:
-        """Most requests ever decoded together (observability, tests)."""
-        return self.loop.decode.peak_batch
-
-    @property
-    def speculation(self) -> SpeculationStats | None:
-        """Draft tokens proposed and accepted (None: no draft model)."""
-        spec = self.loop.decode.speculator
-        return spec.stats if spec is not None else None
-
-    @property
-    def lookup(self) -> SpeculationStats | None:
-        """Prompt lookup's verify steps, drafted and accepted tokens (None: no lookup)."""
-        lookup = self.loop.decode.lookup
-        return lookup.stats if lookup is not None else None
-
+    # -- what the engine is (any thread) ----------------------------------------------
     @property
     def failure(self) -> str | None:
-        """Why the engine stopped serving for good (a sharded group); None: serving."""
+        """Why a sharded group stopped serving for good (None: serving); the server's."""
         return self.turns.failure
 
     # -- submitting (any thread) ----------------------------------------------------
@@ -210,16 +215,17 @@ class Engine:
             check_reply_fits(rendered, prompt, sampling.max_tokens, self.model.context_length)
         fmt = sampling.response_format
         constraint = self.constraints.create(fmt) if fmt is not None else None
-        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        handle = self.handle_type(request_id, len(rendered.tokens), progress=progress)
-        handle.opens_reasoning = rendered.opens_reasoning
-        handle.reasoning_edges = rendered.reasoning_edges
-        handle.breakpoint_end = max(
-            (c.position for c in rendered.checkpoints if c.marked), default=0
-        )
         key = entry_key(self.model_key, cache)
-        handle.trace = CacheTrace.of(  # for the request explainer, filled at admission
-            self.explain_context, rendered.tokens, prompt, cache, key, self.cache_config.enabled
+        handle = self.handle_type(
+            request_id or f"req-{uuid.uuid4().hex[:12]}",
+            len(rendered.tokens),
+            progress=progress,
+            opens_reasoning=rendered.opens_reasoning,
+            reasoning_edges=rendered.reasoning_edges,
+            breakpoint_end=max((c.position for c in rendered.checkpoints if c.marked), default=0),
+            trace=CacheTrace.of(  # for the request explainer, filled at admission
+                self.explain_context, rendered.tokens, prompt, cache, key, self.cache_config.enabled
+            ),
         )
         now = time.perf_counter()
         self.lifecycle.put(

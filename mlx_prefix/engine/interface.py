@@ -18,12 +18,14 @@ if TYPE_CHECKING:
     from mlx_prefix.engine.requests.handle import RequestHandle
     from mlx_prefix.engine.requests.jobs import WarmResult
     from mlx_prefix.models.load import LoadedModel
+    from mlx_prefix.prompt.reply.reader import ReplyFormat
     from mlx_prefix.records import CachePreference, PromptInput, SamplingParams
 
 
 class EngineAPI(Protocol):
     model: LoadedModel
     model_key: str  # the model part of every cache entry's key (engine/keys.py)
+    reply_format: ReplyFormat  # how the model writes replies: tool calls, reasoning
 
     def submit(
         self,

@@ -3,7 +3,7 @@
 
 It is built from its parts, each complete: the waiting list, the prefill phase
 (engine/prefill/phase.py), the decode phase (engine/decode/phase.py) and the pace
-between them. A turn driver (engine/turns.py, or engine/sharded/lockstep.py for a
+between them. A turn driver (engine/driver.py, or engine/sharded/lockstep.py for a
 sharded group) calibrates it once, then calls `step` once per turn; a step reads as
 three parts: `schedule` (drop cancelled jobs, start the next prefills), the prefill
 phase, the decode phase. Every job ends with exactly one final event; an error inside a

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
+import mlx.core as mx
+
 from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.eviction.policy import policy_named
 from mlx_prefix.cache.sizing import default_budget
@@ -22,6 +24,7 @@ from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.decode.lookup import PromptLookup
 from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.speculative import Speculator
+from mlx_prefix.engine.driver import Turns
 from mlx_prefix.engine.forward.kv_quant import KvQuant
 from mlx_prefix.engine.loop import EngineLoop
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
@@ -30,7 +33,6 @@ from mlx_prefix.engine.requests.jobs import Job, PrefetchStats
 from mlx_prefix.engine.requests.lifecycle import Lifecycle
 from mlx_prefix.engine.requests.prefetch import Prefetcher
 from mlx_prefix.engine.requests.scheduler import WaitingList
-from mlx_prefix.engine.turns import Turns
 from mlx_prefix.models.cost import kv_bytes_per_token
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.platform import available_memory
@@ -66,6 +68,7 @@ def new_store(config: CacheConfig) -> PromptCache:
 def disk_access(
     config: DiskConfig | None,
     cache_config: CacheConfig,
+    *,
     trimmable: bool,
     store: PromptCache,
     owner: str,
@@ -77,7 +80,9 @@ def disk_access(
     # per-request scope can turn it back on.
     if config is None or config.default_scope.off or not cache_config.enabled:
         return None
-    return DiskAccess(config, trimmable, store, f"{owner}-disk", shared, agree)
+    return DiskAccess(
+        config, trimmable, store, bytes_key=f"{owner}-disk", cache=shared, agree=agree
+    )
 
 
 def build_loop(
@@ -98,8 +103,10 @@ def build_loop(
     prefetcher: Prefetcher | None,
     can_batch: bool,
     owner: str,
+    agree_tokens: Callable[[mx.array], mx.array] | None,
 ) -> EngineLoop:
-    """The engine thread's loop from its phases, each complete."""
+    """The engine thread's loop from its phases, each complete (`agree_tokens`: a
+    sharded group's, engine/driver.py's Consensus)."""
     waiting: WaitingList[Job] = WaitingList(turns.clock)
     prefill = PrefillPhase(
         model,
@@ -123,12 +130,21 @@ def build_loop(
         speculator=speculator,
         lookup=lookup,
         reasoning=planner.reasoning,  # reasoning budgets' markers
-        agree_tokens=turns.agree_tokens,
+        agree_tokens=agree_tokens,
     )
     return EngineLoop(
-        model, config, lifecycle, waiting, prefill, decode, turns.pace,
-        disk, board, prefetch, can_batch,
-    )  # fmt: skip
+        model=model,
+        config=config,
+        lifecycle=lifecycle,
+        waiting=waiting,
+        prefill=prefill,
+        decode=decode,
+        pace=turns.pace,
+        disk=disk,
+        board=board,
+        prefetch=prefetch,
+        batchable=can_batch,
+    )
 
 
 def _no_follow_up(job: Job, reply: str) -> None:

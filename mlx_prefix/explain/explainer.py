@@ -211,9 +211,14 @@ class Explainer:
         record = self._record(job, verdict, where if verdict.diverged_at == d else None)
         if t.enabled:
             seen = Seen(
-                raw + packed(t.reply), len(t.tokens), t.entry_key, ctx.identity,
-                ctx.cache_key, t.salt, t.template_kwargs,
-            )  # fmt: skip
+                raw=raw + packed(t.reply),
+                prompt_len=len(t.tokens),
+                entry_key=t.entry_key,
+                identity=ctx.identity,
+                cache_key=ctx.cache_key,
+                salt=t.salt,
+                kwargs=t.template_kwargs,
+            )
             place = None
             if verdict.reason in ("edited", "volatile", "re_rendered"):
                 place = Place(d, where.message if where is not None else None)

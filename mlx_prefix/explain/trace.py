@@ -115,7 +115,13 @@ class CacheTrace:
             else "the request turned prefix_cache off"
         )
         return cls(
-            context, tokens, prompt, entry_key, cache.namespace, cache.salt,
-            kwargs_digest(prompt.chat_template_kwargs),
-            enabled=cache_on and cache.enabled, off=off,
-        )  # fmt: skip
+            context=context,
+            tokens=tokens,
+            prompt=prompt,
+            entry_key=entry_key,
+            namespace=cache.namespace,
+            salt=cache.salt,
+            template_kwargs=kwargs_digest(prompt.chat_template_kwargs),
+            enabled=cache_on and cache.enabled,
+            off=off,
+        )

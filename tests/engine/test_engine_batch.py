@@ -85,7 +85,7 @@ def test_six_concurrent_requests_sharing_an_instruction_sent_twice(make_engine, 
                     assert c >= shared > 300
         else:
             assert all(c >= len(first_tokens) // 2 for c in cached)
-    assert engine.peak_batch >= 4  # rotating caches too (TemporalBatchRotatingKVCache)
+    assert engine.loop.decode.peak_batch >= 4  # rotating caches too (TemporalBatchRotatingKVCache)
     engine.store.check_integrity()
 
 
@@ -123,7 +123,7 @@ def test_batched_prefill_and_decode_give_alone_logprobs_bit_for_bit(make_engine,
             assert tokens == expected.tokens, "batching changed an answer"
             assert logprobs == expected.logprobs, "batching changed the numbers"
             assert burst == 0 or done.usage.cached_tokens > 300  # the second burst hits
-    assert engine.loop.prefill.peak_tasks >= 2 and engine.peak_batch >= 2
+    assert engine.loop.prefill.peak_tasks >= 2 and engine.loop.decode.peak_batch >= 2
     assert engine.loop.prefill.stacked > 0  # chunks were stacked
     engine.store.check_integrity()
 
@@ -200,7 +200,7 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind, budget):
     stats = engine.store.stats()
     assert stats.bytes <= budget and stats.active_bytes == 0 and stats.active_requests == 0
     assert stats.hits > 10 and stats.evictions > 0
-    assert engine.peak_batch > 1
+    assert engine.loop.decode.peak_batch > 1
     assert engine.lifecycle.pending == 0
     engine.store.check_integrity()
 
@@ -216,7 +216,7 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(make_engine):
     assert collect(batched)[0] == alone
     for handle in others:
         collect(handle)
-    assert engine.peak_batch > 1
+    assert engine.loop.decode.peak_batch > 1
     other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99)
     assert run(engine, prompt, sampling=other_seed).tokens != alone
 
@@ -294,7 +294,7 @@ def test_top_logprobs_match_a_direct_forward_pass_alone_and_in_a_batch(make_engi
     alone = [collect_events(engine.submit(p, s)) for p, s in zip(prompts, asks, strict=True)]
     handles = submit_together(engine, prompts, asks)
     batched = [collect_events(h) for h in handles]
-    assert engine.peak_batch > 1
+    assert engine.loop.decode.peak_batch > 1
     for prompt, params, solo, together in zip(prompts, asks, alone, batched, strict=True):
         assert [(e.token, e.logprob, e.top_logprobs) for e in solo] == [
             (e.token, e.logprob, e.top_logprobs) for e in together

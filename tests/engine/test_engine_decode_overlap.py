@@ -137,7 +137,7 @@ def test_the_engine_overlaps_steps_and_replies_keep_their_lengths_and_answers(ma
         assert len(result.tokens) == sampling.max_tokens
         assert result.tokens == expected
     assert engine.loop.decode.overlapped > 0
-    assert engine.peak_batch >= 2
+    assert engine.loop.decode.peak_batch >= 2
 
 
 def test_only_a_device_that_computes_asynchronously_pipelines_by_default(make_engine):

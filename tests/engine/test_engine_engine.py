@@ -229,7 +229,7 @@ def test_no_more_than_max_running_requests_decode_together():
         handles = submit_together(engine, prompts, SamplingParams(8))
         for handle in handles:
             assert list(handle.events(timeout=60))[-1].finish_reason in ("stop", "length")
-        assert engine.peak_batch == 2
+        assert engine.loop.decode.peak_batch == 2
 
 
 def test_seed_range_and_reply_fit_are_checked_before_queueing(make_engine):

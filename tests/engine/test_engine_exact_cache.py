@@ -61,7 +61,7 @@ def test_every_stored_state_is_the_alone_prefill_even_computed_beside_decoding(k
         late = [engine.submit(p, SamplingParams(max_tokens=6)) for p in prompts]
         early[1].release()
         late_results = [collect(h) for h in late]
-        still_running = engine.peak_batch
+        still_running = engine.loop.decode.peak_batch
         for h in early:
             assert collect(h).finish_reason == "length"  # decoded beside the burst, whole
         assert still_running >= 3, "the burst never decoded beside the long replies"
@@ -94,7 +94,7 @@ def test_a_hit_answers_as_a_miss_after_batched_traffic(make_engine, kind):
     handles = submit_together(engine, prompts, SamplingParams(max_tokens=8))
     for h in handles:
         collect(h)
-    assert engine.peak_batch >= 2  # the traffic that filled the cache was batched
+    assert engine.loop.decode.peak_batch >= 2  # the traffic that filled the cache was batched
     for prompt in prompts:
         warm = warm_equals_cold(engine, prompt)
         assert warm.usage.cached_tokens > len(engine.plan(prompt).tokens) // 2  # a real hit
@@ -112,7 +112,7 @@ def test_the_default_mode_measures_nothing_and_decodes_in_one_plain_forward(
     handles = submit_together(engine, prompts, SamplingParams(max_tokens=6))
     for h in handles:
         collect(h)
-    assert engine.peak_batch >= 2 and engine.capacity == engine.config.max_running
+    assert engine.loop.decode.peak_batch >= 2 and engine.loop.capacity == engine.config.max_running
     assert engine.loop.decode.batch.rows is None  # no row groups: one forward for every row
     assert not engine.loop.prefill.group  # prefill chunks computed alone
 

@@ -79,7 +79,7 @@ def test_a_burst_decodes_together_and_answers_as_alone(kind, gather, determinist
         first_second = min(i for i, (_, n) in enumerate(emitted) if n == 2)
         if gather:
             assert last_first < first_second, emitted
-            assert engine.peak_batch == 4
+            assert engine.loop.decode.peak_batch == 4
         else:
             assert first_second < last_first, emitted  # the shortest went ahead
         assert all(merged_before)

@@ -19,6 +19,7 @@ from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.engine.requests.prefetch import next_turn_prompt
 from mlx_prefix.models.testing import cached_test_model
+from mlx_prefix.prompt.reply.reader import ReplyFormat
 from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
 from mlx_prefix.prompt.request.plan import PromptPlanner
 from mlx_prefix.records import (
@@ -67,7 +68,9 @@ def chat_request(messages: list[dict], ids: ToolCallIds) -> GenerationRequest:
 def served_message(tokenizer, request: GenerationRequest, reply: str) -> dict:
     """The assistant message the chat route answers for `reply`, through its Assembler
     (the reply fed in 3-character deltas, as the engine streams it)."""
-    assembler = Assembler.for_request(request, tokenizer, streaming=False)
+    assembler = Assembler.for_request(
+        request, ReplyFormat.of(tokenizer), tokenizer, streaming=False
+    )
     deltas = [assembler.feed(TokenEvent(reply[i : i + 3], 1)) for i in range(0, len(reply), 3)]
     deltas.append(assembler.finish())
     calls = [call for d in deltas for call in d.tool_calls]
@@ -184,7 +187,9 @@ def responses_next_turn(tokenizer, ids: ToolCallIds) -> tuple[PromptInput, Promp
     )
     syntax = ToolSyntax.of(tokenizer)
     assert syntax is not None
-    assembler = Assembler.for_request(first.generation((), ids), tokenizer, streaming=False)
+    assembler = Assembler.for_request(
+        first.generation((), ids), ReplyFormat.of(tokenizer), tokenizer, streaming=False
+    )
     head = ReplyMeta(ids.seed, "m", SYSTEM, None, None, True, 0.0, 1.0, {})
     output = OutputEvents(head, logprobs=False, single_call=False)
     for i in range(0, len(TOOL_REPLY), 3):

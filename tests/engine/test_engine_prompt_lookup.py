@@ -107,11 +107,11 @@ def verifies(monkeypatch) -> list[tuple[list[int], int]]:
 def test_a_reply_that_copies_the_prompt_keeps_every_draft_and_ends_at_a_drafted_eos(verifies):
     with scripted({7: _tokens(FILE)}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
-        assert engine.lookup.steps == 0  # 0: plain decoding
+        assert engine.loop.decode.lookup.stats.steps == 0  # 0: plain decoding
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
     _same(looked, plain)
     assert looked.text == FILE and looked.finish_reason == "stop"
-    assert engine.lookup.steps == len(verifies) < len(looked.tokens) // 3
+    assert engine.loop.decode.lookup.stats.steps == len(verifies) < len(looked.tokens) // 3
     *whole, (last, kept) = verifies
     assert whole and all(accepted == len(drafted) for drafted, accepted in whole)
     # The prompt's end-of-turn (EOS) came in the last draft and was kept: the reply
@@ -127,7 +127,7 @@ def test_a_copy_cut_mid_way_keeps_part_of_a_draft():
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
     _same(looked, plain)
-    stats = engine.lookup
+    stats = engine.loop.decode.lookup.stats
     assert 0 < stats.accepted < stats.drafted
 
 
@@ -141,7 +141,7 @@ def test_drafts_all_rejected_back_off_and_the_reply_stays_exact():
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
     _same(looked, plain)
     assert looked.tokens == script
-    stats = engine.lookup
+    stats = engine.loop.decode.lookup.stats
     assert stats.drafted > 0 and stats.accepted == 0
     # k halved to 0 and the request paused: fewer verifies than drafting chances.
     assert stats.steps < cycles // 2
@@ -156,7 +156,7 @@ def test_a_stop_string_inside_an_accepted_draft_ends_the_reply_there():
     assert looked.finish_reason == "stop" and looked.text.endswith(
         "Storms in autumn broke windows along "
     )
-    assert engine.lookup.accepted > 0
+    assert engine.loop.decode.lookup.stats.accepted > 0
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_the_models_own_reply_equals_plain_decoding(sampling):
     for k in (0, LOOKUP):
         with _engine(model, k, deterministic=True) as engine:
             replies.append(run(engine, PROMPT, sampling=sampling))
-            stats.append(engine.lookup)
+            stats.append(engine.loop.decode.lookup.stats)
     _same(replies[1], replies[0])
     assert stats[0].steps == 0
     if sampling.temperature == 0:  # the random model's greedy reply repeats itself
@@ -204,7 +204,7 @@ def test_a_request_cancelled_during_a_verify_ends_and_the_next_reply_is_exact(mo
         with monkeypatch.context() as patch:
             patch.setattr(DecodeBatch, "verify", cancelling)
             cancelled = run(engine, PROMPT, sampling=_sampling(LOOKUP))
-        assert cancelled.finish_reason == "cancelled" and engine.lookup.steps == 1
+        assert cancelled.finish_reason == "cancelled" and engine.loop.decode.lookup.stats.steps == 1
         assert cancelled.tokens == plain.tokens[: len(cancelled.tokens)]
         _same(run(engine, PROMPT, sampling=_sampling(LOOKUP)), plain)
 
@@ -305,7 +305,7 @@ def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows, det
     with scripted(scripts, deterministic=deterministic) as engine:
         plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
         together = _together(engine, [_sampling(LOOKUP, seed=s) for s in scripts])
-        assert engine.peak_batch == 3
+        assert engine.loop.decode.peak_batch == 3
     for looked, alone in zip(together, plain, strict=True):
         if deterministic:
             _same(looked, alone)
@@ -316,7 +316,7 @@ def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows, det
     # Several rows drafted in one forward, beside rows without a draft.
     assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)
     assert any(0 in row and any(row) for row in verified_rows)
-    stats = engine.lookup
+    stats = engine.loop.decode.lookup.stats
     assert 0 < stats.accepted < stats.drafted
 
 
@@ -331,7 +331,7 @@ def test_requests_decoding_together_reply_as_plain_decoding_alone(temperature, v
         plain = [run(engine, PROMPT, sampling=s) for s in samplings]
     with _engine(model, LOOKUP, deterministic=True) as engine:
         together = _together(engine, samplings)
-        assert engine.peak_batch == 3
+        assert engine.loop.decode.peak_batch == 3
     for looked, alone in zip(together, plain, strict=True):
         _same(looked, alone)
     if temperature == 0:  # the random model's greedy replies repeat themselves
@@ -354,7 +354,7 @@ def test_by_default_a_verify_is_the_models_own_forward(monkeypatch):
         with scripted({7: _tokens(FILE)}, deterministic=deterministic) as engine:
             plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
             looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
-            accepted = engine.lookup.accepted
+            accepted = engine.loop.decode.lookup.stats.accepted
         # The script draws the tokens: the same whatever the last bits.
         assert (looked.tokens, looked.text) == (plain.tokens, plain.text) and accepted > 0
         assert looked.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
@@ -388,7 +388,7 @@ def test_a_tool_call_and_a_schema_reply_verify_together_as_plain_decoding(verifi
     assert json.loads(together[0].text.split("\n")[1]) == json.loads(TOOL_CALL)
     check_person(together[1].text)
     assert any(len(row) == 2 and row[1] > 0 for row in verified_rows)  # the schema drafted
-    assert engine.lookup.accepted > 0
+    assert engine.loop.decode.lookup.stats.accepted > 0
 
 
 def test_a_request_cancelled_during_a_verify_of_several_leaves_the_others_exact(monkeypatch):
@@ -406,7 +406,7 @@ def test_a_request_cancelled_during_a_verify_of_several_leaves_the_others_exact(
         plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
         monkeypatch.setattr(DecodeBatch, "verify_rows", cancelling)
         kept, cancelled = _together(engine, [_sampling(LOOKUP, seed=s) for s in scripts])
-        assert engine.peak_batch == 2
+        assert engine.loop.decode.peak_batch == 2
     assert cancelled.finish_reason == "cancelled"
     assert cancelled.tokens == plain[1].tokens[: len(cancelled.tokens)]
     _same(kept, plain[0])

@@ -175,7 +175,7 @@ def test_concurrent_requests_run_one_at_a_time_and_equal_alone(engines):
         t.join()
     for got, expected in zip(results, alone, strict=True):
         assert (got.tokens, got.logprobs) == (expected.tokens, expected.logprobs)
-    assert engine.capacity == 1 and engine.loop.decode.peak_batch == 1
+    assert engine.loop.capacity == 1 and engine.loop.decode.peak_batch == 1
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5"])

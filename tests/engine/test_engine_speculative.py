@@ -64,7 +64,7 @@ def test_speculative_reply_equals_plain_cold_and_warm(engines, draft, sampling):
     for reply in (cold, warm):
         assert reply.tokens == plain.tokens and reply.logprobs == plain.logprobs
         assert reply.text == plain.text and reply.finish_reason == plain.finish_reason
-    stats = spec.speculation
+    stats = spec.loop.decode.speculator.stats
     assert stats is not None and stats.steps > 0 and stats.drafted > 0
     assert spec.cache_stats()["speculative"]["drafted"] == stats.drafted
     # The hit restored the draft's cache beside the model's: the draft computed only
@@ -83,7 +83,7 @@ def test_an_entry_without_the_draft_part_restores_the_model_and_prefills_the_dra
         warm = run(spec, PROMPT, sampling=GREEDY)
         assert warm.usage.cached_tokens > 0
         assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
-        stats = spec.speculation
+        stats = spec.loop.decode.speculator.stats
         assert stats.draft_restored == 0 and stats.draft_computed == warm.usage.prompt_tokens
     finally:
         plain.shutdown()
@@ -94,7 +94,7 @@ def test_self_draft_accepts_every_greedy_token(engines):
     spec = engines(loaded_test_model("dense"))
     reply = run(spec, PROMPT, sampling=GREEDY)
     assert reply.tokens == run(engines(), PROMPT, sampling=GREEDY).tokens
-    stats = spec.speculation
+    stats = spec.loop.decode.speculator.stats
     assert stats.accepted == stats.drafted > 0
     # k drafted + the target's own token per step: fewer steps than tokens.
     assert stats.steps < len(reply.tokens)
@@ -110,7 +110,7 @@ def test_rejected_drafts_are_trimmed_and_the_reply_stays_exact(engines, tmp_path
             run(spec, PROMPT, sampling=sampling).tokens
             == run(engines(), PROMPT, sampling=sampling).tokens
         )
-    stats = spec.speculation
+    stats = spec.loop.decode.speculator.stats
     assert stats.accepted < stats.drafted
 
 
@@ -120,14 +120,14 @@ def test_a_second_request_falls_back_to_the_batched_step(engines, draft):
     spec = engines(draft, deterministic=True)  # batched == alone is batch invariance
     handles = submit_together(spec, [PROMPT, other], GREEDY)
     together = [collect(h) for h in handles]
-    assert spec.peak_batch == 2
+    assert spec.loop.decode.peak_batch == 2
     for a, t in zip(alone, together, strict=True):
         assert (t.tokens, t.logprobs) == (a.tokens, a.logprobs)
 
 
 def test_a_requests_num_draft_tokens_is_honoured(engines, draft):
     spec = engines(draft, num_draft_tokens=2)
-    stats = spec.speculation
+    stats = spec.loop.decode.speculator.stats
     run(spec, PROMPT, sampling=SamplingParams(max_tokens=8, num_draft_tokens=0))
     assert stats.steps == 0
     run(spec, PROMPT, sampling=SamplingParams(max_tokens=30, num_draft_tokens=5))

@@ -72,14 +72,14 @@ def test_lookup_on_a_hybrid_or_sliding_model_replies_as_plain_decoding(
     model = loaded_test_model(kind)
     with _engine(model) as engine:
         plain = run(engine, PROMPT, sampling=sampling)
-        assert engine.lookup.steps == 0
+        assert engine.loop.decode.lookup.stats.steps == 0
     if kind == "sliding":  # the window wraps during the prompt: no trim could take a draft back
         assert plain.usage.prompt_tokens > SLIDING_WINDOW
     oracle = _oracle(plain.tokens, plain.usage.prompt_tokens, len(model.tokenizer.get_vocab()), cut)
     monkeypatch.setattr(lookup.NgramIndex, "propose", oracle)
     with _engine(model, prompt_lookup=LOOKUP) as engine:
         looked = run(engine, PROMPT, sampling=sampling)
-        stats = engine.lookup
+        stats = engine.loop.decode.lookup.stats
     _same(looked, plain)
     assert stats.steps > 0 and stats.drafted > 0
     if cut is None:
@@ -118,7 +118,7 @@ def test_a_draft_model_serves_a_hybrid_model_and_the_reply_is_plain_decodings(
     with contextlib.closing(_Closing(model, draft)) as spec:
         for _ in range(2):  # cold, then restored from the cache (the draft's part too)
             _same(run(spec.engine, PROMPT, sampling=sampling), plain)
-        stats = spec.engine.speculation
+        stats = spec.engine.loop.decode.speculator.stats
     assert stats is not None and stats.steps > 0
     if drafter == "self" and sampling.temperature == 0:
         assert stats.accepted == stats.drafted  # the model drafts its own greedy reply

@@ -31,7 +31,7 @@ def test_fifty_seeded_requests_decoding_together_all_follow_the_schema(make_engi
         tokens, done = collect(handle)
         assert done.finish_reason == "stop"  # the schema closed, EOS allowed only then
         people.append(check_person(engine.model.tokenizer.decode(tokens)))
-    assert engine.peak_batch > 1
+    assert engine.loop.decode.peak_batch > 1
     assert len({json.dumps(p) for p in people}) > 40  # sampled, not one forced reply
     assert engine.constraints.compiles == 1  # one schema, compiled once
 
@@ -55,7 +55,7 @@ def test_a_constrained_request_leaves_its_neighbours_reply_unchanged(make_engine
     constrained, beside = submit_together(engine, [PROMPT, other], [SEEDED, free])
     person_tokens, _ = collect(constrained)
     assert collect(beside)[0] == alone
-    assert engine.peak_batch == 2
+    assert engine.loop.decode.peak_batch == 2
     check_person(engine.model.tokenizer.decode(person_tokens))
     assert not _is_json(engine.model.tokenizer.decode(alone))  # the mask did not leak
 

@@ -88,7 +88,7 @@ def test_the_engine_trims_once_per_idle_transition(monkeypatch):
         trimmed.set()
         return True
 
-    monkeypatch.setattr("mlx_prefix.engine.turns.trim_heap", count)
+    monkeypatch.setattr("mlx_prefix.engine.driver.trim_heap", count)
     config = EngineConfig(idle_trim_s=0.05, prefetch_next_turn=False)
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, config)
     try:
@@ -104,7 +104,7 @@ def test_the_engine_trims_once_per_idle_transition(monkeypatch):
 
 def test_an_idle_trim_of_none_is_off(monkeypatch):
     trims = []
-    monkeypatch.setattr("mlx_prefix.engine.turns.trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr("mlx_prefix.engine.driver.trim_heap", lambda: trims.append(1))
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, EngineConfig(idle_trim_s=None))
     try:
         ask(engine, "A question?")

@@ -15,7 +15,13 @@ from support.template_models import DATA, GPT_OSS_TOKENIZER, QWEN3_TOKENIZER
 from mlx_prefix.conversation import Message
 from mlx_prefix.prompt.reply import harmony
 from mlx_prefix.prompt.reply.harmony import CONTROL, Harmony, HarmonyReader
-from mlx_prefix.prompt.reply.reader import answer_text, client_reply, reply_reader, tool_syntax
+from mlx_prefix.prompt.reply.reader import (
+    ReplyFormat,
+    answer_text,
+    client_reply,
+    reply_reader,
+    tool_syntax,
+)
 from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers, _probe_renders, _template_close
 from mlx_prefix.prompt.reply.thinking import NO_EDGES
 from mlx_prefix.prompt.reply.tool_calls import CallParser, Split
@@ -138,14 +144,18 @@ def test_the_reasoning_markers_are_the_analysis_message_and_close_as_the_templat
 
 
 def test_the_client_reply_and_the_answer_read_as_the_server_does(gpt_oss):
-    reader = reply_reader(gpt_oss, harmony.SYNTAX)
+    reader = reply_reader(ReplyFormat.of(gpt_oss), harmony.SYNTAX)
     turn = client_reply(harmony.SYNTAX, ANALYSIS + CALL, TOOLS, ToolCallIds("r"), reader)
     assert turn.message.reasoning.startswith("I could call")
     assert turn.message.content == ""
     [call] = turn.message.tool_calls
     assert call.name == "read" and turn.call_ids == (call.id,)
-    assert answer_text(gpt_oss, ANALYSIS + FINAL, opened=False) == "It prints hello."
-    forced = reply_reader(gpt_oss, harmony.SYNTAX, prefix=harmony.named_opening("read"))
+    assert (
+        answer_text(ReplyFormat.of(gpt_oss), ANALYSIS + FINAL, opened=False) == "It prints hello."
+    )
+    forced = reply_reader(
+        ReplyFormat.of(gpt_oss), harmony.SYNTAX, prefix=harmony.named_opening("read")
+    )
     assert forced.feed('{"path": "a.py"}').calls == [] and forced.finish().calls == [
         'read<|message|>{"path": "a.py"}'
     ]
@@ -155,9 +165,9 @@ def test_a_forced_call_opens_the_commentary_channel_to_the_function(gpt_oss):
     from mlx_prefix.server.protocol.request import ToolChoice
     from mlx_prefix.server.routes.tool_choice import forced_opening
 
-    named = forced_opening(gpt_oss, ToolChoice(mode="named", name="read"))
+    named = forced_opening(tool_syntax(gpt_oss), ToolChoice(mode="named", name="read"))
     assert named == "<|channel|>commentary to=functions.read <|constrain|>json<|message|>"
-    required = forced_opening(gpt_oss, ToolChoice(mode="required"))
-    reader = reply_reader(gpt_oss, harmony.SYNTAX, prefix=required)
+    required = forced_opening(tool_syntax(gpt_oss), ToolChoice(mode="required"))
+    reader = reply_reader(ReplyFormat.of(gpt_oss), harmony.SYNTAX, prefix=required)
     reader.feed('read <|constrain|>json<|message|>{"path": "a.py"}')
     assert reader.finish().calls == ['read<|message|>{"path": "a.py"}']

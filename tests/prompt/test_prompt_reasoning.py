@@ -9,7 +9,7 @@ import pytest
 from support.template_models import template_model
 
 from mlx_prefix.prompt.reply.harmony import CLOSE as HARMONY_CLOSE
-from mlx_prefix.prompt.reply.reader import reply_reader
+from mlx_prefix.prompt.reply.reader import ReplyFormat, reply_reader
 from mlx_prefix.prompt.reply.reasoning import ReasoningMarkers
 from mlx_prefix.prompt.reply.thinking import ReasoningEdges
 from mlx_prefix.prompt.request.render import ChatRenderer
@@ -84,7 +84,7 @@ def read(family: str, reply: str, cut: int) -> tuple[str, str]:
     """`reply` read in deltas of `cut` characters: (its reasoning, its text)."""
     found, _ = markers(family)
     edges = found.reply_edges(opened=False)
-    reader = reply_reader(template_model(family).tokenizer, None, edges=edges)
+    reader = reply_reader(ReplyFormat.of(template_model(family).tokenizer), None, edges=edges)
     splits = [reader.feed(reply[i : i + cut]) for i in range(0, len(reply), cut)]
     splits.append(reader.finish())
     return "".join(s.reasoning for s in splits), "".join(s.text for s in splits)

@@ -13,6 +13,7 @@ from support.live import live_server, tool_calling_engine
 from support.server_fakes import DEFAULT_REPLY, FakeTokenizer, serving
 
 from mlx_prefix.conversation import Message
+from mlx_prefix.prompt.reply.reader import ReplyFormat
 from mlx_prefix.records import TokenEvent, ToolCallIds
 from mlx_prefix.server.protocol.anthropic.bodies import parse_messages_request
 from mlx_prefix.server.protocol.request import Limits
@@ -326,7 +327,7 @@ def test_reasoning_text_and_calls_split_alike_whatever_the_deltas(step):
     ids = ToolCallIds("msg_1", prefix="toolu_")
     req = replace(req, prompt=replace(req.prompt, reply_tool_call_ids=ids))
     tokenizer = FakeTokenizer.with_json_tools()
-    assembler = Assembler.for_request(req, tokenizer, streaming=False)
+    assembler = Assembler.for_request(req, ReplyFormat.of(tokenizer), tokenizer, streaming=False)
     pieces = [reply[i : i + step] for i in range(0, len(reply), step)]
     deltas = [assembler.feed(TokenEvent(piece, None)) for piece in pieces]
     deltas.append(assembler.finish())

@@ -54,17 +54,16 @@ def test_the_fields_are_honoured_with_the_servers_draft_and_a_foreign_one_is_a_4
 
         named = _chat(url, draft_model="tiny-draft", num_draft_tokens=5)
         assert named.status_code == 200, named.text
-        steps = engine.speculation.steps
-        assert steps > 0 and engine.speculation.drafted > 3 * steps  # 5 asked, not 3
+        stats = engine.loop.decode.speculator.stats
+        steps = stats.steps
+        assert steps > 0 and stats.drafted > 3 * steps  # 5 asked, not 3
         off = _chat(url, num_draft_tokens=0).json()
-        assert engine.speculation.steps == steps  # 0: plain decoding
+        assert stats.steps == steps  # 0: plain decoding
         for reply in (named.json(), off):
             assert reply["choices"][0]["message"] == plain["choices"][0]["message"]
             assert reply["choices"][0]["logprobs"] == plain["choices"][0]["logprobs"]
         metrics = httpx.get(url + "/metrics").text
-        assert f"mlx_prefix_speculative_drafted_total {float(engine.speculation.drafted)}" in (
-            metrics
-        )
+        assert f"mlx_prefix_speculative_drafted_total {float(stats.drafted)}" in (metrics)
 
 
 def test_the_flags_parse_and_bound_the_count():

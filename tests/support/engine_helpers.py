@@ -179,8 +179,8 @@ class PacedHandle(RequestHandle):
     token took until then to compute. Install with `engine.handle_type = PacedHandle`;
     a plain `submit` paces nothing."""
 
-    def __init__(self, request_id: str, prompt_tokens: int, *, progress: bool = False):
-        super().__init__(request_id, prompt_tokens, progress=progress)
+    def __init__(self, request_id: str, prompt_tokens: int, **prompt):
+        super().__init__(request_id, prompt_tokens, **prompt)
         self.after: int | None = getattr(_client, "after", None)
         self._tokens = 0
         self._go = threading.Event()

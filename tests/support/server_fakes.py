@@ -35,6 +35,7 @@ from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens, covers
 from mlx_prefix.engine.activity import Activity, JobView
 from mlx_prefix.engine.keys import entry_key, namespace_key, namespace_of
 from mlx_prefix.errors import ContextLengthExceeded, EngineBusy, InvalidRequest
+from mlx_prefix.prompt.reply.reader import ReplyFormat
 from mlx_prefix.prompt.reply.thinking import NO_EDGES
 from mlx_prefix.records import (
     CachePreference,
@@ -234,6 +235,10 @@ class FakeEngine:
         self._ids = 0
 
     # The engine interface
+
+    @property
+    def reply_format(self) -> ReplyFormat:
+        return ReplyFormat.of(self.model.tokenizer)  # a test may change the tokenizer
 
     def submit(
         self,

@@ -127,7 +127,7 @@ def test_deterministic_rows_with_and_without_images_give_alone_logprobs_bit_for_
                 for p, r in zip(prompts[:2], together[:2], strict=True):
                     vision = engine.plan(p).vision
                     assert vision is not None and r.usage.cached_tokens >= vision.spans[0].end
-        assert engine.peak_batch >= 2
+        assert engine.loop.decode.peak_batch >= 2
     finally:
         engine.shutdown()
 

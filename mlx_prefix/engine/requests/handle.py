@@ -8,7 +8,7 @@ import threading
 from collections.abc import AsyncIterator, Generator
 from typing import TYPE_CHECKING
 
-from mlx_prefix.prompt.reply.thinking import NO_EDGES
+from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import DoneEvent, ErrorEvent, Event
 
 if TYPE_CHECKING:
@@ -22,7 +22,17 @@ class RequestHandle:
     so no thread-pool thread is parked per streaming request.
     """
 
-    def __init__(self, request_id: str, prompt_tokens: int, *, progress: bool = False):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        *,
+        progress: bool = False,
+        opens_reasoning: bool = False,
+        reasoning_edges: ReasoningEdges = NO_EDGES,
+        breakpoint_end: int = 0,
+        trace: CacheTrace | None = None,
+    ):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         # The caller reads ProgressEvents while the prompt is prefilled (generate's
@@ -32,16 +42,15 @@ class RequestHandle:
         # (the event queue orders the write before a consumer's read of that event).
         self.cached_tokens: int | None = None  # restored from the cache
         self.cache_written_tokens: int | None = None  # computed and stored in the cache
-        # Set at submit, from the rendered prompt: the reply starts as reasoning (the
-        # prompt left a think block open), what its reasoning drops where written (the
-        # template writes it), and the furthest position of the client's cache
-        # breakpoints (0: none).
-        self.opens_reasoning = False
-        self.reasoning_edges = NO_EDGES
-        self.breakpoint_end = 0
-        # The request's CacheTrace (explain/trace.py): set at submit, filled at admission;
-        # the server hands it to the request explainer after the final event.
-        self.trace: CacheTrace | None = None
+        # From the rendered prompt: the reply starts as reasoning (the prompt left a
+        # think block open), what its reasoning drops where written (the template writes
+        # it), and the furthest position of the client's cache breakpoints (0: none).
+        self.opens_reasoning = opens_reasoning
+        self.reasoning_edges = reasoning_edges
+        self.breakpoint_end = breakpoint_end
+        # The request's CacheTrace (explain/trace.py), filled at admission; the server
+        # hands it to the request explainer after the final event.
+        self.trace = trace
         self.cancelled = threading.Event()
         self._queue: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()

@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import DiskScope
 from mlx_prefix.conversation import Conversation, Message
 from mlx_prefix.engine.requests.chat_traffic import ChatTraffic
 from mlx_prefix.engine.requests.jobs import Job
-from mlx_prefix.prompt.reply.reader import answer_text, client_reply, reply_reader
+from mlx_prefix.prompt.reply.reader import ReplyFormat, answer_text, client_reply, reply_reader
 from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
 from mlx_prefix.prompt.request.plan import Checkpoint, PromptPlanner, RenderedPrompt
@@ -52,7 +51,7 @@ def next_turn_messages(
     reply: str,
     syntax: ToolSyntax | None,
     request_id: str,
-    tokenizer: Any = None,
+    form: ReplyFormat | None = None,
     opened: bool = False,
     edges: ReasoningEdges = NO_EDGES,
 ) -> Conversation:
@@ -62,18 +61,18 @@ def next_turn_messages(
     (every API shape becomes that message), followed by the first call's result; any
     other reply as its text, followed by a user message. A reply that continues the
     opening its prompt forced (a forced tool call) is read with that opening, as the
-    server's assembler reads it. With the model's `tokenizer`, the reply is read as the
+    server's assembler reads it. In the model's reply `form`, the reply is read as the
     server reads it (prompt/reply/reader.py; `opened`: the prompt left a think block open,
     `edges`: what its reasoning drops where written), its reasoning coming back as its
     `reasoning_content`, as the server answered it apart."""
     assert source.messages is not None
     ids = source.reply_tool_call_ids or ToolCallIds(request_id)
-    if tokenizer is None:  # calls only, after the opening
+    if form is None:  # calls only, after the opening
         turn = client_reply(syntax, source.assistant_prefix + reply, source.tools, ids)
     else:
         calls = syntax if source.tools else None  # the server parses calls only then
         reader = reply_reader(
-            tokenizer, calls, opened=opened, prefix=source.assistant_prefix, edges=edges
+            form, calls, opened=opened, prefix=source.assistant_prefix, edges=edges
         )
         turn = client_reply(syntax, reply, source.tools, ids, reader)
     if turn.call_ids:
@@ -91,18 +90,20 @@ def next_turn_prompt(
     syntax: ToolSyntax | None = None,
     request_id: str = "",
     opens_reasoning: bool = False,
+    form: ReplyFormat | None = None,
 ) -> RenderedPrompt | None:
     """The next request's prompt, cut where its last message begins, if that reaches past
-    the `computed` tokens of this one; None otherwise. Does not touch MLX.
+    the `computed` tokens of this one; None otherwise. Does not touch MLX. `form`: the
+    model's reply format, its engine's (None: read from the planner's tokenizer).
 
     The reply is rendered as the client will send it back (next_turn_messages), so
     templates that re-render earlier turns (Qwen3 strips <think> from them) render this
     reply the way the next request will; the planner finds where the next message
     begins (sentinel substitution) exactly as it will for the real next request.
     """
-    tokenizer = planner.renderer.tokenizer
+    form = form or ReplyFormat.of(planner.renderer.tokenizer)
     edges = planner.reply_edges(opens_reasoning)
-    turn = next_turn_messages(source, reply, syntax, request_id, tokenizer, opens_reasoning, edges)
+    turn = next_turn_messages(source, reply, syntax, request_id, form, opens_reasoning, edges)
     probe = PromptInput(
         messages=turn,
         tools=source.tools,
@@ -128,11 +129,11 @@ class Prefetcher:
     def __init__(
         self,
         planner: PromptPlanner,
-        syntax: ToolSyntax | None,
+        form: ReplyFormat,
         enqueue: Callable[[RenderedPrompt, str, DiskScope | None], None],
     ):
         self.planner = planner
-        self.syntax = syntax  # the tokenizer's tool-call syntax, as the server parses it
+        self.form = form  # the model's reply format, as the server reads replies
         self.enqueue = enqueue
         self.chat_traffic = ChatTraffic()  # engine thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-prefix-prefetch")
@@ -145,8 +146,7 @@ class Prefetcher:
         # A chat's first turn, known from its client's earlier traffic in the same
         # namespace (chat_traffic.py); later turns and tool-call turns from the request.
         # The reply as its client sees it and sends it back: without its reasoning.
-        tokenizer = self.planner.renderer.tokenizer
-        shown = answer_text(tokenizer, reply, job.prompt.opens_reasoning)
+        shown = answer_text(self.form, reply, job.prompt.opens_reasoning)
         first_turn = self.chat_traffic.finished(job.source, shown, job.cache_key)
         if first_turn or wants_prefetch(job.source):
             self.submit(
@@ -193,7 +193,14 @@ class Prefetcher:
     ) -> None:
         try:
             prompt = next_turn_prompt(
-                self.planner, source, reply, computed, self.syntax, request_id, opens_reasoning
+                self.planner,
+                source,
+                reply,
+                computed,
+                self.form.tools,
+                request_id,
+                opens_reasoning,
+                form=self.form,
             )
         except Exception:  # a template that cannot render it: nothing to prefetch
             log.debug("next-turn render failed", exc_info=True)

@@ -47,7 +47,9 @@ def DistributedEngine(  # noqa: N802 - a constructor's name: builds this rank's 
     config = engine_config or EngineConfig()
     turns = Lockstep(cluster, channel, config)
     disk = per_rank(disk_config, cluster)
-    return Engine(model, cache_config, config, disk_config=disk, turns=turns)
+    return Engine(
+        model, cache_config, config, disk_config=disk, turns=turns, consensus=turns.consensus
+    )
 
 
 def per_rank(disk: DiskConfig | None, cluster: Cluster) -> DiskConfig | None:

@@ -1,4 +1,4 @@
-"""The turns of a sharded engine (a turn driver, engine/turns.py): every rank takes the
+"""The turns of a sharded engine (a turn driver, engine/driver.py): every rank takes the
 same turns in lockstep, rank 0 decides.
 
 Once per turn, before any forward, rank 0 gathers the turn's inputs into a plan
@@ -26,12 +26,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any
 
-import mlx.core as mx
-
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.cache_views import CacheAction, CacheViews
 from mlx_prefix.engine.calibration import Agreement
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
+from mlx_prefix.engine.driver import Consensus
 from mlx_prefix.engine.forward.rowwise import Grouping
 from mlx_prefix.engine.loop import EngineLoop, Pacing
 from mlx_prefix.engine.probe import ProbeResult
@@ -98,7 +97,8 @@ class Lockstep:
         self.lifecycle = Lifecycle(config.max_queued)
         self._own_pace = Pace(config)  # rank 0 plans each turn's budget from its own
         self.pace: Pacing = PlannedPace(self._own_pace, lambda: self._turn.budget)
-        self.agree_tokens: Callable[[mx.array], mx.array] = channel.agree_tokens
+        # What the ranks settle inside a turn: the engine's, beside these turns.
+        self.consensus = Consensus(tokens=channel.agree_tokens, same=self.agree)
         self._asked: queue.SimpleQueue[Asked] = queue.SimpleQueue()
         self._turn_asked: list[Asked] = []  # rank 0: the actions of the current plan
         self._live: dict[int, Job] = {}  # rank 0's serial -> job, until the job ends

@@ -17,6 +17,7 @@ import threading
 from array import array
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from mlx_prefix.cache.token_ids import TokenIds, packed
 from mlx_prefix.engine.cache_views import CacheAction
@@ -113,8 +114,8 @@ class LatchedHandle(RequestHandle):
     """Rank 0's handle: a caller's `cancel` only asks; the engine latches the ask at the
     next turn's start and sends it in the plan, so every rank cancels at the same point."""
 
-    def __init__(self, request_id: str, prompt_tokens: int, *, progress: bool = False):
-        super().__init__(request_id, prompt_tokens, progress=progress)
+    def __init__(self, request_id: str, prompt_tokens: int, **prompt: Any):
+        super().__init__(request_id, prompt_tokens, **prompt)
         self.asked = threading.Event()
 
     def cancel(self) -> None:

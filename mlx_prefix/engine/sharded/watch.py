@@ -75,9 +75,11 @@ class PeerWatch:
         """Watch every connection in a daemon thread: `on_lost(rank)` when one closes."""
         for rank, conn in self.peers.items():
             threading.Thread(
-                target=_watch, args=(rank, conn, on_lost), name=f"mlx-prefix-watch-{rank}",
+                target=_watch,
+                args=(rank, conn, on_lost),
+                name=f"mlx-prefix-watch-{rank}",
                 daemon=True,
-            ).start()  # fmt: skip
+            ).start()
 
 
 def leader_host(backend: str) -> str | None:

@@ -74,6 +74,25 @@ class MarkerReader:
         return Split(head.text + tail.text, head.calls + tail.calls, reasoning)
 
 
+@dataclass(frozen=True)
+class ReplyFormat:
+    """How a model writes its replies, read once from its tokenizer (by its engine:
+    `Engine.reply_format`) and handed to every reader of its replies."""
+
+    tools: ToolSyntax | None = None  # its tool-call syntax (None: it has no markers)
+    harmony: bool = False  # gpt-oss's channels, not think and tool-call markers
+    think: tuple[str, str] | None = None  # its think start and end markers (None: none)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ReplyFormat:
+        marks = getattr(tokenizer, "has_thinking", False)
+        think = (tokenizer.think_start, tokenizer.think_end) if marks else None
+        return cls(tool_syntax(tokenizer), Harmony.of(tokenizer) is not None, think)
+
+
+PLAIN_REPLIES = ReplyFormat()  # no markers of any kind: text as it comes
+
+
 def tool_syntax(tokenizer: Any) -> ToolSyntax | None:
     """The tool-call syntax the server parses replies with: harmony's for gpt-oss, else
     the tokenizer's mlx-lm markers and parser (None: the model has none)."""
@@ -83,7 +102,7 @@ def tool_syntax(tokenizer: Any) -> ToolSyntax | None:
 
 
 def reply_reader(
-    tokenizer: Any,
+    form: ReplyFormat,
     syntax: ToolSyntax | None,
     *,
     opened: bool = False,
@@ -91,17 +110,17 @@ def reply_reader(
     reasoning: bool = True,
     edges: ReasoningEdges = NO_EDGES,
 ) -> ReplyReader:
-    """How `tokenizer`'s model's reply is read. `syntax`: calls are parsed (tools were
-    offered); `opened`: the prompt left a think block open, so the reply starts as
-    reasoning; `prefix`: the opening the prompt forced (a tool call's start), read first,
+    """How a reply in `form` is read. `syntax`: calls are parsed (tools were offered);
+    `opened`: the prompt left a think block open, so the reply starts as reasoning;
+    `prefix`: the opening the prompt forced (a tool call's start), read first,
     never reasoning; `reasoning`: split reasoning off at all (a raw completion's text is
     not read, harmony's neither); `edges`: what the reasoning drops where its model wrote
     it, the template writing it itself (ReasoningMarkers.reply_edges)."""
-    if reasoning and Harmony.of(tokenizer) is not None:
+    if reasoning and form.harmony:
         reader: ReplyReader = HarmonyReader(calls=syntax is not None)
     else:
         wanted = reasoning and not prefix
-        thinking = ThinkSplitter.of(tokenizer, opened, edges) if wanted else None
+        thinking = ThinkSplitter.of(form.think, opened, edges) if wanted else None
         reader = MarkerReader(thinking, ReplySplitter(syntax) if syntax is not None else None)
     if prefix and syntax is not None:  # a forced call's start: tools were offered
         split = reader.feed(prefix)
@@ -109,9 +128,9 @@ def reply_reader(
     return reader
 
 
-def answer_text(tokenizer: Any, reply: str, opened: bool) -> str:
+def answer_text(form: ReplyFormat, reply: str, opened: bool) -> str:
     """`reply`'s text without its reasoning: what a client shows and sends back."""
-    reader = reply_reader(tokenizer, None, opened=opened)
+    reader = reply_reader(form, None, opened=opened)
     return reader.feed(reply).text + reader.finish().text
 
 

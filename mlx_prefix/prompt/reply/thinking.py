@@ -11,7 +11,6 @@ prefetch splits a whole reply with it too (prompt/reply.client_reply)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,14 +46,14 @@ class ThinkSplitter:
 
     @classmethod
     def of(
-        cls, tokenizer: Any, opened: bool = False, edges: ReasoningEdges = NO_EDGES
+        cls, markers: tuple[str, str] | None, opened: bool = False, edges: ReasoningEdges = NO_EDGES
     ) -> ThinkSplitter | None:
-        """For a tokenizer that knows its think markers; None otherwise. `opened`: the
+        """For a model's think `markers` (start, end); None without. `opened`: the
         prompt left a think block open, so the reply starts inside it."""
-        if not getattr(tokenizer, "has_thinking", False):
+        if markers is None:
             return None
         state = "thinking" if opened else "opening"
-        return cls(tokenizer.think_start, tokenizer.think_end, edges, _state=state)
+        return cls(markers[0], markers[1], edges, _state=state)
 
     @property
     def reasoning(self) -> bool:

@@ -269,9 +269,15 @@ class RequestLog:
         self._written = True
         total_ms = (time.perf_counter() - self.started) * 1000
         self.metrics.recent.add(
-            self.request_id, self.endpoint, status, total_ms, self.prompt_tokens, usage, finish,
-            self.namespace,
-        )  # fmt: skip
+            self.request_id,
+            self.endpoint,
+            status=status,
+            total_ms=total_ms,
+            prompt_tokens=self.prompt_tokens,
+            usage=usage,
+            finish=finish,
+            namespace=self.namespace,
+        )
         if usage is None:
             log.info(
                 "%s %s prompt=%d cached=- ttft=- decode=- status=%s total=%.0fms%s",

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlx_prefix.prompt.reply.reader import ReplyReader, reply_reader, tool_syntax
+from mlx_prefix.prompt.reply.reader import ReplyFormat, ReplyReader, reply_reader
 from mlx_prefix.prompt.reply.thinking import NO_EDGES, ReasoningEdges
 from mlx_prefix.records import DoneEvent, PromptInput, TokenEvent
 
@@ -69,17 +69,19 @@ class Assembler:
     def for_request(
         cls,
         req: GenerationRequest,
+        form: ReplyFormat,
         tokenizer: Any,
         streaming: bool,
         handle: RequestHandle | None = None,
     ) -> Assembler:
-        """The reply as `handle`'s prompt left it (the engine's handle of the request):
-        inside a think block it opened, its reasoning dropping the edges the template
-        writes itself. A raw completion's text is never split."""
-        syntax = tool_syntax(tokenizer) if req.parse_tools else None
+        """The reply, in its model's `form` (its engine's), as `handle`'s prompt left it
+        (the engine's handle of the request): inside a think block it opened, its
+        reasoning dropping the edges the template writes itself; its calls parsed when
+        tools were offered. A raw completion's text is never split."""
         return cls.build(
             req.sampling.logprobs,
-            syntax,
+            form,
+            form.tools if req.parse_tools else None,
             req.prompt,
             streaming,
             tokenizer,
@@ -92,6 +94,7 @@ class Assembler:
     def build(
         cls,
         logprobs: bool,
+        form: ReplyFormat,
         syntax: ToolSyntax | None,
         prompt: PromptInput,
         streaming: bool,
@@ -107,7 +110,7 @@ class Assembler:
         if syntax is None and not reasoning:
             return cls(logprobs=logprobs, tokenizer=tokenizer)
         reader = reply_reader(
-            tokenizer,
+            form,
             syntax,
             opened=opened,
             prefix=prompt.assistant_prefix,

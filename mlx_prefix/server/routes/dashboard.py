@@ -82,9 +82,13 @@ def _file(name: str) -> Response:
 async def data(request: Request) -> Response:
     st = state(request)
     body = await run_in_threadpool(
-        D.snapshot, st.engine, st.metrics.recent, st.tree_shapes, caller(request),
-        st.metrics.explainer,
-    )  # fmt: skip
+        D.snapshot,
+        st.engine,
+        recent=st.metrics.recent,
+        shapes=st.tree_shapes,
+        caller=caller(request),
+        explainer=st.metrics.explainer,
+    )
     return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
 

@@ -37,8 +37,9 @@ DEFAULT_MAX_INPUT_TOKENS = 8192  # OpenAI's, for a model whose config names no c
 @api
 async def embeddings(request: Request) -> Response:
     st = state(request)
-    record = RequestLog(new_id("embd-"), request.url.path, st.metrics,
-                        caller(request).namespace_id)  # fmt: skip
+    record = RequestLog(
+        new_id("embd-"), request.url.path, st.metrics, namespace=caller(request).namespace_id
+    )
     try:
         body = await read_json(request)
         req = parse_embeddings(body, st.settings.embedding_max_inputs)

@@ -91,7 +91,10 @@ class Started(Generic[P]):
     def assembler(self, streaming: bool) -> Assembler:
         """The reply's deltas as the prompt left it; `streaming`: tool calls carry the
         `index` of OpenAI's chunks."""
-        return Assembler.for_request(self.req, self.tokenizer, streaming, self.handle)
+        engine = self.served.engine
+        return Assembler.for_request(
+            self.req, engine.reply_format, self.tokenizer, streaming, self.handle
+        )
 
     async def respond(
         self, assembler: Assembler, writer: ReplyWriter, stream: StreamResponse = SSEResponse
@@ -187,7 +190,7 @@ class Opened(Generic[P]):
             )
             engine = self.served.engine
             req = fit_to_model(req, self.state.limits_for(engine, self.limits))
-            return with_tool_choice(req, engine.model.tokenizer)
+            return with_tool_choice(req, engine.reply_format.tools)
 
     async def submit(self, req: GenerationRequest) -> Started[P]:
         """`req` (prepared) submitted to the served model's engine."""

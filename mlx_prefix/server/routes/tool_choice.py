@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.reply import harmony
-from mlx_prefix.prompt.reply.reader import tool_syntax
 
 from ..protocol.request import GenerationRequest, ToolChoice
 from ..replies.tools import ToolSyntax
@@ -36,12 +34,12 @@ def _named_opening(syntax: ToolSyntax, name: str) -> str | None:
     return None
 
 
-def forced_opening(tokenizer: Any, choice: ToolChoice) -> str:
-    """The text the assistant's turn must open with for `choice` ("" when not forced).
-    InvalidRequest (param tool_choice) when this model cannot be forced that way."""
+def forced_opening(syntax: ToolSyntax | None, choice: ToolChoice) -> str:
+    """The text the assistant's turn must open with for `choice` ("" when not forced),
+    in the model's tool-call `syntax` (None: it has none). InvalidRequest (param
+    tool_choice) when this model cannot be forced that way."""
     if choice.mode in ("auto", "none"):
         return ""
-    syntax = tool_syntax(tokenizer)
     if syntax is None:
         raise InvalidRequest(
             "this model has no tool-call markers, so a tool call cannot be forced: use "
@@ -61,18 +59,19 @@ def forced_opening(tokenizer: Any, choice: ToolChoice) -> str:
     return opening
 
 
-def with_tool_choice(req: GenerationRequest, tokenizer: Any) -> GenerationRequest:
-    """`req` with its prompt opening the forced call, if its tool choice forces one, and,
-    when parallel calls are off, the tool-call end marker as a stop string: the reply
-    ends after its first call (whose unterminated body the assembler still parses).
-    A format without an end marker closes a call only at the reply's end anyway."""
+def with_tool_choice(req: GenerationRequest, syntax: ToolSyntax | None) -> GenerationRequest:
+    """`req`, for a model writing tool calls in `syntax`, with its prompt opening the
+    forced call, if its tool choice forces one, and, when parallel calls are off, the
+    tool-call end marker as a stop string: the reply ends after its first call (whose
+    unterminated body the assembler still parses). A format without an end marker
+    closes a call only at the reply's end anyway."""
     choice = req.tool_choice
-    opening = forced_opening(tokenizer, choice)
+    opening = forced_opening(syntax, choice)
     if opening:
         prompt = dataclasses.replace(req.prompt, assistant_prefix=opening)
         req = dataclasses.replace(req, prompt=prompt)
-    syntax = tool_syntax(tokenizer) if req.parse_tools and not choice.parallel else None
-    if syntax is not None and syntax.end:
+    one_call = req.parse_tools and not choice.parallel
+    if one_call and syntax is not None and syntax.end:
         stop = (*req.sampling.stop, syntax.end)
         req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, stop=stop))
     return req

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from mlx_prefix.errors import Unavailable
+from mlx_prefix.prompt.reply.reader import PLAIN_REPLIES, ReplyFormat
 
 if TYPE_CHECKING:
     from mlx_prefix.cache.disk.index import DiskEntryInfo
@@ -41,6 +42,7 @@ class UnloadedEngine:
     model_key: str
     views: CacheViews
     failure: str | None = None
+    reply_format: ReplyFormat = PLAIN_REPLIES  # no reply is read: a request is refused
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise Unavailable(f"model '{self.model.name}' is unloaded: a request naming it loads it")

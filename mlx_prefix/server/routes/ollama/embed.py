@@ -86,8 +86,9 @@ async def _vectors(
     """The served name, the vectors, the tokens embedded, and when the request began."""
     st = state(request)
     began = time.perf_counter()
-    record = RequestLog(new_id("embd-"), request.url.path, st.metrics,
-                        caller(request).namespace_id)  # fmt: skip
+    record = RequestLog(
+        new_id("embd-"), request.url.path, st.metrics, namespace=caller(request).namespace_id
+    )
     try:
         served = require(st.embeddings)
         name = field(body, "model", str, None)

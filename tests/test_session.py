@@ -3,8 +3,8 @@ from __future__ import annotations
 from support.engine_helpers import PacedHandle, paced, wait_for
 from support.models import TEST_CACHE, loaded_test_model
 
-from mlx_prefix.engine.session import PrefixCacheSession, chat_prompt
 from mlx_prefix.records import SamplingParams, TokenEvent
+from mlx_prefix.session import PrefixCacheSession, chat_prompt
 
 long_reply = SamplingParams(max_tokens=400)
 SYSTEM = "You summarize shipping notices for a warehouse team, in one line each. " * 5

@@ -1,12 +1,13 @@
-"""How the engine thread takes its turns: the part of an engine that a sharded group
-replaces (engine/sharded/lockstep.py). `LocalTurns` is one process's: jobs come from the
-inbox, one turn after the other, until the shutdown.
+"""The turn driver, how the engine thread takes its turns: the part of an engine that
+a sharded group replaces (engine/sharded/lockstep.py). `LocalTurns` is one process's:
+jobs come from the inbox, one turn after the other, until the shutdown.
 
 A driver owns the engine's inbox (the Lifecycle) and decides what reaches a turn, and
 when: the jobs, the cancels, the cache actions (`act`), the shutdown's flags, whether a
 queued disk save is written. It also hands the engine's construction what differs
 between one process and a group: the handle callers get, the clock of background jobs,
-the prefill pace, and whether ranks must agree on sampled tokens and disk hits.
+the prefill pace. What a group's ranks must settle together inside a turn (sampled
+tokens, disk hits) is its own `Consensus`, the sharded driver's: one process has none.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -27,6 +29,16 @@ from mlx_prefix.engine.requests.pace import Pace
 from mlx_prefix.platform import trim_heap
 
 log = logging.getLogger("mlx_prefix.engine")
+
+
+@dataclass(frozen=True)
+class Consensus:
+    """What a sharded group's ranks settle together inside a turn (collectives, on the
+    engine thread): the sharded driver's (engine/sharded/lockstep.py), handed to the
+    engine beside it."""
+
+    tokens: Callable[[mx.array], mx.array]  # the sampled tokens every rank goes on with
+    same: Callable[[int], bool]  # whether every rank has this value (a disk hit is used then)
 
 
 class Turns(Protocol):
@@ -55,16 +67,6 @@ class Turns(Protocol):
     def failure(self) -> str | None:
         """Why the engine stopped serving for good (a sharded group lost a rank); None:
         serving."""
-        ...
-
-    @property
-    def agree_tokens(self) -> Callable[[mx.array], mx.array] | None:
-        """Sharded: the sampled tokens every rank goes on with (rank 0's)."""
-        ...
-
-    @property
-    def agree(self) -> Callable[[int], bool] | None:
-        """Sharded: whether every rank has the same value (a disk hit is used only then)."""
         ...
 
     def clock(self) -> float:
@@ -99,8 +101,6 @@ class LocalTurns:
     handle_type = RequestHandle
     leader = True
     failure = None
-    agree_tokens = None
-    agree = None
 
     def __init__(self, config: EngineConfig):
         self.lifecycle = Lifecycle(config.max_queued)
