@@ -36,17 +36,17 @@ def _kv_per_token(model) -> int:
 
 def _kv_of(model, tokens: int) -> int:
     """What one prefill of `tokens` tokens leaves: KV per token of the attention layers,
-    plus the fixed state of the others (a hybrid's recurrent layers), measured after one
-    token's forward through the model."""
+    plus the state of the others (recurrent; a sliding window's ring, full by then),
+    measured after a forward of that many tokens through the model."""
     cache = make_prompt_cache(model.model)
-    mx.eval(model.model(mx.array([[1]]), cache=cache))
-    per_token = fixed = 0
+    mx.eval(model.model(mx.array([[1] * tokens]), cache=cache))
+    total = 0
     for c in cache:
-        if isinstance(c, KVCache):
-            per_token += 2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size
+        if type(c) is KVCache:
+            total += 2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size * tokens
         else:
-            fixed += sum(a.nbytes for _, a in tree_flatten(c.state) if a is not None)
-    return tokens * per_token + fixed
+            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+    return total
 
 
 def _capped(monkeypatch) -> list[int]:
@@ -123,12 +123,13 @@ def test_a_cancelled_turn_loses_no_entry_the_store_handed_it():
     assert (again.tokens, again.logprobs) == (cold.tokens, cold.logprobs)
 
 
-def test_a_hybrid_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkeypatch):
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "sliding"])
+def test_a_hybrid_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkeypatch, kind):
     """The same on a hybrid model (attention beside gated-delta recurrent layers) with a
     Qwen3-style template, the client sending back each reply it was given: the entry
     is handed over with its recurrent state, the end's KV comes back from the decode row
     and its recurrent state from where the prefill reached it (cache/handover.py)."""
-    model = loaded_test_model("qwen3_5", think_template=True)
+    model = loaded_test_model(kind, think_template=True)
     config = EngineConfig(prefetch_next_turn=False)  # one request at a time, as measured
     system = ("system", "You are a careful assistant. " * 40)
     users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(4)]
