@@ -105,11 +105,12 @@ def kv_bytes(cache: list[Any], tokens: int) -> int:
 def room_needed(cache: list[Any], piece: int, rest: int) -> int:
     """What a checkpoint cut from a live cache now adds: `piece` positions of its KV; for
     a hybrid cache its other layers' state too, and room kept for the `rest` positions
-    its prefill still appends and for its end's state (the one the next turn needs)."""
+    its prefill still appends (and a step of padding: mlx-lm's KVCache grows by steps)
+    and for its end's state (the one the next turn needs)."""
     need = kv_bytes(cache, piece)
     if hybrid(cache):
         state = sum(c.nbytes for c in cache if type(c) is not KVCache)
-        need += kv_bytes(cache, rest) + 2 * state
+        need += kv_bytes(cache, rest + KVCache.step) + 2 * state
     return need
 
 

@@ -44,8 +44,7 @@ class RowStates:
         if at_end:
             fits = self.store.could_hold(state.buffer.nbytes)
         else:
-            rest = room_needed(self.cache, 0, len(self.tokens) - position)
-            fits = self.store.has_room(rest + state.buffer.nbytes)
+            fits = self.store.has_room(room_needed(self.cache, 0, len(self.tokens) - position))
         if not fits:
             return False
         self.states.append(state)
