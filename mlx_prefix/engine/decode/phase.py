@@ -231,7 +231,7 @@ class DecodePhase:
     def _nbytes(self) -> int:
         """The batch's resident bytes, the draft caches beside it included."""
         spec = self.speculator.nbytes() if self.speculator is not None else 0
-        # A hybrid's end state, held for the entry its row gives back (cache/handover.py).
+        # A hybrid's checkpoint states, held for the entries its row gives back (handover.py).
         ends = sum(
             s.buffer.nbytes
             for r in self.batch.members
