@@ -162,6 +162,12 @@ class PromptCache:
         with self._lock:
             return self._contents.budget.used() + nbytes <= self._contents.budget.nbytes
 
+    def could_hold(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit beside running requests and the entries eviction
+        cannot take (pinned, locked), evicting the rest. Does not mutate."""
+        with self._lock:
+            return self._contents.budget.fixed() + nbytes <= self._contents.budget.nbytes
+
     def release(self, entry_id: int) -> None:
         """Drop one lock taken by `acquire` (mutates); may evict if over budget."""
         with self._lock:

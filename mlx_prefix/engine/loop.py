@@ -324,7 +324,8 @@ class EngineLoop:
         hand_back = None
         if task.checkpointer is not None and task.checkpointer.end_kind is not None:
             kind = task.checkpointer.end_kind  # stored from the decode row (cache/handover.py)
-            hand_back = HandBack(job.cache_key, job.prompt.tokens, kind)
+            states = tuple(task.checkpointer.rows.states)
+            hand_back = HandBack(job.cache_key, job.prompt.tokens, kind, states)
         return Arrival(
             job,
             task.cache,

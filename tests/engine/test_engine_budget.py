@@ -6,7 +6,10 @@ turn whole and answers as a cold run does; the store never holds more than its b
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from support.engine_helpers import EXACT, cancelling, chat, collect, open_engine, run, wait_for
 from support.models import TEST_CACHE, loaded_test_model
 
@@ -31,20 +34,24 @@ def _kv_per_token(model) -> int:
     return layers * heads * dims * 2 * 4
 
 
-# A conversation that grows turn by turn, and one whose long system prompt is most of it
-# (its first turn's end alone takes most of the budget: it is stored from its decode row).
-@pytest.mark.parametrize(("turns", "system_words"), [(5, 40), (3, 240)])
-def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(
-    monkeypatch, turns, system_words
-):
-    model = loaded_test_model("dense")
-    turns = _turns(turns, system_words)
-    config = EngineConfig(prefetch_next_turn=False)  # one request at a time, as measured
-    with open_engine(model, TEST_CACHE, config) as cold_engine:
-        cold = [run(cold_engine, chat(*m), cache=False, sampling=EXACT) for m in turns]
-    final = cold[-1].usage.prompt_tokens
-    budget = final * _kv_per_token(model) * 5 // 4
-    # The store's own stats after every change: stored + active never above the budget.
+def _kv_of(model, tokens: int) -> int:
+    """What one prefill of `tokens` tokens leaves: KV per token of the attention layers,
+    plus the state of the others (recurrent; a sliding window's ring, full by then),
+    measured after a forward of that many tokens through the model."""
+    cache = make_prompt_cache(model.model)
+    mx.eval(model.model(mx.array([[1] * tokens]), cache=cache))
+    total = 0
+    for c in cache:
+        if type(c) is KVCache:
+            total += 2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size * tokens
+        else:
+            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+    return total
+
+
+def _capped(monkeypatch) -> list[int]:
+    """The store's own stats after every change: stored + active never above the budget
+    (asserted); the totals seen, in order."""
     peaks: list[int] = []
 
     def checked(name: str) -> None:
@@ -61,6 +68,23 @@ def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(
 
     for name in ("insert", "set_active_bytes", "acquire", "release", "hand_over"):
         checked(name)
+    return peaks
+
+
+# A conversation that grows turn by turn, and one whose long system prompt is most of it
+# (its first turn's end alone takes most of the budget: it is stored from its decode row).
+@pytest.mark.parametrize(("turns", "system_words"), [(5, 40), (3, 240)])
+def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(
+    monkeypatch, turns, system_words
+):
+    model = loaded_test_model("dense")
+    turns = _turns(turns, system_words)
+    config = EngineConfig(prefetch_next_turn=False)  # one request at a time, as measured
+    with open_engine(model, TEST_CACHE, config) as cold_engine:
+        cold = [run(cold_engine, chat(*m), cache=False, sampling=EXACT) for m in turns]
+    final = cold[-1].usage.prompt_tokens
+    budget = final * _kv_per_token(model) * 5 // 4
+    peaks = _capped(monkeypatch)
     cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
     with open_engine(model, cache, config) as engine:
         previous = 0
@@ -97,3 +121,36 @@ def test_a_cancelled_turn_loses_no_entry_the_store_handed_it():
     # Its end came back (the handed-over turn before it too), as a resend finds it.
     assert again.usage.cached_tokens >= 0.95 * cold.usage.prompt_tokens > before
     assert (again.tokens, again.logprobs) == (cold.tokens, cold.logprobs)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "sliding"])
+def test_a_hybrid_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkeypatch, kind):
+    """The same on a hybrid model (attention beside gated-delta recurrent layers) with a
+    Qwen3-style template, the client sending back each reply it was given: the entry
+    is handed over with its recurrent state, the end's KV comes back from the decode row
+    and its recurrent state from where the prefill reached it (cache/handover.py)."""
+    model = loaded_test_model(kind, think_template=True)
+    config = EngineConfig(prefetch_next_turn=False)  # one request at a time, as measured
+    system = ("system", "You are a careful assistant. " * 40)
+    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(4)]
+    turns, cold = [], []
+    with open_engine(model, TEST_CACHE, config) as cold_engine:
+        messages = [system]
+        for user in users:
+            messages.append(("user", user))
+            turns.append(list(messages))
+            cold.append(run(cold_engine, chat(*messages), cache=False, sampling=EXACT))
+            messages.append(("assistant", cold[-1].text))
+    budget = _kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
+    peaks = _capped(monkeypatch)
+    cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, cache, config) as engine:
+        previous = 0
+        for messages, expected in zip(turns, cold, strict=True):
+            warm = run(engine, chat(*messages), sampling=EXACT)
+            assert warm.usage.cached_tokens >= previous  # its previous turn, whole
+            assert warm.usage.cached_tokens < warm.usage.prompt_tokens
+            assert (warm.tokens, warm.logprobs) == (expected.tokens, expected.logprobs)
+            previous = warm.usage.prompt_tokens
+        assert engine.cache_stats()["handed_over"] > 0  # the tight budget was the case
+    assert peaks and max(peaks) <= budget

@@ -44,6 +44,12 @@ class Budget:
             return True
         return self.max_entries is not None and len(self._table.by_id) > self.max_entries
 
+    def fixed(self) -> int:
+        """What eviction cannot free: running requests' bytes and the pinned or locked
+        entries', each buffer once."""
+        kept = [e.buffers for e in self._table.by_id.values() if e.refs > 0 or e.pinned]
+        return self._table.resident.union([*kept, self.active.shared()]) + self.active.own_total
+
     def shortfall(self, new: Candidate, buffers: tuple[Buffer, ...], leaving: list[Entry]) -> int:
         """Bytes the budget lacks for `new`, holding `buffers`, to survive eviction once the
         `leaving` entries are gone (0: it fits; 1: only the entry count is over): what

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from mlx_prefix.cache.handover import row_snapshot
+from mlx_prefix.cache.handover import keep_inside, row_snapshot
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.engine.decode.arrival import Arrival, first_token, sampler_for
 from mlx_prefix.engine.decode.batch import DecodeBatch
@@ -231,7 +231,14 @@ class DecodePhase:
     def _nbytes(self) -> int:
         """The batch's resident bytes, the draft caches beside it included."""
         spec = self.speculator.nbytes() if self.speculator is not None else 0
-        return self.batch.nbytes() + spec
+        # A hybrid's checkpoint states, held for the entries its row gives back (handover.py).
+        ends = sum(
+            s.buffer.nbytes
+            for r in self.batch.members
+            if r.hand_back is not None
+            for s in r.hand_back.states
+        )
+        return self.batch.nbytes() + spec + ends
 
     def drop_all(self) -> list[Job]:
         """Empty the batch without events (after an error); returns the jobs it held."""
@@ -309,9 +316,15 @@ class DecodePhase:
         self.batch.join()
         lone = len(self.batch) == 1
         row = next(i for i, m in enumerate(self.batch.members) if m is running)
-        snapshot = row_snapshot(self.batch.cache, row, len(back.tokens), lone)
-        if lone:  # the entry's buffer is the batch's: report it as shared first
-            self.store.set_active_bytes(self._bytes_key, self._nbytes(), snapshot.buffers)
+        n = len(back.tokens)
+        end = back.states[-1] if back.states and back.states[-1].length == n else None
+        snapshot = row_snapshot(self.batch.cache, row, n, lone, end)
+        # The entries' buffers are the batch's (a lone row's KV, a hybrid's states):
+        # report them as shared first, so they count once.
+        states = tuple(s.buffer for s in back.states)
+        shared = (*snapshot.buffers, *states) if lone else states
+        self.store.set_active_bytes(self._bytes_key, self._nbytes(), shared)
+        keep_inside(self.store, back.key, back.tokens, snapshot, back.states)  # KV shared
         if self.store.insert(back.key, back.tokens, snapshot, back.kind):
             running.job.stored_to = max(running.job.stored_to, len(back.tokens))
 

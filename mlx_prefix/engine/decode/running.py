@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlx_prefix.cache.handover import EndState
 from mlx_prefix.cache.types import CheckpointKind
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.text import TextStream
@@ -18,6 +19,9 @@ class HandBack:
     key: str  # the request's entry key
     tokens: tuple[int, ...]  # its prompt
     kind: CheckpointKind
+    # A hybrid cache's other layers at its checkpoints, its end last (its row went on
+    # past them; their KV comes from the row: cache/handover.py `from_row`).
+    states: tuple[EndState, ...] = ()
 
 
 @dataclass(slots=True)

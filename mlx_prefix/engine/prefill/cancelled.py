@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
-from mlx_prefix.cache.handover import live_snapshot
+from mlx_prefix.cache.handover import at_offset, hybrid, live_snapshot
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.prefill.checkpoints import Checkpointer
 from mlx_prefix.engine.prefill.task import PrefillTask
@@ -56,8 +56,11 @@ def keep_handed(checkpointer: Checkpointer, position: int, let_go: Callable[[], 
     tokens = checkpointer.prompt.tokens[:position]
     if position == 0 or checkpointer.store.get(checkpointer.key, tokens) is not None:
         return
+    if hybrid(checkpointer.cache) and not at_offset(checkpointer.cache, position):
+        return  # its recurrent layers went on past `position`: no exact state there
     snapshot = live_snapshot(checkpointer.cache, position)
     let_go()
+    checkpointer.rows.store_inside(snapshot)  # a hybrid's checkpoints left to the row too
     if checkpointer.cancelled and kind <= PROTECTED_ABOVE:
         kind = CheckpointKind.CANCELLED
     if checkpointer.store.insert(checkpointer.key, tokens, snapshot, kind):
@@ -85,4 +88,5 @@ def keep_reached(checkpointer: Checkpointer, position: int) -> None:
     )
     if in_memory or to_disk:
         snapshot = checkpointer.capture_at(position)
+        checkpointer.rows.store_inside(snapshot)  # a hybrid's checkpoints left to the row
         checkpointer.keep(snapshot, CheckpointKind.CANCELLED, in_memory, to_disk)

@@ -1,30 +1,28 @@
 """What one request's prefill leaves behind: the snapshots captured at its boundaries.
 
 At each grid boundary the Checkpointer decides whether to capture the cache and where
-the snapshot goes: into the memory store (planned checkpoints, prefixes shared with
-waiting requests, the branch point) and/or the disk queue (positions the disk policy
-chose, the end of prefill included: seed 004's bug was a save there that silently
-never fired).
+the snapshot goes: the memory store (planned checkpoints, prefixes shared with waiting
+requests, the branch point) and/or the disk queue (positions the disk policy chose, the
+end of prefill included: seed 004's bug was a save there that silently never fired).
 
 Every snapshot holds its attention KV as a chain of pieces (cache/chain.py): `chain`
 starts as the restored entry's, up to the restored position, and each capture adds a
-piece copied from the cache for what this prefill computed since the last one. So the
-checkpoints of one prefill share their KV, and the entry a conversation's next turn
-stores holds only what that turn added. A cache with recurrent or rotating layers
-keeps every checkpoint (it can only resume from an exact one); those of the ordinary
+piece copied from the cache for what this prefill computed since the last one, so a
+conversation's next turn stores only what it added. A cache with recurrent or rotating
+layers keeps every checkpoint (it resumes only from an exact one); those of the ordinary
 kinds are stored when the prefill ends or stops between chunks (`finish`), waiting
-requests starting only after that, so in-flight sharing still finds them, and a failed
-prefill stores none. Checkpoints of the protected kinds (above LAST_MESSAGE: the system
-prompt, a client's cache breakpoint) are stored at once.
+requests starting only after that (in-flight sharing finds them), and a failed prefill
+stores none; the protected kinds (above LAST_MESSAGE: the system prompt, a client's
+breakpoint) at once. Under a tight budget the end's KV comes from the decode row instead
+(cache/handover.py), a hybrid's checkpoints' too (rows.py: their other layers only).
 
 The request's active bytes count the chain's pieces and the captured state of the
 checkpoints not stored yet (`held`), each once with the stored entries that hold them
 too (cache/eviction/active.py).
 
 A cancelled prefill (issue 55) keeps what it computed: where it stops (cancelled.py),
-and, when it runs on once its client has gone (`cancel`), what it reaches from then on.
-Those entries are CANCELLED (the protected kinds aside): the first to go, never pushing
-out an entry someone asked for.
+and, when it runs on once its client has gone (`cancel`), what it reaches from then on:
+CANCELLED entries (the protected kinds aside), the first to go, pushing out no other.
 
 Branch point (Marconi's admission rule): when the prompt leaves a stored sequence
 past the restored position (an edit, a new question, another tool result), the grid
@@ -39,7 +37,7 @@ from dataclasses import dataclass
 
 from mlx_prefix.cache.chain import Chain
 from mlx_prefix.cache.eviction.policy import PROTECTED_ABOVE
-from mlx_prefix.cache.handover import kv_bytes
+from mlx_prefix.cache.handover import hybrid, room_needed
 from mlx_prefix.cache.snapshot import (
     Snapshot,
     cache_nbytes,
@@ -53,6 +51,7 @@ from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.cache.types import Buffer
 from mlx_prefix.engine.forward.runner import always_trimmable
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.rows import RowStates
 from mlx_prefix.engine.prefill.sharing import SharedPrefixes
 from mlx_prefix.prompt.request.plan import RenderedPrompt
 
@@ -115,6 +114,13 @@ class Checkpointer:
         self._deferred: list[_Deferred] = []
         self._kept: set[int] = set()  # positions stored in memory by this prefill
         self.end_kind: CheckpointKind | None = None  # the end, left to decode (`hand_back`)
+        # A hybrid's checkpoints whose KV its decode row gives (rows.py); all of them
+        # after a hand-over (a piece would copy the prefix again).
+        self.rows = RowStates(
+            self.cache, self.store, self.key, self.prompt.tokens, lambda: self.report(),
+            self.on_stored,
+        )  # fmt: skip
+        self._rows_kv = self.hand_back and hybrid(self.cache)
         self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
         self.finished = False
         if self.disk is not None:
@@ -193,6 +199,7 @@ class Checkpointer:
         """What this prefill keeps alive besides its cache: the chains' pieces and the
         checkpoints not stored yet, each buffer once (stored entries may hold them too)."""
         found = {b.key: b for b in (*self.chain.buffers, *self.draft_chain.buffers)}
+        found.update((b.key, b) for b in self.rows.buffers)
         for d in self._deferred:
             found.update((b.key, b) for b in d.snapshot.buffers)
         return tuple(found.values())
@@ -224,33 +231,36 @@ class Checkpointer:
         in_memory = in_memory and (
             not at_end or position in self.planned or is_trimmable(self.cache)
         )
-        if in_memory and at_end and self._hands_back(position):
-            self.end_kind = kind  # stored when the request finishes (decode/phase.py)
-            self.on_stored(position)
+        if in_memory and at_end and (self.hand_back or self._no_room(position)):
+            if self.rows.keep(position, kind, at_end):  # (a hybrid's state: if it fits)
+                self.end_kind = kind  # stored when the request finishes (decode/phase.py)
+                self.on_stored(position)
             if not to_disk:
                 return
             in_memory = False
-        elif in_memory and not to_disk and self._no_room(position):
+        elif in_memory and not to_disk and (self._no_room(position) or self._rows_kv):
             # A second copy of what the live cache holds, which the budget cannot hold
-            # beside it (its end serves this prefix by trimming): not cut at all.
+            # beside it (its end serves this prefix by trimming): not cut at all; a
+            # hybrid keeps its state here, its KV to come from the row (or the end).
+            self.rows.keep(position, kind, at_end)
             return
         snapshot = self.capture_at(position)
+        if at_end:  # its chain holds those kept without their KV
+            self.rows.store_inside(snapshot)
         if self.keep_every_checkpoint and kind <= PROTECTED_ABOVE:
             self._deferred.append(_Deferred(snapshot, kind, in_memory, to_disk))
             self._thin(self.store.budget_bytes - cache_nbytes(self.cache))
             return
         self.keep(snapshot, kind, in_memory, to_disk)
 
-    def _hands_back(self, position: int) -> bool:
-        """Whether the end at `position` is left to the request's decode row."""
-        return self.hand_back or self._no_room(position)
-
     def _no_room(self, position: int) -> bool:
-        """A plain-KV cache whose piece up to `position` the budget cannot hold beside
-        what is stored and running (cache/handover.py)."""
+        """A cache whose piece up to `position` the budget cannot hold beside what is
+        stored and running (`may_hand_back`; cache/handover.py)."""
         if not self.may_hand_back:
             return False
-        return not self.store.has_room(kv_bytes(self.cache, position - self.chain.end))
+        self.report()  # the live cache as it is now
+        rest = len(self.prompt.tokens) - position
+        return not self.store.has_room(room_needed(self.cache, position - self.chain.end, rest))
 
     def capture_at(self, position: int) -> Snapshot:
         """The cache (and the draft's) at `position`, continuing their chains."""

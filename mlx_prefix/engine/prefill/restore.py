@@ -59,8 +59,9 @@ def restore_longest(
     gives more; a disk hit goes into memory too. The caller releases `lease` when the
     request no longer holds the arrays. The restored KV layers have room for the first
     grid chunk after the restored position (its append then writes in place).
-    `hand_over`: the request may take a plain-KV entry whole when the budget cannot
-    hold it beside the request's own copy (`PromptCache.hand_over`)."""
+    `hand_over`: the request may take the entry it restores (KV layers, and a hybrid
+    model's fixed-size ones) when the budget cannot hold it beside the request's own
+    copy (`PromptCache.hand_over`)."""
     found = Restored()
 
     def align(n: int) -> int:
@@ -80,12 +81,15 @@ def restore_longest(
 
             def need(payload: object) -> int | None:
                 """What the request holds besides the entry, sharing it: a live copy of
-                the whole prompt (grown a step at a time) and its end's piece."""
+                the whole prompt (grown a step at a time) and its end's piece; a hybrid
+                one's other layers twice (live, and captured at its end)."""
                 if not plain_kv(payload) or not payload.length:  # type: ignore[attr-defined]
                     return None
-                per_token = payload.nbytes / payload.length  # type: ignore[attr-defined]
+                kv = payload.chain.nbytes  # type: ignore[attr-defined]
+                state = payload.nbytes - kv  # type: ignore[attr-defined]
+                per_token = kv / payload.length  # type: ignore[attr-defined]
                 computed = len(tokens) - match.reuse_tokens
-                return int(per_token * (len(tokens) + KVCache.step + computed))
+                return int(per_token * (len(tokens) + KVCache.step + computed)) + 2 * state
 
             handed = store.hand_over(match.entry_id, need)
         if handed is not None:
