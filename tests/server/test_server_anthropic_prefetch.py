@@ -19,8 +19,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import anthropic
-import pytest
 from support.engine_helpers import scripted_engine, wait_stored
 from support.live import live_server
 from support.models import loaded_test_model
@@ -78,14 +76,7 @@ def scripted(kind: str) -> Iterator[Engine]:
             yield engine
 
 
-served = live_server(scripted, params=["dense", "qwen3_5", "dense-printing-ids"], name="served")
-
-
-@pytest.fixture(scope="module")
-def live(served):
-    url, engine = served
-    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
-        yield client, engine
+live = live_server(scripted, params=["dense", "qwen3_5", "dense-printing-ids"])
 
 
 def sent_back(message) -> list[dict]:
@@ -144,10 +135,9 @@ def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> N
     engine.store.check_integrity()
 
 
-def test_a_tool_use_reply_is_prefetched_as_the_sdk_sends_it_back(live):
-    client, engine = live
+def test_a_tool_use_reply_is_prefetched_as_the_sdk_sends_it_back(claude, engine):
     before = engine.prefetch.completed
-    first = client.messages.create(
+    first = claude.messages.create(
         model="claude-local",
         max_tokens=200,
         system=SYSTEM,
@@ -163,14 +153,13 @@ def test_a_tool_use_reply_is_prefetched_as_the_sdk_sends_it_back(live):
     assert [b.id for b in first.content[2:]] == [ids.id(0), ids.id(1)]
     assert [b.input for b in first.content[2:]] == [{"path": "main.py"}, {"path": "util.py"}]
     turns = [*ASK, {"role": "assistant", "content": sent_back(first)}, results(first)]
-    follow_up(client, engine, first, turns, before + 1)
+    follow_up(claude, engine, first, turns, before + 1)
 
 
-def test_a_forced_streamed_call_is_prefetched_with_its_opening(live):
-    client, engine = live
+def test_a_forced_streamed_call_is_prefetched_with_its_opening(claude, engine):
     before = engine.prefetch.completed
     forced = {"type": "tool", "name": "Read", "disable_parallel_tool_use": True}
-    with client.messages.stream(
+    with claude.messages.stream(
         model="claude-local",
         max_tokens=200,
         system=SYSTEM,
@@ -187,4 +176,4 @@ def test_a_forced_streamed_call_is_prefetched_with_its_opening(live):
     ]
     assert first.content[0].id == ToolCallIds(first.id, prefix="toolu_").id(0)
     turns = [*ASK, {"role": "assistant", "content": sent_back(first)}, results(first)]
-    follow_up(client, engine, first, turns, before + 1)
+    follow_up(claude, engine, first, turns, before + 1)
