@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import httpx
-import openai
 import pytest
+from support.live import openai_client
 from support.served_process import StderrReader
 
 from mlx_prefix.cli import build_parser
@@ -55,7 +55,7 @@ def test_serve_answers_embeddings_beside_chat(folder, tmp_path):
             err = StderrReader(proc)
             url = f"http://127.0.0.1:{err.port(timeout=300)}"
             httpx.get(url + "/health", timeout=30).raise_for_status()
-            with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+            with openai_client(url) as client:
                 r = client.embeddings.create(model="e3", input=["a", "b c"], dimensions=8)
                 assert r.model == "tiny-embed" and [len(d.embedding) for d in r.data] == [8, 8]
                 chat = client.chat.completions.create(

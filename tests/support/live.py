@@ -55,15 +55,16 @@ def tool_calling_engine(**model: Any) -> FakeEngine:
     return FakeEngine(FakeModel(tokenizer=FakeTokenizer.with_json_tools(), **model))
 
 
-def openai_client(url: str, api_key: str = "x", path: str = "/v1") -> openai.OpenAI:
-    """OpenAI's SDK on the server at `url`, never retrying (a retry would hide a failure
-    and post twice); use it in a `with` block, which closes it."""
-    return openai.OpenAI(base_url=url + path, api_key=api_key, max_retries=0)
+def openai_client(url: str, api_key: str = "x", path: str = "/v1", **options: Any) -> openai.OpenAI:
+    """OpenAI's SDK on the server at `url` (its API under `path`), never retrying (a retry
+    would hide a failure and post twice); `options`: the SDK's (default_headers=...). Use
+    it in a `with` block, which closes it."""
+    return openai.OpenAI(base_url=url + path, api_key=api_key, max_retries=0, **options)
 
 
-def anthropic_client(url: str, api_key: str = "x") -> anthropic.Anthropic:
+def anthropic_client(url: str, api_key: str = "x", **options: Any) -> anthropic.Anthropic:
     """Anthropic's SDK on the server at `url`, never retrying; close it with `with`."""
-    return anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0)
+    return anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, **options)
 
 
 def post_chat(
