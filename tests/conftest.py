@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
 import httpx
 import ollama
 import pytest
 from support.live import anthropic_client, openai_client
 from support.models import TEST_CACHE, loaded_test_model
+from support.paths import WEB
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.embeddings.model import load_embedding_model
@@ -38,6 +44,24 @@ def embedding_model(tmp_path_factory):
     """The tiny embedding model `tiny-embed` (a live_server(embeddings=True) serves it)."""
     folder = make_embedding_test_model(tmp_path_factory.mktemp("emb") / "tiny-embed")
     return load_embedding_model(str(folder))
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def page_port() -> Iterator[int]:
+    """The port of a static web server of tests/web: the pages the browser tests open."""
+    handler = functools.partial(_QuietHandler, directory=str(WEB))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
 
 
 # A module whose `live` fixture is a live server (support.live.live_server: a base URL and
