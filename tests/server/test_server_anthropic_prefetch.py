@@ -19,12 +19,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from support.engine_helpers import scripted_engine, wait_stored
+from support.engine_helpers import history_before_tool, scripted_engine, wait_stored
 from support.live import live_server
 from support.models import loaded_test_model
 from support.template_models import ID_TEMPLATE
 
-from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -99,17 +98,6 @@ def next_prompt(messages: list[dict]) -> PromptInput:
     return parse_messages_request(body, Limits(64, 4096)).generation.prompt
 
 
-def tool_turn(engine: Engine, prompt: PromptInput) -> list[int]:
-    """`prompt`'s tokens up to where its first tool result begins (a grid point): the
-    history and the tool_use turn."""
-    assert prompt.messages is not None
-    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
-    cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
-    plan = engine.planner.plan(cut)
-    end = max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
-    return list(plan.tokens[:end])
-
-
 def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> None:
     """The next turn reads the prefetched prefix, past the tool_use turn, and answers as
     a cold run."""
@@ -119,7 +107,7 @@ def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> N
         assert all(b.id in text for b in first.content if b.type == "tool_use")
     # The prefetch of this reply stored the tool_use turn (a count would be met by the
     # last test's follow-up's own late prefetch).
-    held = tool_turn(engine, prompt)
+    held = history_before_tool(engine, prompt)
     assert wait_stored(engine, held) and engine.prefetch.completed >= prefetched
     ask = dict(model="claude-local", max_tokens=6, system=SYSTEM, tools=TOOLS)
     warm = client.messages.create(**ask, messages=messages, extra_body={"temperature": 0})

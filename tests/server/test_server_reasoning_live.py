@@ -14,11 +14,10 @@ from __future__ import annotations
 import contextlib
 import json
 
-from support.engine_helpers import scripted_engine, wait_for, wait_stored
+from support.engine_helpers import history_before_tool, scripted_engine, wait_for, wait_stored
 from support.live import live_server
 from support.paths import DATA
 
-from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -69,15 +68,6 @@ def before_tool_result(engine: Engine, messages: list[dict], tools: list[dict]) 
     return history_before_tool(
         engine, PromptInput(messages=conversation_from_dicts(messages), tools=tools)
     )
-
-
-def history_before_tool(engine: Engine, prompt: PromptInput) -> list[int]:
-    assert prompt.messages is not None
-    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
-    cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
-    plan = engine.planner.plan(cut)
-    end = max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
-    return list(plan.tokens[:end])
 
 
 # -- item 1: the prompt's open think block ------------------------------------------------
