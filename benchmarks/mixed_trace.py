@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .models import Tokens, dense_model, hybrid_model
+from .models import Tokens, common_prefix, dense_model, hybrid_model
 from .profiles import PROFILES
 from .workloads.mixed import OURS_KIND, _actors, schedule
 
@@ -81,7 +81,7 @@ def _shapes(prompts: list, grid) -> list[dict[str, Any]]:
     for i, p in enumerate(prompts):
         best = (-1, 0)  # (earlier sequence, tokens shared)
         for j in range(i):
-            shared = _common(p.tokens, prompts[j].tokens)
+            shared = common_prefix(p.tokens, prompts[j].tokens)
             if shared > best[1]:
                 best = (j, shared)
         # Sharing is by prefix only: an earlier sequence shares with this one exactly
@@ -95,15 +95,6 @@ def _shapes(prompts: list, grid) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def _common(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:

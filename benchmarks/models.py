@@ -172,6 +172,16 @@ def resolve(key: str) -> BenchModel:
     return BenchModel(path.name, path, str(path))
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two prompts share from their start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Tokens:
     """The prompt token ids a server sees, rendered the way mlx-prefix renders them.
 

@@ -88,6 +88,17 @@ def free_port(span: int = 1) -> int:
     raise ServerFailed(f"no free range of {span} loopback ports")
 
 
+def stop_process(proc: subprocess.Popen | None, timeout: float = 20) -> None:
+    """Ends a server process still running: SIGTERM, then SIGKILL after `timeout`."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -192,13 +203,7 @@ class Server:
             return None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]

@@ -1,10 +1,20 @@
 from __future__ import annotations
 
-import openai
+import functools
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import ollama
 import pytest
+from support.live import anthropic_client, openai_client
 from support.models import TEST_CACHE, loaded_test_model
+from support.paths import WEB
 
 from mlx_prefix.config import EngineConfig
+from mlx_prefix.embeddings.model import load_embedding_model
+from mlx_prefix.embeddings.testing import make_embedding_test_model
 from mlx_prefix.engine.engine import Engine
 
 
@@ -29,16 +39,68 @@ def make_engine():
         engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def embedding_model(tmp_path_factory):
+    """The tiny embedding model `tiny-embed` (a live_server(embeddings=True) serves it)."""
+    folder = make_embedding_test_model(tmp_path_factory.mktemp("emb") / "tiny-embed")
+    return load_embedding_model(str(folder))
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def page_port() -> Iterator[int]:
+    """The port of a static web server of tests/web: the pages the browser tests open."""
+    handler = functools.partial(_QuietHandler, directory=str(WEB))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
 # A module whose `live` fixture is a live server (support.live.live_server: a base URL and
-# the engine it serves) gets these two; a module defines its own to differ.
+# the engine it serves) gets these; a module defines its own to differ.
 @pytest.fixture
-def client(live):
-    """An OpenAI client of the module's live server."""
-    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0) as c:
-        yield c
+def url(live) -> str:
+    """The module's live server's base URL."""
+    return live[0]
 
 
 @pytest.fixture
 def engine(live):
     """The engine the module's live server serves."""
     return live[1]
+
+
+@pytest.fixture
+def http(url):
+    """An httpx client of the module's live server (paths relative to it)."""
+    with httpx.Client(base_url=url, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture
+def client(url):
+    """An OpenAI client of the module's live server."""
+    with openai_client(url, api_key="unused") as c:
+        yield c
+
+
+@pytest.fixture
+def claude(url):
+    """An Anthropic client of the module's live server."""
+    with anthropic_client(url, api_key="unused") as c:
+        yield c
+
+
+@pytest.fixture
+def ollama_client(url):
+    """Ollama's Python client of the module's live server."""
+    with ollama.Client(host=url) as c:
+        yield c

@@ -33,7 +33,7 @@ import httpx
 
 from ..client import Request
 from ..corpus import passage
-from ..models import Tokens, resolve
+from ..models import Tokens, common_prefix, resolve
 from ..names import OURS, PEER, VLLM
 from ..servers import unavailable
 from .budgets import MiB, Turns, budget_flag, kv_size, machine_line, ours_memory, runs_when, start
@@ -63,15 +63,6 @@ def _servers(only: list[str] | None) -> tuple[list[str], dict[str, str]]:
     return names, left_out
 
 
-def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Conversation:
     """A chat that sends back each reply the server gave (a probe: a placeholder reply of
     about the same length, to size the conversation before any server runs)."""
@@ -86,7 +77,7 @@ class Conversation:
         self.turn += 1
         self.messages.append({"role": "user", "content": user})
         ids = self.tokens.chat(self.messages, None)
-        reachable = _shared(self.previous, ids)
+        reachable = common_prefix(self.previous, ids)
         self.previous = ids
         return Request(messages=list(self.messages), max_tokens=REPLY_TOKENS), reachable
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from ..server_process import free_port
+from ..server_process import free_port, stop_process
 
 SGLANG_ROUTER = "0.3.2"
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,13 +99,7 @@ class Router:
         return {}
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()  # type: ignore[attr-defined]

@@ -203,6 +203,22 @@ def _itl(p99: float) -> dict:
     return {"gaps": 40, "p50_ms": p99 / 2, "p99_ms": p99, "max_ms": p99 + 1}
 
 
+def _burst(cold_s: float, warm_s: float, unique_s: float, itl_ms: float) -> dict:
+    """A burst run's figures: wall times of its cold, warm and unique rounds (96 tokens
+    each) and one inter-token latency."""
+    walls = {"cold": cold_s, "warm": warm_s, "unique": unique_s}
+    figures = {f"{k}_wall_s": v for k, v in walls.items()}
+    figures |= {f"{k}_completion_tokens": 96 for k in walls}
+    return _server(**figures, itl={"cold": _itl(itl_ms), "all": _itl(itl_ms)})
+
+
+def _concurrency(rps: tuple, tokens: tuple, itl_ms: float) -> dict:
+    """A concurrency run's figures at 4, 8 and 16 clients."""
+    figures = {f"rps_{n}": r for n, r in zip((4, 8, 16), rps, strict=True)}
+    figures |= {f"completion_tokens_{n}": t for n, t in zip((4, 8, 16), tokens, strict=True)}
+    return _server(**figures, itl={"4": _itl(itl_ms)})
+
+
 def _edit_rows(cached: dict[tuple[int, float], int | None]) -> list[dict]:
     rows = []
     for (n, f), c in cached.items():
@@ -253,25 +269,9 @@ def _made_up_run() -> dict:
                 "burst",
                 "dense",
                 {
-                    OURS: _server(
-                        cold_wall_s=9.0,
-                        cold_completion_tokens=96,
-                        warm_wall_s=2.0,
-                        warm_completion_tokens=96,
-                        unique_wall_s=3.0,
-                        unique_completion_tokens=96,
-                        itl={"cold": _itl(300.0), "all": _itl(300.0)},
-                    ),
-                    PEER: _server(
-                        cold_wall_s=20.0,
-                        cold_completion_tokens=96,
-                        warm_wall_s=2.8,
-                        warm_completion_tokens=96,
-                        unique_wall_s=10.0,
-                        unique_completion_tokens=96,
-                        itl={"cold": _itl(250.0), "all": _itl(250.0)},
-                    ),
-                },  # fmt: skip
+                    OURS: _burst(cold_s=9.0, warm_s=2.0, unique_s=3.0, itl_ms=300.0),
+                    PEER: _burst(cold_s=20.0, warm_s=2.8, unique_s=10.0, itl_ms=250.0),
+                },
             ),
             run(
                 "burst",
@@ -285,25 +285,9 @@ def _made_up_run() -> dict:
                 "concurrency",
                 "dense",
                 {
-                    OURS: _server(
-                        rps_4=3.0,
-                        rps_8=4.0,
-                        rps_16=4.0,
-                        completion_tokens_4=32,
-                        completion_tokens_8=64,
-                        completion_tokens_16=100,
-                        itl={"4": _itl(90.0)},
-                    ),
-                    PEER: _server(
-                        rps_4=2.0,
-                        rps_8=4.0,
-                        rps_16=2.0,
-                        completion_tokens_4=32,
-                        completion_tokens_8=64,
-                        completion_tokens_16=128,
-                        itl={"4": _itl(80.0)},
-                    ),
-                },  # fmt: skip
+                    OURS: _concurrency(rps=(3.0, 4.0, 4.0), tokens=(32, 64, 100), itl_ms=90.0),
+                    PEER: _concurrency(rps=(2.0, 4.0, 2.0), tokens=(32, 64, 128), itl_ms=80.0),
+                },
             ),
             run(
                 "edits",

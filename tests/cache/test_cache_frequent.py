@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from support.cache_sim import FakeSnapshot
+
 from mlx_prefix.cache.eviction import policy as policy_module
 from mlx_prefix.cache.eviction.policy import ValueLRU
 from mlx_prefix.cache.store import CheckpointKind, PromptCache
@@ -13,13 +15,6 @@ from mlx_prefix.cache.types import Buffer, new_buffer_key
 
 K = CheckpointKind
 M = "model-a"
-
-
-@dataclass(frozen=True, slots=True)
-class FakeSnapshot:
-    length: int
-    trimmable: bool = True
-    nbytes: int = 0
 
 
 def snap(tokens) -> FakeSnapshot:

@@ -5,6 +5,7 @@ import threading
 from dataclasses import dataclass
 
 import pytest
+from support.cache_sim import FakeSnapshot
 
 from mlx_prefix.cache.eviction.policy import policy_named
 from mlx_prefix.cache.store import CacheMatch, CheckpointKind, PromptCache
@@ -13,13 +14,6 @@ from mlx_prefix.config import EVICTION_POLICIES
 
 K = CheckpointKind
 M = "model-a"
-
-
-@dataclass(frozen=True, slots=True)
-class FakeSnapshot:
-    length: int
-    trimmable: bool = True
-    nbytes: int = 10
 
 
 def snap(tokens, trimmable=True, nbytes=10) -> FakeSnapshot:

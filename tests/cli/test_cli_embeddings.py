@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import httpx
-import openai
 import pytest
-from support.served_process import StderrReader
+from support.live import openai_client
+from support.served_process import StderrReader, serve_process
 
 from mlx_prefix.cli import build_parser
 from mlx_prefix.cli.serve import embedding_worker
@@ -50,24 +50,17 @@ def test_serve_answers_embeddings_beside_chat(folder, tmp_path):
            "--embedding-model", str(folder), "--embedding-alias", "e3", "--port", "0",
            "--disk-cache", "off", "--no-prefetch"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
-        try:
-            err = StderrReader(proc)
-            url = f"http://127.0.0.1:{err.port(timeout=300)}"
-            httpx.get(url + "/health", timeout=30).raise_for_status()
-            with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
-                r = client.embeddings.create(model="e3", input=["a", "b c"], dimensions=8)
-                assert r.model == "tiny-embed" and [len(d.embedding) for d in r.data] == [8, 8]
-                chat = client.chat.completions.create(
-                    model="tiny-dense", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-                )
-                assert chat.choices[0].message.content is not None
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serve_process(cmd, env=env, stdout=subprocess.DEVNULL) as proc:
+        err = StderrReader(proc)
+        url = f"http://127.0.0.1:{err.port(timeout=300)}"
+        httpx.get(url + "/health", timeout=30).raise_for_status()
+        with openai_client(url) as client:
+            r = client.embeddings.create(model="e3", input=["a", "b c"], dimensions=8)
+            assert r.model == "tiny-embed" and [len(d.embedding) for d in r.data] == [8, 8]
+            chat = client.chat.completions.create(
+                model="tiny-dense", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            assert chat.choices[0].message.content is not None
     log = err.text()
     assert "embeddings: tiny-embed (64 dimensions, lasttoken pooling, normalised" in log
     assert proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM)

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import ollama
 import pytest
+from support.served_process import serve_process
 from support.server_fakes import serving
 
 from mlx_prefix.cli import build_parser, main
@@ -74,25 +75,18 @@ def test_serve_answers_on_both_addresses():
     cmd = [sys.executable, "-m", "mlx_prefix", "serve", "--model", model, "--port", "0",
            "--ollama", "127.0.0.1:0", "--disk-cache", "off", "--no-prefetch"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) as proc:
+    with serve_process(cmd, stop_timeout=60, env=env, text=True) as proc:
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
         reader.start()
-        try:
-            ports = _ports(lines, proc)
-            answers = []
-            for port in ports:
-                with ollama.Client(host=f"http://127.0.0.1:{port}") as c:
-                    answers.append(c.generate(model="tiny-dense", prompt="Hi", options={
-                        "temperature": 0, "num_predict": 4}).response)  # fmt: skip
-                assert httpx.get(f"http://127.0.0.1:{port}/").text == "Ollama is running"
-            assert answers[0] == answers[1]
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        ports = _ports(lines, proc)
+        answers = []
+        for port in ports:
+            with ollama.Client(host=f"http://127.0.0.1:{port}") as c:
+                answers.append(c.generate(model="tiny-dense", prompt="Hi", options={
+                    "temperature": 0, "num_predict": 4}).response)  # fmt: skip
+            assert httpx.get(f"http://127.0.0.1:{port}/").text == "Ollama is running"
+        assert answers[0] == answers[1]
     assert proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.hub_standin import Repo, StandInHub
-from support.served_process import StderrReader
+from support.served_process import StderrReader, serve_process
 
 from mlx_prefix.models.resolve import find_local_model
 from mlx_prefix.models.testing import cached_test_model
@@ -150,20 +149,13 @@ def test_a_pulled_model_serves_with_the_network_refused(tiny, tmp_path, monkeypa
            "HF_ENDPOINT": hub.url, "MLX_PREFIX_HOME": str(tmp_path / "mlx-prefix")}  # fmt: skip
     cmd = [sys.executable, "-m", "mlx_prefix", "serve", "--model", "org/tiny", "--port", "0",
            "--disk-cache", "off", "--no-prefetch"]  # fmt: skip
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
-        try:
-            err = StderrReader(proc)
-            url = f"http://127.0.0.1:{err.port(timeout=300)}"
-            body = {"model": "org/tiny", "messages": [{"role": "user", "content": "Hi"}],
-                    "max_tokens": 4, "temperature": 0}  # fmt: skip
-            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-            models = httpx.get(url + "/v1/models", timeout=30).json()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serve_process(cmd, env=env, stdout=subprocess.DEVNULL) as proc:
+        err = StderrReader(proc)
+        url = f"http://127.0.0.1:{err.port(timeout=300)}"
+        body = {"model": "org/tiny", "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4, "temperature": 0}  # fmt: skip
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        models = httpx.get(url + "/v1/models", timeout=30).json()
     assert r.status_code == 200, r.text + err.text()[-2000:]
     assert r.json()["usage"]["completion_tokens"] > 0
     assert models["data"][0]["id"] == "org/tiny"

@@ -9,13 +9,13 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from support.agent_e2e import OFFLINE, npm_package
-from support.ollama_e2e import SYSTEM, chat_records, real_server
+from support.live import live_server
+from support.ollama_e2e import SYSTEM, chat_records, tiny_dense
 
 OLLAMA_JS_VERSION = "0.6.4"  # the Makefile's OLLAMA_JS_VERSION
 SCRIPT = Path(__file__).parent / "ollama_js_client.cjs"
@@ -31,25 +31,22 @@ def package() -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory) -> Iterator[str]:
-    with real_server(tmp_path_factory.mktemp("ollama")) as url:
-        yield url
+live = live_server(tiny_dense, embeddings=True)
 
 
 def test_the_npm_client_chats_streams_lists_and_reads_its_second_prompt_from_the_cache(
-    package, live
+    package, url
 ):
     env = {**os.environ, **OFFLINE}
     done = subprocess.run(
-        ["node", str(SCRIPT), str(package), live, "tiny-dense:latest", "tiny-embed"],
+        ["node", str(SCRIPT), str(package), url, "tiny-dense:latest", "tiny-embed"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    first, second, streamed = chat_records(live)[:3]
+    first, second, streamed = chat_records(url)[:3]
     assert first["cached_tokens"] < second["cached_tokens"] and second["cached_tokens"] > 40
-    cold = httpx.post(live + "/api/chat", timeout=120, json={
+    cold = httpx.post(url + "/api/chat", timeout=120, json={
         "model": "tiny-dense", "stream": False, "options": {"temperature": 0, "num_predict": 8},
         "messages": [{"role": "system", "content": SYSTEM},
                      {"role": "user", "content": "When do you close?"}],

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.agent_e2e import CLIENTS
-from support.ollama_e2e import SYSTEM, chat_records, real_server
+from support.live import live_server
+from support.ollama_e2e import SYSTEM, chat_records, tiny_dense
 
 LLM = CLIENTS / "llm" / "bin" / "llm"
 LLM_VERSION, LLM_OLLAMA_VERSION = "0.36", "0.19.1"  # the Makefile's
@@ -31,10 +31,7 @@ def llm_cli() -> Path:
     return LLM
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory) -> Iterator[str]:
-    with real_server(tmp_path_factory.mktemp("ollama")) as url:
-        yield url
+live = live_server(tiny_dense, embeddings=True)
 
 
 def run(llm: Path, url: str, home: Path, *args: str) -> str:
@@ -44,17 +41,15 @@ def run(llm: Path, url: str, home: Path, *args: str) -> str:
     return done.stdout
 
 
-def test_llm_lists_chats_from_the_cache_and_embeds(llm_cli, live, tmp_path):
-    models = run(llm_cli, live, tmp_path, "models", "list")
+def test_llm_lists_chats_from_the_cache_and_embeds(llm_cli, url, tmp_path):
+    models = run(llm_cli, url, tmp_path, "models", "list")
     assert "ollama/tiny-dense:latest" in models
     ask = ["-m", "ollama/tiny-dense", "-s", SYSTEM, "-o", "temperature", "0",
            "-o", "num_predict", "8", "--no-stream", "When do you close?"]  # fmt: skip
-    first = run(llm_cli, live, tmp_path, *ask)
-    second = run(llm_cli, live, tmp_path, *ask)
-    chats = chat_records(live)
+    first = run(llm_cli, url, tmp_path, *ask)
+    second = run(llm_cli, url, tmp_path, *ask)
+    chats = chat_records(url)
     assert len(chats) == 2 and chats[1]["cached_tokens"] > 40
     assert second == first and chats[1]["completion_tokens"] == chats[0]["completion_tokens"]
-    vector = json.loads(
-        run(llm_cli, live, tmp_path, "embed", "-m", "ollama/tiny-embed", "-c", "hi")
-    )
+    vector = json.loads(run(llm_cli, url, tmp_path, "embed", "-m", "ollama/tiny-embed", "-c", "hi"))
     assert len(vector) == 64

@@ -3,20 +3,15 @@ streams a chat completion from another origin (allowed) and from a refused one."
 
 from __future__ import annotations
 
-import functools
 import html
 import os
 import re
 import subprocess
-import threading
-from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 from support.live import live_server
-from support.paths import WEB
 from support.server_fakes import DEFAULT_REPLY, serving
 
 from mlx_prefix.browsers import NO_CHROMIUM, find_chromium
@@ -138,23 +133,6 @@ def test_wildcard_setting_allows_any_origin():
 
 
 # A real browser
-
-
-class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def page_port() -> Iterator[int]:
-    handler = functools.partial(_QuietHandler, directory=str(WEB))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
 
 
 def dump_dom(url: str, tmp_path: Path) -> str:

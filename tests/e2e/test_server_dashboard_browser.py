@@ -6,17 +6,14 @@ origin (or a hostile name re-pointed at 127.0.0.1) can neither read nor act."""
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-import threading
 from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from support.live import post_chat
 from support.models import TEST_CACHE, loaded_test_model
-from support.paths import WEB
 from support.server_fakes import serving
 
 from mlx_prefix.browsers import NO_CHROMIUM, find_chromium
@@ -102,9 +99,7 @@ def real() -> Iterator[tuple[str, Engine]]:
 
 def chat(url: str, question: str = QUESTION) -> dict:
     body = {"messages": [SYSTEM, {"role": "user", "content": question}], "max_tokens": 8}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return post_chat(url, body)
 
 
 def tree(url: str, key: str | None = None) -> list[dict]:
@@ -235,23 +230,6 @@ def test_the_page_asks_for_the_api_key_and_sends_it(browser, watched):
         assert tree(url, KEY)[0]["pinned"] is True
         # only the 401s before the key was entered
         assert all("401" in e for e in watched.errors), watched.errors
-
-
-@pytest.fixture(scope="module")
-def page_port() -> Iterator[int]:
-    handler = functools.partial(_QuietHandler, directory=str(WEB))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
-
-
-class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 def refused(url: str) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support.engine_helpers import ScriptedSampler, chat, collect, run, submit_together
+from support.engine_helpers import ScriptedSampler, chat, collect, run, same_reply, submit_together
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import serving
 from support.structured import AS_PERSON, check_person
@@ -80,15 +80,6 @@ def _tokens(text: str) -> list[int]:
     return loaded_test_model("dense").tokenizer.encode(text, add_special_tokens=False)
 
 
-def _same(a, b) -> None:
-    assert (a.tokens, a.logprobs, a.text, a.finish_reason) == (
-        b.tokens,
-        b.logprobs,
-        b.text,
-        b.finish_reason,
-    )
-
-
 @pytest.fixture
 def verifies(monkeypatch) -> list[tuple[list[int], int]]:
     """Each verify step's drafted tokens and how many of them the reply kept."""
@@ -109,7 +100,7 @@ def test_a_reply_that_copies_the_prompt_keeps_every_draft_and_ends_at_a_drafted_
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         assert engine.loop.decode.lookup.stats.steps == 0  # 0: plain decoding
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
-    _same(looked, plain)
+    same_reply(looked, plain)
     assert looked.text == FILE and looked.finish_reason == "stop"
     assert engine.loop.decode.lookup.stats.steps == len(verifies) < len(looked.tokens) // 3
     *whole, (last, kept) = verifies
@@ -126,7 +117,7 @@ def test_a_copy_cut_mid_way_keeps_part_of_a_draft():
     with scripted({7: script}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
-    _same(looked, plain)
+    same_reply(looked, plain)
     stats = engine.loop.decode.lookup.stats
     assert 0 < stats.accepted < stats.drafted
 
@@ -139,7 +130,7 @@ def test_drafts_all_rejected_back_off_and_the_reply_stays_exact():
     with scripted({7: script}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
-    _same(looked, plain)
+    same_reply(looked, plain)
     assert looked.tokens == script
     stats = engine.loop.decode.lookup.stats
     assert stats.drafted > 0 and stats.accepted == 0
@@ -152,7 +143,7 @@ def test_a_stop_string_inside_an_accepted_draft_ends_the_reply_there():
     with scripted({7: _tokens(FILE)}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN, stop=stop))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP, stop=stop))
-    _same(looked, plain)
+    same_reply(looked, plain)
     assert looked.finish_reason == "stop" and looked.text.endswith(
         "Storms in autumn broke windows along "
     )
@@ -174,7 +165,7 @@ def test_the_models_own_reply_equals_plain_decoding(sampling):
         with _engine(model, k, deterministic=True) as engine:
             replies.append(run(engine, PROMPT, sampling=sampling))
             stats.append(engine.loop.decode.lookup.stats)
-    _same(replies[1], replies[0])
+    same_reply(replies[1], replies[0])
     assert stats[0].steps == 0
     if sampling.temperature == 0:  # the random model's greedy reply repeats itself
         assert stats[1].accepted > 0
@@ -206,7 +197,7 @@ def test_a_request_cancelled_during_a_verify_ends_and_the_next_reply_is_exact(mo
             cancelled = run(engine, PROMPT, sampling=_sampling(LOOKUP))
         assert cancelled.finish_reason == "cancelled" and engine.loop.decode.lookup.stats.steps == 1
         assert cancelled.tokens == plain.tokens[: len(cancelled.tokens)]
-        _same(run(engine, PROMPT, sampling=_sampling(LOOKUP)), plain)
+        same_reply(run(engine, PROMPT, sampling=_sampling(LOOKUP)), plain)
 
 
 def test_the_index_proposes_the_latest_match_longest_first_and_runs_on_loops():
@@ -308,7 +299,7 @@ def test_several_requests_verify_their_own_drafts_in_one_step(verified_rows, det
         assert engine.loop.decode.peak_batch == 3
     for looked, alone in zip(together, plain, strict=True):
         if deterministic:
-            _same(looked, alone)
+            same_reply(looked, alone)
         else:  # the script draws the tokens; the numbers are batching's
             assert (looked.tokens, looked.text) == (alone.tokens, alone.text)
             assert looked.logprobs == pytest.approx(alone.logprobs, abs=1e-3)
@@ -333,7 +324,7 @@ def test_requests_decoding_together_reply_as_plain_decoding_alone(temperature, v
         together = _together(engine, samplings)
         assert engine.loop.decode.peak_batch == 3
     for looked, alone in zip(together, plain, strict=True):
-        _same(looked, alone)
+        same_reply(looked, alone)
     if temperature == 0:  # the random model's greedy replies repeat themselves
         assert any(sum(n > 0 for n in row) >= 2 for row in verified_rows)
 
@@ -384,7 +375,7 @@ def test_a_tool_call_and_a_schema_reply_verify_together_as_plain_decoding(verifi
         looked_up = [replace(s, prompt_lookup=LOOKUP) for s in (tool, schema)]
         together = [collect(h) for h in submit_together(engine, [edit, person], looked_up)]
     for looked, alone in zip(together, plain, strict=True):
-        _same(looked, alone)
+        same_reply(looked, alone)
     assert json.loads(together[0].text.split("\n")[1]) == json.loads(TOOL_CALL)
     check_person(together[1].text)
     assert any(len(row) == 2 and row[1] > 0 for row in verified_rows)  # the schema drafted
@@ -409,4 +400,4 @@ def test_a_request_cancelled_during_a_verify_of_several_leaves_the_others_exact(
         assert engine.loop.decode.peak_batch == 2
     assert cancelled.finish_reason == "cancelled"
     assert cancelled.tokens == plain[1].tokens[: len(cancelled.tokens)]
-    _same(kept, plain[0])
+    same_reply(kept, plain[0])

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.engine_helpers import chat, run
+from support.engine_helpers import chat, run, same_reply
 from support.models import TEST_CACHE, loaded_test_model
 
 from mlx_prefix.config import EngineConfig
@@ -31,15 +31,6 @@ SEEDED = SamplingParams(max_tokens=24, temperature=0.9, seed=11, logprobs=True)
 SAMPLINGS = pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 KINDS = pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "sliding"])
 LOOKUP = 6
-
-
-def _same(a, b) -> None:
-    assert (a.tokens, a.logprobs, a.text, a.finish_reason) == (
-        b.tokens,
-        b.logprobs,
-        b.text,
-        b.finish_reason,
-    )
 
 
 @contextlib.contextmanager
@@ -80,7 +71,7 @@ def test_lookup_on_a_hybrid_or_sliding_model_replies_as_plain_decoding(
     with _engine(model, prompt_lookup=LOOKUP) as engine:
         looked = run(engine, PROMPT, sampling=sampling)
         stats = engine.loop.decode.lookup.stats
-    _same(looked, plain)
+    same_reply(looked, plain)
     assert stats.steps > 0 and stats.drafted > 0
     if cut is None:
         assert stats.accepted == stats.drafted
@@ -117,7 +108,7 @@ def test_a_draft_model_serves_a_hybrid_model_and_the_reply_is_plain_decodings(
         plain = run(engine, PROMPT, sampling=sampling)
     with contextlib.closing(_Closing(model, draft)) as spec:
         for _ in range(2):  # cold, then restored from the cache (the draft's part too)
-            _same(run(spec.engine, PROMPT, sampling=sampling), plain)
+            same_reply(run(spec.engine, PROMPT, sampling=sampling), plain)
         stats = spec.engine.loop.decode.speculator.stats
     assert stats is not None and stats.steps > 0
     if drafter == "self" and sampling.temperature == 0:

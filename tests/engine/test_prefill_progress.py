@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 
 import httpx
-import openai
 from support.engine_helpers import GREEDY, chat, collect, open_engine
 from support.live import live_server
 from support.models import TEST_CACHE, loaded_test_model
@@ -86,24 +85,22 @@ def test_the_bar_draws_on_a_terminal_only_and_not_with_quiet():
 live = live_server(lambda: Engine(loaded_test_model("dense"), TEST_CACHE, ONE_CHUNK_A_TURN))
 
 
-def test_return_progress_streams_llama_cpp_progress_chunks(live):
-    url, _ = live
+def test_return_progress_streams_llama_cpp_progress_chunks(client):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hours?"}]
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
-        plain = client.chat.completions.create(
-            model="default", messages=messages, max_tokens=6, temperature=0, stream=True
-        )
-        plain_text = "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
-        stream = client.chat.completions.create(
-            model="default",
-            messages=messages,
-            max_tokens=6,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"return_progress": True, "prefix_cache": {"enabled": False}},
-        )
-        chunks = list(stream)
+    plain = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    plain_text = "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
+    stream = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_progress": True, "prefix_cache": {"enabled": False}},
+    )
+    chunks = list(stream)
     progress = [
         c.model_extra["prompt_progress"] for c in chunks if c.model_extra.get("prompt_progress")
     ]

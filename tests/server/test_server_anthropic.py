@@ -9,7 +9,7 @@ from dataclasses import replace
 import anthropic
 import httpx
 import pytest
-from support.live import live_server, tool_calling_engine
+from support.live import anthropic_client, live_server, tool_calling_engine
 from support.server_fakes import DEFAULT_REPLY, FakeTokenizer, serving
 
 from mlx_prefix.conversation import Message
@@ -31,18 +31,12 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 live = live_server(tool_calling_engine)
 
 
-@pytest.fixture
-def client(live):
-    with anthropic.Anthropic(base_url=live[0], api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def test_create_returns_a_message(client):
-    m = client.messages.create(
+def test_create_returns_a_message(claude):
+    m = claude.messages.create(
         model="claude-local", max_tokens=64, system=SYSTEM, messages=user("opening hours?")
     )
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
@@ -55,14 +49,14 @@ def test_create_returns_a_message(client):
     total = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
     assert (
         total
-        == client.messages.count_tokens(
+        == claude.messages.count_tokens(
             model="x", system=SYSTEM, messages=user("opening hours?")
         ).input_tokens
     )
 
 
-def test_second_turn_reads_its_prefix_from_the_cache(client):
-    first = client.messages.create(
+def test_second_turn_reads_its_prefix_from_the_cache(claude):
+    first = claude.messages.create(
         model="m", max_tokens=64, system=SYSTEM, messages=user("Where are the atlases?")
     )
     turns = [
@@ -70,9 +64,9 @@ def test_second_turn_reads_its_prefix_from_the_cache(client):
         {"role": "assistant", "content": first.content[0].text},
         *user("And the maps?"),
     ]
-    second = client.messages.create(model="m", max_tokens=64, system=SYSTEM, messages=turns)
+    second = claude.messages.create(model="m", max_tokens=64, system=SYSTEM, messages=turns)
     assert second.usage.cache_read_input_tokens > 40
-    cold = client.messages.create(
+    cold = claude.messages.create(
         model="m",
         max_tokens=64,
         system=SYSTEM,
@@ -84,8 +78,8 @@ def test_second_turn_reads_its_prefix_from_the_cache(client):
     assert second.content == cold.content
 
 
-def test_stream_event_sequence_and_final_message(client, live):
-    with client.messages.stream(
+def test_stream_event_sequence_and_final_message(claude, live):
+    with claude.messages.stream(
         model="m", max_tokens=64, system=SYSTEM, messages=user("stream please")
     ) as stream:
         text = "".join(stream.text_stream)
@@ -114,13 +108,13 @@ def test_stream_event_sequence_and_final_message(client, live):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_tool_use_blocks_and_tool_result_round_trip(client, engine, stream):
+def test_tool_use_blocks_and_tool_result_round_trip(claude, engine, stream):
     ask = user(f"Weather in Paris? [[reply:Let me check. {CALL}]]")
     if stream:
-        with client.messages.stream(model="m", max_tokens=64, tools=[WEATHER], messages=ask) as s:
+        with claude.messages.stream(model="m", max_tokens=64, tools=[WEATHER], messages=ask) as s:
             m = s.get_final_message()
     else:
-        m = client.messages.create(model="m", max_tokens=64, tools=[WEATHER], messages=ask)
+        m = claude.messages.create(model="m", max_tokens=64, tools=[WEATHER], messages=ask)
     assert [b.type for b in m.content] == ["text", "tool_use"]
     assert m.content[0].text == "Let me check. "
     call = m.content[1]
@@ -134,16 +128,16 @@ def test_tool_use_blocks_and_tool_result_round_trip(client, engine, stream):
             "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18C, sunny"}],
         },
     ]
-    again = client.messages.create(model="m", max_tokens=64, tools=[WEATHER], messages=turns)
+    again = claude.messages.create(model="m", max_tokens=64, tools=[WEATHER], messages=turns)
     sent = engine.submissions[-1].prompt.messages
     assert sent[1].tool_calls[0].id == call.id
     assert sent[2] == Message("tool", "18C, sunny", tool_call_id=call.id, name="get_weather")
     assert again.usage.cache_read_input_tokens > 0
 
 
-def test_forced_tool_choice_opens_the_call(client, engine):
+def test_forced_tool_choice_opens_the_call(claude, engine):
     body = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
-    m = client.messages.create(
+    m = claude.messages.create(
         model="m",
         max_tokens=64,
         tools=[WEATHER],
@@ -154,7 +148,7 @@ def test_forced_tool_choice_opens_the_call(client, engine):
     assert [b.type for b in m.content] == ["tool_use"] and m.content[0].input == {"city": "Oslo"}
     assert m.stop_reason == "tool_use"
     args = '{"city": "Rome"}}\n</tool_call>'
-    named = client.messages.create(
+    named = claude.messages.create(
         model="m",
         max_tokens=64,
         tools=[WEATHER],
@@ -166,9 +160,9 @@ def test_forced_tool_choice_opens_the_call(client, engine):
     assert named.content[0].name == "get_weather" and named.content[0].input == {"city": "Rome"}
 
 
-def test_disable_parallel_tool_use_ends_after_the_first_call(client):
+def test_disable_parallel_tool_use_ends_after_the_first_call(claude):
     two = CALL + CALL.replace("Paris", "Lyon")
-    m = client.messages.create(
+    m = claude.messages.create(
         model="m",
         max_tokens=64,
         tools=[WEATHER],
@@ -179,14 +173,14 @@ def test_disable_parallel_tool_use_ends_after_the_first_call(client):
     assert m.stop_reason == "tool_use"
 
 
-def test_thinking_text_and_whitespace_blocks(client, engine):
+def test_thinking_text_and_whitespace_blocks(claude, engine):
     reply = f"<think>The user wants weather.</think>\n\n{CALL}"
-    m = client.messages.create(
+    m = claude.messages.create(
         model="m", max_tokens=64, tools=[WEATHER], messages=user(f"w [[reply:{reply}]]")
     )
     assert [b.type for b in m.content] == ["thinking", "tool_use"]  # no whitespace text block
     assert m.content[0].thinking == "The user wants weather." and m.content[0].signature == ""
-    omitted = client.messages.create(
+    omitted = claude.messages.create(
         model="m",
         max_tokens=64,
         thinking={"type": "adaptive", "display": "omitted"},
@@ -196,7 +190,7 @@ def test_thinking_text_and_whitespace_blocks(client, engine):
     # reasoning back on the next turn (the template renders what the model wrote).
     assert [b.type for b in omitted.content] == ["thinking", "text"]
     assert omitted.content[0].thinking == "" and omitted.content[1].text == "Shown."
-    with client.messages.stream(
+    with claude.messages.stream(
         model="m",
         max_tokens=64,
         thinking={"type": "adaptive", "display": "omitted"},
@@ -211,13 +205,13 @@ def test_thinking_text_and_whitespace_blocks(client, engine):
         {"role": "assistant", "content": [b.model_dump() for b in omitted.content]},
         *user("again"),
     ]
-    client.messages.create(model="m", max_tokens=8, messages=back)
+    claude.messages.create(model="m", max_tokens=8, messages=back)
     sent = engine.submissions[-1].prompt.messages
     assert sent[1] == Message("assistant", "Shown.", reasoning="hidden")
 
 
-def test_stop_reasons(client):
-    stopped = client.messages.create(
+def test_stop_reasons(claude):
+    stopped = claude.messages.create(
         model="m",
         max_tokens=64,
         stop_sequences=["three"],
@@ -225,16 +219,16 @@ def test_stop_reasons(client):
     )
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "three"
     assert stopped.content[0].text == "one two "
-    cut = client.messages.create(model="m", max_tokens=2, messages=user("[[reply:one two three]]"))
+    cut = claude.messages.create(model="m", max_tokens=2, messages=user("[[reply:one two three]]"))
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
 
 
-def test_count_tokens(client, engine):
-    n = client.messages.count_tokens(model="m", system=SYSTEM, messages=user("count"))
+def test_count_tokens(claude, engine):
+    n = claude.messages.count_tokens(model="m", system=SYSTEM, messages=user("count"))
     assert n.input_tokens == len((SYSTEM + " count").split()) + 3  # the fake's role markers
 
 
-def test_errors_in_anthropic_shape_and_the_server_keeps_serving(client, live):
+def test_errors_in_anthropic_shape_and_the_server_keeps_serving(claude, live):
     url = live[0]
     cases = {
         "missing max_tokens": {"model": "m", "messages": user("hi")},
@@ -268,21 +262,21 @@ def test_errors_in_anthropic_shape_and_the_server_keeps_serving(client, live):
         assert r.json()["error"]["type"] == "invalid_request_error", name
         assert r.json()["error"]["message"], name
     with pytest.raises(anthropic.BadRequestError) as err:
-        client.messages.create(
+        claude.messages.create(
             model="m",
             max_tokens=8,
             messages=[{"role": "user", "content": [{"type": "hologram"}]}],  # type: ignore[list-item]
         )
     assert err.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
-        client.get("/v1/nothing", cast_to=object)
-    m = client.messages.create(model="m", max_tokens=8, messages=user("still there?"))
+        claude.get("/v1/nothing", cast_to=object)
+    m = claude.messages.create(model="m", max_tokens=8, messages=user("still there?"))
     assert m.content[0].text
 
 
-def test_a_failure_mid_stream_is_an_error_event(client):
+def test_a_failure_mid_stream_is_an_error_event(claude):
     with pytest.raises(anthropic.APIStatusError) as err:
-        with client.messages.stream(
+        with claude.messages.stream(
             model="m", max_tokens=64, messages=user("[[fail_after:2]]")
         ) as stream:
             for _ in stream:
@@ -293,9 +287,9 @@ def test_a_failure_mid_stream_is_an_error_event(client):
 
 def test_x_api_key_as_the_sdk_sends_it():
     with serving(api_key="sekrit") as (url, _):
-        with anthropic.Anthropic(base_url=url, api_key="sekrit", max_retries=0) as ok:
+        with anthropic_client(url, api_key="sekrit") as ok:
             assert ok.messages.create(model="m", max_tokens=8, messages=user("k")).content
-        with anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0) as bad:
+        with anthropic_client(url, api_key="wrong") as bad:
             with pytest.raises(anthropic.AuthenticationError) as err:
                 bad.messages.create(model="m", max_tokens=8, messages=user("k"))
     assert err.value.body["error"]["type"] == "authentication_error"

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import time
 
-import anthropic
-import pytest
-from support.live import live_server
+from support.live import anthropic_client, live_server
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import serving
 
@@ -36,18 +34,10 @@ def system(request_number: int) -> list[dict]:
     ]
 
 
-served = live_server(
+live = live_server(
     lambda kind: Engine(loaded_test_model(kind, think_template=True), TEST_CACHE),
     params=["qwen3_5", "dense"],
-    name="served",
 )
-
-
-@pytest.fixture(scope="module")
-def live(served):
-    url, engine = served
-    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
-        yield client, engine
 
 
 def ask(client, messages, n: int, cache: bool = True):
@@ -63,10 +53,9 @@ def ask(client, messages, n: int, cache: bool = True):
     )
 
 
-def test_tool_loop_turns_read_their_prefix_and_warm_equals_cold(live):
-    client, engine = live
+def test_tool_loop_turns_read_their_prefix_and_warm_equals_cold(claude, engine):
     turns = [{"role": "user", "content": [{"type": "text", "text": "Fix the typo in main.py"}]}]
-    first = ask(client, turns, 1)
+    first = ask(claude, turns, 1)
     assert first.usage.cache_read_input_tokens == 0
     assert first.usage.cache_creation_input_tokens > 0
     turns += [
@@ -94,22 +83,22 @@ def test_tool_loop_turns_read_their_prefix_and_warm_equals_cold(live):
             ],
         },
     ]
-    warm = ask(client, turns, 2)
+    warm = ask(claude, turns, 2)
     total = warm.usage.input_tokens + warm.usage.cache_read_input_tokens
     total += warm.usage.cache_creation_input_tokens
     assert (
         total
-        == client.messages.count_tokens(
+        == claude.messages.count_tokens(
             model="m", system=system(2), tools=TOOLS, messages=turns
         ).input_tokens
     )
     # The billing header changed and was left out: the system prompt and tools, and the
     # first user message, come from the cache.
     assert warm.usage.cache_read_input_tokens > first.usage.cache_creation_input_tokens // 2
-    cold = ask(client, turns, 3, cache=False)
+    cold = ask(claude, turns, 3, cache=False)
     assert cold.usage.cache_read_input_tokens == 0
     assert [b.model_dump() for b in warm.content] == [b.model_dump() for b in cold.content]
-    with client.messages.stream(
+    with claude.messages.stream(
         model="m",
         max_tokens=6,
         system=system(4),
@@ -129,7 +118,7 @@ def test_breakpoints_reach_the_disk_at_first_sight(tmp_path):
     disk = DiskConfig(scope="auto", directory=str(tmp_path), min_tokens=16)
     engine = Engine(loaded_test_model("qwen3_5", think_template=True), TEST_CACHE, disk_config=disk)
     with serving(engine) as (url, _):
-        with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
+        with anthropic_client(url) as client:
             ask(client, [{"role": "user", "content": "hello"}], 1)
         deadline = time.monotonic() + 60  # saves are written once the engine is idle
         while (engine.disk.pending or not engine.disk.cache.entries()) and (

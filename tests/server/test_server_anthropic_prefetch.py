@@ -19,14 +19,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import anthropic
-import pytest
-from support.engine_helpers import scripted_engine, wait_stored
+from support.engine_helpers import history_before_tool, scripted_engine, wait_stored
 from support.live import live_server
 from support.models import loaded_test_model
 from support.template_models import ID_TEMPLATE
 
-from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -78,14 +75,7 @@ def scripted(kind: str) -> Iterator[Engine]:
             yield engine
 
 
-served = live_server(scripted, params=["dense", "qwen3_5", "dense-printing-ids"], name="served")
-
-
-@pytest.fixture(scope="module")
-def live(served):
-    url, engine = served
-    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
-        yield client, engine
+live = live_server(scripted, params=["dense", "qwen3_5", "dense-printing-ids"])
 
 
 def sent_back(message) -> list[dict]:
@@ -108,17 +98,6 @@ def next_prompt(messages: list[dict]) -> PromptInput:
     return parse_messages_request(body, Limits(64, 4096)).generation.prompt
 
 
-def tool_turn(engine: Engine, prompt: PromptInput) -> list[int]:
-    """`prompt`'s tokens up to where its first tool result begins (a grid point): the
-    history and the tool_use turn."""
-    assert prompt.messages is not None
-    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
-    cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
-    plan = engine.planner.plan(cut)
-    end = max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
-    return list(plan.tokens[:end])
-
-
 def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> None:
     """The next turn reads the prefetched prefix, past the tool_use turn, and answers as
     a cold run."""
@@ -128,7 +107,7 @@ def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> N
         assert all(b.id in text for b in first.content if b.type == "tool_use")
     # The prefetch of this reply stored the tool_use turn (a count would be met by the
     # last test's follow-up's own late prefetch).
-    held = tool_turn(engine, prompt)
+    held = history_before_tool(engine, prompt)
     assert wait_stored(engine, held) and engine.prefetch.completed >= prefetched
     ask = dict(model="claude-local", max_tokens=6, system=SYSTEM, tools=TOOLS)
     warm = client.messages.create(**ask, messages=messages, extra_body={"temperature": 0})
@@ -144,10 +123,9 @@ def follow_up(client, engine, first, messages: list[dict], prefetched: int) -> N
     engine.store.check_integrity()
 
 
-def test_a_tool_use_reply_is_prefetched_as_the_sdk_sends_it_back(live):
-    client, engine = live
+def test_a_tool_use_reply_is_prefetched_as_the_sdk_sends_it_back(claude, engine):
     before = engine.prefetch.completed
-    first = client.messages.create(
+    first = claude.messages.create(
         model="claude-local",
         max_tokens=200,
         system=SYSTEM,
@@ -163,14 +141,13 @@ def test_a_tool_use_reply_is_prefetched_as_the_sdk_sends_it_back(live):
     assert [b.id for b in first.content[2:]] == [ids.id(0), ids.id(1)]
     assert [b.input for b in first.content[2:]] == [{"path": "main.py"}, {"path": "util.py"}]
     turns = [*ASK, {"role": "assistant", "content": sent_back(first)}, results(first)]
-    follow_up(client, engine, first, turns, before + 1)
+    follow_up(claude, engine, first, turns, before + 1)
 
 
-def test_a_forced_streamed_call_is_prefetched_with_its_opening(live):
-    client, engine = live
+def test_a_forced_streamed_call_is_prefetched_with_its_opening(claude, engine):
     before = engine.prefetch.completed
     forced = {"type": "tool", "name": "Read", "disable_parallel_tool_use": True}
-    with client.messages.stream(
+    with claude.messages.stream(
         model="claude-local",
         max_tokens=200,
         system=SYSTEM,
@@ -187,4 +164,4 @@ def test_a_forced_streamed_call_is_prefetched_with_its_opening(live):
     ]
     assert first.content[0].id == ToolCallIds(first.id, prefix="toolu_").id(0)
     turns = [*ASK, {"role": "assistant", "content": sent_back(first)}, results(first)]
-    follow_up(client, engine, first, turns, before + 1)
+    follow_up(claude, engine, first, turns, before + 1)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.live import post_chat
 from support.server_fakes import raw_post, serving, wait_until
 
 from mlx_prefix.cache.types import CheckpointKind, EntryInfo
@@ -34,12 +35,8 @@ def metrics(http: httpx.Client) -> dict[tuple[str, tuple], float]:
 
 
 def chat(http: httpx.Client, text: str) -> dict:
-    r = http.post(
-        "/v1/chat/completions",
-        json={"model": "default", "messages": [SYSTEM, {"role": "user", "content": text}]},
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]
+    body = {"model": "default", "messages": [SYSTEM, {"role": "user", "content": text}]}
+    return post_chat(http, body)["usage"]
 
 
 def test_cache_info_starts_empty(http):

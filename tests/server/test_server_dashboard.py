@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from support.live import post_chat
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import FakeEngine, serving, wait_until
 
@@ -28,9 +29,7 @@ KEY = "sesame"
 
 def chat(c: httpx.Client, question: str, **extra) -> dict:
     body = {"messages": [SYSTEM, {"role": "user", "content": question}], "max_tokens": 8}
-    r = c.post("/v1/chat/completions", json={**body, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()
+    return post_chat(c, {**body, **extra})
 
 
 def entries(c: httpx.Client) -> list[dict]:

@@ -5,70 +5,30 @@ embedding model on its worker thread."""
 from __future__ import annotations
 
 import base64
-import contextlib
-from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from support.server_fakes import FakeEngine, LiveServer
-
-from mlx_prefix.embeddings.model import load_embedding_model
-from mlx_prefix.embeddings.testing import make_embedding_test_model
-from mlx_prefix.embeddings.worker import EmbeddingWorker
-from mlx_prefix.server import ServerSettings, create_app
+from support.live import live_server
+from support.server_fakes import serving
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog again and again", "Hi"]
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = make_embedding_test_model(tmp_path_factory.mktemp("emb") / "tiny-embed")
-    return load_embedding_model(str(folder))
-
-
-@contextlib.contextmanager
-def serving(model: Any, **settings: Any) -> Iterator[tuple[str, EmbeddingWorker | None]]:
-    worker = EmbeddingWorker(model) if model is not None else None
-    app = create_app(FakeEngine(), ServerSettings(**settings), embeddings=worker)
-    try:
-        with LiveServer(app) as server:
-            yield server.url, worker
-    finally:
-        if worker is not None:
-            worker.close()
-
-
-@pytest.fixture(scope="module")
-def live(model):
-    with serving(model, embedding_aliases=("text-embedding-3-small",)) as (url, _):
-        yield url
-
-
-@pytest.fixture
-def client(live):
-    with openai.OpenAI(base_url=f"{live}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
-def http(live):
-    with httpx.Client(base_url=live, timeout=60) as c:
-        yield c
+live = live_server(embeddings=True, embedding_aliases=("text-embedding-3-small",))
 
 
 def vectors(response) -> np.ndarray:
     return np.array([d.embedding for d in response.data], dtype=np.float32)
 
 
-def test_sdk_default_base64_equals_the_model_and_float(client, model):
+def test_sdk_default_base64_equals_the_model_and_float(client, embedding_model):
     r = client.embeddings.create(model="tiny-embed", input=TEXTS)  # the SDK asks for base64
-    rows = model.tokenize(TEXTS)
-    want = np.stack([model.embed([row])[0] for row in rows])  # each input alone
+    rows = embedding_model.tokenize(TEXTS)
+    want = np.stack([embedding_model.embed([row])[0] for row in rows])  # each input alone
     np.testing.assert_allclose(vectors(r), want, **TOL)
     assert [d.index for d in r.data] == [0, 1, 2] and r.object == "list"
     assert r.model == "tiny-embed"
@@ -88,8 +48,8 @@ def test_base64_is_little_endian_float32_of_the_floats(http):
     assert len(floats["data"][0]["embedding"]) == 64
 
 
-def test_token_id_input_equals_text_input(client, model):
-    rows = model.tokenize(TEXTS)
+def test_token_id_input_equals_text_input(client, embedding_model):
+    rows = embedding_model.tokenize(TEXTS)
     text = vectors(client.embeddings.create(model="tiny-embed", input=TEXTS))
     many = client.embeddings.create(model="tiny-embed", input=rows)
     np.testing.assert_allclose(vectors(many), text, **TOL)
@@ -157,9 +117,12 @@ def test_unknown_model_is_404_in_openai_shape(client):
     assert "tiny-embed" in e.value.body["message"]
 
 
-def test_bounds_on_inputs_tokens_and_body(model):
+def test_bounds_on_inputs_tokens_and_body(embedding_model):
     settings = {"embedding_max_inputs": 2, "embedding_max_tokens": 12, "max_body_bytes": 2000}
-    with serving(model, **settings) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+    with (
+        serving(embeddings=embedding_model, **settings) as (url, _),
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
         post = lambda body: http.post("/v1/embeddings", json=body)  # noqa: E731
         assert error(post({"input": ["a", "b", "c"]})) == (400, "input", None)
         assert post({"input": list(range(1, 12))}).status_code == 200  # one input of ids
@@ -167,17 +130,17 @@ def test_bounds_on_inputs_tokens_and_body(model):
         assert error(post({"input": "word " * 400})) == (413, None, "payload_too_large")
 
 
-def test_an_input_longer_than_the_context_is_refused(model):
-    short = replace(model, context_length=8)
-    with serving(short) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+def test_an_input_longer_than_the_context_is_refused(embedding_model):
+    short = replace(embedding_model, context_length=8)
+    with serving(embeddings=short) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         r = http.post("/v1/embeddings", json={"input": [[5, 6], list(range(1, 10))]})
         assert error(r) == (400, "input", "context_length_exceeded")
         assert "input[1] is 9 tokens" in r.json()["error"]["message"]
 
 
-def test_dimensions_refused_for_a_model_not_trained_for_them(model):
-    plain = replace(model, pooling=replace(model.pooling, matryoshka=False))
-    with serving(plain) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+def test_dimensions_refused_for_a_model_not_trained_for_them(embedding_model):
+    plain = replace(embedding_model, pooling=replace(embedding_model.pooling, matryoshka=False))
+    with serving(embeddings=plain) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         r = http.post("/v1/embeddings", json={"input": "a", "dimensions": 16})
         assert error(r) == (400, "dimensions", None)
         assert "--embedding-matryoshka" in r.json()["error"]["message"]
@@ -185,15 +148,18 @@ def test_dimensions_refused_for_a_model_not_trained_for_them(model):
 
 
 def test_without_an_embedding_model_a_clear_400():
-    with serving(None) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+    with serving() as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         r = http.post("/v1/embeddings", json={"model": "x", "input": "a"})
         assert error(r) == (400, "model", "embeddings_not_served")
         assert "--embedding-model" in r.json()["error"]["message"]
         assert all(c.get("type") != "embedding" for c in http.get("/v1/models").json()["data"])
 
 
-def test_api_key_and_origin_checks_apply(model):
-    with serving(model, api_key="sekrit") as (url, _), httpx.Client(base_url=url) as http:
+def test_api_key_and_origin_checks_apply(embedding_model):
+    with (
+        serving(embeddings=embedding_model, api_key="sekrit") as (url, _),
+        httpx.Client(base_url=url) as http,
+    ):
         for path in ("/v1/embeddings", "/embeddings"):
             assert error(http.post(path, json={"input": "a"}))[2] == "invalid_api_key"
         page = {"Authorization": "Bearer sekrit", "Origin": "https://evil.example"}
@@ -207,8 +173,11 @@ def test_api_key_and_origin_checks_apply(model):
         assert error(text) == (415, None, "unsupported_media_type")
 
 
-def test_metrics_count_embedded_inputs_and_tokens(model):
-    with serving(model) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+def test_metrics_count_embedded_inputs_and_tokens(embedding_model):
+    with (
+        serving(embeddings=embedding_model) as (url, _),
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
         http.post("/v1/embeddings", json={"input": [[1, 2, 3], [4, 5]]}).raise_for_status()
         text = http.get("/metrics").text
     assert "mlx_prefix_embedding_inputs_total 2.0" in text

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from support.live import live_server
+from support.live import live_server, openai_client
 from support.server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, raw_post, serving, wait_until
 
 MAX_BODY = 64 * 1024
@@ -285,16 +285,15 @@ def test_error_mid_generation_streaming(http):
     assert error["code"] == "generation_failed" and error["type"] == "server_error"
 
 
-def test_error_mid_stream_reaches_openai_client(live):
-    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="x", max_retries=0) as client:
-        with pytest.raises(openai.APIError, match="mid-stream"):
-            stream = client.chat.completions.create(
-                model="fake-model",
-                messages=[{"role": "user", "content": "[[fail_after:1]]"}],
-                stream=True,
-            )
-            with stream:
-                list(stream)
+def test_error_mid_stream_reaches_openai_client(client):
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        stream = client.chat.completions.create(
+            model="fake-model",
+            messages=[{"role": "user", "content": "[[fail_after:1]]"}],
+            stream=True,
+        )
+        with stream:
+            list(stream)
 
 
 def test_client_disconnect_while_streaming_cancels(live, engine):
@@ -384,11 +383,11 @@ def test_api_key_required_on_v1(keyed):
 
 
 def test_api_key_with_openai_client(keyed):
-    with openai.OpenAI(base_url=f"{keyed}/v1", api_key="sekrit", max_retries=0) as client:
+    with openai_client(keyed, api_key="sekrit") as client:
         r = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": "k"}]
         )
         assert r.choices[0].message.content == DEFAULT_REPLY
-    with openai.OpenAI(base_url=f"{keyed}/v1", api_key="nope", max_retries=0) as client:
+    with openai_client(keyed, api_key="nope") as client:
         with pytest.raises(openai.AuthenticationError):
             client.models.list()

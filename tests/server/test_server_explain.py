@@ -19,7 +19,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from support.live import live_server
+from support.live import anthropic_client, live_server, openai_client
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import serving
 
@@ -64,13 +64,9 @@ class Client:
         """One request of messages (or Responses input items) in this API's own shape."""
         headers = {"Origin": self.origin} if self.origin else {}
         if self.api == "messages":
-            with anthropic.Anthropic(
-                base_url=self.url, api_key="x", max_retries=0, default_headers=headers
-            ) as c:
+            with anthropic_client(self.url, default_headers=headers) as c:
                 return _messages(c, system, items, self.stream, extra)
-        with openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="x", max_retries=0, default_headers=headers
-        ) as c:
+        with openai_client(self.url, default_headers=headers) as c:
             if self.api == "chat":
                 messages = [{"role": "system", "content": system}, *items]
                 return _chat(c, messages, self.stream, extra)

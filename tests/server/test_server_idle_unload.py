@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.live import post_chat
 from support.pool_server import pool_server
 from support.server_fakes import FakeEngine, FakeModel, wait_until
 
@@ -152,9 +153,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def ask(url: str, model: str) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": "Opening hours?"}],
             "max_tokens": 8, "temperature": 0}  # fmt: skip
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]["content"]
+    return post_chat(url, body)["choices"][0]["message"]["content"]
 
 
 def loaded(url: str) -> list[str]:

@@ -8,8 +8,7 @@ import json
 import time
 
 import httpx
-import openai
-from support.live import live_server
+from support.live import live_server, openai_client
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import serving
 
@@ -40,28 +39,22 @@ def ask(client, question: str, **extra):
     )
 
 
-def test_repeat_reports_cached_tokens_and_the_same_answer_as_a_cold_run(live):
-    url, engine = live
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
-        ask(client, "Where are the atlases?")
-        warm = ask(client, "When does the library close?")
-        cold = ask(
-            client, "When does the library close?", extra_body={"prefix_cache": {"enabled": False}}
-        )
+def test_repeat_reports_cached_tokens_and_the_same_answer_as_a_cold_run(engine, client):
+    ask(client, "Where are the atlases?")
+    warm = ask(client, "When does the library close?")
+    cold = ask(
+        client, "When does the library close?", extra_body={"prefix_cache": {"enabled": False}}
+    )
     assert warm.usage.prompt_tokens_details.cached_tokens > 40
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
     engine.store.check_integrity()
 
 
-def test_streaming_with_usage_through_the_real_engine(live):
-    url, _ = live
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
-        whole = ask(client, "Can I renew online?")
-        stream = ask(
-            client, "Can I renew online?", stream=True, stream_options={"include_usage": True}
-        )
-        chunks = list(stream)
+def test_streaming_with_usage_through_the_real_engine(client):
+    whole = ask(client, "Can I renew online?")
+    stream = ask(client, "Can I renew online?", stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 40
@@ -105,7 +98,7 @@ def test_disk_tier_shows_in_cache_stats_and_metrics(tmp_path):
     disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
     engine = Engine(loaded_test_model("dense"), TEST_CACHE, disk_config=disk)
     with serving(engine) as (url, _):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        with openai_client(url) as client:
             ask(client, "Is there wifi?")
         deadline = time.monotonic() + 30
         while engine.disk.pending and time.monotonic() < deadline:  # written when idle

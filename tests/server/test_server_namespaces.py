@@ -10,6 +10,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 from support.engine_helpers import open_engine
+from support.live import post_chat
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import serving
 
@@ -93,9 +94,8 @@ def test_global_sharing_is_one_namespace():
 
 def chat(c: httpx.Client, headers: dict, question: str = "Reply to Bob.", **extra) -> int:
     body = {"messages": [SYSTEM, {"role": "user", "content": question}], "max_tokens": 4}
-    r = c.post("/v1/chat/completions", json={**body, **extra}, headers=headers)
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    usage = post_chat(c, {**body, **extra}, headers=headers)["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
 
 
 @pytest.fixture

@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 
 import httpx
 import ollama
 import pytest
+from support.live import live_server, tool_calling_engine
 from support.server_fakes import (
     DEFAULT_REPLY,
-    FakeEngine,
-    FakeModel,
-    FakeTokenizer,
     raw_post,
     serving,
     wait_until,
@@ -30,22 +27,7 @@ MAX_BODY = 64 * 1024
 USER = [{"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[tuple[str, FakeEngine]]:
-    model = FakeModel(tokenizer=FakeTokenizer.with_json_tools())
-    with serving(FakeEngine(model), max_body_bytes=MAX_BODY) as (url, engine):
-        yield url, engine
-
-
-@pytest.fixture
-def url(live) -> str:
-    return live[0]
-
-
-@pytest.fixture
-def client(url) -> Iterator[ollama.Client]:
-    with ollama.Client(host=url) as c:
-        yield c
+live = live_server(tool_calling_engine, max_body_bytes=MAX_BODY)
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
@@ -69,13 +51,13 @@ def test_root_answers_ollama_is_running_and_a_browser_gets_the_dashboard(url):
     assert version["version"].count(".") == 2 and "mlx_prefix" in version
 
 
-def test_tags_show_and_ps_as_the_client_reads_them(client):
-    [model] = client.list().models
+def test_tags_show_and_ps_as_the_client_reads_them(ollama_client):
+    [model] = ollama_client.list().models
     assert model.model == "fake-model:latest" and model.details.format == "safetensors"
-    shown = client.show("fake-model:latest")
+    shown = ollama_client.show("fake-model:latest")
     assert shown.capabilities == ["completion", "tools", "thinking"]  # from its tokenizer
     assert shown.modelinfo["unknown.context_length"] == 4096
-    [running] = client.ps().models
+    [running] = ollama_client.ps().models
     assert running.model == "fake-model:latest" and running.context_length == 4096
     assert running.expires_at.year > 2300  # kept until another model needs the place
 
@@ -90,17 +72,17 @@ def test_names_with_a_tag_select_the_served_model_and_others_are_a_404_when_stri
     assert e.value.status_code == 404 and e.value.error.startswith("model 'llama3.2:3b' not found")
 
 
-def test_an_unknown_name_is_answered_by_the_served_model_by_default(client):
-    r = client.chat(model="qwen3.5:4b", messages=USER)
+def test_an_unknown_name_is_answered_by_the_served_model_by_default(ollama_client):
+    r = ollama_client.chat(model="qwen3.5:4b", messages=USER)
     assert r.model == "fake-model:latest" and r.message.content == DEFAULT_REPLY
 
 
 # -- generation ------------------------------------------------------------------------
 
 
-def test_chat_whole_and_streamed_agree_and_end_with_counts_and_durations(url, client):
-    whole = client.chat(model="m", messages=USER, stream=False)
-    parts = list(client.chat(model="m", messages=USER, stream=True))
+def test_chat_whole_and_streamed_agree_and_end_with_counts_and_durations(url, ollama_client):
+    whole = ollama_client.chat(model="m", messages=USER, stream=False)
+    parts = list(ollama_client.chat(model="m", messages=USER, stream=True))
     assert "".join(p.message.content for p in parts) == whole.message.content == DEFAULT_REPLY
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
     for final in (whole, parts[-1]):
@@ -114,20 +96,20 @@ def test_chat_whole_and_streamed_agree_and_end_with_counts_and_durations(url, cl
     assert last["prompt_eval_cached_count"] == last["prompt_eval_count"] - 1  # seen before
 
 
-def test_generate_renders_system_and_prompt_raw_sends_the_text_as_is(client, engine):
-    r = client.generate(model="m", prompt="Why?", system="Be brief.")
+def test_generate_renders_system_and_prompt_raw_sends_the_text_as_is(ollama_client, engine):
+    r = ollama_client.generate(model="m", prompt="Why?", system="Be brief.")
     assert r.response == DEFAULT_REPLY and r.done_reason == "stop"
     sent = engine.submissions[-1].prompt
     assert [(m.role, m.content) for m in sent.messages] == [
         ("system", "Be brief."),
         ("user", "Why?"),
     ]
-    client.generate(model="m", prompt="<|im_start|>user\nWhy?", raw=True)
+    ollama_client.generate(model="m", prompt="<|im_start|>user\nWhy?", raw=True)
     assert engine.submissions[-1].prompt.text == "<|im_start|>user\nWhy?"
 
 
-def test_options_map_onto_sampling_with_ollama_defaults(client, engine, caplog):
-    client.chat(model="m", messages=USER)
+def test_options_map_onto_sampling_with_ollama_defaults(ollama_client, engine, caplog):
+    ollama_client.chat(model="m", messages=USER)
     default = engine.submissions[-1].sampling
     assert (default.temperature, default.top_k, default.top_p) == (0.8, 40, 0.9)
     assert default.repetition_context_size == 64 and default.seed is None
@@ -138,7 +120,7 @@ def test_options_map_onto_sampling_with_ollama_defaults(client, engine, caplog):
         "num_gpu": 99, "num_thread": 4, "mirostat": 2, "something_new": True,
     }  # fmt: skip
     with caplog.at_level(logging.DEBUG, logger="mlx_prefix.server"):
-        r = client.chat(model="m", messages=USER, options=options)
+        r = ollama_client.chat(model="m", messages=USER, options=options)
     s = engine.submissions[-1].sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.2, 0.5, 7, 0.1, 42)
     assert (s.max_tokens, s.stop, s.repetition_penalty) == (3, ("time.",), 1.3)
@@ -146,7 +128,7 @@ def test_options_map_onto_sampling_with_ollama_defaults(client, engine, caplog):
     assert (s.presence_penalty, s.frequency_penalty) == (0.5, 0.25)
     assert r.eval_count == 3 and r.done_reason == "length"
     assert "options ignored: mirostat, num_gpu, num_thread, something_new" in caplog.text
-    client.chat(model="m", messages=USER, options={"seed": -1, "num_predict": -1})
+    ollama_client.chat(model="m", messages=USER, options={"seed": -1, "num_predict": -1})
     s = engine.submissions[-1].sampling
     assert s.seed is None and s.max_tokens == 4096  # to the context's end
 
@@ -160,41 +142,41 @@ def test_num_ctx_bounds_prompt_and_reply_together(url, engine):
     assert r.status_code == 400 and "options.num_ctx" in r.json()["error"]
 
 
-def test_format_json_or_a_schema_becomes_the_response_format(client, engine):
-    client.chat(model="m", messages=USER, format="json")
+def test_format_json_or_a_schema_becomes_the_response_format(ollama_client, engine):
+    ollama_client.chat(model="m", messages=USER, format="json")
     assert engine.submissions[-1].sampling.response_format.kind == "json_object"
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
-    client.chat(model="m", messages=USER, format=schema)
+    ollama_client.chat(model="m", messages=USER, format=schema)
     fmt = engine.submissions[-1].sampling.response_format
     assert fmt.kind == "json_schema" and json.loads(fmt.schema) == schema
     assert list(json.loads(fmt.schema)["properties"]) == ["b", "a"]  # the order kept
     assert fmt.param == "format"
 
 
-def test_think_levels_become_the_templates_switch_and_a_budget(client, engine):
+def test_think_levels_become_the_templates_switch_and_a_budget(ollama_client, engine):
     expected = {False: (False, 0), True: (True, None), "low": (True, 1024), "high": (True, None)}
     for think, (switch, budget) in expected.items():
-        client.chat(model="m", messages=USER, think=think)
+        ollama_client.chat(model="m", messages=USER, think=think)
         sent = engine.submissions[-1]
         assert sent.prompt.chat_template_kwargs == {"enable_thinking": switch}
         assert sent.sampling.reasoning_budget == budget
 
 
-def test_reasoning_comes_back_in_message_thinking(client):
+def test_reasoning_comes_back_in_message_thinking(ollama_client):
     messages = [{"role": "user", "content": "[[reply:<think>Two and two.</think>Four.]]"}]
-    r = client.chat(model="m", messages=messages)
+    r = ollama_client.chat(model="m", messages=messages)
     assert r.message.thinking == "Two and two." and r.message.content == "Four."
-    parts = list(client.chat(model="m", messages=messages, stream=True))
+    parts = list(ollama_client.chat(model="m", messages=messages, stream=True))
     assert "".join(p.message.thinking or "" for p in parts) == "Two and two."
 
 
-def test_tool_calls_come_back_with_arguments_as_objects_and_go_back_in(client, engine):
+def test_tool_calls_come_back_with_arguments_as_objects_and_go_back_in(ollama_client, engine):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     messages = [{"role": "user", "content": f"[[reply:{call}]]"}]
     for stream in (False, True):
-        parts = client.chat(model="m", messages=messages, tools=[tool], stream=stream)
+        parts = ollama_client.chat(model="m", messages=messages, tools=[tool], stream=stream)
         calls = [c for p in ([parts] if not stream else parts) for c in p.message.tool_calls or ()]
         assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [
             ("get_weather", {"city": "Paris"})
@@ -205,7 +187,7 @@ def test_tool_calls_come_back_with_arguments_as_objects_and_go_back_in(client, e
             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "11 degrees", "tool_name": "get_weather"},
     ]  # fmt: skip
-    client.chat(model="m", messages=history, tools=[tool])
+    ollama_client.chat(model="m", messages=history, tools=[tool])
     sent = engine.submissions[-1].prompt.messages
     assert sent[1].tool_calls[0].arguments == {"city": "Paris"}
     assert (sent[2].role, sent[2].name) == ("tool", "get_weather")
@@ -217,18 +199,18 @@ def test_logprobs_as_ollama_reports_them(url):
     assert len(r["logprobs"]) == r["eval_count"] and r["logprobs"][0]["logprob"] == -0.25
 
 
-def test_an_empty_request_loads_the_model_and_generates_nothing(client, engine):
+def test_an_empty_request_loads_the_model_and_generates_nothing(ollama_client, engine):
     before = len(engine.submissions)
-    r = client.chat(model="m", messages=[])
+    r = ollama_client.chat(model="m", messages=[])
     assert r.done and r.done_reason == "load" and r.message.content == ""
-    assert client.generate(model="m").done_reason == "load"
+    assert ollama_client.generate(model="m").done_reason == "load"
     assert len(engine.submissions) == before
 
 
-def test_a_failure_mid_stream_is_an_error_line_the_client_raises(url, client):
+def test_a_failure_mid_stream_is_an_error_line_the_client_raises(url, ollama_client):
     with pytest.raises(ollama.ResponseError, match="fake engine failed"):
         list(
-            client.chat(
+            ollama_client.chat(
                 model="m", messages=[{"role": "user", "content": "[[fail_after:2]]"}], stream=True
             )
         )
@@ -345,9 +327,9 @@ def test_every_guard_answers_in_ollamas_shape():
         assert httpx.get(url + "/").text == "Ollama is running"  # the probe needs no key
 
 
-def test_requests_show_in_metrics_and_the_dashboards_recent_list(url, client):
-    client.chat(model="m", messages=[{"role": "user", "content": "count me " * 5}])
-    client.chat(model="m", messages=[{"role": "user", "content": "count me " * 5}])
+def test_requests_show_in_metrics_and_the_dashboards_recent_list(url, ollama_client):
+    ollama_client.chat(model="m", messages=[{"role": "user", "content": "count me " * 5}])
+    ollama_client.chat(model="m", messages=[{"role": "user", "content": "count me " * 5}])
     metrics = httpx.get(url + "/metrics").text
     assert 'mlx_prefix_requests_total{endpoint="/api/chat",status="200"}' in metrics
     recent = httpx.get(url + "/v1/dashboard").json()["requests"]

@@ -11,24 +11,18 @@ in test_server_reasoning_live.py; everything else is the real path."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import ollama
-import pytest
 from support.engine_helpers import scripted_engine
+from support.live import live_server
 from support.models import loaded_test_model
 from support.pool_server import pool_server
-from support.server_fakes import LiveServer, serving, wait_until
+from support.server_fakes import serving, wait_until
 from support.structured import PERSON, check_person
 
 from mlx_prefix.config import FOREVER
-from mlx_prefix.embeddings.model import load_embedding_model
-from mlx_prefix.embeddings.testing import make_embedding_test_model
-from mlx_prefix.embeddings.worker import EmbeddingWorker
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.testing import make_test_model
-from mlx_prefix.server import ServerSettings, create_app
 
 SYSTEM = "You are the help desk of a public library. Answer in one short sentence. " * 4
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -49,27 +43,12 @@ def ask(question: str) -> list[dict]:
 CHAT_A = {"model": "tiny-a", "messages": ask("Hi"), "options": GREEDY, "stream": False}
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory) -> Iterator[tuple[str, Engine]]:
-    """The tiny dense model with a Qwen3-style template (tools, `<think>`), the scripted
-    seeds, and a tiny embedding model beside it."""
-    model = loaded_test_model("dense", think_template=True)
-    folder = make_embedding_test_model(tmp_path_factory.mktemp("emb") / "tiny-embed")
-    worker = EmbeddingWorker(load_embedding_model(str(folder)))
-    with scripted_engine(model, SCRIPTS) as engine:
-        app = create_app(engine, ServerSettings(), embeddings=worker)
-        try:
-            with LiveServer(app) as server:
-                yield server.url, engine
-        finally:
-            engine.shutdown()
-            worker.close()
-
-
-@pytest.fixture
-def client(live) -> Iterator[ollama.Client]:
-    with ollama.Client(host=live[0]) as c:
-        yield c
+# The tiny dense model with a Qwen3-style template (tools, `<think>`), the scripted seeds,
+# and the tiny embedding model beside it.
+live = live_server(
+    lambda: scripted_engine(loaded_test_model("dense", think_template=True), SCRIPTS),
+    embeddings=True,
+)
 
 
 def last_request(url: str) -> dict:
@@ -78,11 +57,15 @@ def last_request(url: str) -> dict:
     return [r for r in records if r["endpoint"].startswith("/api/")][-1]
 
 
-def test_a_second_chat_is_served_from_the_cache_and_answers_as_a_cold_run(live, client):
-    url, engine = live
-    client.chat(model="tiny-dense-think", messages=ask("Where are the atlases?"), options=GREEDY)
-    warm = client.chat(model="tiny-dense-think:latest", messages=ask("When do you close?"),
-                       options=GREEDY)  # fmt: skip
+def test_a_second_chat_is_served_from_the_cache_and_answers_as_a_cold_run(
+    url, engine, ollama_client
+):
+    ollama_client.chat(
+        model="tiny-dense-think", messages=ask("Where are the atlases?"), options=GREEDY
+    )
+    warm = ollama_client.chat(
+        model="tiny-dense-think:latest", messages=ask("When do you close?"), options=GREEDY
+    )
     cached = last_request(url)["cached_tokens"]
     body = {"model": "tiny-dense-think", "messages": ask("When do you close?"),
             "options": GREEDY, "stream": False, **COLD}  # fmt: skip
@@ -94,27 +77,29 @@ def test_a_second_chat_is_served_from_the_cache_and_answers_as_a_cold_run(live, 
     engine.store.check_integrity()
 
 
-def test_streamed_chat_and_generate_equal_their_whole_replies(client):
+def test_streamed_chat_and_generate_equal_their_whole_replies(ollama_client):
     messages = ask("Can I renew online?")
-    whole = client.chat(model="m", messages=messages, options=GREEDY)
-    parts = list(client.chat(model="m", messages=messages, options=GREEDY, stream=True))
+    whole = ollama_client.chat(model="m", messages=messages, options=GREEDY)
+    parts = list(ollama_client.chat(model="m", messages=messages, options=GREEDY, stream=True))
     assert "".join(p.message.content for p in parts) == whole.message.content
     final = parts[-1]
     assert final.done and final.prompt_eval_count == whole.prompt_eval_count
     assert final.eval_duration > 0 and final.prompt_eval_duration > 0
-    text = client.generate(model="m", prompt="Can I renew online?", system=SYSTEM, options=GREEDY)
-    streamed = client.generate(model="m", prompt="Can I renew online?", system=SYSTEM,
-                               options=GREEDY, stream=True)  # fmt: skip
+    text = ollama_client.generate(
+        model="m", prompt="Can I renew online?", system=SYSTEM, options=GREEDY
+    )
+    streamed = ollama_client.generate(
+        model="m", prompt="Can I renew online?", system=SYSTEM, options=GREEDY, stream=True
+    )
     assert "".join(p.response for p in streamed) == text.response
     assert text.response == whole.message.content  # the same rendered conversation
-    raw = client.generate(model="m", prompt="Once upon a time", raw=True, options=GREEDY)
+    raw = ollama_client.generate(model="m", prompt="Once upon a time", raw=True, options=GREEDY)
     assert raw.done and 0 < raw.eval_count <= 8
 
 
-def test_a_tool_call_comes_back_as_an_object_and_its_result_reuses_the_history(live, client):
-    url, _ = live
+def test_a_tool_call_comes_back_as_an_object_and_its_result_reuses_the_history(url, ollama_client):
     messages = ask("Do you have Dune?")
-    r = client.chat(model="m", messages=messages, tools=[TOOL], options={"seed": CALL_SEED})
+    r = ollama_client.chat(model="m", messages=messages, tools=[TOOL], options={"seed": CALL_SEED})
     [call] = r.message.tool_calls
     assert call.function.name == "find_book" and call.function.arguments == {"title": "Dune"}
     assert r.done_reason == "stop"
@@ -123,54 +108,61 @@ def test_a_tool_call_comes_back_as_an_object_and_its_result_reuses_the_history(l
         r.message,
         {"role": "tool", "content": "Shelf 4", "tool_name": "find_book"},
     ]
-    follow = client.chat(model="m", messages=history, tools=[TOOL], options=GREEDY)
+    follow = ollama_client.chat(model="m", messages=history, tools=[TOOL], options=GREEDY)
     assert follow.message.content is not None
     assert last_request(url)["cached_tokens"] > 40  # system prompt, tools, the call
 
 
-def test_reasoning_comes_back_in_message_thinking(client):
+def test_reasoning_comes_back_in_message_thinking(ollama_client):
     options = {"seed": THINK_SEED}
-    r = client.chat(model="m", messages=ask("Hours?"), think=True, options=options)
+    r = ollama_client.chat(model="m", messages=ask("Hours?"), think=True, options=options)
     assert r.message.thinking == "They want the hours." and r.message.content == "Nine to five."
-    parts = list(client.chat(model="m", messages=ask("Hours?"), options=options, stream=True))
+    parts = list(
+        ollama_client.chat(model="m", messages=ask("Hours?"), options=options, stream=True)
+    )
     assert "".join(p.message.thinking or "" for p in parts) == "They want the hours."
 
 
-def test_a_format_schema_gives_a_reply_that_follows_it(client):
+def test_a_format_schema_gives_a_reply_that_follows_it(ollama_client):
     messages = [
         {"role": "system", "content": "You describe people as JSON objects. " * 4},
         {"role": "user", "content": "Describe the lighthouse keeper."},
     ]
     options = {"temperature": 1.0, "seed": 3, "top_k": 0, "top_p": 1.0, "num_predict": 80}
-    r = client.chat(model="m", messages=messages, format=PERSON, options=options)
+    r = ollama_client.chat(model="m", messages=messages, format=PERSON, options=options)
     assert r.done_reason == "stop"
     check_person(r.message.content)
-    assert json.loads(client.chat(model="m", messages=messages, format="json",
-                                  options=options).message.content) is not None  # fmt: skip
+    assert (
+        json.loads(
+            ollama_client.chat(
+                model="m", messages=messages, format="json", options=options
+            ).message.content
+        )
+        is not None
+    )
 
 
-def test_embed_gives_the_vectors_the_openai_route_gives(live, client):
-    url, _ = live
+def test_embed_gives_the_vectors_the_openai_route_gives(url, ollama_client):
     texts = ["The quick brown fox", "Hi"]
-    r = client.embed(model="tiny-embed:latest", input=texts)
+    r = ollama_client.embed(model="tiny-embed:latest", input=texts)
     openai_shaped = httpx.post(url + "/v1/embeddings", json={"model": "tiny-embed",
                                "input": texts, "encoding_format": "float"}).json()  # fmt: skip
     assert r.embeddings == [d["embedding"] for d in openai_shaped["data"]]
     assert r.prompt_eval_count == openai_shaped["usage"]["prompt_tokens"]
-    legacy = client.embeddings(model="tiny-embed", prompt="Hi")
+    legacy = ollama_client.embeddings(model="tiny-embed", prompt="Hi")
     assert list(legacy.embedding) == r.embeddings[1]
 
 
-def test_list_show_and_ps_describe_the_served_models(client):
-    names = {m.model for m in client.list().models}
+def test_list_show_and_ps_describe_the_served_models(ollama_client):
+    names = {m.model for m in ollama_client.list().models}
     assert names == {"tiny-dense-think:latest", "tiny-embed:latest"}
-    shown = client.show("tiny-dense-think")
+    shown = ollama_client.show("tiny-dense-think")
     assert shown.capabilities == ["completion", "tools", "thinking"]
     assert shown.details.family == "llama" and shown.details.quantization_level == "F32"
     assert shown.details.parameter_size.endswith("M") and "<tool_call>" in shown.template
     assert shown.modelinfo["llama.context_length"] == 4096
-    assert client.show("tiny-embed").capabilities == ["embedding"]
-    running = {m.model: m for m in client.ps().models}
+    assert ollama_client.show("tiny-embed").capabilities == ["embedding"]
+    running = {m.model: m for m in ollama_client.ps().models}
     assert running["tiny-dense-think:latest"].size > 0
     assert running["tiny-dense-think:latest"].context_length == 4096
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from support.live import live_server, tool_calling_engine
+from support.live import live_server, openai_client, tool_calling_engine
 from support.server_fakes import DEFAULT_REPLY, serving
 
 from mlx_prefix.config import DiskScope
@@ -157,7 +157,7 @@ def test_unknown_model_is_answered_by_the_default_model(client):
 
 def test_strict_model_names_lists_served_models():
     with serving(strict_model_names=True, aliases=("house",)) as (url, _):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        with openai_client(url) as client:
             with pytest.raises(openai.NotFoundError) as err:
                 client.chat.completions.create(model="gpt-4o", messages=user("hi"))
             assert client.chat.completions.create(model="house", messages=user("a")).model == (
@@ -415,7 +415,7 @@ def test_bad_tool_choice_is_a_400(client, extra):
 
 def test_forcing_a_tool_on_a_model_without_tool_markers_is_a_400():
     with serving() as (url, _):
-        with openai.OpenAI(base_url=url, api_key="x", max_retries=0) as c:
+        with openai_client(url, path="") as c:
             with pytest.raises(openai.BadRequestError) as err:
                 c.chat.completions.create(
                     model="m", messages=user("x"), tools=[WEATHER_TOOL], tool_choice="required"

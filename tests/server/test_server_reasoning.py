@@ -5,7 +5,6 @@ fields are honoured (mapped to a budget and the template's switch) or refused.""
 
 from __future__ import annotations
 
-import anthropic
 import openai
 import pytest
 from support.live import live_server, tool_calling_engine
@@ -28,24 +27,18 @@ WEATHER = {
 live = live_server(tool_calling_engine)
 
 
-@pytest.fixture
-def chat(live):
-    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="x", max_retries=0) as client:
-        yield client
-
-
 def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": f"{text} [[think]] [[reply:{REPLY}]]"}]
 
 
-def test_chat_reply_starts_as_reasoning_and_its_markup_is_no_call(chat):
-    r = chat.chat.completions.create(model="m", messages=ask("Weather?"), tools=[WEATHER])
+def test_chat_reply_starts_as_reasoning_and_its_markup_is_no_call(client):
+    r = client.chat.completions.create(model="m", messages=ask("Weather?"), tools=[WEATHER])
     message = r.choices[0].message
     assert message.content == "It is sunny." and not message.tool_calls
     assert r.choices[0].finish_reason == "stop"
     extra = message.model_extra
     assert extra["reasoning_content"] == extra["reasoning"] == f"Maybe {CALL} would help."
-    stream = chat.chat.completions.create(
+    stream = client.chat.completions.create(
         model="m", messages=ask("Weather?"), tools=[WEATHER], stream=True
     )
     deltas = [c.choices[0].delta for c in stream if c.choices]
@@ -56,24 +49,23 @@ def test_chat_reply_starts_as_reasoning_and_its_markup_is_no_call(chat):
     assert not any(d.tool_calls for d in deltas)
 
 
-def test_messages_reply_starts_as_a_thinking_block(live):
-    with anthropic.Anthropic(base_url=live[0], api_key="x", max_retries=0) as client:
-        tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
-        m = client.messages.create(model="m", max_tokens=64, tools=[tool], messages=ask("W?"))
+def test_messages_reply_starts_as_a_thinking_block(claude):
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    m = claude.messages.create(model="m", max_tokens=64, tools=[tool], messages=ask("W?"))
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == f"Maybe {CALL} would help."
     assert m.stop_reason == "end_turn"
 
 
-def test_responses_reply_has_a_reasoning_item(chat, engine):
-    r = chat.responses.create(
+def test_responses_reply_has_a_reasoning_item(client, engine):
+    r = client.responses.create(
         model="m", input=ask("Weather?"), tools=[{"type": "function", "name": "get_weather"}]
     )
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == f"Maybe {CALL} would help."
     assert r.output[0].summary == [] and r.output_text == "It is sunny."
     assert r.usage.output_tokens_details.reasoning_tokens > 0
-    with chat.responses.stream(
+    with client.responses.stream(
         model="m", input=ask("Weather?"), tools=[{"type": "function", "name": "get_weather"}]
     ) as stream:
         kinds = [e.type for e in stream]
@@ -83,7 +75,7 @@ def test_responses_reply_has_a_reasoning_item(chat, engine):
     assert streamed.output[0].model_dump(exclude={"id"}) == r.output[0].model_dump(exclude={"id"})
     assert streamed.output_text == r.output_text
     # Sent back (or chained by id), the reasoning reaches the template.
-    chat.responses.create(
+    client.responses.create(
         model="m",
         input=[
             *ask("Weather?"),
@@ -94,12 +86,12 @@ def test_responses_reply_has_a_reasoning_item(chat, engine):
     sent = engine.submissions[-1].prompt.messages
     assert sent[1].reasoning == f"Maybe {CALL} would help."
     assert sent[1].content == "It is sunny."
-    chat.responses.create(model="m", input="more", previous_response_id=r.id)
+    client.responses.create(model="m", input="more", previous_response_id=r.id)
     assert engine.submissions[-1].prompt.messages[1] == sent[1]
     # Codex sends reasoning items back without their text: encrypted_content carries it.
     codex = {"type": "reasoning", "id": r.output[0].id, "summary": []}
     codex["encrypted_content"] = r.output[0].encrypted_content
-    chat.responses.create(
+    client.responses.create(
         model="m", input=[*ask("Weather?"), codex, {"role": "user", "content": "ok"}]
     )
     assert engine.submissions[-1].prompt.messages[1].reasoning == sent[1].reasoning
@@ -116,9 +108,9 @@ def test_chat_reasoning_sent_back_under_either_name_renders_as_reasoning_content
         )
 
 
-def test_chat_reasoning_fields_are_honoured_or_refused(chat, engine):
+def test_chat_reasoning_fields_are_honoured_or_refused(client, engine):
     def sent(**extra):
-        chat.chat.completions.create(
+        client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x"}], **extra
         )
         return engine.submissions[-1]
@@ -142,13 +134,13 @@ def test_chat_reasoning_fields_are_honoured_or_refused(chat, engine):
         assert info.value.body["param"] == param
     bad = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": 3}]
     with pytest.raises(openai.BadRequestError) as info:
-        chat.chat.completions.create(model="m", messages=[*bad, {"role": "user", "content": "x"}])
+        client.chat.completions.create(model="m", messages=[*bad, {"role": "user", "content": "x"}])
     assert info.value.body["param"] == "messages[1].reasoning"
 
 
-def test_responses_effort_is_a_budget(chat, engine):
-    r = chat.responses.create(model="m", input="x", reasoning={"effort": "medium"})
+def test_responses_effort_is_a_budget(client, engine):
+    r = client.responses.create(model="m", input="x", reasoning={"effort": "medium"})
     assert engine.submissions[-1].sampling.reasoning_budget == 4096
     assert r.reasoning.effort == "medium"
-    chat.responses.create(model="m", input="x", reasoning={"effort": "none"})
+    client.responses.create(model="m", input="x", reasoning={"effort": "none"})
     assert engine.submissions[-1].prompt.chat_template_kwargs == {"enable_thinking": False}

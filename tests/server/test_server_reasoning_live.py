@@ -14,14 +14,10 @@ from __future__ import annotations
 import contextlib
 import json
 
-import anthropic
-import openai
-import pytest
-from support.engine_helpers import scripted_engine, wait_for, wait_stored
+from support.engine_helpers import history_before_tool, scripted_engine, wait_for, wait_stored
 from support.live import live_server
 from support.paths import DATA
 
-from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
@@ -62,18 +58,6 @@ def scripted() -> contextlib.AbstractContextManager[Engine]:
 live = live_server(scripted)
 
 
-@pytest.fixture
-def chat(live):
-    with openai.OpenAI(base_url=f"{live[0]}/v1", api_key="x", max_retries=0) as client:
-        yield client
-
-
-@pytest.fixture
-def claude(live):
-    with anthropic.Anthropic(base_url=live[0], api_key="x", max_retries=0) as client:
-        yield client
-
-
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -84,15 +68,6 @@ def before_tool_result(engine: Engine, messages: list[dict], tools: list[dict]) 
     return history_before_tool(
         engine, PromptInput(messages=conversation_from_dicts(messages), tools=tools)
     )
-
-
-def history_before_tool(engine: Engine, prompt: PromptInput) -> list[int]:
-    assert prompt.messages is not None
-    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
-    cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
-    plan = engine.planner.plan(cut)
-    end = max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
-    return list(plan.tokens[:end])
 
 
 # -- item 1: the prompt's open think block ------------------------------------------------
@@ -128,15 +103,15 @@ def _reply_text(tokens) -> str:
     return "".join(tokens).removeprefix(" ")
 
 
-def test_a_reply_the_prompt_opened_is_reasoning_on_every_api(chat, claude):
-    r = chat.chat.completions.create(
+def test_a_reply_the_prompt_opened_is_reasoning_on_every_api(client, claude):
+    r = client.chat.completions.create(
         model="m", messages=user(ASK), max_tokens=8, temperature=0, logprobs=True
     )
     message = r.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
     assert not message.content and reasoning == message.model_extra["reasoning"]
     assert reasoning == _reply_text(t.token for t in r.choices[0].logprobs.content)
-    streamed = chat.chat.completions.create(
+    streamed = client.chat.completions.create(
         model="m", messages=user(ASK), max_tokens=8, temperature=0, stream=True
     )
     deltas = [c.choices[0].delta for c in streamed if c.choices]
@@ -154,7 +129,7 @@ def test_a_reply_the_prompt_opened_is_reasoning_on_every_api(chat, claude):
         extra_body={"temperature": 0},
     )
     assert [b.type for b in hidden.content] == ["thinking"] and hidden.content[0].thinking == ""
-    resp = chat.responses.create(model="m", input=ASK, max_output_tokens=8, temperature=0)
+    resp = client.responses.create(model="m", input=ASK, max_output_tokens=8, temperature=0)
     assert [i.type for i in resp.output] == ["reasoning"]
     assert resp.output[0].content[0].text == reasoning
     assert resp.usage.output_tokens_details.reasoning_tokens == 8
@@ -192,12 +167,12 @@ def test_messages_agent_turn(claude, live):
     assert second.usage.cache_read_input_tokens >= len(held)
 
 
-def test_chat_agent_turn(chat, live):
+def test_chat_agent_turn(client, live):
     _, engine = live
     tools = [{"type": "function", "function": {"name": "Read", "parameters": PATH_SCHEMA}}]
     before = engine.prefetch.completed
     messages = [{"role": "system", "content": SYSTEM}, *user(f"{ASK} (chat)")]
-    first = chat.chat.completions.create(
+    first = client.chat.completions.create(
         model="m", messages=messages, tools=tools, temperature=0, seed=SCRIPT_SEED
     )
     reply = first.choices[0].message
@@ -213,16 +188,16 @@ def test_chat_agent_turn(chat, live):
     ]
     held = before_tool_result(engine, turns, tools)
     assert wait_stored(engine, held) and engine.prefetch.completed > before
-    second = chat.chat.completions.create(model="m", messages=turns, tools=tools, max_tokens=4)
+    second = client.chat.completions.create(model="m", messages=turns, tools=tools, max_tokens=4)
     assert second.usage.prompt_tokens_details.cached_tokens >= len(held)
 
 
-def test_responses_agent_turn(chat, live):
+def test_responses_agent_turn(client, live):
     _, engine = live
     tools = [{"type": "function", "name": "Read", "parameters": PATH_SCHEMA}]
     before = engine.prefetch.completed
     question = f"{ASK} (responses)"
-    first = chat.responses.create(
+    first = client.responses.create(
         model="m",
         instructions=SYSTEM,
         input=question,
@@ -255,7 +230,7 @@ def test_responses_agent_turn(chat, live):
     ]
     held = before_tool_result(engine, history, chat_tools)
     assert wait_stored(engine, held) and engine.prefetch.completed > before
-    second = chat.responses.create(
+    second = client.responses.create(
         model="m", instructions=SYSTEM, input=turns, tools=tools, max_output_tokens=4
     )
     assert second.usage.input_tokens_details.cached_tokens >= len(held)
@@ -264,8 +239,8 @@ def test_responses_agent_turn(chat, live):
 # -- item 6: budgets ---------------------------------------------------------------------
 
 
-def test_a_spent_budget_closes_the_block_as_the_template_does(chat, claude):
-    r = chat.chat.completions.create(
+def test_a_spent_budget_closes_the_block_as_the_template_does(client, claude):
+    r = client.chat.completions.create(
         model="m",
         messages=user(ASK),
         max_tokens=12,
@@ -288,7 +263,7 @@ def test_a_spent_budget_closes_the_block_as_the_template_does(chat, claude):
     )
     assert m.content[0].type == "thinking"
     assert m.content[0].thinking == message.model_extra["reasoning_content"]
-    off = chat.chat.completions.create(
+    off = client.chat.completions.create(
         model="m", messages=user(ASK), max_tokens=4, temperature=0, reasoning_effort="none"
     )
     assert "reasoning_content" not in off.choices[0].message.model_extra
@@ -340,18 +315,18 @@ def test_anthropic_usage_counts_creation_at_breakpoints_only(claude):
     )
 
 
-def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat(chat, live):
+def test_a_chat_client_sending_back_answers_without_reasoning_is_known_as_a_chat(client, live):
     """The next-turn prefetch of a chat's first turns waits until its client is seen
     sending one of the server's replies back: as its answer, without the reasoning."""
     _, engine = live
     system = {"role": "system", "content": "A chat app's own system prompt. " * 4}
     ask = dict(model="m", max_tokens=16, temperature=0)
     known = engine.prefetcher.chat_traffic.chat_clients
-    first = chat.chat.completions.create(**ask, messages=[system, *user("Hi")], seed=ANSWER_SEED)
+    first = client.chat.completions.create(**ask, messages=[system, *user("Hi")], seed=ANSWER_SEED)
     reply = first.choices[0].message
     assert reply.content == "Hello there." and reply.model_extra["reasoning_content"]
     back = {"role": "assistant", "content": reply.content}
-    chat.chat.completions.create(**ask, messages=[system, *user("Hi"), back, *user("q2")])
+    client.chat.completions.create(**ask, messages=[system, *user("Hi"), back, *user("q2")])
     assert wait_for(lambda: engine.prefetcher.chat_traffic.chat_clients == known + 1)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from support.live import post_chat
 from support.paths import REPO
 from support.served_process import StderrReader
 
@@ -71,9 +72,7 @@ def served_by(urls: list[str], reply_id: str) -> int:
 
 def chat(url: str, messages: list[dict], headers: dict[str, str]) -> dict:
     body = {"messages": messages, "max_tokens": 6, "temperature": 0.0}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return post_chat(url, body, headers=headers)
 
 
 @pytest.mark.parametrize("policy", ["recipe", "cache_aware"])

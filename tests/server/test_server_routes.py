@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from support.live import live_server
+from support.live import live_server, openai_client
 from support.server_fakes import DEFAULT_REPLY, FakeEngine, FakeModel, serving
 
 from mlx_prefix.cli import build_parser
@@ -58,7 +58,7 @@ def test_one_table_serves_every_api_route_under_both_prefixes():
 @pytest.mark.parametrize("suffix", ["/v1", ""])
 def test_openai_client_with_and_without_v1(live, suffix):
     url, _ = live
-    with openai.OpenAI(base_url=url + suffix, api_key="x", max_retries=0) as client:
+    with openai_client(url, path=suffix) as client:
         r = client.chat.completions.create(model="fake-model", messages=chat_body("hi")["messages"])
         assert r.choices[0].message.content == DEFAULT_REPLY
         c = client.completions.create(model="fake-model", prompt="Once upon a time")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from support.live import post_chat
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import serving
 
@@ -23,9 +24,7 @@ def served(**settings):
 
 def chat(url: str, path: str = "/v1/chat/completions", **body) -> dict:
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 12, **body}
-    r = httpx.post(url + path, json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return post_chat(url, body, path=path)
 
 
 def text(reply: dict) -> str:

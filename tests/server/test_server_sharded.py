@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from support.live import post_chat
 from support.sharded_launch import launch_exits, launched
 
 from mlx_prefix.models.testing import cached_test_model
@@ -26,9 +27,7 @@ def ask(url: str, question: str, *, cache: bool = True, history: tuple = ()) -> 
     messages.append({"role": "user", "content": question})
     body = {"messages": messages, "max_tokens": 4, "temperature": 0, "logprobs": True}
     body["prefix_cache"] = {"enabled": cache}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return post_chat(url, body)
 
 
 def answer(reply: dict) -> tuple[str, list[float]]:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
-import openai
 import pytest
+from support.live import anthropic_client, openai_client
 from support.server_fakes import FakeEngine, raw_post, serving, wait_until
 
 import mlx_prefix.server.replies.sse as sse
@@ -46,14 +45,14 @@ def test_an_idle_stream_gets_comment_pings_between_its_events(fast_pings):
 def test_the_official_clients_read_a_pinged_stream_whole(fast_pings):
     question = [{"role": "user", "content": SLOW}]
     with serving() as (url, _):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        with openai_client(url) as client:
             chunks = client.chat.completions.create(model="m", messages=question, stream=True)
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert text == REPLY
             events = client.responses.create(model="m", input=SLOW, stream=True)
             done = [e for e in events if e.type == "response.completed"]
             assert done[0].response.output_text == REPLY
-        with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as client:
+        with anthropic_client(url) as client:
             with client.messages.stream(model="m", max_tokens=64, messages=question) as stream:
                 assert stream.get_final_text() == REPLY
 

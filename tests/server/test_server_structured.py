@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from support.live import live_server
 from support.models import TEST_CACHE, loaded_test_model
@@ -28,14 +27,7 @@ CHAT_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema"
 COLD = {"prefix_cache": {"enabled": False}}
 
 
-served = live_server(lambda: Engine(loaded_test_model("dense"), TEST_CACHE), name="served")
-
-
-@pytest.fixture(scope="module")
-def live(served):
-    url, _ = served
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
-        yield client, url
+live = live_server(lambda: Engine(loaded_test_model("dense"), TEST_CACHE))
 
 
 def person_chat(client, seed: int = 3, **extra):
@@ -50,8 +42,7 @@ def person_chat(client, seed: int = 3, **extra):
     )
 
 
-def test_chat_json_schema_replies_follow_the_schema_warm_as_cold(live):
-    client, _ = live
+def test_chat_json_schema_replies_follow_the_schema_warm_as_cold(client):
     person_chat(client, seed=1)  # caches the prompt
     warm = person_chat(client)
     cold = person_chat(client, extra_body=COLD)
@@ -62,8 +53,7 @@ def test_chat_json_schema_replies_follow_the_schema_warm_as_cold(live):
     check_person(warm.choices[0].message.content)
 
 
-def test_chat_json_schema_streams_the_same_reply(live):
-    client, _ = live
+def test_chat_json_schema_streams_the_same_reply(client):
     whole = person_chat(client).choices[0].message.content
     chunks = list(person_chat(client, stream=True))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -71,8 +61,7 @@ def test_chat_json_schema_streams_the_same_reply(live):
     check_person(streamed)
 
 
-def test_chat_json_object_and_completions_response_format(live):
-    client, _ = live
+def test_chat_json_object_and_completions_response_format(client):
     closers = {str(t): 10 for t in (18, 109, 23597)}  # '"', '}', '"}' in the test tokenizer
     reply = client.chat.completions.create(
         model="default",
@@ -93,8 +82,7 @@ def test_chat_json_object_and_completions_response_format(live):
     check_person(done.choices[0].text)
 
 
-def test_responses_text_format_follows_the_schema_streamed_or_not(live):
-    client, _ = live
+def test_responses_text_format_follows_the_schema_streamed_or_not(client):
     text = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
     kwargs = {"model": "default", "instructions": SYSTEM, "input": "Describe the keeper."}
     r = client.responses.create(**kwargs, max_output_tokens=80, text=text, store=False)
@@ -108,10 +96,9 @@ def test_responses_text_format_follows_the_schema_streamed_or_not(live):
 
 
 @pytest.mark.parametrize("where", ["output_format", "output_config"])
-def test_messages_output_format_follows_the_schema(live, where):
+def test_messages_output_format_follows_the_schema(url, where):
     """Anthropic's structured outputs: the beta's `output_format`, and the GA's
     `output_config.format`, held to the schema like chat's response_format."""
-    _, url = live
     fmt = {"type": "json_schema", "schema": PERSON}
     body = {
         "model": "default",
@@ -169,8 +156,7 @@ def test_messages_output_format_follows_the_schema(live, where):
         ("/v1/completions", {"repetition_context_size": 0}, "repetition_context_size"),
     ],
 )
-def test_what_cannot_be_honoured_is_a_400_naming_the_field(live, path, body, param):
-    _, url = live
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(url, path, body, param):
     base = (
         {"input": "hi"}
         if path == "/v1/responses"
@@ -185,8 +171,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(live, path, body, par
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
-def test_sampling_fields_are_honoured_over_http(live, kind):
-    client, _ = live
+def test_sampling_fields_are_honoured_over_http(client, kind):
     tokenizer = loaded_test_model("dense").tokenizer
 
     def reply(**extra) -> tuple[str, int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 from support.live import live_server
 from support.models import TEST_CACHE
 
@@ -29,36 +28,29 @@ def chat(c: httpx.Client, **kwargs) -> httpx.Response:
     return c.post("/v1/chat/completions", json=body)
 
 
-served = live_server(
-    lambda: Engine(load_model(str(cached_test_model("dense")), chat_template=SPIN), TEST_CACHE),
-    name="served",
+live = live_server(
+    lambda: Engine(load_model(str(cached_test_model("dense")), chat_template=SPIN), TEST_CACHE)
 )
 
 
-@pytest.fixture(scope="module")
-def live(served):
-    with httpx.Client(base_url=served[0], timeout=120) as c:
-        yield c
-
-
-def test_a_request_cannot_replace_the_template(live):
+def test_a_request_cannot_replace_the_template(http):
     pwned = {"chat_template": "PWNED {{ messages[0].content }}"}
-    r = chat(live, chat_template_kwargs=pwned)
+    r = chat(http, chat_template_kwargs=pwned)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "chat_template_kwargs.chat_template"
     assert "'chat_template'" in error["message"]
     for key in ("tokenize", "continue_final_message", "documents"):
-        r = chat(live, chat_template_kwargs={key: True})
+        r = chat(http, chat_template_kwargs={key: True})
         assert r.status_code == 400 and f"'{key}'" in r.json()["error"]["message"]
 
 
-def test_a_template_loop_ends_with_a_400_and_the_server_keeps_serving(live, monkeypatch):
+def test_a_template_loop_ends_with_a_400_and_the_server_keeps_serving(http, monkeypatch):
     monkeypatch.setattr(render, "RENDER_TIMEOUT_S", 0.5)
     started = time.monotonic()
-    r = chat(live, chat_template_kwargs={"spin": True})
+    r = chat(http, chat_template_kwargs={"spin": True})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "template_timeout"
     assert time.monotonic() - started < 60  # bounded, generously for any machine
-    ok = chat(live)
+    ok = chat(http)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None

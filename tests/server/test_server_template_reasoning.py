@@ -15,10 +15,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-import anthropic
 import mlx.core as mx
-import openai
 import pytest
+from support.live import anthropic_client, openai_client
 from support.models import TEST_CACHE
 from support.server_fakes import serving
 from support.template_models import REASONING_FAMILIES, TOOLS, calibrated_once, call, template_model
@@ -158,7 +157,7 @@ def clean(*texts: str) -> bool:
 
 
 def test_chat_reasoning_field_and_calls(family):
-    with openai.OpenAI(base_url=f"{family.url}/v1", api_key="x", max_retries=0) as client:
+    with openai_client(family.url) as client:
         r = client.chat.completions.create(
             model="m", messages=QUESTION, tools=TOOLS, seed=SEED, max_tokens=300
         )
@@ -186,7 +185,7 @@ def test_messages_thinking_block_and_tool_use(family):
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
     ask = dict(model="m", max_tokens=300, messages=QUESTION, tools=tools)
-    with anthropic.Anthropic(base_url=family.url, api_key="x", max_retries=0) as client:
+    with anthropic_client(family.url) as client:
         whole = client.messages.create(**ask, extra_body={"seed": SEED})
         with client.messages.stream(**ask, extra_body={"seed": SEED}) as stream:
             streamed = stream.get_final_message()
@@ -201,7 +200,7 @@ def test_messages_thinking_block_and_tool_use(family):
 def test_responses_reasoning_item_and_function_call(family):
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     ask = dict(model="m", input=QUESTION, tools=tools, max_output_tokens=300)
-    with openai.OpenAI(base_url=f"{family.url}/v1", api_key="x", max_retries=0) as client:
+    with openai_client(family.url) as client:
         whole = client.responses.create(**ask, extra_body={"seed": SEED})
         events = list(client.responses.create(**ask, stream=True, extra_body={"seed": SEED}))
     streamed = next(e.response for e in events if e.type == "response.completed")
@@ -214,7 +213,7 @@ def test_responses_reasoning_item_and_function_call(family):
 
 
 def test_a_spent_budget_closes_the_reasoning_and_the_model_answers(family):
-    with openai.OpenAI(base_url=f"{family.url}/v1", api_key="x", max_retries=0) as client:
+    with openai_client(family.url) as client:
         r = client.chat.completions.create(
             model="m",
             messages=QUESTION,
@@ -249,7 +248,7 @@ def test_the_reply_sent_back_renders_as_written_through_its_reasoning(family):
         pytest.skip("gpt-oss's template takes no reasoning beside a preamble and calls")
     engine, tokenizer = family.engine, family.engine.model.tokenizer
     kwargs = THINKING.get(family.name)
-    with openai.OpenAI(base_url=f"{family.url}/v1", api_key="x", max_retries=0) as client:
+    with openai_client(family.url) as client:
         r = client.chat.completions.create(
             model="m",
             messages=QUESTION,

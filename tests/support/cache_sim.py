@@ -51,6 +51,15 @@ HYBRID = SimModel(
 
 
 @dataclass(frozen=True, slots=True)
+class FakeSnapshot:
+    """A stored state's stand-in for the store's own tests: its length and size only."""
+
+    length: int
+    trimmable: bool = True
+    nbytes: int = 10
+
+
+@dataclass(frozen=True, slots=True)
 class SimPayload:
     length: int
     trimmable: bool

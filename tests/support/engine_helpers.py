@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.conversation import Message
 from mlx_prefix.engine.decode import arrival
@@ -89,6 +90,27 @@ class Result:
 
 def run(engine: Engine, prompt: PromptInput, *, cache: bool = True, sampling=GREEDY) -> Result:
     return collect(engine.submit(prompt, sampling, CachePreference(enabled=cache)))
+
+
+def same_reply(a: Result, b: Result) -> None:
+    """Two answers are one: the same tokens, logprobs, text and finish reason."""
+    assert (a.tokens, a.logprobs, a.text, a.finish_reason) == (
+        b.tokens,
+        b.logprobs,
+        b.text,
+        b.finish_reason,
+    )
+
+
+def history_before_tool(engine: Engine, prompt: PromptInput) -> list[int]:
+    """`prompt`'s tokens up to where its first tool result begins (a grid point): the
+    history and the turn that called the tool."""
+    assert prompt.messages is not None
+    first = next(i for i, m in enumerate(prompt.messages) if m.role == "tool")
+    cut = PromptInput(messages=prompt.messages[: first + 1], tools=prompt.tools)
+    plan = engine.planner.plan(cut)
+    end = max(c.position for c in plan.checkpoints if c.kind is CheckpointKind.LAST_MESSAGE)
+    return list(plan.tokens[:end])
 
 
 def collect(handle: RequestHandle, timeout: float = 600) -> Result:

@@ -4,9 +4,13 @@ free beforehand (benchmarks' free_port) can be taken by anyone before the child 
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import subprocess
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 SERVING = re.compile(r"serving .* on http://\S+:(\d+) ")
 
@@ -44,3 +48,20 @@ class StderrReader:
         """Everything read, once stderr ended (or `timeout` passed)."""
         self._thread.join(timeout)
         return "".join(self.lines)
+
+
+@contextlib.contextmanager
+def serve_process(
+    cmd: list[str], stop_timeout: float = 120, **popen: Any
+) -> Iterator[subprocess.Popen]:
+    """`cmd` (an `mlx-prefix serve`) running with its stderr piped, for the block: at its
+    end a SIGTERM and `stop_timeout` to stop; killed if the block failed or it did not."""
+    with subprocess.Popen(cmd, stderr=subprocess.PIPE, **popen) as proc:
+        try:
+            yield proc
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=stop_timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

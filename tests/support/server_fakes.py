@@ -612,14 +612,24 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
 
 
 @contextlib.contextmanager
-def serving(engine: FakeEngine | None = None, **settings: Any) -> Iterator[tuple[str, FakeEngine]]:
-    """A live server for `engine` (a fresh FakeEngine by default): yields (base URL, engine)."""
+def serving(
+    engine: FakeEngine | None = None, *, embeddings: Any = None, **settings: Any
+) -> Iterator[tuple[str, FakeEngine]]:
+    """A live server for `engine` (a fresh FakeEngine by default), and the embedding model
+    `embeddings` beside it on its own worker: yields (base URL, engine)."""
+    from mlx_prefix.embeddings.worker import EmbeddingWorker
     from mlx_prefix.server import ServerSettings, create_app
 
     engine = engine or FakeEngine()
-    with LiveServer(create_app(engine, ServerSettings(**settings))) as server:
-        yield server.url, engine
-    engine.shutdown(timeout=5)
+    worker = EmbeddingWorker(embeddings) if embeddings is not None else None
+    try:
+        app = create_app(engine, ServerSettings(**settings), embeddings=worker)
+        with LiveServer(app) as server:
+            yield server.url, engine
+        engine.shutdown(timeout=5)
+    finally:
+        if worker is not None:
+            worker.close()
 
 
 @contextlib.contextmanager

@@ -10,14 +10,18 @@ import io
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from mlx_prefix.config import EngineConfig
+from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.records import PromptInput
 from mlx_prefix.server.protocol.messages import conversation_from_dicts
 from mlx_prefix.vision.testing import make_vision_test_model
+from support.models import TEST_CACHE
 from support.paths import DATA
 
 QWEN3_TOKENIZER = DATA / "tokenizers" / "qwen3"
@@ -78,6 +82,15 @@ def loaded(kind):
     if kind not in _loaded:
         _loaded[kind] = load_model(str(vision_model_folder(kind)))
     return _loaded[kind]
+
+
+def vision_engine(kind: str = "qwen3_5", **engine: Any) -> Engine:
+    """An engine on the shared vision model of `kind`, not prefetching a reply's next turn
+    (a test's requests are what it computes); `engine`: EngineConfig's fields, or the
+    engine's `disk_config`."""
+    disk = engine.pop("disk_config", None)
+    config = EngineConfig(prefetch_next_turn=False, **engine)
+    return Engine(loaded(kind), TEST_CACHE, config, disk_config=disk)
 
 
 def image(seed, size=(96, 64)):

@@ -10,11 +10,8 @@ import threading
 
 import pytest
 from support.engine_helpers import collect
-from support.models import TEST_CACHE
-from support.vision_models import SYSTEM, image, loaded, prompt, user
+from support.vision_models import SYSTEM, image, prompt, user, vision_engine
 
-from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.prompt.request.render import common_prefix_length
 from mlx_prefix.records import CachePreference, SamplingParams
@@ -27,7 +24,7 @@ def engines():
     made = []
 
     def make(kind):
-        engine = Engine(loaded(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False))
+        engine = vision_engine(kind)
         made.append(engine)
         return engine
 
@@ -107,9 +104,7 @@ def test_deterministic_rows_with_and_without_images_give_alone_logprobs_bit_for_
     arriving together, prefilled side by side and decoded in one batch, give every token's
     logprob of each run alone and cold; again from the cache, the image prompts restored
     past their image."""
-    engine = Engine(
-        loaded(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False, deterministic=True)
-    )
+    engine = vision_engine(kind, deterministic=True)
     try:
         prompts = [
             prompt(SYSTEM, user("Look:", image(7), "Describe.")),
@@ -164,18 +159,14 @@ def test_the_disk_tier_keeps_image_keys_across_a_restart(tmp_path, kind):
 
     disk = DiskConfig(scope="full", directory=str(tmp_path), min_tokens=16)
     target = prompt(SYSTEM, user("My screen:", image(9), "What is on it?"))
-    first = Engine(
-        loaded(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False), disk_config=disk
-    )
+    first = vision_engine(kind, disk_config=disk)
     try:
         cold = answer(first, target)
     finally:
         first.shutdown()  # writes the queued saves
     files = list(tmp_path.rglob("*.safetensors"))
     assert files and all(b"IHDR" not in f.read_bytes() for f in files)  # no image bytes
-    second = Engine(
-        loaded(kind), TEST_CACHE, EngineConfig(prefetch_next_turn=False), disk_config=disk
-    )
+    second = vision_engine(kind, disk_config=disk)
     try:
         end = second.plan(target).vision.spans[0].end
         warm = answer(second, target)

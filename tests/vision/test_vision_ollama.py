@@ -15,11 +15,11 @@ import httpx
 import mlx.core as mx
 import ollama
 import pytest
+from support.live import live_server
 from support.models import TEST_CACHE, loaded_test_model
 from support.server_fakes import FakeEngine, FakeModel, serving
-from support.vision_models import encoded, picture, vision_model_folder
+from support.vision_models import encoded, picture, vision_engine, vision_model_folder
 
-from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.load import load_model
 from mlx_prefix.vision.tower import carries_tower
@@ -30,15 +30,7 @@ SYSTEM = "You read screenshots for a developer. " * 4
 ASK = "What is on this screen?"
 
 
-@pytest.fixture(scope="module")
-def live():
-    engine = Engine(
-        load_model(str(vision_model_folder("qwen3_5"))),
-        TEST_CACHE,
-        EngineConfig(prefetch_next_turn=False),
-    )
-    with serving(engine) as (url, _):
-        yield url
+live = live_server(vision_engine)
 
 
 def images_total(url: str) -> float:
@@ -47,30 +39,31 @@ def images_total(url: str) -> float:
     return float(found.group(1))
 
 
-def test_a_chat_image_stands_before_its_text_and_an_openai_twin_reads_it_from_the_cache(live):
-    before = images_total(live)
-    with ollama.Client(host=live) as client:
-        messages = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": ASK, "images": [PNG]},
-        ]
-        reply = client.chat(model="m", messages=messages, options={"num_predict": 4})
-    assert reply.done and images_total(live) == before + 1
+def test_a_chat_image_stands_before_its_text_and_an_openai_twin_reads_it_from_the_cache(
+    url, ollama_client
+):
+    before = images_total(url)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": ASK, "images": [PNG]},
+    ]
+    reply = ollama_client.chat(model="m", messages=messages, options={"num_predict": 4})
+    assert reply.done and images_total(url) == before + 1
     look = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{B64}"}},
             {"type": "text", "text": ASK}]  # fmt: skip
     twin = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": look}]
     body = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": twin}
-    usage = httpx.post(f"{live}/v1/chat/completions", json=body, timeout=300).json()["usage"]
+    usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 8
 
 
-def test_generate_takes_images_beside_its_prompt_and_raw_mode_refuses_them(live):
-    before = images_total(live)
-    with ollama.Client(host=live) as client:
-        reply = client.generate(model="m", prompt=ASK, images=[PNG], options={"num_predict": 2})
-        assert reply.done and images_total(live) == before + 1
-        with pytest.raises(ollama.ResponseError) as e:
-            client.generate(model="m", prompt=ASK, images=[PNG], raw=True)
+def test_generate_takes_images_beside_its_prompt_and_raw_mode_refuses_them(url, ollama_client):
+    before = images_total(url)
+    options = {"num_predict": 2}
+    reply = ollama_client.generate(model="m", prompt=ASK, images=[PNG], options=options)
+    assert reply.done and images_total(url) == before + 1
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama_client.generate(model="m", prompt=ASK, images=[PNG], raw=True)
     assert e.value.status_code == 400 and "raw mode does not support images" in e.value.error
 
 
@@ -107,9 +100,8 @@ def test_max_images_holds_for_every_family_naming_the_first_image_past_it():
     assert len(engine.submissions) == 1
 
 
-def test_show_says_vision_where_the_model_takes_images(live):
-    with ollama.Client(host=live) as client:
-        assert "vision" in client.show("m").capabilities
+def test_show_says_vision_where_the_model_takes_images(ollama_client):
+    assert "vision" in ollama_client.show("m").capabilities
 
 
 def test_a_conversion_without_its_tower_serves_text_and_refuses_images_as_text_only(tmp_path):

@@ -15,19 +15,16 @@ import socket
 import struct
 import zlib
 
-import anthropic
 import httpx
-import openai
 import pytest
 from PIL import Image
+from support.live import live_server
 from support.models import TEST_CACHE, loaded_test_model
 from support.rss import PeakRss
 from support.server_fakes import serving
-from support.vision_models import encoded, picture, vision_model_folder
+from support.vision_models import encoded, picture, vision_engine, vision_model_folder
 
-from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.models.load import load_model
 from mlx_prefix.records import PromptInput
 from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
@@ -57,15 +54,7 @@ def image_span(engine: Engine, messages: list[dict]) -> tuple[int, int]:
     return span.start, span.end
 
 
-@pytest.fixture(scope="module")
-def live():
-    engine = Engine(
-        load_model(str(vision_model_folder("qwen3_5"))),
-        TEST_CACHE,
-        EngineConfig(prefetch_next_turn=False),
-    )
-    with serving(engine) as (url, _):
-        yield url, engine
+live = live_server(vision_engine)
 
 
 @pytest.fixture(autouse=True)
@@ -81,10 +70,8 @@ def no_fetch(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", guarded)
 
 
-def test_openai_chat_with_an_image_hits_the_second_time(live):
-    url, engine = live
+def test_openai_chat_with_an_image_hits_the_second_time(url, engine, client):
     flush(url)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": [
@@ -112,10 +99,8 @@ def test_openai_chat_with_an_image_hits_the_second_time(live):
     assert cached >= image_span(engine, messages)[1]  # the image's span was read
 
 
-def test_responses_input_image(live):
-    url, _ = live
+def test_responses_input_image(url, client):
     flush(url)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     item = {"role": "user", "content": [
         {"type": "input_text", "text": "Describe:"},
         {"type": "input_image", "image_url": DATA_URL, "detail": "auto"},
@@ -128,12 +113,10 @@ def test_responses_input_image(live):
     assert b.usage.input_tokens_details.cached_tokens >= b.usage.input_tokens - LEFT
 
 
-def test_a_stored_responses_turn_with_an_image_continues_by_its_id(live):
+def test_a_stored_responses_turn_with_an_image_continues_by_its_id(client):
     """The store keeps the image encoded with its digest (never its pixels): a chained
     turn renders it again as the same image, so the first turn's whole prompt, image
     span included, is read from the cache."""
-    url, _ = live
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     png = base64.b64encode(encoded(picture(80, 48, seed=12))).decode()
     item = {"role": "user", "content": [
         {"type": "input_text", "text": "Keep this one in mind:"},
@@ -152,10 +135,8 @@ def test_a_stored_responses_turn_with_an_image_continues_by_its_id(live):
     assert b.usage.input_tokens_details.cached_tokens >= a.usage.input_tokens - 8
 
 
-def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
-    url, _ = live
+def test_anthropic_image_in_a_tool_result_streamed_and_not(url, claude):
     flush(url)
-    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
     tools = [READ]
     messages = [
@@ -168,11 +149,11 @@ def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
             {"type": "text", "text": "What do you see?"},
         ]},
     ]  # fmt: skip
-    first = client.messages.create(
+    first = claude.messages.create(
         model="m", max_tokens=6, system=SYSTEM, tools=tools, messages=messages,
         extra_body={"temperature": 0},
     )  # fmt: skip
-    with client.messages.stream(
+    with claude.messages.stream(
         model="m", max_tokens=6, system=SYSTEM, tools=tools, messages=messages,
         extra_body={"temperature": 0},
     ) as stream:  # fmt: skip
@@ -184,7 +165,7 @@ def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
     # A user message's own image block reads the same way: cold, then from the cache.
     plain = [{"role": "user", "content": [image, {"type": "text", "text": "And this?"}]}]
     cold, warm = (
-        client.messages.create(
+        claude.messages.create(
             model="m", max_tokens=4, messages=plain, extra_body={"temperature": 0}
         )
         for _ in range(2)
@@ -193,32 +174,30 @@ def test_anthropic_image_in_a_tool_result_streamed_and_not(live):
     assert [b.model_dump() for b in warm.content] == [b.model_dump() for b in cold.content]
 
 
-def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(live):
-    url, _ = live
+def test_refusals_are_400s_in_each_family_shape_and_serving_goes_on(http):
     bomb = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 30).decode()
-    with httpx.Client(base_url=url, timeout=60) as http:
-        cases = [
-            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
-             "messages[0].content[0].image_url.url"),
-            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
-             "messages[0].content[0].image_url.url"),
-            ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [
-                {"type": "input_image", "file_id": "file-1"}]}]}, "input[0].content[0].file_id"),
-        ]  # fmt: skip
-        for path, body, param in cases:
-            r = http.post(path, json=body)
-            assert r.status_code == 400, r.text
-            assert r.json()["error"]["param"] == param
-        r = http.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": [
-            {"role": "user", "content": [{"type": "image", "source": {
-                "type": "base64", "media_type": "image/png", "data": bomb}}]}]})  # fmt: skip
-        assert r.status_code == 400 and r.json()["type"] == "error"
-        assert "messages[0].content[0].source.data" in r.json()["error"]["message"]
-        hi = [{"role": "user", "content": "hi"}]
-        ok = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": hi})
-        assert ok.status_code == 200
+    cases = [
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-1"}]}]}, "input[0].content[0].file_id"),
+    ]  # fmt: skip
+    for path, body, param in cases:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+    r = http.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": bomb}}]}]})  # fmt: skip
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "messages[0].content[0].source.data" in r.json()["error"]["message"]
+    hi = [{"role": "user", "content": "hi"}]
+    ok = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": hi})
+    assert ok.status_code == 200
 
 
 def _flat_png(side: int) -> str:
@@ -247,12 +226,11 @@ RSS_MARGIN = 64 * 1024 * 1024
 
 
 @pytest.mark.parametrize("family", ["chat", "anthropic"])
-def test_a_header_bomb_is_refused_unread_and_memory_stays_put(live, family):
+def test_a_header_bomb_is_refused_unread_and_memory_stays_put(http, family):
     """Six flat 4000x4000 PNGs (16 Mpx each, 100 KB of body together) pass the request's
     pixels; a 30000x30000 header passes one image's: each a 400 in the family's shape
     naming the image, read from the headers alone (the process's RSS does not move),
     and the server goes on serving the same model with an image."""
-    url, _ = live
     flat, bomb = _flat_png(4000), _header_only_png(30000)
 
     def body(images: list[str]) -> tuple[str, dict]:
@@ -277,23 +255,20 @@ def test_a_header_bomb_is_refused_unread_and_memory_stays_put(live, family):
             assert r.json()["type"] == "error"
         return r.json()["error"]["message"]
 
-    with httpx.Client(base_url=url, timeout=120) as http:
-        path, sent = body([flat] * 6)
+    refused = [
+        ([flat] * 6, "messages[0].content[2]", "pixels together"),
+        ([flat, bomb], "messages[0].content[1]", "more pixels than"),
+    ]
+    for images, part, why in refused:
+        path, sent = body(images)
         with PeakRss() as rss:
             r = http.post(path, json=sent)
         said = message(r)
-        assert "messages[0].content[2]" in said and "pixels together" in said
+        assert part in said and why in said
         if rss.grew is not None:
             assert rss.grew < RSS_MARGIN, f"RSS grew {rss.grew / 2**20:.0f} MiB"
-        path, sent = body([flat, bomb])
-        with PeakRss() as rss:
-            r = http.post(path, json=sent)
-        said = message(r)
-        assert "messages[0].content[1]" in said and "more pixels than" in said
-        if rss.grew is not None:
-            assert rss.grew < RSS_MARGIN, f"RSS grew {rss.grew / 2**20:.0f} MiB"
-        path, sent = body([B64])
-        assert http.post(path, json=sent).status_code == 200
+    path, sent = body([B64])
+    assert http.post(path, json=sent).status_code == 200
 
 
 def test_a_text_only_model_answers_400_saying_so():
@@ -306,17 +281,15 @@ def test_a_text_only_model_answers_400_saying_so():
         assert "text-only" in error["message"] and error["param"] == "messages[0].content[1]"
 
 
-def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
+def test_the_dashboard_shows_an_entry_s_images_as_spans(url, engine, http):
     from mlx_prefix.server.monitor.dashboard import HEAD_TOKENS
 
-    url, engine = live
     flush(url)  # the tree holds this request's entries only
-    with httpx.Client(base_url=url, timeout=60) as http:
-        spans = [{"role": "user", "content": [{"type": "text", "text": "Spans:"}, IMAGE_PART]}]
-        body = {"model": "m", "max_tokens": 1, "messages": spans}
-        r = http.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200
-        nodes = http.get("/v1/dashboard").json()["tree"]
+    spans = [{"role": "user", "content": [{"type": "text", "text": "Spans:"}, IMAGE_PART]}]
+    body = {"model": "m", "max_tokens": 1, "messages": spans}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    nodes = http.get("/v1/dashboard").json()["tree"]
     # The one node that adds the image shows its span where the prompt holds it, and,
     # the image being near its start, `[image]` in its head; no other node shows one.
     start, end = image_span(engine, spans)
@@ -327,17 +300,15 @@ def test_the_dashboard_shows_an_entry_s_images_as_spans(live):
     assert all("[image]" not in n["head"] for n in nodes if n is not node)
 
 
-def test_a_request_with_another_image_is_explained_at_the_image(live):
-    url, _ = live
+def test_a_request_with_another_image_is_explained_at_the_image(http):
     other = base64.b64encode(encoded(picture(96, 64, seed=12))).decode()  # PNG's size
     other_part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{other}"}}
     system = {"role": "system", "content": "You compare screens. " * 6}  # this test's own
-    with httpx.Client(base_url=url, timeout=60) as http:
-        for part in (IMAGE_PART, other_part):
-            look = [{"type": "text", "text": "Which screen is this?"}, part]
-            body = {"model": "m", "max_tokens": 1, "messages": [system, user_turn(look)]}
-            assert http.post("/v1/chat/completions", json=body).status_code == 200
-        record = http.get("/v1/cache/requests", params={"limit": 1}).json()["data"][0]
+    for part in (IMAGE_PART, other_part):
+        look = [{"type": "text", "text": "Which screen is this?"}, part]
+        body = {"model": "m", "max_tokens": 1, "messages": [system, user_turn(look)]}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+    record = http.get("/v1/cache/requests", params={"limit": 1}).json()["data"][0]
     # It diverged where the images differ, and the texts either side show an image there
     # (the key's values written as such, never decoded as token ids).
     assert record["cached_tokens"] <= record["diverged_at"] < record["prompt_tokens"]
@@ -349,25 +320,21 @@ def user_turn(content: list) -> dict:
     return {"role": "user", "content": content}
 
 
-def test_metrics_count_image_tokens(live):
-    url, engine = live
-    with httpx.Client(base_url=url, timeout=60) as http:
+def test_metrics_count_image_tokens(engine, http):
 
-        def counted():
-            text = http.get("/metrics").text
-            line = next(
-                x for x in text.splitlines() if x.startswith("mlx_prefix_image_tokens_total")
-            )
-            return float(line.split()[-1])
+    def counted():
+        text = http.get("/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("mlx_prefix_image_tokens_total"))
+        return float(line.split()[-1])
 
-        before = counted()
-        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": DATA_URL}}]}]}  # fmt: skip
-        assert http.post("/v1/chat/completions", json=body).status_code == 200
-        tokens = engine.plan(
-            PromptInput(messages=conversation_from_dicts(body["messages"]))
-        ).vision.image_tokens
-        assert counted() - before == tokens > 0
+    before = counted()
+    body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": DATA_URL}}]}]}  # fmt: skip
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    tokens = engine.plan(
+        PromptInput(messages=conversation_from_dicts(body["messages"]))
+    ).vision.image_tokens
+    assert counted() - before == tokens > 0
 
 
 def test_generate_takes_images_from_files(tmp_path):

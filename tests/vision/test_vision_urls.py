@@ -14,13 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from support.models import TEST_CACHE
-from support.server_fakes import serving
-from support.vision_models import encoded, picture, vision_model_folder
+from support.live import live_server
+from support.vision_models import encoded, picture, vision_engine
 
-from mlx_prefix.config import EngineConfig
-from mlx_prefix.engine.engine import Engine
-from mlx_prefix.models.load import load_model
 from mlx_prefix.vision import fetch
 
 PNG = encoded(picture(96, 64, seed=21))
@@ -79,15 +75,7 @@ def host(monkeypatch):
     server.server_close()
 
 
-@pytest.fixture(scope="module")
-def live():
-    engine = Engine(
-        load_model(str(vision_model_folder("qwen3_5"))),
-        TEST_CACHE,
-        EngineConfig(prefetch_next_turn=False),
-    )
-    with serving(engine, allow_image_urls=True, image_fetch_timeout_s=60.0) as (url, _):
-        yield url
+live = live_server(vision_engine, allow_image_urls=True, image_fetch_timeout_s=60.0)
 
 
 def chat(url: str) -> dict:
@@ -97,13 +85,12 @@ def chat(url: str) -> dict:
     return {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0, **PLAIN}
 
 
-def test_a_public_image_is_fetched_from_the_checked_address_and_is_the_same_image(live, host):
+def test_a_public_image_is_fetched_from_the_checked_address_and_is_the_same_image(http, host):
     server, connected = host
-    with httpx.Client(base_url=live, timeout=300) as client:
-        fetched = client.post("/v1/chat/completions", json=chat("http://img.test/shot.png"))
-        assert fetched.status_code == 200, fetched.text
-        assert connected == [PUBLIC] and server.asked == [("img.test", "/shot.png")]
-        inline = client.post("/v1/chat/completions", json=chat(DATA_URL))
+    fetched = http.post("/v1/chat/completions", json=chat("http://img.test/shot.png"))
+    assert fetched.status_code == 200, fetched.text
+    assert connected == [PUBLIC] and server.asked == [("img.test", "/shot.png")]
+    inline = http.post("/v1/chat/completions", json=chat(DATA_URL))
     assert inline.status_code == 200, inline.text
     # The same pixels, fetched or inline, are one image for the cache: the inline request
     # reads the fetched one's prompt, image included, and answers as it did.
@@ -118,31 +105,30 @@ def test_a_public_image_is_fetched_from_the_checked_address_and_is_the_same_imag
      "http://[::1]:{port}/shot.png", "http://intranet.test/shot.png",
      "http://metadata.test/latest/meta-data/"],
 )  # fmt: skip
-def test_loopback_private_and_metadata_urls_are_refused_with_nothing_fetched(live, host, where):
+def test_loopback_private_and_metadata_urls_are_refused_with_nothing_fetched(http, host, where):
     server, connected = host
     url = where.format(port=server.server_address[1])
     anthropic = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": url}}]}]}  # fmt: skip
-    with httpx.Client(base_url=live, timeout=300) as client:
-        r = client.post("/v1/chat/completions", json=chat(url))
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "messages[1].content[1].image_url.url"
-        assert error["code"] == "image_url_not_allowed" and "non-public" in error["message"]
-        r = client.post("/v1/messages", json=anthropic)
-        assert r.status_code == 400 and r.json()["type"] == "error"
-        assert "messages[0].content[0].source.url" in r.json()["error"]["message"]
-        assert client.post("/v1/chat/completions", json=chat(DATA_URL)).status_code == 200
+    r = http.post("/v1/chat/completions", json=chat(url))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[1].content[1].image_url.url"
+    assert error["code"] == "image_url_not_allowed" and "non-public" in error["message"]
+    r = http.post("/v1/messages", json=anthropic)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "messages[0].content[0].source.url" in r.json()["error"]["message"]
+    assert http.post("/v1/chat/completions", json=chat(DATA_URL)).status_code == 200
     assert connected == [] and server.asked == []
 
 
-def test_a_fetch_in_progress_holds_up_no_other_request(live, host):
+def test_a_fetch_in_progress_holds_up_no_other_request(url, host):
     server, _ = host
     server.release.clear()  # the host answers only once the server has answered another
     result = {}
 
     def ask():
-        with httpx.Client(base_url=live, timeout=300) as client:
+        with httpx.Client(base_url=url, timeout=300) as client:
             body = chat("http://img.test/slow.png")
             result["r"] = client.post("/v1/chat/completions", json=body)
 
@@ -152,9 +138,9 @@ def test_a_fetch_in_progress_holds_up_no_other_request(live, host):
         assert server.arrived.wait(60)  # the fetch is under way, inside the body's parse
         # A deadline for a hang: an event loop held by the fetch answers nothing until
         # the host is released.
-        with httpx.Client(base_url=live, timeout=30) as client:
+        with httpx.Client(base_url=url, timeout=30) as client:
             assert client.get("/health").status_code == 200
-        with httpx.Client(base_url=live, timeout=300) as client:
+        with httpx.Client(base_url=url, timeout=300) as client:
             inline = chat(DATA_URL)
             inline["messages"][1]["content"][0]["text"] = "And this one?"
             assert client.post("/v1/chat/completions", json=inline).status_code == 200
@@ -164,21 +150,21 @@ def test_a_fetch_in_progress_holds_up_no_other_request(live, host):
     assert result["r"].status_code == 200, result["r"].text
 
 
-def test_a_fetch_beyond_the_servers_bound_is_a_429_at_once(live, host, monkeypatch):
+def test_a_fetch_beyond_the_servers_bound_is_a_429_at_once(url, host, monkeypatch):
     server, connected = host
     monkeypatch.setattr(fetch, "_POOL", fetch.FetchPool(1))  # one fetch at a time
     server.release.clear()
     result = {}
 
     def ask():
-        with httpx.Client(base_url=live, timeout=300) as client:
+        with httpx.Client(base_url=url, timeout=300) as client:
             result["r"] = client.post("/v1/chat/completions", json=chat("http://img.test/a.png"))
 
     asking = threading.Thread(target=ask)
     asking.start()
     try:
         assert server.arrived.wait(60)  # the one fetch is under way
-        with httpx.Client(base_url=live, timeout=30) as client:  # a deadline for a hang
+        with httpx.Client(base_url=url, timeout=30) as client:  # a deadline for a hang
             r = client.post("/v1/chat/completions", json=chat("http://img.test/b.png"))
         assert r.status_code == 429, r.text
         error = r.json()["error"]
