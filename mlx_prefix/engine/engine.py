@@ -16,7 +16,6 @@ event (engine/requests/lifecycle.py). The parts are plain attributes (`loop`, `l
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -25,6 +24,7 @@ from dataclasses import replace
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix import mlx_threads
 from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.store import PromptCache
@@ -141,11 +141,10 @@ class Engine:
             board=board, prefetch=self.prefetch, prefetcher=self.prefetcher,
             can_batch=can_batch, owner=owner,
         )  # fmt: skip
-        self._thread = threading.Thread(
-            target=self.turns.run, args=(self.loop, self.views), name="mlx-prefix-engine"
+        # A reused thread (mlx_threads.py: MLX keeps an OS thread per Python thread).
+        self._thread = mlx_threads.start(
+            self.turns.run, self.loop, self.views, name="mlx-prefix-engine"
         )
-        self._thread.daemon = True
-        self._thread.start()
 
     # -- what the engine is and does (any thread) -----------------------------------
     @property
