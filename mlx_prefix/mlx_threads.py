@@ -84,6 +84,9 @@ class Worker:
                         log.exception("%s stopped on an error", run.name)
                     error, result = e, None
                 self.thread.name = own
+                # Nothing of the job may outlive its end as seen by the waiter: an
+                # engine's unload joins its loop, then collects and trims the heap.
+                run.fn, run.args = _spent, ()
                 if self._idle is not None:  # idle before the job's end is seen: the
                     with _GUARD:  # engine that replaces this one gets this thread
                         self._idle.append(self)
@@ -91,6 +94,10 @@ class Worker:
                 del run, result, error  # nothing of the last job outlives it here
         finally:
             mx.clear_streams()
+
+
+def _spent() -> None:
+    """What a finished Run calls (none): it no longer holds its job's function."""
 
 
 def _settle(future: Future[Any], result: Any = None, exception: BaseException | None = None):
