@@ -93,6 +93,18 @@ def wait_unloaded(log: Path, count: int, limit_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+def os_threads(pid: int) -> int | None:
+    """The server's OS threads (Linux /proc; None elsewhere): MLX keeps one per Python
+    thread that used it, so a count that grows by cycle is a leak (mlx_threads.py)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def cycles(kind: str, count: int, keep_alive: str, out: Path) -> dict[str, Any]:
     from mlx_prefix.models.testing import make_test_model
 
@@ -104,6 +116,7 @@ def cycles(kind: str, count: int, keep_alive: str, out: Path) -> dict[str, Any]:
     server = Server(ServerSpec(OURS, micro, args, label=f"unload-{kind}"), out / "logs").start()
     log = out / "logs" / f"unload-{kind}-{server.port}.log"
     rss: list[float] = []
+    threads: list[int | None] = []
     try:
         with httpx.Client(base_url=server.url, timeout=600.0) as client:
             ask(client, "default")
@@ -114,7 +127,8 @@ def cycles(kind: str, count: int, keep_alive: str, out: Path) -> dict[str, Any]:
                 wait_unloaded(log, i + 1)
                 time.sleep(IDLE_S)
                 rss.append((server.rss_bytes() or 0) / MiB)
-                print(f"cycle {i + 1}: RSS {rss[-1]:.0f} MiB", flush=True)
+                threads.append(os_threads(server.pid))
+                print(f"cycle {i + 1}: RSS {rss[-1]:.0f} MiB, {threads[-1]} threads", flush=True)
     finally:
         server.stop()
     return {
@@ -125,6 +139,7 @@ def cycles(kind: str, count: int, keep_alive: str, out: Path) -> dict[str, Any]:
         "cycles": count,
         "rss_before_first_load_mib": round(before, 1),
         "rss_after_each_unload_mib": [round(r, 1) for r in rss],
+        "os_threads_after_each_unload": threads,
         "spread_mib": round(max(rss) - min(rss), 1),
         "last_minus_first_mib": round(rss[-1] - rss[0], 1),
         "first_unload_over_before": round(rss[0] / before, 3),

@@ -18,7 +18,6 @@ it is idle.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -27,6 +26,7 @@ from dataclasses import replace
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_prefix import mlx_threads
 from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.store import PromptCache
@@ -168,11 +168,10 @@ class Engine:
             owner=owner,
             agree_tokens=consensus.tokens if consensus is not None else None,
         )
-        self._thread = threading.Thread(
-            target=self.turns.run, args=(self.loop, self.views), name="mlx-prefix-engine"
+        # A reused thread (mlx_threads.py: MLX keeps an OS thread per Python thread).
+        self._thread = mlx_threads.start(
+            self.turns.run, self.loop, self.views, name="mlx-prefix-engine"
         )
-        self._thread.daemon = True
-        self._thread.start()
 
     # -- what the engine is (any thread) ----------------------------------------------
     @property

@@ -16,8 +16,6 @@ import logging
 import time
 from typing import Protocol
 
-import mlx.core as mx
-
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.activity import ActivityBoard
 from mlx_prefix.engine.calibration import PLAIN, Agreement, calibrate, check_speculator
@@ -170,9 +168,8 @@ class EngineLoop:
         self.fail_all(MlxPrefixError("the engine stopped"), waiting_too=True)
         if self.disk is not None:
             self.disk.drop_pending("the engine stopped")
-        # MLX requires each thread to destroy its own streams before it exits, or
-        # the process may abort at exit ("terminate called without an active exception").
-        mx.clear_streams()
+        # The thread's MLX streams stay: the thread serves the next engine
+        # (mlx_threads.py destroys them when it stops).
 
     # -- one step's parts -----------------------------------------------------------
     def schedule(self, stopping: bool = False) -> None:

@@ -120,6 +120,11 @@ def load_model(
 
     loaded = finish_loading(model, tokenizer, config, resolved, dtype, defaults, adapter_path)
     loaded.vision = _load_vision(loaded, label)
+    # Building the model drew its random initial weights (replaced by the file's) from
+    # MLX's global key: each draw left the key a lazy split of the one before, a chain
+    # no one evaluates (greedy decoding never draws), held as long as the process. It
+    # kept ~0.45 MiB per load of SmolLM2 (a server switching models grew with it).
+    mx.eval(mx.random.state)
     return loaded
 
 

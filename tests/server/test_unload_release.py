@@ -32,11 +32,12 @@ from mlx_prefix.blas_exec import fast_blas_env
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.errors import Unavailable
+from mlx_prefix.mlx_threads import on_loader_thread
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.records import DoneEvent, PromptInput, SamplingParams
 from mlx_prefix.server.protocol.messages import conversation_from_dicts
-from mlx_prefix.server.served.loading import EngineSwapper, Slot, on_own_thread
+from mlx_prefix.server.served.loading import EngineSwapper, Slot
 from mlx_prefix.server.served.names import ModelSpec, ServedModel
 
 ROOT = REPO
@@ -64,13 +65,13 @@ def loaded_engine(folder: Path) -> tuple[EngineSwapper, Slot]:
         return Engine(load_model(str(spec.folder)), TEST_CACHE, config, store=store)
 
     spec = ModelSpec(folder, None, "m")
-    engine = on_own_thread(load, spec, None, None).result()
+    engine = on_loader_thread(load, spec, None, None).result()
     swapper = EngineSwapper(load, engine.store, None, last=engine)
     return swapper, Slot(spec, ServedModel("m", engine))
 
 
 def unload(swapper: EngineSwapper, slot: Slot) -> None:
-    on_own_thread(swapper.unload, slot, "test").result()
+    on_loader_thread(swapper.unload, slot, "test").result()
 
 
 @pytest.mark.parametrize("vision", [False, True], ids=["text", "vision"])

@@ -1,7 +1,7 @@
 """Loading and unloading the model pool's engines (server/served/pool.py decides which).
 
-Everything here runs on a loader thread of its own (`on_own_thread`), never on the event
-loop, except `memory_fit`, the check made before anything is unloaded: a model's weight
+Everything here runs on the process's loader thread (mlx_threads.py), never on the
+event loop, except `memory_fit`, the check made before anything is unloaded: a model's weight
 files' size must fit the memory available plus what unloading frees. A failed load never
 leaves the server without what it served: with room for both, the new model is loaded
 before anything is unloaded; without, the folder is checked first
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -208,39 +206,3 @@ def weights_bytes(model: Any) -> int:
     if module is None or not hasattr(module, "parameters"):
         return 0
     return sum(p.nbytes for _, p in named_arrays(module.parameters()))
-
-
-def on_own_thread(fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """Run `fn` on a fresh thread that destroys its MLX streams when done (MLX streams
-    are thread-local: see Engine._loop)."""
-    future: Future[Any] = Future()
-
-    def run() -> None:
-        import mlx.core as mx
-
-        try:
-            result = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
-            _settle(future, exception=e)
-        else:
-            _settle(future, result=result)
-        finally:
-            mx.clear_streams()
-
-    threading.Thread(target=run, name="mlx-prefix-load", daemon=True).start()
-    return future
-
-
-def _settle(
-    future: Future[Any], result: Any = None, exception: BaseException | None = None
-) -> None:
-    """Hand the outcome over, unless the awaiting side gave up meanwhile (the server
-    shutting down cancels the asyncio future, and with it this one): the work is done
-    either way, and a cancelled future refuses a result."""
-    try:
-        if exception is not None:
-            future.set_exception(exception)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass

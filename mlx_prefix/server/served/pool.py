@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from mlx_prefix.config import FOREVER
 from mlx_prefix.errors import InvalidRequest
+from mlx_prefix.mlx_threads import on_loader_thread
 from mlx_prefix.models.settings_file import NO_SETTINGS, ModelSettings, ModelsFile
 from mlx_prefix.platform import available_memory
 
@@ -44,7 +45,6 @@ from .loading import (
     EngineSwapper,
     Slot,
     memory_fit,
-    on_own_thread,
     weights_bytes,
 )
 from .names import ModelSelector, ModelSpec, ServedModel
@@ -259,7 +259,7 @@ class ModelPool:
                     await asyncio.sleep(DRAIN_POLL_S)
             try:
                 swap = self._swapper.swap  # type: ignore[union-attr]
-                loaded = await asyncio.wrap_future(on_own_thread(swap, victims, spec, alongside))
+                loaded = await asyncio.wrap_future(on_loader_thread(swap, victims, spec, alongside))
             except BaseException:
                 await self._reinstate(victims)
                 raise
@@ -292,7 +292,7 @@ class ModelPool:
         gone = [v for v in victims if v.unloaded]
         if gone:
             reload = self._swapper.reload  # type: ignore[union-attr]
-            reloaded = await asyncio.wrap_future(on_own_thread(reload, gone))
+            reloaded = await asyncio.wrap_future(on_loader_thread(reload, gone))
             for slot in reversed(reloaded):
                 slot.last_used = self.clock()
                 self._slots[slot.spec.key] = slot
@@ -312,7 +312,7 @@ class ModelPool:
             slot.retiring = True  # no new lease from here on: a lookup loads it again
             del self._slots[key]
             unload = self._swapper.unload
-            await asyncio.wrap_future(on_own_thread(unload, slot, reason))
+            await asyncio.wrap_future(on_loader_thread(unload, slot, reason))
             return True
 
     def close(self, timeout: float = 10.0) -> None:
