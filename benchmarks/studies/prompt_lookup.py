@@ -171,8 +171,8 @@ def main() -> None:
     p.add_argument(
         "--vllm-args",
         default="",
-        help="vllm-mlx's serve flags beside --continuous-batching, e.g. its n-gram "
-        "speculation: '--speculative-method ngram --num-speculative-tokens 8'",
+        help="vllm-mlx's serve flags beside --continuous-batching (0.6.0 has no n-gram "
+        "or text draft-model speculation; '--enable-mtp' serves a model with MTP heads)",
     )
     out = Path(__file__).parents[1] / "out"  # benchmarks/out
     p.add_argument("--out", type=Path, default=out / "prompt_lookup.json")
