@@ -12,10 +12,14 @@ Each stream asks about its own file. Runs alternate off / on so that a loaded ma
 drift hits both alike; the median of the repeats is reported. Decode tokens/s at 4
 streams is the sum of the streams' own rates (they decode together). By default the
 engine runs as served by default; --deterministic makes every reply comparable bit for
-bit (tokens and logprobs) with plain decoding.
+bit (tokens and logprobs) with plain decoding. --draft measures --draft-model on the same
+workloads instead (a request's num_draft_tokens k against 0 in one engine): the model as
+its own draft (every greedy token kept: the ceiling, at the cost of k draft forwards of
+the full model) or its first --layers layers (untrained); several requests decoding
+together take plain steps with a draft.
 
     python benchmarks/studies/prompt_lookup.py [--k 8] [--max-tokens 192] [--repeats 2]
-        [--streams 1 4] [--no-peers]
+        [--streams 1 4] [--no-peers] [--deterministic] [--draft self|layer-skip]
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -42,7 +47,8 @@ from benchmarks.studies.speculative import reply  # one request's tokens, logpro
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.models.default import ensure_default_model
-from mlx_prefix.models.load import load_model
+from mlx_prefix.models.layer_skip import make_layer_skip_draft
+from mlx_prefix.models.load import LoadedModel, load_model
 from mlx_prefix.records import PromptInput, SamplingParams
 from mlx_prefix.server.protocol.messages import conversation_from_dicts
 
@@ -83,19 +89,30 @@ class Row:
     same_as_plain: bool | None  # tokens (and logprobs) equal to the off run's, every repeat
 
 
+def _stats(engine: Engine):
+    """The drafter's counters: the draft model's where the engine has one, else lookup's."""
+    decode = engine.loop.decode
+    drafter = decode.speculator if decode.speculator is not None else decode.lookup
+    assert drafter is not None, "the engine drafts"
+    return drafter.stats
+
+
 def ours(engine: Engine, name: str, streams: int, k: int, max_tokens: int) -> tuple:
     """One run of `streams` requests decoding together: (summed tok/s, replies, drafted,
-    accepted)."""
-    before = engine.loop.decode.lookup.stats
-    assert before is not None, "the engine has prompt lookup"
+    accepted). k drafts by the engine's drafter: its draft model (a request's
+    num_draft_tokens) where it has one, else prompt lookup (a request's prompt_lookup)."""
+    before = _stats(engine)
     drafted0, accepted0 = before.drafted, before.accepted
+    drafts = engine.loop.decode.speculator is not None  # a draft model drafts, else prompt lookup
     out: list = [None] * streams
 
     def one(i: int) -> None:
         messages = conversation_from_dicts([{"role": "user", "content": prompts(i)[name]}])
-        sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, logprobs=True, prompt_lookup=k
-        )
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True)
+        if drafts:
+            sampling = replace(sampling, num_draft_tokens=k)
+        else:
+            sampling = replace(sampling, prompt_lookup=k)
         out[i] = reply(engine, PromptInput(messages=messages), sampling)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
@@ -103,8 +120,7 @@ def ours(engine: Engine, name: str, streams: int, k: int, max_tokens: int) -> tu
         t.start()
     for t in threads:
         t.join()
-    stats = engine.loop.decode.lookup.stats
-    assert stats is not None
+    stats = _stats(engine)
     tps = sum(usage.decode_tokens_per_s for _, _, usage in out)
     replies = [(tokens, logprobs) for tokens, logprobs, _ in out]
     return tps, replies, stats.drafted - drafted0, stats.accepted - accepted0
@@ -143,8 +159,22 @@ def main() -> None:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     p.add_argument("--workloads", nargs="+", default=["edit", "rewrite", "chat"])
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument(
+        "--draft",
+        choices=["self", "layer-skip"],
+        help="draft with --draft-model instead of prompt lookup: the model itself (every "
+        "greedy token kept: the ceiling) or its first --layers layers (untrained)",
+    )
+    p.add_argument("--layers", type=int, default=16, help="the layer-skip draft's layers")
     p.add_argument("--no-peers", action="store_true", help="mlx-prefix alone")
     p.add_argument("--peers-only", action="store_true", help="the peers alone")
+    p.add_argument("--peers", nargs="+", default=[PEER, VLLM], choices=[PEER, VLLM])
+    p.add_argument(
+        "--vllm-args",
+        default="",
+        help="vllm-mlx's serve flags beside --continuous-batching (0.6.0 has no n-gram "
+        "or text draft-model speculation; '--enable-mtp' serves a model with MTP heads)",
+    )
     out = Path(__file__).parents[1] / "out"  # benchmarks/out
     p.add_argument("--out", type=Path, default=out / "prompt_lookup.json")
     args = p.parse_args()
@@ -158,10 +188,21 @@ def main() -> None:
     report(rows, args, left_out)
 
 
+def _draft(model_path: Path, args, tmp: Path) -> LoadedModel | None:
+    if args.draft == "self":
+        return load_model(str(model_path))
+    if args.draft == "layer-skip":
+        return load_model(str(make_layer_skip_draft(model_path, tmp / "draft", args.layers)))
+    return None
+
+
 def measure_ours(model_path: Path, args) -> list[Row]:
     model = load_model(str(model_path))
     config = EngineConfig(deterministic=args.deterministic, prefetch_next_turn=False)
-    engine = Engine(model, CacheConfig(), config)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-lookup-draft-"))  # the layer-skip draft's files
+    draft = _draft(model_path, args, tmp)
+    engine = Engine(model, CacheConfig(), config, draft=draft)
+    server = "mlx-prefix" if draft is None else f"mlx-prefix --draft-model {args.draft}"
     rows: list[Row] = []
     try:
         for name in args.workloads:
@@ -188,7 +229,7 @@ def measure_ours(model_path: Path, args) -> list[Row]:
                 for k in (0, args.k):
                     rows.append(
                         Row(
-                            server="mlx-prefix",
+                            server=server,
                             workload=name,
                             streams=streams,
                             lookup=k,
@@ -201,6 +242,7 @@ def measure_ours(model_path: Path, args) -> list[Row]:
                     )
     finally:
         engine.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -208,7 +250,7 @@ def report(rows: list[Row], args, left_out: dict[str, str]) -> None:
     base = {
         (r.workload, r.streams): r.decode_tps
         for r in rows
-        if r.server == "mlx-prefix" and r.lookup == 0
+        if r.server.startswith("mlx-prefix") and r.lookup == 0
     }
     print(
         f"{'server':<14} {'workload':<8} {'streams':>7} {'lookup':>6} {'tokens':>6} "
@@ -240,12 +282,15 @@ def peers(model_path: Path, args, left_out: dict[str, str]) -> list[Row]:
     """The same requests, plainly decoded by each peer that can start here."""
     rows = []
     log_dir = Path(tempfile.mkdtemp(prefix="bench-lookup-"))
-    for name in (PEER, VLLM):
+    for name in args.peers:
         if (why := unavailable(name)) is not None:
             left_out[name] = why
             continue
+        extra = tuple(args.vllm_args.split()) if name == VLLM else ()
+        label = " ".join((name, *extra))
         try:
-            (server,) = start_all([ServerSpec(name, model_path, label=name)], log_dir)
+            spec = ServerSpec(name, model_path, extra_args=extra, label=name)
+            (server,) = start_all([spec], log_dir)
         except Exception as e:  # a peer that cannot start here is left out, said so
             left_out[name] = repr(e)
             continue
@@ -259,7 +304,7 @@ def peers(model_path: Path, args, left_out: dict[str, str]) -> list[Row]:
                     print(name, workload, streams, runs, file=sys.stderr)
                     rows.append(
                         Row(
-                            server=name,
+                            server=label,
                             workload=workload,
                             streams=streams,
                             lookup=0,
