@@ -224,9 +224,11 @@ class EngineConfig:
     quantized_kv_start: int = 5000
     # Speculative decoding (--draft-model): draft tokens per verify step by default.
     num_draft_tokens: int = 3
-    # Prompt lookup (engine/decode/lookup.py): a request decoding alone drafts up to this
-    # many tokens from its own prompt and reply; 0: off (a request's prompt_lookup wins).
-    prompt_lookup: int = 0
+    # Prompt lookup (engine/decode/lookup.py): each decoding request drafts up to this many
+    # tokens from its own prompt and reply, adapting down to off when it keeps none; 0: off
+    # (a request's prompt_lookup wins). None: on, lookup.py's DEFAULT_TOKENS (8), unless a
+    # --draft-model drafts instead.
+    prompt_lookup: int | None = None
     # Batch invariance (--deterministic): a request's answer never depends on what else
     # runs. Off: decode batches every running row in one forward, as mlx_lm.server does;
     # the cache stays exact either way (prefill always computes alone, on the grid).
@@ -238,7 +240,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
-        if not 0 <= self.prompt_lookup <= 32:  # engine/decode/speculative.py's MAX_DRAFT_TOKENS
+        if self.prompt_lookup is not None and not 0 <= self.prompt_lookup <= 32:  # MAX_DRAFT_TOKENS
             raise ValueError(f"prompt_lookup must be between 0 and 32, not {self.prompt_lookup}")
         if min(self.max_running, self.prefill_tokens_per_step, self.max_prefilling) < 1:
             raise ValueError(

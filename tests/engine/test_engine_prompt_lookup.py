@@ -49,7 +49,7 @@ PROMPT = chat(("user", PROMPT_TEXT))
 LOOKUP, PLAIN = 8, 0  # a request's prompt_lookup
 
 
-def _sampling(lookup: int, seed: int = 7, **extra: Any) -> SamplingParams:
+def _sampling(lookup: int | None, seed: int = 7, **extra: Any) -> SamplingParams:
     return SamplingParams(
         max_tokens=200, temperature=0.0, seed=seed, logprobs=True, prompt_lookup=lookup, **extra
     )
@@ -123,10 +123,11 @@ def test_a_copy_cut_mid_way_keeps_part_of_a_draft():
 
 
 def test_drafts_all_rejected_back_off_and_the_reply_stays_exact():
-    # "A B x1 A B x2 ...": each "A B" was last followed by another x, so every draft
-    # is wrong at its first token.
-    a, b, cycles = 1000, 1001, 24
-    script = [t for i in range(cycles) for t in (a, b, 2000 + i)]
+    # "A B C D x1 A B C D x2 ...": each "A B C D" agrees over four tokens with the last
+    # one, which was followed by another x, so every draft is wrong at its first token
+    # (and a cold request drafts from nothing shorter).
+    run_, cycles = [1000, 1001, 1002, 1003], 24
+    script = [t for i in range(cycles) for t in (*run_, 2000 + i)]
     with scripted({7: script}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
@@ -136,6 +137,61 @@ def test_drafts_all_rejected_back_off_and_the_reply_stays_exact():
     assert stats.drafted > 0 and stats.accepted == 0
     # k halved to 0 and the request paused: fewer verifies than drafting chances.
     assert stats.steps < cycles // 2
+
+
+# "A B x1 A B x2 ...": every "A B" matches the last one, a chance two-token match (the
+# tokens before it differ), like "of the" in a story; nothing it drafts would be kept.
+CHANCE = [t for i in range(30) for t in (1000, 1001, 2000 + i)]
+
+
+def test_a_reply_that_copies_nothing_takes_no_verify(monkeypatch):
+    matches = []
+    propose = lookup.NgramIndex.propose
+
+    def spy(self, k):
+        drafted = propose(self, k)
+        matches.append(bool(drafted))
+        return drafted
+
+    monkeypatch.setattr(lookup.NgramIndex, "propose", spy)
+    with scripted({7: CHANCE}) as engine:
+        plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+        looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
+    _same(looked, plain)
+    assert looked.tokens == CHANCE
+    assert sum(matches) >= 20  # the index matched "A B" again and again
+    assert engine.lookup.steps == 0  # and no verify forward ran: every step a plain one
+
+
+def test_on_by_default_and_the_reply_is_plain_decodings():
+    assert EngineConfig().prompt_lookup is None
+    assert engine_config(build_parser().parse_args(["serve"])).prompt_lookup is None
+    off = engine_config(build_parser().parse_args(["serve", "--prompt-lookup", "0"]))
+    with scripted({7: _tokens(FILE)}) as engine:
+        assert engine.loop.decode.lookup.max_tokens == lookup.DEFAULT_TOKENS
+        plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+        looked = run(engine, PROMPT, sampling=_sampling(None))  # the server's default
+        assert engine.lookup.accepted > 0
+    _same(looked, plain)
+    with scripted({7: _tokens(FILE)}, prompt_lookup=off.prompt_lookup) as engine:
+        _same(run(engine, PROMPT, sampling=_sampling(None)), plain)
+        assert engine.lookup.steps == 0
+
+
+def test_steps_overlap_while_no_request_drafts_and_not_while_one_does():
+    # A device that computes asynchronously launches a step before the one ahead is read
+    # (phase.py): lookup on by default must not cost a reply that copies nothing that.
+    with scripted({7: CHANCE, 8: _tokens(FILE)}) as engine:
+        plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in (7, 8)]
+        decode = engine.loop.decode
+        decode.pipelined = True  # a GPU's default; the CPU's async_eval blocks (phase.py)
+        decode.overlapped = 0
+        chance = run(engine, PROMPT, sampling=_sampling(None, seed=7))
+        assert decode.overlapped > len(CHANCE) // 2 and engine.lookup.steps == 0
+        copy = run(engine, PROMPT, sampling=_sampling(None, seed=8))
+        assert engine.lookup.accepted > 0
+    _same(chance, plain[0])
+    _same(copy, plain[1])
 
 
 def test_a_stop_string_inside_an_accepted_draft_ends_the_reply_there():

@@ -35,6 +35,7 @@ LOOKUP = 6
 
 @contextlib.contextmanager
 def _engine(model, **config: Any) -> Iterator[Engine]:
+    config.setdefault("prompt_lookup", 0)  # plain decoding unless asked (on by default)
     engine = Engine(model, TEST_CACHE, EngineConfig(deterministic=True, **config))
     try:
         yield engine
@@ -47,6 +48,7 @@ def _oracle(reply: list[int], prompt_tokens: int, vocab: int, cut: int | None):
     prompt and the reply so far), wrong from draft index `cut` on (None: all right)."""
 
     def propose(self, k: int) -> list[int]:
+        self.matched = lookup.MATCH_CAP  # a copy's match: a cold request drafts from it
         at = len(self.tokens) - prompt_tokens
         right = [*reply[at : at + k], *[0] * k][:k]
         return [t if cut is None or i < cut else (t + 1) % vocab for i, t in enumerate(right)]

@@ -10,12 +10,17 @@ kept while the reply's last tokens agree with it (a copy of a repetitive file st
 its line). An agent's reply that repeats what it read (an edit's old lines, a rewritten
 file) keeps most of them.
 
-k adapts per request so that a reply which copies nothing decodes as plain decoding
-does (a verify costs more than a step: 1 to 2.5 steps measured on a loaded 2-core CPU):
-it starts at 2, doubles (up to the request's limit) while whole drafts are kept, shrinks
-to what was kept, halves when nothing is, and at 0 the request takes plain steps for a
-pause that doubles each time (8 up to 256 steps) before it probes again with k = 1.
-Without a match there is no draft and the step is a plain one.
+A reply which copies nothing must decode as plain decoding does (a verify costs more
+than a step: 1 to 2.5 steps measured on a loaded 2-core CPU), so a request only verifies
+where a draft is likely kept. Cold (no draft kept at its last verify, or none yet), it
+drafts only from a match that agrees with its last PROBE_MATCH tokens or more (a copy's
+match agrees over its line; a chance "of the" in a story does not, and costs no verify);
+hot, any match drafts. k starts at 2, doubles (up to the request's limit) while whole
+drafts are kept, shrinks to what was kept, halves when nothing is, and at 0 the request
+takes plain steps for a pause that doubles each time (8 up to 256 steps) before it
+probes again with k = 1. Without a draft the step is a plain one, and while no request
+may draft (`quiet`) a step may launch before the one ahead is read, as without lookup
+(engine/decode/phase.py, on a device that computes asynchronously).
 
 Models with recurrent or sliding-window layers draft too while decoding alone (a
 rejected draft is taken back from their state: cache/layers/rewind.py); several requests
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
@@ -40,10 +45,13 @@ from mlx_prefix.records import SamplingParams
 
 log = logging.getLogger("mlx_prefix.engine")
 
+DEFAULT_TOKENS = 8  # draft tokens at most, unless --prompt-lookup says otherwise
 NGRAM_SIZES = (4, 3, 2)  # the sequence's last n tokens looked up, longest first
 START_K = 2  # a request's first draft: a wrong one costs a verify of few rows
 PAUSE_FIRST = 8  # plain steps after k fell to 0, before probing again
 PAUSE_MAX = 256  # the pause doubles up to this while probes keep failing
+MATCH_CAP = 16  # tokens compared back from a match (NgramIndex.matched)
+PROBE_MATCH = 4  # a cold request drafts only from a match agreeing over this many tokens
 
 
 class NgramIndex:
@@ -56,6 +64,7 @@ class NgramIndex:
         # own last n-grams have no follower yet, so a look-up finds an earlier one.
         self._next: dict[tuple[int, ...], int] = {}
         self._distance: int | None = None  # from the sequence's end to the match followed
+        self.matched = 0  # the last proposal's agreeing tokens (`propose`)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,26 +81,47 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """k tokens after the match: the one followed last while its last tokens still
         agree (a copy of a repetitive file stays on its line), else the latest earlier
-        occurrence of the longest matching suffix; [] when none occurred before."""
+        occurrence of the longest matching suffix; [] when none occurred before.
+        `matched` is then how many tokens before the match agree with the sequence's end
+        (up to MATCH_CAP): a copy's is long, a chance n-gram's short."""
         seq, end = self.tokens, len(self.tokens)
-        at = None
-        if self._distance is not None:
-            n, source = self.sizes[-1], end - self._distance
-            if n <= source < end and seq[source - n : source] == seq[end - n :]:
-                at = source
-        for n in self.sizes if at is None else ():
-            if end > n and (at := self._next.get(tuple(seq[-n:]))) is not None:
-                break
+        at = self._match()
         if at is None:
-            self._distance = None
+            self._distance, self.matched = None, 0
             return []
         self._distance = end - at  # a copy's source and its end advance together
+        self.matched = self._agreeing(at)
         # Past the sequence's end the match repeats what it just proposed: a run or a
         # loop goes on as it went (period end - at).
         out = seq[at : at + k]
         while len(out) < k:
             out.append(out[len(out) - (end - at)])
         return out
+
+    def agreement(self) -> int:
+        """What `matched` would be if the sequence's end drafted now (0: no match);
+        nothing changes."""
+        at = self._match()
+        return 0 if at is None else self._agreeing(at)
+
+    def _match(self) -> int | None:
+        """The position after the match `propose` drafts from (None: no match)."""
+        seq, end = self.tokens, len(self.tokens)
+        if self._distance is not None:
+            n, source = self.sizes[-1], end - self._distance
+            if n <= source < end and seq[source - n : source] == seq[end - n :]:
+                return source
+        for n in self.sizes:
+            if end > n and (at := self._next.get(tuple(seq[-n:]))) is not None:
+                return at
+        return None
+
+    def _agreeing(self, at: int) -> int:
+        """Tokens before `at` that agree with the sequence's last ones, up to MATCH_CAP."""
+        seq, n = self.tokens, 0
+        while n < MATCH_CAP and n < at and seq[at - 1 - n] == seq[-1 - n]:
+            n += 1
+        return n
 
 
 @dataclass(slots=True)
@@ -102,8 +132,31 @@ class LookupState:
     k: int  # draft tokens of its next verify (0: paused)
     pause: int = 0  # plain steps left before the next probe
     backoff: int = PAUSE_FIRST  # the next pause
+    hot: bool = False  # its last verify kept a drafted token: any match drafts
+
+    def draft(self, limit: int, room: int) -> list[int]:
+        """This step's draft ([]: a plain step), at most `limit` tokens and `room` (the
+        reply's tokens left after this step's own). Cold (nothing kept at its last
+        verify, or none yet), only a match that agrees over PROBE_MATCH tokens drafts:
+        a chance n-gram in a reply that copies nothing costs no verify."""
+        if self.pause:
+            self.tick()
+            return []
+        k = min(self.k, limit, room)
+        if k <= 0:
+            return []
+        drafted = self.index.propose(k)
+        if not self.hot and self.index.matched < PROBE_MATCH:
+            return []
+        return drafted
+
+    def tick(self) -> None:
+        """A plain step of a paused request: the last one before its probe sets k = 1."""
+        self.pause -= 1
+        self.k = 0 if self.pause else 1
 
     def adapt(self, drafted: int, accepted: int, limit: int) -> None:
+        self.hot = accepted > 0
         if accepted == drafted:
             self.k = min(limit, max(1, 2 * self.k))
         elif accepted:
@@ -116,14 +169,16 @@ class LookupState:
             self.pause, self.backoff = self.backoff, min(PAUSE_MAX, 2 * self.backoff)
 
 
-@dataclass(slots=True)
 class PromptLookup:
-    max_tokens: int  # the server's --prompt-lookup: draft tokens at most (0: off)
-    # Why it never drafts on this engine (quantized KV); None: it may.
-    unusable: str | None = None
-    stats: SpeculationStats = field(default_factory=SpeculationStats)
-    exact: bool | None = None  # the verify forward keeps this model's numbers (None: unchecked)
-    _states: dict[int, LookupState] = field(default_factory=dict)  # by id(Running)
+    """The engine's prompt lookup: each decoding request's LookupState, by request."""
+
+    def __init__(self, max_tokens: int | None, unusable: str | None = None):
+        # The server's --prompt-lookup: draft tokens at most (0: off; None: DEFAULT_TOKENS).
+        self.max_tokens = DEFAULT_TOKENS if max_tokens is None else max_tokens
+        self.unusable = unusable  # why it never drafts on this engine (quantized KV)
+        self.stats = SpeculationStats()
+        self.exact: bool | None = None  # the verify forward keeps this model's numbers
+        self._states: dict[int, LookupState] = {}  # by id(Running)
 
     def check(self, model: LoadedModel, rows: int | None) -> bool:
         """Whether a verify forward gives plain decoding's numbers on this model here
@@ -177,11 +232,39 @@ class PromptLookup:
         if state is not None:  # None: the request ended in the verify
             state.adapt(drafted, accepted, self.limit(running))
 
+    def quiet(self, members: Sequence[Running]) -> bool:
+        """Whether no request drafts at the next step, judged from the tokens read so far
+        (one may be in flight): paused, or cold without a match that agrees over nearly
+        PROBE_MATCH tokens. Then that step may launch before the one ahead is read, on a
+        device that computes asynchronously (engine/decode/phase.py), as without lookup."""
+        for running in members:
+            limit = self.limit(running)
+            if limit <= 0:
+                continue
+            state = self._state(running, limit)
+            if state.pause:
+                continue
+            if state.hot or state.index.agreement() >= PROBE_MATCH - 1:
+                return False
+        return True
+
+    def plain_step(self, members: Sequence[Running]) -> None:
+        """A step launched without drafting (`quiet`): the paused requests count it."""
+        for running in members:
+            state = self._states.get(id(running))
+            if state is not None and state.pause:
+                state.tick()
+
     def _draft(self, running: Running) -> list[int]:
         """The request's draft for this step ([]: none, it decodes one position)."""
         limit = self.limit(running)
         if limit <= 0:
             return []
+        state = self._state(running, limit)
+        return state.draft(limit, running.limit - running.count - 1)
+
+    def _state(self, running: Running, limit: int) -> LookupState:
+        """The request's state, its index caught up with the tokens read so far."""
         state = self._states.get(id(running))
         if state is None:
             state = self._states[id(running)] = LookupState(NgramIndex(), min(limit, START_K))
@@ -189,12 +272,7 @@ class PromptLookup:
         if len(index) < len(prompt):
             index.extend(prompt)
         index.extend(running.emitted[len(index) - len(prompt) :])
-        if state.pause:
-            state.pause -= 1
-            state.k = 0 if state.pause else 1
-            return []
-        k = min(state.k, limit, running.limit - running.count - 1)
-        return index.propose(k) if k > 0 else []
+        return state
 
     def forget(self, running: Running) -> None:
         self._states.pop(id(running), None)

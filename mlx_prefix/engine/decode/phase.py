@@ -159,9 +159,11 @@ class DecodePhase:
             self.read_launched()  # then a step of its own, from every row's newest token
             if not len(self.batch):
                 return  # every row ended on the tokens in flight
-        if self._speculate():
+        if not overlap and self._speculate():
             self.steps += 1
             return
+        if overlap and self.lookup is not None:
+            self.lookup.plain_step(self.batch.members)
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
         self.overlapped += overlap
@@ -214,8 +216,8 @@ class DecodePhase:
         draws on the device, and some row goes on past the tokens in flight."""
         if self.agree_tokens is not None or self.kv is not None:
             return False  # sharded ranks agree on each token; a quantized cache steps alone
-        if (len(self.batch) == 1 and self.speculator is not None) or self._looks_up():
-            return False  # the next step speculates, from the newest token
+        if (len(self.batch) == 1 and self.speculator is not None) or self._may_look_up():
+            return False  # the next step may speculate, from the newest token
         all_end = True
         for row, running in enumerate(self.batch.members):
             if running.job.constraint is not None or _bounding(running):
@@ -223,10 +225,11 @@ class DecodePhase:
             all_end = all_end and running.count + self.batch.in_flight(row) >= running.limit
         return not all_end
 
-    def _looks_up(self) -> bool:
-        """Whether some request may draft by prompt lookup."""
+    def _may_look_up(self) -> bool:
+        """Whether some request may draft by prompt lookup at the next step (lookup.py
+        `quiet`: a paused request, or one whose reply copies nothing, does not)."""
         lookup = self.lookup
-        return lookup is not None and any(lookup.limit(r) > 0 for r in self.batch.members)
+        return lookup is not None and not lookup.quiet(self.batch.members)
 
     def _nbytes(self) -> int:
         """The batch's resident bytes, the draft caches beside it included."""
