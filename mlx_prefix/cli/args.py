@@ -108,10 +108,9 @@ def draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-lookup",
         type=number_type(int, lo=0, hi=32, what="between 0 and 32"),
-        help="prompt lookup decoding: each decoding request drafts up to N tokens from "
-        "its own prompt and reply, verified in one forward, and drafts less, down to not at "
-        "all, while it keeps none (default 8, without --draft-model; 0: off; a request's "
-        "prompt_lookup wins; hybrid and sliding-window models too)",
+        help="prompt lookup: each request drafts up to N tokens from its prompt and reply, "
+        "verified in one forward, fewer (down to none) while it keeps none (default 8, "
+        "without --draft-model; 0: off; a request's prompt_lookup wins; hybrids too)",
     )
 
 

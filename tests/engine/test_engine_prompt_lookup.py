@@ -157,10 +157,11 @@ def test_a_reply_that_copies_nothing_takes_no_verify(monkeypatch):
     with scripted({7: CHANCE}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
-    _same(looked, plain)
+    same_reply(looked, plain)
     assert looked.tokens == CHANCE
     assert sum(matches) >= 20  # the index matched "A B" again and again
-    assert engine.lookup.steps == 0  # and no verify forward ran: every step a plain one
+    # and no verify forward ran: every step a plain one
+    assert engine.loop.decode.lookup.stats.steps == 0
 
 
 def test_on_by_default_and_the_reply_is_plain_decodings():
@@ -171,11 +172,11 @@ def test_on_by_default_and_the_reply_is_plain_decodings():
         assert engine.loop.decode.lookup.max_tokens == lookup.DEFAULT_TOKENS
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(None))  # the server's default
-        assert engine.lookup.accepted > 0
-    _same(looked, plain)
+        assert engine.loop.decode.lookup.stats.accepted > 0
+    same_reply(looked, plain)
     with scripted({7: _tokens(FILE)}, prompt_lookup=off.prompt_lookup) as engine:
-        _same(run(engine, PROMPT, sampling=_sampling(None)), plain)
-        assert engine.lookup.steps == 0
+        same_reply(run(engine, PROMPT, sampling=_sampling(None)), plain)
+        assert engine.loop.decode.lookup.stats.steps == 0
 
 
 def test_steps_overlap_while_no_request_drafts_and_not_while_one_does():
@@ -187,11 +188,11 @@ def test_steps_overlap_while_no_request_drafts_and_not_while_one_does():
         decode.pipelined = True  # a GPU's default; the CPU's async_eval blocks (phase.py)
         decode.overlapped = 0
         chance = run(engine, PROMPT, sampling=_sampling(None, seed=7))
-        assert decode.overlapped > len(CHANCE) // 2 and engine.lookup.steps == 0
+        assert decode.overlapped > len(CHANCE) // 2 and engine.loop.decode.lookup.stats.steps == 0
         copy = run(engine, PROMPT, sampling=_sampling(None, seed=8))
-        assert engine.lookup.accepted > 0
-    _same(chance, plain[0])
-    _same(copy, plain[1])
+        assert engine.loop.decode.lookup.stats.accepted > 0
+    same_reply(chance, plain[0])
+    same_reply(copy, plain[1])
 
 
 def test_a_stop_string_inside_an_accepted_draft_ends_the_reply_there():
