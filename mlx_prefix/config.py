@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TypedDict, cast
 
 GiB = 1024**3
 
@@ -37,6 +38,22 @@ class ModelConfig:
     # when its config.json does not say (then `dimensions` may shorten its vectors).
     embedding_model: str | None = None
     embedding_matryoshka: bool = False
+
+    def load_options(self) -> LoadOptions:
+        """What load_model and load_sharded take alike: the dtype, the template's options."""
+        options = {name: getattr(self, name) for name in LoadOptions.__annotations__}
+        return cast(LoadOptions, options)
+
+
+class LoadOptions(TypedDict):
+    """ModelConfig's fields that load_model (models/load.py) and load_sharded
+    (engine/sharded/load.py) take as keywords of the same names."""
+
+    dtype: str | None
+    chat_template: str | None
+    use_default_chat_template: bool
+    chat_template_args: str | None
+    trust_remote_code: bool
 
 
 @dataclass(frozen=True, slots=True)

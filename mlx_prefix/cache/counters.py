@@ -6,7 +6,7 @@ Pure Python (no MLX). Not thread-safe: the store calls it with its lock held.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from mlx_prefix.cache.entries import EntryTable
 from mlx_prefix.cache.eviction.budget import Budget
@@ -28,18 +28,14 @@ class Counters:
         for e in entries:
             counts[e.kind.name] += 1
         return CacheStats(
-            hits=self.hits,
-            misses=self.misses,
-            tokens_reused=self.tokens_reused,
+            **asdict(self),  # every counter, under its own name
             entries=len(table.by_id),
             bytes=table.resident.total,
             bytes_by_kind=table.bytes_by_kind(),
             entries_by_kind=counts,
             active_bytes=budget.active_bytes(),
             active_requests=len(budget.active),
-            evictions=self.evictions,
             budget_bytes=budget.nbytes,
             pinned=sum(1 for e in entries if e.pinned),
             locked=sum(1 for e in entries if e.refs > 0),
-            handed_over=self.handed_over,
         )

@@ -339,12 +339,4 @@ def model_from_args(args: argparse.Namespace) -> LoadedModel:
     keys = ("model", "adapter", "dtype", "chat_template", "use_default_chat_template",
             "chat_template_args", "trust_remote_code")  # fmt: skip
     cfg = from_env(ModelConfig, "MODEL", {k: getattr(args, k, None) for k in keys})
-    return load_model(
-        cfg.model,
-        adapter=cfg.adapter,
-        dtype=cfg.dtype,
-        chat_template=cfg.chat_template,
-        use_default_chat_template=cfg.use_default_chat_template,
-        chat_template_args=cfg.chat_template_args,
-        trust_remote_code=cfg.trust_remote_code,
-    )
+    return load_model(cfg.model, adapter=cfg.adapter, **cfg.load_options())

@@ -70,11 +70,7 @@ def serve_sharded(
         channel,
         pipeline=args.pipeline,
         backend=backend,
-        dtype=cfg.dtype,
-        chat_template=cfg.chat_template,
-        use_default_chat_template=cfg.use_default_chat_template,
-        chat_template_args=cfg.chat_template_args,
-        trust_remote_code=cfg.trust_remote_code,
+        **cfg.load_options(),
     )
     watch = PeerWatch.connect(channel, backend)
     # Every rank keeps the same budget (their stores evict in lockstep): the flag's or

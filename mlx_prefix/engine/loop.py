@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from mlx_prefix.config import EngineConfig
@@ -46,38 +47,26 @@ class Pacing(Protocol):
     def decoded(self, seconds: float) -> None: ...
 
 
+@dataclass(eq=False, repr=False)  # identity, as the one loop of its engine
 class EngineLoop:
     """These methods run on the engine thread only."""
 
-    def __init__(
-        self,
-        model: LoadedModel,
-        config: EngineConfig,
-        lifecycle: Lifecycle,
-        waiting: WaitingList[Job],
-        prefill: PrefillPhase,
-        decode: DecodePhase,
-        pace: Pacing,
-        disk: DiskAccess | None,
-        board: ActivityBoard,
-        prefetch: PrefetchStats,
-        batchable: bool,
-    ):
-        self.model = model
-        self.config = config
-        self.lifecycle = lifecycle
-        self.waiting = waiting
-        self.prefill = prefill
-        self.decode = decode
-        self.pace = pace
-        self.disk = disk
-        self.board = board
-        self.prefetch = prefetch  # next-turn prefetches started, completed, cancelled
-        # Whether requests may decode in one batch: from the cache's layers and the
-        # kernels until the calibration says more.
-        self.batchable = batchable
-        self.capacity = 1  # requests decoding at once: set by `calibrate`
-        self.closing = False  # the shutdown marker was seen: cancel what waits
+    model: LoadedModel
+    config: EngineConfig
+    lifecycle: Lifecycle
+    waiting: WaitingList[Job]
+    prefill: PrefillPhase
+    decode: DecodePhase
+    pace: Pacing
+    disk: DiskAccess | None
+    board: ActivityBoard
+    prefetch: PrefetchStats  # next-turn prefetches started, completed, cancelled
+    # Whether requests may decode in one batch: from the cache's layers and the
+    # kernels until the calibration says more.
+    batchable: bool
+    capacity: int = field(default=1, init=False)  # requests decoding at once: set by `calibrate`
+    # The shutdown marker was seen: cancel what waits.
+    closing: bool = field(default=False, init=False)
 
     # -- what a turn driver calls ---------------------------------------------------
     def calibrate(self, agreement: Agreement | None = None) -> None:

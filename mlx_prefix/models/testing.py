@@ -59,6 +59,19 @@ _COMMON: dict[str, Any] = {
     "max_position_embeddings": 4096,
 }
 
+# qwen3_5's tiny text layers (linear, full, linear, full), shared with vision/testing.py.
+QWEN3_5_LAYERS: dict[str, Any] = {
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,  # layers 1 and 3 are full attention
+    "rms_norm_eps": 1e-6,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": True,
+}
+
 _CONFIGS: dict[str, dict[str, Any]] = {
     "dense": {
         "model_type": "llama",
@@ -75,15 +88,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "text_config": {
             "model_type": "qwen3_5_text",
             **_COMMON,
-            "num_hidden_layers": 4,
-            "full_attention_interval": 2,  # layers 1 and 3 are full attention
-            "rms_norm_eps": 1e-6,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "tie_word_embeddings": True,
+            **QWEN3_5_LAYERS,
             "rope_parameters": {
                 "type": "default",
                 "rope_theta": 10000.0,

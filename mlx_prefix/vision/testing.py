@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_prefix.arrays import named_arrays
-from mlx_prefix.models.testing import copy_tokenizer
+from mlx_prefix.models.testing import QWEN3_5_LAYERS, copy_tokenizer
 from mlx_prefix.vision.family import model_config
 
 VISION_TEST_KINDS = ("qwen3_5", "gemma3")
@@ -37,15 +37,7 @@ _QWEN_TEXT: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
-    "num_hidden_layers": 4,
-    "full_attention_interval": 2,
-    "rms_norm_eps": 1e-6,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "tie_word_embeddings": True,
+    **QWEN3_5_LAYERS,
     # Half the head rotated (8 dims, 4 frequencies) so every M-RoPE axis has one.
     "rope_parameters": {
         "type": "default",

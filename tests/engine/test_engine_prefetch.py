@@ -41,9 +41,9 @@ def _spy_prefetch(engine: Engine) -> tuple[list, list]:
         on_reply(job, reply)
         finished.append(job.handle.request_id)
 
-    def handing(source, *args, **kwargs):
-        handed.append(source)
-        return submit(source, *args, **kwargs)
+    def handing(turn):
+        handed.append(turn.source)
+        return submit(turn)
 
     engine.loop.decode._on_reply, engine.prefetcher.submit = deciding, handing
     return finished, handed

@@ -17,7 +17,7 @@ from support.template_models import ID_TEMPLATE
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.keys import entry_key
-from mlx_prefix.engine.requests.prefetch import next_turn_prompt
+from mlx_prefix.engine.requests.prefetch import NextTurn, next_turn_prompt
 from mlx_prefix.models.testing import cached_test_model
 from mlx_prefix.prompt.reply.reader import ReplyFormat
 from mlx_prefix.prompt.reply.tool_calls import ToolSyntax
@@ -114,7 +114,9 @@ def test_a_tool_loop_restores_its_whole_history_and_answers_like_a_cold_run(kind
         computed = len(engine.plan(first.prompt).tokens)
         # What the engine's reply hook (decode -> _maybe_prefetch) does with this reply.
         key = entry_key(engine.model_key, CachePreference())
-        engine.prefetcher.submit(first.prompt, TOOL_REPLY, computed, "chatcmpl-first-turn", key)
+        engine.prefetcher.submit(
+            NextTurn(first.prompt, TOOL_REPLY, computed, "chatcmpl-first-turn", key)
+        )
         assert wait_for(lambda: engine.prefetch.completed == 1)
 
         result = warm_equals_cold(engine, nxt)

@@ -6,7 +6,7 @@ lock held.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +41,5 @@ class DiskCounters:
             files=files,
             bytes=nbytes,
             budget_bytes=budget_bytes,
-            hits=self.hits,
-            misses=self.misses,
-            saves=self.saves,
-            save_failures=self.save_failures,
-            load_failures=self.load_failures,
-            evictions=self.evictions,
-            removed=self.removed,
+            **asdict(self),  # every counter, under its own name
         )

@@ -15,12 +15,12 @@ import mlx.core as mx
 
 from mlx_prefix.cache.handover import keep_inside, row_snapshot
 from mlx_prefix.cache.store import PromptCache
-from mlx_prefix.engine.decode.arrival import Arrival, first_token, sampler_for
+from mlx_prefix.engine.decode.arrival import Arrival, sampler_for
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.lookup import PromptLookup
 from mlx_prefix.engine.decode.reasoning_budget import ReasoningBudget
 from mlx_prefix.engine.decode.running import HandBack, Running
-from mlx_prefix.engine.decode.sampling import alternatives
+from mlx_prefix.engine.decode.sampling import alternatives, draw_token
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.decode.step import RowSample
 from mlx_prefix.engine.decode.text import TextStream
@@ -128,7 +128,7 @@ class DecodePhase:
         budget = ReasoningBudget.of(
             job.sampling.reasoning_budget, self.reasoning, job.prompt.opens_reasoning, sampler
         )
-        token, logprob, top = first_token(logits, job.sampling, sampler, self.agree_tokens)
+        token, logprob, top = draw_token(logits, job.sampling, sampler, self.agree_tokens)
         stream = TextStream(self.model.tokenizer, job.sampling.stop)
         now = time.perf_counter()
         running = Running(job, stream, limit, reuse, arrival.prefill_tps, now, reasoning=budget)

@@ -16,7 +16,7 @@ come out instead of sampled ones, one per call.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import mlx.core as mx
@@ -135,3 +135,32 @@ def float_list(a: mx.array) -> list[float]:
 def alternatives(ids: list[int], values: list[float], n: int) -> tuple[TopLogprob, ...]:
     """The first `n` of one row's `top_logprobs`, as records."""
     return tuple(TopLogprob(t, v) for t, v in zip(ids[:n], values[:n], strict=True))
+
+
+def draw_token(
+    logits: mx.array,
+    params: SamplingParams,
+    sampler: TokenSampler,
+    agree: Callable[[mx.array], mx.array] | None = None,
+) -> tuple[int, float | None, tuple[TopLogprob, ...]]:
+    """One token drawn from one row of logits [1, V] by the request's sampler (on a
+    sharded group, rank 0's: `agree`), with its logprob and alternatives when asked.
+    A request's first token (from its prompt's last logits) and each verify draw."""
+    logprobs = normalize(logits) if params.logprobs else None  # [1, V]
+    token = sampler(logits, logprobs)  # [1]
+    if agree is not None:
+        token = agree(token)
+    out = [token]
+    if logprobs is not None:  # params.logprobs
+        out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])
+        if params.top_logprobs:
+            out.extend(top_logprobs(logprobs, params.top_logprobs))
+    mx.eval(*out)
+    logprob: float | None = None
+    top: tuple[TopLogprob, ...] = ()
+    if logprobs is not None:
+        logprob = item_float(out[1])
+        if params.top_logprobs:
+            ids, values = int_list(out[2][0]), float_list(out[3][0])
+            top = alternatives(ids, values, params.top_logprobs)
+    return item_int(token), logprob, top

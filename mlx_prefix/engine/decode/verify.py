@@ -13,16 +13,7 @@ import mlx.core as mx
 
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
-from mlx_prefix.engine.decode.sampling import (
-    TokenSampler,
-    alternatives,
-    float_list,
-    int_list,
-    item_float,
-    item_int,
-    normalize,
-    top_logprobs,
-)
+from mlx_prefix.engine.decode.sampling import TokenSampler, draw_token
 from mlx_prefix.records import TopLogprob
 
 # Hands one token to its request: (token, logprob, top) -> True if the request ended.
@@ -96,23 +87,7 @@ def draw_row(
     kept = 0
     hits = 0
     while True:
-        row = logits[kept : kept + 1]  # [1, V]
-        logprobs = normalize(row) if params.logprobs else None
-        token = sampler(row, logprobs)  # [1]
-        out = [token]
-        if logprobs is not None:  # params.logprobs
-            out.append(mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0])
-            if params.top_logprobs:
-                out.extend(top_logprobs(logprobs, params.top_logprobs))
-        mx.eval(*out)
-        value = item_int(token)
-        logprob: float | None = None
-        top: tuple[TopLogprob, ...] = ()
-        if params.logprobs:
-            logprob = item_float(out[1])
-            if params.top_logprobs:
-                ids, values = int_list(out[2][0]), float_list(out[3][0])
-                top = alternatives(ids, values, params.top_logprobs)
+        value, logprob, top = draw_token(logits[kept : kept + 1], params, sampler)
         kept += 1
         matched = kept <= k and value == drafted[kept - 1]
         stats.accepted += int(matched)

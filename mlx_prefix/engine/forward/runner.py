@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +22,9 @@ from mlx_prefix.engine.forward.head import last_position_head
 from mlx_prefix.engine.forward.rowwise import batched
 from mlx_prefix.prompt.request.grid import ChunkGrid
 from mlx_prefix.vision.forward import VisionChunks
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def always_trimmable(cache: list) -> bool:
@@ -188,21 +191,22 @@ def prefill_steps(
     return logits
 
 
-def prefill(
-    model: nn.Module,
-    cache: list,
-    tokens: Sequence[int],
-    start: int,
-    grid: ChunkGrid,
-    on_boundary: Callable[[int], None],
-) -> mx.array:
-    """All of prefill_steps at once; returns the last position's logits [1, V]."""
-    steps = prefill_steps(model, cache, tokens, start, grid, on_boundary)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+def to_the_end(steps: Callable[P, Generator[Any, None, R]]) -> Callable[P, R]:
+    """A stepping generator function run at once: same arguments, its return value."""
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        generator = steps(*args, **kwargs)
+        while True:
+            try:
+                next(generator)
+            except StopIteration as done:
+                return cast(R, done.value)
+
+    return run
+
+
+# All of prefill_steps at once; returns the last position's logits [1, V].
+prefill = to_the_end(prefill_steps)
 
 
 def greedy_continue(model: nn.Module, cache: list, logits: mx.array, n: int) -> list[int]:

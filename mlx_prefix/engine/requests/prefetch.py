@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from mlx_prefix.cache.store import CheckpointKind
 from mlx_prefix.config import DiskScope
@@ -120,6 +121,19 @@ def next_turn_prompt(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class NextTurn:
+    """A finished request whose next turn is prefetched: its prompt, its reply."""
+
+    source: PromptInput
+    reply: str
+    computed: int  # its prompt's tokens: a prefetch is worth it only past them
+    request_id: str  # names the reply's tool calls as the server named them
+    key: str  # the cache entry key the prefetch stores under
+    scope: DiskScope | None = None
+    opens_reasoning: bool = False  # its prompt left a think block open: the reply reasons
+
+
 class Prefetcher:
     """Renders next-turn prompts off the engine thread and hands them to `enqueue`,
     with the entry key (namespace) and disk scope of the request they follow: a prefetch
@@ -150,60 +164,42 @@ class Prefetcher:
         first_turn = self.chat_traffic.finished(job.source, shown, job.cache_key)
         if first_turn or wants_prefetch(job.source):
             self.submit(
-                job.source,
-                reply,
-                len(job.tokens),
-                job.handle.request_id,
-                job.cache_key,
-                job.cache_pref.scope,  # its disk scope: "off" writes nothing, prefetch too
-                job.prompt.opens_reasoning,
+                NextTurn(
+                    job.source,
+                    reply,
+                    computed=len(job.tokens),
+                    request_id=job.handle.request_id,
+                    key=job.cache_key,
+                    # Its disk scope: "off" writes nothing, prefetch too.
+                    scope=job.cache_pref.scope,
+                    opens_reasoning=job.prompt.opens_reasoning,
+                )
             )
 
-    def submit(
-        self,
-        source: PromptInput,
-        reply: str,
-        computed: int,
-        request_id: str,
-        key: str,
-        scope: DiskScope | None = None,
-        opens_reasoning: bool = False,
-    ) -> None:
-        """`opens_reasoning`: the request's prompt left a think block open (its reply
-        starts as reasoning)."""
+    def submit(self, turn: NextTurn) -> None:
+        """Render `turn`'s next prompt on the helper thread, and enqueue it."""
         try:
-            self._pool.submit(
-                self._render, source, reply, computed, request_id, key, scope, opens_reasoning
-            )
+            self._pool.submit(self._render, turn)
         except RuntimeError:  # closed: the engine is shutting down
             pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _render(
-        self,
-        source: PromptInput,
-        reply: str,
-        computed: int,
-        request_id: str,
-        key: str,
-        scope: DiskScope | None,
-        opens_reasoning: bool,
-    ) -> None:
+    def _render(self, turn: NextTurn) -> None:
         try:
             prompt = next_turn_prompt(
                 self.planner,
-                source,
-                reply,
-                computed,
+                turn.source,
+                turn.reply,
+                turn.computed,
                 self.form.tools,
-                request_id,
-                opens_reasoning,
+                turn.request_id,
+                turn.opens_reasoning,
                 form=self.form,
             )
         except Exception:  # a template that cannot render it: nothing to prefetch
             log.debug("next-turn render failed", exc_info=True)
             return
         if prompt is not None:
-            self.enqueue(prompt, key, scope)
+            self.enqueue(prompt, turn.key, turn.scope)
