@@ -3,10 +3,14 @@ cache and the single-entry actions they take: statistics, listings with token id
 flush, pin/unpin and evict one entry, and the engine's published activity. Every call
 goes to the thread-safe store and disk tier, never to the engine thread's records
 (invariant 1). An action is a CacheAction, applied where the engine's turn driver says
-(engine/driver.py: at once; a sharded group: on every rank at the same turn)."""
+(engine/driver.py: at once; a sharded group: on every rank at the same turn): the
+Engine hands its driver's `act` and `describe` in; without them (an unloaded model's
+views, server/served/unloaded.py) an action is applied at once and no more is described.
+The server reads an engine's views as `engine.views` (engine/interface.py CacheViewsAPI)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,6 +43,9 @@ class CacheViews:
         prefetch: PrefetchStats,
         board: ActivityBoard,
         speculator: Speculator | None = None,
+        *,
+        act: Callable[[CacheAction, CacheViews], Any] | None = None,
+        describe: Callable[[], dict[str, Any]] | None = None,
     ):
         self.store = store
         self.disk = disk
@@ -46,8 +53,15 @@ class CacheViews:
         self.prefetch = prefetch  # counted by the engine thread, read here
         self.board = board
         self.speculator = speculator
+        self._act = act  # the turn driver's (engine/driver.py Turns.act); None: at once
+        self._describe = describe  # what the turn driver adds to the stats (its ranks)
 
-    def stats(self) -> dict:
+    def cache_stats(self) -> dict:
+        """The store's (and disk tier's, draft model's) counters, and the turn driver's."""
+        extra = self._describe() if self._describe is not None else {}
+        return {**self._stats(), **extra}
+
+    def _stats(self) -> dict:
         stats = asdict(self.store.stats())
         lookups = stats["hits"] + stats["misses"]
         stats["hit_ratio"] = stats["hits"] / lookups if lookups else 0.0
@@ -63,14 +77,14 @@ class CacheViews:
             stats["speculative"] = {**asdict(spec), "acceptance": spec.acceptance}
         return stats
 
-    def entries(self) -> list[dict]:
+    def cache_entries(self) -> list[dict]:
         return [asdict(e) for e in self.store.entries()]
 
     def activity(self) -> Activity:
         """Requests waiting, prefilling and decoding, as of the engine's last turn."""
         return self.board.current
 
-    def sequences(self) -> list[StoredTokens[EntryInfo]]:
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
         """This model's entries in memory (every namespace: `info.model_key` names each
         one's), with their token ids. Does not mutate."""
         return self.store.sequences(self.model_key)
@@ -79,25 +93,37 @@ class CacheViews:
         """This model's checkpoint files, with their token ids. Does not mutate."""
         return self.disk.cache.sequences(self.model_key) if self.disk is not None else []
 
+    # -- the actions (any thread), where the turn driver says ---------------------------
+    def flush_cache(self, namespace: str | None = None) -> int:
+        """Drop this model's entries (of one namespace, every salt in it; None: of all)
+        from memory and disk; returns how many."""
+        return self._take(CacheAction("flush", namespace=namespace))
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        """Pin or unpin one of this model's entries; False if there is no such entry."""
+        return self._take(CacheAction("pin" if pinned else "unpin", entry_id))
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        """Drop one of this model's entries from memory (a disk copy stays)."""
+        return self._take(CacheAction("evict", entry_id))
+
+    def _take(self, action: CacheAction) -> Any:
+        return self._act(action, self) if self._act is not None else self.apply(action)
+
     def apply(self, action: CacheAction) -> Any:
-        """Do a caller's action; its result (mutates the store, and the disk for a flush)."""
+        """Do a caller's action here and now (the turn driver's part); its result
+        (mutates the store, and the disk for a flush)."""
         if action.name == "flush":
-            return self.flush(action.namespace)
+            return self._flush(action.namespace)
         if action.name in ("pin", "unpin"):
             return self.store.set_pinned(self.model_key, action.entry_id, action.name == "pin")
         if action.name == "evict":
-            return self.evict(action.entry_id)
+            return self.store.evict_entry(self.model_key, action.entry_id)
         raise ValueError(f"unknown cache action {action.name!r}")
 
-    def flush(self, namespace: str | None) -> int:
-        """Drop this model's entries (of one namespace, every salt in it; None: of all)
-        from memory and disk; returns how many."""
+    def _flush(self, namespace: str | None) -> int:
         key = self.model_key if namespace is None else namespace_key(self.model_key, namespace)
         removed = self.store.clear(key)
         if self.disk is not None:
             removed += self.disk.cache.clear(key)
         return removed
-
-    def evict(self, entry_id: int) -> EvictOutcome:
-        """Drop one of this model's entries from memory (a disk copy stays)."""
-        return self.store.evict_entry(self.model_key, entry_id)

@@ -10,9 +10,10 @@ engine/sharded/distributed.py). Callers call `submit`, which renders and validat
 prompt in the caller's thread and queues a job; the engine thread runs jobs and reports
 typed events through each request's handle. Every job ends with exactly one final
 event (engine/requests/lifecycle.py). The parts are plain attributes (`loop`, `views`,
-`turns`, `lifecycle`, `prefetcher`, ...): tests read the engine thread's state through
-them (`engine.loop.decode.peak_batch`, its speculator's and prompt lookup's stats), while
-it is idle.
+`turns`, `lifecycle`, `prefetcher`, ...): the server reads and acts on the cache through
+`views` (its statistics, listings, flush, pin and evict); tests read the engine
+thread's state through them (`engine.loop.decode.peak_batch`, its speculator's and prompt
+lookup's stats), while it is idle.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ from dataclasses import replace
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_prefix import mlx_threads
-from mlx_prefix.cache.disk.index import DiskEntryInfo
 from mlx_prefix.cache.disk.tier import DiskCache
 from mlx_prefix.cache.store import PromptCache
-from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
 from mlx_prefix.config import FULL_SCOPE, CacheConfig, DiskConfig, DiskScope, EngineConfig
-from mlx_prefix.engine.activity import Activity, ActivityBoard
-from mlx_prefix.engine.cache_views import CacheAction, CacheViews
+from mlx_prefix.engine.activity import ActivityBoard
+from mlx_prefix.engine.cache_views import CacheViews
 from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
@@ -139,8 +138,17 @@ class Engine:
             lookup = PromptLookup(self.config.prompt_lookup, unusable=why)
         self.prefetch = PrefetchStats()
         board = ActivityBoard(1)
+        # The server reads and acts on the cache through this part (`engine.views`);
+        # its actions go through the turn driver, which adds its ranks to the stats.
         self.views = CacheViews(
-            self.store, self.disk, self.model_key, self.prefetch, board, speculator
+            self.store,
+            self.disk,
+            self.model_key,
+            self.prefetch,
+            board,
+            speculator,
+            act=self.turns.act,
+            describe=self.turns.describe,
         )
         self.prefetcher = (
             Prefetcher(self.planner, self.reply_format, self._enqueue_prefetch)
@@ -282,38 +290,6 @@ class Engine:
     def _check_serving(self) -> None:
         if self.turns.failure is not None:
             raise Unavailable(self.turns.failure)
-
-    # -- the cache (any thread): views, and actions through the turns ---------------
-    def cache_stats(self) -> dict:
-        return {**self.views.stats(), **self.turns.describe()}
-
-    def cache_entries(self) -> list[dict]:
-        return self.views.entries()
-
-    def activity(self) -> Activity:
-        """Requests waiting, prefilling and decoding, as of the engine's last turn."""
-        return self.views.activity()
-
-    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
-        """This model's entries in memory (every namespace), with their token ids."""
-        return self.views.sequences()
-
-    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
-        """This model's checkpoint files, with their token ids."""
-        return self.views.disk_sequences()
-
-    def flush_cache(self, namespace: str | None = None) -> int:
-        """Drop this model's entries (of one namespace, every salt in it; None: of all)
-        from memory and disk; returns how many."""
-        return self.turns.act(CacheAction("flush", namespace=namespace), self.views)
-
-    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
-        """Pin or unpin one of this model's entries; False if there is no such entry."""
-        return self.turns.act(CacheAction("pin" if pinned else "unpin", entry_id), self.views)
-
-    def evict_entry(self, entry_id: int) -> EvictOutcome:
-        """Drop one of this model's entries from memory (a disk copy stays)."""
-        return self.turns.act(CacheAction("evict", entry_id), self.views)
 
     # -- the end ----------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0, save_timeout: float = SHUTDOWN_SAVES_S) -> None:

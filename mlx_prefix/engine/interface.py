@@ -1,7 +1,8 @@
 """What the server may call on an engine: the typed face of HTTP -> engine.
 
 `Engine` (engine.py) provides it, a sharded rank's too (built by sharded/distributed.py);
-the server's tests use fakes with the same methods. Every method is safe
+the server's tests use fakes with the same methods. The cache's reads and actions are
+a part of the engine, `engine.views` (CacheViewsAPI). Every method is safe
 from any thread: submissions go through the engine's inbox, cache views through the
 thread-safe store and disk tier; none touches an MLX array.
 """
@@ -51,6 +52,16 @@ class EngineAPI(Protocol):
     def count_tokens(self, prompt: PromptInput) -> int: ...
 
     def shutdown(self, timeout: float = 10.0, save_timeout: float = ...) -> None: ...
+
+    @property
+    def views(self) -> CacheViewsAPI:
+        """The engine's cache: what the server reads of it and the actions it takes."""
+        ...
+
+
+class CacheViewsAPI(Protocol):
+    """An engine's cache views (engine/cache_views.py CacheViews; the server's tests'
+    fakes have their own): reads from any thread, actions where the turns say."""
 
     def cache_stats(self) -> dict: ...
 

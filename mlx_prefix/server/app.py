@@ -234,7 +234,7 @@ def _build(
     )
     unloader = IdleUnloader(models) if loader is not None else None
     metrics = ServerMetrics(
-        lambda: models.primary().cache_stats(), explain=settings.explain_requests
+        lambda: models.primary().views.cache_stats(), explain=settings.explain_requests
     )
     middleware = [
         Middleware(RequestCounter, metrics=metrics, endpoints=sorted({r.path for r in ROUTES})),

@@ -182,15 +182,15 @@ def test_pin_evict_warm_and_flush_through_the_page(browser, watched, real):
     pin.click()
     sync_api.expect(pin).to_have_text("unpin")
     sync_api.expect(evict).to_be_disabled()
-    pinned = {e["entry_id"] for e in engine.cache_entries() if e["pinned"]}
+    pinned = {e["entry_id"] for e in engine.views.cache_entries() if e["pinned"]}
     assert pinned == {deepest["entry_id"]}
     pin.click()
     sync_api.expect(pin).to_have_text("pin")
-    assert not any(e["pinned"] for e in engine.cache_entries())
+    assert not any(e["pinned"] for e in engine.views.cache_entries())
 
     evict.click()
     sync_api.expect(page.locator("#tree tbody tr", has_text=QUESTION)).to_have_count(0)
-    assert deepest["entry_id"] not in {e["entry_id"] for e in engine.cache_entries()}
+    assert deepest["entry_id"] not in {e["entry_id"] for e in engine.views.cache_entries()}
 
     warm_text = "A raw prompt that the dashboard warms up and pins. " * 3
     page.fill("#warm-text", warm_text)
@@ -205,7 +205,7 @@ def test_pin_evict_warm_and_flush_through_the_page(browser, watched, real):
     page.click("#flush")
     sync_api.expect(page.locator("#message")).to_contain_text("Flushed")
     sync_api.expect(page.locator("#tree-empty")).to_be_visible()
-    assert tree(url) == [] and engine.cache_entries() == []
+    assert tree(url) == [] and engine.views.cache_entries() == []
     assert watched.errors == []
 
 
@@ -267,7 +267,7 @@ def test_a_foreign_origin_can_neither_read_nor_act(browser, watched, real, page_
         "api => fetch(api + '/v1/cache', {method: 'DELETE'}).then(r => r.status, e => e.name)", url
     )
     assert flush == "TypeError"
-    entries = engine.cache_entries()
+    entries = engine.views.cache_entries()
     assert entries and not any(e["pinned"] for e in entries)
 
     # DNS rebinding: a hostile name resolving to 127.0.0.1 would be "same origin" with
@@ -281,4 +281,4 @@ def test_a_foreign_origin_can_neither_read_nor_act(browser, watched, real, page_
         "() => fetch('/v1/cache', {method: 'DELETE'}).then(r => r.status, e => e.name)"
     )
     assert flush == 403
-    assert len(engine.cache_entries()) == len(entries)  # nothing was flushed
+    assert len(engine.views.cache_entries()) == len(entries)  # nothing was flushed

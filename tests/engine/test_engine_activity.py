@@ -23,7 +23,7 @@ def test_activity_shows_decoding_and_queued_requests_then_nothing():
             pass
 
         def both_seen() -> bool:
-            jobs = {j.request_id: j for j in engine.activity().jobs}
+            jobs = {j.request_id: j for j in engine.views.activity().jobs}
             return (
                 jobs.keys() == {"first", "second"}
                 and jobs["first"].state == "decoding"
@@ -32,7 +32,7 @@ def test_activity_shows_decoding_and_queued_requests_then_nothing():
             )
 
         assert wait_until(both_seen, timeout=30)
-        activity = engine.activity()
+        activity = engine.views.activity()
         job = next(j for j in activity.jobs if j.request_id == "first")
         assert job.role == "request" and job.max_tokens == 400
         assert job.prompt_tokens == first.prompt_tokens
@@ -40,7 +40,7 @@ def test_activity_shows_decoding_and_queued_requests_then_nothing():
         assert activity.capacity == 1
         first.cancel()
         assert list(second.events(timeout=60))[-1].finish_reason == "length"
-        assert wait_until(lambda: engine.activity().jobs == (), timeout=30)
+        assert wait_until(lambda: engine.views.activity().jobs == (), timeout=30)
 
 
 def test_a_warm_up_is_listed_as_one_while_it_prefills():
@@ -52,30 +52,32 @@ def test_a_warm_up_is_listed_as_one_while_it_prefills():
             pass
         _, future = engine.start_warm(PromptInput(text="A prompt to warm. " * 20))
         assert wait_until(
-            lambda: any(j.role == "warm" and j.state == "queued" for j in engine.activity().jobs),
+            lambda: any(
+                j.role == "warm" and j.state == "queued" for j in engine.views.activity().jobs
+            ),
             timeout=30,
         )
         busy.cancel()
         assert future.result(60).prompt_tokens > 0
-        assert wait_until(lambda: engine.activity().jobs == (), timeout=30)
+        assert wait_until(lambda: engine.views.activity().jobs == (), timeout=30)
 
 
 def test_sequences_pin_and_evict_by_entry_id(make_engine):
     engine = make_engine("dense")
     run(engine, PROMPT)
-    listed = engine.cache_sequences()
+    listed = engine.views.cache_sequences()
     assert listed and all(s.info.tokens == len(s.tokens) for s in listed)
     prompt_tokens = engine.plan(PROMPT).tokens
     assert all(tuple(prompt_tokens[: len(s.tokens)]) == s.tokens for s in listed)
-    assert engine.disk_sequences() == []  # no disk tier here
+    assert engine.views.disk_sequences() == []  # no disk tier here
     target = max(listed, key=lambda s: s.info.tokens)
-    assert engine.set_pinned(target.info.entry_id, True)
-    assert engine.evict_entry(target.info.entry_id) is EvictOutcome.PINNED
-    assert engine.set_pinned(target.info.entry_id, False)
-    assert engine.evict_entry(target.info.entry_id) is EvictOutcome.EVICTED
-    assert target.info.entry_id not in {s.info.entry_id for s in engine.cache_sequences()}
-    assert engine.evict_entry(target.info.entry_id) is EvictOutcome.MISSING
-    assert not engine.set_pinned(target.info.entry_id, True)
+    assert engine.views.set_pinned(target.info.entry_id, True)
+    assert engine.views.evict_entry(target.info.entry_id) is EvictOutcome.PINNED
+    assert engine.views.set_pinned(target.info.entry_id, False)
+    assert engine.views.evict_entry(target.info.entry_id) is EvictOutcome.EVICTED
+    assert target.info.entry_id not in {s.info.entry_id for s in engine.views.cache_sequences()}
+    assert engine.views.evict_entry(target.info.entry_id) is EvictOutcome.MISSING
+    assert not engine.views.set_pinned(target.info.entry_id, True)
     # what is left still serves, and the answer is still the cold run's
     warm = run(engine, PROMPT)
     cold = run(engine, PROMPT, cache=False)
@@ -98,9 +100,11 @@ def test_a_prefetch_is_listed_with_its_role():
         background = lambda: any(t.job.background for t in engine.loop.prefill.tasks)  # noqa: E731
         with prefill_held(engine, when=background):
             run(engine, history)
-            seen = wait_until(lambda: any(j.role == "prefetch" for j in engine.activity().jobs))
-            assert seen, engine.activity()
+            seen = wait_until(
+                lambda: any(j.role == "prefetch" for j in engine.views.activity().jobs)
+            )
+            assert seen, engine.views.activity()
         assert wait_until(lambda: engine.prefetch.completed == 1)
-        assert wait_until(lambda: engine.activity().jobs == ())
-        kinds = {s.info.kind for s in engine.cache_sequences()}
+        assert wait_until(lambda: engine.views.activity().jobs == ())
+        kinds = {s.info.kind for s in engine.views.cache_sequences()}
         assert CheckpointKind.HISTORY in kinds

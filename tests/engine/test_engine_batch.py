@@ -155,7 +155,7 @@ def test_soak_of_mixed_requests_with_cancellations(make_engine, kind, budget):
         for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
         if i not in cancel_after and i not in cancel_at_once
     }
-    engine.flush_cache()
+    engine.views.flush_cache()
 
     outcomes: dict[int, tuple] = {}
 

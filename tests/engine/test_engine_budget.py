@@ -94,7 +94,7 @@ def test_a_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(
             assert warm.usage.cached_tokens < warm.usage.prompt_tokens
             assert (warm.tokens, warm.logprobs) == (expected.tokens, expected.logprobs)
             previous = warm.usage.prompt_tokens
-        assert engine.cache_stats()["handed_over"] > 0  # the tight budget was the case
+        assert engine.views.cache_stats()["handed_over"] > 0  # the tight budget was the case
     assert peaks and max(peaks) <= budget
 
 
@@ -115,7 +115,7 @@ def test_a_cancelled_turn_loses_no_entry_the_store_handed_it():
         handle = engine.submit(chat(*second), EXACT, CachePreference())
         with cancelling(engine, before + 32) as landed:
             assert collect(handle).finish_reason == "cancelled"
-        assert landed and engine.cache_stats()["handed_over"] > 0
+        assert landed and engine.views.cache_stats()["handed_over"] > 0
         assert wait_for(lambda: not engine.loop.prefill.tasks)  # it ran on to its end
         again = run(engine, chat(*second), sampling=EXACT)
     # Its end came back (the handed-over turn before it too), as a resend finds it.
@@ -152,5 +152,5 @@ def test_a_hybrid_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkey
             assert warm.usage.cached_tokens < warm.usage.prompt_tokens
             assert (warm.tokens, warm.logprobs) == (expected.tokens, expected.logprobs)
             previous = warm.usage.prompt_tokens
-        assert engine.cache_stats()["handed_over"] > 0  # the tight budget was the case
+        assert engine.views.cache_stats()["handed_over"] > 0  # the tight budget was the case
     assert peaks and max(peaks) <= budget

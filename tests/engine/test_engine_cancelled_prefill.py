@@ -369,7 +369,7 @@ def test_a_prefill_stopped_where_the_disk_wanted_more_is_saved_for_a_restart(tmp
     with open_engine(loaded_test_model("dense"), TEST_CACHE, config, disk_config=disk) as second:
         warm = run(second, PROMPT, sampling=EXACT)
         assert warm.usage.cached_tokens == point
-        assert second.cache_stats()["disk"]["hits"] == 1
+        assert second.views.cache_stats()["disk"]["hits"] == 1
         cold = run(second, PROMPT, cache=False, sampling=EXACT)
         assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
 

@@ -44,7 +44,7 @@ def test_restart_hits_the_disk_and_gives_the_cold_answer(tmp_path, kind):
         warm = run(second, chat(("system", SYSTEM), ("user", "Is breakfast included?")))
         assert warm.usage.cached_tokens >= warm.usage.prompt_tokens - 3
         assert warm.tokens == cold.tokens
-        assert second.cache_stats()["disk"]["hits"] == 1
+        assert second.views.cache_stats()["disk"]["hits"] == 1
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5", "nemotron_h"])
@@ -61,7 +61,7 @@ def test_one_request_a_restart_and_the_same_request_hits(tmp_path, kind):
     with engine_on(kind, tmp_path, "auto") as second:
         warm = run(second, prompt, sampling=EXACT)
         assert warm.usage.cached_tokens >= system_end
-        assert second.cache_stats()["disk"]["hits"] == 1
+        assert second.views.cache_stats()["disk"]["hits"] == 1
         cold = run(second, prompt, cache=False, sampling=EXACT)
         assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
 
@@ -84,7 +84,7 @@ def test_auto_persists_the_prefix_shared_by_recent_requests(tmp_path):
             c.position for c in engine.plan(third).checkpoints if c.kind.name == "SYSTEM"
         )
         assert result.usage.cached_tokens >= system_end
-        assert engine.cache_stats()["disk"]["hits"] == 1
+        assert engine.views.cache_stats()["disk"]["hits"] == 1
 
 
 @pytest.mark.parametrize("scope", ["off", None])
@@ -108,7 +108,7 @@ def test_a_few_shared_tokens_are_not_worth_reading_a_file(tmp_path):
     with engine_on("dense", tmp_path, "full") as engine:
         other = run(engine, chat(("system", "A different prompt."), ("user", "Hello")))
         assert other.usage.cached_tokens == 0
-        assert engine.cache_stats()["disk"]["hits"] == 0
+        assert engine.views.cache_stats()["disk"]["hits"] == 0
 
 
 def test_files_from_another_chunk_grid_are_never_served(tmp_path):
@@ -123,7 +123,7 @@ def test_files_from_another_chunk_grid_are_never_served(tmp_path):
     with open_engine(loaded_test_model("dense"), other_grid, disk_config=disk) as second:
         assert second.model_key != first.model_key
         assert run(second, prompt).usage.cached_tokens == 0
-        assert second.cache_stats()["disk"]["hits"] == 0
+        assert second.views.cache_stats()["disk"]["hits"] == 0
 
 
 def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_path):
@@ -154,7 +154,7 @@ def test_auto_persists_the_shared_prefix_even_when_memory_restored_past_it(tmp_p
         question = chat(("system", SYSTEM), ("user", document + "Is there a garden? " * 8))
         third = warm_equals_cold(restarted, question)
         assert third.usage.cached_tokens >= boundary
-        assert restarted.cache_stats()["disk"]["hits"] == 1
+        assert restarted.views.cache_stats()["disk"]["hits"] == 1
 
 
 def _warnings(caplog, text: str) -> list[str]:
@@ -195,7 +195,7 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
         assert usage.cached_tokens > p  # restored from memory past the chosen position
         (line,) = _warnings(caplog, "dropped")
         assert f"{p}-token prefix" in line
-        assert engine.cache_stats()["disk"]["dropped_saves"] == 1
+        assert engine.views.cache_stats()["disk"]["dropped_saves"] == 1
     assert not list((tmp_path / "warm").glob("*.safetensors"))
 
     # Where the disk already holds that prefix, nothing is lost and nothing is logged.
@@ -205,7 +205,7 @@ def test_a_chosen_save_below_the_restore_point_is_logged_when_memory_lost_it(tmp
         with caplog.at_level(logging.WARNING, "mlx_prefix.engine"):
             serve(again, scope)
         assert not _warnings(caplog, "dropped")
-        assert again.cache_stats()["disk"]["dropped_saves"] == 0
+        assert again.views.cache_stats()["disk"]["dropped_saves"] == 0
 
 
 def _hold_writes(monkeypatch, engine: Engine) -> threading.Event:

@@ -121,9 +121,9 @@ def test_cancels_and_cache_actions_reach_every_rank():
         settled(engines)
         pinned = [e.entry_id for e in lead.store.entries() if e.pinned]
         assert pinned  # settled(): the follower's entries, pins included, are the same
-        assert lead.set_pinned(pinned[0], False)
+        assert lead.views.set_pinned(pinned[0], False)
         settled(engines)
-        assert lead.flush_cache() > 0
+        assert lead.views.flush_cache() > 0
         settled(engines)
         assert entries(engines[1]) == []
 
@@ -196,7 +196,7 @@ def test_each_rank_persists_its_own_shard_and_another_world_size_misses(tmp_path
         warm = run(engines[0], prompt, sampling=EXACT)
         assert warm.usage.cached_tokens > 0
         assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
-        assert engines[1].cache_stats()["disk"]["hits"] == 1
+        assert engines[1].views.cache_stats()["disk"]["hits"] == 1
         settled(engines)
     with ranks("qwen3_5", disk, size=3) as (_, engines):  # another world size
         assert run(engines[0], prompt).usage.cached_tokens == 0

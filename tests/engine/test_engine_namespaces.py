@@ -83,7 +83,7 @@ def test_two_namespaces_both_miss_then_each_hits_only_its_own(make_engine, kind)
     assert ask(engine, PROMPT, CachePreference()).usage.cached_tokens == 0
     for result in (first_a, first_b, again_a, again_b):
         assert same_answer(result, cold), "a namespace changed the answer"
-    keys = {s.info.model_key for s in engine.cache_sequences()}
+    keys = {s.info.model_key for s in engine.views.cache_sequences()}
     assert {namespace_of(k) for k in keys} == {namespace_id(n) for n in ("", *_names(A, B))}
     engine.store.check_integrity()
 
@@ -103,8 +103,8 @@ def test_cache_salt_splits_one_namespace(make_engine):
     assert same_answer(warm, ask(engine, PROMPT, CachePreference(enabled=False)))
     # A flush of the namespace takes every salt in it, and nothing of another namespace.
     ask(engine, PROMPT, B)
-    assert engine.flush_cache(A.namespace) >= 3
-    assert {namespace_of(s.info.model_key) for s in engine.cache_sequences()} == {
+    assert engine.views.flush_cache(A.namespace) >= 3
+    assert {namespace_of(s.info.model_key) for s in engine.views.cache_sequences()} == {
         namespace_id(B.namespace)
     }
 
@@ -180,7 +180,9 @@ def test_a_pinned_warm_up_pins_only_its_namespace(make_engine):
     assert result.pinned and result.cached_tokens == 0
     assert engine.warm(PROMPT, cache=B).cached_tokens == 0  # A's warm-up is not B's
     mine = namespace_id(A.namespace)
-    pinned = {namespace_of(s.info.model_key) for s in engine.cache_sequences() if s.info.pinned}
+    pinned = {
+        namespace_of(s.info.model_key) for s in engine.views.cache_sequences() if s.info.pinned
+    }
     assert pinned == {mine}
     assert ask(engine, PROMPT, A).usage.cached_tokens > 40
 
@@ -202,10 +204,10 @@ def test_disk_entries_keep_their_namespace_across_a_restart(tmp_path):
     second = disk_engine(tmp_path)
     try:
         from_b = ask(second, PROMPT, B)
-        assert from_b.usage.cached_tokens == 0 and second.cache_stats()["disk"]["hits"] == 0
-        second.flush_cache(B.namespace)  # B's own entries gone: A's file must remain
+        assert from_b.usage.cached_tokens == 0 and second.views.cache_stats()["disk"]["hits"] == 0
+        second.views.flush_cache(B.namespace)  # B's own entries gone: A's file must remain
         from_a = ask(second, PROMPT, A)
-        assert from_a.usage.cached_tokens > 40 and second.cache_stats()["disk"]["hits"] == 1
+        assert from_a.usage.cached_tokens > 40 and second.views.cache_stats()["disk"]["hits"] == 1
         assert same_answer(from_a, cold) and same_answer(from_b, cold)
     finally:
         second.shutdown()
@@ -215,7 +217,7 @@ def test_files_from_before_namespaces_are_never_served(tmp_path):
     engine = disk_engine(tmp_path)
     try:
         ask(engine, PROMPT, A)
-        stored = engine.cache_sequences()
+        stored = engine.views.cache_sequences()
         # A checkpoint as a server before issue 19 wrote it: keyed by the bare model key.
         longest = max(stored, key=lambda s: s.info.tokens)
         snapshot = engine.store.get(longest.info.model_key, longest.tokens)
@@ -229,11 +231,11 @@ def test_files_from_before_namespaces_are_never_served(tmp_path):
     try:
         for pref in (CachePreference(), B):
             assert ask(engine, PROMPT, pref).usage.cached_tokens == 0
-        assert engine.cache_stats()["disk"]["hits"] == 0
+        assert engine.views.cache_stats()["disk"]["hits"] == 0
         old = [e for e in engine.disk.cache.entries() if e.model_key == engine.model_key]
         assert len(old) == 1  # indexed, never matched; a full flush removes it
         assert wait_for(lambda: engine.disk.pending == 0)  # this run's own saves, written
-        engine.flush_cache()
+        engine.views.flush_cache()
         assert engine.disk.cache.entries() == []
     finally:
         engine.shutdown()

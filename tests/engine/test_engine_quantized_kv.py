@@ -191,11 +191,11 @@ def test_restart_hits_the_disk_and_keys_do_not_mix(engines, tmp_path, kind):
     assert run(other_bits, prompt).usage.cached_tokens == 0
     float_engine = engines(kind, None, disk=disk)
     assert run(float_engine, prompt).usage.cached_tokens == 0
-    assert float_engine.cache_stats()["disk"]["hits"] == 0
+    assert float_engine.views.cache_stats()["disk"]["hits"] == 0
 
     second = engines(kind, 4, start=48, disk=disk)
     hit_equals_cold(second, prompt, len(second.plan(prompt).tokens) - 3)
-    assert second.cache_stats()["disk"]["hits"] == 1
+    assert second.views.cache_stats()["disk"]["hits"] == 1
 
 
 def test_float_and_quantized_engines_sharing_a_store_never_hit_each_other(engines):
@@ -227,7 +227,7 @@ def test_entries_count_their_packed_bytes(engines):
         expected = (HEAD * 4) / (HEAD * bits / 8 + 2 * 4)
         assert per_token[None] / per_token[bits] == pytest.approx(expected, rel=0.01)
     # What /v1/cache reports: the store's resident bytes, lower by the same measure.
-    resident = {bits: engine.cache_stats()["bytes"] for bits, engine in made.items()}
+    resident = {bits: engine.views.cache_stats()["bytes"] for bits, engine in made.items()}
     assert resident[None] > resident[8] > resident[4] > 0
 
 
@@ -308,5 +308,5 @@ def test_the_server_reports_packed_bytes_and_answers_hits_as_cold_runs(engines):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 32
     assert warm["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
-    assert cache["stats"]["bytes"] == engine.cache_stats()["bytes"] > 0
+    assert cache["stats"]["bytes"] == engine.views.cache_stats()["bytes"] > 0
     assert all(not e["trimmable"] for e in cache["entries"] if e["tokens"] > 32)

@@ -58,7 +58,7 @@ def test_speculative_reply_equals_plain_cold_and_warm(engines, draft, sampling):
     spec = engines(draft)
     cold = run(spec, PROMPT, sampling=sampling)
     # The same entries, each carrying the draft's KV of its prefix too (counted).
-    plain_stats, spec_stats = plain_engine.cache_stats(), spec.cache_stats()
+    plain_stats, spec_stats = plain_engine.views.cache_stats(), spec.views.cache_stats()
     assert spec_stats["entries"] == plain_stats["entries"] > 0
     assert spec_stats["bytes"] > plain_stats["bytes"]
     warm = run(spec, PROMPT, sampling=sampling)
@@ -68,7 +68,7 @@ def test_speculative_reply_equals_plain_cold_and_warm(engines, draft, sampling):
         assert reply.text == plain.text and reply.finish_reason == plain.finish_reason
     stats = spec.loop.decode.speculator.stats
     assert stats is not None and stats.steps > 0 and stats.drafted > 0
-    assert spec.cache_stats()["speculative"]["drafted"] == stats.drafted
+    assert spec.views.cache_stats()["speculative"]["drafted"] == stats.drafted
     # The hit restored the draft's cache beside the model's: the draft computed only
     # the prompt's uncached rest.
     assert stats.draft_restored == warm.usage.cached_tokens

@@ -120,7 +120,7 @@ def test_a_hybrid_restores_at_the_breakpoint_when_what_follows_changes(make_engi
     first = run(engine, prompt(mark))
     assert first.usage.cache_written_tokens > 0
     (position,) = marked(engine.planner, prompt(mark))
-    stored = [(e["tokens"], e["kind"]) for e in engine.cache_entries()]
+    stored = [(e["tokens"], e["kind"]) for e in engine.views.cache_entries()]
     if kind == "qwen3_5":
         assert (position, BREAKPOINT) in stored
     else:  # an all-KV cache: the system prompt's entry (kept longer) serves it by trimming

@@ -109,7 +109,7 @@ def test_tool_loop_turns_read_their_prefix_and_warm_equals_cold(claude, engine):
         streamed = stream.get_final_message()
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in cold.content]
     assert streamed.usage.cache_read_input_tokens >= warm.usage.cache_read_input_tokens
-    kinds = {e["kind"] for e in engine.cache_entries()}
+    kinds = {e["kind"] for e in engine.views.cache_entries()}
     assert CheckpointKind.BREAKPOINT in kinds
     engine.store.check_integrity()
 

@@ -105,12 +105,12 @@ def test_snapshot_merges_memory_and_disk_nodes_by_their_tokens():
         messages=conversation_from_dicts([{"role": "user", "content": "alpha beta gamma"}])
     )
     engine.submit(prompt, SamplingParams(max_tokens=4))  # stores one entry
-    (mem,) = engine.cache_sequences()
+    (mem,) = engine.views.cache_sequences()
     key = mem.info.model_key  # files join and nest under memory entries of their own key
     on_both = _disk_info("f1", mem.tokens, 500, key)
     more = engine.model.tokenizer.ids(" delta", " epsilon")
     disk_only = _disk_info("f2", (*mem.tokens, *more), key=key)
-    engine.disk_sequences = lambda: [on_both, disk_only]  # type: ignore[method-assign]
+    engine.views.disk_sequences = lambda: [on_both, disk_only]  # type: ignore[method-assign]
     body = snapshot(engine, RecentRequests(), TreeShapes(), Caller("", admin=True))
     root, child = body["tree"]
     assert root["id"] == f"m{mem.info.entry_id}" and root["disk_bytes"] == 500
@@ -127,11 +127,11 @@ def test_snapshot_nests_and_merges_only_inside_one_namespace():
     short, longer = PromptInput(text="alpha beta gamma"), PromptInput(text="alpha beta gamma delta")
     engine.submit(short, SamplingParams(max_tokens=4), CachePreference(namespace="a"))
     engine.submit(longer, SamplingParams(max_tokens=4), CachePreference(namespace="b"))
-    (a,) = (s for s in engine.cache_sequences() if s.info.tokens == 3)
-    (b,) = (s for s in engine.cache_sequences() if s.info.tokens == 4)
+    (a,) = (s for s in engine.views.cache_sequences() if s.info.tokens == 3)
+    (b,) = (s for s in engine.views.cache_sequences() if s.info.tokens == 4)
     # B's file of A's very tokens: its own node, and B's longer entry nests under it.
     b_file = _disk_info("fb", a.tokens, key=b.info.model_key)
-    engine.disk_sequences = lambda: [b_file]  # type: ignore[method-assign]
+    engine.views.disk_sequences = lambda: [b_file]  # type: ignore[method-assign]
     tree = snapshot(engine, RecentRequests(), TreeShapes(), Caller("", admin=True))["tree"]
     nodes = {n["id"]: n for n in tree}
     assert set(nodes) == {f"m{a.info.entry_id}", f"m{b.info.entry_id}", "dfb"}
@@ -338,11 +338,11 @@ def test_real_engine_tree_text_hits_pin_and_evict(real):
     assert after[deepest["id"]]["hits"] == 1
     entry_id = deepest["entry_id"]
     assert c.post(f"/v1/cache/entries/{entry_id}/pin", json={"pinned": True}).status_code == 200
-    assert entry_id in {e["entry_id"] for e in engine.cache_entries() if e["pinned"]}
+    assert entry_id in {e["entry_id"] for e in engine.views.cache_entries() if e["pinned"]}
     assert c.delete(f"/v1/cache/entries/{entry_id}").status_code == 409
     assert c.post(f"/v1/cache/entries/{entry_id}/pin", json={"pinned": False}).status_code == 200
     assert c.delete(f"/v1/cache/entries/{entry_id}").status_code == 200
-    assert entry_id not in {e["entry_id"] for e in engine.cache_entries()}
+    assert entry_id not in {e["entry_id"] for e in engine.views.cache_entries()}
     engine.store.check_integrity()
 
 

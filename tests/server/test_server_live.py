@@ -155,7 +155,7 @@ def test_warm_and_pin_over_http_with_the_real_engine():
         warm_reply, cold_reply = answer(True), answer(False)
         assert warm_reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert warm_reply["choices"][0]["message"] == cold_reply["choices"][0]["message"]
-        engine.flush_cache()
+        engine.views.flush_cache()
         assert http.get("/v1/cache").json()["entries"] == []
 
 

@@ -70,7 +70,7 @@ def post(client: httpx.Client, path: str, body: dict, family: str) -> dict | Non
 
 
 def converse(client, engine, path: str, bodies: list[dict], cached_of) -> None:
-    engine.flush_cache()
+    engine.views.flush_cache()
     previous = None
     for turn, body in enumerate(bodies):
         answer = post(client, path, body, engine.family)

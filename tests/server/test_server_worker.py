@@ -88,6 +88,6 @@ def test_flush_cache_as_the_router_sends_it_empties_the_cache():
     with serving(api_key=KEY) as (url, engine), httpx.Client(base_url=url, timeout=30) as c:
         body = {"messages": [{"role": "user", "content": "remember this"}], "max_tokens": 4}
         c.post("/v1/chat/completions", json=body, headers=AUTH).raise_for_status()
-        assert engine.cache_entries()
+        assert engine.views.cache_entries()
         assert c.post("/flush_cache", headers=AUTH).json()["removed"] >= 1
-        assert engine.cache_entries() == []
+        assert engine.views.cache_entries() == []

@@ -98,7 +98,7 @@ def test_nothing_of_an_unloaded_model_stays_reachable(vision):
     # What the views show once no model is left: the model's name, the cache's views.
     last = swapper.last
     assert slot.served.engine is last and last.model.name == Path(folder).name
-    assert last.cache_stats()["entries"] == 0 and last.cache_entries() == []
+    assert last.views.cache_stats()["entries"] == 0 and last.views.cache_entries() == []
     with pytest.raises(Unavailable):
         last.submit(PromptInput(messages=[]), SamplingParams())
 

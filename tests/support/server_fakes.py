@@ -218,6 +218,116 @@ class FakeHandle:
                 self._waiters.remove(waiter)
 
 
+class FakeViews:
+    """The fake engine's cache views (engine/interface.py CacheViewsAPI), over the
+    fake's own stored prompts: `engine.views`, as the real engine's CacheViews."""
+
+    def __init__(self, engine: FakeEngine):
+        self.engine = engine
+
+    def cache_stats(self) -> dict[str, Any]:
+        with self.engine._lock:
+            nbytes = sum(len(t) * 1000 for _, t in self.engine._stored)
+            lookups = self.engine._stats["hits"] + self.engine._stats["misses"]
+            return {
+                **self.engine._stats,
+                "entries": len(self.engine._stored),
+                "bytes": nbytes,
+                "bytes_by_kind": {"LAST_MESSAGE": nbytes},
+                "entries_by_kind": {"LAST_MESSAGE": len(self.engine._stored)},
+                "active_bytes": 0,
+                "active_requests": 0,
+                "pinned": sum(e["pinned"] for e in self.engine._stored.values()),
+                "locked": 0,
+                "budget_bytes": 1 << 30,
+                "hit_ratio": self.engine._stats["hits"] / lookups if lookups else 0.0,
+            }
+
+    def cache_entries(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        with self.engine._lock:
+            return [  # the real engine's schema: asdict(EntryInfo)
+                {
+                    "entry_id": e["id"],
+                    "model_key": key,
+                    "tokens": len(t),
+                    "nbytes": len(t) * 1000,
+                    "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
+                    "trimmable": True,
+                    "hits": e["hits"],
+                    "age_s": now - e["created"],
+                    "idle_s": now - e["created"],
+                    "pinned": e["pinned"],
+                    "refs": 0,
+                    "shared_bytes": 0,
+                }
+                for (key, t), e in self.engine._stored.items()
+            ]
+
+    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
+        now = time.monotonic()
+        with self.engine._lock:
+            return [
+                StoredTokens(
+                    EntryInfo(
+                        entry_id=e["id"],
+                        model_key=key,
+                        tokens=len(t),
+                        nbytes=len(t) * 1000,
+                        kind=CheckpointKind.LAST_MESSAGE,
+                        trimmable=True,
+                        hits=e["hits"],
+                        age_s=now - e["created"],
+                        idle_s=now - e["created"],
+                        pinned=e["pinned"],
+                        refs=0,
+                    ),
+                    self.engine.model.tokenizer.ids(*t),
+                )
+                for (key, t), e in self.engine._stored.items()
+            ]
+
+    def disk_sequences(self) -> list:
+        return []
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
+        with self.engine._lock:
+            for e in self.engine._stored.values():
+                if e["id"] == entry_id:
+                    e["pinned"] = pinned
+                    return True
+            return False
+
+    def evict_entry(self, entry_id: int) -> EvictOutcome:
+        with self.engine._lock:
+            for t, e in self.engine._stored.items():
+                if e["id"] == entry_id:
+                    if e["pinned"]:
+                        return EvictOutcome.PINNED
+                    del self.engine._stored[t]
+                    return EvictOutcome.EVICTED
+            return EvictOutcome.MISSING
+
+    def activity(self) -> Activity:
+        """The requests still generating, as the real engine reports decoding ones."""
+        with self.engine._lock:
+            running = [h for h in self.engine.handles if not h.finished]
+        jobs = tuple(
+            JobView(h.request_id, "request", "decoding", h.prompt_tokens, 0, h.prompt_tokens,
+                    len(h._events), 0, time.perf_counter(), h.namespace)
+            for h in running
+        )  # fmt: skip
+        return Activity(jobs, 8, time.perf_counter())
+
+    def flush_cache(self, namespace: str | None = None) -> int:
+        selector = MODEL_KEY if namespace is None else namespace_key(MODEL_KEY, namespace)
+        with self.engine._lock:
+            gone = [k for k in self.engine._stored if covers(selector, k[0])]
+            for k in gone:
+                del self.engine._stored[k]
+            return len(gone)
+
+
 class FakeEngine:
     def __init__(self, model: FakeModel | None = None, reply: str = DEFAULT_REPLY):
         self.model = model or FakeModel()
@@ -233,6 +343,7 @@ class FakeEngine:
         self._stats = {"hits": 0, "misses": 0, "tokens_reused": 0, "evictions": 0}
         self._closed = False
         self._ids = 0
+        self.views = FakeViews(self)
 
     # The engine interface
 
@@ -334,108 +445,6 @@ class FakeEngine:
 
         threading.Thread(target=run, daemon=True).start()
         return handle, future
-
-    def cache_stats(self) -> dict[str, Any]:
-        with self._lock:
-            nbytes = sum(len(t) * 1000 for _, t in self._stored)
-            lookups = self._stats["hits"] + self._stats["misses"]
-            return {
-                **self._stats,
-                "entries": len(self._stored),
-                "bytes": nbytes,
-                "bytes_by_kind": {"LAST_MESSAGE": nbytes},
-                "entries_by_kind": {"LAST_MESSAGE": len(self._stored)},
-                "active_bytes": 0,
-                "active_requests": 0,
-                "pinned": sum(e["pinned"] for e in self._stored.values()),
-                "locked": 0,
-                "budget_bytes": 1 << 30,
-                "hit_ratio": self._stats["hits"] / lookups if lookups else 0.0,
-            }
-
-    def cache_entries(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        with self._lock:
-            return [  # the real engine's schema: asdict(EntryInfo)
-                {
-                    "entry_id": e["id"],
-                    "model_key": key,
-                    "tokens": len(t),
-                    "nbytes": len(t) * 1000,
-                    "kind": CheckpointKind.LAST_MESSAGE,  # an IntEnum, as the store's
-                    "trimmable": True,
-                    "hits": e["hits"],
-                    "age_s": now - e["created"],
-                    "idle_s": now - e["created"],
-                    "pinned": e["pinned"],
-                    "refs": 0,
-                    "shared_bytes": 0,
-                }
-                for (key, t), e in self._stored.items()
-            ]
-
-    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
-        now = time.monotonic()
-        with self._lock:
-            return [
-                StoredTokens(
-                    EntryInfo(
-                        entry_id=e["id"],
-                        model_key=key,
-                        tokens=len(t),
-                        nbytes=len(t) * 1000,
-                        kind=CheckpointKind.LAST_MESSAGE,
-                        trimmable=True,
-                        hits=e["hits"],
-                        age_s=now - e["created"],
-                        idle_s=now - e["created"],
-                        pinned=e["pinned"],
-                        refs=0,
-                    ),
-                    self.model.tokenizer.ids(*t),
-                )
-                for (key, t), e in self._stored.items()
-            ]
-
-    def disk_sequences(self) -> list:
-        return []
-
-    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
-        with self._lock:
-            for e in self._stored.values():
-                if e["id"] == entry_id:
-                    e["pinned"] = pinned
-                    return True
-            return False
-
-    def evict_entry(self, entry_id: int) -> EvictOutcome:
-        with self._lock:
-            for t, e in self._stored.items():
-                if e["id"] == entry_id:
-                    if e["pinned"]:
-                        return EvictOutcome.PINNED
-                    del self._stored[t]
-                    return EvictOutcome.EVICTED
-            return EvictOutcome.MISSING
-
-    def activity(self) -> Activity:
-        """The requests still generating, as the real engine reports decoding ones."""
-        with self._lock:
-            running = [h for h in self.handles if not h.finished]
-        jobs = tuple(
-            JobView(h.request_id, "request", "decoding", h.prompt_tokens, 0, h.prompt_tokens,
-                    len(h._events), 0, time.perf_counter(), h.namespace)
-            for h in running
-        )  # fmt: skip
-        return Activity(jobs, 8, time.perf_counter())
-
-    def flush_cache(self, namespace: str | None = None) -> int:
-        selector = MODEL_KEY if namespace is None else namespace_key(MODEL_KEY, namespace)
-        with self._lock:
-            gone = [k for k in self._stored if covers(selector, k[0])]
-            for k in gone:
-                del self._stored[k]
-            return len(gone)
 
     def shutdown(self, timeout: float = 10.0, save_timeout: float = 10.0) -> None:
         self.shutdown_calls += 1

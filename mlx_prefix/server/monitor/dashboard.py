@@ -167,8 +167,8 @@ def snapshot(
     explainer: Explainer | None = None,
 ) -> dict:
     """Everything the page shows, as JSON-ready values. Does not mutate the cache."""
-    memory = visible(caller, engine.cache_sequences())
-    disk = visible(caller, engine.disk_sequences())
+    memory = visible(caller, engine.views.cache_sequences())
+    disk = visible(caller, engine.views.disk_sequences())
     sequences = {f"m{s.info.entry_id}": s.tokens for s in memory}
     mem_info = {f"m{s.info.entry_id}": s.info for s in memory}
     groups = {node_id: info.model_key for node_id, info in mem_info.items()}
@@ -187,9 +187,9 @@ def snapshot(
         _node_json(n, mem_info.get(n.node_id), disk_info.get(n.node_id))
         for n in shapes.nodes(sequences, engine.model.tokenizer, groups)
     ]
-    stats = engine.cache_stats()
+    stats = engine.views.cache_stats()
     now = time.perf_counter()
-    activity = engine.activity()
+    activity = engine.views.activity()
     jobs = [
         {**asdict(j), "age_s": max(0.0, now - j.submitted_at)}
         for j in visible(caller, activity.jobs)
@@ -268,13 +268,13 @@ class EntryBusy(MlxPrefixError):
 
 def set_pinned(engine: EngineAPI, caller: Caller, entry_id: int, pinned: bool) -> None:
     _find(engine, caller, entry_id)
-    if not engine.set_pinned(entry_id, pinned):
+    if not engine.views.set_pinned(entry_id, pinned):
         raise _missing(entry_id)
 
 
 def evict(engine: EngineAPI, caller: Caller, entry_id: int) -> None:
     _find(engine, caller, entry_id)
-    outcome = engine.evict_entry(entry_id)
+    outcome = engine.views.evict_entry(entry_id)
     if outcome is EvictOutcome.MISSING:
         raise _missing(entry_id)
     if outcome is EvictOutcome.PINNED:
@@ -285,7 +285,9 @@ def evict(engine: EngineAPI, caller: Caller, entry_id: int) -> None:
 
 def _find(engine: EngineAPI, caller: Caller, entry_id: int) -> None:
     """Act only on an entry the caller can see (`visible`)."""
-    if not any(s.info.entry_id == entry_id for s in visible(caller, engine.cache_sequences())):
+    if not any(
+        s.info.entry_id == entry_id for s in visible(caller, engine.views.cache_sequences())
+    ):
         raise _missing(entry_id)
 
 

@@ -33,8 +33,8 @@ log = logging.getLogger("mlx_prefix.server")
 @api
 async def cache_info(request: Request) -> Response:
     engine = state(request).engine
-    stats = await run_in_threadpool(engine.cache_stats)
-    entries = visible(caller(request), await run_in_threadpool(engine.cache_entries))
+    stats = await run_in_threadpool(engine.views.cache_stats)
+    entries = visible(caller(request), await run_in_threadpool(engine.views.cache_entries))
     # The store's CheckpointKind is an IntEnum: show "HISTORY", not 2.
     entries = [
         {k: v.name if isinstance(v, enum.Enum) else v for k, v in entry.items()}
@@ -109,7 +109,7 @@ async def cache_flush(request: Request) -> Response:
     engines = [served.engine for served in st.models.resident()] or [st.engine]
 
     def flush() -> int:
-        removed = sum(engine.flush_cache(namespace) for engine in engines)
+        removed = sum(engine.views.flush_cache(namespace) for engine in engines)
         st.metrics.explainer.forget(namespace)  # what it held is no reason any more
         return removed
 

@@ -106,7 +106,7 @@ async def ps(request: Request) -> Response:
     engines = [served.engine for served in st.models.resident()]
 
     def read() -> tuple[dict, dict]:
-        return {id(e): cache_use(e) for e in engines}, st.engine.cache_stats()
+        return {id(e): cache_use(e) for e in engines}, st.engine.views.cache_stats()
 
     caches, stats = await run_in_threadpool(read)
     rows = model_statuses(st.models, st.unloader, caches)

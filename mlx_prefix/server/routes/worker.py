@@ -72,7 +72,7 @@ async def get_load(request: Request) -> Response:
     Warm-ups and next-turn prefetches count: they occupy the engine as requests do."""
     st = state(request)
     engines = [served.engine for served in st.models.resident()] or [st.engine]
-    jobs = [job for engine in engines for job in engine.activity().jobs]
+    jobs = [job for engine in engines for job in engine.views.activity().jobs]
     running = [j for j in jobs if j.state != "queued"]
     load = {
         "dp_rank": 0,

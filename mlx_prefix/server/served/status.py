@@ -52,8 +52,8 @@ class ModelStatus:
 
 def cache_use(engine: EngineAPI) -> CacheUse:
     """Any thread: the model's memory-tier entries and checkpoint files."""
-    memory = [s.info for s in engine.cache_sequences()]
-    disk = [s.info for s in engine.disk_sequences()]
+    memory = [s.info for s in engine.views.cache_sequences()]
+    disk = [s.info for s in engine.views.disk_sequences()]
     return CacheUse(
         len(memory),
         sum(i.nbytes - getattr(i, "shared_bytes", 0) for i in memory),

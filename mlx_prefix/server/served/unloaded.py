@@ -18,9 +18,6 @@ from mlx_prefix.errors import Unavailable
 from mlx_prefix.prompt.reply.reader import PLAIN_REPLIES, ReplyFormat
 
 if TYPE_CHECKING:
-    from mlx_prefix.cache.disk.index import DiskEntryInfo
-    from mlx_prefix.cache.types import EntryInfo, EvictOutcome, StoredTokens
-    from mlx_prefix.engine.activity import Activity
     from mlx_prefix.engine.cache_views import CacheViews
     from mlx_prefix.engine.interface import EngineAPI
     from mlx_prefix.models.load import LoadedModel
@@ -36,7 +33,9 @@ class NoTokenizer:
 
 @dataclass(eq=False)
 class UnloadedEngine:
-    """EngineAPI's views of an unloaded model; what would run a request refuses."""
+    """EngineAPI's views of an unloaded model; what would run a request refuses. The
+    server reads and acts on the cache through `views`, as on a loaded engine's (no turn
+    driver left: an action is applied at once)."""
 
     model: LoadedModel
     model_key: str
@@ -52,47 +51,18 @@ class UnloadedEngine:
     def shutdown(self, timeout: float = 10.0, save_timeout: float = 0.0) -> None:
         pass
 
-    def cache_stats(self) -> dict:
-        return self.views.stats()
-
-    def cache_entries(self) -> list[dict]:
-        return self.views.entries()
-
-    def cache_sequences(self) -> list[StoredTokens[EntryInfo]]:
-        return self.views.sequences()
-
-    def disk_sequences(self) -> list[StoredTokens[DiskEntryInfo]]:
-        return self.views.disk_sequences()
-
-    def activity(self) -> Activity:
-        return self.views.activity()
-
-    def flush_cache(self, namespace: str | None = None) -> int:
-        from mlx_prefix.engine.cache_views import CacheAction
-
-        return self.views.apply(CacheAction("flush", namespace=namespace))
-
-    def set_pinned(self, entry_id: int, pinned: bool) -> bool:
-        from mlx_prefix.engine.cache_views import CacheAction
-
-        return self.views.apply(CacheAction("pin" if pinned else "unpin", entry_id))
-
-    def evict_entry(self, entry_id: int) -> EvictOutcome:
-        from mlx_prefix.engine.cache_views import CacheAction
-
-        return self.views.apply(CacheAction("evict", entry_id))
-
 
 def unloaded(engine: EngineAPI) -> EngineAPI:
     """A stand-in for `engine`, unloaded, that holds none of it; a test's fake engine
-    (no cache views) as it is."""
-    views = getattr(engine, "views", None)
-    if views is None:
+    (its views are no CacheViews) as it is."""
+    from mlx_prefix.engine.cache_views import CacheViews
+
+    views = engine.views
+    if not isinstance(views, CacheViews):
         return engine
     import mlx.nn as nn
 
     from mlx_prefix.engine.activity import ActivityBoard
-    from mlx_prefix.engine.cache_views import CacheViews
 
     # A board of its own: the old one's last Activity names the engine's last jobs.
     bare = CacheViews(views.store, views.disk, views.model_key, views.prefetch, ActivityBoard(1))
