@@ -117,9 +117,12 @@ class Checkpointer:
         # A hybrid's checkpoints whose KV its decode row gives (rows.py); all of them
         # after a hand-over (a piece would copy the prefix again).
         self.rows = RowStates(
-            self.cache, self.store, self.key, self.prompt.tokens, lambda: self.report(),
-            self.on_stored,
-        )  # fmt: skip
+            cache=self.cache,
+            store=self.store,
+            key=self.key,
+            tokens=self.prompt.tokens,
+            on_stored=self.on_stored,
+        )
         self._rows_kv = self.hand_back and hybrid(self.cache)
         self.stride = 0  # periodic checkpoints only at multiples of this (0: all; `_thin`)
         self.finished = False
@@ -232,7 +235,7 @@ class Checkpointer:
             not at_end or position in self.planned or is_trimmable(self.cache)
         )
         if in_memory and at_end and (self.hand_back or self._no_room(position)):
-            if self.rows.keep(position, kind, at_end):  # (a hybrid's state: if it fits)
+            if self.rows.keep(position, kind, at_end, self.report):  # a hybrid: if it fits
                 self.end_kind = kind  # stored when the request finishes (decode/phase.py)
                 self.on_stored(position)
             if not to_disk:
@@ -242,7 +245,7 @@ class Checkpointer:
             # A second copy of what the live cache holds, which the budget cannot hold
             # beside it (its end serves this prefix by trimming): not cut at all; a
             # hybrid keeps its state here, its KV to come from the row (or the end).
-            self.rows.keep(position, kind, at_end)
+            self.rows.keep(position, kind, at_end, self.report)
             return
         snapshot = self.capture_at(position)
         if at_end:  # its chain holds those kept without their KV

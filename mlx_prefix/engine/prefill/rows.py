@@ -28,18 +28,22 @@ class RowStates:
     store: PromptCache
     key: str  # the request's entry key
     tokens: Sequence[int]  # its prompt
-    report: Callable[[], None]  # reports the request's active bytes as they are now
     on_stored: Callable[[int], None]
     states: list[EndState] = field(default_factory=list)  # in position order, the end last
 
-    def keep(self, position: int, kind: CheckpointKind, at_end: bool) -> bool:
+    def keep(
+        self, position: int, kind: CheckpointKind, at_end: bool, report: Callable[[], None]
+    ) -> bool:
         """Keep the state at `position` where the budget holds it beside the rest of the
         prefill and the end's, evicting nothing (`at_end`: beside what eviction cannot
         free; the end is the entry the next turn extends); whether it was kept (always
-        for a cache with only KV layers, which the row gives whole)."""
+        for a cache with only KV layers, which the row gives whole). `report` reports the
+        request's active bytes as they are now: handed in, not kept, so that the
+        Checkpointer and this record hold no cycle (its cache, the whole KV, would wait
+        for Python's rare full collection)."""
         if not hybrid(self.cache):
             return True
-        self.report()
+        report()
         state = states_at(self.cache, position, kind)
         if at_end:
             fits = self.store.could_hold(state.buffer.nbytes)
