@@ -68,11 +68,15 @@ async def cache_warm(request: Request) -> Response:
     timeout = st.settings.warm_timeout_s
     cache = replace(warm.cache, namespace=caller(request).namespace)
     handle, future = await run_in_threadpool(served.engine.start_warm, warm.prompt, warm.pin, cache)
+    settled = asyncio.wrap_future(future)
+    # A warm-up given up (timeout, hang-up) is still settled by the engine, with
+    # EngineBusy: read it then, or asyncio logs "exception was never retrieved".
+    settled.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def finished() -> Any:
         with anyio.fail_after(timeout):
             # Shielded: the engine owns the future; the handle is how to stop the job.
-            return await asyncio.shield(asyncio.wrap_future(future))
+            return await asyncio.shield(settled)
 
     try:
         result = await until_disconnect(request, finished, on_gone=handle.cancel)
