@@ -126,11 +126,34 @@ def rows_settle(cache: Sequence[Any]) -> bool:
 _ROWS = (BatchKVCache, TemporalBatchRotatingKVCache, ArraysCache)
 
 
-def hold_recurrent(cache: Sequence[Any]) -> Held:
-    """Hold a batch cache's recurrent layers only (ArraysCache): its attention layers
-    are trimmed back by the verify's width instead, since a row leaving the batch may
-    shift them left (mlx-lm's `filter` drops common left padding)."""
-    return Held([_attributes(c) for c in _layers(cache) if isinstance(c, ArraysCache)])
+@dataclass(slots=True)
+class HeldRows:
+    """A batch cache's recurrent layers (ArraysCache) as they were at `hold_recurrent`:
+    put back row by row. Its attention layers are trimmed back by the caller instead
+    (`shift_rows`), since a row leaving the batch may shift them left (mlx-lm's `filter`
+    drops common left padding)."""
+
+    _layers: list[Any]
+    _held: list[list[Any]]
+
+    def restore(self, rows: Sequence[bool], keep: Sequence[int] | None = None) -> None:
+        """Put back the rows marked True (the others keep what they hold now); `keep`:
+        the held rows still in the batch, in order (None: all)."""
+        pick = mx.array(list(rows))
+        taken = None if keep is None else mx.array(list(keep))
+        for c, held in zip(self._layers, self._held, strict=True):
+            now = list(c.cache)
+            for i, (h, a) in enumerate(zip(held, now, strict=True)):
+                if h is None or a is None:
+                    continue
+                h = h if taken is None else h[taken]
+                c.cache[i] = mx.where(pick.reshape((-1,) + (1,) * (a.ndim - 1)), h, a)
+
+
+def hold_recurrent(cache: Sequence[Any]) -> HeldRows:
+    """Hold a batch cache's recurrent layers before a verify of several rows."""
+    layers = [c for c in _layers(cache) if isinstance(c, ArraysCache)]
+    return HeldRows(layers, [[view(a) for a in c.cache] for c in layers])
 
 
 @contextmanager

@@ -304,17 +304,21 @@ class DecodeBatch:
         self._inputs = [next_input]
         self._verifying = 0
 
-    def settle_rows(self, kept: Sequence[int], next_inputs: Sequence[int]) -> None:
+    def settle_rows(
+        self, kept: Sequence[int], next_inputs: Sequence[int], computed: Sequence[int] = ()
+    ) -> None:
         """After `verify_rows`, for the members still in the batch (in order): each keeps
         the first `kept[i]` of the verify's positions and goes on with `next_inputs[i]`.
         Positions past the most any row keeps are trimmed; a row that kept fewer moves
         its keys right by the difference, its left padding grown to match (mlx-lm's
         right padding, `finalize`), so the rows stay left-padded
-        (cache/layers/rewind.py `shift_rows`)."""
+        (cache/layers/rewind.py `shift_rows`). After `recompute_rows`, `computed[i]`
+        of its positions are row i's (the rest of its kept ones stayed from the verify)."""
         width, self._verifying = self._verifying, 0
         assert len(kept) == len(self.members) == len(next_inputs) and width
-        most = max(kept)
-        shift_rows(self.cache, width - most, [most - n for n in kept])
+        ours = computed or kept
+        most = max(ours)
+        shift_rows(self.cache, width - most, [most - n for n in ours])
         self._lengths = [n + k for n, k in zip(self._lengths, kept, strict=True)]
         self._inputs = list(next_inputs)
 

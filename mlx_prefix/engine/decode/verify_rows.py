@@ -6,13 +6,13 @@ row kept (DecodeBatch.settle_rows): attention KV and sliding windows move a row 
 kept fewer right, to stay left-padded (cache/layers/rewind.py `shift_rows`).
 
 Recurrent layers (mlx-lm's ArraysCache: conv and SSM state) keep no per-position
-history. They are held before the verify (cache/layers/rewind.py `hold`), and a shorter
-row's pads are masked out of its state (`row_lengths`; Mamba-2's scan steps position by
-position, engine/forward/stepwise.py). If every row kept all its positions, the verify's
-state is each row's; otherwise the recurrent layers are put back, the attention layers
-trimmed by the verify's width, and every row's kept positions computed again in one
-second forward (padded the same way), so that rows stay in step: a row that kept all is
-computed again too (one forward of the batch either way), its numbers the verify's.
+history. They are held before the verify (cache/layers/rewind.py `hold_recurrent`), and
+a shorter row's pads are masked out of its state (`row_lengths`; Mamba-2's scan steps
+position by position, engine/forward/stepwise.py). A row that kept all its positions
+keeps the verify's state; the rows that kept fewer get their held state back and their
+kept positions computed again, in one second forward of the batch (padded the same
+way; the other rows masked out of it, their positions of it dropped), so that it costs
+one forward of as many positions as the longest of those rows kept, whatever the others.
 Only models whose recurrent layers honour `lengths` (RECURRENT_MASKED). Engine thread
 only.
 """
@@ -22,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import mlx.core as mx
+
 from mlx_prefix.cache.layers.rewind import (
-    Held,
+    HeldRows,
     hold_recurrent,
     row_lengths,
     rows_settle,
@@ -34,6 +36,8 @@ from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.verify import Accept, Drawn, SpeculationStats, draw_row
 from mlx_prefix.engine.forward import rowwise, stepwise
+
+Held = HeldRows | None  # a verify's recurrent layers (None: its cache trims back)
 
 # mlx-lm model modules whose recurrent layers stop each row's state at ArraysCache's
 # `lengths` (a masked scan, the convolution's window taken at the row's end).
@@ -59,6 +63,46 @@ def _padded(batch: DecodeBatch, lengths: Sequence[int]) -> Iterator[None]:
         yield
 
 
+def verify_forward(batch: DecodeBatch, rows: Sequence[Sequence[int]]) -> tuple[mx.array, Held]:
+    """`batch.verify_rows(rows)` ([B, L, V] logits), its recurrent layers held before
+    (None: the cache trims back) and each row's pads masked out of their state."""
+    held = None
+    if not trims_back(batch.cache):
+        rowwise.install(batch.model)  # stepwise scans (idempotent)
+        held = hold_recurrent(batch.cache)
+    with _padded(batch, [len(row) for row in rows]):
+        return batch.verify_rows(rows), held
+
+
+def settle_verified(
+    batch: DecodeBatch,
+    rows: Sequence[Sequence[int]],
+    held: Held,
+    left: Sequence[int],
+    kept: Sequence[int],
+    last: Sequence[int],
+) -> None:
+    """Settle the batch after `verify_forward(rows)`: the rows still in it (`left`,
+    their indices in `rows`) keep `kept` of the verify's positions and go on with
+    `last`. A recurrent row that kept fewer than it verified is put back and its kept
+    positions computed again, in one forward of the batch where every other row, its
+    state the verify's, is masked out (and its positions of that forward dropped)."""
+    redo = [n < len(rows[i]) for i, n in zip(left, kept, strict=True)]
+    if held is None or not any(redo):
+        batch.settle_rows(kept, last)
+        return
+    width = max(len(row) for row in rows)
+    most = max((n for n, r in zip(kept, redo, strict=True) if not r), default=0)
+    held.restore(redo, keep=left if len(left) < len(rows) else None)
+    # A row put back holds none of the verify's positions; the others their kept ones.
+    shifts = [most if r else most - n for n, r in zip(kept, redo, strict=True)]
+    shift_rows(batch.cache, width - most, shifts)
+    again = [n if r else 0 for n, r in zip(kept, redo, strict=True)]
+    with _padded(batch, again):
+        batch.recompute_rows([rows[i][: max(n, 1)] for i, n in zip(left, again, strict=True)])
+    batch.settle_rows(kept, last, computed=again)
+
+
 def verify_rows(
     batch: DecodeBatch,
     drafts: Sequence[Sequence[int]],
@@ -74,12 +118,7 @@ def verify_rows(
         r.emitted[-1] if r.emitted else r.job.tokens[-1] for r in members
     ]  # each row's newest token: the batch's next input
     rows = [[t, *d] for t, d in zip(inputs, drafts, strict=True)]
-    held: Held | None = None
-    if not trims_back(batch.cache):
-        rowwise.install(batch.model)  # stepwise scans (idempotent)
-        held = hold_recurrent(batch.cache)
-    with _padded(batch, [len(row) for row in rows]):
-        logits = batch.verify_rows(rows)
+    logits, held = verify_forward(batch, rows)
     # Counted before any token is handed on: a request's last one may end it, and its
     # client may read the counters as soon as it has its reply.
     stats.steps += 1
@@ -93,17 +132,14 @@ def verify_rows(
         drawn[id(running)] = result
         out.append((running, result))
     staying = batch.members
-    if not staying:
-        return out
-    kept = [drawn[id(m)].kept for m in staying]
-    if held is not None:
+    if staying:
         at = {id(m): i for i, m in enumerate(members)}
-        left = [at[id(m)] for m in staying]
-        if any(n < len(rows[i]) for n, i in zip(kept, left, strict=True)):
-            held.restore(keep=left if len(left) < len(members) else None)
-            shift_rows(batch.cache, max(len(row) for row in rows), [0] * len(left))
-            again = [rows[i][:n] for n, i in zip(kept, left, strict=True)]
-            with _padded(batch, kept):
-                batch.recompute_rows(again)
-    batch.settle_rows(kept, [drawn[id(m)].last for m in staying])
+        settle_verified(
+            batch,
+            rows,
+            held,
+            left=[at[id(m)] for m in staying],
+            kept=[drawn[id(m)].kept for m in staying],
+            last=[drawn[id(m)].last for m in staying],
+        )
     return out
