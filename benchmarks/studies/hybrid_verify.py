@@ -95,6 +95,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=out / "hybrid_verify.json")
     args = p.parse_args()
     rows = []
+    batched = max(1, args.rows)
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     for kind in args.kinds:
         model = load_model(str(cached_test_model(kind))).model
@@ -107,11 +108,12 @@ def main() -> None:
                 for mode in MODES:
                     times[mode].append(_trial(model, mode, k, args.rows))
             ms = {mode: 1000 * statistics.median(t) for mode, t in times.items()}
-            row = {"kind": kind, "k": k, "rows": max(1, args.rows), **{f"{m}_ms": round(v, 2) for m, v in ms.items()}}
+            row = {"kind": kind, "k": k, "rows": batched}
+            row |= {f"{m}_ms": round(v, 2) for m, v in ms.items()}
             row |= {f"{m}_vs_steps": round(ms[m] / ms["steps"], 2) for m in MODES[1:]}
             rows.append(row)
             print(
-                f"{kind:<11} B={max(1, args.rows)} k={k}: {k + 1} steps {ms['steps']:7.1f} ms | verify kept "
+                f"{kind:<11} B={batched} k={k}: {k + 1} steps {ms['steps']:7.1f} ms | verify kept "
                 f"{ms['kept']:6.1f} ({row['kept_vs_steps']:.2f}x) cut {ms['cut']:6.1f} "
                 f"({row['cut_vs_steps']:.2f}x) rejected {ms['rejected']:6.1f} "
                 f"({row['rejected_vs_steps']:.2f}x)",
