@@ -19,8 +19,10 @@ only.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import mlx.core as mx
 
@@ -38,6 +40,9 @@ from mlx_prefix.engine.decode.verify import Accept, Drawn, SpeculationStats, dra
 from mlx_prefix.engine.forward import rowwise, stepwise
 
 Held = HeldRows | None  # a verify's recurrent layers (None: its cache trims back)
+# Models whose scans `verify_forward` made step position by position (by id, the model
+# itself held weakly: a model unloaded leaves, and a new one at its id is not it).
+_installed: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 # mlx-lm model modules whose recurrent layers stop each row's state at ArraysCache's
 # `lengths` (a masked scan, the convolution's window taken at the row's end).
@@ -68,7 +73,9 @@ def verify_forward(batch: DecodeBatch, rows: Sequence[Sequence[int]]) -> tuple[m
     (None: the cache trims back) and each row's pads masked out of their state."""
     held = None
     if not trims_back(batch.cache):
-        rowwise.install(batch.model)  # stepwise scans (idempotent)
+        if _installed.get(id(batch.model)) is not batch.model:
+            rowwise.install(batch.model)  # stepwise scans (a walk of every module)
+            _installed[id(batch.model)] = batch.model
         held = hold_recurrent(batch.cache)
     with _padded(batch, [len(row) for row in rows]):
         return batch.verify_rows(rows), held
