@@ -27,16 +27,19 @@ Engine thread only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache
 
 from mlx_prefix.cache.layers.base import view
 from mlx_prefix.cache.layers.rotating import TemporalBatchRotatingKVCache
 
-Restore = Callable[[], None]
+# Puts a layer back; `keep`: the rows still in the batch (filtered since the hold).
+Restore = Callable[[Sequence[int] | None], None]
 
 
 def _length(c: Any) -> int:
@@ -47,7 +50,7 @@ def _length(c: Any) -> int:
 def _trim_back(c: Any) -> Restore:
     held = _length(c)
 
-    def restore() -> None:
+    def restore(keep: Sequence[int] | None) -> None:  # rows leave by `filter`: no row count
         extra = _length(c) - held
         if extra > 0:
             c.trim(extra)
@@ -58,11 +61,13 @@ def _trim_back(c: Any) -> Restore:
 def _attributes(c: Any) -> Restore:
     held = {name: _copied(value) for name, value in vars(c).items()}
 
-    def restore() -> None:
+    def restore(keep: Sequence[int] | None) -> None:
         for name in [n for n in vars(c) if n not in held]:
             delattr(c, name)
         for name, value in held.items():
             setattr(c, name, _copied(value))  # the hold stays as it was
+        if keep is not None:
+            c.filter(mx.array(list(keep)))  # the hold's rows of requests that left meanwhile
 
     return restore
 
@@ -87,10 +92,11 @@ class Held:
 
     _restores: list[Restore]
 
-    def restore(self) -> None:
-        """Put every layer back as it was held (the hold may be restored again)."""
+    def restore(self, keep: Sequence[int] | None = None) -> None:
+        """Put every layer back as it was held (the hold may be restored again); `keep`:
+        the held rows still in the batch, in order (None: all)."""
         for restore in self._restores:
-            restore()
+            restore(keep)
 
 
 def hold(cache: Sequence[Any]) -> Held:
@@ -105,3 +111,89 @@ def trims_back(cache: Sequence[Any]) -> bool:
     return all(
         trims_back(c.caches) if isinstance(c, CacheList) else isinstance(c, exact) for c in cache
     )
+
+
+def _layers(cache: Sequence[Any]) -> list[Any]:
+    return [m for c in cache for m in (_layers(c.caches) if isinstance(c, CacheList) else [c])]
+
+
+def rows_settle(cache: Sequence[Any]) -> bool:
+    """Whether every layer of a batch cache can settle rows that kept different counts of
+    a verify (`shift_rows`; a recurrent layer with a `hold`, engine/decode/verify_rows.py)."""
+    return all(type(c) in _ROWS for c in _layers(cache))
+
+
+_ROWS = (BatchKVCache, TemporalBatchRotatingKVCache, ArraysCache)
+
+
+@dataclass(slots=True)
+class HeldRows:
+    """A batch cache's recurrent layers (ArraysCache) as they were at `hold_recurrent`:
+    put back row by row. Its attention layers are trimmed back by the caller instead
+    (`shift_rows`), since a row leaving the batch may shift them left (mlx-lm's `filter`
+    drops common left padding)."""
+
+    _layers: list[Any]
+    _held: list[list[Any]]
+
+    def restore(self, rows: Sequence[bool], keep: Sequence[int] | None = None) -> None:
+        """Put back the rows marked True (the others keep what they hold now); `keep`:
+        the held rows still in the batch, in order (None: all)."""
+        pick = mx.array(list(rows))
+        taken = None if keep is None else mx.array(list(keep))
+        for c, held in zip(self._layers, self._held, strict=True):
+            now = list(c.cache)
+            for i, (h, a) in enumerate(zip(held, now, strict=True)):
+                if h is None or a is None:
+                    continue
+                h = h if taken is None else h[taken]
+                c.cache[i] = mx.where(pick.reshape((-1,) + (1,) * (a.ndim - 1)), h, a)
+
+
+def hold_recurrent(cache: Sequence[Any]) -> HeldRows:
+    """Hold a batch cache's recurrent layers before a verify of several rows."""
+    layers = [c for c in _layers(cache) if isinstance(c, ArraysCache)]
+    return HeldRows(layers, [[view(a) for a in c.cache] for c in layers])
+
+
+@contextmanager
+def row_lengths(cache: Sequence[Any], lengths: Sequence[int]) -> Iterator[None]:
+    """A forward of rows padded at their end to the longest (built inside the block):
+    each recurrent layer's state stops at its row's length (mlx-lm's ArraysCache
+    `lengths`: the models mask the pads out of the scan and keep the convolution's
+    window ending there). Rows of one length need no mask."""
+    arrays: list[Any] = [c for c in _layers(cache) if isinstance(c, ArraysCache)]
+    masked = arrays if len(set(lengths)) > 1 else []
+    for c in masked:
+        c.lengths = mx.array(list(lengths))
+    try:
+        yield
+    finally:
+        for c in masked:
+            c.lengths = None  # the layers counted it down (`advance`)
+
+
+def shift_rows(cache: Sequence[Any], trim: int, shifts: Sequence[int]) -> None:
+    """Drop every row's last `trim` positions, then move row i's keys right by
+    `shifts[i]`, its left padding grown to match, so that rows which kept fewer stay
+    left-padded (mlx-lm's right padding, `finalize`). Recurrent layers hold no
+    positions: their rows were settled by `row_lengths` or put back (`hold`)."""
+    for c in _layers(cache):
+        if isinstance(c, ArraysCache):
+            continue
+        if trim:
+            c.trim(trim)
+        if not any(shifts):
+            continue
+        if isinstance(c, BatchRotatingKVCache):
+            _pad_right(c, shifts)
+        else:
+            c.prepare(right_padding=list(shifts))
+        c.finalize()
+
+
+def _pad_right(c: Any, shifts: Sequence[int]) -> None:
+    # A sliding window's right padding is its `_lengths`; a buffer past `_idx` (trimmed)
+    # goes first, or the roll would carry a row's last keys into it.
+    c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+    c._lengths = c.offset - mx.array(list(shifts))

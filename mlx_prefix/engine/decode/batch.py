@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.cache.layers import kind_of
-from mlx_prefix.cache.layers.rewind import Held, hold, trims_back
+from mlx_prefix.cache.layers.rewind import Held, hold, shift_rows, trims_back
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.engine.decode.sampling import (
     TokenSampler,
@@ -267,8 +267,14 @@ class DecodeBatch:
         assert len(rows) == len(self.members) and self._launched is None
         assert all(row[0] == token for row, token in zip(rows, self._inputs, strict=True))
         self.join()
-        self._verified = None  # several rows: only over caches that trim (verify_rows.py)
+        self._verified = None  # several rows: held by verify_rows.py where needed
         return self._verify_forward(rows)
+
+    def recompute_rows(self, rows: Sequence[Sequence[int]]) -> None:
+        """After `verify_rows` and its cache put back as held (verify_rows.py): each
+        row's kept positions computed again in one forward, as `verify_rows` computed
+        them (lazy: the next step's); `settle_rows` then settles them."""
+        self._verify_forward(rows)
 
     def _verify_forward(self, rows: Sequence[Sequence[int]]) -> mx.array:
         width = max(len(row) for row in rows)
@@ -298,22 +304,21 @@ class DecodeBatch:
         self._inputs = [next_input]
         self._verifying = 0
 
-    def settle_rows(self, kept: Sequence[int], next_inputs: Sequence[int]) -> None:
+    def settle_rows(
+        self, kept: Sequence[int], next_inputs: Sequence[int], computed: Sequence[int] = ()
+    ) -> None:
         """After `verify_rows`, for the members still in the batch (in order): each keeps
         the first `kept[i]` of the verify's positions and goes on with `next_inputs[i]`.
         Positions past the most any row keeps are trimmed; a row that kept fewer moves
         its keys right by the difference, its left padding grown to match (mlx-lm's
-        BatchKVCache right padding, `finalize`), so the rows stay left-padded."""
+        right padding, `finalize`), so the rows stay left-padded
+        (cache/layers/rewind.py `shift_rows`). After `recompute_rows`, `computed[i]`
+        of its positions are row i's (the rest of its kept ones stayed from the verify)."""
         width, self._verifying = self._verifying, 0
         assert len(kept) == len(self.members) == len(next_inputs) and width
-        most = max(kept)
-        shifts = [most - n for n in kept]
-        for c in self.cache:
-            if width > most:
-                c.trim(width - most)
-            if any(shifts):
-                c.prepare(right_padding=shifts)
-                c.finalize()
+        ours = computed or kept
+        most = max(ours)
+        shift_rows(self.cache, width - most, [most - n for n in ours])
         self._lengths = [n + k for n, k in zip(self._lengths, kept, strict=True)]
         self._inputs = list(next_inputs)
 

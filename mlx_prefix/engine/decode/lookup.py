@@ -22,10 +22,11 @@ probes again with k = 1. Without a draft the step is a plain one, and while no r
 may draft (`quiet`) a step may launch before the one ahead is read, as without lookup
 (engine/decode/phase.py, on a device that computes asynchronously).
 
-Models with recurrent or sliding-window layers draft too while decoding alone (a
-rejected draft is taken back from their state: cache/layers/rewind.py); several requests
-verify together only over attention KV (verify_rows.py), else they take plain steps, as
-quantized KV always does. Engine thread only.
+Models with recurrent or sliding-window layers draft too (a rejected draft is taken
+back from their state: cache/layers/rewind.py), several requests together as well
+(verify_rows.py: Qwen3.5, Qwen3-Next and Nemotron-H's recurrent layers); other
+recurrent models take plain steps while several decode, as quantized KV always does.
+Engine thread only.
 """
 
 from __future__ import annotations

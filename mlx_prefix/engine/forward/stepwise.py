@@ -16,20 +16,37 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 _PATCHED = "_stepwise_in_verify"
+_forced = threading.local()
+
+
+@contextmanager
+def positionwise() -> Iterator[None]:
+    """Scans built in this thread inside the block step position by position outside a
+    verify too: a padded verify of several rows (engine/decode/verify_rows.py), whose
+    masked pads the multi-position form would let into the state (its SSD form keeps
+    the last position's decay, a pad's)."""
+    before = getattr(_forced, "on", False)
+    _forced.on = True
+    try:
+        yield
+    finally:
+        _forced.on = before
 
 
 def _stepwise_ssm(base, in_verify: Callable[[], bool]):
     signature = inspect.signature(base)
 
     def ssm_update(*args: Any, **kwargs: Any):
-        if not in_verify():
+        if not (in_verify() or getattr(_forced, "on", False)):
             return base(*args, **kwargs)
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
