@@ -231,7 +231,7 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
         + f"); {_when(doc)}.",
         "",
         "| budget | server | " + " | ".join(f"turn {t}" for t in range(2, turns + 1))
-        + " | held / evictions |",
+        + " | held / peak / evictions |",
         "|---|---|" + "---:|" * (turns - 1) + "---|",
     ]  # fmt: skip
     for run in doc["runs"]:
@@ -241,7 +241,7 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
             for r in run["rows"][1:]
         ]
         mem = (
-            f"{run['held_bytes'] / MiB:.1f} MiB / {run['evictions']}"
+            f"{run['held_bytes'] / MiB:.1f} MiB / {_peak(run)} / {run['evictions']}"
             if run.get("held_bytes") is not None
             else "-"
         )
@@ -250,6 +250,14 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
             + " | ".join(cells) + f" | {mem} |"
         )  # fmt: skip
     return lines
+
+
+def _peak(run: dict[str, Any]) -> str:
+    """The most mlx-prefix held at once (stored and running), against its budget."""
+    peak = run.get("peak_bytes")
+    if peak is None:
+        return "-"
+    return f"{peak / MiB:.2f} MiB" + (" **over**" if peak > run["budget"] else "")
 
 
 def _subagent_lines(doc: dict[str, Any]) -> list[str]:

@@ -180,9 +180,13 @@ class EngineLoop:
                 job = self.waiting.ready_background(decoding=busy)
                 if job is None:
                     return
-                self.prefetch.started += 1
             try:
-                self.prefill.start(job)
+                started = self.prefill.start(job)
+                if job.background and started:
+                    self.prefetch.started += 1
+                elif job.background:  # a prefetch the budget has no room for
+                    self.prefetch.no_room += 1
+                    self.lifecycle.end(job, cancelled(job))
             except Exception as e:
                 log.exception("%s: could not start", job.handle.request_id)
                 self.lifecycle.end(job, ErrorEvent(error_message(e)))
