@@ -95,12 +95,17 @@ def _plan(tokens: Tokens, system_n: int, user_n: int, turns: int, seed: int) -> 
     ]
 
 
-async def _converse(turns: Turns, conv: Conversation, users: list[str], **tags: Any) -> None:
+async def _converse(
+    turns: Turns, conv: Conversation, users: list[str], think: float = 0.0, **tags: Any
+) -> None:
+    """`think`: seconds the client waits after each reply (a user reading it, a tool
+    running): mlx-prefix prefetches the next turn meanwhile (after 0.5 s idle)."""
     async with httpx.AsyncClient() as client:
         for user in users:
             request, reachable = conv.ask(user)
             reply = await turns.send(client, request, turn=conv.turn, reachable=reachable, **tags)
             conv.answer(reply.text)
+            await asyncio.sleep(think)
 
 
 def sweep(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dict[str, Any]:
@@ -118,7 +123,7 @@ def sweep(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dict[st
     out: dict[str, Any] = {
         "part": "sweep", "model": args.model, "final_tokens": final,
         "kv_bytes": kv.of(final), "kv_per_token": kv.per_token, "kv_fixed": kv.fixed,
-        "runs": [], "left_out": left_out, "machine": machine_line(),
+        "runs": [], "left_out": left_out, "machine": machine_line(), "think_s": args.think,
     }  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="bench-budget-"))
     for factor in args.factors:
@@ -127,7 +132,8 @@ def sweep(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dict[st
             server = start(name, model_path, budget, log_dir, f"{name}-{factor}")
             try:
                 turns = Turns(server)
-                asyncio.run(_converse(turns, Conversation(system, tokens), users))
+                conv = Conversation(system, tokens)
+                asyncio.run(_converse(turns, conv, users, think=args.think))
                 rows, memory = turns.finish(), ours_memory(server)
             finally:
                 server.stop()
@@ -362,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--servers", nargs="+", choices=(OURS, PEER, VLLM), help="default: all")
     p.add_argument("--quick", action="store_true", help="shorter prompts")
+    p.add_argument("--think", type=float, default=0.0, help="sweep: seconds between turns")
     p.add_argument("--render", action="store_true", help="only rewrite the table")
     args = p.parse_args(argv)
     if not args.render:
