@@ -150,3 +150,42 @@ def test_a_prefetch_that_gives_way_keeps_the_entry_it_was_handed(kind):
         engine.store.check_integrity()
     assert third.usage.cached_tokens >= landed[0] > previous
     assert (third.tokens, third.logprobs) == (cold[2].tokens, cold[2].logprobs)
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_a_next_turn_that_leaves_the_prefetched_reply_still_restores_the_previous_prompt(
+    kind,
+):
+    """The prefetch was handed the stored turn and stored its end in its place; the
+    client then sends another reply back (an edit): the turn still restores the previous
+    prompt (a hybrid's state there came back inside the prefetch's end) and answers as a
+    cold run does."""
+    model = loaded_test_model(kind, think_template=True)
+    system = ("system", "You are a careful assistant. " * 40)
+    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(5)]
+    turns, messages = [], [system]
+    with open_engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False)) as cold_engine:
+        for user in users[:-1]:
+            messages.append(("user", user))
+            turns.append(list(messages))
+            reply = run(cold_engine, chat(*messages), cache=False, sampling=EXACT)
+            messages.append(("assistant", reply.text))
+        edited = [*turns[-1], ("assistant", "An edited reply."), ("user", users[-1])]
+        cold = run(cold_engine, chat(*edited), cache=False, sampling=EXACT)
+    budget = kv_of(model, cold.usage.prompt_tokens) * 5 // 4
+    cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, cache, EngineConfig(prefetch_delay_s=0.0)) as engine:
+        decided, enqueued = _count_prefetches(engine)
+        for n, turn in enumerate(turns, start=1):
+            previous = run(engine, chat(*turn), sampling=EXACT).usage.prompt_tokens
+            handed, completed = engine.views.cache_stats()["handed_over"], engine.prefetch.completed
+            _wait_prefetched(engine, decided, enqueued, n)
+        # The last prefetch ran, handed the stored turn (the case).
+        assert engine.prefetch.completed > completed
+        assert engine.views.cache_stats()["handed_over"] > handed
+        warm = run(engine, chat(*edited), sampling=EXACT)
+        engine.store.check_integrity()
+    # Its prompt leaves the stored sequence just past the previous prompt (the grid
+    # point before the divergence: at most a chunk before it).
+    assert warm.usage.cached_tokens >= previous - 32
+    assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)

@@ -96,6 +96,11 @@ def begin(
                 kv_quant=kv_quant,
             )
             checkpointer.may_hand_back = hand_over and plain_kv_cache(cache)
+            if job.background and found.handed_over:
+                # The entry it was handed comes back inside its end (a hybrid's state
+                # there, kept now): a next turn that leaves the prefetched reply (an
+                # edit, a regeneration) still restores the previous prompt whole.
+                checkpointer.rows.keep(reuse, CheckpointKind.HISTORY, True, lambda: None)
         if checkpointer is not None and draft is not None:
             checkpointer.draft = draft.cache
             part = found.snapshot.draft if found.snapshot is not None else None
