@@ -24,6 +24,7 @@ from mlx_prefix.engine.decode.arrival import Arrival
 from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.running import HandBack
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.headroom import next_chunk_fits
 from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.prefill.task import PrefillTask
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult, cancelled
@@ -199,7 +200,8 @@ class EngineLoop:
     def _preempt_background(self, task: PrefillTask) -> None:
         """A background prefill gives way to any waiting request that cannot restore from
         it (another namespace's, or one not extending its prompt); one that can will, so
-        it goes on. A cancelled request's prefill stores the grid point it reached."""
+        it goes on. A cancelled request's prefill stores the grid point it reached. A
+        prefetch whose next chunk the budget cannot hold stops before it (headroom.py)."""
         if task.job.background and (self.closing or self.waiting.preempts(task.job)):
             if task.job.orphaned:
                 self.prefill.close(task, cancelled=True)
@@ -208,6 +210,12 @@ class EngineLoop:
             self.prefetch.tokens += task.computed
             self.prefill.close(task)
             self.lifecycle.end(task.job, cancelled(task.job))
+        elif task.job.background and not task.job.orphaned:
+            if not next_chunk_fits(task, self.prefill.store):  # the budget is a cap
+                self.prefetch.no_room += 1
+                self.prefetch.tokens += task.computed
+                self.prefill.close(task)
+                self.lifecycle.end(task.job, cancelled(task.job))
 
     def _prefill_step(self, budget: int, stopping: bool) -> None:
         """Advance the prefilling requests by up to `budget` tokens of grid chunks. A

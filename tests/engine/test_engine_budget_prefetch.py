@@ -16,7 +16,8 @@ from support.models import TEST_CACHE, kv_of, loaded_test_model
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.records import SamplingParams
+from mlx_prefix.engine.keys import entry_key
+from mlx_prefix.records import CachePreference, SamplingParams
 
 STORE_CALLS = ("insert", "set_active_bytes", "acquire", "release", "hand_over")
 
@@ -189,3 +190,26 @@ def test_a_next_turn_that_leaves_the_prefetched_reply_still_restores_the_previou
     # point before the divergence: at most a chunk before it).
     assert warm.usage.cached_tokens >= previous - 32
     assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_a_prefetch_the_budget_cannot_hold_stops_before_it_goes_past(monkeypatch, kind):
+    """A prefetch with nothing to restore (its conversation's entry is gone) whose prompt
+    the budget cannot hold gives way before the chunk that would take the store past its
+    budget: the cap holds while it runs."""
+    model = loaded_test_model(kind, think_template=True)
+    system = ("system", "You are a careful assistant. " * 40)
+    prompt = chat(system, ("user", "Question: " + "tell me about the topic please " * 60))
+    totals, over = _watched(monkeypatch)
+    with open_engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False)) as sizing:
+        rendered = sizing.plan(prompt)
+    budget = kv_of(model, len(rendered.tokens)) // 2
+    cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, cache, EngineConfig(prefetch_delay_s=0.0)) as engine:
+        engine._enqueue_prefetch(rendered, entry_key(engine.model_key, CachePreference()))
+        stats = engine.prefetch
+        ended = lambda: stats.completed + stats.no_room == 1  # noqa: E731
+        assert wait_for(lambda: ended() and not engine.loop.prefill.tasks)
+        engine.store.check_integrity()
+    assert totals and not over, over[:5]
+    assert stats.no_room == 1 and stats.completed == 0  # it stopped inside its prompt
