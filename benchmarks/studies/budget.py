@@ -95,12 +95,17 @@ def _plan(tokens: Tokens, system_n: int, user_n: int, turns: int, seed: int) -> 
     ]
 
 
-async def _converse(turns: Turns, conv: Conversation, users: list[str], **tags: Any) -> None:
+async def _converse(
+    turns: Turns, conv: Conversation, users: list[str], think: float = 0.0, **tags: Any
+) -> None:
+    """`think`: seconds the client waits after each reply (a user reading it, a tool
+    running): mlx-prefix prefetches the next turn meanwhile (after 0.5 s idle)."""
     async with httpx.AsyncClient() as client:
         for user in users:
             request, reachable = conv.ask(user)
             reply = await turns.send(client, request, turn=conv.turn, reachable=reachable, **tags)
             conv.answer(reply.text)
+            await asyncio.sleep(think)
 
 
 def sweep(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dict[str, Any]:
@@ -118,7 +123,7 @@ def sweep(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dict[st
     out: dict[str, Any] = {
         "part": "sweep", "model": args.model, "final_tokens": final,
         "kv_bytes": kv.of(final), "kv_per_token": kv.per_token, "kv_fixed": kv.fixed,
-        "runs": [], "left_out": left_out, "machine": machine_line(),
+        "runs": [], "left_out": left_out, "machine": machine_line(), "think_s": args.think,
     }  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="bench-budget-"))
     for factor in args.factors:
@@ -127,7 +132,8 @@ def sweep(args: argparse.Namespace, tokens: Tokens, model_path: Path) -> dict[st
             server = start(name, model_path, budget, log_dir, f"{name}-{factor}")
             try:
                 turns = Turns(server)
-                asyncio.run(_converse(turns, Conversation(system, tokens), users))
+                conv = Conversation(system, tokens)
+                asyncio.run(_converse(turns, conv, users, think=args.think))
                 rows, memory = turns.finish(), ours_memory(server)
             finally:
                 server.stop()
@@ -231,7 +237,7 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
         + f"); {_when(doc)}.",
         "",
         "| budget | server | " + " | ".join(f"turn {t}" for t in range(2, turns + 1))
-        + " | held / evictions |",
+        + " | held / peak / evictions |",
         "|---|---|" + "---:|" * (turns - 1) + "---|",
     ]  # fmt: skip
     for run in doc["runs"]:
@@ -241,7 +247,7 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
             for r in run["rows"][1:]
         ]
         mem = (
-            f"{run['held_bytes'] / MiB:.1f} MiB / {run['evictions']}"
+            f"{run['held_bytes'] / MiB:.1f} MiB / {_peak(run)} / {run['evictions']}"
             if run.get("held_bytes") is not None
             else "-"
         )
@@ -250,6 +256,14 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
             + " | ".join(cells) + f" | {mem} |"
         )  # fmt: skip
     return lines
+
+
+def _peak(run: dict[str, Any]) -> str:
+    """The most mlx-prefix held at once (stored and running), against its budget."""
+    peak = run.get("peak_bytes")
+    if peak is None:
+        return "-"
+    return f"{peak / MiB:.2f} MiB" + (" **over**" if peak > run["budget"] else "")
 
 
 def _subagent_lines(doc: dict[str, Any]) -> list[str]:
@@ -354,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--servers", nargs="+", choices=(OURS, PEER, VLLM), help="default: all")
     p.add_argument("--quick", action="store_true", help="shorter prompts")
+    p.add_argument("--think", type=float, default=0.0, help="sweep: seconds between turns")
     p.add_argument("--render", action="store_true", help="only rewrite the table")
     args = p.parse_args(argv)
     if not args.render:

@@ -140,12 +140,16 @@ class Turns:
 
 
 def ours_memory(server: Server) -> dict[str, Any]:
-    """mlx-prefix's dashboard memory line: bytes held, evictions."""
+    """mlx-prefix's dashboard memory line: bytes held, the most ever held (stored and
+    running), evictions, next-turn prefetches."""
     if server.name != OURS:
         return {}
     data = httpx.get(server.url + "/v1/dashboard", timeout=60).json()
     mem = data["memory"]
-    return {"held_bytes": mem.get("bytes"), "evictions": mem.get("evictions")}
+    return {
+        "held_bytes": mem.get("bytes"), "peak_bytes": mem.get("peak_bytes"),
+        "evictions": mem.get("evictions"), "prefetch": data.get("prefetch"),
+    }  # fmt: skip
 
 
 def runs_when(runs: Iterable[tuple[str, str]]) -> str:

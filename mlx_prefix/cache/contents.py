@@ -92,14 +92,19 @@ class Contents:
         assert not self.budget.over() or self.budget.victim() is None, "over budget"
         return True
 
-    def hand_over(self, e: Entry, need: int) -> bool:
+    def hand_over(self, e: Entry, need: int, after: int | None = None) -> bool:
         """Give `e` to the request about to extend it (`PromptCache.hand_over`), removing it,
         when the budget cannot hold it beside the `need` more bytes that request will
         hold; False (nothing changes) when it can, or when `e` is pinned or another
-        request holds it. Not an eviction: its tokens live on in the request, whose end
-        stores them again (the new entry replaces it), so nothing else goes to make room
-        for a second copy of the same KV."""
-        if e.refs or e.pinned or self.budget.used() + need <= self.budget.nbytes:
+        request holds it, or when `after` (the request's bytes at its end) would not fit
+        beside what stays without it. Not an eviction: its tokens live on in the request,
+        whose end stores them again (the new entry replaces it), so nothing else goes to
+        make room for a second copy of the same KV."""
+        used = self.budget.used()
+        if e.refs or e.pinned or used + need <= self.budget.nbytes:
+            return False
+        stays = used - self.table.resident.share(e.buffers)  # once `e` is gone
+        if after is not None and stays + after > self.budget.nbytes:
             return False
         self.remove(e)
         self.counters.handed_over += 1
@@ -131,15 +136,18 @@ class Contents:
         self.policy.touch(e)
 
     def evict(self) -> None:
+        """Evict down to the limits (every change that adds bytes ends here), and note
+        the peak of what is held."""
         while self.budget.over():
             victim = self.budget.victim()
             if victim is None:
-                return  # everything left is pinned or in use
+                break  # everything left is pinned or in use
             short = self.budget.used() - self.budget.nbytes
             v = victim
             self.evicted.add(v.model_key, v.tokens, v.trimmable, v.nbytes, short)
             self.remove(victim)
             self.counters.evictions += 1
+        self.counters.peak_bytes = max(self.counters.peak_bytes, self.budget.used())
 
     def remove(self, e: Entry) -> None:
         assert e.refs == 0, "removing a locked entry"

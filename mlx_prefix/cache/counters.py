@@ -20,6 +20,7 @@ class Counters:
     tokens_reused: int = 0
     evictions: int = 0
     handed_over: int = 0  # entries given to the request extending them (`Contents.hand_over`)
+    peak_bytes: int = 0  # most stored + running bytes after any change (`Contents.evict`)
 
     def stats(self, table: EntryTable, budget: Budget) -> CacheStats:
         """The counters with what is stored and running now. Does not mutate."""

@@ -138,20 +138,29 @@ class PromptCache:
             self._contents.touch(e)
             return e.payload
 
-    def hand_over(self, entry_id: int, need: Callable[[Any], int | None]) -> Any | None:
+    def hand_over(
+        self,
+        entry_id: int,
+        need: Callable[[Any], int | None],
+        keeps: Callable[[Any], int] | None = None,
+    ) -> Any | None:
         """The payload of the entry a request is about to restore and extend, removed from
         the store, when the budget cannot hold it beside the `need(payload)` bytes the
         request will hold besides (its live cache copies the entry's tokens: two copies of
         one KV; `need` None: this payload is never handed over). The request's cache then
         carries those tokens, and its end stores the longer entry in its place; nothing
         else is evicted to keep a second copy, and nothing is evicted and then refused.
-        None: it fits (or the entry is pinned, locked or gone), and the caller `acquire`s
-        it as usual. Counted as a hit by the caller's `match`."""
+        `keeps(payload)`: the bytes the request's cache holds at its end, when they must
+        fit beside what stays once the entry is gone (a next-turn prefetch, whose end is
+        stored from its cache: one that could not store it would lose the entry).
+        None: it fits (or the entry is pinned, locked or gone; or its end would not fit),
+        and the caller `acquire`s it as usual. Counted as a hit by the caller's `match`."""
         with self._lock:
             e = self._entries.get(entry_id)
             if e is None or (n := need(e.payload)) is None:
                 return None
-            if not self._contents.hand_over(e, n):
+            after = keeps(e.payload) if keeps is not None else None
+            if not self._contents.hand_over(e, n, after):
                 return None
             e.hits += 1
             return e.payload

@@ -94,6 +94,7 @@ class CacheStats:
     # entries given to the request that extends them, when the budget could not hold both
     # copies (its end stores the longer entry in their place: not an eviction)
     handed_over: int = 0
+    peak_bytes: int = 0  # most bytes + active_bytes after any change: the budget as a cap
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from mlx_prefix.engine.decode.arrival import Arrival
 from mlx_prefix.engine.decode.phase import DecodePhase
 from mlx_prefix.engine.decode.running import HandBack
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
+from mlx_prefix.engine.prefill.headroom import next_chunk_fits
 from mlx_prefix.engine.prefill.phase import PrefillPhase
 from mlx_prefix.engine.prefill.task import PrefillTask
 from mlx_prefix.engine.requests.jobs import Job, PrefetchStats, WarmResult, cancelled
@@ -180,9 +181,13 @@ class EngineLoop:
                 job = self.waiting.ready_background(decoding=busy)
                 if job is None:
                     return
-                self.prefetch.started += 1
             try:
-                self.prefill.start(job)
+                started = self.prefill.start(job)
+                if job.background and started:
+                    self.prefetch.started += 1
+                elif job.background:  # a prefetch the budget has no room for
+                    self.prefetch.no_room += 1
+                    self.lifecycle.end(job, cancelled(job))
             except Exception as e:
                 log.exception("%s: could not start", job.handle.request_id)
                 self.lifecycle.end(job, ErrorEvent(error_message(e)))
@@ -195,7 +200,8 @@ class EngineLoop:
     def _preempt_background(self, task: PrefillTask) -> None:
         """A background prefill gives way to any waiting request that cannot restore from
         it (another namespace's, or one not extending its prompt); one that can will, so
-        it goes on. A cancelled request's prefill stores the grid point it reached."""
+        it goes on. A cancelled request's prefill stores the grid point it reached. A
+        prefetch whose next chunk the budget cannot hold stops before it (headroom.py)."""
         if task.job.background and (self.closing or self.waiting.preempts(task.job)):
             if task.job.orphaned:
                 self.prefill.close(task, cancelled=True)
@@ -204,6 +210,12 @@ class EngineLoop:
             self.prefetch.tokens += task.computed
             self.prefill.close(task)
             self.lifecycle.end(task.job, cancelled(task.job))
+        elif task.job.background and not task.job.orphaned:
+            if not next_chunk_fits(task, self.prefill.store):  # the budget is a cap
+                self.prefetch.no_room += 1
+                self.prefetch.tokens += task.computed
+                self.prefill.close(task)
+                self.lifecycle.end(task.job, cancelled(task.job))
 
     def _prefill_step(self, budget: int, stopping: bool) -> None:
         """Advance the prefilling requests by up to `budget` tokens of grid chunks. A

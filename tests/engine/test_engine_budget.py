@@ -6,12 +6,9 @@ turn whole and answers as a cold run does; the store never holds more than its b
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 from support.engine_helpers import EXACT, cancelling, chat, collect, open_engine, run, wait_for
-from support.models import TEST_CACHE, loaded_test_model
+from support.models import TEST_CACHE, kv_of, loaded_test_model
 
 from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
@@ -32,21 +29,6 @@ def _kv_per_token(model) -> int:
     text = model.model.args
     layers, heads, dims = text.num_hidden_layers, text.num_key_value_heads, text.head_dim
     return layers * heads * dims * 2 * 4
-
-
-def _kv_of(model, tokens: int) -> int:
-    """What one prefill of `tokens` tokens leaves: KV per token of the attention layers,
-    plus the state of the others (recurrent; a sliding window's ring, full by then),
-    measured after a forward of that many tokens through the model."""
-    cache = make_prompt_cache(model.model)
-    mx.eval(model.model(mx.array([[1] * tokens]), cache=cache))
-    total = 0
-    for c in cache:
-        if type(c) is KVCache:
-            total += 2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size * tokens
-        else:
-            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
-    return total
 
 
 def _capped(monkeypatch) -> list[int]:
@@ -148,5 +130,5 @@ def test_a_hybrid_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkey
             turns.append(list(messages))
             cold.append(run(cold_engine, chat(*messages), cache=False, sampling=EXACT))
             messages.append(("assistant", cold[-1].text))
-    budget = _kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
+    budget = kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
     _hits_every_turn(monkeypatch, model, config, budget, turns, cold)

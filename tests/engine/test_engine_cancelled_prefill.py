@@ -286,9 +286,10 @@ def test_a_cancel_in_a_stacking_burst_computes_its_rest_alone_on_the_grid():
         start = engine.loop.prefill.start
 
         def start_then_cancel(job):
-            start(job)
+            started = start(job)
             if job.source == victim:
                 job.handle.cancel()  # after its restore, before its rest is computed
+            return started
 
         engine.loop.prefill.start = start_then_cancel
         with prefill_held(engine):

@@ -7,6 +7,10 @@ store it (cache/handover.py), `keep_handed` stores it from the cache. Those entr
 CANCELLED (the protected kinds aside): the first to go, never pushing out an entry
 someone asked for. A prefill that runs on once its client has gone stores what it
 reaches from then on (`Checkpointer.cancel`, checkpoints.py).
+
+A next-turn prefetch has no decode row either: what a tight budget left to one (the
+entry the store handed it, its end) is stored from its cache where it ends or gives way
+(`keep_left`), in place of the entry it was handed; it never holds a second copy.
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ from mlx_prefix.cache.store import CheckpointKind, PromptCache
 from mlx_prefix.engine.prefill.checkpoints import Checkpointer
 from mlx_prefix.engine.prefill.task import PrefillTask
 from mlx_prefix.prompt.request.grid import ChunkGrid
+
+
+def keep_stopped(
+    task: PrefillTask, *, cancelled: bool, grid: ChunkGrid, store: PromptCache
+) -> None:
+    """`task` is closed, not failed: a `cancelled` one keeps the state where it stopped
+    (`keep_cancelled`), a next-turn prefetch what a tight budget left to a decode row it
+    never has (`keep_left`); a request that decodes leaves it to its row."""
+    if cancelled:
+        keep_cancelled(task, grid=grid, store=store)
+    elif task.job.background:
+        keep_left(task, store=store)
 
 
 def keep_cancelled(task: PrefillTask, *, grid: ChunkGrid, store: PromptCache) -> None:
@@ -53,6 +69,32 @@ def keep_handed(checkpointer: Checkpointer, position: int, let_go: Callable[[], 
         position, kind = checkpointer.reuse, CheckpointKind.HISTORY
     else:
         return
+    _keep_live(checkpointer, position, kind, let_go)
+
+
+def keep_left(task: PrefillTask, *, store: PromptCache) -> None:
+    """A next-turn prefetch ends, at its end or giving way between two chunks (a grid
+    point: its cache holds exactly that prefix, computed alone; a prefetch never
+    stacks): when the store handed it the entry it extends, or its end was left to a
+    decode row for lack of room (cache/handover.py), its cache where it stopped becomes
+    the entry (views, no copy), in place of the one it was handed. Mutates the store."""
+    checkpointer = task.checkpointer
+    if checkpointer is None or not (checkpointer.hand_back or checkpointer.end_kind is not None):
+        return
+    kind = checkpointer.end_kind if task.cursor.done else None
+    checkpointer.end_kind = None
+    position = task.position
+    let_go = lambda: store.drop_active(task.bytes_key)  # noqa: E731
+    _keep_live(checkpointer, position, kind or CheckpointKind.HISTORY, let_go)
+
+
+def _keep_live(
+    checkpointer: Checkpointer, position: int, kind: CheckpointKind, let_go: Callable[[], None]
+) -> None:
+    """Store the first `position` positions of the cache as they are (views: its buffers
+    become the entry's, so the request lets go of its bytes first) unless stored already;
+    a hybrid's checkpoints left to the row too, sharing its KV. The cache must not be
+    written again. Mutates the store."""
     tokens = checkpointer.prompt.tokens[:position]
     if position == 0 or checkpointer.store.get(checkpointer.key, tokens) is not None:
         return

@@ -32,7 +32,7 @@ from mlx_prefix.engine.forward.runner import (
     ChunkWork,
     compute_chunks,
 )
-from mlx_prefix.engine.prefill.cancelled import keep_cancelled
+from mlx_prefix.engine.prefill.cancelled import keep_stopped
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.rounds import choose_chunks, in_order
 from mlx_prefix.engine.prefill.start import begin
@@ -179,9 +179,9 @@ class PrefillPhase:
         first)."""
         return [t for t in self.tasks if t.logits is not None]
 
-    def start(self, job: Job) -> None:
-        """Restore the longest usable cached prefix of `job`'s own entry key (its
-        namespace: invariant 10) and add `job` to the prefilling tasks (start.py)."""
+    def start(self, job: Job) -> bool:
+        """Restore the longest usable cached prefix of `job`'s own entry key (its namespace:
+        invariant 10) and add `job` to the prefilling tasks (start.py); False: not added."""
         task = begin(
             job,
             model=self.model,
@@ -196,10 +196,13 @@ class PrefillPhase:
             speculator=self.speculator,
             bytes_key=lambda: f"task{next(self._serial)}/{self._bytes_key}",
         )
+        if task is None:
+            return False
         if task.checkpointer is not None:
             task.checkpointer.report = lambda: self._report(task)
         self.tasks.append(task)
         self.peak_tasks = max(self.peak_tasks, len(self.tasks))
+        return True
 
     def step(self, budget: int, decoding: bool = False) -> PrefillStep:
         """Compute the rests of ready requests that stack (tails.py) in one batch, or else
@@ -318,8 +321,8 @@ class PrefillPhase:
         stores the checkpoints it reached and its state where it stopped (issue 55); a
         failed one (its cache may be broken) only those already stored."""
         self.tasks.remove(task)
-        if cancelled and not failed:
-            keep_cancelled(task, grid=self.planner.grid, store=self.store)  # cancelled.py
+        if not failed:  # where it stopped, or what a decode row was left (cancelled.py)
+            keep_stopped(task, cancelled=cancelled, grid=self.planner.grid, store=self.store)
         for layer in layers_of(task.cache):
             unstash(layer)  # its restored parts: the entry's pieces, no longer needed
         if task.checkpointer is not None:

@@ -36,6 +36,9 @@ class Restored:
     # The store handed the entry over (the budget could not hold it beside this
     # request's copy): the request's end stores the longer entry in its place.
     handed_over: bool = False
+    # A prefetch that fits neither beside its entry nor in its place: not started
+    # (nothing restored, nothing locked).
+    no_room: bool = False
 
     @property
     def chain(self) -> Chain:
@@ -54,6 +57,7 @@ def restore_longest(
     grid: ChunkGrid,
     *,
     hand_over: bool = False,
+    speculative: bool = False,
 ) -> Restored:
     """Match `tokens` in memory, then on `disk` (None: not for this request) when it
     gives more; a disk hit goes into memory too. The caller releases `lease` when the
@@ -61,7 +65,11 @@ def restore_longest(
     grid chunk after the restored position (its append then writes in place).
     `hand_over`: the request may take the entry it restores (KV layers, and a hybrid
     model's fixed-size ones) when the budget cannot hold it beside the request's own
-    copy (`PromptCache.hand_over`)."""
+    copy (`PromptCache.hand_over`). `speculative`: a next-turn prefetch, which stores its
+    end from its cache (engine/prefill/cancelled.py `keep_left`): handed the entry only
+    where that end fits in its place, and `no_room` (nothing restored) where neither
+    fits: a speculative prefill never takes the budget past its cap, nor loses the
+    entry the next turn restores."""
     found = Restored()
 
     def align(n: int) -> int:
@@ -75,23 +83,30 @@ def restore_longest(
         found.matched = match.matched_tokens
         found.branch = align(min(match.matched_tokens, len(tokens) - 1))
         handed = None
+        needed: list[int] = []  # what a copy beside the entry would take
         # Only an entry the request extends whole: one it leaves at a trim point is
         # another conversation's (or this one's other branch), kept as it is.
         if match.entry_id is not None and hand_over and not match.trim:
+            computed = len(tokens) - match.reuse_tokens
 
             def need(payload: object) -> int | None:
                 """What the request holds besides the entry, sharing it: a live copy of
                 the whole prompt (grown a step at a time) and its end's piece; a hybrid
                 one's other layers twice (live, and captured at its end)."""
-                if not plain_kv(payload) or not payload.length:  # type: ignore[attr-defined]
+                if (size := _size(payload)) is None:
                     return None
-                kv = payload.chain.nbytes  # type: ignore[attr-defined]
-                state = payload.nbytes - kv  # type: ignore[attr-defined]
-                per_token = kv / payload.length  # type: ignore[attr-defined]
-                computed = len(tokens) - match.reuse_tokens
-                return int(per_token * (len(tokens) + KVCache.step + computed)) + 2 * state
+                needed.append(size.of(len(tokens) + KVCache.step + computed))
+                return needed[-1]
 
-            handed = store.hand_over(match.entry_id, need)
+            def keeps(payload: object) -> int:
+                """Its cache at its end, stored in the entry's place (views, no piece)."""
+                size = _size(payload)
+                return 0 if size is None else size.at_end(grid, tokens, match.reuse_tokens)
+
+            handed = store.hand_over(match.entry_id, need, keeps if speculative else None)
+            if handed is None and speculative and needed and not store.has_room(needed[-1]):
+                found.no_room = True
+                return found
         if handed is not None:
             found.source, found.handed_over = "memory", True
             found.cache = restore(handed, match.trim, first_chunk(match.reuse_tokens))
@@ -122,3 +137,37 @@ def restore_longest(
             store.release(found.lease)
         raise
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Size:
+    per_token: float  # KV bytes per position, as the entry holds them (its pieces whole)
+    exact: float  # KV bytes per position of the cache itself
+    state: int  # a hybrid's other layers
+
+    def of(self, positions: int) -> int:
+        """A live cache of `positions` KV positions, its other layers twice (live, and
+        captured at its end), at the entry's rate (an upper bound)."""
+        return int(self.per_token * positions) + 2 * self.state
+
+    def at_end(self, grid: ChunkGrid, tokens: Sequence[int], reuse: int) -> int:
+        """The cache restored at `reuse` (room for its first chunk) and grown by mlx-lm's
+        steps through the grid's chunks to the end of `tokens`, its other layers twice."""
+        ends = grid.chunk_ends(tokens, reuse)
+        room = position = ends[0]
+        for end in ends[1:]:
+            if end > room:  # KVCache.update_and_fetch: whole steps past what it holds
+                room = position + -(-(end - position) // KVCache.step) * KVCache.step
+            position = end
+        return int(self.exact * room) + 2 * self.state
+
+
+def _size(payload: object) -> _Size | None:
+    """What a live cache restored from `payload` takes per position, and besides (None:
+    it is never handed over: `plain_kv`)."""
+    if not isinstance(payload, Snapshot) or not plain_kv(payload) or not payload.length:
+        return None
+    kv = payload.chain.nbytes
+    piece = payload.chain.pieces[0]
+    exact = sum(a.nbytes for p in piece.parts for a in p) / (piece.end - piece.start)
+    return _Size(kv / payload.length, exact, payload.nbytes - kv)

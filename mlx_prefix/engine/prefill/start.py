@@ -42,23 +42,32 @@ def begin(
     kv_quant: KvQuant | None,
     speculator: Speculator | None,
     bytes_key: Callable[[], str],
-) -> PrefillTask:
+) -> PrefillTask | None:
     """`job`'s prefill task: its cache restored (or new), its draft and its checkpoint
     plan. The entry it restored from stays locked (the task's `lease`) unless this
-    raises. `bytes_key()` names the task's bytes in the store's budget."""
+    raises. `bytes_key()` names the task's bytes in the store's budget. None: a
+    next-turn prefetch the budget has no room for (restore.py `speculative`)."""
     tokens = job.prompt.tokens
     found = Restored()
     # A tight budget may hand the entry to this request (cache/handover.py); its decode
-    # row gives the longer entry back: so only to a request that decodes (a prefetch or
-    # a warm-up ends with its prefill, and may be cancelled for the turn it prepares),
-    # and not with a draft or quantized KV.
-    decodes = not job.background and job.warm is None
-    hand_over = decodes and speculator is None and kv_quant is None
+    # row gives the longer entry back, or, for a next-turn prefetch (which ends with its
+    # prefill), its cache where it ends or gives way (cancelled.py `keep_left`): never a
+    # second copy of the entry beside the cache. Not to a warm-up (it pins what it
+    # stores), nor with a draft or quantized KV.
+    hand_over = job.warm is None and speculator is None and kv_quant is None
     if use_cache:
         from_disk = disk if disk_on else None
         found = restore_longest(
-            store, from_disk, job.cache_key, tokens, planner.grid, hand_over=hand_over
+            store,
+            from_disk,
+            job.cache_key,
+            tokens,
+            planner.grid,
+            hand_over=hand_over,
+            speculative=job.background,
         )
+        if found.no_room:
+            return None
     cache, reuse, lease = found.cache, found.reuse, found.lease
     if (trace := job.handle.trace) is not None:  # read by the request explainer (explain/)
         trace.source, trace.cached, trace.stored_match = found.source, reuse, found.matched
@@ -87,6 +96,11 @@ def begin(
                 kv_quant=kv_quant,
             )
             checkpointer.may_hand_back = hand_over and plain_kv_cache(cache)
+            if job.background and found.handed_over:
+                # The entry it was handed comes back inside its end (a hybrid's state
+                # there, kept now): a next turn that leaves the prefetched reply (an
+                # edit, a regeneration) still restores the previous prompt whole.
+                checkpointer.rows.keep(reuse, CheckpointKind.HISTORY, True, lambda: None)
         if checkpointer is not None and draft is not None:
             checkpointer.draft = draft.cache
             part = found.snapshot.draft if found.snapshot is not None else None

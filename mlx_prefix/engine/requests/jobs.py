@@ -57,6 +57,7 @@ class PrefetchStats:
     started: int = 0
     completed: int = 0
     cancelled: int = 0  # dropped for a request that could not use them
+    no_room: int = 0  # not started: the budget held neither it beside its entry nor in its place
     tokens: int = 0  # prompt tokens computed in the background
 
 

@@ -220,7 +220,7 @@ def _misses(explainer: Explainer | None, caller: Caller) -> list[dict[str, Any]]
 _MEMORY_STATS = (
     "budget_bytes", "bytes", "active_bytes", "active_requests", "bytes_by_kind",
     "entries_by_kind", "entries", "pinned", "locked", "evictions", "hits", "misses",
-    "hit_ratio", "tokens_reused",
+    "hit_ratio", "tokens_reused", "peak_bytes",
 )  # fmt: skip
 
 
