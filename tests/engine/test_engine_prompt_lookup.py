@@ -390,13 +390,13 @@ def test_by_default_a_verify_is_the_models_own_forward(monkeypatch):
     # Not --deterministic: the k+1 positions in one plain forward, as a batched step
     # computes (last bits may move); --deterministic keeps the exact per-position verify.
     calls = []
-    per_position = rowwise._verify_sdpa
+    per_position = rowwise.verify_sdpa
 
     def counting(*args, **kwargs):
         calls.append(1)
         return per_position(*args, **kwargs)
 
-    monkeypatch.setattr(rowwise, "_verify_sdpa", counting)
+    monkeypatch.setattr(rowwise, "verify_sdpa", counting)
     for deterministic in (False, True):
         calls.clear()
         with scripted({7: _tokens(FILE)}, deterministic=deterministic) as engine:
