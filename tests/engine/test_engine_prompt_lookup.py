@@ -390,13 +390,13 @@ def test_by_default_a_verify_is_the_models_own_forward(monkeypatch):
     # Not --deterministic: the k+1 positions in one plain forward, as a batched step
     # computes (last bits may move); --deterministic keeps the exact per-position verify.
     calls = []
-    per_position = rowwise._verify_sdpa
+    per_position = rowwise.verify_sdpa
 
     def counting(*args, **kwargs):
         calls.append(1)
         return per_position(*args, **kwargs)
 
-    monkeypatch.setattr(rowwise, "_verify_sdpa", counting)
+    monkeypatch.setattr(rowwise, "verify_sdpa", counting)
     for deterministic in (False, True):
         calls.clear()
         with scripted({7: _tokens(FILE)}, deterministic=deterministic) as engine:
@@ -458,3 +458,20 @@ def test_a_request_cancelled_during_a_verify_of_several_leaves_the_others_exact(
     assert cancelled.finish_reason == "cancelled"
     assert cancelled.tokens == plain[1].tokens[: len(cancelled.tokens)]
     same_reply(kept, plain[0])
+
+
+def test_where_the_verify_is_not_exact_nobody_drafts_and_steps_overlap(monkeypatch):
+    # --deterministic's startup check failed (a model whose layers bypass the exact
+    # verify): lookup never drafts, so a copy that would draft costs no overlapped step.
+    monkeypatch.setattr(lookup, "verify_matches", lambda *args: False)
+    with scripted({7: CHANCE, 8: _tokens(FILE)}) as engine:
+        decode = engine.loop.decode
+        plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in (7, 8)]
+        assert decode.lookup.exact is False  # checked at startup
+        decode.pipelined = True  # a GPU's default; the CPU's async_eval blocks (phase.py)
+        decode.overlapped = 0
+        copy = _together(engine, [_sampling(None, seed=8), _sampling(None, seed=7)])
+        assert decode.peak_batch == 2 and decode.lookup.stats.steps == 0
+        assert decode.overlapped > len(copy[0].tokens) // 2
+    same_reply(copy[0], plain[1])
+    same_reply(copy[1], plain[0])

@@ -176,9 +176,9 @@ def test_the_startup_check_holds_and_fails_when_the_verify_forward_is_not_exact(
     vocab = loaded_test_model("dense").tokenizer.vocab_size
     assert verify_matches(model, rowwise.consistent_rows(model), vocab)
 
-    def shifted(base, length, row, queries, keys, values, cache, scale, mask, sinks):
+    def shifted(base, length, width, row, queries, keys, values, cache, scale, mask, sinks):
         # Every query over all the keys (a later position's too): not a decode step.
         return base(queries, keys, values, cache=cache, scale=scale, mask=None, sinks=sinks)
 
-    monkeypatch.setattr(rowwise, "_verify_sdpa", shifted)
+    monkeypatch.setattr(rowwise, "verify_sdpa", shifted)
     assert not verify_matches(model, rowwise.consistent_rows(model), vocab)

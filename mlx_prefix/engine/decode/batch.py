@@ -284,7 +284,9 @@ class DecodeBatch:
             if self.rows is None and not self.exact_verify:
                 return self.model(inputs, cache=self.cache)  # [B, L, V]
             lengths = [n + width for n in self._lengths]
-            with batched(self.rows or 1, lengths, verify=True):
+            # A shorter row's padding is dropped by `settle_rows`: not computed.
+            widths = [len(row) for row in rows]
+            with batched(self.rows or 1, lengths, verify=True, widths=widths):
                 return self.model(inputs, cache=self.cache)
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:

@@ -198,6 +198,8 @@ class PromptLookup:
         """The request's most draft tokens per verify (0: plain decoding)."""
         if self.unusable is not None or running.job.prompt.vision is not None:
             return 0  # image placeholders are not the model's token ids
+        if self.exact is False:
+            return 0  # the startup check failed: nobody drafts, and steps may overlap (`quiet`)
         asked = running.job.sampling.prompt_lookup
         return self.max_tokens if asked is None else asked
 

@@ -42,6 +42,7 @@ from mlx.nn.layers.distributed import (
 )
 
 from mlx_prefix.engine.forward import stepwise
+from mlx_prefix.engine.forward.verify_positions import padded, real_positions, verify_sdpa
 
 
 class Grouping(NamedTuple):
@@ -66,6 +67,9 @@ class Batched:
     # A speculative verify (engine/decode/verify.py): each row's L positions computed as
     # L consecutive decode steps of that row alone.
     verify: bool = False
+    # A verify's positions of each row (`lengths`' order); past them padding, not computed
+    # (verify_positions.py). None: every row's L.
+    widths: tuple[int, ...] | None = None
 
 
 _mode = threading.local()
@@ -77,14 +81,23 @@ def _current() -> Batched | None:
 
 @contextmanager
 def batched(
-    rows: int = 1, lengths: Sequence[int] | None = None, verify: bool = False
+    rows: int = 1,
+    lengths: Sequence[int] | None = None,
+    verify: bool = False,
+    widths: Sequence[int] | None = None,
 ) -> Iterator[None]:
     """Batch-invariant forwards built in this thread inside the block: stacked prefill
     chunks (no `lengths`), a decode step (`lengths`: each row's keys after it), or with
     `verify` the positions of each row [B, L] computed like L decode steps of that row
-    (`lengths`: each row's keys after its last)."""
+    (`lengths`: each row's keys after its last; `widths`: its own positions, the rest
+    padding that is not computed)."""
     before = _current()
-    _mode.batched = Batched(rows, tuple(lengths) if lengths is not None else None, verify)
+    _mode.batched = Batched(
+        rows,
+        tuple(lengths) if lengths is not None else None,
+        verify,
+        tuple(widths) if widths is not None else None,
+    )
     try:
         yield
     finally:
@@ -104,12 +117,13 @@ def _split(base, x: mx.array, layer: nn.Module) -> mx.array:
         return _as_columns(layer, group)
 
     if mode is not None and mode.verify and x.ndim == 3 and x.shape[1] > 1:
-        # [B, L, D] -> B*L decode rows [B*L, 1, D], in groups that compute like one row each.
-        batch, length, width = x.shape
-        rows = x.reshape(batch * length, 1, width)
+        # [B, L, D] -> each row's own positions as decode rows [n, 1, D], in groups that
+        # compute like one row each; the padding after a shorter row is not computed.
+        batch, length, _ = x.shape
+        rows = real_positions(x, mode.widths)
         per = min(mode.rows, grouping.most)
         out = mx.concatenate([project(rows[i : i + per]) for i in range(0, len(rows), per)])
-        return out.reshape(batch, length, out.shape[-1])
+        return padded(out, mode.widths, batch, length)
     if mode is None or x.ndim < 3 or x.shape[0] == 1:
         return base(x)
     per = _even(x.shape[0], min(mode.rows, grouping.most)) if x.shape[1] == 1 else 1
@@ -160,8 +174,11 @@ def _per_row_sdpa(base):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         mode = _current()
         if mode is not None and mode.verify and mode.lengths is not None:
+            widths = mode.widths or (queries.shape[2],) * len(mode.lengths)
             rows = [
-                _verify_sdpa(base, length, row, queries, keys, values, cache, scale, mask, sinks)
+                verify_sdpa(
+                    base, length, widths[row], row, queries, keys, values, cache, scale, mask, sinks
+                )
                 for row, length in enumerate(mode.lengths)
             ]
             return mx.concatenate(rows) if len(rows) > 1 else rows[0]
@@ -189,33 +206,6 @@ def _per_row_sdpa(base):
 
     scaled_dot_product_attention._batch_invariant = True  # type: ignore[attr-defined]
     return scaled_dot_product_attention
-
-
-def _verify_sdpa(base, length, row, queries, keys, values, cache, scale, mask, sinks) -> mx.array:
-    """Batch row `row`'s query i of L attends as the decode step at its position would:
-    over the keys held then (the last L-1-i are later positions') with that step's mask
-    (`length`: the row's keys after the last position; left padding before them)."""
-    n = queries.shape[2]
-    held = keys.shape[2]
-    if isinstance(mask, mx.array) and mask.shape[0] > 1:
-        mask = mask[row : row + 1]
-    outs = []
-    for i in range(n):
-        end = held - (n - 1 - i)
-        start = end - min(length - (n - 1 - i), end)
-        row_mask = mask[..., i : i + 1, start:end] if isinstance(mask, mx.array) else None
-        outs.append(
-            base(
-                queries[row : row + 1, :, i : i + 1],
-                keys[row : row + 1, :, start:end],
-                values[row : row + 1, :, start:end],
-                cache=cache,
-                scale=scale,
-                mask=row_mask,
-                sinks=sinks,
-            )
-        )
-    return mx.concatenate(outs, axis=2)
 
 
 _subclasses: dict[type, type] = {}
