@@ -15,11 +15,11 @@ engine as it runs), so a request verifies only where it pays. Cold (no draft kep
 its last verify, or none yet), it drafts only from a match that agrees with its last
 PROBE_MATCH tokens or more (a chance "of the" in a story costs no verify); hot, any
 match drafts. k starts at 2, then is the length whose verify yields the most tokens per
-step of its measured cost at the request's recent acceptance; where none pays, the
-request takes plain steps for a pause that doubles each time (8 up to 256 steps) before
-it probes again with k = 1. Without a draft the step is a plain one, and while no
-request may draft (`quiet`) a step may launch before the one ahead is read, as without
-lookup (engine/decode/phase.py, on a device that computes asynchronously).
+step of its measured cost at the request's recent acceptance (or doubles while drafts
+are kept whole); where none pays, the request takes plain steps for a pause that
+doubles each time (8 up to 256 steps), then probes with k = 1. Without a draft the step
+is plain, and while no request may draft (`quiet`) a step may launch before the one
+ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
 Models with recurrent or sliding-window layers draft too while decoding alone (a
 rejected draft is taken back from their state: cache/layers/rewind.py); several requests
@@ -103,8 +103,7 @@ class NgramIndex:
         return out
 
     def agreement(self) -> int:
-        """What `matched` would be if the sequence's end drafted now (0: no match);
-        nothing changes."""
+        """What `matched` would be if the sequence's end drafted now (0: no match)."""
         at = self._match()
         return 0 if at is None else self._agreeing(at)
 
@@ -181,12 +180,14 @@ class LookupState:
 
     def adapt(self, drafted: int, accepted: int, limit: int, cost: VerifyCost, rows: int) -> None:
         """After a verify: k becomes the draft length whose verify yields the most tokens
-        per step of its measured cost at this acceptance (verify_cost.py); 0 (none pays)
-        pauses the request for a while, longer each time in a row."""
+        per step of its measured cost at this acceptance (verify_cost.py), or twice a
+        draft kept whole; 0 (none pays) pauses the request, longer each time in a row."""
         self.hot, self.probing = accepted > 0, False
         self.kept = FORGET * self.kept + accepted
         self.cut = FORGET * self.cut + (accepted < drafted)
         self.k, _ = cost.best_draft(self.acceptance, limit, rows)
+        if self.k and accepted == drafted:  # the estimate lags a run of whole drafts kept
+            self.k = max(self.k, min(limit, 2 * drafted))
         if self.k:
             self.backoff = PAUSE_FIRST
         else:
@@ -274,8 +275,7 @@ class PromptLookup:
         return tokens / self.cost.ratio(len(members), width) > len(members) * WORTH
 
     def stepped(self, rows: int, seconds: float) -> None:
-        """A plain step of `rows` requests took `seconds`, computed and read (phase.py):
-        what a verify's cost is weighed against."""
+        """A plain step of `rows` requests took `seconds` (phase.py): a verify's yardstick."""
         self.cost.stepped(rows, seconds)
 
     def _adapt(self, running: Running, drafted: int, accepted: int, rows: int) -> None:
