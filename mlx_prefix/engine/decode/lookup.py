@@ -4,23 +4,22 @@ sequence (prompt and reply so far), no second model, and verifies them in one fo
 decoding together verify their drafts in the same forward, rows of different lengths
 (engine/decode/verify_rows.py); a row without a draft decodes its one position there.
 
-The draft: the longest of the last 4, 3 or 2 tokens seen earlier in the sequence, and
-the k tokens that followed its latest occurrence there; once a match is followed, it is
-kept while the reply's last tokens agree with it (a copy of a repetitive file stays on
-its line). An agent's reply that repeats what it read (an edit's old lines, a rewritten
-file) keeps most of them.
+The draft: the k tokens after an earlier occurrence of the sequence's last 4, 3 or 2
+tokens (the longest found): of its occurrences, the one whose tokens before agree with
+the sequence's end the furthest (a copy of a file of look-alike blocks stays on its
+block), the one it followed last on a tie, then the latest. An agent's reply that
+repeats what it read (an edit's old lines, a rewritten file) keeps most of them.
 
-A reply which copies nothing must decode as plain decoding does (a verify costs more
-than a step: 1 to 2.5 steps measured on a loaded 2-core CPU), so a request only verifies
-where a draft is likely kept. Cold (no draft kept at its last verify, or none yet), it
-drafts only from a match that agrees with its last PROBE_MATCH tokens or more (a copy's
-match agrees over its line; a chance "of the" in a story does not, and costs no verify);
-hot, any match drafts. k starts at 2, doubles (up to the request's limit) while whole
-drafts are kept, shrinks to what was kept, halves when nothing is, and at 0 the request
-takes plain steps for a pause that doubles each time (8 up to 256 steps) before it
-probes again with k = 1. Without a draft the step is a plain one, and while no request
-may draft (`quiet`) a step may launch before the one ahead is read, as without lookup
-(engine/decode/phase.py, on a device that computes asynchronously).
+A verify of k+1 rows costs more than a step (verify_cost.py measures how much, on the
+engine as it runs), so a request verifies only where it pays. Cold (no draft kept at
+its last verify, or none yet), it drafts only from a match that agrees with its last
+PROBE_MATCH tokens or more (a chance "of the" in a story costs no verify); hot, any
+match drafts. k starts at 2, then is the length whose verify yields the most tokens per
+step of its measured cost at the request's recent acceptance (or doubles while drafts
+are kept whole); where none pays, the request takes plain steps for a pause that
+doubles each time (8 up to 256 steps), then probes with k = 1. Without a draft the step
+is plain, and while no request may draft (`quiet`) a step may launch before the one
+ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
 Models with recurrent or sliding-window layers draft too (a rejected draft is taken
 back from their state: cache/layers/rewind.py), several requests together as well
@@ -32,6 +31,7 @@ Engine thread only.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +40,7 @@ from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.speculative import MAX_DRAFT_TOKENS, verify_matches
 from mlx_prefix.engine.decode.verify import Accept, SpeculationStats, verify_step
 from mlx_prefix.engine.decode.verify_rows import rows_verifiable, verify_rows
+from mlx_prefix.engine.forward.verify_cost import WORTH, VerifyCost, expected_tokens
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import LoadedModel
 from mlx_prefix.records import SamplingParams
@@ -53,6 +54,9 @@ PAUSE_FIRST = 8  # plain steps after k fell to 0, before probing again
 PAUSE_MAX = 256  # the pause doubles up to this while probes keep failing
 MATCH_CAP = 16  # tokens compared back from a match (NgramIndex.matched)
 PROBE_MATCH = 4  # a cold request drafts only from a match agreeing over this many tokens
+PRIOR_KEPT, PRIOR_CUT = 1.0, 1.0  # a request's acceptance before its first verify: 1/2
+FORGET = 0.7  # an earlier verify's weight in a request's acceptance, against the latest
+CANDIDATES = 64  # an n-gram's latest occurrences compared (NgramIndex._match)
 
 
 class NgramIndex:
@@ -61,9 +65,9 @@ class NgramIndex:
     def __init__(self, sizes: Sequence[int] = NGRAM_SIZES):
         self.sizes = tuple(sizes)
         self.tokens: list[int] = []
-        # n-gram -> the position of the token after its latest occurrence. The sequence's
-        # own last n-grams have no follower yet, so a look-up finds an earlier one.
-        self._next: dict[tuple[int, ...], int] = {}
+        # n-gram -> the positions of the tokens after its occurrences, oldest first. The
+        # sequence's own last n-grams have no follower yet, so a look-up finds earlier ones.
+        self._next: dict[tuple[int, ...], list[int]] = {}
         self._distance: int | None = None  # from the sequence's end to the match followed
         self.matched = 0  # the last proposal's agreeing tokens (`propose`)
 
@@ -76,7 +80,7 @@ class NgramIndex:
             end = len(seq)  # `token`'s position: the n-grams ending before it are followed
             for n in self.sizes:
                 if end >= n:
-                    index[tuple(seq[end - n : end])] = end
+                    index.setdefault(tuple(seq[end - n : end]), []).append(end)
             seq.append(token)
 
     def propose(self, k: int) -> list[int]:
@@ -100,22 +104,30 @@ class NgramIndex:
         return out
 
     def agreement(self) -> int:
-        """What `matched` would be if the sequence's end drafted now (0: no match);
-        nothing changes."""
+        """What `matched` would be if the sequence's end drafted now (0: no match)."""
         at = self._match()
         return 0 if at is None else self._agreeing(at)
 
     def _match(self) -> int | None:
-        """The position after the match `propose` drafts from (None: no match)."""
+        """The position after the match `propose` drafts from (None: no match). In a
+        file of look-alike blocks the latest occurrence of a block's opening is the last
+        block's; the block a copy is at agrees further back."""
         seq, end = self.tokens, len(self.tokens)
+        followed = None
         if self._distance is not None:
             n, source = self.sizes[-1], end - self._distance
             if n <= source < end and seq[source - n : source] == seq[end - n :]:
-                return source
+                followed = source
+                if self._agreeing(source) >= MATCH_CAP:
+                    return source  # a copy going on: nothing agrees further
         for n in self.sizes:
-            if end > n and (at := self._next.get(tuple(seq[-n:]))) is not None:
-                return at
-        return None
+            if end > n and (found := self._next.get(tuple(seq[-n:]))):
+                best, most = followed, -1 if followed is None else self._agreeing(followed)
+                for at in reversed(found[-CANDIDATES:]):  # latest first: it wins ties
+                    if (agree := self._agreeing(at)) > most:
+                        best, most = at, agree
+                return best
+        return followed
 
     def _agreeing(self, at: int) -> int:
         """Tokens before `at` that agree with the sequence's last ones, up to MATCH_CAP."""
@@ -134,6 +146,12 @@ class LookupState:
     pause: int = 0  # plain steps left before the next probe
     backoff: int = PAUSE_FIRST  # the next pause
     hot: bool = False  # its last verify kept a drafted token: any match drafts
+    # Its recent verifies' drafted tokens kept and drafts cut, the older ones weighing
+    # less (FORGET per verify): the chance that a drafted token is kept after the ones
+    # before it were.
+    kept: float = PRIOR_KEPT
+    cut: float = PRIOR_CUT
+    probing: bool = True  # its next verify is a probe (its first, or after a pause)
 
     def draft(self, limit: int, room: int) -> list[int]:
         """This step's draft ([]: a plain step), at most `limit` tokens and `room` (the
@@ -155,18 +173,25 @@ class LookupState:
         """A plain step of a paused request: the last one before its probe sets k = 1."""
         self.pause -= 1
         self.k = 0 if self.pause else 1
+        self.probing = not self.pause
 
-    def adapt(self, drafted: int, accepted: int, limit: int) -> None:
-        self.hot = accepted > 0
-        if accepted == drafted:
-            self.k = min(limit, max(1, 2 * self.k))
-        elif accepted:
-            self.k = min(limit, accepted + 1)
-        else:
-            self.k //= 2
-        if accepted:
+    @property
+    def acceptance(self) -> float:
+        return self.kept / (self.kept + self.cut)
+
+    def adapt(self, drafted: int, accepted: int, limit: int, cost: VerifyCost, rows: int) -> None:
+        """After a verify: k becomes the draft length whose verify yields the most tokens
+        per step of its measured cost at this acceptance (verify_cost.py), or twice a
+        draft kept whole; 0 (none pays) pauses the request, longer each time in a row."""
+        self.hot, self.probing = accepted > 0, False
+        self.kept = FORGET * self.kept + accepted
+        self.cut = FORGET * self.cut + (accepted < drafted)
+        self.k, _ = cost.best_draft(self.acceptance, limit, rows)
+        if self.k and accepted == drafted:  # the estimate lags a run of whole drafts kept
+            self.k = max(self.k, min(limit, 2 * drafted))
+        if self.k:
             self.backoff = PAUSE_FIRST
-        elif self.k == 0:
+        else:
             self.pause, self.backoff = self.backoff, min(PAUSE_MAX, 2 * self.backoff)
 
 
@@ -178,6 +203,7 @@ class PromptLookup:
         self.max_tokens = DEFAULT_TOKENS if max_tokens is None else max_tokens
         self.unusable = unusable  # why it never drafts on this engine (quantized KV)
         self.stats = SpeculationStats()
+        self.cost = VerifyCost()  # a verify's measured cost in plain steps
         self.exact: bool | None = None  # the verify forward keeps this model's numbers
         self._states: dict[int, LookupState] = {}  # by id(Running)
 
@@ -215,25 +241,50 @@ class PromptLookup:
         if not any(self.limit(r) > 0 for r in members) or not self.check(model, rows):
             return False
         drafts = [self._draft(r) for r in members]
-        if not any(drafts):
+        if not any(drafts) or not self._pays(members, drafts):
             return False
+        rows_now, width = len(members), max(len(d) for d in drafts) + 1
         if len(members) == 1:
             running, drafted = members[0], drafts[0]
+            start = time.perf_counter()
             _, accepted = verify_step(batch, running, drafted, accept(running), self.stats)
-            self._adapt(running, len(drafted), accepted)
+            self.cost.verified(rows_now, width, time.perf_counter() - start)
+            self._adapt(running, len(drafted), accepted, rows_now)
             return True
         if not rows_verifiable(batch):
             return False
+        start = time.perf_counter()
         drawn = verify_rows(batch, drafts, accept, self.stats)
+        self.cost.verified(rows_now, width, time.perf_counter() - start)
         for (running, row), drafted in zip(drawn, drafts, strict=True):
             if drafted:
-                self._adapt(running, len(drafted), row.hits)
+                self._adapt(running, len(drafted), row.hits, rows_now)
         return True
 
-    def _adapt(self, running: Running, drafted: int, accepted: int) -> None:
+    def _pays(self, members: Sequence[Running], drafts: Sequence[list[int]]) -> bool:
+        """Whether the verify of these drafts yields WORTH more tokens per step of its
+        measured cost than a plain step (every row pays for the widest draft's width);
+        a request's probe always runs: its acceptance is what it measures."""
+        width = max(len(d) for d in drafts) + 1
+        tokens = 0.0
+        for running, drafted in zip(members, drafts, strict=True):
+            state = self._states.get(id(running))
+            if not drafted or state is None:
+                tokens += 1
+            elif state.probing:
+                return True
+            else:
+                tokens += expected_tokens(state.acceptance, len(drafted))
+        return tokens / self.cost.ratio(len(members), width) > len(members) * WORTH
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        """A plain step of `rows` requests took `seconds` (phase.py): a verify's yardstick."""
+        self.cost.stepped(rows, seconds)
+
+    def _adapt(self, running: Running, drafted: int, accepted: int, rows: int) -> None:
         state = self._states.get(id(running))
         if state is not None:  # None: the request ended in the verify
-            state.adapt(drafted, accepted, self.limit(running))
+            state.adapt(drafted, accepted, self.limit(running), self.cost, rows)
 
     def quiet(self, members: Sequence[Running]) -> bool:
         """Whether no request drafts at the next step, judged from the tokens read so far

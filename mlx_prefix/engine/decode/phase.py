@@ -167,7 +167,10 @@ class DecodePhase:
         asked = [r.job.sampling for r in self.batch.members if r.job.sampling.logprobs]
         top_n = max((s.top_logprobs for s in asked), default=0)
         self.overlapped += overlap
+        rows, start = len(self.batch), time.perf_counter()
         self._accept_rows(self.batch.step(bool(asked), top_n, overlap))
+        if self.lookup is not None and not overlap:  # computed and read: its own time
+            self.lookup.stepped(rows, time.perf_counter() - start)
         self.steps += 1
         if self.steps % ACTIVE_BYTES_EVERY == 0 and len(self.batch):
             self.store.set_active_bytes(self._bytes_key, self._nbytes())

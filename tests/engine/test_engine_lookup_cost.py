@@ -1,0 +1,87 @@
+"""Prompt lookup's drafts weighed against what a verify costs (engine/forward/verify_cost.py,
+engine/decode/lookup.py): the index drafts from the block a copy is at, k is the length
+whose verify pays most at the request's acceptance and the measured cost, and where no
+draft pays the request takes plain steps; the reply is plain decoding's throughout."""
+
+from __future__ import annotations
+
+import pytest
+from support.engine_helpers import run, same_reply
+from test_engine_prompt_lookup import FILE, LOOKUP, PLAIN, PROMPT, _sampling, _tokens, scripted
+
+from mlx_prefix.engine.decode import lookup
+from mlx_prefix.engine.forward.verify_cost import VerifyCost, expected_tokens
+
+
+def test_the_index_drafts_from_the_block_the_copy_is_at():
+    # Look-alike blocks "7 B 8 i 9": a copy at block 3's "7 B 8 3 9 7 B 8" goes on with
+    # block 4's number; the latest "9 7 B 8" is followed by the last block's.
+    blocks = [t for i in range(1, 8) for t in (7, 100, 8, 200 + i, 9)]
+    index = lookup.NgramIndex()
+    index.extend([*blocks, 7, 100, 8, 203, 9, 7, 100, 8])
+    assert index.propose(3) == [204, 9, 7]
+    assert index.matched == 9  # back to block 2's last token, as far as the copy's
+
+
+# The timings' own methods (tests/conftest.py prices every engine's verify at the prior).
+STEPPED, VERIFIED = VerifyCost.stepped, VerifyCost.verified
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    monkeypatch.setattr(VerifyCost, "stepped", STEPPED)
+    monkeypatch.setattr(VerifyCost, "verified", VERIFIED)
+
+
+def test_a_verify_costs_what_was_measured_per_row(timed):
+    cost = VerifyCost()
+    assert cost.ratio(1, 1) == 1.0 and cost.ratio(1, 5) > 1.0  # the prior, until timed
+    cost.stepped(1, 0.1)
+    cost.verified(1, 9, 0.3)  # 9 rows at 3 steps: 0.25 step per row past the first
+    assert cost.ratio(1, 9) == pytest.approx(3.0) and cost.ratio(1, 3) == pytest.approx(1.5)
+    cost.verified(2, 9, 5.0)  # a batch of 2 has no step timed yet: nothing learnt
+    assert cost.ratio(2, 9) == cost.ratio(3, 9)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 8) == 9
+
+
+@pytest.mark.parametrize(
+    ("row_cost", "acceptance", "k"),
+    [
+        (0.02, 0.9, 8),  # rows nearly free (a GPU at a small batch): the longest draft
+        (0.3, 0.85, 4),  # a CPU at a long context: a shorter draft yields more per step
+        (0.3, 0.2, 0),  # little kept: no draft pays, plain steps
+        (1.0, 0.99, 0),  # a row costs a step: never
+    ],
+)
+def test_k_is_the_draft_that_yields_most_per_step_of_cost(timed, row_cost, acceptance, k):
+    cost = VerifyCost()
+    cost.stepped(1, 1.0)
+    cost.verified(1, 2, 1.0 + row_cost)
+    best, value = cost.best_draft(acceptance, 8)
+    assert best == k
+    if k:
+        assert value == max(
+            expected_tokens(acceptance, n) / cost.ratio(1, n + 1) for n in range(1, 9)
+        )
+
+
+def test_where_verifies_cost_too_much_a_copy_takes_plain_steps_and_the_same_reply(monkeypatch):
+    # Each verify row priced at a whole step: past its probes a request that keeps
+    # every draft still decodes plainly, and the reply is plain decoding's.
+    monkeypatch.setattr(VerifyCost, "ratio", lambda self, rows, width: float(width))
+    with scripted({7: _tokens(FILE)}) as engine:
+        plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+        looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
+        stats = engine.loop.decode.lookup.stats
+    same_reply(looked, plain)
+    assert 0 < stats.steps <= 5 and stats.accepted == stats.drafted  # probes, further apart
+
+
+def test_cheap_verifies_let_a_copy_draft_its_longest(monkeypatch):
+    monkeypatch.setattr(VerifyCost, "ratio", lambda self, rows, width: 1.0 + 0.01 * width)
+    with scripted({7: _tokens(FILE)}) as engine:
+        plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+        looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
+        stats = engine.loop.decode.lookup.stats
+    same_reply(looked, plain)
+    assert stats.accepted > 0 and stats.steps < len(looked.tokens) // 4
