@@ -1,14 +1,13 @@
 """Prompt lookup decoding: each decoding request drafts its next tokens from its own
 sequence (prompt and reply so far), no second model, and verifies them in one forward
-(engine/decode/verify.py: the reply is plain decoding's, tokens and logprobs). Requests
-decoding together verify their drafts in the same forward, rows of different lengths
-(engine/decode/verify_rows.py); a row without a draft decodes its one position there.
+(verify.py: the reply is plain decoding's). Requests decoding together verify theirs in
+one forward of rows of different lengths (verify_rows.py; a row without a draft decodes
+its one position there).
 
 The draft: the k tokens after an earlier occurrence of the sequence's last 4, 3 or 2
-tokens (the longest found): of its occurrences, the one whose tokens before agree with
-the sequence's end the furthest (a copy of a file of look-alike blocks stays on its
-block), the one it followed last on a tie, then the latest. An agent's reply that
-repeats what it read (an edit's old lines, a rewritten file) keeps most of them.
+tokens (the longest found), the occurrence whose tokens before agree with the sequence's
+end the furthest (a copy of look-alike blocks stays on its block), on a tie the one it
+followed last, then the latest. A reply that repeats what it read keeps most of them.
 
 A verify of k+1 rows costs more than a step (verify_cost.py measures how much, on the
 engine as it runs), so a request verifies only where it pays. Cold (no draft kept at
@@ -21,11 +20,10 @@ doubles each time (8 up to 256 steps), then probes with k = 1. Without a draft t
 is plain, and while no request may draft (`quiet`) a step may launch before the one
 ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
-Models with recurrent or sliding-window layers draft too (a rejected draft is taken
-back from their state: cache/layers/rewind.py), several requests together as well
-(verify_rows.py: Qwen3.5, Qwen3-Next and Nemotron-H's recurrent layers); other
-recurrent models take plain steps while several decode, as quantized KV always does.
-Engine thread only.
+Recurrent and sliding-window models draft too (a rejected draft is taken back from
+their state: cache/layers/rewind.py), together as well for Qwen3.5, Qwen3-Next and
+Nemotron-H (verify_rows.py); other recurrent models take plain steps while several
+decode, as quantized KV always does. Engine thread only.
 """
 
 from __future__ import annotations
