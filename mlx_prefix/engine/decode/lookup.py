@@ -1,8 +1,7 @@
 """Prompt lookup decoding: each decoding request drafts its next tokens from its own
 sequence (prompt and reply so far), no second model, and verifies them in one forward
-(verify.py: the reply is plain decoding's). Requests decoding together verify theirs in
-one forward of rows of different lengths (verify_rows.py; a row without a draft decodes
-its one position there).
+(verify.py: the reply is plain decoding's); requests decoding together, in one forward
+of rows of different lengths (verify_rows.py; a row without a draft decodes one).
 
 The draft: the k tokens after an earlier occurrence of the sequence's last 4, 3 or 2
 tokens (the longest found), the occurrence whose tokens before agree with the sequence's
