@@ -102,15 +102,33 @@ def kv_bytes(cache: list[Any], tokens: int) -> int:
     return total
 
 
-def room_needed(cache: list[Any], piece: int, rest: int) -> int:
+def kv_growth(cache: list[Any], rest: int) -> int:
+    """Bytes a live cache's KV buffers may still grow by while its prefill appends `rest`
+    more positions: none where the buffer already holds them (mlx-lm's KVCache grows by
+    steps of `KVCache.step` positions, so it often does), else what it lacks and a step
+    less one of padding (a growth leaves the buffer less than a step past its offset)."""
+    total = 0
+    for c in _kv(cache):
+        if c.keys is None or not c.keys.shape[2]:
+            continue  # nothing to size a position by: an empty cache's first chunk sizes it
+        lacking = c.offset + rest - c.keys.shape[2]
+        if lacking > 0:
+            per_position = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+            total += per_position * (lacking + KVCache.step - 1)
+    return total
+
+
+def room_needed(cache: list[Any], piece: int, rest: int, end_copied: bool = True) -> int:
     """What a checkpoint cut from a live cache now adds: `piece` positions of its KV; for
-    a hybrid cache its other layers' state too, and room kept for the `rest` positions
-    its prefill still appends (and a step of padding: mlx-lm's KVCache grows by steps)
-    and for its end's state (the one the next turn needs)."""
+    a hybrid cache its other layers' state too, what its KV buffers still grow by for
+    the `rest` positions its prefill appends (`kv_growth`), and, where the checkpoint is
+    not the prompt's end (`rest` > 0) and the end's state will be a copy beside the live
+    one (`end_copied`: a request that decodes on; a cancelled one's end is its live
+    cache's, let go of), that state too (the one the next turn needs)."""
     need = kv_bytes(cache, piece)
     if hybrid(cache):
         state = sum(c.nbytes for c in cache if type(c) is not KVCache)
-        need += kv_bytes(cache, rest + KVCache.step) + 2 * state
+        need += kv_growth(cache, rest) + (2 if rest > 0 and end_copied else 1) * state
     return need
 
 

@@ -226,7 +226,7 @@ def _restore_layer(
         views.extend(_cache_arrays(restored))
         return restored
     parts = chain.parts(layer.slot)
-    room = kind.room(layer.cls, extend)
+    room = kind.room(layer.cls, n, extend)
     arrays = assemble(parts, room)
     restored = layer.cls.from_state(kind.join(arrays, n, layer.state))
     if len(parts) > 1 or room:

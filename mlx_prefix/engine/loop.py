@@ -223,6 +223,9 @@ class EngineLoop:
         the grid point it reached (issue 55)."""
         for task in list(self.prefill.tasks):
             job = task.job
+            if job.orphaned and task.position == task.stop_at:
+                self.prefill.close(task, cancelled=True)  # stores the state there, live
+                continue
             if stopping or (job.handle.cancelled.is_set() and not job.orphaned):
                 if not stopping and self._runs_on(task):
                     self._run_on(task)
@@ -280,6 +283,14 @@ class EngineLoop:
         job.background = job.orphaned = True
         assert task.checkpointer is not None
         task.checkpointer.cancel()
+        # A cache that cannot trim (recurrent layers) is resumed by a resend of the same
+        # prompt at its last checkpoint before the end, not at the end (a token must be
+        # computed): where the budget cannot hold that state copied beside the live
+        # cache, the prefill stops there and stores the live cache itself (cancelled.py).
+        last = task.checkpointer.stack_point()
+        if task.checkpointer.keep_every_checkpoint and last > task.position:
+            if task.checkpointer.no_room(last):
+                task.stop_at = last
 
     def _finish_prefill(self, task: PrefillTask) -> None:
         """The prompt is in the cache: complete a warm-up or a prefetch, or hold the

@@ -132,3 +132,46 @@ def test_a_hybrid_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkey
             messages.append(("assistant", cold[-1].text))
     budget = kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
     _hits_every_turn(monkeypatch, model, config, budget, turns, cold)
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["running-on", "stopped"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "sliding"])
+def test_a_cancelled_hybrid_turn_resumes_at_a_budget_of_125_of_its_kv(monkeypatch, kind, finish):
+    """A hybrid conversation at 1.25x its KV whose third turn is cancelled part-way
+    through its prefill, then sent again: the resend reuses what the cancelled prefill
+    computed (the grid point it stopped at, or its end when it ran on) and answers as a
+    cold run does; the budget holds at every store call. Reserving more than the live
+    cache can still grow by (a whole step of KV padding on top of the rest of the
+    prompt) made every checkpoint of the turn 'not fit': nothing was stored."""
+    model = loaded_test_model(kind, think_template=True)
+    system = ("system", "You are a careful assistant. " * 40)
+    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(3)]
+    turns, cold = [], []
+    with open_engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False)) as cold_engine:
+        messages = [system]
+        for user in users:
+            messages.append(("user", user))
+            turns.append(list(messages))
+            cold.append(run(cold_engine, chat(*messages), cache=False, sampling=EXACT))
+            messages.append(("assistant", cold[-1].text))
+    budget = _kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
+    peaks = _capped(monkeypatch)
+    config = EngineConfig(
+        prefetch_next_turn=False, prefill_tokens_per_step=1, finish_cancelled=finish
+    )
+    cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, cache, config) as engine:
+        for messages in turns[:2]:
+            before = run(engine, chat(*messages), sampling=EXACT).usage.prompt_tokens
+        last = cold[-1].usage.prompt_tokens
+        handle = engine.submit(chat(*turns[2]), EXACT, CachePreference())
+        with cancelling(engine, (before + last) // 2) as landed:
+            assert collect(handle).finish_reason == "cancelled"
+        (at,) = landed
+        assert before < at < last
+        assert wait_for(lambda: not engine.loop.prefill.tasks)
+        computed = last if finish else at
+        again = run(engine, chat(*turns[2]), sampling=EXACT)
+    assert again.usage.cached_tokens >= 0.95 * computed, (again.usage.cached_tokens, computed)
+    assert (again.tokens, again.logprobs) == (cold[-1].tokens, cold[-1].logprobs)
+    assert peaks and max(peaks) <= budget

@@ -125,9 +125,9 @@ class LayerKind:
         """Live layer `c`'s positions [start, end), copied into arrays of their own."""
         raise NotImplementedError(f"{type(self).__name__} is not chained")
 
-    def room(self, cls: type, extend: int) -> int:
-        """Positions a restored layer leaves past its offset for a first append of
-        `extend` tokens (0: none)."""
+    def room(self, cls: type, length: int, extend: int) -> int:
+        """Positions a restored layer of `length` positions leaves past its offset for a
+        first append of `extend` tokens (0: none)."""
         return 0
 
     def batchable(self, c: Any) -> bool:

@@ -76,12 +76,16 @@ class KvKind(LayerKind):
         arrays, _ = self.split(c.state)
         return tuple(mx.contiguous(a[..., start:end, :]) for a in arrays)
 
-    def room(self, cls: type, extend: int) -> int:
-        """Positions a restored layer leaves past its offset so that a first append of
-        `extend` tokens writes in place, into the very buffer mlx-lm's growth would
-        have made (the prefix plus whole steps)."""
+    def room(self, cls: type, length: int, extend: int) -> int:
+        """Positions a restored layer of `length` positions leaves past its offset so
+        that a first append of `extend` tokens writes in place: up to the next whole
+        step past them, the buffer a cold prefill's growth holds there. Not the prefix
+        plus whole steps (mlx-lm's growth from an offset off the step grid): a resent
+        prompt restored a few tokens before its end would hold most of a step more KV
+        than its cold run, more than a budget of 1.25x the conversation leaves
+        (issue 55)."""
         step = getattr(cls, "step", 0)
-        return -(-extend // step) * step if extend and step else 0
+        return -(-(length + extend) // step) * step - length if extend and step else 0
 
     def merge(self, layers: Sequence[Any], steps: int) -> Any:
         if len(layers) == 1 and _adoptable(layers[0]):
@@ -112,7 +116,7 @@ class ConcatenateKvKind(KvKind):
     def join(self, arrays: tuple[mx.array, ...], n: int, rest: tuple[Any, ...]) -> tuple:
         return (head(arrays[0], n), head(arrays[1], n))  # its offset is the keys' length
 
-    def room(self, cls: type, extend: int) -> int:
+    def room(self, cls: type, length: int, extend: int) -> int:
         return 0  # it concatenates on every append
 
     def quantizes(self, c: Any, start: int) -> bool:

@@ -46,7 +46,11 @@ def keep_cancelled(task: PrefillTask, *, grid: ChunkGrid, store: PromptCache) ->
         # point, computed alone (a stacked rest only ever ends a prompt: its
         # cursor is done).
         assert grid.is_point(task.tokens, task.position), "off the grid"
-        keep_reached(task.checkpointer, task.position)
+        keep_reached(
+            task.checkpointer,
+            task.position,
+            let_go=lambda: store.drop_active(task.bytes_key),
+        )
     else:  # at its end, or where it was restored: what was left to its decode
         keep_handed(
             task.checkpointer,
@@ -98,24 +102,18 @@ def _keep_live(
     tokens = checkpointer.prompt.tokens[:position]
     if position == 0 or checkpointer.store.get(checkpointer.key, tokens) is not None:
         return
-    if hybrid(checkpointer.cache) and not at_offset(checkpointer.cache, position):
-        return  # its recurrent layers went on past `position`: no exact state there
-    snapshot = live_snapshot(checkpointer.cache, position)
-    let_go()
-    checkpointer.rows.store_inside(snapshot)  # a hybrid's checkpoints left to the row too
-    if checkpointer.cancelled and kind <= PROTECTED_ABOVE:
-        kind = CheckpointKind.CANCELLED
-    if checkpointer.store.insert(checkpointer.key, tokens, snapshot, kind):
-        checkpointer.on_stored(position)
+    keep_live(checkpointer, position, kind, let_go)
 
 
-def keep_reached(checkpointer: Checkpointer, position: int) -> None:
+def keep_reached(checkpointer: Checkpointer, position: int, let_go: Callable[[], None]) -> None:
     """A cancelled prefill stops at grid point `position` (the cache holds exactly
     that prefix, computed chunk by chunk on the grid): store its state there as
     CANCELLED, unless stored already, after the checkpoints it had deferred; and
     queue it for disk where the disk policy chose a save past it (the shutdown
-    writes the queue: a restart resumes there). Call before `finish`; the cache is
-    not changed. Mutates the store and the disk queue."""
+    writes the queue: a restart resumes there). Where the budget cannot hold a piece
+    beside the live cache (after a hand-over a piece would copy the whole prefix
+    again), the cache's buffers become the entry's instead (`keep_live`). Call
+    before `finish`; the cache is not changed. Mutates the store and the disk queue."""
     if checkpointer.finished or position <= checkpointer.reuse:
         return
     checkpointer.settle()
@@ -128,7 +126,29 @@ def keep_reached(checkpointer: Checkpointer, position: int) -> None:
         and any(p > position for p in chosen)
         and not disk.cache.holds(checkpointer.key, tokens)
     )
-    if in_memory or to_disk:
+    if in_memory and not to_disk and (checkpointer.hand_back or checkpointer.no_room(position)):
+        keep_live(checkpointer, position, CheckpointKind.CANCELLED, let_go)
+    elif in_memory or to_disk:
         snapshot = checkpointer.capture_at(position)
         checkpointer.rows.store_inside(snapshot)  # a hybrid's checkpoints left to the row
         checkpointer.keep(snapshot, CheckpointKind.CANCELLED, in_memory, to_disk)
+
+
+def keep_live(
+    checkpointer: Checkpointer, position: int, kind: CheckpointKind, let_go: Callable[[], None]
+) -> None:
+    """Store the state at `position` from the live cache of a request that stops there:
+    its buffers become the entry's (no copy), so the request lets go of its bytes first
+    (`let_go`); its cache must not be written again. The checkpoints a hybrid kept
+    without their KV share them. Mutates the store."""
+    if hybrid(checkpointer.cache) and not at_offset(checkpointer.cache, position):
+        return  # its recurrent layers went on past `position`: no exact state there
+    snapshot = live_snapshot(checkpointer.cache, position)
+    let_go()
+    checkpointer.rows.store_inside(snapshot)  # a hybrid's checkpoints left to the row too
+    if checkpointer.cancelled and kind <= PROTECTED_ABOVE:
+        kind = CheckpointKind.CANCELLED
+    if checkpointer.store.insert(
+        checkpointer.key, checkpointer.prompt.tokens[:position], snapshot, kind
+    ):
+        checkpointer.on_stored(position)

@@ -234,14 +234,14 @@ class Checkpointer:
         in_memory = in_memory and (
             not at_end or position in self.planned or is_trimmable(self.cache)
         )
-        if in_memory and at_end and (self.hand_back or self._no_room(position)):
+        if in_memory and at_end and (self.hand_back or self.no_room(position)):
             if self.rows.keep(position, kind, at_end, self.report):  # a hybrid: if it fits
                 self.end_kind = kind  # stored when the request finishes (decode/phase.py)
                 self.on_stored(position)
             if not to_disk:
                 return
             in_memory = False
-        elif in_memory and not to_disk and (self._no_room(position) or self._rows_kv):
+        elif in_memory and not to_disk and (self.no_room(position) or self._rows_kv):
             # A second copy of what the live cache holds, which the budget cannot hold
             # beside it (its end serves this prefix by trimming): not cut at all; a
             # hybrid keeps its state here, its KV to come from the row (or the end).
@@ -256,14 +256,15 @@ class Checkpointer:
             return
         self.keep(snapshot, kind, in_memory, to_disk)
 
-    def _no_room(self, position: int) -> bool:
+    def no_room(self, position: int) -> bool:
         """A cache whose piece up to `position` the budget cannot hold beside what is
         stored and running (`may_hand_back`; cache/handover.py)."""
         if not self.may_hand_back:
             return False
         self.report()  # the live cache as it is now
-        rest = len(self.prompt.tokens) - position
-        return not self.store.has_room(room_needed(self.cache, position - self.chain.end, rest))
+        rest = len(self.prompt.tokens) - position  # a cancelled one's end is its live cache
+        need = room_needed(self.cache, position - self.chain.end, rest, not self.cancelled)
+        return not self.store.has_room(need)
 
     def capture_at(self, position: int) -> Snapshot:
         """The cache (and the draft's) at `position`, continuing their chains."""
@@ -310,7 +311,7 @@ class Checkpointer:
         (engine/loop.py): the checkpoints reached so far are stored as planned, later
         ones as CANCELLED, the protected kinds aside. Mutates the store."""
         self.settle()
-        self.cancelled = True
+        self.cancelled = self.rows.cancelled = True
 
     def finish(self, *, keep: bool = True) -> None:
         """The prefill ended, or stopped between chunks: store / queue the deferred

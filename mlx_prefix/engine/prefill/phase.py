@@ -218,7 +218,9 @@ class PrefillPhase:
                 break
             limit, ready = self.stack_limit, self._may_stack
             alone = [
-                t for t in self._in_order() if not waits_to_stack(t, self.tasks, limit, ready=ready)
+                t
+                for t in self._in_order()
+                if t.position != t.stop_at and not waits_to_stack(t, self.tasks, limit, ready=ready)
             ]
             chosen, tokens = choose_chunks(alone, budget, result.tokens)
             if not chosen:

@@ -30,6 +30,9 @@ class RowStates:
     tokens: Sequence[int]  # its prompt
     on_stored: Callable[[int], None]
     states: list[EndState] = field(default_factory=list)  # in position order, the end last
+    # The request was cancelled (`Checkpointer.cancel`): its end is stored from its live
+    # cache, let go of (cancelled.py), not from a copy of its state beside it.
+    cancelled: bool = False
 
     def keep(
         self, position: int, kind: CheckpointKind, at_end: bool, report: Callable[[], None]
@@ -41,14 +44,15 @@ class RowStates:
         request's active bytes as they are now: handed in, not kept, so that the
         Checkpointer and this record hold no cycle (its cache, the whole KV, would wait
         for Python's rare full collection)."""
-        if not hybrid(self.cache):
+        if not hybrid(self.cache) or (at_end and self.cancelled):
             return True
         report()
         state = states_at(self.cache, position, kind)
         if at_end:
             fits = self.store.could_hold(state.buffer.nbytes)
         else:
-            fits = self.store.has_room(room_needed(self.cache, 0, len(self.tokens) - position))
+            rest = len(self.tokens) - position
+            fits = self.store.has_room(room_needed(self.cache, 0, rest, not self.cancelled))
         if not fits:
             return False
         self.states.append(state)

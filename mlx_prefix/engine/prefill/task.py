@@ -32,6 +32,7 @@ class PrefillTask:
     # decode batch with the rest of its burst (engine/requests/pace.py `gathers`).
     logits: mx.array | None = None
     progress_sent: int = -1  # the position its last ProgressEvent reported (loop.py)
+    stop_at: int = -1  # a cancelled prefill running on stops at this position (loop.py)
 
     @property
     def tokens(self) -> tuple[int, ...]:
