@@ -154,7 +154,7 @@ def test_a_cancelled_hybrid_turn_resumes_at_a_budget_of_125_of_its_kv(monkeypatc
             turns.append(list(messages))
             cold.append(run(cold_engine, chat(*messages), cache=False, sampling=EXACT))
             messages.append(("assistant", cold[-1].text))
-    budget = _kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
+    budget = kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
     peaks = _capped(monkeypatch)
     config = EngineConfig(
         prefetch_next_turn=False, prefill_tokens_per_step=1, finish_cancelled=finish

@@ -28,10 +28,7 @@ from mlx_prefix.cache.types import Buffer
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.decode.speculative import Speculator
 from mlx_prefix.engine.forward.kv_quant import KvQuant
-from mlx_prefix.engine.forward.runner import (
-    ChunkWork,
-    compute_chunks,
-)
+from mlx_prefix.engine.forward.runner import ChunkWork, compute_chunks
 from mlx_prefix.engine.prefill.cancelled import keep_stopped
 from mlx_prefix.engine.prefill.disk_access import DiskAccess
 from mlx_prefix.engine.prefill.rounds import choose_chunks, in_order
