@@ -15,6 +15,7 @@ from support.paths import WEB
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.embeddings.model import load_embedding_model
 from mlx_prefix.embeddings.testing import make_embedding_test_model
+from mlx_prefix.engine.decode import lookup
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.forward.verify_cost import VerifyCost
 
@@ -27,6 +28,20 @@ def untimed_verify_cost(monkeypatch):
     measures with its own timings)."""
     monkeypatch.setattr(VerifyCost, "stepped", lambda self, rows, seconds: None)
     monkeypatch.setattr(VerifyCost, "verified", lambda self, rows, width, seconds: None)
+
+
+@pytest.fixture
+def verified_rows(monkeypatch) -> list[list[int]]:
+    """Each several-row verify step's draft lengths, one per row."""
+    seen: list[list[int]] = []
+    verify_rows = lookup.verify_rows
+
+    def spy(batch, drafts, accept, stats):
+        seen.append([len(d) for d in drafts])
+        return verify_rows(batch, drafts, accept, stats)
+
+    monkeypatch.setattr(lookup, "verify_rows", spy)
+    return seen
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ turn whole and answers as a cold run does; the store never holds more than its b
 from __future__ import annotations
 
 import pytest
+from support.budget import cold_conversation, questions, watch_store
 from support.engine_helpers import EXACT, cancelling, chat, collect, open_engine, run, wait_for
 from support.models import TEST_CACHE, kv_of, loaded_test_model
 
-from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.records import CachePreference
 
@@ -29,28 +29,6 @@ def _kv_per_token(model) -> int:
     text = model.model.args
     layers, heads, dims = text.num_hidden_layers, text.num_key_value_heads, text.head_dim
     return layers * heads * dims * 2 * 4
-
-
-def _capped(monkeypatch) -> list[int]:
-    """The store's own stats after every change: stored + active never above the budget
-    (asserted); the totals seen, in order."""
-    peaks: list[int] = []
-
-    def checked(name: str) -> None:
-        method = getattr(PromptCache, name)
-
-        def call(self, *args, **kwargs):
-            out = method(self, *args, **kwargs)
-            s = self.stats()
-            peaks.append(s.bytes + s.active_bytes)
-            assert s.bytes + s.active_bytes <= s.budget_bytes, f"over budget after {name}"
-            return out
-
-        monkeypatch.setattr(PromptCache, name, call)
-
-    for name in ("insert", "set_active_bytes", "acquire", "release", "hand_over"):
-        checked(name)
-    return peaks
 
 
 # A conversation that grows turn by turn, and one whose long system prompt is most of it
@@ -73,7 +51,7 @@ def _hits_every_turn(monkeypatch, model, config, budget, turns, cold) -> None:
     """Each turn at `budget` restores its previous turn whole and answers as its cold run
     (tokens and logprobs); the store handed an entry over, and stored + running stayed
     within the budget at every store call."""
-    peaks = _capped(monkeypatch)
+    watch = watch_store(monkeypatch)
     cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
     with open_engine(model, cache, config) as engine:
         previous = 0
@@ -84,7 +62,7 @@ def _hits_every_turn(monkeypatch, model, config, budget, turns, cold) -> None:
             assert (warm.tokens, warm.logprobs) == (expected.tokens, expected.logprobs)
             previous = warm.usage.prompt_tokens
         assert engine.views.cache_stats()["handed_over"] > 0  # the tight budget was the case
-    assert peaks and max(peaks) <= budget
+    watch.assert_capped(budget)
 
 
 def test_a_cancelled_turn_loses_no_entry_the_store_handed_it():
@@ -120,16 +98,7 @@ def test_a_hybrid_conversation_keeps_hitting_at_a_budget_of_125_of_its_kv(monkey
     and its recurrent state from where the prefill reached it (cache/handover.py)."""
     model = loaded_test_model(kind, think_template=True)
     config = EngineConfig(prefetch_next_turn=False)  # one request at a time, as measured
-    system = ("system", "You are a careful assistant. " * 40)
-    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(4)]
-    turns, cold = [], []
-    with open_engine(model, TEST_CACHE, config) as cold_engine:
-        messages = [system]
-        for user in users:
-            messages.append(("user", user))
-            turns.append(list(messages))
-            cold.append(run(cold_engine, chat(*messages), cache=False, sampling=EXACT))
-            messages.append(("assistant", cold[-1].text))
+    turns, cold = cold_conversation(model, questions(4))
     budget = kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
     _hits_every_turn(monkeypatch, model, config, budget, turns, cold)
 
@@ -144,18 +113,9 @@ def test_a_cancelled_hybrid_turn_resumes_at_a_budget_of_125_of_its_kv(monkeypatc
     cache can still grow by (a whole step of KV padding on top of the rest of the
     prompt) made every checkpoint of the turn 'not fit': nothing was stored."""
     model = loaded_test_model(kind, think_template=True)
-    system = ("system", "You are a careful assistant. " * 40)
-    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(3)]
-    turns, cold = [], []
-    with open_engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False)) as cold_engine:
-        messages = [system]
-        for user in users:
-            messages.append(("user", user))
-            turns.append(list(messages))
-            cold.append(run(cold_engine, chat(*messages), cache=False, sampling=EXACT))
-            messages.append(("assistant", cold[-1].text))
+    turns, cold = cold_conversation(model, questions(3))
     budget = kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
-    peaks = _capped(monkeypatch)
+    watch = watch_store(monkeypatch)
     config = EngineConfig(
         prefetch_next_turn=False, prefill_tokens_per_step=1, finish_cancelled=finish
     )
@@ -174,4 +134,4 @@ def test_a_cancelled_hybrid_turn_resumes_at_a_budget_of_125_of_its_kv(monkeypatc
         again = run(engine, chat(*turns[2]), sampling=EXACT)
     assert again.usage.cached_tokens >= 0.95 * computed, (again.usage.cached_tokens, computed)
     assert (again.tokens, again.logprobs) == (cold[-1].tokens, cold[-1].logprobs)
-    assert peaks and max(peaks) <= budget
+    watch.assert_capped(budget)

@@ -10,41 +10,14 @@ prompt and answers as a cold run does."""
 from __future__ import annotations
 
 import pytest
+from support.budget import SYSTEM, cold_conversation, questions, watch_store
 from support.engine_helpers import EXACT, cancelling, chat, open_engine, run, wait_for
 from support.models import TEST_CACHE, kv_of, loaded_test_model
 
-from mlx_prefix.cache.store import PromptCache
 from mlx_prefix.config import CacheConfig, EngineConfig
 from mlx_prefix.engine.engine import Engine
 from mlx_prefix.engine.keys import entry_key
 from mlx_prefix.records import CachePreference, SamplingParams
-
-STORE_CALLS = ("insert", "set_active_bytes", "acquire", "release", "hand_over")
-
-
-def _watched(monkeypatch) -> tuple[list[int], list[str]]:
-    """The store's stored + running bytes after every change (all of them), and each
-    change that left them over the budget, named. Recorded, not raised: an assertion on
-    the engine thread would end the prefetch instead of failing the test."""
-    totals: list[int] = []
-    over: list[str] = []
-
-    def watch(name: str) -> None:
-        method = getattr(PromptCache, name)
-
-        def call(self, *args, **kwargs):
-            out = method(self, *args, **kwargs)
-            s = self.stats()
-            totals.append(s.bytes + s.active_bytes)
-            if s.bytes + s.active_bytes > s.budget_bytes:
-                over.append(f"{name}: {s.bytes} stored + {s.active_bytes} running")
-            return out
-
-        monkeypatch.setattr(PromptCache, name, call)
-
-    for name in STORE_CALLS:
-        watch(name)
-    return totals, over
 
 
 def _count_prefetches(engine: Engine) -> tuple[list[int], list[int]]:
@@ -78,21 +51,10 @@ def _wait_prefetched(engine: Engine, decided: list[int], enqueued: list[int], tu
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
 def test_a_prefetch_keeps_the_budget_a_cap_and_the_next_turn_hits(monkeypatch, kind):
     model = loaded_test_model(kind, think_template=True)
-    system = ("system", "You are a careful assistant. " * 40)
     # Four long questions, then a short one: the prefetch after the last may not fit.
-    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(4)]
-    users.append("Thanks, one more word on it?")
-    turns, cold = [], []
-    off = EngineConfig(prefetch_next_turn=False)
-    with open_engine(model, TEST_CACHE, off) as cold_engine:
-        messages = [system]
-        for user in users:
-            messages.append(("user", user))
-            turns.append(list(messages))
-            cold.append(run(cold_engine, chat(*messages), cache=False, sampling=EXACT))
-            messages.append(("assistant", cold[-1].text))
+    turns, cold = cold_conversation(model, [*questions(4), "Thanks, one more word on it?"])
     budget = kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
-    totals, over = _watched(monkeypatch)
+    watch = watch_store(monkeypatch)
     cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
     with open_engine(model, cache, EngineConfig(prefetch_delay_s=0.0)) as engine:
         decided, enqueued = _count_prefetches(engine)
@@ -110,8 +72,7 @@ def test_a_prefetch_keeps_the_budget_a_cap_and_the_next_turn_hits(monkeypatch, k
         stored = engine.store.sequences(engine.model_key)
         assert any(tuple(s.tokens[: len(last)]) == tuple(last) for s in stored)
         engine.store.check_integrity()
-    assert totals and not over, over[:5]
-    assert max(totals) <= budget
+    watch.assert_capped(budget)
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
@@ -122,16 +83,7 @@ def test_a_prefetch_that_gives_way_keeps_the_entry_it_was_handed(kind):
     answers as a cold run does."""
     model = loaded_test_model(kind, think_template=True)
     long = SamplingParams(max_tokens=96, temperature=0.0, logprobs=True)
-    system = ("system", "You are a careful assistant. " * 40)
-    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(3)]
-    turns, cold = [], []
-    with open_engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False)) as cold_engine:
-        messages = [system]
-        for user in users:
-            messages.append(("user", user))
-            turns.append(list(messages))
-            cold.append(run(cold_engine, chat(*messages), cache=False, sampling=long))
-            messages.append(("assistant", cold[-1].text))
+    turns, cold = cold_conversation(model, questions(3), sampling=long)
     assert len(cold[1].tokens) > 64  # a reply of several chunks: the prefetch stops inside
     budget = kv_of(model, cold[-1].usage.prompt_tokens) * 5 // 4
     cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
@@ -162,9 +114,8 @@ def test_a_next_turn_that_leaves_the_prefetched_reply_still_restores_the_previou
     prompt (a hybrid's state there came back inside the prefetch's end) and answers as a
     cold run does."""
     model = loaded_test_model(kind, think_template=True)
-    system = ("system", "You are a careful assistant. " * 40)
-    users = [f"Question {i}: " + "tell me about the topic please " * 30 for i in range(5)]
-    turns, messages = [], [system]
+    users = questions(5)
+    turns, messages = [], [SYSTEM]
     with open_engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False)) as cold_engine:
         for user in users[:-1]:
             messages.append(("user", user))
@@ -198,9 +149,8 @@ def test_a_prefetch_the_budget_cannot_hold_stops_before_it_goes_past(monkeypatch
     the budget cannot hold gives way before the chunk that would take the store past its
     budget: the cap holds while it runs."""
     model = loaded_test_model(kind, think_template=True)
-    system = ("system", "You are a careful assistant. " * 40)
-    prompt = chat(system, ("user", "Question: " + "tell me about the topic please " * 60))
-    totals, over = _watched(monkeypatch)
+    prompt = chat(SYSTEM, ("user", "Question: " + "tell me about the topic please " * 60))
+    watch = watch_store(monkeypatch)
     with open_engine(model, TEST_CACHE, EngineConfig(prefetch_next_turn=False)) as sizing:
         rendered = sizing.plan(prompt)
     budget = kv_of(model, len(rendered.tokens)) // 2
@@ -211,5 +161,5 @@ def test_a_prefetch_the_budget_cannot_hold_stops_before_it_goes_past(monkeypatch
         ended = lambda: stats.completed + stats.no_room == 1  # noqa: E731
         assert wait_for(lambda: ended() and not engine.loop.prefill.tasks)
         engine.store.check_integrity()
-    assert totals and not over, over[:5]
+    watch.assert_capped(budget)
     assert stats.no_room == 1 and stats.completed == 0  # it stopped inside its prompt

@@ -73,20 +73,6 @@ def _prompted(monkeypatch) -> None:
     monkeypatch.setattr(lookup.PromptLookup, "_state", spy)
 
 
-@pytest.fixture
-def verified_rows(monkeypatch) -> list[list[int]]:
-    """Each several-row verify step's draft lengths, one per row."""
-    seen: list[list[int]] = []
-    verify_rows = lookup.verify_rows
-
-    def spy(batch, drafts, accept, stats):
-        seen.append([len(d) for d in drafts])
-        return verify_rows(batch, drafts, accept, stats)
-
-    monkeypatch.setattr(lookup, "verify_rows", spy)
-    return seen
-
-
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "sliding"])
 @pytest.mark.parametrize(
     ("deterministic", "temperature"),

@@ -320,20 +320,6 @@ def test_the_flag_its_variable_and_the_body_field(monkeypatch):
         assert fake.submissions[-1].sampling.prompt_lookup == 3
 
 
-@pytest.fixture
-def verified_rows(monkeypatch) -> list[list[int]]:
-    """Each several-row verify step's draft lengths, one per row."""
-    seen: list[list[int]] = []
-    verify_rows = lookup.verify_rows
-
-    def spy(batch, drafts, accept, stats):
-        seen.append([len(d) for d in drafts])
-        return verify_rows(batch, drafts, accept, stats)
-
-    monkeypatch.setattr(lookup, "verify_rows", spy)
-    return seen
-
-
 def _together(engine: Engine, samplings: Sequence[SamplingParams]) -> list[Any]:
     handles = submit_together(engine, [PROMPT] * len(samplings), samplings)
     return [collect(h) for h in handles]
