@@ -36,8 +36,8 @@ from mlx_prefix.engine.cache_views import CacheViews
 from mlx_prefix.engine.calibration import check_draft_config, quantized_kv
 from mlx_prefix.engine.decode.batch import batchable
 from mlx_prefix.engine.decode.constraints import ConstraintFactory
-from mlx_prefix.engine.decode.lookup import PromptLookup, check_lookup_request
-from mlx_prefix.engine.decode.speculative import Speculator, check_request
+from mlx_prefix.engine.decode.lookup import PromptLookup
+from mlx_prefix.engine.decode.speculative import Speculator, check_lookup_request, check_request
 from mlx_prefix.engine.driver import Consensus, LocalTurns, Turns
 from mlx_prefix.engine.forward import head as output_head
 from mlx_prefix.engine.forward.runner import always_trimmable
@@ -215,7 +215,7 @@ class Engine:
         self._check_serving()
         check_sampling(sampling, self.vocab_size)
         check_request(sampling, self.loop.decode.speculator)
-        check_lookup_request(sampling, self.loop.decode.lookup)
+        check_lookup_request(sampling, self.loop.decode.lookup is not None)
         rendered = self.plan(prompt)
         check_images(rendered, sampling)
         if fit_reply:

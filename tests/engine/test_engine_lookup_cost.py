@@ -25,6 +25,7 @@ def test_the_index_drafts_from_the_block_the_copy_is_at():
 
 # The timings' own methods (tests/conftest.py prices every engine's verify at the prior).
 STEPPED, VERIFIED = VerifyCost.stepped, VerifyCost.verified
+TICK, ADAPT = lookup.LookupState.tick, lookup.LookupState.adapt
 
 
 @pytest.fixture
@@ -85,3 +86,60 @@ def test_cheap_verifies_let_a_copy_draft_its_longest(monkeypatch):
         stats = engine.loop.decode.lookup.stats
     same_reply(looked, plain)
     assert stats.accepted > 0 and stats.steps < len(looked.tokens) // 4
+
+
+def test_a_draft_that_stops_paying_pauses_then_drafts_again_once_it_pays(monkeypatch):
+    # Verifies cheap, then (from the third) priced at a whole step a row, then cheap again
+    # after 4 plain steps of a pause: a request whose draft stopped paying pauses and
+    # probes again, where it used to keep its k, draft at every step and never verify.
+    verified: list[int] = []  # each verify's drafted tokens
+    phase = {"expensive": False, "ticks": 0}
+
+    def ratio(self, rows: int, width: int) -> float:
+        return float(width) if phase["expensive"] else 1.0 + 0.01 * width
+
+    def adapt(self, drafted, accepted, limit, cost, rows) -> None:
+        ADAPT(self, drafted, accepted, limit, cost, rows)
+        verified.append(drafted)
+        phase["expensive"] = phase["expensive"] or len(verified) == 3  # k chosen cheap
+
+    def tick(self) -> None:
+        phase["ticks"] += 1
+        phase["expensive"] = phase["expensive"] and phase["ticks"] < 4
+        TICK(self)
+
+    monkeypatch.setattr(VerifyCost, "ratio", ratio)
+    monkeypatch.setattr(lookup.LookupState, "adapt", adapt)
+    monkeypatch.setattr(lookup.LookupState, "tick", tick)
+    with scripted({7: _tokens(FILE)}) as engine:
+        plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+        looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
+    same_reply(looked, plain)
+    assert phase["ticks"] >= 4  # it paused
+    assert len(verified) > 4 and max(verified[3:]) == LOOKUP  # and drafted its longest again
+
+
+def test_a_paused_request_drafts_again_soon_after_its_reply_starts_copying(monkeypatch):
+    # The reply first strays from the file every 5th token (each probe then fails: its
+    # pauses grow to 64 steps), then copies the file whole. The pause ends once the
+    # reply's last MATCH_CAP tokens agree with the file, not 64 steps later.
+    source = _tokens(FILE)
+    stray = _tokens(" Zanzibar")[0]
+    noise = [t for i in range(16) for t in (*source[6 * i + 1 : 6 * i + 5], stray)]
+    at: list[int] = []  # the reply's tokens so far at each verify
+
+    def adapt(self, drafted, accepted, limit, cost, rows) -> None:
+        at.append(len(self.index) - len(prompt_tokens))
+        ADAPT(self, drafted, accepted, limit, cost, rows)
+
+    monkeypatch.setattr(lookup.LookupState, "adapt", adapt)
+    with scripted({7: noise + source}) as engine:
+        prompt_tokens = engine.plan(PROMPT).tokens
+        plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
+        looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
+        stats = engine.loop.decode.lookup.stats
+    same_reply(looked, plain)
+    assert sum(a < len(noise) for a in at) >= 4  # the noise's probes failed, pausing longer
+    copying = [a - len(noise) for a in at if a >= len(noise)]
+    assert copying and copying[0] <= lookup.MATCH_CAP + 4
+    assert stats.accepted >= len(source) * 3 // 4

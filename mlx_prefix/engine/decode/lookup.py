@@ -14,8 +14,10 @@ its last verify, or none yet), it drafts only from a match that agrees with its 
 PROBE_MATCH tokens or more (a chance "of the" in a story costs no verify); hot, any
 match drafts. k starts at 2, then is the length whose verify yields the most tokens per
 step of its measured cost at the request's recent acceptance (or doubles while drafts
-are kept whole); where none pays, the request takes plain steps for a pause that
-doubles each time (8 up to 256 steps), then probes with k = 1. Without a draft the step
+are kept whole and it still pays); where none pays, or its draft no longer pays at the
+cost measured since, the request takes plain steps for a pause that doubles each time
+(8 up to 256 steps), then probes with k = 1, or sooner where its reply's end agrees
+with an earlier occurrence over MATCH_CAP tokens (a copy began). Without a draft the step
 is plain, and while no request may draft (`quiet`) a step may launch before the one
 ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
@@ -34,13 +36,11 @@ from dataclasses import dataclass
 
 from mlx_prefix.engine.decode.batch import DecodeBatch
 from mlx_prefix.engine.decode.running import Running
-from mlx_prefix.engine.decode.speculative import MAX_DRAFT_TOKENS, verify_matches
+from mlx_prefix.engine.decode.speculative import verify_matches
 from mlx_prefix.engine.decode.verify import Accept, SpeculationStats, verify_step
 from mlx_prefix.engine.decode.verify_rows import rows_verifiable, verify_rows
 from mlx_prefix.engine.forward.verify_cost import WORTH, VerifyCost, expected_tokens
-from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.models.load import LoadedModel
-from mlx_prefix.records import SamplingParams
 
 log = logging.getLogger("mlx_prefix.engine")
 
@@ -149,13 +149,14 @@ class LookupState:
     kept: float = PRIOR_KEPT
     cut: float = PRIOR_CUT
     probing: bool = True  # its next verify is a probe (its first, or after a pause)
+    waited: int = 0  # plain steps of its pause so far
 
-    def draft(self, limit: int, room: int) -> list[int]:
+    def draft(self, limit: int, room: int, copy_pays: bool) -> list[int]:
         """This step's draft ([]: a plain step), at most `limit` tokens and `room` (the
         reply's tokens left after this step's own). Cold (nothing kept at its last
         verify, or none yet), only a match that agrees over PROBE_MATCH tokens drafts:
         a chance n-gram in a reply that copies nothing costs no verify."""
-        if self.pause:
+        if self.pause and not self.resumed(copy_pays):
             self.tick()
             return []
         k = min(self.k, limit, room)
@@ -168,9 +169,20 @@ class LookupState:
 
     def tick(self) -> None:
         """A plain step of a paused request: the last one before its probe sets k = 1."""
-        self.pause -= 1
+        self.pause, self.waited = self.pause - 1, self.waited + 1
         self.k = 0 if self.pause else 1
         self.probing = not self.pause
+
+    def resumed(self, copy_pays: bool) -> bool:
+        """Whether it is not paused, or its pause ends now: its reply's end agrees with
+        an earlier occurrence over MATCH_CAP tokens (a copy began: a long pause would
+        decode it plainly), PAUSE_FIRST steps or more into the pause, where a copy's
+        drafts would pay (`copy_pays`: a draft kept whole pays at the measured cost)."""
+        if not (self.pause and copy_pays and self.waited >= PAUSE_FIRST):
+            return not self.pause
+        if self.index.agreement() >= MATCH_CAP:
+            self.pause, self.k, self.probing = 0, START_K, True
+        return not self.pause
 
     @property
     def acceptance(self) -> float:
@@ -184,12 +196,27 @@ class LookupState:
         self.kept = FORGET * self.kept + accepted
         self.cut = FORGET * self.cut + (accepted < drafted)
         self.k, _ = cost.best_draft(self.acceptance, limit, rows)
-        if self.k and accepted == drafted:  # the estimate lags a run of whole drafts kept
-            self.k = max(self.k, min(limit, 2 * drafted))
+        if self.k and accepted == drafted:  # the estimate lags a run of whole drafts kept:
+            most = min(limit, 2 * drafted)  # twice as long, as far as it still pays
+            self.k = max(self.k, cost.longest_paying(self.acceptance, most, rows))
         if self.k:
             self.backoff = PAUSE_FIRST
         else:
-            self.pause, self.backoff = self.backoff, min(PAUSE_MAX, 2 * self.backoff)
+            self._pause()
+
+    def decline(self, drafted: int, limit: int, cost: VerifyCost, rows: int) -> None:
+        """Its draft of `drafted` tokens was not verified: it does not pay at the cost
+        measured since k was chosen. k becomes a shorter draft that pays, or 0 (a pause):
+        a request whose drafts never pay would otherwise draft at every step, never
+        verify, and never be measured again."""
+        self.k = min(drafted - 1, cost.best_draft(self.acceptance, limit, rows)[0])
+        if not self.k:
+            self._pause()
+
+    def _pause(self) -> None:
+        """Plain steps for its backoff, twice as many next time in a row."""
+        self.pause, self.waited = self.backoff, 0
+        self.backoff = min(PAUSE_MAX, 2 * self.backoff)
 
 
 class PromptLookup:
@@ -237,8 +264,13 @@ class PromptLookup:
         members = batch.members
         if not any(self.limit(r) > 0 for r in members) or not self.check(model, rows):
             return False
-        drafts = [self._draft(r) for r in members]
-        if not any(drafts) or not self._pays(members, drafts):
+        drafts = [self._draft(r, len(members)) for r in members]
+        if not any(drafts):
+            return False
+        if not self._pays(members, drafts):
+            for running, drafted in zip(members, drafts, strict=True):
+                if drafted and (state := self._states.get(id(running))) is not None:
+                    state.decline(len(drafted), self.limit(running), self.cost, len(members))
             return False
         rows_now, width = len(members), max(len(d) for d in drafts) + 1
         if len(members) == 1:
@@ -293,7 +325,7 @@ class PromptLookup:
             if limit <= 0:
                 continue
             state = self._state(running, limit)
-            if state.pause:
+            if not state.resumed(self._copy_pays(limit, len(members))):
                 continue
             if state.hot or state.index.agreement() >= PROBE_MATCH - 1:
                 return False
@@ -306,13 +338,18 @@ class PromptLookup:
             if state is not None and state.pause:
                 state.tick()
 
-    def _draft(self, running: Running) -> list[int]:
+    def _draft(self, running: Running, rows: int) -> list[int]:
         """The request's draft for this step ([]: none, it decodes one position)."""
         limit = self.limit(running)
         if limit <= 0:
             return []
         state = self._state(running, limit)
-        return state.draft(limit, running.limit - running.count - 1)
+        room = running.limit - running.count - 1
+        return state.draft(limit, room, self._copy_pays(limit, rows))
+
+    def _copy_pays(self, limit: int, rows: int) -> bool:
+        """Whether a draft kept whole pays at the cost measured for `rows` requests."""
+        return self.cost.longest_paying(1.0, limit, rows) > 0
 
     def _state(self, running: Running, limit: int) -> LookupState:
         """The request's state, its index caught up with the tokens read so far."""
@@ -330,21 +367,3 @@ class PromptLookup:
 
     def clear(self) -> None:
         self._states.clear()
-
-
-def check_lookup_request(sampling: SamplingParams, lookup: PromptLookup | None) -> None:
-    """A request's prompt_lookup: refused out of bounds, or where this engine has no
-    lookup at all (a --draft-model drafts instead, or a sharded model)."""
-    k = sampling.prompt_lookup
-    if k is None:
-        return
-    if not 0 <= k <= MAX_DRAFT_TOKENS:
-        raise InvalidRequest(
-            f"prompt_lookup must be between 0 and {MAX_DRAFT_TOKENS}", param="prompt_lookup"
-        )
-    if lookup is None and k:
-        raise InvalidRequest(
-            "prompt_lookup is not available on this server (its --draft-model drafts, or "
-            "the model is sharded over ranks)",
-            param="prompt_lookup",
-        )

@@ -84,6 +84,24 @@ def check_request(sampling: SamplingParams, speculator: Speculator | None) -> No
         )
 
 
+def check_lookup_request(sampling: SamplingParams, has_lookup: bool) -> None:
+    """A request's prompt_lookup: refused out of bounds, or where this engine has no
+    prompt lookup at all (a --draft-model drafts instead, or a sharded model)."""
+    k = sampling.prompt_lookup
+    if k is None:
+        return
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidRequest(
+            f"prompt_lookup must be between 0 and {MAX_DRAFT_TOKENS}", param="prompt_lookup"
+        )
+    if not has_lookup and k:
+        raise InvalidRequest(
+            "prompt_lookup is not available on this server (its --draft-model drafts, or "
+            "the model is sharded over ranks)",
+            param="prompt_lookup",
+        )
+
+
 def verify_matches(model: nn.Module, rows: int, vocab: int, k: int = 3) -> bool:
     """Startup check (engine thread): a verify forward of k+1 tokens gives the tokens and
     logprobs of k+1 plain decode steps on a synthetic prompt, bit for bit. A model whose

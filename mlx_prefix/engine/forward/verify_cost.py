@@ -7,7 +7,8 @@ batch) the k extra rows are nearly free; on a CPU each row's attention over a lo
 context and its share of the projections cost time of their own (SmolLM2 on a 2-core
 CPU at 1,700 tokens of context: 9 rows about 2-3.5 steps, at 300 tokens 1.2-1.8). So
 the ratio is measured here, never assumed: the seconds of plain steps and of verifies,
-by the batch's request count, as moving averages (the context grows as a reply does),
+by the batch's request count, as medians of the latest few (the context grows as a reply
+does; on a shared machine one timing in several is far off, and a mean would follow it),
 priced per position past the first (PRIOR_ROW_COST steps before any verify is timed).
 
 A draft whose tokens are each kept with probability `a` (given the ones before it kept:
@@ -17,10 +18,12 @@ that yield per step of cost beats a plain step's one token. Engine thread only.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 PRIOR_ROW_COST = 0.25  # steps per drafted row, until a verify of the batch's size is timed
-AVERAGING = 0.3  # a new timing's weight in its moving average
+RECENT = 9  # the latest timings a cost is the median of
 # A draft pays when its verify yields this much more per step than a plain step's one
 # token: timings are noisy, and on a GPU a plain step may launch before the one ahead is
 # read while a verify's tokens are read before the next step.
@@ -35,29 +38,41 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 @dataclass(slots=True)
 class VerifyCost:
-    """Moving averages, by the batch's rows: a plain step's seconds, and a verify's cost
-    per position past the first, in plain steps (the line through one row at one step).
+    """Medians of the latest timings, by the batch's rows: a plain step's seconds, and a
+    verify's cost per position past the first, in plain steps (the line through one row
+    at one step).
     One slope for every width, so that any verify updates what every width is priced
     at: a width priced high once (a first, cold forward) would never run again to be
     measured anew."""
 
-    _step: dict[int, float] = field(default_factory=dict)
+    _steps: dict[int, deque[float]] = field(default_factory=dict)
+    _slopes: dict[int, deque[float]] = field(default_factory=dict)
+    _step: dict[int, float] = field(default_factory=dict)  # the medians, kept current
     _slope: dict[int, float] = field(default_factory=dict)
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A plain step of `rows` requests took `seconds` (computed and read)."""
-        _average(self._step, rows, seconds)
+        _record(self._steps, self._step, rows, seconds)
 
     def verified(self, rows: int, width: int, seconds: float) -> None:
         """A verify of `rows` requests, `width` positions each at most, took `seconds`
         (computed, drawn and handed on, as a plain step's tokens are)."""
         step = self._step.get(rows)
         if step and width > 1:
-            _average(self._slope, rows, max(0.0, seconds / step - 1.0) / (width - 1))
+            slope = max(0.0, seconds / step - 1.0) / (width - 1)
+            _record(self._slopes, self._slope, rows, slope)
 
     def ratio(self, rows: int, width: int) -> float:
         """A verify's cost in plain steps of the same batch."""
         return 1.0 + self._slope.get(rows, PRIOR_ROW_COST) * (width - 1)
+
+    def longest_paying(self, acceptance: float, most: int, rows: int = 1) -> int:
+        """The longest draft (up to `most`) whose verify yields over WORTH tokens per step
+        of its cost; 0: none does."""
+        for k in range(most, 0, -1):
+            if expected_tokens(acceptance, k) / self.ratio(rows, k + 1) > WORTH:
+                return k
+        return 0
 
     def best_draft(self, acceptance: float, most: int, rows: int = 1) -> tuple[int, float]:
         """The draft length (0 to `most`) whose verify yields the most tokens per step
@@ -71,6 +86,9 @@ class VerifyCost:
         return best, value
 
 
-def _average(table: dict, key: object, seconds: float) -> None:
-    old = table.get(key)
-    table[key] = seconds if old is None else old + AVERAGING * (seconds - old)
+def _record(
+    recent: dict[int, deque[float]], medians: dict[int, float], rows: int, value: float
+) -> None:
+    latest = recent.setdefault(rows, deque(maxlen=RECENT))
+    latest.append(value)
+    medians[rows] = statistics.median(latest)
