@@ -17,13 +17,13 @@ from mlx_prefix.embeddings.model import load_embedding_model
 from mlx_prefix.embeddings.testing import make_embedding_test_model
 from mlx_prefix.engine.decode import lookup
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.forward.verify_cost import VerifyCost
+from mlx_prefix.engine.lookup.cost import VerifyCost
 
 
 @pytest.fixture(autouse=True)
 def untimed_verify_cost(monkeypatch):
     """Prompt lookup prices a verify by the engine's own timings (engine/forward/
-    verify_cost.py); on a loaded CPU those would decide which drafts a test sees, so
+    cost.py); on a loaded CPU those would decide which drafts a test sees, so
     tests price every verify at the prior (tests/engine/test_engine_lookup_cost.py
     measures with its own timings)."""
     monkeypatch.setattr(VerifyCost, "stepped", lambda self, rows, seconds: None)

@@ -1,4 +1,4 @@
-"""Prompt lookup's drafts weighed against what a verify costs (engine/forward/verify_cost.py,
+"""Prompt lookup's drafts weighed against what a verify costs (engine/lookup/cost.py,
 engine/decode/lookup.py): the index drafts from the block a copy is at, k is the length
 whose verify pays most at the request's acceptance and the measured cost, and where no
 draft pays the request takes plain steps; the reply is plain decoding's throughout."""
@@ -9,15 +9,16 @@ import pytest
 from support.engine_helpers import run, same_reply
 from test_engine_prompt_lookup import FILE, LOOKUP, PLAIN, PROMPT, _sampling, _tokens, scripted
 
-from mlx_prefix.engine.decode import lookup
-from mlx_prefix.engine.forward.verify_cost import VerifyCost, expected_tokens
+from mlx_prefix.engine.lookup.cost import VerifyCost, expected_tokens
+from mlx_prefix.engine.lookup.draft_length import LookupState
+from mlx_prefix.engine.lookup.ngram import MATCH_CAP, NgramIndex
 
 
 def test_the_index_drafts_from_the_block_the_copy_is_at():
     # Look-alike blocks "7 B 8 i 9": a copy at block 3's "7 B 8 3 9 7 B 8" goes on with
     # block 4's number; the latest "9 7 B 8" is followed by the last block's.
     blocks = [t for i in range(1, 8) for t in (7, 100, 8, 200 + i, 9)]
-    index = lookup.NgramIndex()
+    index = NgramIndex()
     index.extend([*blocks, 7, 100, 8, 203, 9, 7, 100, 8])
     assert index.propose(3) == [204, 9, 7]
     assert index.matched == 9  # back to block 2's last token, as far as the copy's
@@ -25,7 +26,7 @@ def test_the_index_drafts_from_the_block_the_copy_is_at():
 
 # The timings' own methods (tests/conftest.py prices every engine's verify at the prior).
 STEPPED, VERIFIED = VerifyCost.stepped, VerifyCost.verified
-TICK, ADAPT = lookup.LookupState.tick, lookup.LookupState.adapt
+TICK, ADAPT = LookupState.tick, LookupState.adapt
 
 
 @pytest.fixture
@@ -109,8 +110,8 @@ def test_a_draft_that_stops_paying_pauses_then_drafts_again_once_it_pays(monkeyp
         TICK(self)
 
     monkeypatch.setattr(VerifyCost, "ratio", ratio)
-    monkeypatch.setattr(lookup.LookupState, "adapt", adapt)
-    monkeypatch.setattr(lookup.LookupState, "tick", tick)
+    monkeypatch.setattr(LookupState, "adapt", adapt)
+    monkeypatch.setattr(LookupState, "tick", tick)
     with scripted({7: _tokens(FILE)}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
@@ -132,7 +133,7 @@ def test_a_paused_request_drafts_again_soon_after_its_reply_starts_copying(monke
         at.append(len(self.index) - len(prompt_tokens))
         ADAPT(self, drafted, accepted, limit, cost, rows)
 
-    monkeypatch.setattr(lookup.LookupState, "adapt", adapt)
+    monkeypatch.setattr(LookupState, "adapt", adapt)
     with scripted({7: noise + source}) as engine:
         prompt_tokens = engine.plan(PROMPT).tokens
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
@@ -141,5 +142,5 @@ def test_a_paused_request_drafts_again_soon_after_its_reply_starts_copying(monke
     same_reply(looked, plain)
     assert sum(a < len(noise) for a in at) >= 4  # the noise's probes failed, pausing longer
     copying = [a - len(noise) for a in at if a >= len(noise)]
-    assert copying and copying[0] <= lookup.MATCH_CAP + 4
+    assert copying and copying[0] <= MATCH_CAP + 4
     assert stats.accepted >= len(source) * 3 // 4

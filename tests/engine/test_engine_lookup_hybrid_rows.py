@@ -19,6 +19,7 @@ from support.models import TEST_CACHE, loaded_test_model
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.decode import lookup
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.lookup import ngram
 from mlx_prefix.records import SamplingParams
 
 PROMPTS = [
@@ -52,7 +53,7 @@ def _oracle(requests: dict[int, tuple[list[int], int | None]], vocab: int):
     prompt's length, `_prompted`), wrong from draft index `cut` on (None: all right)."""
 
     def propose(self, k: int) -> list[int]:
-        self.matched = lookup.MATCH_CAP  # a copy's match: a cold request drafts from it
+        self.matched = ngram.MATCH_CAP  # a copy's match: a cold request drafts from it
         reply, cut = requests[self.prompt_length]
         at = len(self.tokens) - self.prompt_length
         right = [*reply[at : at + k], *[0] * k][:k]

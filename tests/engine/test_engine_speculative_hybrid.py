@@ -20,6 +20,7 @@ from support.models import TEST_CACHE, loaded_test_model
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.decode import lookup
 from mlx_prefix.engine.engine import Engine
+from mlx_prefix.engine.lookup import ngram
 from mlx_prefix.models.layer_skip import make_layer_skip_draft
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import SLIDING_WINDOW, cached_test_model, make_test_model
@@ -48,7 +49,7 @@ def _oracle(reply: list[int], prompt_tokens: int, vocab: int, cut: int | None):
     prompt and the reply so far), wrong from draft index `cut` on (None: all right)."""
 
     def propose(self, k: int) -> list[int]:
-        self.matched = lookup.MATCH_CAP  # a copy's match: a cold request drafts from it
+        self.matched = ngram.MATCH_CAP  # a copy's match: a cold request drafts from it
         at = len(self.tokens) - prompt_tokens
         right = [*reply[at : at + k], *[0] * k][:k]
         return [t if cut is None or i < cut else (t + 1) % vocab for i, t in enumerate(right)]
