@@ -140,7 +140,7 @@ def test_a_cancelled_hybrid_turn_resumes_at_a_budget_of_125_of_its_kv(monkeypatc
 
 def _passage(i: int) -> PromptInput:
     """A long system passage (one of several alike, none a prefix of another) and a
-    question: a prompt whose last checkpoint before its end is the system prompt's."""
+    question: a prompt with checkpoints inside it, the last a few tokens before its end."""
     lines = " ".join(
         f"Passage {i} line {j}: the {('plum', 'fig', 'pear')[j % 3]} keeper said {j % 7} words."
         for j in range(60)
@@ -195,4 +195,41 @@ def test_a_cancelled_hybrid_prefill_running_on_stops_where_a_copied_state_does_n
     assert max(stored) == last and stored[last] is CheckpointKind.CANCELLED, stored
     assert warm.usage.cached_tokens == last
     assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
+    watch.assert_capped(budget)
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen3_5"])
+def test_a_next_turn_keeps_its_entry_at_a_budget_that_holds_its_copy_beside_it(monkeypatch, kind):
+    """The budget is the peak a conversation's two turns reach with nothing handed over
+    (measured at a loose budget: the entry, the next turn's live copy of it as its
+    buffers grow on the step grid, its end's piece), plus a chunk's KV. At that budget
+    the next turn restores its previous turn beside the entry, not in its place: the
+    entry stays for another branch, the reply equals a cold run's, and the cap holds at
+    every store call. Reserving a whole step of KV past the prompt for the live copy
+    handed the entry over (and freed it) for room the copy never takes."""
+    model = loaded_test_model(kind, think_template=kind != "dense")
+    system = ("system", "You are a careful assistant. " * 40)
+    first = [system, ("user", "Question 0: " + "tell me about the topic please " * 30)]
+    second = [*first, ("assistant", "Answer 0: it is like this."), ("user", "Why? " * 20)]
+    config = EngineConfig(prefetch_next_turn=False)
+    with open_engine(model, TEST_CACHE, config) as cold_engine:
+        cold = run(cold_engine, chat(*second), cache=False, sampling=EXACT)
+    watch = watch_store(monkeypatch)
+    loose = CacheConfig(budget_bytes=1 << 30, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, loose, config) as engine:
+        for messages in (first, second):
+            run(engine, chat(*messages), sampling=EXACT)
+        assert engine.views.cache_stats()["handed_over"] == 0
+    chunk = kv_of(model, 64) - kv_of(model, 32)  # a chunk of KV (the other layers cancel)
+    budget = max(watch.totals) + chunk
+    watch.totals.clear()
+    cache = CacheConfig(budget_bytes=budget, prefill_chunk=32, checkpoint_interval=64)
+    with open_engine(model, cache, config) as engine:
+        before = run(engine, chat(*first), sampling=EXACT).usage.prompt_tokens
+        warm = run(engine, chat(*second), sampling=EXACT)
+        handed = engine.views.cache_stats()["handed_over"]
+        stored = {len(e.tokens) for e in engine.store.sequences(engine.model_key)}
+    assert warm.usage.cached_tokens == before  # its previous turn, whole
+    assert (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
+    assert handed == 0 and before in stored, (handed, sorted(stored))
     watch.assert_capped(budget)
