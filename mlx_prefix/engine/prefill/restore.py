@@ -91,11 +91,14 @@ def restore_longest(
 
             def need(payload: object) -> int | None:
                 """What the request holds besides the entry, sharing it: a live copy of
-                the whole prompt (grown a step at a time) and its end's piece; a hybrid
-                one's other layers twice (live, and captured at its end)."""
+                the whole prompt, its buffers as they grow on the step grid (`_kv_room`,
+                what `handover.kv_growth` bounds on a live cache: not a whole step more),
+                and its end's piece; a hybrid one's other layers twice (live, and
+                captured at its end)."""
                 if (size := _size(payload)) is None:
                     return None
-                needed.append(size.of(len(tokens) + KVCache.step + computed))
+                at_end = size.at_end(grid, tokens, match.reuse_tokens)
+                needed.append(at_end + size.piece(computed))
                 return needed[-1]
 
             def keeps(payload: object) -> int:
@@ -141,25 +144,33 @@ def restore_longest(
 
 @dataclass(frozen=True, slots=True)
 class _Size:
-    per_token: float  # KV bytes per position, as the entry holds them (its pieces whole)
     exact: float  # KV bytes per position of the cache itself
     state: int  # a hybrid's other layers
 
-    def of(self, positions: int) -> int:
-        """A live cache of `positions` KV positions, its other layers twice (live, and
-        captured at its end), at the entry's rate (an upper bound)."""
-        return int(self.per_token * positions) + 2 * self.state
+    def piece(self, positions: int) -> int:
+        """A checkpoint's piece of `positions` KV positions (a copy of exactly those)."""
+        return int(self.exact * positions)
 
     def at_end(self, grid: ChunkGrid, tokens: Sequence[int], reuse: int) -> int:
-        """The cache restored at `reuse` (room for its first chunk) and grown by mlx-lm's
-        steps through the grid's chunks to the end of `tokens`, its other layers twice."""
-        ends = grid.chunk_ends(tokens, reuse)
-        room = position = ends[0]
-        for end in ends[1:]:
-            if end > room:  # KVCache.update_and_fetch: whole steps past what it holds
-                room = position + -(-(end - position) // KVCache.step) * KVCache.step
-            position = end
-        return int(self.exact * room) + 2 * self.state
+        """The cache restored at `reuse` (room for its first chunk, up to the next whole
+        step: layers/kv.py `room`) and grown by mlx-lm's steps through the grid's chunks
+        to the end of `tokens`, its other layers twice."""
+        return self.piece(_kv_room(grid, tokens, reuse)) + 2 * self.state
+
+
+def _kv_room(grid: ChunkGrid, tokens: Sequence[int], reuse: int, step: int = KVCache.step) -> int:
+    """Positions a KV layer restored at `reuse` holds once its prefill has appended the
+    grid's chunks to the end of `tokens`: its restored room ends on the step grid past the
+    first chunk (layers/kv.py `room`); an append past the buffer grows it by whole steps
+    from its offset (mlx-lm's `KVCache.update_and_fetch`)."""
+    ends = grid.chunk_ends(tokens, reuse)
+    room = -(-ends[0] // step) * step
+    position = ends[0]
+    for end in ends[1:]:
+        if end > room:
+            room = position + -(-(end - position) // step) * step
+        position = end
+    return room
 
 
 def _size(payload: object) -> _Size | None:
@@ -170,4 +181,4 @@ def _size(payload: object) -> _Size | None:
     kv = payload.chain.nbytes
     piece = payload.chain.pieces[0]
     exact = sum(a.nbytes for p in piece.parts for a in p) / (piece.end - piece.start)
-    return _Size(kv / payload.length, exact, payload.nbytes - kv)
+    return _Size(exact, payload.nbytes - kv)
