@@ -136,12 +136,14 @@ def make_test_model(
     context: int | None = None,
     head_dim: int | None = None,
     tokenizer: Path | None = None,
+    config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a loadable model folder of `kind` into `dest` (created if missing); return it.
+    `config`: another mlx-lm config to build instead, `kind` naming it.
 
     The same `kind` and `seed` always give the same weights (whatever the context).
     """
-    if kind not in _CONFIGS:
+    if kind not in _CONFIGS and config is None:
         raise ValueError(f"unknown test model kind {kind!r}; choose from {TEST_MODEL_KINDS}")
     if tokenizer is not None and think_template:
         raise ValueError("think_template rewrites the default tokenizer; a real one has its own")
@@ -155,7 +157,7 @@ def make_test_model(
     else:
         vocab_size, bos, eos = copy_tokenizer(Path(tokenizer), dest)
 
-    config = json.loads(json.dumps(_CONFIGS[kind]))  # deep copy
+    config = json.loads(json.dumps(config or _CONFIGS[kind]))  # deep copy
     config.update({"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32"})
     for cfg in (config, config.get("text_config", {})):
         if "vocab_size" in cfg:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from support.engine_helpers import chat, collect, run, same_reply, submit_together
 from support.models import TEST_CACHE, loaded_test_model
+from support.recurrent_models import RECURRENT_CONFIGS, loaded_recurrent_model
 
 from mlx_prefix.config import EngineConfig
 from mlx_prefix.engine.decode import lookup
@@ -74,7 +75,11 @@ def _prompted(monkeypatch) -> None:
     monkeypatch.setattr(lookup.PromptLookup, "_state", spy)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "sliding"])
+def _model(kind: str):
+    return loaded_recurrent_model(kind) if kind in RECURRENT_CONFIGS else loaded_test_model(kind)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "sliding", *RECURRENT_CONFIGS])
 @pytest.mark.parametrize(
     ("deterministic", "temperature"),
     # By default a row's numbers are batching's (last bits): a seeded draw from the
@@ -85,7 +90,7 @@ def _prompted(monkeypatch) -> None:
 def test_hybrid_requests_verify_their_own_drafts_together_and_reply_as_alone(
     kind, deterministic, temperature, verified_rows, monkeypatch
 ):
-    model = loaded_test_model(kind)
+    model = _model(kind)
     samplings = _samplings(temperature)
     with _engine(model, deterministic=deterministic) as engine:
         plain = [run(engine, p, sampling=s) for p, s in zip(PROMPTS, samplings, strict=True)]

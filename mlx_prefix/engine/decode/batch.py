@@ -36,8 +36,10 @@ def batchable(cache: list) -> bool:
 
 
 def _tokens_in(cache: list) -> int:
-    """Tokens a sequence's cache holds (a sliding window's total, not its window)."""
-    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+    """Tokens a sequence's cache holds (a sliding window's total, not its window); a
+    CacheList's (falcon_h1: Mamba-2 beside attention in one layer) by its members."""
+    layers = [m for c in cache for m in getattr(c, "caches", (c,))]
+    offsets = [c.offset for c in layers if isinstance(getattr(c, "offset", None), int)]
     return max(offsets, default=0)
 
 

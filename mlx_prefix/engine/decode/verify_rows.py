@@ -47,7 +47,12 @@ _installed: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary(
 # mlx-lm model modules whose recurrent layers stop each row's state at ArraysCache's
 # `lengths` (a masked scan, the convolution's window taken at the row's end).
 RECURRENT_MASKED = frozenset(
-    f"mlx_lm.models.{name}" for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h")
+    f"mlx_lm.models.{name}"
+    for name in (
+        *("qwen3_5", "qwen3_5_moe", "qwen3_next"),  # GatedDeltaNet
+        *("nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid"),  # Mamba-2 (stepwise.py)
+        *("lfm2", "lfm2_moe"),  # short convolutions
+    )
 )
 
 

@@ -52,9 +52,16 @@ def _stepwise_ssm(base, in_verify: Callable[[], bool]):
         given.apply_defaults()
         a = given.arguments  # hidden_states [B, L, H, D], B, C [B, L, G, N], dt [B, L, H]
         steps = a["hidden_states"].shape[1]
-        if steps == 1 or a["state"] is None or a["lengths"] is not None:
-            return base(*args, **kwargs)  # `lengths`: a padded batch, not a lone verify
+        if steps == 1 or a["state"] is None:
+            return base(*args, **kwargs)
         ys, state, mask = [], a["state"], a["mask"]
+        lengths, a["lengths"] = a["lengths"], None
+        if lengths is not None and mask is None:
+            mask = mx.arange(steps) < lengths[:, None]
+        # Rows padded to the longest (mamba2, falcon_h1, granitemoehybrid pass `lengths`
+        # beside the mask that holds them): a masked position leaves the state as it
+        # was (its decay exp(0) = 1, its input's weight 0), so stepping with the mask
+        # alone stops each row's state at its own length.
         for t in range(steps):
             one = {k: a[k][:, t : t + 1] for k in ("hidden_states", "B", "C", "dt")}
             one["mask"] = None if mask is None else mask[..., t : t + 1]
