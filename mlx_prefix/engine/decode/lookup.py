@@ -21,10 +21,10 @@ with an earlier occurrence over MATCH_CAP tokens (a copy began). Without a draft
 is plain, and while no request may draft (`quiet`) a step may launch before the one
 ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
-Recurrent and sliding-window models draft too (a rejected draft is taken back from
-their state: cache/layers/rewind.py), together as well for Qwen3.5, Qwen3-Next and
-Nemotron-H (verify_rows.py); other recurrent models take plain steps while several
-decode, as quantized KV always does. Engine thread only.
+Recurrent and sliding-window models draft too (a rejected draft is taken back from their
+state: cache/layers/rewind.py), together as well where verify_rows.py keeps a row's pads
+out of its state (RECURRENT_MASKED: the Qwen3.5, Mamba-1/-2, LFM2 families); others (RWKV-7,
+RecurrentGemma) take plain steps while several decode, as quantized KV does. Engine thread only.
 """
 
 from __future__ import annotations

@@ -45,13 +45,15 @@ Held = HeldRows | None  # a verify's recurrent layers (None: its cache trims bac
 _installed: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 # mlx-lm model modules whose recurrent layers stop each row's state at ArraysCache's
-# `lengths` (a masked scan, the convolution's window taken at the row's end).
+# `lengths` (a masked scan, the convolution's window taken at the row's end; Mamba-2's
+# scan and Mamba-1's mixer stepped position by position, engine/forward/stepwise.py).
 RECURRENT_MASKED = frozenset(
     f"mlx_lm.models.{name}"
     for name in (
         *("qwen3_5", "qwen3_5_moe", "qwen3_next"),  # GatedDeltaNet
-        *("nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid"),  # Mamba-2 (stepwise.py)
+        *("nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "plamo2"),  # Mamba-2
         *("lfm2", "lfm2_moe"),  # short convolutions
+        *("mamba", "jamba"),  # Mamba-1
     )
 )
 

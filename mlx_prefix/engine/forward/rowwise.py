@@ -109,6 +109,10 @@ def _split(base, x: mx.array, layer: nn.Module) -> mx.array:
     each row like `base` of that row alone: at most the step's `rows` and the layer's
     own measured group (`Grouping`); a stacked prefill sequence's rows stay together."""
     mode = _current()
+    if mode is not None and mode.lengths is not None and x.ndim == 2 and x.shape[0] > 1:
+        # A decode step's rows as [B, D] (Mamba-1's scan projects a position so):
+        # decode rows, each computed like alone.
+        return _split(base, x[:, None], layer)[:, 0]
     grouping = _grouping(layer)
 
     def project(group: mx.array) -> mx.array:

@@ -73,11 +73,48 @@ def _stepwise_ssm(base, in_verify: Callable[[], bool]):
     return ssm_update
 
 
+# mlx-lm mixers that take no mask (Mamba-1's selective scan: mamba, jamba): a padded
+# row's pads would run into their conv and SSM state.
+_UNMASKED = {"mlx_lm.models.mamba": "MambaBlock", "mlx_lm.models.jamba": "JambaMambaMixer"}
+_mixers: dict[type, type] = {}
+
+
+def _stepwise_mixer(cls: type) -> type:
+    """`cls` whose call on rows padded to the longest (`positionwise`, ArraysCache's
+    `lengths` set) is one decode step of the mixer per position, each row's conv and
+    SSM state kept as it was (selected, not computed) at the positions past its length."""
+    if cls not in _mixers:
+        base = cls.__call__
+
+        def __call__(self: Any, x: mx.array, cache: Any = None) -> mx.array:
+            # Stepped at one position too: a row of length 0 (settled already) keeps its state.
+            lengths = getattr(cache, "lengths", None)
+            if lengths is None or not getattr(_forced, "on", False):
+                return base(self, x, cache)
+            ys = []
+            for t in range(x.shape[1]):
+                before = list(cache.cache)
+                ys.append(base(self, x[:, t : t + 1], cache))
+                live = lengths > t
+                for i, (old, new) in enumerate(zip(before, cache.cache, strict=True)):
+                    if new is not None:
+                        old = mx.zeros_like(new) if old is None else old  # a fresh state's
+                        cache[i] = mx.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+            return mx.concatenate(ys, axis=1)
+
+        _mixers[cls] = type(f"Stepwise{cls.__name__}", (cls,), {"__call__": __call__})
+    return _mixers[cls]
+
+
 def install(model: nn.Module, in_verify: Callable[[], bool]) -> None:
-    """Make the model's Mamba-2 scans step through a verify position by position
-    (idempotent; every mlx-lm module its layers come from that calls `ssm_update`);
-    `in_verify`: whether the forward being built is a verify (rowwise.py says)."""
+    """Make the model's Mamba-2 scans step through a verify position by position, and
+    its Mamba-1 mixers through a padded one (idempotent; every mlx-lm module its layers
+    come from that calls `ssm_update`); `in_verify`: whether the forward being built is
+    a verify (rowwise.py says)."""
     for _, module in model.named_modules():
+        cls = type(module)
+        if _UNMASKED.get(cls.__module__) == cls.__name__:
+            module.__class__ = _stepwise_mixer(cls)
         source: Any = sys.modules.get(type(module).__module__)
         ssm = getattr(source, "ssm_update", None)
         if ssm is not None and not getattr(ssm, _PATCHED, False):
