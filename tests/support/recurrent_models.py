@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from mlx_prefix.models.load import load_model
 from mlx_prefix.models.testing import make_test_model
 
@@ -138,6 +140,21 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
         "mamba_step": 2,
         "rms_norm_eps": 1e-6,
     },
+    "recurrent_gemma": {  # recurrent, recurrent, local attention
+        "model_type": "recurrent_gemma",
+        **_SMALL,
+        **_ATTENTION,
+        "num_key_value_heads": 1,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "attention_bias": False,
+        "conv1d_width": 4,
+        "logits_soft_cap": 30.0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attention_window_size": 32,  # wrapped by the test prompts
+        "block_types": ["recurrent", "recurrent", "attention"],
+    },
     "jamba": {  # Mamba, attention, Mamba, attention (dense MLP)
         "model_type": "jamba",
         **_SMALL,
@@ -158,8 +175,23 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Kinds whose recurrent layers mlx-lm initialises to zeros (Griffin's Conv1d and RG-LRU
+# gates): random instead, or their state would never reach an output.
+_ZERO_INIT = {"recurrent_gemma"}
+
 _root: Path | None = None
 _loaded: dict[str, Any] = {}
+
+
+def _randomize_zeros(folder: Path) -> None:
+    path = str(folder / "model.safetensors")
+    weights = mx.load(path)
+    key = mx.random.key(1)
+    for name, w in weights.items():
+        if not mx.any(w).item():
+            key, draw = mx.random.split(key)
+            weights[name] = 0.3 * mx.random.normal(w.shape, dtype=w.dtype, key=draw)
+    mx.save_safetensors(path, weights, metadata={"format": "mlx"})
 
 
 def loaded_recurrent_model(kind: str):
@@ -170,5 +202,7 @@ def loaded_recurrent_model(kind: str):
             _root = Path(tempfile.mkdtemp(prefix="mlx-prefix-recurrent-models-"))
             atexit.register(shutil.rmtree, _root, ignore_errors=True)
         folder = make_test_model(kind, _root / kind, config=RECURRENT_CONFIGS[kind])
+        if kind in _ZERO_INIT:
+            _randomize_zeros(folder)
         _loaded[kind] = load_model(str(folder))
     return _loaded[kind]

@@ -53,7 +53,7 @@ RECURRENT_MASKED = frozenset(
         *("qwen3_5", "qwen3_5_moe", "qwen3_next"),  # GatedDeltaNet
         *("nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "plamo2"),  # Mamba-2
         *("lfm2", "lfm2_moe"),  # short convolutions
-        *("mamba", "jamba"),  # Mamba-1
+        *("mamba", "jamba", "recurrent_gemma"),  # Mamba-1, RG-LRU: stepped whole
     )
 )
 

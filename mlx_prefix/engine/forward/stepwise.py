@@ -9,7 +9,11 @@ positions differed from 4 decode steps; of 2, not). Inside a verify forward
 (rowwise.py's `batched(..., verify=True)`) the scan runs position by position, each
 call the one a decode step makes, so the state after each position, and each row's
 output, are plain decoding's. The projections around it stay one call of all rows.
-Outside a verify, and for a prefill, nothing changes.
+Mamba-1's mixers (mamba, jamba) and Griffin's RG-LRU block (recurrent_gemma) take no
+mask (and recurrent_gemma's several-position form rounds otherwise too): inside a verify,
+or a padded one of several rows, the whole mixer runs one decode step per position, and
+a row's state past its length is selected back. Outside a verify, and for a prefill,
+nothing changes.
 """
 
 from __future__ import annotations
@@ -73,28 +77,36 @@ def _stepwise_ssm(base, in_verify: Callable[[], bool]):
     return ssm_update
 
 
-# mlx-lm mixers that take no mask (Mamba-1's selective scan: mamba, jamba): a padded
-# row's pads would run into their conv and SSM state.
-_UNMASKED = {"mlx_lm.models.mamba": "MambaBlock", "mlx_lm.models.jamba": "JambaMambaMixer"}
+# mlx-lm mixers that take no mask (Mamba-1's selective scan: mamba, jamba; Griffin's
+# RG-LRU: recurrent_gemma): a padded row's pads would run into their conv and state.
+_UNMASKED = {
+    "mlx_lm.models.mamba": "MambaBlock",
+    "mlx_lm.models.jamba": "JambaMambaMixer",
+    "mlx_lm.models.recurrent_gemma": "RecurrentBlock",
+}
 _mixers: dict[type, type] = {}
 
 
-def _stepwise_mixer(cls: type) -> type:
-    """`cls` whose call on rows padded to the longest (`positionwise`, ArraysCache's
-    `lengths` set) is one decode step of the mixer per position, each row's conv and
-    SSM state kept as it was (selected, not computed) at the positions past its length."""
+def _stepwise_mixer(cls: type, in_verify: Callable[[], bool]) -> type:
+    """`cls` whose call in a verify, or on rows padded to the longest (`positionwise`,
+    ArraysCache's `lengths` set), is one decode step of the mixer per position; a padded
+    row's conv and SSM state kept as it was (selected, not computed) past its length."""
     if cls not in _mixers:
         base = cls.__call__
 
-        def __call__(self: Any, x: mx.array, cache: Any = None) -> mx.array:
+        def __call__(self: Any, x: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
             # Stepped at one position too: a row of length 0 (settled already) keeps its state.
-            lengths = getattr(cache, "lengths", None)
-            if lengths is None or not getattr(_forced, "on", False):
-                return base(self, x, cache)
+            lengths: mx.array | None = getattr(cache, "lengths", None)
+            if not getattr(_forced, "on", False):
+                lengths = None  # set by mlx-lm's own batching, not a padded verify's
+            if lengths is None and not (in_verify() and cache is not None and x.shape[1] > 1):
+                return base(self, x, cache, **kwargs)
             ys = []
             for t in range(x.shape[1]):
                 before = list(cache.cache)
-                ys.append(base(self, x[:, t : t + 1], cache))
+                ys.append(base(self, x[:, t : t + 1], cache, **kwargs))  # a mask: unused
+                if lengths is None:
+                    continue
                 live = lengths > t
                 for i, (old, new) in enumerate(zip(before, cache.cache, strict=True)):
                     if new is not None:
@@ -107,14 +119,14 @@ def _stepwise_mixer(cls: type) -> type:
 
 
 def install(model: nn.Module, in_verify: Callable[[], bool]) -> None:
-    """Make the model's Mamba-2 scans step through a verify position by position, and
-    its Mamba-1 mixers through a padded one (idempotent; every mlx-lm module its layers
+    """Make the model's Mamba-2 scans, and its Mamba-1 and RG-LRU mixers, step through
+    a verify position by position (idempotent; every mlx-lm module its layers
     come from that calls `ssm_update`); `in_verify`: whether the forward being built is
     a verify (rowwise.py says)."""
     for _, module in model.named_modules():
         cls = type(module)
         if _UNMASKED.get(cls.__module__) == cls.__name__:
-            module.__class__ = _stepwise_mixer(cls)
+            module.__class__ = _stepwise_mixer(cls, in_verify)
         source: Any = sys.modules.get(type(module).__module__)
         ssm = getattr(source, "ssm_update", None)
         if ssm is not None and not getattr(ssm, _PATCHED, False):
