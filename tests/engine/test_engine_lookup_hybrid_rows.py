@@ -1,8 +1,9 @@
 """Several requests on a hybrid or sliding-window model verify their own drafts in one
 forward (engine/decode/verify_rows.py): rows of different lengths through recurrent
 layers (qwen3_5's GatedDeltaNet; Mamba-2 in nemotron_h, mamba2, falcon_h1,
-granitemoehybrid and plamo2; Mamba-1 in mamba and jamba; lfm2's short convolutions:
-tests/support/recurrent_models.py) and a sliding window that wrapped.
+granitemoehybrid and plamo2; Mamba-1 in mamba and jamba; lfm2's short convolutions;
+recurrent_gemma's RG-LRU; rwkv7: tests/support/recurrent_models.py) and a sliding window
+that wrapped.
 A row that kept fewer than it verified is taken back (its recurrent state put back and
 its kept positions computed again), and each reply is that request's plain decoding
 alone. An oracle drafts each request's own plain reply: all right, all wrong, or wrong

@@ -155,6 +155,19 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
         "attention_window_size": 32,  # wrapped by the test prompts
         "block_types": ["recurrent", "recurrent", "attention"],
     },
+    "rwkv7": {  # RWKV-7 x2
+        "model_type": "rwkv7",
+        **_SMALL,
+        "intermediate_size": 128,
+        "norm_eps": 1e-5,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "a_low_rank_dim": 8,
+        "v_low_rank_dim": 8,
+        "gate_low_rank_dim": 8,
+        "decay_low_rank_dim": 8,
+        "tie_word_embeddings": False,
+    },
     "jamba": {  # Mamba, attention, Mamba, attention (dense MLP)
         "model_type": "jamba",
         **_SMALL,
@@ -177,7 +190,7 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
 
 # Kinds whose recurrent layers mlx-lm initialises to zeros (Griffin's Conv1d and RG-LRU
 # gates): random instead, or their state would never reach an output.
-_ZERO_INIT = {"recurrent_gemma"}
+_ZERO_INIT = {"recurrent_gemma", "rwkv7"}
 
 _root: Path | None = None
 _loaded: dict[str, Any] = {}

@@ -23,8 +23,8 @@ ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous dev
 
 Recurrent and sliding-window models draft too (a rejected draft is taken back from their
 state: cache/layers/rewind.py), together as well where verify_rows.py keeps a row's pads
-out of its state (RECURRENT_MASKED: Qwen3.5, Mamba-1/-2, LFM2, Griffin...); others (RWKV-7,
-Kimi Linear...) take plain steps while several decode, as quantized KV does. Engine thread only.
+out of its state (RECURRENT_MASKED: Qwen3.5, Mamba-1/-2, LFM2, RWKV-7...); others (Kimi
+Linear...) take plain steps while several decode, as quantized KV does. Engine thread only.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ RECURRENT_MASKED = frozenset(
         *("qwen3_5", "qwen3_5_moe", "qwen3_next"),  # GatedDeltaNet
         *("nemotron_h", "mamba2", "falcon_h1", "granitemoehybrid", "plamo2"),  # Mamba-2
         *("lfm2", "lfm2_moe"),  # short convolutions
-        *("mamba", "jamba", "recurrent_gemma"),  # Mamba-1, RG-LRU: stepped whole
+        *("mamba", "jamba", "recurrent_gemma", "rwkv7"),  # Mamba-1, RG-LRU, RWKV-7: stepped
     )
 )
 

@@ -9,11 +9,11 @@ positions differed from 4 decode steps; of 2, not). Inside a verify forward
 (rowwise.py's `batched(..., verify=True)`) the scan runs position by position, each
 call the one a decode step makes, so the state after each position, and each row's
 output, are plain decoding's. The projections around it stay one call of all rows.
-Mamba-1's mixers (mamba, jamba) and Griffin's RG-LRU block (recurrent_gemma) take no
-mask (and recurrent_gemma's several-position form rounds otherwise too): inside a verify,
-or a padded one of several rows, the whole mixer runs one decode step per position, and
-a row's state past its length is selected back. Outside a verify, and for a prefill,
-nothing changes.
+Mamba-1's mixers (mamba, jamba), Griffin's RG-LRU block (recurrent_gemma) and RWKV-7's
+layers take no mask (and recurrent_gemma's several-position form rounds otherwise too):
+inside a verify, or a padded one of several rows, the whole mixer runs one decode step
+per position, and a row's state past its length is selected back. Outside a verify, and
+for a prefill, nothing changes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 _PATCHED = "_stepwise_in_verify"
 _forced = threading.local()
@@ -78,13 +79,22 @@ def _stepwise_ssm(base, in_verify: Callable[[], bool]):
 
 
 # mlx-lm mixers that take no mask (Mamba-1's selective scan: mamba, jamba; Griffin's
-# RG-LRU: recurrent_gemma): a padded row's pads would run into their conv and state.
+# RG-LRU: recurrent_gemma; RWKV-7's layer, its time and channel mixing sharing a cache):
+# a padded row's pads would run into their conv and state.
 _UNMASKED = {
     "mlx_lm.models.mamba": "MambaBlock",
     "mlx_lm.models.jamba": "JambaMambaMixer",
     "mlx_lm.models.recurrent_gemma": "RecurrentBlock",
+    "mlx_lm.models.rwkv7": "Rwkv7Layer",
 }
 _mixers: dict[type, type] = {}
+
+
+def _at(value: Any, t: int, x: mx.array) -> Any:
+    """An argument given per position like `x` [B, L, ...], at position t."""
+    if isinstance(value, mx.array) and value.shape[:2] == x.shape[:2]:
+        return value[:, t : t + 1]
+    return value
 
 
 def _stepwise_mixer(cls: type, in_verify: Callable[[], bool]) -> type:
@@ -94,17 +104,21 @@ def _stepwise_mixer(cls: type, in_verify: Callable[[], bool]) -> type:
     if cls not in _mixers:
         base = cls.__call__
 
-        def __call__(self: Any, x: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        def __call__(self: Any, x: mx.array, *args: Any, **kwargs: Any) -> Any:
             # Stepped at one position too: a row of length 0 (settled already) keeps its state.
+            given = (*args, *kwargs.values())
+            cache = next((a for a in given if isinstance(a, ArraysCache)), None)
             lengths: mx.array | None = getattr(cache, "lengths", None)
             if not getattr(_forced, "on", False):
                 lengths = None  # set by mlx-lm's own batching, not a padded verify's
-            if lengths is None and not (in_verify() and cache is not None and x.shape[1] > 1):
-                return base(self, x, cache, **kwargs)
+            if cache is None or (lengths is None and not (in_verify() and x.shape[1] > 1)):
+                return base(self, x, *args, **kwargs)
             ys = []
             for t in range(x.shape[1]):
                 before = list(cache.cache)
-                ys.append(base(self, x[:, t : t + 1], cache, **kwargs))  # a mask: unused
+                # Arguments by position (RWKV-7's first value) at t; a mask goes unused.
+                at = [_at(a, t, x) for a in args]
+                ys.append(base(self, x[:, t : t + 1], *at, **kwargs))
                 if lengths is None:
                     continue
                 live = lengths > t
@@ -112,6 +126,8 @@ def _stepwise_mixer(cls: type, in_verify: Callable[[], bool]) -> type:
                     if new is not None:
                         old = mx.zeros_like(new) if old is None else old  # a fresh state's
                         cache[i] = mx.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+            if isinstance(ys[0], tuple):  # RWKV-7: (out, the first layer's values)
+                return tuple(mx.concatenate(list(y), axis=1) for y in zip(*ys, strict=True))
             return mx.concatenate(ys, axis=1)
 
         _mixers[cls] = type(f"Stepwise{cls.__name__}", (cls,), {"__call__": __call__})
@@ -119,7 +135,7 @@ def _stepwise_mixer(cls: type, in_verify: Callable[[], bool]) -> type:
 
 
 def install(model: nn.Module, in_verify: Callable[[], bool]) -> None:
-    """Make the model's Mamba-2 scans, and its Mamba-1 and RG-LRU mixers, step through
+    """Make the model's Mamba-2 scans, and its Mamba-1, RG-LRU and RWKV-7 mixers, step through
     a verify position by position (idempotent; every mlx-lm module its layers
     come from that calls `ssm_update`); `in_verify`: whether the forward being built is
     a verify (rowwise.py says)."""
