@@ -8,7 +8,8 @@ kept fewer right, to stay left-padded (cache/layers/rewind.py `shift_rows`).
 Recurrent layers (mlx-lm's ArraysCache: conv and SSM state) keep no per-position
 history. They are held before the verify (cache/layers/rewind.py `hold_recurrent`), and
 a shorter row's pads are masked out of its state (`row_lengths`; Mamba-2's scan steps
-position by position, engine/forward/stepwise.py). A row that kept all its positions
+position by position, and a mixer that takes no mask (Mamba-1, RG-LRU, RWKV-7) steps
+whole, a pad's state selected away: engine/forward/stepwise.py). A row that kept all its positions
 keeps the verify's state; the rows that kept fewer get their held state back and their
 kept positions computed again, in one second forward of the batch (padded the same
 way; the other rows masked out of it, their positions of it dropped), so that it costs
@@ -46,7 +47,7 @@ _installed: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary(
 
 # mlx-lm model modules whose recurrent layers stop each row's state at ArraysCache's
 # `lengths` (a masked scan, the convolution's window taken at the row's end; Mamba-2's
-# scan and Mamba-1's mixer stepped position by position, engine/forward/stepwise.py).
+# scan, and the mixers that take no mask, stepped position by position: stepwise.py).
 RECURRENT_MASKED = frozenset(
     f"mlx_lm.models.{name}"
     for name in (

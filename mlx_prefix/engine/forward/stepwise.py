@@ -135,10 +135,10 @@ def _stepwise_mixer(cls: type, in_verify: Callable[[], bool]) -> type:
 
 
 def install(model: nn.Module, in_verify: Callable[[], bool]) -> None:
-    """Make the model's Mamba-2 scans, and its Mamba-1, RG-LRU and RWKV-7 mixers, step through
-    a verify position by position (idempotent; every mlx-lm module its layers
-    come from that calls `ssm_update`); `in_verify`: whether the forward being built is
-    a verify (rowwise.py says)."""
+    """Make the model's Mamba-2 scans, and its Mamba-1, RG-LRU and RWKV-7 mixers
+    (`_UNMASKED`), step through a verify position by position (idempotent; every mlx-lm
+    module its layers come from that calls `ssm_update`); `in_verify`: whether the
+    forward being built is a verify (rowwise.py says)."""
     for _, module in model.named_modules():
         cls = type(module)
         if _UNMASKED.get(cls.__module__) == cls.__name__:
