@@ -89,11 +89,15 @@ class LookupState:
             self._pause()
 
     def decline(self, drafted: int, limit: int, cost: VerifyCost, rows: int) -> None:
-        """Its draft of `drafted` tokens was not verified: it does not pay at the cost
-        measured since k was chosen. k becomes a shorter draft that pays, or 0 (a pause):
-        a request whose drafts never pay would otherwise draft at every step, never
-        verify, and never be measured again."""
-        self.k = min(drafted - 1, cost.best_draft(self.acceptance, limit, rows)[0])
+        """Its draft of `drafted` tokens was not verified. Where that draft does not pay
+        by itself at the cost measured since k was chosen, k becomes the longest that
+        does, or 0 (a pause): a request whose drafts never pay would otherwise draft at
+        every step, never verify, and never be measured again. Where it does pay (it was
+        refused beside rows that draft less, all paying for the widest row), it drafts
+        again at the next step: pausing it would leave the others' drafts unpaid too."""
+        if cost.longest_paying(self.acceptance, drafted, rows) == drafted:
+            return
+        self.k = cost.longest_paying(self.acceptance, drafted - 1, rows)
         if not self.k:
             self._pause()
 
