@@ -8,23 +8,24 @@ tokens (the longest found), the occurrence whose tokens before agree with the se
 end the furthest (a copy of look-alike blocks stays on its block), on a tie the one it
 followed last, then the latest. A reply that repeats what it read keeps most of them.
 
-A verify of k+1 rows costs more than a step (engine/lookup/cost.py measures how much, on the
-engine as it runs), so a request verifies only where it pays. Cold (no draft kept at
+A verify of k+1 rows costs more than a step (engine/lookup/cost.py measures how much, on
+the engine as it runs), so a request verifies only where it pays. Cold (no draft kept at
 its last verify, or none yet), it drafts only from a match that agrees with its last
 PROBE_MATCH tokens or more (a chance "of the" in a story costs no verify); hot, any
 match drafts. k starts at 2, then is the length whose verify yields the most tokens per
 step of its measured cost at the request's recent acceptance (or doubles while drafts
 are kept whole and it still pays); where none pays, or its draft no longer pays at the
-cost measured since, the request takes plain steps for a pause that doubles each time
-(8 up to 256 steps), then probes with k = 1, or sooner where its reply's end agrees
-with an earlier occurrence over MATCH_CAP tokens (a copy began). Without a draft the step
-is plain, and while no request may draft (`quiet`) a step may launch before the one
-ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
+cost measured since, the request takes plain steps for a pause that doubles each time (8
+up to 256 steps), then probes with k = 1, or sooner where its reply's end agrees with an
+earlier occurrence over MATCH_CAP tokens (a copy began). Without a draft the step is
+plain, and while no request may draft (`quiet`) a step may launch before the one ahead
+is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
 Recurrent and sliding-window models draft too (a rejected draft is taken back from their
 state: cache/layers/rewind.py), together as well where verify_rows.py keeps a row's pads
 out of its state (RECURRENT_MASKED: Qwen3.5, Mamba-1/-2, LFM2, RWKV-7...); others (Kimi
-Linear...) take plain steps while several decode, as quantized KV does. Engine thread only.
+Linear...) take plain steps while several decode, as quantized KV does. Engine thread
+only.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class PromptLookup:
             if limit <= 0:
                 continue
             state = self._state(running, limit)
-            if not state.resumed(self._copy_pays(limit, len(members))):
+            if state.pause and not state.resumed(self._copy_pays(limit, len(members))):
                 continue
             if state.hot or state.index.agreement() >= PROBE_MATCH - 1:
                 return False
@@ -174,7 +175,8 @@ class PromptLookup:
             return []
         state = self._state(running, limit)
         room = running.limit - running.count - 1
-        return state.draft(limit, room, self._copy_pays(limit, rows))
+        copy_pays = state.pause > 0 and self._copy_pays(limit, rows)  # read while paused
+        return state.draft(limit, room, copy_pays)
 
     def _copy_pays(self, limit: int, rows: int) -> bool:
         """Whether a draft kept whole pays at the cost measured for `rows` requests."""

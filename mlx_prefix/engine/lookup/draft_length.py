@@ -37,7 +37,8 @@ class LookupState:
 
     def draft(self, limit: int, room: int, copy_pays: bool) -> list[int]:
         """This step's draft ([]: a plain step), at most `limit` tokens and `room` (the
-        reply's tokens left after this step's own). Cold (nothing kept at its last
+        reply's tokens left after this step's own); `copy_pays` is read while paused
+        (`resumed`). Cold (nothing kept at its last
         verify, or none yet), only a match that agrees over PROBE_MATCH tokens drafts:
         a chance n-gram in a reply that copies nothing costs no verify."""
         if self.pause and not self.resumed(copy_pays):
@@ -74,7 +75,7 @@ class LookupState:
 
     def adapt(self, drafted: int, accepted: int, limit: int, cost: VerifyCost, rows: int) -> None:
         """After a verify: k becomes the draft length whose verify yields the most tokens
-        per step of its measured cost at this acceptance (verify_cost.py), or twice a
+        per step of its measured cost at this acceptance (cost.py), or twice a
         draft kept whole; 0 (none pays) pauses the request, longer each time in a row."""
         self.hot, self.probing = accepted > 0, False
         self.kept = FORGET * self.kept + accepted
@@ -95,9 +96,10 @@ class LookupState:
         every step, never verify, and never be measured again. Where it does pay (it was
         refused beside rows that draft less, all paying for the widest row), it drafts
         again at the next step: pausing it would leave the others' drafts unpaid too."""
-        if cost.longest_paying(self.acceptance, drafted, rows) == drafted:
+        paying = cost.longest_paying(self.acceptance, drafted, rows)
+        if paying == drafted:
             return
-        self.k = cost.longest_paying(self.acceptance, drafted - 1, rows)
+        self.k = paying
         if not self.k:
             self._pause()
 
