@@ -63,14 +63,14 @@ def run_shutdown(grace_s: float, reply_words: int, delay: float) -> tuple[str, s
 
 
 def _until_refused(url: str, deadline_s: float = 30) -> None:
-    """Poll until a connection to `url` is refused, or closed unanswered (one the kernel
-    queued as the server closed its socket) (`deadline_s`: a deadline for a server that
-    goes on accepting)."""
+    """Poll until a connection to `url` is refused, or closed or reset unanswered (one the
+    kernel queued as the server closed its socket: it ends with a FIN or, as CI saw once,
+    an RST) (`deadline_s`: a deadline for a server that goes on accepting)."""
     deadline = time.monotonic() + deadline_s
     while True:
         try:
             httpx.get(url, timeout=2)
-        except (httpx.ConnectError, httpx.RemoteProtocolError):
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
             return
         except httpx.ReadTimeout:
             pass  # queued but not yet closed: ask again
