@@ -35,15 +35,33 @@ def timed(monkeypatch):
     monkeypatch.setattr(VerifyCost, "verified", VERIFIED)
 
 
-def test_a_verify_costs_what_was_measured_per_row(timed):
+def test_a_verify_costs_what_was_measured_per_token(timed):
     cost = VerifyCost()
-    assert cost.ratio(1, 1) == 1.0 and cost.ratio(1, 5) > 1.0  # the prior, until timed
+    assert cost.ratio(1, 0) == 1.0 and cost.ratio(1, 4) > 1.0  # the prior, until timed
     cost.stepped(1, 0.1)
-    cost.verified(1, 9, 0.3)  # 9 rows at 3 steps: 0.25 step per row past the first
-    assert cost.ratio(1, 9) == pytest.approx(3.0) and cost.ratio(1, 3) == pytest.approx(1.5)
-    cost.verified(2, 9, 5.0)  # a batch of 2 has no step timed yet: nothing learnt
-    assert cost.ratio(2, 9) == cost.ratio(3, 9)
+    cost.verified(1, 8, 0.3)  # 8 drafted at 3 steps: 0.25 step a token
+    assert cost.ratio(1, 8) == pytest.approx(3.0) and cost.ratio(1, 2) == pytest.approx(1.5)
+    cost.verified(2, 8, 5.0)  # a batch of 2 has no step timed yet: nothing learnt
+    assert cost.ratio(2, 8) == pytest.approx(1.0 + 8 * 0.25 / 2)  # the prior, a 2-step's
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 8) == 9
+
+
+def test_a_verify_is_priced_by_its_overhead_and_its_tokens_whatever_one_timing_says(timed):
+    # 4 requests: any verify costs 0.3 of their step, and 0.05 a drafted token.
+    cost = VerifyCost()
+    cost.stepped(4, 1.0)
+    for drafted in (1, 8, 4, 16, 2):
+        cost.verified(4, drafted, 1.3 + 0.05 * drafted)
+    cost.verified(4, 4, 5.0)  # one far off (the machine was busy): the line holds
+    assert cost.ratio(4, 8) == pytest.approx(1.7) and cost.ratio(4, 32) == pytest.approx(2.9)
+    # One request drafting 8 alone, in its share of the step (a step yields 4 tokens).
+    assert cost.share(4, 8) == pytest.approx(1.0 + 4 * 0.7)
+    # Short drafts of one size only: the per-token price stays at most the prior's, the
+    # rest is overhead (a line through the origin would price 8 tokens at 8 overheads).
+    short = VerifyCost()
+    short.stepped(4, 1.0)
+    short.verified(4, 1, 1.4)
+    assert short.ratio(4, 8) == pytest.approx(1.0 + 0.4 - 0.25 / 4 + 8 * 0.25 / 4)
 
 
 @pytest.mark.parametrize(
@@ -58,19 +76,18 @@ def test_a_verify_costs_what_was_measured_per_row(timed):
 def test_k_is_the_draft_that_yields_most_per_step_of_cost(timed, row_cost, acceptance, k):
     cost = VerifyCost()
     cost.stepped(1, 1.0)
-    cost.verified(1, 2, 1.0 + row_cost)
+    cost.verified(1, 1, 1.0 + row_cost)
+    cost.verified(1, 2, 1.0 + 2 * row_cost)  # two sizes: a line, no overhead
     best, value = cost.best_draft(acceptance, 8)
     assert best == k
     if k:
-        assert value == max(
-            expected_tokens(acceptance, n) / cost.ratio(1, n + 1) for n in range(1, 9)
-        )
+        assert value == max(expected_tokens(acceptance, n) / cost.ratio(1, n) for n in range(1, 9))
 
 
 def test_where_verifies_cost_too_much_a_copy_takes_plain_steps_and_the_same_reply(monkeypatch):
     # Each verify row priced at a whole step: past its probes a request that keeps
     # every draft still decodes plainly, and the reply is plain decoding's.
-    monkeypatch.setattr(VerifyCost, "ratio", lambda self, rows, width: float(width))
+    monkeypatch.setattr(VerifyCost, "ratio", lambda self, rows, drafted: 1.0 + drafted)
     with scripted({7: _tokens(FILE)}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
@@ -80,7 +97,7 @@ def test_where_verifies_cost_too_much_a_copy_takes_plain_steps_and_the_same_repl
 
 
 def test_cheap_verifies_let_a_copy_draft_its_longest(monkeypatch):
-    monkeypatch.setattr(VerifyCost, "ratio", lambda self, rows, width: 1.0 + 0.01 * width)
+    monkeypatch.setattr(VerifyCost, "ratio", lambda self, rows, drafted: 1.01 + 0.01 * drafted)
     with scripted({7: _tokens(FILE)}) as engine:
         plain = run(engine, PROMPT, sampling=_sampling(PLAIN))
         looked = run(engine, PROMPT, sampling=_sampling(LOOKUP))
@@ -96,8 +113,8 @@ def test_a_draft_that_stops_paying_pauses_then_drafts_again_once_it_pays(monkeyp
     verified: list[int] = []  # each verify's drafted tokens
     phase = {"expensive": False, "ticks": 0}
 
-    def ratio(self, rows: int, width: int) -> float:
-        return float(width) if phase["expensive"] else 1.0 + 0.01 * width
+    def ratio(self, rows: int, drafted: int) -> float:
+        return 1.0 + drafted if phase["expensive"] else 1.01 + 0.01 * drafted
 
     def adapt(self, drafted, accepted, limit, cost, rows) -> None:
         ADAPT(self, drafted, accepted, limit, cost, rows)

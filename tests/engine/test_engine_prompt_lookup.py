@@ -28,7 +28,7 @@ from mlx_prefix.engine.decode.running import Running
 from mlx_prefix.engine.decode.sampling import TokenSampler
 from mlx_prefix.engine.decode.speculative import DraftMismatch
 from mlx_prefix.engine.engine import Engine
-from mlx_prefix.engine.forward import rowwise
+from mlx_prefix.engine.forward import verify_positions
 from mlx_prefix.errors import InvalidRequest
 from mlx_prefix.records import SamplingParams
 
@@ -376,13 +376,13 @@ def test_by_default_a_verify_is_the_models_own_forward(monkeypatch):
     # Not --deterministic: the k+1 positions in one plain forward, as a batched step
     # computes (last bits may move); --deterministic keeps the exact per-position verify.
     calls = []
-    per_position = rowwise.verify_sdpa
+    per_position = verify_positions.verify_sdpa
 
     def counting(*args, **kwargs):
         calls.append(1)
         return per_position(*args, **kwargs)
 
-    monkeypatch.setattr(rowwise, "verify_sdpa", counting)
+    monkeypatch.setattr(verify_positions, "verify_sdpa", counting)
     for deterministic in (False, True):
         calls.clear()
         with scripted({7: _tokens(FILE)}, deterministic=deterministic) as engine:

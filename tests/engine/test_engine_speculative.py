@@ -169,7 +169,7 @@ def _other_weights(tmp_path: Path) -> Path:
 
 def test_the_startup_check_holds_and_fails_when_the_verify_forward_is_not_exact(monkeypatch):
     from mlx_prefix.engine.decode.speculative import verify_matches
-    from mlx_prefix.engine.forward import rowwise
+    from mlx_prefix.engine.forward import rowwise, verify_positions
 
     model = loaded_test_model("dense").model
     rowwise.install(model)
@@ -180,5 +180,5 @@ def test_the_startup_check_holds_and_fails_when_the_verify_forward_is_not_exact(
         # Every query over all the keys (a later position's too): not a decode step.
         return base(queries, keys, values, cache=cache, scale=scale, mask=None, sinks=sinks)
 
-    monkeypatch.setattr(rowwise, "verify_sdpa", shifted)
+    monkeypatch.setattr(verify_positions, "verify_sdpa", shifted)
     assert not verify_matches(model, rowwise.consistent_rows(model), vocab)

@@ -187,9 +187,55 @@ def shift_rows(cache: Sequence[Any], trim: int, shifts: Sequence[int]) -> None:
             continue
         if isinstance(c, BatchRotatingKVCache):
             _pad_right(c, shifts)
+            c.finalize()
+        elif type(c) is BatchKVCache:
+            _move(c, shifts)
         else:
             c.prepare(right_padding=list(shifts))
-        c.finalize()
+            c.finalize()
+
+
+def keep_rows(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
+    """After a forward of `width` positions a row, row i keeps its first `kept[i]`: the
+    rows end together at the end fewest of them move to (a row that kept more moves left
+    into its left padding where it has the room, one that kept fewer moves right), the
+    positions past it dropped. A row that moves copies its whole context (a decode
+    step's time on a CPU for three rows at 2,000 tokens), so one row that kept a long
+    draft moves, not the three beside it that drafted nothing. Other than plain
+    BatchKVCache layers (sliding windows): every row to the most kept (`shift_rows`)."""
+    layers = [c for c in _layers(cache) if not isinstance(c, ArraysCache)]
+    most = max(kept)
+    if not layers or any(type(c) is not BatchKVCache for c in layers):
+        shift_rows(cache, width - most, [most - n for n in kept])
+        return
+    room = layers[0].left_padding.tolist()
+
+    def moving(end: int) -> int:
+        return sum(n != end for n in kept)
+
+    ends = [e for e in set(kept) if all(r >= n - e for r, n in zip(room, kept, strict=True))]
+    end = min(ends, key=lambda e: (moving(e), -e))  # `most` always has the room
+    for c in layers:
+        _move(c, [end - n for n in kept])
+        c.trim(width - end)
+
+
+def _move(c: Any, shifts: Sequence[int]) -> None:
+    """Move row i's positions right by `shifts[i]` (left where negative, into its left
+    padding), its left padding changed to match, copying only the rows that move: mlx-lm's
+    `finalize` of right padding gathers every element of the whole buffer, every row, by
+    index (on a 2-core CPU at 2,000 tokens of context, 4 rows, 30 layers: 620 ms, more
+    than a decode step; 210 ms so for 3 rows). What a row moved right leaves behind is
+    left padding, masked (c: a BatchKVCache holding keys)."""
+    end = c._idx
+    for row, shift in enumerate(shifts):
+        right, left = max(shift, 0), max(-shift, 0)
+        if shift:
+            for a in (c.keys, c.values):
+                a[row : row + 1, :, right : end - left] = a[row : row + 1, :, left : end - right]
+    moved = mx.array(list(shifts))
+    c.offset = c.offset - moved
+    c.left_padding = c.left_padding + moved
 
 
 def _pad_right(c: Any, shifts: Sequence[int]) -> None:

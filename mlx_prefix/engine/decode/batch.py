@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_prefix.cache.layers import kind_of
-from mlx_prefix.cache.layers.rewind import Held, hold, shift_rows, trims_back
+from mlx_prefix.cache.layers.rewind import Held, hold, keep_rows, trims_back
 from mlx_prefix.cache.snapshot import cache_nbytes
 from mlx_prefix.engine.decode.sampling import (
     TokenSampler,
@@ -282,13 +282,16 @@ class DecodeBatch:
         width = max(len(row) for row in rows)
         self._verifying = width
         inputs = mx.array([[*row, *[row[-1]] * (width - len(row))] for row in rows])
+        # A shorter row's padding is dropped by `settle_rows`: not computed (on a CPU a
+        # padded position costs what a real one does, so a row drafting nothing beside
+        # one drafting 8 would cost 9 positions).
+        widths = [len(row) for row in rows]
+        lengths = [n + width for n in self._lengths]
+        exact = self.rows is not None or self.exact_verify
         with positions(decode_positions(self._deltas)):
-            if self.rows is None and not self.exact_verify:
+            if not exact and all(w == width for w in widths):
                 return self.model(inputs, cache=self.cache)  # [B, L, V]
-            lengths = [n + width for n in self._lengths]
-            # A shorter row's padding is dropped by `settle_rows`: not computed.
-            widths = [len(row) for row in rows]
-            with batched(self.rows or 1, lengths, verify=True, widths=widths):
+            with batched(self.rows or 1, lengths, verify=True, widths=widths, exact=exact):
                 return self.model(inputs, cache=self.cache)
 
     def settle(self, length: int, next_input: int, rejected: int) -> None:
@@ -313,16 +316,14 @@ class DecodeBatch:
     ) -> None:
         """After `verify_rows`, for the members still in the batch (in order): each keeps
         the first `kept[i]` of the verify's positions and goes on with `next_inputs[i]`.
-        Positions past the most any row keeps are trimmed; a row that kept fewer moves
-        its keys right by the difference, its left padding grown to match (mlx-lm's
-        right padding, `finalize`), so the rows stay left-padded
-        (cache/layers/rewind.py `shift_rows`). After `recompute_rows`, `computed[i]`
+        The rows stay left-padded, ending together: those that kept other than most
+        rows did move, left into their left padding or right, and the positions past
+        the end are trimmed (cache/layers/rewind.py `keep_rows`). After
+        `recompute_rows`, `computed[i]`
         of its positions are row i's (the rest of its kept ones stayed from the verify)."""
         width, self._verifying = self._verifying, 0
         assert len(kept) == len(self.members) == len(next_inputs) and width
-        ours = computed or kept
-        most = max(ours)
-        shift_rows(self.cache, width - most, [most - n for n in ours])
+        keep_rows(self.cache, width, computed or kept)
         self._lengths = [n + k for n, k in zip(self._lengths, kept, strict=True)]
         self._inputs = list(next_inputs)
 

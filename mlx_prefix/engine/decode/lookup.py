@@ -102,19 +102,19 @@ class PromptLookup:
                 if drafted and (state := self._states.get(id(running))) is not None:
                     state.decline(len(drafted), self.limit(running), self.cost, len(members))
             return False
-        rows_now, width = len(members), max(len(d) for d in drafts) + 1
+        rows_now, in_all = len(members), sum(len(d) for d in drafts)
         if len(members) == 1:
             running, drafted = members[0], drafts[0]
             start = time.perf_counter()
             _, accepted = verify_step(batch, running, drafted, accept(running), self.stats)
-            self.cost.verified(rows_now, width, time.perf_counter() - start)
+            self.cost.verified(rows_now, in_all, time.perf_counter() - start)
             self._adapt(running, len(drafted), accepted, rows_now)
             return True
         if not rows_verifiable(batch):
             return False
         start = time.perf_counter()
         drawn = verify_rows(batch, drafts, accept, self.stats)
-        self.cost.verified(rows_now, width, time.perf_counter() - start)
+        self.cost.verified(rows_now, in_all, time.perf_counter() - start)
         for (running, row), drafted in zip(drawn, drafts, strict=True):
             if drafted:
                 self._adapt(running, len(drafted), row.hits, rows_now)
@@ -122,9 +122,9 @@ class PromptLookup:
 
     def _pays(self, members: Sequence[Running], drafts: Sequence[list[int]]) -> bool:
         """Whether the verify of these drafts yields WORTH more tokens per step of its
-        measured cost than a plain step (every row pays for the widest draft's width);
-        a request's probe always runs: its acceptance is what it measures."""
-        width = max(len(d) for d in drafts) + 1
+        measured cost than a plain step (by the tokens drafted in all: a shorter row's
+        padding is not computed); a request's probe always runs: its acceptance is what
+        it measures."""
         tokens = 0.0
         for running, drafted in zip(members, drafts, strict=True):
             state = self._states.get(id(running))
@@ -134,7 +134,8 @@ class PromptLookup:
                 return True
             else:
                 tokens += expected_tokens(state.acceptance, len(drafted))
-        return tokens / self.cost.ratio(len(members), width) > len(members) * WORTH
+        in_all = sum(len(d) for d in drafts)
+        return tokens / self.cost.ratio(len(members), in_all) > len(members) * WORTH
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A plain step of `rows` requests took `seconds` (phase.py): a verify's yardstick."""

@@ -79,12 +79,11 @@ def _padded(batch: DecodeBatch, lengths: Sequence[int]) -> Iterator[None]:
 def verify_forward(batch: DecodeBatch, rows: Sequence[Sequence[int]]) -> tuple[mx.array, Held]:
     """`batch.verify_rows(rows)` ([B, L, V] logits), its recurrent layers held before
     (None: the cache trims back) and each row's pads masked out of their state."""
-    held = None
-    if not trims_back(batch.cache):
-        if _installed.get(id(batch.model)) is not batch.model:
-            rowwise.install(batch.model)  # stepwise scans (a walk of every module)
-            _installed[id(batch.model)] = batch.model
-        held = hold_recurrent(batch.cache)
+    if _installed.get(id(batch.model)) is not batch.model:
+        # Stepwise scans, and the padding skipped (a walk of every module).
+        rowwise.install(batch.model)
+        _installed[id(batch.model)] = batch.model
+    held = None if trims_back(batch.cache) else hold_recurrent(batch.cache)
     with _padded(batch, [len(row) for row in rows]):
         return batch.verify_rows(rows), held
 

@@ -42,7 +42,7 @@ from mlx.nn.layers.distributed import (
 )
 
 from mlx_prefix.engine.forward import stepwise
-from mlx_prefix.engine.forward.verify_positions import padded, real_positions, verify_sdpa
+from mlx_prefix.engine.forward import verify_positions as positions
 
 
 class Grouping(NamedTuple):
@@ -70,6 +70,9 @@ class Batched:
     # A verify's positions of each row (`lengths`' order); past them padding, not computed
     # (verify_positions.py). None: every row's L.
     widths: tuple[int, ...] | None = None
+    # False: a default-mode verify, which only skips the padding: its real positions
+    # projected in one call, each row's attention one call over its own positions.
+    exact: bool = True
 
 
 _mode = threading.local()
@@ -85,18 +88,21 @@ def batched(
     lengths: Sequence[int] | None = None,
     verify: bool = False,
     widths: Sequence[int] | None = None,
+    exact: bool = True,
 ) -> Iterator[None]:
     """Batch-invariant forwards built in this thread inside the block: stacked prefill
     chunks (no `lengths`), a decode step (`lengths`: each row's keys after it), or with
     `verify` the positions of each row [B, L] computed like L decode steps of that row
     (`lengths`: each row's keys after its last; `widths`: its own positions, the rest
-    padding that is not computed)."""
+    padding that is not computed). `exact=False` (a verify by default, not
+    --deterministic): the model's own numbers, only the padding skipped."""
     before = _current()
     _mode.batched = Batched(
         rows,
         tuple(lengths) if lengths is not None else None,
         verify,
         tuple(widths) if widths is not None else None,
+        exact,
     )
     try:
         yield
@@ -109,6 +115,8 @@ def _split(base, x: mx.array, layer: nn.Module) -> mx.array:
     each row like `base` of that row alone: at most the step's `rows` and the layer's
     own measured group (`Grouping`); a stacked prefill sequence's rows stay together."""
     mode = _current()
+    if mode is not None and not mode.exact:  # a default-mode verify: the padding skipped
+        return positions.packed(base, x, mode.widths) if mode.verify and x.ndim == 3 else base(x)
     if mode is not None and mode.lengths is not None and x.ndim == 2 and x.shape[0] > 1:
         # A decode step's rows as [B, D] (Mamba-1's scan projects a position so):
         # decode rows, each computed like alone.
@@ -124,10 +132,10 @@ def _split(base, x: mx.array, layer: nn.Module) -> mx.array:
         # [B, L, D] -> each row's own positions as decode rows [n, 1, D], in groups that
         # compute like one row each; the padding after a shorter row is not computed.
         batch, length, _ = x.shape
-        rows = real_positions(x, mode.widths)
+        rows = positions.real_positions(x, mode.widths)
         per = min(mode.rows, grouping.most)
         out = mx.concatenate([project(rows[i : i + per]) for i in range(0, len(rows), per)])
-        return padded(out, mode.widths, batch, length)
+        return positions.padded(out, mode.widths, batch, length)
     if mode is None or x.ndim < 3 or x.shape[0] == 1:
         return base(x)
     per = _even(x.shape[0], min(mode.rows, grouping.most)) if x.shape[1] == 1 else 1
@@ -178,14 +186,8 @@ def _per_row_sdpa(base):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         mode = _current()
         if mode is not None and mode.verify and mode.lengths is not None:
-            widths = mode.widths or (queries.shape[2],) * len(mode.lengths)
-            rows = [
-                verify_sdpa(
-                    base, length, widths[row], row, queries, keys, values, cache, scale, mask, sinks
-                )
-                for row, length in enumerate(mode.lengths)
-            ]
-            return mx.concatenate(rows) if len(rows) > 1 else rows[0]
+            args = (queries, keys, values, cache, scale, mask, sinks)
+            return positions.verify_attention(base, mode.lengths, mode.widths, mode.exact, *args)
         if mode is None or mode.lengths is None or queries.shape[2] != 1:
             return base(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         # A decode step over left-padded batch caches: each row's valid keys are its last

@@ -94,8 +94,8 @@ class LookupState:
         by itself at the cost measured since k was chosen, k becomes the longest that
         does, or 0 (a pause): a request whose drafts never pay would otherwise draft at
         every step, never verify, and never be measured again. Where it does pay (it was
-        refused beside rows that draft less, all paying for the widest row), it drafts
-        again at the next step: pausing it would leave the others' drafts unpaid too."""
+        refused beside rows whose drafts do not), it drafts again at the next step:
+        pausing it would leave the others' drafts unpaid too."""
         paying = cost.longest_paying(self.acceptance, drafted, rows)
         if paying == drafted:
             return
