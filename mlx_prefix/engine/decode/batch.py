@@ -319,8 +319,8 @@ class DecodeBatch:
         The rows stay left-padded, ending together: those that kept other than most
         rows did move, left into their left padding or right, and the positions past
         the end are trimmed (cache/layers/rewind.py `keep_rows`). After
-        `recompute_rows`, `computed[i]`
-        of its positions are row i's (the rest of its kept ones stayed from the verify)."""
+        `recompute_rows`, `computed[i]` of its positions are row i's (the rest of its
+        kept ones stayed from the verify)."""
         width, self._verifying = self._verifying, 0
         assert len(kept) == len(self.members) == len(next_inputs) and width
         keep_rows(self.cache, width, computed or kept)
