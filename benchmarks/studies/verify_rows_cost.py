@@ -3,8 +3,9 @@ a given context decoding together, a plain batched step against one `DecodeBatch
 verify of rows of given widths (a row's input and its drafted tokens), with a shorter
 row's padding skipped (as served) and computed (every row padded to the widest: the
 model's own [B, L] forward, as before), then the settle after it: every row but one
-kept only its input, so those rows end 8 positions early (`keep_rows`; mlx-lm's
-right-padding roll beside it). Medians of the repeats, in ms, each an mx.eval.
+kept only its input, so those rows end 8 positions early (`keep_rows`: the long row
+moved left where it has the room, else the others right; mlx-lm's right-padding roll
+beside it). Medians of the repeats, in ms, each an mx.eval.
 
     python -m mlx_prefix.blas_exec python benchmarks/studies/verify_rows_cost.py \
         [CONTEXT] [B] [REPEATS]
@@ -81,16 +82,18 @@ def verify(widths: list[int], padded: bool):
     return f
 
 
-def settle(roll: bool):
+def settle(roll: bool, long: int = 0):
+    """The settle after a verify where row `long` drafted 8 tokens and kept them, the
+    others none: row 0 has room to move left (the most left padding), the last none."""
+
     def f() -> None:
         layers = [c for c in batch.cache if isinstance(c, BatchKVCache)]
         saved = [(c.keys, c.values, c.offset, c.left_padding, c._idx) for c in layers]
-        mx.eval(
-            batch.verify_rows([[batch._inputs[0], *[11] * 8], *[[t] for t in batch._inputs[1:]]])
-        )
+        kept = [9 if i == long else 1 for i in range(B)]
+        rows = [[t, *[11] * (n - 1)] for t, n in zip(batch._inputs, kept, strict=True)]
+        mx.eval(batch.verify_rows(rows))
         batch._verifying = 0
         start = time.perf_counter()
-        kept = [9] + [1] * (B - 1)
         if roll:  # mlx-lm's own: every row to the most kept, by a roll of the whole buffer
             for c in layers:
                 c.prepare(right_padding=[9 - n for n in kept])
@@ -128,3 +131,4 @@ for widths in (
     )
 moved, rolled = settle(False), settle(True)
 print(f"  settle after widths [9, 1, ...]: keep_rows {moved:.0f} ms, mlx-lm's roll {rolled:.0f} ms")
+print(f"  settle after widths [..., 1, 9], no room: keep_rows {settle(False, B - 1):.0f} ms")

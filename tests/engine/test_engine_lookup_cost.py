@@ -9,7 +9,8 @@ import pytest
 from support.engine_helpers import run, same_reply
 from test_engine_prompt_lookup import FILE, LOOKUP, PLAIN, PROMPT, _sampling, _tokens, scripted
 
-from mlx_prefix.engine.lookup.cost import VerifyCost, expected_tokens
+from mlx_prefix.engine.decode.lookup import PromptLookup
+from mlx_prefix.engine.lookup.cost import WORTH, VerifyCost, expected_tokens
 from mlx_prefix.engine.lookup.draft_length import LookupState
 from mlx_prefix.engine.lookup.ngram import MATCH_CAP, NgramIndex
 
@@ -62,6 +63,35 @@ def test_a_verify_is_priced_by_its_overhead_and_its_tokens_whatever_one_timing_s
     short.stepped(4, 1.0)
     short.verified(4, 1, 1.4)
     assert short.ratio(4, 8) == pytest.approx(1.0 + 0.4 - 0.25 / 4 + 8 * 0.25 / 4)
+
+
+def test_a_lone_draft_beside_rows_drafting_nothing_verifies_or_pauses(timed):
+    # 4 requests, one of them drafting: any verify costs 0.3 of their step and 0.05 a
+    # drafted token. 3 tokens kept at 0.8 each yield 2.95 for 2.8 steps of the request's
+    # share: it pays by itself, so it is verified. Weighing the 3 rows that draft nothing
+    # too (their 3 tokens over 1.45 steps, short of WORTH) refused it at every step while
+    # `decline` kept it, and the request never verified nor paused.
+    lookup = PromptLookup(None)
+    lookup.cost.stepped(4, 1.0)
+    for drafted in (1, 2, 4, 8):
+        lookup.cost.verified(4, drafted, 1.3 + 0.05 * drafted)
+    members = [object() for _ in range(4)]
+
+    def lone(acceptance: float, k: int) -> tuple[LookupState, bool]:
+        state = LookupState(NgramIndex(), k, probing=False, kept=acceptance, cut=1 - acceptance)
+        lookup._states = {id(members[0]): state}
+        drafts = [[5] * k, [], [], []]
+        return state, lookup._pays(members, drafts)  # type: ignore[arg-type]
+
+    state, pays = lone(0.8, 3)
+    assert pays and expected_tokens(0.8, 3) / lookup.cost.share(4, 3) > WORTH
+    # Whatever its acceptance and length, a lone draft refused is shortened or paused.
+    for acceptance in (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.99):
+        for k in range(1, 9):
+            state, pays = lone(acceptance, k)
+            if not pays:
+                state.decline(k, 8, lookup.cost, 4)
+                assert state.k < k, (acceptance, k)
 
 
 @pytest.mark.parametrize(

@@ -121,21 +121,26 @@ class PromptLookup:
         return True
 
     def _pays(self, members: Sequence[Running], drafts: Sequence[list[int]]) -> bool:
-        """Whether the verify of these drafts yields WORTH more tokens per step of its
-        measured cost than a plain step (by the tokens drafted in all: a shorter row's
-        padding is not computed); a request's probe always runs: its acceptance is what
-        it measures."""
-        tokens = 0.0
+        """Whether the drafting requests' expected tokens beat WORTH per step of their own
+        share of the verify (cost.py's `share`, the same test `decline` keeps a draft by):
+        each drafting request's plain share, and the whole verify's cost past a plain
+        step, priced by the tokens drafted in all (a shorter row's padding is not
+        computed). A request drafting nothing yields its one token either way: it weighs
+        on neither side, or a lone draft that pays by itself would be refused at every
+        step and never paused. A request's probe always runs: its acceptance is what it
+        measures."""
+        drafting, tokens = 0, 0.0
         for running, drafted in zip(members, drafts, strict=True):
             state = self._states.get(id(running))
             if not drafted or state is None:
-                tokens += 1
-            elif state.probing:
+                continue
+            if state.probing:
                 return True
-            else:
-                tokens += expected_tokens(state.acceptance, len(drafted))
-        in_all = sum(len(d) for d in drafts)
-        return tokens / self.cost.ratio(len(members), in_all) > len(members) * WORTH
+            drafting += 1
+            tokens += expected_tokens(state.acceptance, len(drafted))
+        rows, in_all = len(members), sum(len(d) for d in drafts)
+        past_a_step = rows * (self.cost.ratio(rows, in_all) - 1.0)  # in requests' shares
+        return tokens > WORTH * (drafting + past_a_step)
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A plain step of `rows` requests took `seconds` (phase.py): a verify's yardstick."""

@@ -2,8 +2,9 @@
 and its own drafted tokens (none: the row decodes one position, as a plain step would)
 in one forward of rows of different lengths, then each row drawn in order by its own
 sampler (engine/decode/verify.py `draw_row`), and the batch cache settled to what each
-row kept (DecodeBatch.settle_rows): attention KV and sliding windows move a row that
-kept fewer right, to stay left-padded (cache/layers/rewind.py `shift_rows`).
+row kept (DecodeBatch.settle_rows): the rows of attention KV stay left-padded, ending
+together, the fewest of them moved (cache/layers/rewind.py `keep_rows`; a sliding window
+moves a row that kept fewer right, `shift_rows`).
 
 Recurrent layers (mlx-lm's ArraysCache: conv and SSM state) keep no per-position
 history. They are held before the verify (cache/layers/rewind.py `hold_recurrent`), and
