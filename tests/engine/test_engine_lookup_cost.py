@@ -5,12 +5,14 @@ draft pays the request takes plain steps; the reply is plain decoding's througho
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
-from support.engine_helpers import run, same_reply
+from support.engine_helpers import collect, run, same_reply, submit_together
 from test_engine_prompt_lookup import FILE, LOOKUP, PLAIN, PROMPT, _sampling, _tokens, scripted
 
 from mlx_prefix.engine.decode.lookup import PromptLookup
-from mlx_prefix.engine.lookup.cost import WORTH, VerifyCost, expected_tokens
+from mlx_prefix.engine.lookup.cost import RESTEP, WORTH, VerifyCost, expected_tokens
 from mlx_prefix.engine.lookup.draft_length import LookupState
 from mlx_prefix.engine.lookup.ngram import MATCH_CAP, NgramIndex
 
@@ -92,6 +94,80 @@ def test_a_lone_draft_beside_rows_drafting_nothing_verifies_or_pauses(timed):
             if not pays:
                 state.decline(k, 8, lookup.cost, 4)
                 assert state.k < k, (acceptance, k)
+
+
+def test_a_request_drafting_nothing_rides_a_verify_that_runs_anyway(timed):
+    # 4 requests: a verify costs 0.3 of their step and 0.05 a drafted token. A request
+    # keeping 0.6 of its drafted tokens pays for no verify of its own, but beside
+    # another request's verify (its overhead paid) its i-th token is kept with chance
+    # 0.6^i against 1.05 x 4 x 0.05 = 0.21 of its share: 3 tokens ride, fewer where
+    # the verify is narrower, none where little is kept.
+    cost = VerifyCost()
+    cost.stepped(4, 1.0)
+    for drafted in (1, 2, 4, 8):
+        cost.verified(4, drafted, 1.3 + 0.05 * drafted)
+    assert cost.best_draft(0.6, 8, 4) == (0, 1.0)
+    assert cost.ride_length(0.6, 8, 4) == 3
+    assert cost.ride_length(0.6, 2, 4) == 2
+    assert cost.ride_length(0.2, 8, 4) == 0
+    assert cost.ride_length(0.99, 8, 4) == 8
+
+
+def test_a_paused_request_copying_rides_the_others_verify_and_replies_as_plain(
+    monkeypatch, verified_rows
+):
+    # Two requests copying the file; the second never drafts by itself (as if paused
+    # throughout). Its copy rides the first's verifies: it drafts in them, keeps those
+    # tokens, and its reply is plain decoding's.
+    draft = PromptLookup._draft
+
+    def paused(self, running, rows):
+        drafted = draft(self, running, rows)  # its index kept up, as a paused one's is
+        return [] if running.job.sampling.seed == 10 else drafted
+
+    monkeypatch.setattr(PromptLookup, "_draft", paused)
+    scripts = {7: _tokens(FILE), 10: _tokens(FILE)}
+    with scripted(scripts) as engine:
+        plain = [run(engine, PROMPT, sampling=_sampling(PLAIN, seed=s)) for s in scripts]
+        together = [
+            collect(h)
+            for h in submit_together(
+                engine, [PROMPT] * 2, [_sampling(LOOKUP, seed=s) for s in scripts]
+            )
+        ]
+        stats = engine.loop.decode.lookup.stats
+    for looked, alone in zip(together, plain, strict=True):
+        same_reply(looked, alone)
+    assert together[1].text == FILE
+    rides = [row[1] for row in verified_rows if len(row) == 2]
+    assert sum(rides) > 0 and max(rides) > 1  # it drafted, and longer as it kept them
+    assert stats.accepted > 0
+
+
+def test_verifies_back_to_back_take_a_plain_step_to_time_it_again(timed):
+    # A step's time grows with the context: after RESTEP verifies with no plain step
+    # between, the batch takes one (timed by the decode phase) before verifying again,
+    # and a paused request counts it.
+    def running() -> SimpleNamespace:
+        job = SimpleNamespace(
+            prompt=SimpleNamespace(vision=None), sampling=SimpleNamespace(prompt_lookup=None)
+        )
+        return SimpleNamespace(job=job)
+
+    lookup = PromptLookup(None)
+    members = [running(), running()]
+    paused = LookupState(NgramIndex(), 0, pause=5)
+    lookup._states = {id(members[0]): paused}
+    lookup.cost.stepped(2, 1.0)
+    for _ in range(RESTEP):
+        assert not lookup.cost.stale(2)
+        lookup.cost.verified(2, 8, 2.0)
+    assert lookup.cost.stale(2) and not lookup.cost.stale(4)
+    batch = SimpleNamespace(members=members)
+    assert lookup.step(None, None, batch, None) is False  # type: ignore[arg-type]
+    assert paused.pause == 4
+    lookup.cost.stepped(2, 1.0)
+    assert not lookup.cost.stale(2)
 
 
 @pytest.mark.parametrize(

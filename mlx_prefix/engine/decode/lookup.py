@@ -17,8 +17,10 @@ step of its measured cost at the request's recent acceptance (or doubles while d
 are kept whole and it still pays); where none pays, or its draft no longer pays at the
 cost measured since, the request takes plain steps for a pause that doubles each time (8
 up to 256 steps), then probes with k = 1, or sooner where its reply's end agrees with an
-earlier occurrence over MATCH_CAP tokens (a copy began). Without a draft the step is
-plain, and while no request may draft (`quiet`) a step may launch before the one ahead
+earlier occurrence over MATCH_CAP tokens (a copy began). Where a verify of several
+runs anyway, a request drafting nothing (paused too) whose reply is copying rides it,
+its tokens priced at the verify's per-token cost alone (`_ride`). Without a draft the
+step is plain, and while no request may draft (`quiet`) a step may launch before the one ahead
 is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
 Recurrent and sliding-window models draft too (a rejected draft is taken back from their
@@ -94,6 +96,9 @@ class PromptLookup:
         members = batch.members
         if not any(self.limit(r) > 0 for r in members) or not self.check(model, rows):
             return False
+        if self.cost.stale(len(members)):
+            self.plain_step(members)  # timed (phase.py): the step a verify is priced in
+            return False
         drafts = [self._draft(r, len(members)) for r in members]
         if not any(drafts):
             return False
@@ -112,13 +117,41 @@ class PromptLookup:
             return True
         if not rows_verifiable(batch):
             return False
+        rides = self._ride(members, drafts)
         start = time.perf_counter()
-        drawn = verify_rows(batch, drafts, accept, self.stats)
-        self.cost.verified(rows_now, in_all, time.perf_counter() - start)
-        for (running, row), drafted in zip(drawn, drafts, strict=True):
+        drawn = verify_rows(
+            batch, [d or r for d, r in zip(drafts, rides, strict=True)], accept, self.stats
+        )
+        self.cost.verified(
+            rows_now, in_all + sum(len(r) for r in rides), time.perf_counter() - start
+        )
+        for (running, row), drafted, rode in zip(drawn, drafts, rides, strict=True):
             if drafted:
                 self._adapt(running, len(drafted), row.hits, rows_now)
+            elif rode and (state := self._states.get(id(running))) is not None:
+                state.rode(len(rode), row.hits)
         return True
+
+    def _ride(self, members: Sequence[Running], drafts: Sequence[list[int]]) -> list[list[int]]:
+        """The drafts of the requests drafting nothing (paused ones too) that ride on
+        this step's verify of several: a request whose reply is copying (its match agrees
+        over PROBE_MATCH tokens or more) drafts as far as its tokens pay at the verify's
+        per-token cost alone (cost.py `ride_length`: the others' drafts pay its
+        overhead), no wider than the widest draft. On a CPU a verify's rows share most
+        of its cost (a batched matmul's time steps with its rows): where one request
+        copies alone, the others copying beside it would each be priced a verify of
+        their own, pause, and decode their copies plainly."""
+        widest, rows = max(len(d) for d in drafts), len(members)
+        rides: list[list[int]] = [[] for _ in members]
+        for i, (running, drafted) in enumerate(zip(members, drafts, strict=True)):
+            state = self._states.get(id(running))
+            if drafted or state is None or state.index.agreement() < PROBE_MATCH:
+                continue
+            room = running.limit - running.count - 1
+            most = min(widest, self.limit(running), room)
+            if (k := self.cost.ride_length(state.acceptance, most, rows)) > 0:
+                rides[i] = state.index.propose(k)
+        return rides
 
     def _pays(self, members: Sequence[Running], drafts: Sequence[list[int]]) -> bool:
         """Whether the drafting requests' expected tokens beat WORTH per step of their own

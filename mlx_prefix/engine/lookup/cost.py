@@ -31,6 +31,10 @@ from typing import NamedTuple
 
 PRIOR_TOKEN_COST = 0.25  # a lone request's steps a drafted token, until a verify is timed
 RECENT = 9  # the latest timings a cost is taken from
+# Verifies of a batch size at most before a plain step of it is timed again: a step's
+# time grows with the context (its attention over every key), so a verify priced in a
+# step timed long before (verifies running back to back) would be priced high.
+RESTEP = 32
 # A draft pays when its verify yields this much more per step than a plain step's one
 # token: timings are noisy, and on a GPU a plain step may launch before the one ahead is
 # read while a verify's tokens are read before the next step.
@@ -62,21 +66,29 @@ class VerifyCost:
     _verifies: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     _step: dict[int, float] = field(default_factory=dict)  # the medians, kept current
     _line: dict[int, Line] = field(default_factory=dict)
+    _since_step: dict[int, int] = field(default_factory=dict)  # verifies since a step
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A plain step of `rows` requests took `seconds` (computed and read)."""
         latest = self._steps.setdefault(rows, deque(maxlen=RECENT))
         latest.append(seconds)
         self._step[rows] = statistics.median(latest)
+        self._since_step[rows] = 0
 
     def verified(self, rows: int, drafted: int, seconds: float) -> None:
         """A verify of `rows` requests, `drafted` tokens in all, took `seconds`
         (computed, drawn and handed on, as a plain step's tokens are)."""
+        self._since_step[rows] = self._since_step.get(rows, 0) + 1
         step = self._step.get(rows)
         if step and drafted > 0:
             latest = self._verifies.setdefault(rows, deque(maxlen=RECENT))
             latest.append((drafted, max(0.0, seconds / step - 1.0)))
             self._line[rows] = _fit(latest, _prior(rows))
+
+    def stale(self, rows: int) -> bool:
+        """Whether a batch of `rows` requests takes a plain step, timed, before its next
+        verify: RESTEP verifies ran since its last one."""
+        return self._since_step.get(rows, 0) >= RESTEP
 
     def ratio(self, rows: int, drafted: int) -> float:
         """A verify of `drafted` tokens in all, in plain steps of the same batch."""
@@ -97,6 +109,19 @@ class VerifyCost:
             if expected_tokens(acceptance, k) / self.share(rows, k) > WORTH:
                 return k
         return 0
+
+    def ride_length(self, acceptance: float, most: int, rows: int) -> int:
+        """The tokens (up to `most`) a request drafting nothing adds to a verify of `rows`
+        requests that runs anyway (engine/decode/lookup.py `_ride`): the verify's overhead
+        is paid, so each token costs the line's per-token steps alone, in the request's
+        share (x rows), and the i-th is drafted while its chance of being kept
+        (acceptance^i) beats WORTH x that cost."""
+        line = self._line.get(rows) or Line(0.0, _prior(rows))
+        price = WORTH * rows * line.per_token
+        k = 0
+        while k < most and acceptance ** (k + 1) > price:
+            k += 1
+        return k
 
     def best_draft(self, acceptance: float, most: int, rows: int = 1) -> tuple[int, float]:
         """The draft length (0 to `most`) whose verify yields the most tokens per step

@@ -89,6 +89,13 @@ class LookupState:
         else:
             self._pause()
 
+    def rode(self, drafted: int, accepted: int) -> None:
+        """After a verify it rode on (engine/decode/lookup.py `_ride`): its acceptance
+        learns from it; its k and pause stand, since it paid no verify of its own."""
+        self.hot = accepted > 0
+        self.kept = FORGET * self.kept + accepted
+        self.cut = FORGET * self.cut + (accepted < drafted)
+
     def decline(self, drafted: int, limit: int, cost: VerifyCost, rows: int) -> None:
         """Its draft of `drafted` tokens was not verified. Where that draft does not pay
         by itself at the cost measured since k was chosen, k becomes the longest that
