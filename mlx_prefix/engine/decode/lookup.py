@@ -20,8 +20,8 @@ up to 256 steps), then probes with k = 1, or sooner where its reply's end agrees
 earlier occurrence over MATCH_CAP tokens (a copy began). Where a verify of several
 runs anyway, a request drafting nothing (paused too) whose reply is copying rides it,
 its tokens priced at the verify's per-token cost alone (`_ride`). Without a draft the
-step is plain, and while no request may draft (`quiet`) a step may launch before the one ahead
-is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
+step is plain, and while no request may draft (`quiet`) a step may launch before the one
+ahead is read, as without lookup (engine/decode/phase.py, on an asynchronous device).
 
 Recurrent and sliding-window models draft too (a rejected draft is taken back from their
 state: cache/layers/rewind.py), together as well where verify_rows.py keeps a row's pads

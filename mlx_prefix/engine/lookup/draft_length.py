@@ -77,9 +77,8 @@ class LookupState:
         """After a verify: k becomes the draft length whose verify yields the most tokens
         per step of its measured cost at this acceptance (cost.py), or twice a
         draft kept whole; 0 (none pays) pauses the request, longer each time in a row."""
-        self.hot, self.probing = accepted > 0, False
-        self.kept = FORGET * self.kept + accepted
-        self.cut = FORGET * self.cut + (accepted < drafted)
+        self.rode(drafted, accepted)
+        self.probing = False
         self.k, _ = cost.best_draft(self.acceptance, limit, rows)
         if self.k and accepted == drafted:  # the estimate lags a run of whole drafts kept:
             most = min(limit, 2 * drafted)  # twice as long, as far as it still pays
@@ -90,8 +89,9 @@ class LookupState:
             self._pause()
 
     def rode(self, drafted: int, accepted: int) -> None:
-        """After a verify it rode on (engine/decode/lookup.py `_ride`): its acceptance
-        learns from it; its k and pause stand, since it paid no verify of its own."""
+        """After a verify it drafted in: its acceptance learns from it. A ride on
+        another's verify (engine/decode/lookup.py `_ride`) does only this; its k and
+        pause stand, since it paid no verify of its own."""
         self.hot = accepted > 0
         self.kept = FORGET * self.kept + accepted
         self.cut = FORGET * self.cut + (accepted < drafted)
